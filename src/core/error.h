@@ -1,0 +1,40 @@
+// Errors: megaton::Error for what a user can cause (exit 2), checks for internal bugs (exit 1).
+#pragma once
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace megaton {
+
+// A mistake the user can fix: a bad flag, config key, data file or checkpoint.
+// The message is one line naming the key, file or value and what was expected.
+// The CLI prints it and exits with status 2.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A broken internal invariant (a bug in Megaton, not in the input). Exit status 1.
+class InternalError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+template <typename... Args>
+[[noreturn]] void fail(fmt::format_string<Args...> f, Args&&... args) {
+  throw Error(fmt::format(f, std::forward<Args>(args)...));
+}
+
+}  // namespace megaton
+
+// MEGATON_CHECK(cond, "fmt", args...): throws InternalError naming file, line and the
+// condition when an internal invariant does not hold.
+#define MEGATON_CHECK(cond, ...)                                                        \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      throw ::megaton::InternalError(::fmt::format("{}:{}: check `{}` failed: {}",      \
+                                                   __FILE__, __LINE__, #cond,           \
+                                                   ::fmt::format(__VA_ARGS__)));        \
+    }                                                                                   \
+  } while (0)

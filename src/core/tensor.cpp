@@ -1,0 +1,166 @@
+// Tensor storage, views, copies and conversions.
+#include "core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace megaton {
+
+std::string shape_str(const Shape& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+Storage::Storage(size_t n, Device dev) : bytes(n), device(dev) {
+  MEGATON_CHECK(dev == Device::CPU, "CUDA storage is not built in this binary");
+  size_t rounded = (n + 63) / 64 * 64;
+  data = rounded ? std::aligned_alloc(64, rounded) : nullptr;
+  MEGATON_CHECK(rounded == 0 || data != nullptr, "out of host memory allocating {} bytes", n);
+}
+Storage::~Storage() { std::free(data); }
+
+static int64_t numel_of(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) {
+    MEGATON_CHECK(d >= 0, "negative dimension in shape {}", shape_str(s));
+    n *= d;
+  }
+  return n;
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  Tensor t;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(numel_of(shape) * dtype_size(dtype), device);
+  return t;
+}
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  t.zero();
+  return t;
+}
+Tensor Tensor::from(const Shape& shape, const std::vector<float>& values) {
+  Tensor t = empty(shape);
+  MEGATON_CHECK(int64_t(values.size()) == t.numel(), "{} values for shape {}", values.size(),
+                shape_str(shape));
+  std::memcpy(t.raw(), values.data(), t.nbytes());
+  return t;
+}
+Tensor Tensor::from_i32(const Shape& shape, const std::vector<int32_t>& values) {
+  Tensor t = empty(shape, DType::I32);
+  MEGATON_CHECK(int64_t(values.size()) == t.numel(), "{} values for shape {}", values.size(),
+                shape_str(shape));
+  std::memcpy(t.raw(), values.data(), t.nbytes());
+  return t;
+}
+
+int64_t Tensor::dim(int i) const {
+  int n = ndim();
+  if (i < 0) i += n;
+  MEGATON_CHECK(i >= 0 && i < n, "dim {} of a {}-d tensor", i, n);
+  return shape_[i];
+}
+int64_t Tensor::numel() const { return storage_ ? numel_of(shape_) : 0; }
+void* Tensor::raw() const {
+  return storage_ ? static_cast<char*>(storage_->data) + offset_ : nullptr;
+}
+
+Tensor Tensor::view(const Shape& shape) const {
+  Shape s = shape;
+  int64_t known = 1, infer = -1;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == -1) { MEGATON_CHECK(infer < 0, "two -1 in view {}", shape_str(shape)); infer = i; }
+    else known *= s[i];
+  }
+  if (infer >= 0) s[infer] = known ? numel() / known : 0;
+  MEGATON_CHECK(numel_of(s) == numel(), "view {} of a tensor of shape {}", shape_str(shape),
+                shape_str(shape_));
+  Tensor t = *this;
+  t.shape_ = s;
+  return t;
+}
+
+Tensor Tensor::rows(int64_t start, int64_t count) const {
+  MEGATON_CHECK(ndim() >= 1 && start >= 0 && count >= 0 && start + count <= shape_[0],
+                "rows [{}, {}) of shape {}", start, start + count, shape_str(shape_));
+  Tensor t = *this;
+  int64_t row = shape_[0] ? numel() / shape_[0] : 0;
+  t.offset_ += start * row * dtype_size(dtype_);
+  t.shape_[0] = count;
+  return t;
+}
+
+Tensor Tensor::clone() const {
+  Tensor t = empty(shape_, dtype_, device());
+  std::memcpy(t.raw(), raw(), nbytes());
+  return t;
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  MEGATON_CHECK(src.numel() == numel() && src.dtype() == dtype_, "copy {} {} into {} {}",
+                dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dtype_),
+                shape_str(shape_));
+  std::memmove(raw(), src.raw(), nbytes());
+}
+
+float Tensor::item(int64_t i) const {
+  MEGATON_CHECK(i >= 0 && i < numel(), "item {} of {} elements", i, numel());
+  const char* p = static_cast<const char*>(raw());
+  switch (dtype_) {
+    case DType::F32: return reinterpret_cast<const float*>(p)[i];
+    case DType::BF16: return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::F16: return fp16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::F8E4M3: return fp8e4m3_to_float(reinterpret_cast<const uint8_t*>(p)[i]);
+    case DType::F8E5M2: return fp8e5m2_to_float(reinterpret_cast<const uint8_t*>(p)[i]);
+    case DType::I32: return float(reinterpret_cast<const int32_t*>(p)[i]);
+    case DType::I64: return float(reinterpret_cast<const int64_t*>(p)[i]);
+  }
+  return 0;
+}
+
+std::vector<float> Tensor::to_vector() const {
+  std::vector<float> v(numel());
+  for (int64_t i = 0; i < numel(); ++i) v[i] = item(i);
+  return v;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  Tensor t = empty(shape_, dtype, device());
+  char* p = static_cast<char*>(t.raw());
+  int64_t n = numel();
+  for (int64_t i = 0; i < n; ++i) {
+    float v = item(i);
+    switch (dtype) {
+      case DType::F32: reinterpret_cast<float*>(p)[i] = v; break;
+      case DType::BF16: reinterpret_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
+      case DType::F16: reinterpret_cast<uint16_t*>(p)[i] = float_to_fp16(v); break;
+      case DType::F8E4M3: reinterpret_cast<uint8_t*>(p)[i] = float_to_fp8e4m3(v); break;
+      case DType::F8E5M2: reinterpret_cast<uint8_t*>(p)[i] = float_to_fp8e5m2(v); break;
+      case DType::I32:
+        reinterpret_cast<int32_t*>(p)[i] =
+            dtype_ == DType::I64 ? int32_t(i64()[i]) : int32_t(v);
+        break;
+      case DType::I64:
+        reinterpret_cast<int64_t*>(p)[i] = dtype_ == DType::I32 ? i32()[i] : int64_t(v);
+        break;
+    }
+  }
+  return t;
+}
+
+void Tensor::fill(float value) {
+  if (dtype_ == DType::F32) {
+    float* p = f32();
+    for (int64_t i = 0, n = numel(); i < n; ++i) p[i] = value;
+  } else {
+    Tensor one = Tensor::from({1}, {value}).to(dtype_);
+    size_t es = dtype_size(dtype_);
+    for (int64_t i = 0, n = numel(); i < n; ++i)
+      std::memcpy(static_cast<char*>(raw()) + i * es, one.raw(), es);
+  }
+}
+void Tensor::zero() { if (numel()) std::memset(raw(), 0, nbytes()); }
+
+}  // namespace megaton

@@ -1,0 +1,159 @@
+// The op catalogue: every numeric op Megaton's model and optimizer use, declared once.
+//
+// Each op checks shapes and dtypes at the door (megaton::InternalError on a mismatch:
+// a wrong shape here is a bug in the caller, not a user mistake) and dispatches on the
+// device of its tensors. The CPU implementation (ops/cpu/) is the fp32 reference.
+//
+// Layout conventions:
+//   T = tokens in a micro-batch (= B * S, batch-major: token t = b * S + s),
+//   H = hidden size, V = (padded) vocabulary, E = experts, k = router top-k,
+//   attention tensors are [B, S, heads, D] with D = kv_channels (head dim).
+// "accumulates" means the op adds into its output (gradient accumulation); otherwise
+// outputs are overwritten. All float tensors are fp32 unless said otherwise.
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace megaton::ops {
+
+// ---- GEMM (ops/cpu/gemm.cpp, OpenBLAS sgemm) ----
+// c = alpha * op(a) @ op(b) + beta * c, op(x) = x^T when trans_x.
+// a [M, K] ([K, M] if trans_a), b [K, N] ([N, K] if trans_b), c [M, N]. 2-d views of
+// higher-rank tensors are taken by merging leading dimensions.
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+          float alpha = 1.0f, float beta = 0.0f);
+
+// ---- elementwise and reductions (ops/cpu/reduce.cpp) ----
+// y += alpha * x (same numel).
+void add_(Tensor& y, const Tensor& x, float alpha = 1.0f);
+// x *= s.
+void scale_(Tensor& x, float s);
+// y[t, :] += bias[:] for y [T, N], bias [N].
+void bias_add_(Tensor& y, const Tensor& bias);
+// dbias[:] += sum_t dy[t, :] (accumulates). dy [T, N], dbias [N].
+void bias_backward(const Tensor& dy, Tensor& dbias);
+// sum of x^2 over all elements, accumulated in fp64.
+double sum_of_squares(const Tensor& x);
+// sum of all elements, fp64 accumulation.
+double sum(const Tensor& x);
+
+// ---- embedding (ops/cpu/embedding.cpp) ----
+// out[t, :] = table[ids[t], :]. ids [T] int32 in [0, V); table [V, H]; out [T, H].
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
+// dtable[ids[t], :] += dout[t, :] (accumulates).
+void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable);
+
+// ---- normalization (ops/cpu/norm.cpp) ----
+// RMSNorm (Zhang & Sennrich 2019; Megatron/TE RMSNorm, HF LlamaRMSNorm):
+// y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps).
+// x, y [T, H]; weight [H]; rstd [T] (saved for backward).
+void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd);
+// dx overwritten [T, H]; dweight [H] accumulates.
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                      const Tensor& rstd, Tensor& dx, Tensor& dweight);
+// LayerNorm: y = (x - mean) * rstd * weight + bias; bias may be undefined (no bias).
+// mean, rstd [T] saved for backward.
+void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                       Tensor& y, Tensor& mean, Tensor& rstd);
+// dx overwritten; dweight, dbias accumulate (dbias may be undefined).
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                        const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dweight,
+                        Tensor& dbias);
+
+// ---- activations (ops/cpu/activation.cpp) ----
+// SwiGLU as Megatron packs it: x [T, 2F] = [gate | up], y [T, F] = silu(gate) * up.
+void swiglu_forward(const Tensor& x, Tensor& y);
+// dx [T, 2F] overwritten.
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+// GeLU, exact erf form (torch.nn.functional.gelu, Megatron's default activation).
+void gelu_forward(const Tensor& x, Tensor& y);
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+
+// ---- dropout (ops/cpu/dropout.cpp) ----
+// y = x * keep / (1 - p), keep[i] = Philox(seed).uniform(stream, i) >= p. The mask is
+// never stored: backward regenerates it from (seed, stream). p == 0 copies.
+void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_t stream);
+void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream);
+
+// ---- rotary position embedding (ops/cpu/rope.cpp) ----
+// RoPE (Su et al. 2021) in the non-interleaved "rotate half" form of Megatron's default
+// and HF Llama: for i < D/2, inv_freq_i = base^(-2i/D), angle = (s + position_offset) *
+// inv_freq_i, (x_i, x_{i+D/2}) rotated by angle. x, y [B, S, heads, D]; y may alias x.
+void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset = 0);
+// The inverse rotation applied to dy. dx may alias dy.
+void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset = 0);
+
+// ---- causal self-attention with GQA (ops/cpu/attention.cpp) ----
+// q [B, S, Hq, D], k, v [B, S, Hkv, D], Hq % Hkv == 0 (query head h reads kv head
+// h / (Hq / Hkv)). scores = q k^T / sqrt(D), causal mask, softmax, dropout with
+// probability dropout_p on the probabilities (Philox(seed), stream), out = probs v.
+// out [B, S, Hq, D]; lse [B, Hq, S] = logsumexp of the masked scores (saved for backward).
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                       Tensor& lse, float dropout_p = 0.0f, uint64_t seed = 0,
+                       uint64_t stream = 0);
+// dq, dk, dv overwritten.
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
+                        Tensor& dv, float dropout_p = 0.0f, uint64_t seed = 0,
+                        uint64_t stream = 0);
+
+// ---- softmax cross-entropy (ops/cpu/cross_entropy.cpp) ----
+// losses[t] = logsumexp(logits[t, :]) - logits[t, labels[t]]. logits [T, V]; labels [T]
+// int32; losses [T]; lse [T] saved for backward.
+void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& losses,
+                           Tensor& lse);
+// dlogits[t, v] = dlosses[t] * (softmax(logits[t])[v] - [v == labels[t]]), overwritten.
+void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
+                            const Tensor& lse, Tensor& dlogits);
+
+// ---- MoE routing (ops/cpu/moe_route.cpp); Megatron-LM transformer/moe/router.py ----
+// Top-k routing with softmax scores. logits [T, E]; probs [T, k]; indices [T, k] int32,
+// each row's experts in descending score order (ties: lower expert index first).
+// pre_softmax=false (Megatron default): top-k over the logits, softmax over the k chosen.
+// pre_softmax=true: softmax over all E, then top-k (probs not renormalised).
+void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Tensor& probs,
+                              Tensor& indices);
+// dlogits [T, E] overwritten from dprobs [T, k].
+void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,
+                               const Tensor& indices, bool pre_softmax, Tensor& dlogits);
+// Megatron's aux_loss load balancing (compute_routing_scores_for_aux_loss +
+// switch_load_balancing_loss_func): scores = softmax over all E of logits, routing map =
+// top-k of scores, tokens_per_expert[e] = routed count, T = rows of logits, and
+//   aux = coeff * E / (k * T^2) * sum_e (sum_t scores[t, e]) * tokens_per_expert[e].
+// scores [T, E] and tokens_per_expert [E] (fp32 counts) are written for backward.
+// Returns aux (a scalar, not added to the LM loss).
+float moe_aux_loss_forward(const Tensor& logits, int k, float coeff, Tensor& scores,
+                           Tensor& tokens_per_expert);
+// dlogits [T, E] += d(aux * grad_scale)/d(logits) through the softmax (accumulates).
+// grad_scale is what MoEAuxLossAutoScaler multiplies by (1 / micro-batches).
+void moe_aux_loss_backward(float grad_scale, const Tensor& scores,
+                           const Tensor& tokens_per_expert, int k, float coeff,
+                           Tensor& dlogits);
+
+// ---- MoE token permutation (ops/cpu/moe_permute.cpp) ----
+// Sort the T*k (token, slot) copies by expert, stable in token order.
+// x [T, H]; indices [T, k] int32 in [0, E); permuted [T*k, H];
+// row_id_map [T*k] int32: permuted row r holds copy row_id_map[r] = t*k + j;
+// tokens_per_expert [E] int64 (rows of permuted per expert, in expert order).
+void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor& permuted,
+                 Tensor& row_id_map, Tensor& tokens_per_expert);
+// dx[t, :] = sum over permuted rows r of token t of dpermuted[r, :]; dx [T, H] overwritten.
+void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx);
+// out[t, :] = sum_j probs[t, j] * expert_out[r(t, j), :]; expert_out [T*k, H]; out [T, H].
+void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Tensor& probs,
+                   Tensor& out);
+// dexpert_out [T*k, H] and dprobs [T, k], both overwritten.
+void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
+                            const Tensor& row_id_map, const Tensor& probs,
+                            Tensor& dexpert_out, Tensor& dprobs);
+
+// ---- AdamW (ops/cpu/adam.cpp) ----
+// Decoupled weight decay (Loshchilov & Hutter 2019; torch.optim.AdamW, Megatron's
+// default optimizer): p -= lr * wd * p; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// p -= lr * (m / (1 - b1^step)) / (sqrt(v / (1 - b2^step)) + eps). step is 1-based.
+// param, grad, exp_avg, exp_avg_sq: same numel, fp32.
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+
+}  // namespace megaton::ops
