@@ -1,0 +1,1 @@
+// Placeholder source for a module library with no sources yet.
