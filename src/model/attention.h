@@ -1,0 +1,29 @@
+// SelfAttention: Megatron's fused QKV projection, RoPE, causal GQA attention, output proj.
+#pragma once
+#include "model/layers.h"
+
+namespace megaton {
+
+// linear_qkv weight [(np/ng + 2) * ng * d, H] in Megatron's grouped layout: for each
+// query group g, the rows of its np/ng query heads, then its key head, then its value
+// head (np = num_attention_heads, ng = num_query_groups, d = kv_channels). Query head
+// h belongs to group h / (np / ng).
+class SelfAttention {
+ public:
+  SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed);
+  // x [B*S, H] -> [B*S, H].
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
+  Tensor backward(const Tensor& dy);
+  void collect_params(std::vector<Param*>& out);
+
+  Linear linear_qkv, linear_proj;
+
+ private:
+  const GPTConfig& cfg_;
+  int64_t layer_;
+  float dropout_p_ = 0;
+  uint64_t seed_ = 0, stream_ = 0;
+  Tensor q_, k_, v_, out_, lse_;
+};
+
+}  // namespace megaton

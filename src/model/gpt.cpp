@@ -1,0 +1,181 @@
+// GPTModel and TransformerLayer forward/backward.
+#include "model/gpt.h"
+
+#include <cmath>
+
+#include "ops/ops.h"
+
+namespace megaton {
+
+TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed)
+    : input_layernorm("decoder.layers." + std::to_string(layer) + ".input_layernorm",
+                      cfg.hidden_size, cfg.normalization, cfg.norm_epsilon),
+      self_attention("decoder.layers." + std::to_string(layer) + ".self_attention", cfg, layer,
+                     seed),
+      pre_mlp_layernorm("decoder.layers." + std::to_string(layer) + ".pre_mlp_layernorm",
+                        cfg.hidden_size, cfg.normalization, cfg.norm_epsilon),
+      cfg_(cfg),
+      layer_(layer) {
+  std::string prefix = "decoder.layers." + std::to_string(layer) + ".mlp";
+  if (cfg.is_moe_layer(layer)) {
+    moe = std::make_unique<MoELayer>(prefix, cfg, seed);
+  } else {
+    float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
+    mlp = std::make_unique<MLP>(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu,
+                                !cfg.disable_bias_linear, cfg.init_method_std, output_std, seed);
+  }
+}
+
+Tensor TransformerLayer::forward(const Tensor& x, int64_t batch, int64_t seq,
+                                 const ForwardContext& ctx) {
+  ctx_ = ctx;
+  dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
+  Tensor attn = self_attention.forward(input_layernorm.forward(x), batch, seq, ctx);
+  Tensor h = Tensor::empty(x.shape());
+  ops::dropout_forward(attn, h, dropout_p_, ctx.seed, ctx.stream(layer_, 1));
+  ops::add_(h, x);
+  Tensor normed = pre_mlp_layernorm.forward(h);
+  Tensor m = moe ? moe->forward(normed, ctx) : mlp->forward(normed);
+  Tensor y = Tensor::empty(x.shape());
+  ops::dropout_forward(m, y, dropout_p_, ctx.seed, ctx.stream(layer_, 2));
+  ops::add_(y, h);
+  return y;
+}
+
+Tensor TransformerLayer::backward(const Tensor& dy) {
+  // dh = dy + d(mlp branch)
+  Tensor dm = Tensor::empty(dy.shape());
+  ops::dropout_backward(dy, dm, dropout_p_, ctx_.seed, ctx_.stream(layer_, 2));
+  Tensor dnormed = moe ? moe->backward(dm) : mlp->backward(dm);
+  Tensor dh = pre_mlp_layernorm.backward(dnormed);
+  ops::add_(dh, dy);
+  Tensor dattn = Tensor::empty(dy.shape());
+  ops::dropout_backward(dh, dattn, dropout_p_, ctx_.seed, ctx_.stream(layer_, 1));
+  Tensor dx = input_layernorm.backward(self_attention.backward(dattn));
+  ops::add_(dx, dh);
+  return dx;
+}
+
+void TransformerLayer::collect_params(std::vector<Param*>& out) {
+  input_layernorm.collect_params(out);
+  self_attention.collect_params(out);
+  pre_mlp_layernorm.collect_params(out);
+  if (moe) moe->collect_params(out);
+  else mlp->collect_params(out);
+}
+
+GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed)
+    : cfg_(cfg),
+      word_embeddings(make_param("embedding.word_embeddings.weight",
+                                 {cfg.padded_vocab_size, cfg.hidden_size}, cfg.init_method_std,
+                                 seed)),
+      final_layernorm("decoder.final_layernorm", cfg.hidden_size, cfg.normalization,
+                      cfg.norm_epsilon) {
+  MEGATON_CHECK(cfg.padded_vocab_size > 0, "GPTConfig not finalized");
+  params_.push_back(&word_embeddings);
+  if (cfg.position_embedding_type == PositionEmbedding::LearnedAbsolute) {
+    position_embeddings =
+        make_param("embedding.position_embeddings.weight",
+                   {cfg.max_position_embeddings, cfg.hidden_size}, cfg.init_method_std, seed);
+    params_.push_back(&position_embeddings);
+  }
+  for (int64_t i = 0; i < cfg.num_layers; ++i) {
+    layers_.push_back(std::make_unique<TransformerLayer>(cfg_, i, seed));
+    layers_.back()->collect_params(params_);
+  }
+  final_layernorm.collect_params(params_);
+  if (cfg.untie_embeddings_and_output_weights) {
+    output_layer = make_param("output_layer.weight", {cfg.padded_vocab_size, cfg.hidden_size},
+                              cfg.init_method_std, seed);
+    params_.push_back(&output_layer);
+  }
+}
+
+int64_t GPTModel::num_parameters() const {
+  int64_t n = 0;
+  for (const Param* p : params_) n += p->weight.numel();
+  return n;
+}
+
+Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx) {
+  batch_ = tokens.dim(0);
+  seq_ = tokens.dim(1);
+  MEGATON_CHECK(cfg_.position_embedding_type != PositionEmbedding::LearnedAbsolute ||
+                    seq_ <= cfg_.max_position_embeddings,
+                "sequence of {} tokens exceeds max_position_embeddings {}", seq_,
+                cfg_.max_position_embeddings);
+  int64_t T = batch_ * seq_, H = cfg_.hidden_size;
+  tokens_ = tokens.view({T});
+  Tensor emb = Tensor::empty({T, H});
+  ops::embedding_forward(tokens_, word_embeddings.weight, emb);
+  if (position_embeddings.weight.defined()) {
+    for (int64_t b = 0; b < batch_; ++b) {
+      Tensor rows = emb.rows(b * seq_, seq_);
+      ops::add_(rows, position_embeddings.weight.rows(0, seq_));
+    }
+  }
+  emb_dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
+  emb_seed_ = ctx.seed;
+  emb_stream_ = ctx.stream(-1, 0);
+  Tensor x = Tensor::empty({T, H});
+  ops::dropout_forward(emb, x, emb_dropout_p_, emb_seed_, emb_stream_);
+  for (auto& layer : layers_) x = layer->forward(x, batch_, seq_, ctx);
+  return final_layernorm.forward(x);
+}
+
+MicroBatchLoss GPTModel::forward(const Tensor& tokens, const Tensor& labels,
+                                 const ForwardContext& ctx) {
+  final_hidden_ = forward_hidden(tokens, ctx);
+  int64_t T = batch_ * seq_;
+  const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
+  logits_ = Tensor::empty({T, cfg_.padded_vocab_size});
+  ops::gemm(final_hidden_, false, out_w.weight, true, logits_);
+  labels_ = labels.view({T});
+  MicroBatchLoss result;
+  result.losses = Tensor::empty({T});
+  lse_ = Tensor::empty({T});
+  ops::cross_entropy_forward(logits_, labels_, result.losses, lse_);
+  for (auto& layer : layers_)
+    if (layer->moe) result.aux_loss += layer->moe->last_aux_loss;
+  return result;
+}
+
+Tensor GPTModel::logits(const Tensor& tokens) {
+  ForwardContext ctx;
+  ctx.training = false;
+  Tensor hidden = forward_hidden(tokens, ctx);
+  const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
+  Tensor out = Tensor::empty({hidden.dim(0), cfg_.padded_vocab_size});
+  ops::gemm(hidden, false, out_w.weight, true, out);
+  return out;
+}
+
+void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {
+  int64_t T = batch_ * seq_, H = cfg_.hidden_size;
+  Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
+  Tensor dlogits = Tensor::empty(logits_.shape());
+  ops::cross_entropy_backward(dlosses, logits_, labels_, lse_, dlogits);
+  logits_ = Tensor();
+  Tensor dhidden = Tensor::empty({T, H});
+  ops::gemm(dlogits, false, out_w.weight, false, dhidden);
+  ops::gemm(dlogits, true, final_hidden_, false, out_w.main_grad, 1.0f, 1.0f);
+  dlogits = final_hidden_ = Tensor();
+
+  Tensor dx = final_layernorm.backward(dhidden);
+  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) {
+    if ((*it)->moe) (*it)->moe->aux_grad_scale = aux_grad_scale;
+    dx = (*it)->backward(dx);
+  }
+  Tensor demb = Tensor::empty({T, H});
+  ops::dropout_backward(dx, demb, emb_dropout_p_, emb_seed_, emb_stream_);
+  if (position_embeddings.weight.defined()) {
+    for (int64_t b = 0; b < batch_; ++b) {
+      Tensor g = position_embeddings.main_grad.rows(0, seq_);
+      ops::add_(g, demb.rows(b * seq_, seq_));
+    }
+  }
+  ops::embedding_backward(demb, tokens_, word_embeddings.main_grad);
+  tokens_ = labels_ = lse_ = Tensor();
+}
+
+}  // namespace megaton

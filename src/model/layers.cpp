@@ -1,0 +1,132 @@
+// Linear, Norm and MLP forward/backward on top of the op catalogue.
+#include "model/layers.h"
+
+#include <cmath>
+
+#include "core/rng.h"
+#include "ops/ops.h"
+
+namespace megaton {
+
+static uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed) {
+  Param p;
+  p.name = name;
+  p.weight = Tensor::empty(shape);
+  p.main_grad = Tensor::zeros(shape);
+  Philox rng(seed);
+  uint64_t stream = fnv1a(name);
+  float* w = p.weight.f32();
+  for (int64_t i = 0; i < p.weight.numel(); ++i) w[i] = std * rng.normal(stream, uint64_t(i));
+  return p;
+}
+
+Param make_constant_param(const std::string& name, const Shape& shape, float value,
+                          bool no_weight_decay) {
+  Param p;
+  p.name = name;
+  p.weight = Tensor::empty(shape);
+  p.weight.fill(value);
+  p.main_grad = Tensor::zeros(shape);
+  p.no_weight_decay = no_weight_decay;
+  return p;
+}
+
+Linear::Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias_on,
+               float init_std, uint64_t seed)
+    : weight(make_param(name + ".weight", {out_features, in_features}, init_std, seed)) {
+  if (bias_on) bias = make_constant_param(name + ".bias", {out_features}, 0.0f, true);
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  x_ = x;
+  Tensor y = Tensor::empty({x.dim(0), weight.weight.dim(0)});
+  ops::gemm(x, false, weight.weight, true, y);
+  if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
+  return y;
+}
+
+Tensor Linear::backward(const Tensor& dy) {
+  Tensor dx = Tensor::empty({dy.dim(0), weight.weight.dim(1)});
+  ops::gemm(dy, false, weight.weight, false, dx);
+  ops::gemm(dy, true, x_, false, weight.main_grad, 1.0f, 1.0f);
+  if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
+  x_ = Tensor();
+  return dx;
+}
+
+void Linear::collect_params(std::vector<Param*>& out) {
+  out.push_back(&weight);
+  if (bias.weight.defined()) out.push_back(&bias);
+}
+
+Norm::Norm(const std::string& name, int64_t hidden, Normalization kind, float eps)
+    : weight(make_constant_param(name + ".weight", {hidden}, 1.0f, true)), kind_(kind), eps_(eps) {
+  if (kind == Normalization::LayerNorm)
+    bias = make_constant_param(name + ".bias", {hidden}, 0.0f, true);
+}
+
+Tensor Norm::forward(const Tensor& x) {
+  x_ = x;
+  Tensor y = Tensor::empty(x.shape());
+  rstd_ = Tensor::empty({x.dim(0)});
+  if (kind_ == Normalization::RMSNorm) {
+    ops::rmsnorm_forward(x, weight.weight, eps_, y, rstd_);
+  } else {
+    mean_ = Tensor::empty({x.dim(0)});
+    ops::layernorm_forward(x, weight.weight, bias.weight, eps_, y, mean_, rstd_);
+  }
+  return y;
+}
+
+Tensor Norm::backward(const Tensor& dy) {
+  Tensor dx = Tensor::empty(dy.shape());
+  if (kind_ == Normalization::RMSNorm)
+    ops::rmsnorm_backward(dy, x_, weight.weight, rstd_, dx, weight.main_grad);
+  else
+    ops::layernorm_backward(dy, x_, weight.weight, mean_, rstd_, dx, weight.main_grad,
+                            bias.main_grad);
+  x_ = mean_ = rstd_ = Tensor();
+  return dx;
+}
+
+void Norm::collect_params(std::vector<Param*>& out) {
+  out.push_back(&weight);
+  if (bias.weight.defined()) out.push_back(&bias);
+}
+
+MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
+         float init_std, float output_std, uint64_t seed)
+    : linear_fc1(prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, init_std, seed),
+      linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed),
+      swiglu_(swiglu) {}
+
+Tensor MLP::forward(const Tensor& x) {
+  fc1_out_ = linear_fc1.forward(x);
+  int64_t ffn = linear_fc2.weight.weight.dim(1);
+  Tensor act = Tensor::empty({x.dim(0), ffn});
+  if (swiglu_) ops::swiglu_forward(fc1_out_, act);
+  else ops::gelu_forward(fc1_out_, act);
+  return linear_fc2.forward(act);
+}
+
+Tensor MLP::backward(const Tensor& dy) {
+  Tensor dact = linear_fc2.backward(dy);
+  Tensor dfc1 = Tensor::empty(fc1_out_.shape());
+  if (swiglu_) ops::swiglu_backward(dact, fc1_out_, dfc1);
+  else ops::gelu_backward(dact, fc1_out_, dfc1);
+  fc1_out_ = Tensor();
+  return linear_fc1.backward(dfc1);
+}
+
+void MLP::collect_params(std::vector<Param*>& out) {
+  linear_fc1.collect_params(out);
+  linear_fc2.collect_params(out);
+}
+
+}  // namespace megaton

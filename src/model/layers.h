@@ -1,0 +1,91 @@
+// The basic layers: Linear, Norm (LayerNorm/RMSNorm), MLP; each with explicit backward.
+//
+// A layer's forward saves what its backward needs in the layer itself: one micro-batch
+// is in flight per layer at a time (forward, then its backward). Pipeline schedules with
+// several micro-batches in flight will move this state into per-micro-batch slots.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+#include "model/param.h"
+
+namespace megaton {
+
+// Where a forward pass is: decides dropout and keys its random streams so that every
+// mask is a function of (seed, iteration, micro-batch, layer, site) and nothing else.
+struct ForwardContext {
+  bool training = true;
+  uint64_t seed = 1234;
+  int64_t iteration = 0;
+  int64_t micro_batch = 0;
+  // Random stream for dropout site `site` of layer `layer` (layer -1: embedding).
+  uint64_t stream(int64_t layer, int site) const {
+    return ((uint64_t(iteration) * 4096 + uint64_t(micro_batch)) * 1024 + uint64_t(layer + 1)) *
+               8 + uint64_t(site);
+  }
+};
+
+// New parameter named `name`: weights ~ N(0, std) from Philox keyed by (seed, hash of the
+// name), so initial values do not depend on creation order or parallel layout; std == 0
+// gives zeros, `fill` gives a constant (norm weights: 1).
+Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed);
+Param make_constant_param(const std::string& name, const Shape& shape, float value,
+                          bool no_weight_decay);
+
+// y = x W^T + b (torch.nn.Linear / Megatron's ColumnParallelLinear at TP=1).
+// weight [out, in]; bias [out] (absent when disable_bias_linear).
+class Linear {
+ public:
+  Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias,
+         float init_std, uint64_t seed);
+  // x [T, in] -> [T, out]. Saves x.
+  Tensor forward(const Tensor& x);
+  // dy [T, out] -> dx [T, in]; accumulates weight/bias main_grad.
+  Tensor backward(const Tensor& dy);
+  void collect_params(std::vector<Param*>& out);
+
+  Param weight, bias;
+
+ private:
+  Tensor x_;
+};
+
+// LayerNorm (weight and bias) or RMSNorm (weight only), per config.normalization.
+class Norm {
+ public:
+  Norm(const std::string& name, int64_t hidden, Normalization kind, float eps);
+  // x [T, H] -> [T, H]. Saves x and the statistics.
+  Tensor forward(const Tensor& x);
+  Tensor backward(const Tensor& dy);
+  void collect_params(std::vector<Param*>& out);
+
+  Param weight, bias;
+
+ private:
+  Normalization kind_;
+  float eps_;
+  Tensor x_, mean_, rstd_;
+};
+
+// Megatron's MLP: linear_fc1 -> SwiGLU or GeLU -> linear_fc2. With SwiGLU, fc1 produces
+// [gate | up] (2 * ffn outputs). fc2 is initialised with output_std (Megatron's
+// scaled_init_method: init_method_std / sqrt(2 * num_layers)).
+class MLP {
+ public:
+  MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
+      float init_std, float output_std, uint64_t seed);
+  Tensor forward(const Tensor& x);
+  Tensor backward(const Tensor& dy);
+  void collect_params(std::vector<Param*>& out);
+
+  Linear linear_fc1, linear_fc2;
+
+ private:
+  bool swiglu_;
+  Tensor fc1_out_;
+};
+
+}  // namespace megaton
