@@ -1,0 +1,39 @@
+// Checkpoint directories in Megatron's layout: <dir>/iter_XXXXXXX/ and
+// <dir>/latest_checkpointed_iteration.txt.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace megaton::ckpt {
+
+// Megatron's directory name for an iteration: "iter_0000100".
+std::string iteration_dir_name(int64_t iteration);
+
+// Writes <save_dir>/iter_XXXXXXX/ holding model_optim_rng.safetensors (every tensor,
+// named) and metadata.json (`metadata`, a JSON object string: iteration, consumed samples,
+// args, RNG seed, a shape index), then updates latest_checkpointed_iteration.txt. The
+// iteration directory is written under a temporary name and renamed when complete, and
+// the tracker file is replaced atomically, so an interrupted save leaves the previous
+// checkpoint intact. An existing directory for the same iteration is replaced.
+void save_checkpoint(const std::string& save_dir, int64_t iteration,
+                     const std::vector<std::pair<std::string, Tensor>>& tensors,
+                     const std::string& metadata_json);
+
+struct LoadedCheckpoint {
+  int64_t iteration = 0;
+  std::string path;                       // the iter_XXXXXXX directory
+  std::map<std::string, Tensor> tensors;
+  std::string metadata_json;
+};
+
+// Reads the checkpoint named by <load_dir>/latest_checkpointed_iteration.txt. Throws
+// megaton::Error naming the file when the directory, tracker, iteration directory or
+// either file is missing or corrupt.
+LoadedCheckpoint load_checkpoint(const std::string& load_dir);
+
+}  // namespace megaton::ckpt

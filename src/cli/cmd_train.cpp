@@ -1,0 +1,46 @@
+// `megaton train --config FILE.yaml [--flag value ...]`.
+#include <memory>
+
+#include "cli/commands.h"
+#include "train/arguments.h"
+#include "train/trainer.h"
+
+namespace megaton::cli {
+
+namespace {
+struct TrainCommand {
+  std::string config;
+  std::map<std::string, std::vector<std::string>> values;
+  std::map<std::string, bool> switches;
+};
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto state = std::make_shared<TrainCommand>();
+  CLI::App* cmd = app.add_subcommand("train", "train a GPT model (flags as Megatron-LM's)");
+  cmd->add_option("--config", state->config, "YAML file whose keys are the flag names");
+  for (const OptionSpec& spec : train_option_specs()) {
+    if (spec.is_switch) {
+      cmd->add_flag("--" + spec.name, state->switches[spec.name], spec.help);
+    } else {
+      auto* opt = cmd->add_option("--" + spec.name, state->values[spec.name], spec.help);
+      if (spec.multi_value) opt->expected(1, 1 << 20);
+      else opt->expected(1);
+    }
+  }
+  cmd->callback([cmd, state] {
+    RawOptions raw;
+    if (!state->config.empty()) raw = read_yaml_options(state->config);
+    for (const OptionSpec& spec : train_option_specs()) {
+      if (cmd->count("--" + spec.name) == 0) continue;
+      raw[spec.name] = spec.is_switch
+                           ? std::vector<std::string>{state->switches[spec.name] ? "true" : "false"}
+                           : state->values[spec.name];
+    }
+    TrainArgs args = parse_train_args(raw);
+    Trainer trainer(args, raw);
+    trainer.train();
+  });
+}
+
+}  // namespace megaton::cli

@@ -1,0 +1,285 @@
+// Option table, YAML reading and conversion to TrainArgs.
+#include "train/arguments.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace megaton {
+
+const std::vector<OptionSpec>& train_option_specs() {
+  static const std::vector<OptionSpec> specs = {
+      // model
+      {"num-layers", "number of transformer layers"},
+      {"hidden-size", "transformer hidden size"},
+      {"ffn-hidden-size", "MLP hidden size (default 4 x hidden-size)"},
+      {"num-attention-heads", "attention heads"},
+      {"group-query-attention", "use grouped-query attention", true},
+      {"num-query-groups", "key/value head groups with group-query-attention"},
+      {"kv-channels", "head dimension (default hidden-size / num-attention-heads)"},
+      {"seq-length", "tokens per sample"},
+      {"max-position-embeddings", "positions of learned_absolute embeddings (default seq-length)"},
+      {"make-vocab-size-divisible-by", "pad the vocabulary up to a multiple of this"},
+      {"normalization", "LayerNorm or RMSNorm"},
+      {"norm-epsilon", "epsilon of the norms"},
+      {"swiglu", "SwiGLU MLP instead of GeLU", true},
+      {"position-embedding-type", "learned_absolute or rope"},
+      {"rotary-base", "RoPE base"},
+      {"untie-embeddings-and-output-weights", "separate output layer", true},
+      {"init-method-std", "std of the normal weight init"},
+      {"disable-bias-linear", "no biases in linear layers", true},
+      {"hidden-dropout", "dropout after attention, MLP and embedding"},
+      {"attention-dropout", "dropout on attention probabilities"},
+      {"num-experts", "experts per MoE layer (0: dense)"},
+      {"moe-ffn-hidden-size", "expert MLP hidden size"},
+      {"moe-router-topk", "experts per token"},
+      {"moe-router-pre-softmax", "softmax over all experts before top-k", true},
+      {"moe-layer-freq", "every n-th layer is MoE"},
+      {"moe-router-load-balancing-type", "aux_loss or none", false, true},
+      {"moe-aux-loss-coeff", "coefficient of the aux loss"},
+      // optimizer and schedule
+      {"optimizer", "adam (AdamW)"},
+      {"lr", "peak learning rate"},
+      {"min-lr", "minimum learning rate"},
+      {"lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD"},
+      {"lr-wsd-decay-style", "exponential, linear, cosine or minus_sqrt"},
+      {"lr-wsd-decay-iters", "iterations of the WSD decay phase"},
+      {"lr-warmup-iters", "linear warmup iterations"},
+      {"lr-warmup-init", "learning rate at the start of warmup"},
+      {"lr-decay-iters", "iterations to decay over (default train-iters)"},
+      {"weight-decay", "AdamW weight decay"},
+      {"adam-beta1", "AdamW beta1"},
+      {"adam-beta2", "AdamW beta2"},
+      {"adam-eps", "AdamW epsilon"},
+      {"clip-grad", "clip gradients to this global L2 norm (0: off)"},
+      // data
+      {"data-path", "one prefix, or weight prefix weight prefix ...", false, true},
+      {"split", "train,valid,test proportions of documents"},
+      {"tokenizer-type", "SentencePieceTokenizer or ByteTokenizer"},
+      {"tokenizer-model", "tokenizer model file"},
+      // run
+      {"micro-batch-size", "samples per micro-batch"},
+      {"global-batch-size", "samples per iteration"},
+      {"train-iters", "iterations to train"},
+      {"eval-interval", "evaluate every this many iterations"},
+      {"eval-iters", "validation iterations per evaluation"},
+      {"log-interval", "log every this many iterations"},
+      {"exit-interval", "exit (after saving) when the iteration is a multiple of this"},
+      {"seed", "random seed"},
+      {"save", "checkpoint directory to write"},
+      {"save-interval", "save every this many iterations"},
+      {"load", "checkpoint directory to resume from"},
+      {"no-load-optim", "do not load optimizer state", true},
+      {"no-load-rng", "do not load the RNG state", true},
+      {"finetune", "load weights only and start at iteration 0", true},
+      {"device", "cpu (cuda in a CUDA build)"},
+      {"bf16", "accepted for config compatibility; the CPU backend computes in fp32", true},
+  };
+  return specs;
+}
+
+static std::string normalize_key(std::string key) {
+  std::replace(key.begin(), key.end(), '_', '-');
+  return key;
+}
+
+static const OptionSpec* find_spec(const std::string& name) {
+  for (const auto& s : train_option_specs())
+    if (s.name == name) return &s;
+  return nullptr;
+}
+
+RawOptions read_yaml_options(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path)) fail("config file '{}' does not exist", path);
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    fail("config file '{}' is not valid YAML: {}", path, e.what());
+  }
+  RawOptions raw;
+  if (root.IsNull()) return raw;
+  if (!root.IsMap()) fail("config file '{}' must be a mapping of option: value", path);
+  for (const auto& kv : root) {
+    std::string key = normalize_key(kv.first.as<std::string>());
+    const OptionSpec* spec = find_spec(key);
+    if (!spec) fail("config file '{}': unknown key '{}'", path, kv.first.as<std::string>());
+    std::vector<std::string> values;
+    if (kv.second.IsSequence()) {
+      if (!spec->multi_value) fail("config file '{}': key '{}' takes one value, not a list", path, key);
+      for (const auto& v : kv.second) values.push_back(v.as<std::string>());
+    } else if (kv.second.IsScalar()) {
+      values.push_back(kv.second.as<std::string>());
+    } else if (kv.second.IsNull()) {
+      continue;
+    } else {
+      fail("config file '{}': key '{}' must be a scalar or a list", path, key);
+    }
+    raw[key] = values;
+  }
+  return raw;
+}
+
+namespace {
+struct Reader {
+  const RawOptions& raw;
+  bool has(const std::string& k) const { return raw.count(k) > 0; }
+  const std::string& one(const std::string& k) const {
+    const auto& v = raw.at(k);
+    if (v.size() != 1) fail("option '{}' takes exactly one value (got {})", k, v.size());
+    return v[0];
+  }
+  void get(const std::string& k, int64_t& out) const {
+    if (!has(k)) return;
+    const std::string& s = one(k);
+    auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+    if (ec != std::errc() || p != s.data() + s.size())
+      fail("option '{}' expects an integer (got '{}')", k, s);
+  }
+  void get(const std::string& k, uint64_t& out) const {
+    int64_t v = int64_t(out);
+    get(k, v);
+    if (v < 0) fail("option '{}' must be >= 0 (got {})", k, v);
+    out = uint64_t(v);
+  }
+  void get(const std::string& k, double& out) const {
+    if (!has(k)) return;
+    const std::string& s = one(k);
+    char* end = nullptr;
+    out = std::strtod(s.c_str(), &end);
+    if (s.empty() || *end != '\0') fail("option '{}' expects a number (got '{}')", k, s);
+  }
+  void get(const std::string& k, float& out) const {
+    double v = out;
+    get(k, v);
+    out = float(v);
+  }
+  void get(const std::string& k, bool& out) const {
+    if (!has(k)) return;
+    std::string s = one(k);
+    std::transform(s.begin(), s.end(), s.begin(), ::tolower);
+    if (s == "true" || s == "1" || s == "yes") out = true;
+    else if (s == "false" || s == "0" || s == "no") out = false;
+    else fail("option '{}' expects true or false (got '{}')", k, s);
+  }
+  void get(const std::string& k, std::string& out) const {
+    if (has(k)) out = one(k);
+  }
+};
+}  // namespace
+
+TrainArgs parse_train_args(const RawOptions& raw) {
+  for (const auto& [k, v] : raw)
+    if (!find_spec(k)) fail("unknown option '{}'", k);
+  Reader r{raw};
+  TrainArgs a;
+  GPTConfig& m = a.model;
+  r.get("num-layers", m.num_layers);
+  r.get("hidden-size", m.hidden_size);
+  r.get("ffn-hidden-size", m.ffn_hidden_size);
+  r.get("num-attention-heads", m.num_attention_heads);
+  r.get("group-query-attention", m.group_query_attention);
+  r.get("num-query-groups", m.num_query_groups);
+  r.get("kv-channels", m.kv_channels);
+  r.get("seq-length", m.seq_length);
+  r.get("max-position-embeddings", m.max_position_embeddings);
+  r.get("make-vocab-size-divisible-by", m.make_vocab_size_divisible_by);
+  std::string norm = "LayerNorm";
+  r.get("normalization", norm);
+  if (norm == "LayerNorm") m.normalization = Normalization::LayerNorm;
+  else if (norm == "RMSNorm") m.normalization = Normalization::RMSNorm;
+  else fail("option 'normalization' must be LayerNorm or RMSNorm (got '{}')", norm);
+  r.get("norm-epsilon", m.norm_epsilon);
+  r.get("swiglu", m.swiglu);
+  std::string pos = "learned_absolute";
+  r.get("position-embedding-type", pos);
+  if (pos == "learned_absolute") m.position_embedding_type = PositionEmbedding::LearnedAbsolute;
+  else if (pos == "rope") m.position_embedding_type = PositionEmbedding::Rope;
+  else fail("option 'position-embedding-type' must be learned_absolute or rope (got '{}')", pos);
+  r.get("rotary-base", m.rotary_base);
+  r.get("untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights);
+  r.get("init-method-std", m.init_method_std);
+  r.get("disable-bias-linear", m.disable_bias_linear);
+  r.get("hidden-dropout", m.hidden_dropout);
+  r.get("attention-dropout", m.attention_dropout);
+  r.get("num-experts", m.num_experts);
+  r.get("moe-ffn-hidden-size", m.moe_ffn_hidden_size);
+  r.get("moe-router-topk", m.moe_router_topk);
+  r.get("moe-router-pre-softmax", m.moe_router_pre_softmax);
+  r.get("moe-layer-freq", m.moe_layer_freq);
+  if (r.has("moe-router-load-balancing-type"))
+    m.moe_router_load_balancing_type = raw.at("moe-router-load-balancing-type");
+  r.get("moe-aux-loss-coeff", m.moe_aux_loss_coeff);
+
+  std::string optimizer = "adam";
+  r.get("optimizer", optimizer);
+  if (optimizer != "adam") fail("option 'optimizer' must be adam (got '{}')", optimizer);
+  r.get("lr", a.lr.lr);
+  r.get("min-lr", a.lr.min_lr);
+  std::string style = "linear";
+  r.get("lr-decay-style", style);
+  a.lr.lr_decay_style = optim::parse_lr_decay_style(style);
+  std::string wsd = "exponential";
+  r.get("lr-wsd-decay-style", wsd);
+  a.lr.lr_wsd_decay_style = optim::parse_wsd_decay_style(wsd);
+  r.get("lr-wsd-decay-iters", a.lr.lr_wsd_decay_iters);
+  r.get("lr-warmup-iters", a.lr.lr_warmup_iters);
+  r.get("lr-warmup-init", a.lr.lr_warmup_init);
+  r.get("lr-decay-iters", a.lr.lr_decay_iters);
+  r.get("weight-decay", a.adam.weight_decay);
+  r.get("adam-beta1", a.adam.adam_beta1);
+  r.get("adam-beta2", a.adam.adam_beta2);
+  r.get("adam-eps", a.adam.adam_eps);
+  r.get("clip-grad", a.clip_grad);
+
+  if (r.has("data-path")) a.data_path = raw.at("data-path");
+  r.get("split", a.split);
+  r.get("tokenizer-type", a.tokenizer_type);
+  r.get("tokenizer-model", a.tokenizer_model);
+
+  r.get("micro-batch-size", a.micro_batch_size);
+  r.get("global-batch-size", a.global_batch_size);
+  r.get("train-iters", a.train_iters);
+  r.get("eval-interval", a.eval_interval);
+  r.get("eval-iters", a.eval_iters);
+  r.get("log-interval", a.log_interval);
+  r.get("exit-interval", a.exit_interval);
+  r.get("seed", a.seed);
+  r.get("save", a.save);
+  r.get("save-interval", a.save_interval);
+  r.get("load", a.load);
+  r.get("no-load-optim", a.no_load_optim);
+  r.get("no-load-rng", a.no_load_rng);
+  r.get("finetune", a.finetune);
+  r.get("device", a.device);
+
+  if (a.device != "cpu")
+    fail("option 'device' is '{}', but this build has only the cpu backend", a.device);
+  if (a.micro_batch_size <= 0) fail("micro-batch-size must be positive (got {})", a.micro_batch_size);
+  if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
+  if (a.global_batch_size % a.micro_batch_size != 0)
+    fail("global-batch-size ({}) is not divisible by micro-batch-size ({})", a.global_batch_size,
+         a.micro_batch_size);
+  if (a.train_iters <= 0) fail("train-iters must be positive (got {})", a.train_iters);
+  if (a.log_interval <= 0) fail("log-interval must be positive (got {})", a.log_interval);
+  if (a.eval_interval < 0 || a.eval_iters < 0) fail("eval-interval and eval-iters must be >= 0");
+  if (a.data_path.empty()) fail("data-path is required");
+  if (a.tokenizer_type.empty()) fail("tokenizer-type is required");
+  if (!a.save.empty() && a.save_interval < 0) fail("save-interval must be >= 0");
+  if (a.lr.lr_decay_iters == 0) a.lr.lr_decay_iters = a.train_iters;
+  optim::validate(a.lr);
+  return a;
+}
+
+std::string args_to_json(const RawOptions& raw) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [k, v] : raw) j[k] = v.size() == 1 ? nlohmann::json(v[0]) : nlohmann::json(v);
+  return j.dump();
+}
+
+}  // namespace megaton

@@ -1,0 +1,79 @@
+// TrainArgs: every `megaton train` setting, read from a YAML config and --flags.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "optim/adamw.h"
+#include "optim/lr_schedule.h"
+
+namespace megaton {
+
+// Names are Megatron-LM's argument names ('-' -> '_'); defaults are Megatron's unless
+// noted.
+struct TrainArgs {
+  GPTConfig model;
+  optim::AdamWConfig adam;
+  optim::LRScheduleConfig lr;
+
+  // Data and tokenizer.
+  std::vector<std::string> data_path;  // one prefix, or "w1 p1 w2 p2 ..."
+  std::string split = "969,30,1";
+  std::string tokenizer_type;
+  std::string tokenizer_model;
+
+  // Batch and iterations.
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 0;       // 0: micro_batch_size (x data-parallel size)
+  int64_t train_iters = 0;
+  int64_t eval_interval = 1000;
+  int64_t eval_iters = 100;
+  int64_t log_interval = 100;
+  int64_t exit_interval = 0;           // 0: off
+  float clip_grad = 1.0f;
+  uint64_t seed = 1234;
+
+  // Checkpoints.
+  std::string save;
+  int64_t save_interval = 0;
+  std::string load;
+  bool no_load_optim = false;
+  bool no_load_rng = false;
+  bool finetune = false;
+
+  std::string device = "cpu";
+
+  // Micro-batches per iteration (global / micro; DP = 1).
+  int64_t num_micro_batches() const { return global_batch_size / micro_batch_size; }
+};
+
+// A flag's name (without dashes), its help text and whether it is a boolean switch
+// (`--swiglu`) or takes values (`--lr 3e-4`, `--data-path 0.5 a 0.5 b`).
+struct OptionSpec {
+  std::string name;
+  std::string help;
+  bool is_switch = false;
+  bool multi_value = false;
+};
+
+// Every option `megaton train` understands (for the CLI and for YAML key checking).
+const std::vector<OptionSpec>& train_option_specs();
+
+// Raw values by option name: from YAML (scalars and lists, rendered as strings) then
+// overridden by the command line. Switches hold "true"/"false".
+using RawOptions = std::map<std::string, std::vector<std::string>>;
+
+// Reads a YAML mapping whose keys are option names ("num-layers" or "num_layers").
+// Throws megaton::Error naming the file on a missing/unparsable file and naming the key
+// for an unknown key or a nested value.
+RawOptions read_yaml_options(const std::string& path);
+
+// Converts raw values into TrainArgs, checking types and ranges. The model's vocab_size
+// is left 0 (it comes from the tokenizer). Throws megaton::Error naming the key.
+TrainArgs parse_train_args(const RawOptions& raw);
+
+// The finished args as YAML-like "key: value" JSON object (saved in checkpoints).
+std::string args_to_json(const RawOptions& raw);
+
+}  // namespace megaton

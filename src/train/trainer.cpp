@@ -1,0 +1,265 @@
+// The training loop.
+#include "train/trainer.h"
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/checkpoint.h"
+#include "ops/ops.h"
+#include "optim/clip_grad.h"
+#include "optim/lr_schedule.h"
+#include "train/flops.h"
+#include "train/generate.h"
+
+namespace megaton {
+
+int64_t peak_memory_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return int64_t(usage.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(std::move(raw)) {
+  tokenizer_ = data::make_tokenizer(args_.tokenizer_type, args_.tokenizer_model);
+  args_.model.vocab_size = tokenizer_->vocab_size();
+  args_.model.finalize();
+
+  data::GPTDatasetConfig data_cfg;
+  data_cfg.blend = data::parse_data_path(args_.data_path);
+  data_cfg.split = args_.split;
+  data_cfg.seq_length = args_.model.seq_length;
+  data_cfg.seed = args_.seed;
+  int64_t gbs = args_.global_batch_size;
+  int64_t eval_samples = args_.eval_iters * gbs;
+  datasets_ = data::build_gpt_datasets(data_cfg, {args_.train_iters * gbs, eval_samples,
+                                                  eval_samples});
+  if (!datasets_[0]) fail("data-path: the train split of '{}' is empty", args_.split);
+  for (const auto& ds : datasets_)
+    if (ds && ds->size() > 0) {
+      // Every token id must fit the model's vocabulary.
+      std::vector<int32_t> sample(args_.model.seq_length + 1);
+      ds->get(0, sample.data());
+      for (int32_t t : sample)
+        if (t < 0 || t >= args_.model.vocab_size)
+          fail("data-path: token id {} is outside the tokenizer's vocabulary of {} (was the "
+               "data preprocessed with another tokenizer?)", t, args_.model.vocab_size);
+    }
+
+  model_ = std::make_unique<GPTModel>(args_.model, args_.seed);
+  optimizer_ = std::make_unique<optim::AdamW>(model_->params(), args_.adam);
+  if (!args_.load.empty()) load();
+}
+
+void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
+                         Tensor& tokens, Tensor& labels) const {
+  int64_t seq = args_.model.seq_length;
+  tokens = Tensor::empty({count, seq}, DType::I32);
+  labels = Tensor::empty({count, seq}, DType::I32);
+  std::vector<int32_t> sample(seq + 1);
+  for (int64_t i = 0; i < count; ++i) {
+    source.get((first_sample + i) % source.size(), sample.data());
+    std::copy(sample.begin(), sample.end() - 1, tokens.i32() + i * seq);
+    std::copy(sample.begin() + 1, sample.end(), labels.i32() + i * seq);
+  }
+}
+
+double Trainer::train_step(int64_t iteration, double* aux_loss) {
+  for (Param* p : model_->params()) p->main_grad.zero();
+  int64_t n_mb = args_.num_micro_batches(), mbs = args_.micro_batch_size;
+  double loss_sum = 0, tokens_sum = 0, aux_sum = 0;
+  for (int64_t mb = 0; mb < n_mb; ++mb) {
+    Tensor tokens, labels;
+    load_batch(*datasets_[0], consumed_samples_ + mb * mbs, mbs, tokens, labels);
+    ForwardContext ctx{true, args_.seed, iteration, mb};
+    MicroBatchLoss out = model_->forward(tokens, labels, ctx);
+    int64_t T = out.losses.numel();
+    loss_sum += ops::sum(out.losses);
+    tokens_sum += double(T);
+    aux_sum += out.aux_loss;
+    // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
+    Tensor dlosses = Tensor::empty({T});
+    dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
+    model_->backward(dlosses, 1.0f / float(n_mb));
+  }
+  *aux_loss = aux_sum / double(n_mb);
+  return loss_sum / tokens_sum;
+}
+
+double Trainer::evaluate() {
+  const auto& valid = datasets_[1];
+  if (!valid || args_.eval_iters == 0) return -1;
+  int64_t n_mb = args_.num_micro_batches(), mbs = args_.micro_batch_size;
+  double loss_sum = 0, tokens_sum = 0;
+  for (int64_t it = 0; it < args_.eval_iters; ++it) {
+    for (int64_t mb = 0; mb < n_mb; ++mb) {
+      Tensor tokens, labels;
+      load_batch(*valid, (it * n_mb + mb) * mbs, mbs, tokens, labels);
+      ForwardContext ctx{false, args_.seed, 0, 0};
+      MicroBatchLoss out = model_->forward(tokens, labels, ctx);
+      loss_sum += ops::sum(out.losses);
+      tokens_sum += double(out.losses.numel());
+    }
+  }
+  return loss_sum / tokens_sum;
+}
+
+static void print_eval(const std::string& where, double loss) {
+  std::string line = fmt::format(" validation loss {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ",
+                                 where, loss, std::exp(std::min(loss, 20.0)));
+  fmt::print("{}\n{}\n{}\n", std::string(line.size(), '-'), line, std::string(line.size(), '-'));
+  std::fflush(stdout);
+}
+
+void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
+                       double grad_norm) {
+  int64_t tokens = args_.global_batch_size * args_.model.seq_length;
+  double flops = num_floating_point_operations(args_.model, tokens);
+  std::string line = fmt::format(
+      " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): "
+      "{:.1f} | tokens per second: {:.1f} | throughput per GPU (TFLOP/s/GPU): {:.3f} | "
+      "learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} | ",
+      iteration, args_.train_iters, consumed_samples_, ms_per_iter,
+      double(tokens) / (ms_per_iter / 1000.0), flops / (ms_per_iter / 1000.0) / 1e12, lr,
+      args_.global_batch_size, loss);
+  if (args_.model.use_aux_loss()) line += fmt::format("load_balancing_loss: {:.6E} | ", aux);
+  line += fmt::format(
+      "loss scale: 1.0 | grad norm: {:.3f} | number of skipped iterations: {:>3} | number of "
+      "nan iterations: {:>3} | peak memory (MB): {:.1f} |",
+      grad_norm, skipped_iterations_, nan_iterations_, double(peak_memory_bytes()) / 1048576.0);
+  fmt::print("{}\n", line);
+  std::fflush(stdout);
+}
+
+TrainResult Trainer::train() {
+  TrainResult result;
+  if (iteration_ == 0) {
+    result.first_valid_loss = evaluate();
+    if (result.first_valid_loss >= 0) print_eval("at iteration 0", result.first_valid_loss);
+  }
+  int64_t num_moe_layers = 0;
+  for (int64_t l = 0; l < args_.model.num_layers; ++l) num_moe_layers += args_.model.is_moe_layer(l);
+  double interval_loss = 0, interval_aux = 0, interval_ms = 0;
+  int64_t interval_iters = 0;
+  bool saved_last = false;
+  while (iteration_ < args_.train_iters) {
+    auto start = std::chrono::steady_clock::now();
+    double lr = optim::learning_rate(args_.lr, iteration_);
+    ++iteration_;
+    double aux = 0;
+    double loss = train_step(iteration_, &aux);
+    double grad_norm = optim::global_grad_norm(model_->params());
+    if (!std::isfinite(grad_norm)) {
+      ++nan_iterations_;
+      ++skipped_iterations_;
+    } else {
+      if (args_.clip_grad > 0) optim::clip_grad_by_norm(model_->params(), args_.clip_grad, grad_norm);
+      optimizer_->step(float(lr));
+    }
+    consumed_samples_ += args_.global_batch_size;
+    floating_point_operations_so_far_ += num_floating_point_operations(
+        args_.model, args_.global_batch_size * args_.model.seq_length);
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                    .count();
+    result.losses.push_back(loss);
+    result.grad_norms.push_back(grad_norm);
+    interval_loss += loss;
+    // Megatron logs the aux loss divided by its coefficient, averaged over MoE layers.
+    if (args_.model.use_aux_loss())
+      interval_aux += aux / (args_.model.moe_aux_loss_coeff * double(num_moe_layers));
+    interval_ms += ms;
+    ++interval_iters;
+    if (iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) {
+      log_line(iteration_, interval_ms / interval_iters, lr, interval_loss / interval_iters,
+               interval_aux / interval_iters, grad_norm);
+      interval_loss = interval_aux = interval_ms = 0;
+      interval_iters = 0;
+    }
+    if (args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0 &&
+        iteration_ < args_.train_iters) {
+      double v = evaluate();
+      if (v >= 0) print_eval(fmt::format("at iteration {}", iteration_), v);
+    }
+    saved_last = false;
+    if (!args_.save.empty() && args_.save_interval > 0 && iteration_ % args_.save_interval == 0) {
+      save(iteration_);
+      saved_last = true;
+    }
+    if (args_.exit_interval > 0 && iteration_ % args_.exit_interval == 0) {
+      if (!args_.save.empty() && !saved_last) save(iteration_);
+      fmt::print("exiting program at iteration {}\n", iteration_);
+      result.final_iteration = iteration_;
+      return result;
+    }
+  }
+  if (!args_.save.empty() && !saved_last) save(iteration_);
+  result.last_valid_loss = evaluate();
+  if (result.last_valid_loss >= 0) print_eval("at the end of training", result.last_valid_loss);
+  result.final_iteration = iteration_;
+  return result;
+}
+
+void Trainer::save(int64_t iteration) {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  nlohmann::json shapes = nlohmann::json::object();
+  for (Param* p : model_->params()) {
+    tensors.emplace_back("model." + p->name, p->weight);
+    shapes["model." + p->name] = p->weight.shape();
+  }
+  for (auto& [name, t] : optimizer_->state_tensors()) tensors.emplace_back("optimizer." + name, *t);
+  nlohmann::json meta;
+  meta["iteration"] = iteration;
+  meta["consumed_samples"] = consumed_samples_;
+  meta["optimizer_step"] = optimizer_->step_count();
+  meta["floating_point_operations_so_far"] = floating_point_operations_so_far_;
+  meta["skipped_iterations"] = skipped_iterations_;
+  meta["nan_iterations"] = nan_iterations_;
+  meta["rng_seed"] = args_.seed;
+  meta["args"] = nlohmann::json::parse(args_to_json(raw_));
+  meta["tokenizer_type"] = args_.tokenizer_type;
+  meta["tokenizer_model"] = args_.tokenizer_model.empty()
+                                ? std::string()
+                                : std::filesystem::absolute(args_.tokenizer_model).string();
+  meta["global_shapes"] = shapes;
+  ckpt::save_checkpoint(args_.save, iteration, tensors, meta.dump(1));
+  fmt::print(" saved checkpoint from iteration {:7} to {}\n", iteration, args_.save);
+  std::fflush(stdout);
+}
+
+void Trainer::load() {
+  ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(args_.load);
+  load_model_weights(ck, model_->params());
+  auto take = [&](const std::string& name, Tensor& dst) {
+    auto it = ck.tensors.find(name);
+    if (it == ck.tensors.end()) fail("checkpoint '{}' has no tensor '{}'", ck.path, name);
+    if (it->second.shape() != dst.shape())
+      fail("checkpoint '{}': tensor '{}' has shape {}, expected {}", ck.path, name,
+           shape_str(it->second.shape()), shape_str(dst.shape()));
+    dst.copy_from(it->second);
+  };
+  auto meta = nlohmann::json::parse(ck.metadata_json);
+  if (args_.finetune) {
+    fmt::print(" loaded weights from {} (finetune: starting at iteration 0)\n", ck.path);
+    return;
+  }
+  try {
+    iteration_ = meta.at("iteration").get<int64_t>();
+    consumed_samples_ = meta.at("consumed_samples").get<int64_t>();
+    floating_point_operations_so_far_ = meta.at("floating_point_operations_so_far").get<double>();
+    skipped_iterations_ = meta.value("skipped_iterations", int64_t(0));
+    nan_iterations_ = meta.value("nan_iterations", int64_t(0));
+    if (!args_.no_load_optim) {
+      for (auto& [name, t] : optimizer_->state_tensors()) take("optimizer." + name, *t);
+      optimizer_->set_step_count(meta.at("optimizer_step").get<int64_t>());
+    }
+    if (!args_.no_load_rng) args_.seed = meta.at("rng_seed").get<uint64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    fail("checkpoint metadata in '{}' is missing a field: {}", ck.path, e.what());
+  }
+  fmt::print(" loaded checkpoint from {} at iteration {}\n", ck.path, iteration_);
+}
+
+}  // namespace megaton

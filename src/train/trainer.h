@@ -1,0 +1,59 @@
+// Trainer: the training loop (data -> forward/backward -> clip -> AdamW -> log/eval/save).
+#pragma once
+#include <array>
+#include <memory>
+#include <vector>
+
+#include "data/gpt_dataset.h"
+#include "data/tokenizer.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
+#include "train/arguments.h"
+
+namespace megaton {
+
+// What one run reports back (used by tests and the demo).
+struct TrainResult {
+  std::vector<double> losses;       // lm loss of every iteration run, in order
+  std::vector<double> grad_norms;   // grad norm of every iteration run
+  double first_valid_loss = -1;     // before training (fresh runs), -1 when not evaluated
+  double last_valid_loss = -1;      // after training
+  int64_t final_iteration = 0;
+};
+
+class Trainer {
+ public:
+  // Builds tokenizer, model, optimizer and datasets; loads --load when given. Throws
+  // megaton::Error on bad arguments, data or checkpoint, before anything is written.
+  Trainer(TrainArgs args, RawOptions raw);
+  TrainResult train();
+
+  // Mean lm loss over eval_iters global batches of the validation split (no dropout).
+  double evaluate();
+  GPTModel& model() { return *model_; }
+
+ private:
+  double train_step(int64_t iteration, double* aux_loss);
+  void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
+                  Tensor& tokens, Tensor& labels) const;
+  void save(int64_t iteration);
+  void load();
+  void log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
+                double grad_norm);
+
+  TrainArgs args_;
+  RawOptions raw_;
+  std::unique_ptr<data::Tokenizer> tokenizer_;
+  std::unique_ptr<GPTModel> model_;
+  std::unique_ptr<optim::AdamW> optimizer_;
+  std::array<std::unique_ptr<data::SampleSource>, 3> datasets_;
+  int64_t iteration_ = 0;
+  int64_t consumed_samples_ = 0;
+  double floating_point_operations_so_far_ = 0;
+  int64_t skipped_iterations_ = 0, nan_iterations_ = 0;
+};
+
+// Peak resident memory of this process in bytes (getrusage).
+int64_t peak_memory_bytes();
+
+}  // namespace megaton
