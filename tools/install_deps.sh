@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Megaton builds and runs with (skips those present).
+set -euo pipefail
+packages=(
+  build-essential cmake pkg-config     # compiler and build
+  libopenblas-dev                      # CPU GEMM
+  libsentencepiece-dev sentencepiece   # tokenizer
+  libyaml-cpp-dev                      # configs/*.yaml
+  nlohmann-json3-dev                   # checkpoint metadata, safetensors headers
+  libcli11-dev                         # command line
+  libfmt-dev                           # formatting
+  libgtest-dev libbenchmark-dev        # tests and benchmarks
+  fortunes fortunes-min                # the demo corpus
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "installing: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's test command: installs what is missing, builds, runs every CPU test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install_deps.sh
+bash tools/build.sh
+ctest --test-dir build -L cpu --output-on-failure -j"$(nproc)" --timeout 900
