@@ -15,8 +15,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
+    return 2;
   } catch (const megaton::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
