@@ -127,6 +127,7 @@ std::vector<float> Tensor::to_vector() const {
 }
 
 Tensor Tensor::to(DType dtype) const {
+  if (dtype == dtype_) return clone();
   Tensor t = empty(shape_, dtype, device());
   char* p = static_cast<char*>(t.raw());
   int64_t n = numel();

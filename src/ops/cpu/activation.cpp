@@ -1,0 +1,130 @@
+// SwiGLU and exact (erf) GeLU, forward and backward, on the CPU.
+#include <cmath>
+#include <utility>
+
+#include "ops/ops.h"
+
+namespace megaton::ops {
+namespace {
+
+constexpr int64_t kParallelMin = 1 << 14;  // elements
+
+void check_f32(const Tensor& t, const char* op, const char* name) {
+  MEGATON_CHECK(t.defined(), "{}: {} is undefined", op, name);
+  MEGATON_CHECK(t.dtype() == DType::F32, "{}: {} must be F32, got {}", op, name,
+                dtype_name(t.dtype()));
+  // A CUDA backend dispatches on the device after the checks; this binary has only CPU.
+  MEGATON_CHECK(t.device() == Device::CPU, "{}: no CUDA backend in this build ({})", op, name);
+}
+
+void check_same_shape(const Tensor& t, const Tensor& ref, const char* op, const char* name,
+                      const char* ref_name) {
+  MEGATON_CHECK(t.shape() == ref.shape(), "{}: {} {} must have the shape of {} {}", op, name,
+                shape_str(t.shape()), ref_name, shape_str(ref.shape()));
+}
+
+// x [T, 2F] and y [T, F] (any leading dimensions, equal in both). Returns {T, F}.
+std::pair<int64_t, int64_t> swiglu_shape(const Tensor& x, const Tensor& y, const char* op,
+                                         const char* y_name) {
+  MEGATON_CHECK(x.ndim() >= 1 && x.dim(-1) % 2 == 0,
+                "{}: x must be [T, 2F] with an even last dim, got {}", op, shape_str(x.shape()));
+  Shape want = x.shape();
+  want.back() /= 2;
+  MEGATON_CHECK(y.shape() == want, "{}: {} {} must be {} for x {}", op, y_name,
+                shape_str(y.shape()), shape_str(want), shape_str(x.shape()));
+  int64_t ffn = want.back();
+  return {ffn ? y.numel() / ffn : 0, ffn};
+}
+
+inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+namespace cpu {
+
+// y = silu(gate) * up, gate = x[t, :F], up = x[t, F:] (Megatron's packed fc1 output).
+void swiglu_forward(const float* x, float* y, int64_t rows, int64_t ffn) {
+#pragma omp parallel for schedule(static) if (rows * ffn >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* gate = x + t * 2 * ffn;
+    const float* up = gate + ffn;
+    float* yr = y + t * ffn;
+    for (int64_t j = 0; j < ffn; ++j) yr[j] = gate[j] * sigmoid(gate[j]) * up[j];
+  }
+}
+
+// d silu(g)/dg = s (1 + g (1 - s)), s = sigmoid(g).
+void swiglu_backward(const float* dy, const float* x, float* dx, int64_t rows, int64_t ffn) {
+#pragma omp parallel for schedule(static) if (rows * ffn >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* gate = x + t * 2 * ffn;
+    const float* up = gate + ffn;
+    const float* dyr = dy + t * ffn;
+    float* dgate = dx + t * 2 * ffn;
+    float* dup = dgate + ffn;
+    for (int64_t j = 0; j < ffn; ++j) {
+      float g = gate[j], u = up[j], s = sigmoid(g);
+      dgate[j] = dyr[j] * u * s * (1.0f + g * (1.0f - s));
+      dup[j] = dyr[j] * g * s;
+    }
+  }
+}
+
+// gelu(x) = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)).
+void gelu_forward(const float* x, float* y, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + std::erf(x[i] * kInvSqrt2));
+}
+
+// gelu'(x) = Phi(x) + x phi(x), phi the standard normal density.
+void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i];
+    float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
+    float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
+    dx[i] = dy[i] * (cdf + v * pdf);
+  }
+}
+
+}  // namespace cpu
+}  // namespace
+
+void swiglu_forward(const Tensor& x, Tensor& y) {
+  const char* op = "swiglu_forward";
+  check_f32(x, op, "x");
+  check_f32(y, op, "y");
+  auto [rows, ffn] = swiglu_shape(x, y, op, "y");
+  cpu::swiglu_forward(x.f32(), y.f32(), rows, ffn);
+}
+
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+  const char* op = "swiglu_backward";
+  check_f32(dy, op, "dy");
+  check_f32(x, op, "x");
+  check_f32(dx, op, "dx");
+  auto [rows, ffn] = swiglu_shape(x, dy, op, "dy");
+  check_same_shape(dx, x, op, "dx", "x");
+  cpu::swiglu_backward(dy.f32(), x.f32(), dx.f32(), rows, ffn);
+}
+
+void gelu_forward(const Tensor& x, Tensor& y) {
+  const char* op = "gelu_forward";
+  check_f32(x, op, "x");
+  check_f32(y, op, "y");
+  check_same_shape(y, x, op, "y", "x");
+  cpu::gelu_forward(x.f32(), y.f32(), x.numel());
+}
+
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+  const char* op = "gelu_backward";
+  check_f32(dy, op, "dy");
+  check_f32(x, op, "x");
+  check_f32(dx, op, "dx");
+  check_same_shape(dy, x, op, "dy", "x");
+  check_same_shape(dx, x, op, "dx", "x");
+  cpu::gelu_backward(dy.f32(), x.f32(), dx.f32(), x.numel());
+}
+
+}  // namespace megaton::ops

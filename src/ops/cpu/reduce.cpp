@@ -1,0 +1,133 @@
+// Elementwise updates and reductions on the CPU: add_, scale_, bias_add_, bias_backward,
+// sum_of_squares, sum.
+#include <algorithm>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace megaton::ops {
+namespace {
+
+// Below this many elements a parallel region costs more than it saves.
+constexpr int64_t kParallelMin = 1 << 15;
+
+void check_f32(const Tensor& t, const char* op, const char* name) {
+  MEGATON_CHECK(t.defined(), "{}: {} is undefined", op, name);
+  MEGATON_CHECK(t.dtype() == DType::F32, "{}: {} must be F32, got {}", op, name,
+                dtype_name(t.dtype()));
+}
+
+// A CUDA backend dispatches where this is called; this binary has only the CPU one.
+void require_cpu(const char* op, std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors)
+    MEGATON_CHECK(t->device() == Device::CPU, "{}: no CUDA backend in this build", op);
+}
+
+namespace cpu {
+
+void add(float* y, const float* x, float alpha, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+void scale(float* x, float s, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
+void bias_add(float* y, const float* bias, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    float* yr = y + t * cols;
+    for (int64_t j = 0; j < cols; ++j) yr[j] += bias[j];
+  }
+}
+
+// Columns are split into blocks, one thread per block, each summing all rows in token
+// order: no races, and the result does not depend on the thread count.
+void bias_backward(const float* dy, float* dbias, int64_t rows, int64_t cols) {
+  constexpr int64_t kBlock = 64;
+  int64_t blocks = (cols + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    int64_t j0 = blk * kBlock, j1 = std::min(cols, j0 + kBlock);
+    double acc[kBlock] = {};
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* dyr = dy + t * cols;
+      for (int64_t j = j0; j < j1; ++j) acc[j - j0] += dyr[j];
+    }
+    for (int64_t j = j0; j < j1; ++j) dbias[j] += float(acc[j - j0]);
+  }
+}
+
+// fp64 sum of f(x[i]) over fixed-size chunks, chunk sums added in order: the result is
+// the same for any thread count (a resumed or re-sharded run logs the same grad norm).
+template <typename F>
+double chunked_sum(const float* x, int64_t n, F f) {
+  constexpr int64_t kChunk = 4096;
+  int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(chunks);
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double s = 0;
+    for (int64_t i = c * kChunk, end = std::min(n, i + kChunk); i < end; ++i) s += f(x[i]);
+    partial[c] = s;
+  }
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+}  // namespace cpu
+}  // namespace
+
+void add_(Tensor& y, const Tensor& x, float alpha) {
+  check_f32(y, "add_", "y");
+  check_f32(x, "add_", "x");
+  MEGATON_CHECK(y.numel() == x.numel(), "add_: y {} and x {} differ in numel", shape_str(y.shape()),
+                shape_str(x.shape()));
+  require_cpu("add_", {&y, &x});
+  cpu::add(y.f32(), x.f32(), alpha, y.numel());
+}
+
+void scale_(Tensor& x, float s) {
+  check_f32(x, "scale_", "x");
+  require_cpu("scale_", {&x});
+  cpu::scale(x.f32(), s, x.numel());
+}
+
+void bias_add_(Tensor& y, const Tensor& bias) {
+  check_f32(y, "bias_add_", "y");
+  check_f32(bias, "bias_add_", "bias");
+  MEGATON_CHECK(y.ndim() >= 1 && bias.ndim() == 1 && bias.dim(0) == y.dim(-1),
+                "bias_add_: y {} with bias {} (bias must be [N], N = last dim of y)",
+                shape_str(y.shape()), shape_str(bias.shape()));
+  require_cpu("bias_add_", {&y, &bias});
+  int64_t cols = bias.dim(0);
+  cpu::bias_add(y.f32(), bias.f32(), cols ? y.numel() / cols : 0, cols);
+}
+
+void bias_backward(const Tensor& dy, Tensor& dbias) {
+  check_f32(dy, "bias_backward", "dy");
+  check_f32(dbias, "bias_backward", "dbias");
+  MEGATON_CHECK(dy.ndim() >= 1 && dbias.ndim() == 1 && dbias.dim(0) == dy.dim(-1),
+                "bias_backward: dy {} with dbias {} (dbias must be [N], N = last dim of dy)",
+                shape_str(dy.shape()), shape_str(dbias.shape()));
+  require_cpu("bias_backward", {&dy, &dbias});
+  int64_t cols = dbias.dim(0);
+  cpu::bias_backward(dy.f32(), dbias.f32(), cols ? dy.numel() / cols : 0, cols);
+}
+
+double sum_of_squares(const Tensor& x) {
+  check_f32(x, "sum_of_squares", "x");
+  require_cpu("sum_of_squares", {&x});
+  return cpu::chunked_sum(x.f32(), x.numel(), [](float v) { return double(v) * v; });
+}
+
+double sum(const Tensor& x) {
+  check_f32(x, "sum", "x");
+  require_cpu("sum", {&x});
+  return cpu::chunked_sum(x.f32(), x.numel(), [](float v) { return double(v); });
+}
+
+}  // namespace megaton::ops
