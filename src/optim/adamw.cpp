@@ -1,0 +1,56 @@
+// AdamW optimizer state and step.
+#include "optim/adamw.h"
+
+#include <set>
+
+#include "core/error.h"
+#include "ops/ops.h"
+
+namespace megaton::optim {
+
+AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
+    : params_(std::move(params)), config_(config) {
+  std::set<std::string> names;
+  exp_avg_.reserve(params_.size());
+  exp_avg_sq_.reserve(params_.size());
+  for (Param* p : params_) {
+    MEGATON_CHECK(p != nullptr, "null Param in the optimizer's list");
+    MEGATON_CHECK(p->weight.defined() && p->weight.dtype() == DType::F32,
+                  "param '{}' needs a defined fp32 weight", p->name);
+    MEGATON_CHECK(p->main_grad.defined() && p->main_grad.dtype() == DType::F32 &&
+                      p->main_grad.shape() == p->weight.shape(),
+                  "param '{}': main_grad {} {} does not match weight {}", p->name,
+                  dtype_name(p->main_grad.dtype()), shape_str(p->main_grad.shape()),
+                  shape_str(p->weight.shape()));
+    MEGATON_CHECK(names.insert(p->name).second, "two params named '{}'", p->name);
+    exp_avg_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
+    exp_avg_sq_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
+  }
+}
+
+void AdamW::step(float lr) {
+  ++step_count_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = *params_[i];
+    float weight_decay = p.no_weight_decay ? 0.0f : config_.weight_decay;
+    ops::adamw_step(p.weight, p.main_grad, exp_avg_[i], exp_avg_sq_[i], lr, config_.adam_beta1,
+                    config_.adam_beta2, config_.adam_eps, weight_decay, step_count_);
+  }
+}
+
+void AdamW::set_step_count(int64_t count) {
+  MEGATON_CHECK(count >= 0, "optimizer step count {}", count);
+  step_count_ = count;
+}
+
+std::vector<std::pair<std::string, Tensor*>> AdamW::state_tensors() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  out.reserve(2 * params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back(params_[i]->name + ".exp_avg", &exp_avg_[i]);
+    out.emplace_back(params_[i]->name + ".exp_avg_sq", &exp_avg_sq_[i]);
+  }
+  return out;
+}
+
+}  // namespace megaton::optim

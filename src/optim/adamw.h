@@ -1,0 +1,57 @@
+// AdamW: Megatron's default optimizer over fp32 main parameters and main gradients.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/param.h"
+
+namespace megaton::optim {
+
+// Megatron's argument defaults (--weight-decay, --adam-beta1, --adam-beta2, --adam-eps).
+struct AdamWConfig {
+  float weight_decay = 0.01f;
+  float adam_beta1 = 0.9f;
+  float adam_beta2 = 0.999f;
+  float adam_eps = 1e-8f;
+};
+
+// Decoupled-weight-decay Adam (Loshchilov & Hutter 2019) as Megatron runs it (Apex/TE
+// FusedAdam with adam_w_mode): the update itself is ops::adamw_step. Holds one fp32
+// exp_avg and exp_avg_sq per parameter, shaped like its weight, zero at construction.
+// Params with no_weight_decay (biases, norm weights) get weight decay 0.
+class AdamW {
+ public:
+  // `params` are not owned and must outlive the optimizer. Each needs a defined fp32
+  // weight and a main_grad of the same shape, and a unique name (state keys derive from
+  // it); otherwise InternalError (a bug in the model code, not a user mistake).
+  explicit AdamW(std::vector<Param*> params, AdamWConfig config = {});
+
+  // One update of every weight from its main_grad with learning rate `lr` (from the LR
+  // schedule). Increments the step count first, so the first call uses bias-correction
+  // step 1. Does not zero main_grad (the trainer does).
+  void step(float lr);
+
+  // Number of step() calls so far (restored from a checkpoint with set_step_count).
+  int64_t step_count() const { return step_count_; }
+  void set_step_count(int64_t count);
+
+  // Optimizer state for checkpointing, in parameter order: for each param
+  // "<name>.exp_avg" then "<name>.exp_avg_sq", fp32, the weight's shape. The pointers stay
+  // valid for the optimizer's life; loading a checkpoint copies into them.
+  std::vector<std::pair<std::string, Tensor*>> state_tensors();
+
+  const AdamWConfig& config() const { return config_; }
+  const std::vector<Param*>& params() const { return params_; }
+
+ private:
+  std::vector<Param*> params_;
+  AdamWConfig config_;
+  std::vector<Tensor> exp_avg_;
+  std::vector<Tensor> exp_avg_sq_;
+  int64_t step_count_ = 0;
+};
+
+}  // namespace megaton::optim
