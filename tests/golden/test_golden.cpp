@@ -30,7 +30,9 @@ Golden load_golden(const std::string& name) {
   c.num_attention_heads = hf.at("num_attention_heads");
   c.group_query_attention = true;
   c.num_query_groups = hf.at("num_key_value_heads");
-  c.kv_channels = hf.value("head_dim", c.hidden_size / c.num_attention_heads);
+  c.kv_channels = hf.contains("head_dim") && !hf["head_dim"].is_null()
+                      ? hf["head_dim"].get<int64_t>()
+                      : c.hidden_size / c.num_attention_heads;
   c.vocab_size = hf.at("vocab_size");
   c.make_vocab_size_divisible_by = 1;  // HF does not pad; keep the logits comparable
   c.seq_length = g.file.tensors.at("input.tokens").dim(1);
@@ -39,7 +41,8 @@ Golden load_golden(const std::string& name) {
   c.norm_epsilon = hf.at("rms_norm_eps");
   c.swiglu = true;
   c.position_embedding_type = PositionEmbedding::Rope;
-  c.rotary_base = hf.value("rope_theta", 10000.0f);
+  c.rotary_base = 10000.0f;
+  if (hf.contains("rope_theta") && !hf["rope_theta"].is_null()) c.rotary_base = hf["rope_theta"];
   if (hf.contains("rope_parameters") && hf["rope_parameters"].contains("rope_theta"))
     c.rotary_base = hf["rope_parameters"]["rope_theta"];
   c.untie_embeddings_and_output_weights = !hf.value("tie_word_embeddings", false);
@@ -74,7 +77,8 @@ void check_parity(const std::string& file) {
 
   Tensor logits = model.logits(tokens);
   Tensor ref_logits = g.file.tensors.at("output.logits");
-  EXPECT_LE(testing::rel_error(logits, ref_logits), 1e-4) << file << " logits";
+  double logits_error = testing::rel_error(logits, ref_logits);
+  EXPECT_LE(logits_error, 1e-4) << file << " logits";
 
   ForwardContext ctx{false, 1, 0, 0};
   MicroBatchLoss out = model.forward(tokens, labels, ctx);
@@ -86,10 +90,16 @@ void check_parity(const std::string& file) {
   Tensor dlosses = Tensor::empty({T});
   dlosses.fill(1.0f / float(T));
   model.backward(dlosses, 1.0f);
+  double worst_grad_error = 0;
   for (Param* p : model.params()) {
     ASSERT_TRUE(grads.count(p->name)) << p->name;
-    EXPECT_LE(testing::rel_error(p->main_grad, grads[p->name]), 1e-4) << file << " grad " << p->name;
+    double e = testing::rel_error(p->main_grad, grads[p->name]);
+    worst_grad_error = std::max(worst_grad_error, e);
+    EXPECT_LE(e, 1e-4) << file << " grad " << p->name;
   }
+  std::printf("%s: logits rel error %.2e, loss rel error %.2e, worst gradient rel error %.2e\n",
+              file.c_str(), logits_error, std::fabs(loss - ref_loss) / std::fabs(ref_loss),
+              worst_grad_error);
 }
 
 TEST(Golden, LlamaMatchesHuggingFace) { check_parity("llama_tiny.safetensors"); }
