@@ -1,0 +1,134 @@
+// Whole-model gradients against central finite differences, for the configurations the
+// Hugging Face golden files do not cover (LayerNorm, learned positions, GeLU, biases,
+// tied embeddings) and for the MoE aux-loss gradient injected into the router.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "common/testing.h"
+#include "model/gpt.h"
+#include "ops/ops.h"
+
+namespace megaton {
+namespace {
+
+struct Case {
+  const char* name;
+  GPTConfig cfg;
+};
+
+GPTConfig base_config() {
+  GPTConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.seq_length = 6;
+  c.vocab_size = 23;
+  c.make_vocab_size_divisible_by = 8;  // padded to 24: padding rows take part as in Megatron
+  c.hidden_dropout = c.attention_dropout = 0.0f;
+  c.init_method_std = 0.3f;            // large enough that every path carries gradient
+  return c;
+}
+
+// Objective = sum_t w_t * loss_t + aux losses; backward(w, 1) must be its gradient.
+double objective(GPTModel& model, const Tensor& tokens, const Tensor& labels, const Tensor& w) {
+  ForwardContext ctx{false, 1, 0, 0};
+  MicroBatchLoss out = model.forward(tokens, labels, ctx);
+  return testing::dot(w, out.losses) + out.aux_loss;
+}
+
+void check_gradients(GPTConfig cfg) {
+  cfg.finalize();
+  uint64_t seed = testing::test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  GPTModel model(cfg, seed);
+  const int64_t B = 2, S = cfg.seq_length;
+  Tensor tokens = testing::randint({B, S}, int32_t(cfg.vocab_size), seed + 1);
+  Tensor labels = testing::randint({B, S}, int32_t(cfg.vocab_size), seed + 2);
+  Tensor w = testing::randn({B * S}, seed + 3, 0.5f);
+
+  objective(model, tokens, labels, w);
+  model.backward(w, 1.0f);
+
+  std::mt19937_64 pick(seed + 4);
+  for (Param* p : model.params()) {
+    // Finite differences of up to 12 random elements per parameter.
+    int64_t n = p->weight.numel();
+    for (int s = 0; s < std::min<int64_t>(12, n); ++s) {
+      int64_t i = int64_t(pick() % uint64_t(n));
+      float orig = p->weight.f32()[i];
+      const float eps = 1e-2f;
+      p->weight.f32()[i] = orig + eps;
+      double up = objective(model, tokens, labels, w);
+      p->weight.f32()[i] = orig - eps;
+      double down = objective(model, tokens, labels, w);
+      p->weight.f32()[i] = orig;
+      double fd = (up - down) / (2 * eps);
+      double analytic = p->main_grad.f32()[i];
+      // fp32 forward, eps 1e-2: truncation error O(eps^2 * f''') and rounding error
+      // O(1e-7 * |f| / eps) are both around 1e-4 here.
+      EXPECT_NEAR(analytic, fd, 2e-3 + 2e-2 * std::fabs(fd)) << p->name << "[" << i << "]";
+    }
+  }
+}
+
+TEST(ModelGradients, LayerNormLearnedPositionsGeluBiasesTied) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::LayerNorm;
+  c.position_embedding_type = PositionEmbedding::LearnedAbsolute;
+  c.max_position_embeddings = 8;
+  c.disable_bias_linear = false;
+  c.untie_embeddings_and_output_weights = false;
+  check_gradients(c);
+}
+
+TEST(ModelGradients, MoEWithAuxLossPreSoftmaxAndDenseLayers) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.swiglu = true;
+  c.disable_bias_linear = true;
+  c.untie_embeddings_and_output_weights = true;
+  c.group_query_attention = true;
+  c.num_query_groups = 2;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 12;
+  c.moe_router_topk = 2;
+  c.moe_layer_freq = 2;  // layer 0 MoE, layer 1 dense
+  c.moe_router_pre_softmax = true;
+  c.moe_aux_loss_coeff = 0.5f;  // large, so a wrong aux gradient would show
+  check_gradients(c);
+}
+
+TEST(ModelGradients, MoEBiasesGelu) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.num_experts = 3;
+  c.moe_ffn_hidden_size = 10;
+  c.moe_router_topk = 1;
+  c.moe_aux_loss_coeff = 0.1f;
+  check_gradients(c);
+}
+
+TEST(ModelConfig, PadsVocabularyAndRejectsBadShapes) {
+  GPTConfig c = base_config();
+  c.finalize();
+  EXPECT_EQ(c.padded_vocab_size, 24);
+  EXPECT_EQ(c.kv_channels, 4);
+  EXPECT_EQ(c.ffn_hidden_size, 64);
+  GPTConfig bad = base_config();
+  bad.num_attention_heads = 3;
+  EXPECT_THROW(bad.finalize(), Error);
+  bad = base_config();
+  bad.num_experts = 2;
+  bad.moe_router_topk = 3;
+  EXPECT_THROW(bad.finalize(), Error);
+  bad = base_config();
+  bad.group_query_attention = true;
+  bad.num_query_groups = 3;
+  EXPECT_THROW(bad.finalize(), Error);
+}
+
+}  // namespace
+}  // namespace megaton
