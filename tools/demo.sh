@@ -7,17 +7,8 @@ cd "$(dirname "$0")/.."
 config=${1:-configs/demo-moe.yaml}
 bash tools/install_deps.sh
 bash tools/build.sh
-mkdir -p data
+bash tools/prepare_fortunes.sh
 megaton=build/megaton
-corpus=/usr/share/games/fortunes
-if [ ! -f data/fortunes_sp.model ]; then
-  $megaton tokenizer train --input "$corpus" --input-format fortune --vocab-size 8000 \
-    --output-prefix data/fortunes_sp
-fi
-if [ ! -f data/fortunes_text_document.idx ]; then
-  $megaton preprocess --input "$corpus" --input-format fortune --output-prefix data/fortunes \
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model data/fortunes_sp.model --workers 2
-fi
 name=$(basename "$config" .yaml)
 rm -rf "runs/$name"
 $megaton train --config "$config" --save "runs/$name" | tee "runs/$name.log"
