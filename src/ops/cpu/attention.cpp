@@ -6,7 +6,6 @@
 // Backward recomputes the probabilities from q, k and the saved lse (FlashAttention-2,
 // Dao 2023, Algorithm 2) instead of storing the [S, S] matrix.
 #include <cblas.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <climits>
@@ -72,51 +71,53 @@ AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float
   check_f32_cpu(k, "k");
   check_f32_cpu(v, "v");
   MEGATON_CHECK(q.ndim() == 4, "attention: q must be [B, S, Hq, D], got {}", shape_str(q.shape()));
-  MEGATON_CHECK(k.ndim() == 4, "attention: k must be [B, S, Hkv, D], got {}",
-                shape_str(k.shape()));
+  MEGATON_CHECK(k.ndim() == 4, "attention: k must be [B, S, Hkv, D], got {}", shape_str(k.shape()));
   AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3)};
   MEGATON_CHECK(d.Hq > 0 && d.D > 0, "attention: q {} has no heads or an empty head dim",
                 shape_str(q.shape()));
   MEGATON_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0,
-                "attention: query heads {} must be a multiple of key/value heads {}", d.Hq,
-                d.Hkv);
+                "attention: query heads {} must be a multiple of key/value heads {}", d.Hq, d.Hkv);
   check_shape(k, {d.B, d.S, d.Hkv, d.D}, "k");
   check_shape(v, {d.B, d.S, d.Hkv, d.D}, "v");
   MEGATON_CHECK(d.S <= INT_MAX && d.q_row() <= INT_MAX,
                 "attention: S {} or Hq * D {} exceed the 32-bit BLAS interface", d.S, d.q_row());
-  MEGATON_CHECK(dropout_p >= 0.0f && dropout_p < 1.0f,
-                "attention: dropout_p {} must be in [0, 1)", dropout_p);
+  MEGATON_CHECK(dropout_p >= 0.0f && dropout_p < 1.0f, "attention: dropout_p {} must be in [0, 1)",
+                dropout_p);
   return d;
 }
 
-// Multiplies probs[i, 0..i] in place by keep / (1 - p), the dropout mask of
-// ops::dropout_forward applied to the probabilities: element (b, h, i, j) uses Philox
-// index ((b * Hq + h) * S + i) * S + j of `stream`. probs is [rows, ld] starting at row i0.
-void apply_dropout(float* probs, int64_t ld, int64_t i0, int64_t rows, int64_t S,
-                   uint64_t head_base, float p, const Philox& philox, uint64_t stream) {
-  const float scale = 1.0f / (1.0f - p);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = i0 + r;
-    const uint64_t row_base = (head_base + uint64_t(i)) * uint64_t(S);
-    float* row = probs + r * ld;
-    for (int64_t j = 0; j <= i; ++j)
-      row[j] = philox.uniform(stream, row_base + uint64_t(j)) >= p ? row[j] * scale : 0.0f;
+// The dropout mask on the probabilities, regenerated identically in forward and backward.
+// Probability (b, h, i, j) is kept when Philox(seed).uniform(stream, index) >= p, index =
+// ((b * Hq + h) * S + i) * S + j (the rule of ops::dropout_forward), and kept values are
+// scaled by 1 / (1 - p).
+struct AttentionDropout {
+  Philox philox;
+  uint64_t stream;
+  float p;
+  float keep_scale;  // 1 / (1 - p)
+  int64_t S;
+  // Philox index of (bh, i, 0), with bh = b * Hq + h.
+  uint64_t row_index(int64_t bh, int64_t i) const {
+    return (uint64_t(bh) * uint64_t(S) + uint64_t(i)) * uint64_t(S);
   }
-}
+  // keep / (1 - p) for element j of the row starting at row_index.
+  float multiplier(uint64_t row_index, int64_t j) const {
+    return philox.uniform(stream, row_index + uint64_t(j)) >= p ? keep_scale : 0.0f;
+  }
+};
 
 // scores[r, j] = scale * q[i0 + r] . k[j] for j < cols, one GEMM. q_h and k_h point at
 // the head's first row; rows are strided by the [B, S, heads, D] layout.
 void block_scores(const AttentionDims& d, const float* q_h, const float* k_h, int64_t i0,
                   int64_t rows, int64_t cols, float scale, float* scores, int64_t ld) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(cols), int(d.D), scale,
-              q_h + i0 * d.q_row(), int(d.q_row()), k_h, int(d.kv_row()), 0.0f, scores,
-              int(ld));
+              q_h + i0 * d.q_row(), int(d.q_row()), k_h, int(d.kv_row()), 0.0f, scores, int(ld));
 }
 
 }  // namespace
 
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                       Tensor& lse, float dropout_p, uint64_t seed, uint64_t stream) {
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                       float dropout_p, uint64_t seed, uint64_t stream) {
   const AttentionDims d = check_qkv(q, k, v, dropout_p);
   check_f32_cpu(out, "out");
   check_f32_cpu(lse, "lse");
@@ -125,7 +126,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   if (d.B == 0 || d.S == 0) return;
 
   const float scale = 1.0f / std::sqrt(float(d.D));
-  const Philox philox(seed);
+  const AttentionDropout dropout{Philox(seed), stream, dropout_p, 1.0f / (1.0f - dropout_p), d.S};
   const float *qp = q.f32(), *kp = k.f32(), *vp = v.f32();
   float *op = out.f32(), *lp = lse.f32();
   const int64_t S = d.S;
@@ -163,21 +164,26 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
           for (int64_t j = i + 1; j < cols; ++j) row[j] = 0.0f;
           lse_h[i] = row_max + float(std::log(sum));
         }
-        if (dropout_p > 0.0f)
-          apply_dropout(probs.data(), S, i0, rows, S, uint64_t(bh) * uint64_t(S), dropout_p,
-                        philox, stream);
+        if (dropout_p > 0.0f) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r;
+            const uint64_t row_index = dropout.row_index(bh, i);
+            float* row = probs.data() + r * S;
+            for (int64_t j = 0; j <= i; ++j) row[j] *= dropout.multiplier(row_index, j);
+          }
+        }
         // out[i0 : i0 + rows] = probs[:, :cols] @ v[:cols]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d.D), int(cols),
-                    1.0f, probs.data(), int(S), v_h, int(d.kv_row()), 0.0f,
-                    o_h + i0 * d.q_row(), int(d.q_row()));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d.D), int(cols), 1.0f,
+                    probs.data(), int(S), v_h, int(d.kv_row()), 0.0f, o_h + i0 * d.q_row(),
+                    int(d.q_row()));
       }
     }
   }
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
-                        Tensor& dv, float dropout_p, uint64_t seed, uint64_t stream) {
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                        float dropout_p, uint64_t seed, uint64_t stream) {
   const AttentionDims d = check_qkv(q, k, v, dropout_p);
   check_f32_cpu(dout, "dout");
   check_f32_cpu(out, "out");
@@ -194,7 +200,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   if (d.B == 0 || d.S == 0) return;
 
   const float scale = 1.0f / std::sqrt(float(d.D));
-  const Philox philox(seed);
+  const AttentionDropout dropout{Philox(seed), stream, dropout_p, 1.0f / (1.0f - dropout_p), d.S};
   const int64_t S = d.S, D = d.D;
   const float *qp = q.f32(), *kp = k.f32(), *vp = v.f32(), *dop = dout.f32(), *op = out.f32(),
               *lp = lse.f32();
@@ -225,10 +231,8 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
       const float* o_h = op + b * S * d.q_row() + h * D;
       const float* lse_h = lp + bh * S;
       float* dq_h = dqp + b * S * d.q_row() + h * D;
-      float* dk_h =
-          group > 1 ? dk_heads.data() + bh * S * D : dkp + b * S * d.kv_row() + hkv * D;
-      float* dv_h =
-          group > 1 ? dv_heads.data() + bh * S * D : dvp + b * S * d.kv_row() + hkv * D;
+      float* dk_h = group > 1 ? dk_heads.data() + bh * S * D : dkp + b * S * d.kv_row() + hkv * D;
+      float* dv_h = group > 1 ? dv_heads.data() + bh * S * D : dvp + b * S * d.kv_row() + hkv * D;
       const int64_t ld_dkv = group > 1 ? D : d.kv_row();
       for (int64_t s = 0; s < S; ++s) {
         std::fill(dk_h + s * ld_dkv, dk_h + s * ld_dkv + D, 0.0f);
@@ -255,18 +259,16 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                     do_h + i0 * d.q_row(), int(d.q_row()), v_h, int(d.kv_row()), 0.0f,
                     dprobs.data(), int(S));
         if (dropout_p > 0.0f) {
-          // probs becomes P o M (for dv) and dprobs becomes dP = M o dP~, M = keep/(1-p).
-          // The mask is regenerated from the same Philox indices as the forward.
-          const float keep_scale = 1.0f / (1.0f - dropout_p);
+          // probs becomes P o M (for dv) and dprobs becomes dP = M o dP~, with M the
+          // forward's mask regenerated.
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
-            const uint64_t row_base = (uint64_t(bh) * uint64_t(S) + uint64_t(i)) * uint64_t(S);
+            const uint64_t row_index = dropout.row_index(bh, i);
             float* p_row = probs.data() + r * S;
             float* dp_row = dprobs.data() + r * S;
             for (int64_t j = 0; j <= i; ++j) {
-              const float m =
-                  philox.uniform(stream, row_base + uint64_t(j)) >= dropout_p ? keep_scale : 0.0f;
-              // dS needs P itself: keep it in dp_row as P o (dP - delta) right away.
+              const float m = dropout.multiplier(row_index, j);
+              // dS needs P itself, so form P o (dP - delta) before P is overwritten.
               const float p = p_row[j];
               p_row[j] = p * m;
               dp_row[j] = p * (dp_row[j] * m - row_dot[r]);
@@ -282,15 +284,15 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
             for (int64_t j = i + 1; j < cols; ++j) dp_row[j] = 0.0f;
           }
         }
-        // dprobs now holds dS (gradient of the unscaled-by-softmax scores).
+        // dprobs now holds dS, the gradient of the scores q k^T / sqrt(D).
         // dv[:cols] += (P o M)^T dout[block]
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(D), int(rows), 1.0f,
                     probs.data(), int(S), do_h + i0 * d.q_row(), int(d.q_row()), 1.0f, dv_h,
                     int(ld_dkv));
         // dq[block] = scale * dS k[:cols]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(D), int(cols),
-                    scale, dprobs.data(), int(S), k_h, int(d.kv_row()), 0.0f,
-                    dq_h + i0 * d.q_row(), int(d.q_row()));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(D), int(cols), scale,
+                    dprobs.data(), int(S), k_h, int(d.kv_row()), 0.0f, dq_h + i0 * d.q_row(),
+                    int(d.q_row()));
         // dk[:cols] += scale * dS^T q[block]
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(D), int(rows), scale,
                     dprobs.data(), int(S), q_h + i0 * d.q_row(), int(d.q_row()), 1.0f, dk_h,

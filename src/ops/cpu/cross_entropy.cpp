@@ -27,8 +27,7 @@ void check_logits_labels(const Tensor& logits, const Tensor& labels) {
   MEGATON_CHECK(logits.ndim() == 2 && logits.dim(1) > 0,
                 "cross_entropy: logits must be [T, V] with V > 0, got {}",
                 shape_str(logits.shape()));
-  MEGATON_CHECK(labels.defined() && labels.device() == Device::CPU &&
-                    labels.dtype() == DType::I32,
+  MEGATON_CHECK(labels.defined() && labels.device() == Device::CPU && labels.dtype() == DType::I32,
                 "cross_entropy: labels must be an allocated CPU I32 tensor");
   const int64_t T = logits.dim(0), V = logits.dim(1);
   MEGATON_CHECK(labels.shape() == Shape{T}, "cross_entropy: labels {} must be [{}]",

@@ -5,6 +5,7 @@
 // moe_utils.permute with a routing map), and row_id_map records which copy each permuted
 // row holds. The other ops invert that map once (copy -> row) so every output row is
 // written by one iteration and the loops parallelise without atomics.
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -19,8 +20,7 @@ constexpr int64_t kParallelMin = int64_t(1) << 15;
 
 void check_f32_cpu(const Tensor& t, const char* name) {
   MEGATON_CHECK(t.defined(), "moe_permute: {} must be allocated", name);
-  MEGATON_CHECK(t.device() == Device::CPU, "moe_permute: {}: only the CPU backend is built",
-                name);
+  MEGATON_CHECK(t.device() == Device::CPU, "moe_permute: {}: only the CPU backend is built", name);
   MEGATON_CHECK(t.dtype() == DType::F32, "moe_permute: {} must be F32, got {}", name,
                 dtype_name(t.dtype()));
 }
@@ -45,8 +45,8 @@ std::vector<int64_t> invert_row_id_map(const Tensor& row_id_map, int64_t copies)
   for (int64_t r = 0; r < copies; ++r) {
     const int32_t c = map[r];
     MEGATON_CHECK(c >= 0 && c < copies && row_of_copy[c] < 0,
-                  "moe_permute: row_id_map[{}] = {} is out of range or repeated ({} copies)", r,
-                  c, copies);
+                  "moe_permute: row_id_map[{}] = {} is out of range or repeated ({} copies)", r, c,
+                  copies);
     row_of_copy[c] = r;
   }
   return row_of_copy;
@@ -64,6 +64,8 @@ void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor
                 "moe_permute: indices {} must be [T = {}, k]", shape_str(indices.shape()), T);
   MEGATON_CHECK(num_experts >= 1, "moe_permute: num_experts {} must be >= 1", num_experts);
   const int64_t k = indices.dim(1), copies = T * k;
+  MEGATON_CHECK(copies <= INT32_MAX, "moe_permute: {} token copies overflow the int32 row_id_map",
+                copies);
   check_f32_cpu(permuted, "permuted");
   check_shape(permuted, {copies, H}, "permuted");
   check_i32_cpu(row_id_map, "row_id_map");
@@ -79,8 +81,7 @@ void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor
   std::vector<int64_t> counts(num_experts, 0);
   for (int64_t c = 0; c < copies; ++c) {
     MEGATON_CHECK(idx[c] >= 0 && idx[c] < num_experts,
-                  "moe_permute: expert index {} of copy {} not in [0, {})", idx[c], c,
-                  num_experts);
+                  "moe_permute: expert index {} of copy {} not in [0, {})", idx[c], c, num_experts);
     ++counts[idx[c]];
   }
   std::vector<int64_t> next_row(num_experts, 0);
@@ -124,8 +125,7 @@ void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Ten
   check_f32_cpu(out, "out");
   MEGATON_CHECK(probs.ndim() == 2, "moe_permute: probs must be [T, k], got {}",
                 shape_str(probs.shape()));
-  MEGATON_CHECK(out.ndim() == 2, "moe_permute: out must be [T, H], got {}",
-                shape_str(out.shape()));
+  MEGATON_CHECK(out.ndim() == 2, "moe_permute: out must be [T, H], got {}", shape_str(out.shape()));
   const int64_t T = probs.dim(0), k = probs.dim(1), H = out.dim(1), copies = T * k;
   check_shape(out, {T, H}, "out");
   check_shape(expert_out, {copies, H}, "expert_out");
@@ -144,9 +144,8 @@ void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Ten
   }
 }
 
-void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
-                            const Tensor& row_id_map, const Tensor& probs,
-                            Tensor& dexpert_out, Tensor& dprobs) {
+void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out, const Tensor& row_id_map,
+                            const Tensor& probs, Tensor& dexpert_out, Tensor& dprobs) {
   check_f32_cpu(dout, "dout");
   check_f32_cpu(expert_out, "expert_out");
   check_f32_cpu(probs, "probs");

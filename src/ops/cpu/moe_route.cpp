@@ -49,9 +49,8 @@ void softmax_row(const float* x, int64_t n, float* y) {
 void topk_row(const float* x, int64_t n, int k, std::vector<int32_t>& order, int32_t* out) {
   order.resize(n);
   std::iota(order.begin(), order.end(), 0);
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [x](int32_t a, int32_t b) {
-    return x[a] > x[b] || (x[a] == x[b] && a < b);
-  });
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
   std::copy(order.begin(), order.begin() + k, out);
 }
 
@@ -63,9 +62,9 @@ void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Ten
   const int64_t T = logits.dim(0), E = logits.dim(1);
   check_f32_cpu(probs, "probs");
   check_shape(probs, {T, k}, "probs");
-  MEGATON_CHECK(indices.defined() && indices.device() == Device::CPU &&
-                    indices.dtype() == DType::I32,
-                "moe_route: indices must be an allocated CPU I32 tensor");
+  MEGATON_CHECK(
+      indices.defined() && indices.device() == Device::CPU && indices.dtype() == DType::I32,
+      "moe_route: indices must be an allocated CPU I32 tensor");
   check_shape(indices, {T, k}, "indices");
   const float* x = logits.f32();
   float* p = probs.f32();
@@ -105,16 +104,16 @@ void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const
   check_shape(probs, {T, k}, "probs");
   check_f32_cpu(dprobs, "dprobs");
   check_shape(dprobs, {T, k}, "dprobs");
-  MEGATON_CHECK(indices.defined() && indices.device() == Device::CPU &&
-                    indices.dtype() == DType::I32,
-                "moe_route: indices must be an allocated CPU I32 tensor");
+  MEGATON_CHECK(
+      indices.defined() && indices.device() == Device::CPU && indices.dtype() == DType::I32,
+      "moe_route: indices must be an allocated CPU I32 tensor");
   check_shape(indices, {T, k}, "indices");
   check_f32_cpu(dlogits, "dlogits");
   check_shape(dlogits, {T, E}, "dlogits");
   const int32_t* idx = indices.i32();
   for (int64_t i = 0; i < T * k; ++i)
-    MEGATON_CHECK(idx[i] >= 0 && idx[i] < E, "moe_route: index {} at {} not in [0, {})", idx[i],
-                  i, E);
+    MEGATON_CHECK(idx[i] >= 0 && idx[i] < E, "moe_route: index {} at {} not in [0, {})", idx[i], i,
+                  E);
 
   const float *x = logits.f32(), *p = probs.f32(), *dp = dprobs.f32();
   float* dx = dlogits.f32();
@@ -182,9 +181,8 @@ float moe_aux_loss_forward(const Tensor& logits, int k, float coeff, Tensor& sco
   return float(double(coeff) * double(E) / (double(k) * double(T) * double(T)) * aux);
 }
 
-void moe_aux_loss_backward(float grad_scale, const Tensor& scores,
-                           const Tensor& tokens_per_expert, int k, float coeff,
-                           Tensor& dlogits) {
+void moe_aux_loss_backward(float grad_scale, const Tensor& scores, const Tensor& tokens_per_expert,
+                           int k, float coeff, Tensor& dlogits) {
   check_f32_cpu(scores, "scores");
   MEGATON_CHECK(scores.ndim() == 2, "moe_route: scores must be [T, E], got {}",
                 shape_str(scores.shape()));
