@@ -4,6 +4,7 @@
 #include <memory>
 #include <vector>
 
+#include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
 #include "data/tokenizer.h"
 #include "model/gpt.h"
