@@ -9,7 +9,7 @@ iters=${2:-12}
 bash tools/prepare_fortunes.sh
 log=$(mktemp)
 build/megaton train --config "$config" --train-iters "$iters" --log-interval 1 \
-  --eval-iters 0 --save-interval 0 > "$log"
+  --eval-iters 0 --save-interval 0 --lr-warmup-iters 1 > "$log"
 python3 - "$log" "$config" <<'PY'
 import re, statistics, sys
 rows = [l for l in open(sys.argv[1]) if l.startswith(" iteration")]

@@ -3,7 +3,7 @@
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config     # compiler and build
-  libopenblas-dev                      # CPU GEMM
+  libopenblas-dev libopenblas-openmp-dev  # CPU GEMM (the OpenMP build)
   libsentencepiece-dev sentencepiece   # tokenizer
   libyaml-cpp-dev                      # configs/*.yaml
   nlohmann-json3-dev                   # checkpoint metadata, safetensors headers

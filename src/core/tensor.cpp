@@ -3,6 +3,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 namespace megaton {
 
@@ -12,13 +14,57 @@ std::string shape_str(const Shape& s) {
   return out + "]";
 }
 
+namespace {
+// Caching host allocator: freed blocks are kept per exact (64-byte rounded) size and
+// handed out again. A training step allocates the same shapes every iteration, so after
+// the first step no allocation reaches the OS (no mmap/munmap, no page faults).
+class HostBlockCache {
+ public:
+  void* allocate(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        return p;
+      }
+    }
+    void* p = std::aligned_alloc(64, bytes);
+    MEGATON_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+    return p;
+  }
+  void release(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_[bytes].push_back(p);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<size_t, std::vector<void*>> free_;
+};
+HostBlockCache& host_cache() {
+  static HostBlockCache* cache = new HostBlockCache();  // never destroyed: outlives tensors
+  return *cache;
+}
+// Size classes: multiples of 64 bytes up to 4 KiB, then 8 classes per power of two
+// (at most 12.5% slack), so sizes that vary from step to step (tokens per expert)
+// share a bounded set of blocks.
+size_t rounded_bytes(size_t n) {
+  if (n <= 4096) return (n + 63) / 64 * 64;
+  size_t top = size_t(1) << (63 - __builtin_clzll(n - 1));  // largest power of two < n
+  size_t step = top / 8;
+  return (n + step - 1) / step * step;
+}
+}  // namespace
+
 Storage::Storage(size_t n, Device dev) : bytes(n), device(dev) {
   MEGATON_CHECK(dev == Device::CPU, "CUDA storage is not built in this binary");
-  size_t rounded = (n + 63) / 64 * 64;
-  data = rounded ? std::aligned_alloc(64, rounded) : nullptr;
-  MEGATON_CHECK(rounded == 0 || data != nullptr, "out of host memory allocating {} bytes", n);
+  data = n ? host_cache().allocate(rounded_bytes(n)) : nullptr;
 }
-Storage::~Storage() { std::free(data); }
+Storage::~Storage() {
+  if (data) host_cache().release(data, rounded_bytes(bytes));
+}
 
 static int64_t numel_of(const Shape& s) {
   int64_t n = 1;
