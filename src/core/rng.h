@@ -3,6 +3,13 @@
 #include <cmath>
 #include <cstdint>
 
+// Callable from CUDA kernels too, so a GPU dropout mask equals the CPU one bit for bit.
+#ifdef __CUDACC__
+#define MEGATON_HD __host__ __device__
+#else
+#define MEGATON_HD
+#endif
+
 namespace megaton {
 
 // Philox4x32 with 10 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2,
@@ -11,10 +18,10 @@ namespace megaton {
 // backward and a resumed run draws the same numbers as an uninterrupted one.
 struct Philox {
   uint32_t key[2];
-  explicit Philox(uint64_t seed) : key{uint32_t(seed), uint32_t(seed >> 32)} {}
+  MEGATON_HD explicit Philox(uint64_t seed) : key{uint32_t(seed), uint32_t(seed >> 32)} {}
 
   // Four 32-bit outputs for the 128-bit counter (c0 = low 64 bits, c1 = high 64 bits).
-  void generate(uint64_t c0, uint64_t c1, uint32_t out[4]) const {
+  MEGATON_HD void generate(uint64_t c0, uint64_t c1, uint32_t out[4]) const {
     uint32_t c[4] = {uint32_t(c0), uint32_t(c0 >> 32), uint32_t(c1), uint32_t(c1 >> 32)};
     uint32_t k0 = key[0], k1 = key[1];
     for (int round = 0; round < 10; ++round) {
@@ -32,14 +39,14 @@ struct Philox {
   }
 
   // Uniform in [0, 1) for element `index` of stream `stream` (24-bit resolution).
-  float uniform(uint64_t stream, uint64_t index) const {
+  MEGATON_HD float uniform(uint64_t stream, uint64_t index) const {
     uint32_t out[4];
     generate(index, stream, out);
     return float(out[0] >> 8) * (1.0f / 16777216.0f);
   }
 
   // Standard normal for element `index` of stream `stream` (Box-Muller on two outputs).
-  float normal(uint64_t stream, uint64_t index) const {
+  MEGATON_HD float normal(uint64_t stream, uint64_t index) const {
     uint32_t out[4];
     generate(index, stream, out);
     double u1 = (double(out[0]) + 1.0) / 4294967297.0;  // (0, 1]

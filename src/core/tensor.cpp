@@ -1,6 +1,11 @@
 // Tensor storage, views, copies and conversions.
 #include "core/tensor.h"
 
+#ifdef MEGATON_WITH_CUDA
+#include "core/cuda/allocator.h"
+#include "core/cuda/cuda_check.h"
+#endif
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -59,11 +64,42 @@ size_t rounded_bytes(size_t n) {
 }  // namespace
 
 Storage::Storage(size_t n, Device dev) : bytes(n), device(dev) {
-  MEGATON_CHECK(dev == Device::CPU, "CUDA storage is not built in this binary");
+  if (dev == Device::CUDA) {
+#ifdef MEGATON_WITH_CUDA
+    data = n ? cuda::device_allocate(n) : nullptr;
+    return;
+#else
+    throw Error("a CUDA tensor was requested, but this megaton was built without CUDA");
+#endif
+  }
   data = n ? host_cache().allocate(rounded_bytes(n)) : nullptr;
 }
 Storage::~Storage() {
-  if (data) host_cache().release(data, rounded_bytes(bytes));
+  if (!data) return;
+#ifdef MEGATON_WITH_CUDA
+  if (device == Device::CUDA) {
+    cuda::device_free(data, bytes);
+    return;
+  }
+#endif
+  host_cache().release(data, rounded_bytes(bytes));
+}
+
+// Copies `bytes` between any two storages (host or device), in stream order; waits for
+// the copy when the destination is host memory so the caller can read it at once.
+static void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device,
+                       size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device == Device::CPU && src_device == Device::CPU) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+#ifdef MEGATON_WITH_CUDA
+  MEGATON_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda::stream()));
+  if (dst_device == Device::CPU || src_device == Device::CPU) cuda::synchronize();
+#else
+  MEGATON_CHECK(false, "CUDA copy in a build without CUDA");
+#endif
 }
 
 static int64_t numel_of(const Shape& s) {
@@ -140,7 +176,14 @@ Tensor Tensor::rows(int64_t start, int64_t count) const {
 
 Tensor Tensor::clone() const {
   Tensor t = empty(shape_, dtype_, device());
-  std::memcpy(t.raw(), raw(), nbytes());
+  copy_bytes(t.raw(), t.device(), raw(), device(), nbytes());
+  return t;
+}
+
+Tensor Tensor::to(Device device_out) const {
+  if (device_out == device()) return *this;
+  Tensor t = empty(shape_, dtype_, device_out);
+  copy_bytes(t.raw(), device_out, raw(), device(), nbytes());
   return t;
 }
 
@@ -148,11 +191,12 @@ void Tensor::copy_from(const Tensor& src) {
   MEGATON_CHECK(src.numel() == numel() && src.dtype() == dtype_, "copy {} {} into {} {}",
                 dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dtype_),
                 shape_str(shape_));
-  std::memmove(raw(), src.raw(), nbytes());
+  copy_bytes(raw(), device(), src.raw(), src.device(), nbytes());
 }
 
 float Tensor::item(int64_t i) const {
   MEGATON_CHECK(i >= 0 && i < numel(), "item {} of {} elements", i, numel());
+  if (device() != Device::CPU) return to(Device::CPU).item(i);
   const char* p = static_cast<const char*>(raw());
   switch (dtype_) {
     case DType::F32: return reinterpret_cast<const float*>(p)[i];
@@ -167,6 +211,7 @@ float Tensor::item(int64_t i) const {
 }
 
 std::vector<float> Tensor::to_vector() const {
+  if (device() != Device::CPU) return to(Device::CPU).to_vector();
   std::vector<float> v(numel());
   for (int64_t i = 0; i < numel(); ++i) v[i] = item(i);
   return v;
@@ -174,6 +219,7 @@ std::vector<float> Tensor::to_vector() const {
 
 Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return clone();
+  if (device() != Device::CPU) return to(Device::CPU).to(dtype).to(device());
   Tensor t = empty(shape_, dtype, device());
   char* p = static_cast<char*>(t.raw());
   int64_t n = numel();
@@ -198,6 +244,12 @@ Tensor Tensor::to(DType dtype) const {
 }
 
 void Tensor::fill(float value) {
+  if (device() != Device::CPU) {
+    Tensor host = empty(shape_, dtype_, Device::CPU);
+    host.fill(value);
+    copy_from(host);
+    return;
+  }
   if (dtype_ == DType::F32) {
     float* p = f32();
     for (int64_t i = 0, n = numel(); i < n; ++i) p[i] = value;
@@ -208,6 +260,15 @@ void Tensor::fill(float value) {
       std::memcpy(static_cast<char*>(raw()) + i * es, one.raw(), es);
   }
 }
-void Tensor::zero() { if (numel()) std::memset(raw(), 0, nbytes()); }
+void Tensor::zero() {
+  if (!numel()) return;
+#ifdef MEGATON_WITH_CUDA
+  if (device() == Device::CUDA) {
+    MEGATON_CUDA_CHECK(cudaMemsetAsync(raw(), 0, nbytes(), cuda::stream()));
+    return;
+  }
+#endif
+  std::memset(raw(), 0, nbytes());
+}
 
 }  // namespace megaton

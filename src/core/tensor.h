@@ -63,13 +63,17 @@ class Tensor {
   Tensor rows(int64_t start, int64_t count) const;
   // Deep copy.
   Tensor clone() const;
-  // Copy converting to `dtype` (float types through fp32).
+  // Copy converting to `dtype` (float types through fp32). On a device this goes through
+  // the host: for tests and checkpoints, not the training step.
   Tensor to(DType dtype) const;
+  // The same values on `device` (this tensor itself when already there).
+  Tensor to(Device device) const;
   // Copy values from `src` (same numel and dtype) into this tensor.
   void copy_from(const Tensor& src);
   void fill(float value);
   void zero();
-  // Element i as float (any float dtype or int), for tests and logging.
+  // Element i as float (any float dtype or int), for tests and logging (a device tensor
+  // is copied to the host first).
   float item(int64_t i = 0) const;
   std::vector<float> to_vector() const;
 

@@ -12,6 +12,7 @@
 // outputs are overwritten. All float tensors are fp32 unless said otherwise.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -24,7 +25,22 @@ namespace megaton::ops {
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
           float alpha = 1.0f, float beta = 0.0f);
 
+// Grouped GEMM over row segments (MoE experts): group g owns rows
+// [r_g, r_g + group_rows[g]) of a and c, r_g = sum of the earlier group_rows, and
+//   c[rows_g] = a[rows_g] @ op(b[g]) + beta * c[rows_g].
+// a [R, K]; b[g] [N, K] if trans_b else [K, N]; c [R, N]; R = sum(group_rows) (host
+// counts; empty groups allowed). One call covers all groups (CUDA: one grouped launch).
+void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, Tensor& c,
+                  const std::vector<int64_t>& group_rows, float beta = 0.0f);
+// Per-group weight gradient: c[g] = a[rows_g]^T @ b[rows_g] + beta * c[g].
+// a [R, M], b [R, N], c[g] [M, N] (fp32 main grads; beta = 1 accumulates).
+void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c,
+                        const std::vector<int64_t>& group_rows, float beta = 1.0f);
+
 // ---- elementwise and reductions (ops/cpu/reduce.cpp) ----
+// dst = src converted to dst's dtype (same numel; e.g. fp32 main params -> bf16 weights),
+// round-to-nearest-even.
+void cast(const Tensor& src, Tensor& dst);
 // y += alpha * x (same numel).
 void add_(Tensor& y, const Tensor& x, float alpha = 1.0f);
 // x *= s.

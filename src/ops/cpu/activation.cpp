@@ -2,6 +2,7 @@
 #include <cmath>
 #include <utility>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -92,6 +93,7 @@ void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
 }  // namespace
 
 void swiglu_forward(const Tensor& x, Tensor& y) {
+  MEGATON_CUDA_DISPATCH(x, cuda::swiglu_forward(x, y));
   const char* op = "swiglu_forward";
   check_f32(x, op, "x");
   check_f32(y, op, "y");
@@ -100,6 +102,7 @@ void swiglu_forward(const Tensor& x, Tensor& y) {
 }
 
 void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::swiglu_backward(dy, x, dx));
   const char* op = "swiglu_backward";
   check_f32(dy, op, "dy");
   check_f32(x, op, "x");
@@ -110,6 +113,7 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
 }
 
 void gelu_forward(const Tensor& x, Tensor& y) {
+  MEGATON_CUDA_DISPATCH(x, cuda::gelu_forward(x, y));
   const char* op = "gelu_forward";
   check_f32(x, op, "x");
   check_f32(y, op, "y");
@@ -118,6 +122,7 @@ void gelu_forward(const Tensor& x, Tensor& y) {
 }
 
 void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::gelu_backward(dy, x, dx));
   const char* op = "gelu_backward";
   check_f32(dy, op, "dy");
   check_f32(x, op, "x");

@@ -1,6 +1,7 @@
 // AdamW optimizer step on the CPU (fp32 param and state, fp64 arithmetic per element).
 #include <cmath>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -45,6 +46,7 @@ void adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, float lr,
                 float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  MEGATON_CUDA_DISPATCH(param, cuda::adamw_step(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step));
   int64_t n = param.numel();
   check_f32(param, n, "param");
   check_f32(grad, n, "grad");

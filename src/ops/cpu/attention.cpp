@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -118,6 +119,7 @@ void block_scores(const AttentionDims& d, const float* q_h, const float* k_h, in
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
                        float dropout_p, uint64_t seed, uint64_t stream) {
+  MEGATON_CUDA_DISPATCH(q, cuda::attention_forward(q, k, v, out, lse, dropout_p, seed, stream));
   const AttentionDims d = check_qkv(q, k, v, dropout_p);
   check_f32_cpu(out, "out");
   check_f32_cpu(lse, "lse");
@@ -184,6 +186,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
                         float dropout_p, uint64_t seed, uint64_t stream) {
+  MEGATON_CUDA_DISPATCH(dout, cuda::attention_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, seed, stream));
   const AttentionDims d = check_qkv(q, k, v, dropout_p);
   check_f32_cpu(dout, "dout");
   check_f32_cpu(out, "out");

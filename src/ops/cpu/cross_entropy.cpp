@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -48,6 +49,7 @@ void check_vector(const Tensor& t, int64_t T, const char* name) {
 
 void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& losses,
                            Tensor& lse) {
+  MEGATON_CUDA_DISPATCH(logits, cuda::cross_entropy_forward(logits, labels, losses, lse));
   check_logits_labels(logits, labels);
   const int64_t T = logits.dim(0), V = logits.dim(1);
   check_vector(losses, T, "losses");
@@ -69,6 +71,7 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& l
 
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& dlogits) {
+  MEGATON_CUDA_DISPATCH(dlosses, cuda::cross_entropy_backward(dlosses, logits, labels, lse, dlogits));
   check_logits_labels(logits, labels);
   const int64_t T = logits.dim(0), V = logits.dim(1);
   check_vector(dlosses, T, "dlosses");

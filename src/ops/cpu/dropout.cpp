@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "core/rng.h"
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -46,11 +47,13 @@ void apply_mask(const float* in, float* out, int64_t n, float p, uint64_t seed, 
 }  // namespace
 
 void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_t stream) {
+  MEGATON_CUDA_DISPATCH(x, cuda::dropout_forward(x, y, p, seed, stream));
   check_args(x, "x", y, "y", p, "dropout_forward");
   cpu::apply_mask(x.f32(), y.f32(), x.numel(), p, seed, stream);
 }
 
 void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::dropout_backward(dy, dx, p, seed, stream));
   check_args(dy, "dy", dx, "dx", p, "dropout_backward");
   cpu::apply_mask(dy.f32(), dx.f32(), dy.numel(), p, seed, stream);
 }

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -69,12 +70,14 @@ void embedding_backward(const float* dout, const int32_t* ids, float* dtable, in
 }  // namespace
 
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+  MEGATON_CUDA_DISPATCH(ids, cuda::embedding_forward(ids, table, out));
   check_shapes("embedding_forward", ids, table, "table", out, "out");
   check_ids("embedding_forward", ids.i32(), ids.numel(), table.dim(0));
   cpu::embedding_forward(ids.i32(), table.f32(), out.f32(), ids.numel(), table.dim(1));
 }
 
 void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable) {
+  MEGATON_CUDA_DISPATCH(dout, cuda::embedding_backward(dout, ids, dtable));
   check_shapes("embedding_backward", ids, dtable, "dtable", dout, "dout");
   check_ids("embedding_backward", ids.i32(), ids.numel(), dtable.dim(0));
   cpu::embedding_backward(dout.f32(), ids.i32(), dtable.f32(), ids.numel(), dtable.dim(1));

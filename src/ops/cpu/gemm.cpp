@@ -3,6 +3,7 @@
 
 #include <climits>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -52,6 +53,7 @@ void gemm(const float* a, bool trans_a, const float* b, bool trans_b, float* c, 
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
           float beta) {
+  MEGATON_CUDA_DISPATCH(a, cuda::gemm(a, trans_a, b, trans_b, c, alpha, beta));
   Matrix ma = as_matrix(a, "a"), mb = as_matrix(b, "b"), mc = as_matrix(c, "c");
   int64_t m = trans_a ? ma.cols : ma.rows, k = trans_a ? ma.rows : ma.cols;
   int64_t kb = trans_b ? mb.cols : mb.rows, n = trans_b ? mb.rows : mb.cols;

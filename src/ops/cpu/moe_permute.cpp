@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -56,6 +57,7 @@ std::vector<int64_t> invert_row_id_map(const Tensor& row_id_map, int64_t copies)
 
 void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor& permuted,
                  Tensor& row_id_map, Tensor& tokens_per_expert) {
+  MEGATON_CUDA_DISPATCH(x, cuda::moe_permute(x, indices, num_experts, permuted, row_id_map, tokens_per_expert));
   check_f32_cpu(x, "x");
   MEGATON_CHECK(x.ndim() == 2, "moe_permute: x must be [T, H], got {}", shape_str(x.shape()));
   check_i32_cpu(indices, "indices");
@@ -98,6 +100,7 @@ void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor
 }
 
 void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx) {
+  MEGATON_CUDA_DISPATCH(dpermuted, cuda::moe_permute_backward(dpermuted, row_id_map, k, dx));
   check_f32_cpu(dpermuted, "dpermuted");
   check_f32_cpu(dx, "dx");
   MEGATON_CHECK(k >= 1, "moe_permute: k {} must be >= 1", k);
@@ -120,6 +123,7 @@ void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int
 
 void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Tensor& probs,
                    Tensor& out) {
+  MEGATON_CUDA_DISPATCH(expert_out, cuda::moe_unpermute(expert_out, row_id_map, probs, out));
   check_f32_cpu(expert_out, "expert_out");
   check_f32_cpu(probs, "probs");
   check_f32_cpu(out, "out");
@@ -146,6 +150,7 @@ void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Ten
 
 void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out, const Tensor& row_id_map,
                             const Tensor& probs, Tensor& dexpert_out, Tensor& dprobs) {
+  MEGATON_CUDA_DISPATCH(dout, cuda::moe_unpermute_backward(dout, expert_out, row_id_map, probs, dexpert_out, dprobs));
   check_f32_cpu(dout, "dout");
   check_f32_cpu(expert_out, "expert_out");
   check_f32_cpu(probs, "probs");

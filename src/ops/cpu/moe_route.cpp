@@ -7,6 +7,7 @@
 #include <numeric>
 #include <vector>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -58,6 +59,7 @@ void topk_row(const float* x, int64_t n, int k, std::vector<int32_t>& order, int
 
 void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Tensor& probs,
                               Tensor& indices) {
+  MEGATON_CUDA_DISPATCH(logits, cuda::moe_topk_softmax_forward(logits, k, pre_softmax, probs, indices));
   check_logits(logits, k);
   const int64_t T = logits.dim(0), E = logits.dim(1);
   check_f32_cpu(probs, "probs");
@@ -95,6 +97,7 @@ void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Ten
 
 void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,
                                const Tensor& indices, bool pre_softmax, Tensor& dlogits) {
+  MEGATON_CUDA_DISPATCH(dprobs, cuda::moe_topk_softmax_backward(dprobs, logits, probs, indices, pre_softmax, dlogits));
   check_f32_cpu(probs, "probs");
   MEGATON_CHECK(probs.ndim() == 2, "moe_route: probs must be [T, k], got {}",
                 shape_str(probs.shape()));
@@ -145,6 +148,7 @@ void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const
 
 float moe_aux_loss_forward(const Tensor& logits, int k, float coeff, Tensor& scores,
                            Tensor& tokens_per_expert) {
+  MEGATON_CUDA_DISPATCH(logits, cuda::moe_aux_loss_forward(logits, k, coeff, scores, tokens_per_expert));
   check_logits(logits, k);
   const int64_t T = logits.dim(0), E = logits.dim(1);
   check_f32_cpu(scores, "scores");
@@ -183,6 +187,7 @@ float moe_aux_loss_forward(const Tensor& logits, int k, float coeff, Tensor& sco
 
 void moe_aux_loss_backward(float grad_scale, const Tensor& scores, const Tensor& tokens_per_expert,
                            int k, float coeff, Tensor& dlogits) {
+  MEGATON_CUDA_DISPATCH(scores, cuda::moe_aux_loss_backward(grad_scale, scores, tokens_per_expert, k, coeff, dlogits));
   check_f32_cpu(scores, "scores");
   MEGATON_CHECK(scores.ndim() == 2, "moe_route: scores must be [T, E], got {}",
                 shape_str(scores.shape()));

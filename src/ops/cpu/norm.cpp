@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -152,6 +153,7 @@ void layernorm_backward(const float* dy, const float* x, const float* weight, co
 }  // namespace
 
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd) {
+  MEGATON_CUDA_DISPATCH(x, cuda::rmsnorm_forward(x, weight, eps, y, rstd));
   const char* op = "rmsnorm_forward";
   auto [rows, cols] = rows_cols(x, op);
   check_vector(weight, cols, op, "weight");
@@ -162,6 +164,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                       Tensor& dx, Tensor& dweight) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::rmsnorm_backward(dy, x, weight, rstd, dx, dweight));
   const char* op = "rmsnorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_same_shape(dy, x, op, "dy");
@@ -176,6 +179,7 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, c
 
 void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        Tensor& y, Tensor& mean, Tensor& rstd) {
+  MEGATON_CUDA_DISPATCH(x, cuda::layernorm_forward(x, weight, bias, eps, y, mean, rstd));
   const char* op = "layernorm_forward";
   auto [rows, cols] = rows_cols(x, op);
   check_vector(weight, cols, op, "weight");
@@ -189,6 +193,7 @@ void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                         const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor& dbias) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::layernorm_backward(dy, x, weight, mean, rstd, dx, dweight, dbias));
   const char* op = "layernorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_same_shape(dy, x, op, "dy");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -82,6 +83,7 @@ double chunked_sum(const float* x, int64_t n, F f) {
 }  // namespace
 
 void add_(Tensor& y, const Tensor& x, float alpha) {
+  MEGATON_CUDA_DISPATCH(y, cuda::add_(y, x, alpha));
   check_f32(y, "add_", "y");
   check_f32(x, "add_", "x");
   MEGATON_CHECK(y.numel() == x.numel(), "add_: y {} and x {} differ in numel", shape_str(y.shape()),
@@ -91,12 +93,14 @@ void add_(Tensor& y, const Tensor& x, float alpha) {
 }
 
 void scale_(Tensor& x, float s) {
+  MEGATON_CUDA_DISPATCH(x, cuda::scale_(x, s));
   check_f32(x, "scale_", "x");
   require_cpu("scale_", {&x});
   cpu::scale(x.f32(), s, x.numel());
 }
 
 void bias_add_(Tensor& y, const Tensor& bias) {
+  MEGATON_CUDA_DISPATCH(y, cuda::bias_add_(y, bias));
   check_f32(y, "bias_add_", "y");
   check_f32(bias, "bias_add_", "bias");
   MEGATON_CHECK(y.ndim() >= 1 && bias.ndim() == 1 && bias.dim(0) == y.dim(-1),
@@ -108,6 +112,7 @@ void bias_add_(Tensor& y, const Tensor& bias) {
 }
 
 void bias_backward(const Tensor& dy, Tensor& dbias) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::bias_backward(dy, dbias));
   check_f32(dy, "bias_backward", "dy");
   check_f32(dbias, "bias_backward", "dbias");
   MEGATON_CHECK(dy.ndim() >= 1 && dbias.ndim() == 1 && dbias.dim(0) == dy.dim(-1),
@@ -119,12 +124,14 @@ void bias_backward(const Tensor& dy, Tensor& dbias) {
 }
 
 double sum_of_squares(const Tensor& x) {
+  MEGATON_CUDA_DISPATCH(x, cuda::sum_of_squares(x));
   check_f32(x, "sum_of_squares", "x");
   require_cpu("sum_of_squares", {&x});
   return cpu::chunked_sum(x.f32(), x.numel(), [](float v) { return double(v) * v; });
 }
 
 double sum(const Tensor& x) {
+  MEGATON_CUDA_DISPATCH(x, cuda::sum(x));
   check_f32(x, "sum", "x");
   require_cpu("sum", {&x});
   return cpu::chunked_sum(x.f32(), x.numel(), [](float v) { return double(v); });

@@ -2,6 +2,7 @@
 #include <cmath>
 #include <vector>
 
+#include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -86,11 +87,13 @@ void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset,
 }  // namespace
 
 void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset) {
+  MEGATON_CUDA_DISPATCH(x, cuda::rope_forward(x, y, base, position_offset));
   check_rope_args(x, y, "x", "y", base, position_offset);
   rope_apply(x, y, base, position_offset, 1.0f);
 }
 
 void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::rope_backward(dy, dx, base, position_offset));
   check_rope_args(dy, dx, "dy", "dx", base, position_offset);
   rope_apply(dy, dx, base, position_offset, -1.0f);
 }

@@ -1,0 +1,110 @@
+// Caching device allocator and the compute stream.
+#include "core/cuda/allocator.h"
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "core/cuda/cuda_check.h"
+
+namespace megaton::cuda {
+
+cudaStream_t stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t created;
+    MEGATON_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
+}
+
+void synchronize() { MEGATON_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+bool device_available() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+namespace {
+size_t size_class(size_t n) {
+  if (n <= (size_t(1) << 20)) return (n + 511) / 512 * 512;
+  size_t top = size_t(1) << (63 - __builtin_clzll(n - 1));
+  size_t step = top / 8;
+  return (n + step - 1) / step * step;
+}
+
+struct Cache {
+  std::mutex mutex;
+  std::unordered_map<size_t, std::vector<void*>> free_blocks;
+  DeviceMemoryStats stats;
+
+  void release_cached_locked() {
+    MEGATON_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    for (auto& [size, blocks] : free_blocks) {
+      for (void* p : blocks) {
+        MEGATON_CUDA_CHECK(cudaFree(p));
+        stats.reserved_bytes -= int64_t(size);
+      }
+      blocks.clear();
+    }
+  }
+};
+Cache& cache() {
+  static Cache* c = new Cache();  // never destroyed: tensors may outlive static teardown
+  return *c;
+}
+}  // namespace
+
+void* device_allocate(size_t bytes) {
+  size_t size = size_class(bytes ? bytes : 1);
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  void* p = nullptr;
+  auto it = c.free_blocks.find(size);
+  if (it != c.free_blocks.end() && !it->second.empty()) {
+    p = it->second.back();
+    it->second.pop_back();
+  } else {
+    if (cudaMalloc(&p, size) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear the sticky out-of-memory error
+      c.release_cached_locked();
+      cudaError_t err = cudaMalloc(&p, size);
+      if (err != cudaSuccess)
+        throw InternalError(fmt::format(
+            "cudaMalloc of {} bytes failed: {} (allocated {} bytes, reserved {} bytes)", size,
+            cudaGetErrorString(err), c.stats.allocated_bytes, c.stats.reserved_bytes));
+    }
+    c.stats.reserved_bytes += int64_t(size);
+    ++c.stats.num_cuda_mallocs;
+  }
+  c.stats.allocated_bytes += int64_t(size);
+  if (c.stats.allocated_bytes > c.stats.peak_allocated_bytes)
+    c.stats.peak_allocated_bytes = c.stats.allocated_bytes;
+  return p;
+}
+
+void device_free(void* ptr, size_t bytes) {
+  if (!ptr) return;
+  size_t size = size_class(bytes ? bytes : 1);
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.free_blocks[size].push_back(ptr);
+  c.stats.allocated_bytes -= int64_t(size);
+}
+
+DeviceMemoryStats device_memory_stats() {
+  std::lock_guard<std::mutex> lock(cache().mutex);
+  return cache().stats;
+}
+
+void reset_peak_device_memory() {
+  std::lock_guard<std::mutex> lock(cache().mutex);
+  cache().stats.peak_allocated_bytes = cache().stats.allocated_bytes;
+}
+
+void empty_device_cache() {
+  std::lock_guard<std::mutex> lock(cache().mutex);
+  cache().release_cached_locked();
+}
+
+}  // namespace megaton::cuda

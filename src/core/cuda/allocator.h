@@ -1,0 +1,30 @@
+// Caching device allocator: cudaMalloc only when no cached block fits (CUDA builds only).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace megaton::cuda {
+
+// A block of at least `bytes` bytes of device memory, 256-byte aligned. Sizes are rounded
+// to size classes (512-byte multiples up to 1 MiB, then 8 classes per power of two) and
+// freed blocks are kept per class, so the steady-state training step, which repeats the
+// same shapes, never calls cudaMalloc. On cudaMalloc failure the cache is released to the
+// driver and the allocation retried once; a second failure throws InternalError with the
+// requested size and the allocator's statistics.
+void* device_allocate(size_t bytes);
+// Returns a block from device_allocate (with the same `bytes`) to the cache. Blocks are
+// used in stream order on the single compute stream, so reuse needs no event.
+void device_free(void* ptr, size_t bytes);
+
+struct DeviceMemoryStats {
+  int64_t allocated_bytes = 0;       // held by live tensors (rounded sizes)
+  int64_t peak_allocated_bytes = 0;  // max of allocated_bytes since start or reset
+  int64_t reserved_bytes = 0;        // obtained from cudaMalloc (live + cached)
+  int64_t num_cuda_mallocs = 0;      // cudaMalloc calls so far
+};
+DeviceMemoryStats device_memory_stats();
+void reset_peak_device_memory();
+// Frees every cached (unused) block back to the driver.
+void empty_device_cache();
+
+}  // namespace megaton::cuda

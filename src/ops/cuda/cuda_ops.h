@@ -1,0 +1,77 @@
+// CUDA implementations of the op catalogue (src/ops/ops.h), one .cu file per family.
+//
+// Same signatures and semantics as ops.h; reached through ops.h when the tensors live on
+// the GPU (MEGATON_CUDA_DISPATCH in each CPU door function). Float activations and
+// weights may be BF16 (or F32); statistics (lse, rstd, mean, probs, losses) are F32, and
+// gradients of parameters accumulate into F32 main_grad tensors. Built only with CUDA.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace megaton::ops::cuda {
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+          float alpha, float beta);
+void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, Tensor& c,
+                  const std::vector<int64_t>& group_rows, float beta);
+void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c,
+                        const std::vector<int64_t>& group_rows, float beta);
+void cast(const Tensor& src, Tensor& dst);
+void add_(Tensor& y, const Tensor& x, float alpha);
+void scale_(Tensor& x, float s);
+void bias_add_(Tensor& y, const Tensor& bias);
+void bias_backward(const Tensor& dy, Tensor& dbias);
+double sum_of_squares(const Tensor& x);
+double sum(const Tensor& x);
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
+void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable);
+void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                      const Tensor& rstd, Tensor& dx, Tensor& dweight);
+void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                       Tensor& y, Tensor& mean, Tensor& rstd);
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                        const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dweight,
+                        Tensor& dbias);
+void swiglu_forward(const Tensor& x, Tensor& y);
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+void gelu_forward(const Tensor& x, Tensor& y);
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_t stream);
+void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream);
+void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset);
+void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset);
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                       Tensor& lse, float dropout_p, uint64_t seed,
+                       uint64_t stream);
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
+                        Tensor& dv, float dropout_p, uint64_t seed,
+                        uint64_t stream);
+void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& losses,
+                           Tensor& lse);
+void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
+                            const Tensor& lse, Tensor& dlogits);
+void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Tensor& probs,
+                              Tensor& indices);
+void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,
+                               const Tensor& indices, bool pre_softmax, Tensor& dlogits);
+float moe_aux_loss_forward(const Tensor& logits, int k, float coeff, Tensor& scores,
+                           Tensor& tokens_per_expert);
+void moe_aux_loss_backward(float grad_scale, const Tensor& scores,
+                           const Tensor& tokens_per_expert, int k, float coeff,
+                           Tensor& dlogits);
+void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor& permuted,
+                 Tensor& row_id_map, Tensor& tokens_per_expert);
+void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx);
+void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Tensor& probs,
+                   Tensor& out);
+void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
+                            const Tensor& row_id_map, const Tensor& probs,
+                            Tensor& dexpert_out, Tensor& dprobs);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+
+}  // namespace megaton::ops::cuda
