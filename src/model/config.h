@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "core/tensor.h"
+
 namespace megaton {
 
 enum class Normalization { LayerNorm, RMSNorm };
@@ -42,6 +44,15 @@ struct GPTConfig {
   int64_t moe_layer_freq = 1;       // every moe_layer_freq-th layer is MoE (layer i: i % f == 0)
   std::vector<std::string> moe_router_load_balancing_type = {"aux_loss"};
   float moe_aux_loss_coeff = 0.0f;
+
+  // Where and in what precision the model runs. --bf16 keeps fp32 main params and main
+  // grads and computes in bf16; it applies on the GPU (the CPU backend is the fp32
+  // reference and ignores it).
+  bool bf16 = false;
+  Device device = Device::CPU;
+  DType compute_dtype() const {
+    return device == Device::CUDA && bf16 ? DType::BF16 : DType::F32;
+  }
 
   // Derived values (after finalize()).
   int64_t padded_vocab_size = 0;

@@ -9,11 +9,11 @@ namespace megaton {
 
 TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed)
     : input_layernorm("decoder.layers." + std::to_string(layer) + ".input_layernorm",
-                      cfg.hidden_size, cfg.normalization, cfg.norm_epsilon),
+                      cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg)),
       self_attention("decoder.layers." + std::to_string(layer) + ".self_attention", cfg, layer,
                      seed),
       pre_mlp_layernorm("decoder.layers." + std::to_string(layer) + ".pre_mlp_layernorm",
-                        cfg.hidden_size, cfg.normalization, cfg.norm_epsilon),
+                        cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg)),
       cfg_(cfg),
       layer_(layer) {
   std::string prefix = "decoder.layers." + std::to_string(layer) + ".mlp";
@@ -22,7 +22,8 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
   } else {
     float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
     mlp = std::make_unique<MLP>(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu,
-                                !cfg.disable_bias_linear, cfg.init_method_std, output_std, seed);
+                                !cfg.disable_bias_linear, cfg.init_method_std, output_std, seed,
+                                Placement::of(cfg));
   }
 }
 
@@ -30,29 +31,36 @@ Tensor TransformerLayer::forward(const Tensor& x, int64_t batch, int64_t seq,
                                  const ForwardContext& ctx) {
   ctx_ = ctx;
   dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
-  Tensor attn = self_attention.forward(input_layernorm.forward(x), batch, seq, ctx);
-  Tensor h = Tensor::empty(x.shape());
-  ops::dropout_forward(attn, h, dropout_p_, ctx.seed, ctx.stream(layer_, 1));
+  Tensor h = dropout(self_attention.forward(input_layernorm.forward(x), batch, seq, ctx), 1);
   ops::add_(h, x);
   Tensor normed = pre_mlp_layernorm.forward(h);
-  Tensor m = moe ? moe->forward(normed, ctx) : mlp->forward(normed);
-  Tensor y = Tensor::empty(x.shape());
-  ops::dropout_forward(m, y, dropout_p_, ctx.seed, ctx.stream(layer_, 2));
+  Tensor y = dropout(moe ? moe->forward(normed, ctx) : mlp->forward(normed), 2);
   ops::add_(y, h);
   return y;
 }
 
 Tensor TransformerLayer::backward(const Tensor& dy) {
   // dh = dy + d(mlp branch)
-  Tensor dm = Tensor::empty(dy.shape());
-  ops::dropout_backward(dy, dm, dropout_p_, ctx_.seed, ctx_.stream(layer_, 2));
+  Tensor dm = dropout_grad(dy, 2);
   Tensor dnormed = moe ? moe->backward(dm) : mlp->backward(dm);
   Tensor dh = pre_mlp_layernorm.backward(dnormed);
   ops::add_(dh, dy);
-  Tensor dattn = Tensor::empty(dy.shape());
-  ops::dropout_backward(dh, dattn, dropout_p_, ctx_.seed, ctx_.stream(layer_, 1));
-  Tensor dx = input_layernorm.backward(self_attention.backward(dattn));
+  Tensor dx = input_layernorm.backward(self_attention.backward(dropout_grad(dh, 1)));
   ops::add_(dx, dh);
+  return dx;
+}
+
+Tensor TransformerLayer::dropout(const Tensor& x, int site) const {
+  if (dropout_p_ == 0.0f) return x;  // the branch output is fresh: no copy needed
+  Tensor y = empty_like(x, x.shape());
+  ops::dropout_forward(x, y, dropout_p_, ctx_.seed, ctx_.stream(layer_, site));
+  return y;
+}
+
+Tensor TransformerLayer::dropout_grad(const Tensor& dy, int site) const {
+  if (dropout_p_ == 0.0f) return dy;
+  Tensor dx = empty_like(dy, dy.shape());
+  ops::dropout_backward(dy, dx, dropout_p_, ctx_.seed, ctx_.stream(layer_, site));
   return dx;
 }
 
@@ -68,15 +76,16 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed)
     : cfg_(cfg),
       word_embeddings(make_param("embedding.word_embeddings.weight",
                                  {cfg.padded_vocab_size, cfg.hidden_size}, cfg.init_method_std,
-                                 seed)),
+                                 seed, Placement::of(cfg))),
       final_layernorm("decoder.final_layernorm", cfg.hidden_size, cfg.normalization,
-                      cfg.norm_epsilon) {
+                      cfg.norm_epsilon, Placement::of(cfg)) {
   MEGATON_CHECK(cfg.padded_vocab_size > 0, "GPTConfig not finalized");
   params_.push_back(&word_embeddings);
   if (cfg.position_embedding_type == PositionEmbedding::LearnedAbsolute) {
     position_embeddings =
         make_param("embedding.position_embeddings.weight",
-                   {cfg.max_position_embeddings, cfg.hidden_size}, cfg.init_method_std, seed);
+                   {cfg.max_position_embeddings, cfg.hidden_size}, cfg.init_method_std, seed,
+                   Placement::of(cfg));
     params_.push_back(&position_embeddings);
   }
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
@@ -86,7 +95,7 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed)
   final_layernorm.collect_params(params_);
   if (cfg.untie_embeddings_and_output_weights) {
     output_layer = make_param("output_layer.weight", {cfg.padded_vocab_size, cfg.hidden_size},
-                              cfg.init_method_std, seed);
+                              cfg.init_method_std, seed, Placement::of(cfg));
     params_.push_back(&output_layer);
   }
 }
@@ -105,8 +114,8 @@ Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx)
                 "sequence of {} tokens exceeds max_position_embeddings {}", seq_,
                 cfg_.max_position_embeddings);
   int64_t T = batch_ * seq_, H = cfg_.hidden_size;
-  tokens_ = tokens.view({T});
-  Tensor emb = Tensor::empty({T, H});
+  tokens_ = tokens.view({T}).to(cfg_.device);
+  Tensor emb = empty_like(word_embeddings.weight, {T, H});
   ops::embedding_forward(tokens_, word_embeddings.weight, emb);
   if (position_embeddings.weight.defined()) {
     for (int64_t b = 0; b < batch_; ++b) {
@@ -117,8 +126,11 @@ Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx)
   emb_dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
   emb_seed_ = ctx.seed;
   emb_stream_ = ctx.stream(-1, 0);
-  Tensor x = Tensor::empty({T, H});
-  ops::dropout_forward(emb, x, emb_dropout_p_, emb_seed_, emb_stream_);
+  Tensor x = emb;
+  if (emb_dropout_p_ > 0) {
+    x = empty_like(emb, {T, H});
+    ops::dropout_forward(emb, x, emb_dropout_p_, emb_seed_, emb_stream_);
+  }
   for (auto& layer : layers_) x = layer->forward(x, batch_, seq_, ctx);
   return final_layernorm.forward(x);
 }
@@ -128,12 +140,12 @@ MicroBatchLoss GPTModel::forward(const Tensor& tokens, const Tensor& labels,
   final_hidden_ = forward_hidden(tokens, ctx);
   int64_t T = batch_ * seq_;
   const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
-  logits_ = Tensor::empty({T, cfg_.padded_vocab_size});
+  logits_ = empty_like(final_hidden_, {T, cfg_.padded_vocab_size});
   ops::gemm(final_hidden_, false, out_w.weight, true, logits_);
-  labels_ = labels.view({T});
+  labels_ = labels.view({T}).to(cfg_.device);
   MicroBatchLoss result;
-  result.losses = Tensor::empty({T});
-  lse_ = Tensor::empty({T});
+  result.losses = Tensor::empty({T}, DType::F32, cfg_.device);
+  lse_ = Tensor::empty({T}, DType::F32, cfg_.device);
   ops::cross_entropy_forward(logits_, labels_, result.losses, lse_);
   for (auto& layer : layers_)
     if (layer->moe) result.aux_loss += layer->moe->last_aux_loss;
@@ -145,18 +157,18 @@ Tensor GPTModel::logits(const Tensor& tokens) {
   ctx.training = false;
   Tensor hidden = forward_hidden(tokens, ctx);
   const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
-  Tensor out = Tensor::empty({hidden.dim(0), cfg_.padded_vocab_size});
+  Tensor out = empty_like(hidden, {hidden.dim(0), cfg_.padded_vocab_size});
   ops::gemm(hidden, false, out_w.weight, true, out);
-  return out;
+  return out.dtype() == DType::F32 ? out.to(Device::CPU) : out.to(Device::CPU).to(DType::F32);
 }
 
 void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {
   int64_t T = batch_ * seq_, H = cfg_.hidden_size;
   Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
-  Tensor dlogits = Tensor::empty(logits_.shape());
-  ops::cross_entropy_backward(dlosses, logits_, labels_, lse_, dlogits);
+  Tensor dlogits = empty_like(logits_, logits_.shape());
+  ops::cross_entropy_backward(dlosses.to(cfg_.device), logits_, labels_, lse_, dlogits);
   logits_ = Tensor();
-  Tensor dhidden = Tensor::empty({T, H});
+  Tensor dhidden = empty_like(dlogits, {T, H});
   ops::gemm(dlogits, false, out_w.weight, false, dhidden);
   ops::gemm(dlogits, true, final_hidden_, false, out_w.main_grad, 1.0f, 1.0f);
   dlogits = final_hidden_ = Tensor();
@@ -166,12 +178,21 @@ void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {
     if ((*it)->moe) (*it)->moe->aux_grad_scale = aux_grad_scale;
     dx = (*it)->backward(dx);
   }
-  Tensor demb = Tensor::empty({T, H});
-  ops::dropout_backward(dx, demb, emb_dropout_p_, emb_seed_, emb_stream_);
+  Tensor demb = dx;
+  if (emb_dropout_p_ > 0) {
+    demb = empty_like(dx, {T, H});
+    ops::dropout_backward(dx, demb, emb_dropout_p_, emb_seed_, emb_stream_);
+  }
   if (position_embeddings.weight.defined()) {
     for (int64_t b = 0; b < batch_; ++b) {
       Tensor g = position_embeddings.main_grad.rows(0, seq_);
-      ops::add_(g, demb.rows(b * seq_, seq_));
+      Tensor rows = demb.rows(b * seq_, seq_);
+      if (rows.dtype() != DType::F32) {
+        Tensor rows_f32 = Tensor::empty(rows.shape(), DType::F32, rows.device());
+        ops::cast(rows, rows_f32);
+        rows = rows_f32;
+      }
+      ops::add_(g, rows);
     }
   }
   ops::embedding_backward(demb, tokens_, word_embeddings.main_grad);

@@ -25,6 +25,10 @@ class TransformerLayer {
   std::unique_ptr<MoELayer> moe;   // MoE layer (params under "...mlp.")
 
  private:
+  // Hidden dropout of branch `site` (1: attention, 2: MLP); identity when p == 0.
+  Tensor dropout(const Tensor& x, int site) const;
+  Tensor dropout_grad(const Tensor& dy, int site) const;
+
   const GPTConfig& cfg_;
   int64_t layer_;
   float dropout_p_ = 0;
@@ -48,7 +52,8 @@ class GPTModel {
 
   // tokens, labels [B, S] int32 -> per-token losses. Saves activations for backward.
   MicroBatchLoss forward(const Tensor& tokens, const Tensor& labels, const ForwardContext& ctx);
-  // Logits [B*S, padded_vocab] for tokens [B, S] (no labels; used by generation).
+  // Logits [B*S, padded_vocab] (fp32, on the host) for tokens [B, S] (no labels; used by
+  // generation and tests).
   Tensor logits(const Tensor& tokens);
   // dlosses [B*S]: d(total loss)/d(per-token loss). aux_grad_scale scales the injected
   // MoE aux-loss gradient (1 / number of micro-batches). Accumulates main_grads.

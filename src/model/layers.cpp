@@ -14,45 +14,59 @@ static uint64_t fnv1a(const std::string& s) {
   return h;
 }
 
-Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed) {
+static Param place(const std::string& name, Tensor host_fp32, bool no_weight_decay,
+                   Placement where) {
   Param p;
   p.name = name;
-  p.weight = Tensor::empty(shape);
-  p.main_grad = Tensor::zeros(shape);
+  p.no_weight_decay = no_weight_decay;
+  p.main_param = host_fp32.to(where.device);
+  if (where.dtype == DType::F32) {
+    p.weight = p.main_param;
+  } else {
+    p.weight = Tensor::empty(host_fp32.shape(), where.dtype, where.device);
+    ops::cast(p.main_param, p.weight);
+  }
+  p.main_grad = Tensor::zeros(host_fp32.shape(), DType::F32, where.device);
+  return p;
+}
+
+Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed,
+                 Placement where) {
+  Tensor w = Tensor::empty(shape);
   Philox rng(seed);
   uint64_t stream = fnv1a(name);
-  float* w = p.weight.f32();
-  for (int64_t i = 0; i < p.weight.numel(); ++i) w[i] = std * rng.normal(stream, uint64_t(i));
-  return p;
+  float* data = w.f32();
+  for (int64_t i = 0; i < w.numel(); ++i) data[i] = std * rng.normal(stream, uint64_t(i));
+  return place(name, w, false, where);
 }
 
 Param make_constant_param(const std::string& name, const Shape& shape, float value,
-                          bool no_weight_decay) {
-  Param p;
-  p.name = name;
-  p.weight = Tensor::empty(shape);
-  p.weight.fill(value);
-  p.main_grad = Tensor::zeros(shape);
-  p.no_weight_decay = no_weight_decay;
-  return p;
+                          bool no_weight_decay, Placement where) {
+  Tensor w = Tensor::empty(shape);
+  w.fill(value);
+  return place(name, w, no_weight_decay, where);
+}
+
+void refresh_compute_weight(Param& p) {
+  if (p.weight.raw() != p.main_param.raw()) ops::cast(p.main_param, p.weight);
 }
 
 Linear::Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias_on,
-               float init_std, uint64_t seed)
-    : weight(make_param(name + ".weight", {out_features, in_features}, init_std, seed)) {
-  if (bias_on) bias = make_constant_param(name + ".bias", {out_features}, 0.0f, true);
+               float init_std, uint64_t seed, Placement where)
+    : weight(make_param(name + ".weight", {out_features, in_features}, init_std, seed, where)) {
+  if (bias_on) bias = make_constant_param(name + ".bias", {out_features}, 0.0f, true, where);
 }
 
 Tensor Linear::forward(const Tensor& x) {
   x_ = x;
-  Tensor y = Tensor::empty({x.dim(0), weight.weight.dim(0)});
+  Tensor y = empty_like(x, {x.dim(0), weight.weight.dim(0)});
   ops::gemm(x, false, weight.weight, true, y);
   if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
   return y;
 }
 
 Tensor Linear::backward(const Tensor& dy) {
-  Tensor dx = Tensor::empty({dy.dim(0), weight.weight.dim(1)});
+  Tensor dx = empty_like(dy, {dy.dim(0), weight.weight.dim(1)});
   ops::gemm(dy, false, weight.weight, false, dx);
   ops::gemm(dy, true, x_, false, weight.main_grad, 1.0f, 1.0f);
   if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
@@ -65,27 +79,30 @@ void Linear::collect_params(std::vector<Param*>& out) {
   if (bias.weight.defined()) out.push_back(&bias);
 }
 
-Norm::Norm(const std::string& name, int64_t hidden, Normalization kind, float eps)
-    : weight(make_constant_param(name + ".weight", {hidden}, 1.0f, true)), kind_(kind), eps_(eps) {
+Norm::Norm(const std::string& name, int64_t hidden, Normalization kind, float eps,
+           Placement where)
+    : weight(make_constant_param(name + ".weight", {hidden}, 1.0f, true, where)),
+      kind_(kind),
+      eps_(eps) {
   if (kind == Normalization::LayerNorm)
-    bias = make_constant_param(name + ".bias", {hidden}, 0.0f, true);
+    bias = make_constant_param(name + ".bias", {hidden}, 0.0f, true, where);
 }
 
 Tensor Norm::forward(const Tensor& x) {
   x_ = x;
-  Tensor y = Tensor::empty(x.shape());
-  rstd_ = Tensor::empty({x.dim(0)});
+  Tensor y = empty_like(x, x.shape());
+  rstd_ = Tensor::empty({x.dim(0)}, DType::F32, x.device());
   if (kind_ == Normalization::RMSNorm) {
     ops::rmsnorm_forward(x, weight.weight, eps_, y, rstd_);
   } else {
-    mean_ = Tensor::empty({x.dim(0)});
+    mean_ = Tensor::empty({x.dim(0)}, DType::F32, x.device());
     ops::layernorm_forward(x, weight.weight, bias.weight, eps_, y, mean_, rstd_);
   }
   return y;
 }
 
 Tensor Norm::backward(const Tensor& dy) {
-  Tensor dx = Tensor::empty(dy.shape());
+  Tensor dx = empty_like(dy, dy.shape());
   if (kind_ == Normalization::RMSNorm)
     ops::rmsnorm_backward(dy, x_, weight.weight, rstd_, dx, weight.main_grad);
   else
@@ -101,15 +118,16 @@ void Norm::collect_params(std::vector<Param*>& out) {
 }
 
 MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
-         float init_std, float output_std, uint64_t seed)
-    : linear_fc1(prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, init_std, seed),
-      linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed),
+         float init_std, float output_std, uint64_t seed, Placement where)
+    : linear_fc1(prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, init_std, seed,
+                 where),
+      linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed, where),
       swiglu_(swiglu) {}
 
 Tensor MLP::forward(const Tensor& x) {
   fc1_out_ = linear_fc1.forward(x);
   int64_t ffn = linear_fc2.weight.weight.dim(1);
-  Tensor act = Tensor::empty({x.dim(0), ffn});
+  Tensor act = empty_like(x, {x.dim(0), ffn});
   if (swiglu_) ops::swiglu_forward(fc1_out_, act);
   else ops::gelu_forward(fc1_out_, act);
   return linear_fc2.forward(act);
@@ -117,7 +135,7 @@ Tensor MLP::forward(const Tensor& x) {
 
 Tensor MLP::backward(const Tensor& dy) {
   Tensor dact = linear_fc2.backward(dy);
-  Tensor dfc1 = Tensor::empty(fc1_out_.shape());
+  Tensor dfc1 = empty_like(dact, fc1_out_.shape());
   if (swiglu_) ops::swiglu_backward(dact, fc1_out_, dfc1);
   else ops::gelu_backward(dact, fc1_out_, dfc1);
   fc1_out_ = Tensor();

@@ -28,19 +28,36 @@ struct ForwardContext {
   }
 };
 
+// Where parameters live and in which compute dtype (from GPTConfig).
+struct Placement {
+  Device device = Device::CPU;
+  DType dtype = DType::F32;
+  static Placement of(const GPTConfig& cfg) { return {cfg.device, cfg.compute_dtype()}; }
+};
+
 // New parameter named `name`: weights ~ N(0, std) from Philox keyed by (seed, hash of the
-// name), so initial values do not depend on creation order or parallel layout; std == 0
-// gives zeros, `fill` gives a constant (norm weights: 1).
-Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed);
+// name), so initial values do not depend on creation order, device or parallel layout.
+// The fp32 main_param is drawn on the host and moved to the placement's device; weight
+// is its compute-dtype copy there (the same tensor for fp32).
+Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed,
+                 Placement where);
+// A parameter filled with `value` (norm weights 1, biases 0).
 Param make_constant_param(const std::string& name, const Shape& shape, float value,
-                          bool no_weight_decay);
+                          bool no_weight_decay, Placement where);
+// Rewrites p.weight from p.main_param (after the optimizer or a checkpoint load).
+void refresh_compute_weight(Param& p);
+
+// A new uninitialised activation shaped `shape` with the dtype and device of `like`.
+inline Tensor empty_like(const Tensor& like, const Shape& shape) {
+  return Tensor::empty(shape, like.dtype(), like.device());
+}
 
 // y = x W^T + b (torch.nn.Linear / Megatron's ColumnParallelLinear at TP=1).
 // weight [out, in]; bias [out] (absent when disable_bias_linear).
 class Linear {
  public:
   Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias,
-         float init_std, uint64_t seed);
+         float init_std, uint64_t seed, Placement where);
   // x [T, in] -> [T, out]. Saves x.
   Tensor forward(const Tensor& x);
   // dy [T, out] -> dx [T, in]; accumulates weight/bias main_grad.
@@ -56,7 +73,7 @@ class Linear {
 // LayerNorm (weight and bias) or RMSNorm (weight only), per config.normalization.
 class Norm {
  public:
-  Norm(const std::string& name, int64_t hidden, Normalization kind, float eps);
+  Norm(const std::string& name, int64_t hidden, Normalization kind, float eps, Placement where);
   // x [T, H] -> [T, H]. Saves x and the statistics.
   Tensor forward(const Tensor& x);
   Tensor backward(const Tensor& dy);
@@ -76,7 +93,7 @@ class Norm {
 class MLP {
  public:
   MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
-      float init_std, float output_std, uint64_t seed);
+      float init_std, float output_std, uint64_t seed, Placement where);
   Tensor forward(const Tensor& x);
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);

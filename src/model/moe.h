@@ -1,6 +1,6 @@
-// MoELayer: Megatron's top-k router, token permutation, per-expert MLPs, weighted combine.
+// MoELayer: Megatron's top-k router, token permutation, grouped expert MLPs, weighted combine.
 #pragma once
-#include <memory>
+#include <vector>
 
 #include "model/layers.h"
 
@@ -10,7 +10,8 @@ namespace megaton {
 // fp32; top-k; probabilities from moe_topk_softmax; the aux_loss load-balancing loss
 // (switch_load_balancing_loss_func) when configured, whose gradient is injected in
 // backward scaled by aux_grad_scale (MoEAuxLossAutoScaler: 1 / micro-batches).
-// Experts are SequentialMLP-style: expert e owns
+// Experts run as grouped GEMMs over the tokens sorted by expert (one call for all
+// experts, Megatron's GroupedMLP); their parameters keep SequentialMLP's names,
 // "<prefix>.experts.local_experts.<e>.linear_fc1/.linear_fc2".
 class MoELayer {
  public:
@@ -24,15 +25,25 @@ class MoELayer {
   float aux_grad_scale = 1.0f;
   // Aux loss of the last forward (including its coefficient), 0 when disabled.
   float last_aux_loss = 0.0f;
-  // Tokens routed to each expert in the last forward [E] (int64).
-  Tensor last_tokens_per_expert;
+  // Tokens routed to each expert in the last forward (host copy).
+  std::vector<int64_t> last_tokens_per_expert;
 
+  struct Expert {
+    Param fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases absent with disable_bias_linear
+  };
   Param router_weight;  // [E, H], "<prefix>.router.weight"
-  std::vector<std::unique_ptr<MLP>> experts;
+  std::vector<Expert> experts;
 
  private:
+  // Adds (forward) or reduces (backward) each expert's bias on its rows.
+  void expert_bias_forward(Tensor& y, Param Expert::*bias);
+  void expert_bias_backward(const Tensor& dy, Param Expert::*bias);
+  std::vector<Tensor> expert_weights(Param Expert::*w) const;
+  std::vector<Tensor> expert_grads(Param Expert::*w) const;
+
   const GPTConfig& cfg_;
-  Tensor x_, logits_, probs_, indices_, row_id_map_, expert_out_, aux_scores_, aux_counts_;
+  Tensor x_, logits_, probs_, indices_, row_id_map_, permuted_, fc1_out_, act_, expert_out_,
+      aux_scores_, aux_counts_;
 };
 
 }  // namespace megaton

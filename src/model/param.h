@@ -6,13 +6,16 @@
 
 namespace megaton {
 
-// A model parameter. `weight` is the fp32 main parameter (on CPU it is also the compute
-// copy); `main_grad` (same shape, fp32) accumulates gradients over micro-batches and is
-// zeroed by the trainer after each optimizer step. `name` follows the checkpoint key
+// A model parameter on the model's device. `weight` is the compute copy the layers use
+// (bf16 in a bf16 GPU run, else fp32); `main_param` is the fp32 master copy the optimizer
+// updates (the same tensor as `weight` when the compute dtype is fp32); `main_grad`
+// (fp32, same shape) accumulates gradients over micro-batches and is zeroed by the
+// trainer before each step. `name` follows the checkpoint key
 // (e.g. "decoder.layers.0.self_attention.linear_qkv.weight").
 struct Param {
   std::string name;
   Tensor weight;
+  Tensor main_param;
   Tensor main_grad;
   // Megatron applies no weight decay to biases and normalization weights.
   bool no_weight_decay = false;

@@ -15,8 +15,10 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
   exp_avg_sq_.reserve(params_.size());
   for (Param* p : params_) {
     MEGATON_CHECK(p != nullptr, "null Param in the optimizer's list");
-    MEGATON_CHECK(p->weight.defined() && p->weight.dtype() == DType::F32,
-                  "param '{}' needs a defined fp32 weight", p->name);
+    const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
+    MEGATON_CHECK(master.defined() && master.dtype() == DType::F32 &&
+                      master.shape() == p->weight.shape(),
+                  "param '{}' needs an fp32 main_param (or fp32 weight)", p->name);
     MEGATON_CHECK(p->main_grad.defined() && p->main_grad.dtype() == DType::F32 &&
                       p->main_grad.shape() == p->weight.shape(),
                   "param '{}': main_grad {} {} does not match weight {}", p->name,
@@ -33,8 +35,11 @@ void AdamW::step(float lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = *params_[i];
     float weight_decay = p.no_weight_decay ? 0.0f : config_.weight_decay;
-    ops::adamw_step(p.weight, p.main_grad, exp_avg_[i], exp_avg_sq_[i], lr, config_.adam_beta1,
+    Tensor& master = p.main_param.defined() ? p.main_param : p.weight;
+    ops::adamw_step(master, p.main_grad, exp_avg_[i], exp_avg_sq_[i], lr, config_.adam_beta1,
                     config_.adam_beta2, config_.adam_eps, weight_decay, step_count_);
+    // The compute copy (bf16 in a bf16 run) follows the updated fp32 master.
+    if (master.raw() != p.weight.raw()) ops::cast(master, p.weight);
   }
 }
 

@@ -29,8 +29,9 @@ class AdamW {
   // it); otherwise InternalError (a bug in the model code, not a user mistake).
   explicit AdamW(std::vector<Param*> params, AdamWConfig config = {});
 
-  // One update of every weight from its main_grad with learning rate `lr` (from the LR
-  // schedule). Increments the step count first, so the first call uses bias-correction
+  // One update of every main_param (the weight itself when main_param is undefined) from
+  // its main_grad with learning rate `lr` (from the LR schedule); the compute weight is
+  // then rewritten from it when they differ (bf16 runs). Increments the step count first, so the first call uses bias-correction
   // step 1. Does not zero main_grad (the trainer does).
   void step(float lr);
 

@@ -9,8 +9,27 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#ifdef MEGATON_WITH_CUDA
+#include "core/cuda/cuda_check.h"
+#endif
 
 namespace megaton {
+
+bool cuda_built() {
+#ifdef MEGATON_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_available() {
+#ifdef MEGATON_WITH_CUDA
+  return cuda::device_available();
+#else
+  return false;
+#endif
+}
 
 const std::vector<OptionSpec>& train_option_specs() {
   static const std::vector<OptionSpec> specs = {
@@ -77,8 +96,8 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"no-load-optim", "do not load optimizer state", true},
       {"no-load-rng", "do not load the RNG state", true},
       {"finetune", "load weights only and start at iteration 0", true},
-      {"device", "cpu (cuda in a CUDA build)"},
-      {"bf16", "accepted for config compatibility; the CPU backend computes in fp32", true},
+      {"device", "cpu or cuda (default: cuda when a GPU is visible)"},
+      {"bf16", "bf16 compute with fp32 main params and grads (GPU; the CPU computes fp32)", true},
   };
   return specs;
 }
@@ -258,8 +277,18 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("finetune", a.finetune);
   r.get("device", a.device);
 
-  if (a.device != "cpu")
-    fail("option 'device' is '{}', but this build has only the cpu backend", a.device);
+  r.get("bf16", a.model.bf16);
+  if (a.device.empty()) a.device = cuda_available() ? "cuda" : "cpu";
+  if (a.device == "cuda") {
+    if (!cuda_available())
+      fail("option 'device' is 'cuda', but {}", cuda_built() ? "no CUDA GPU is visible"
+                                                              : "this build has no CUDA backend");
+    a.model.device = Device::CUDA;
+  } else if (a.device == "cpu") {
+    a.model.device = Device::CPU;
+  } else {
+    fail("option 'device' must be cpu or cuda (got '{}')", a.device);
+  }
   if (a.micro_batch_size <= 0) fail("micro-batch-size must be positive (got {})", a.micro_batch_size);
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
   if (a.global_batch_size % a.micro_batch_size != 0)

@@ -42,11 +42,15 @@ struct TrainArgs {
   bool no_load_rng = false;
   bool finetune = false;
 
-  std::string device = "cpu";
+  std::string device;  // "cpu" or "cuda"; empty: cuda when a GPU is visible
 
   // Micro-batches per iteration (global / micro; DP = 1).
   int64_t num_micro_batches() const { return global_batch_size / micro_batch_size; }
 };
+
+// Whether this binary has the CUDA backend, and whether a GPU is usable now.
+bool cuda_built();
+bool cuda_available();
 
 // A flag's name (without dashes), its help text and whether it is a boolean switch
 // (`--swiglu`) or takes values (`--lr 3e-4`, `--data-path 0.5 a 0.5 b`).

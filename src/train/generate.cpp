@@ -68,11 +68,12 @@ void load_model_weights(const ckpt::LoadedCheckpoint& ck, const std::vector<Para
     std::string name = "model." + p->name;
     auto it = ck.tensors.find(name);
     if (it == ck.tensors.end()) fail("checkpoint '{}' has no tensor '{}'", ck.path, name);
-    if (it->second.shape() != p->weight.shape() || it->second.dtype() != DType::F32)
+    if (it->second.shape() != p->main_param.shape() || it->second.dtype() != DType::F32)
       fail("checkpoint '{}': tensor '{}' has shape {} {}, the model expects F32 {}", ck.path,
            name, shape_str(it->second.shape()), dtype_name(it->second.dtype()),
-           shape_str(p->weight.shape()));
-    p->weight.copy_from(it->second);
+           shape_str(p->main_param.shape()));
+    p->main_param.copy_from(it->second);
+    refresh_compute_weight(*p);
   }
 }
 

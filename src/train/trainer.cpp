@@ -9,6 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "ckpt/checkpoint.h"
+#ifdef MEGATON_WITH_CUDA
+#include "core/cuda/allocator.h"
+#endif
 #include "ops/ops.h"
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
@@ -17,7 +20,10 @@
 
 namespace megaton {
 
-int64_t peak_memory_bytes() {
+int64_t peak_memory_bytes(Device device) {
+#ifdef MEGATON_WITH_CUDA
+  if (device == Device::CUDA) return cuda::device_memory_stats().peak_allocated_bytes;
+#endif
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return int64_t(usage.ru_maxrss) * 1024;  // Linux reports KiB
@@ -129,7 +135,7 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
   line += fmt::format(
       "loss scale: 1.0 | grad norm: {:.3f} | number of skipped iterations: {:>3} | number of "
       "nan iterations: {:>3} | peak memory (MB): {:.1f} |",
-      grad_norm, skipped_iterations_, nan_iterations_, double(peak_memory_bytes()) / 1048576.0);
+      grad_norm, skipped_iterations_, nan_iterations_, double(peak_memory_bytes(args_.model.device)) / 1048576.0);
   fmt::print("{}\n", line);
   std::fflush(stdout);
 }
@@ -206,10 +212,11 @@ void Trainer::save(int64_t iteration) {
   std::vector<std::pair<std::string, Tensor>> tensors;
   nlohmann::json shapes = nlohmann::json::object();
   for (Param* p : model_->params()) {
-    tensors.emplace_back("model." + p->name, p->weight);
-    shapes["model." + p->name] = p->weight.shape();
+    tensors.emplace_back("model." + p->name, p->main_param.to(Device::CPU));
+    shapes["model." + p->name] = p->main_param.shape();
   }
-  for (auto& [name, t] : optimizer_->state_tensors()) tensors.emplace_back("optimizer." + name, *t);
+  for (auto& [name, t] : optimizer_->state_tensors())
+    tensors.emplace_back("optimizer." + name, t->to(Device::CPU));
   nlohmann::json meta;
   meta["iteration"] = iteration;
   meta["consumed_samples"] = consumed_samples_;

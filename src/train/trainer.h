@@ -54,7 +54,8 @@ class Trainer {
   int64_t skipped_iterations_ = 0, nan_iterations_ = 0;
 };
 
-// Peak resident memory of this process in bytes (getrusage).
-int64_t peak_memory_bytes();
+// Peak memory in bytes: device memory held by tensors on the GPU (the caching
+// allocator's peak), or the process's peak resident memory (getrusage) on the CPU.
+int64_t peak_memory_bytes(Device device);
 
 }  // namespace megaton

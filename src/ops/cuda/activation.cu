@@ -1,0 +1,235 @@
+// SwiGLU and exact (erf) GeLU, forward and backward, on the GPU (semantics: ops.h, CPU
+// twin: ops/cpu/activation.cpp). Inputs and outputs share one dtype (F32 or BF16); the
+// math is fp32. Grid-stride loops over 16-byte packs when the rows allow it, else over
+// single elements.
+#include <initializer_list>
+#include <utility>
+
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/pointwise_util.cuh"
+
+namespace megaton::ops::cuda {
+namespace {
+
+using detail::compute_stream;
+using detail::from_float;
+using detail::grid_for;
+using detail::pack_aligned;
+using detail::kPackElems;
+using detail::load_pack;
+using detail::Pack;
+using detail::store_pack;
+using detail::to_float;
+
+constexpr int kThreads = 256;
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// Same dtype and, unless said otherwise, shape.
+void check_pair(const Tensor& t, const char* name, const Tensor& ref, const char* ref_name,
+                const char* op) {
+  detail::check_float(t, op, name);
+  detail::check_same_dtype(t, ref, op, name, ref_name);
+}
+
+// x [T, 2F] and y [T, F] (any leading dimensions, equal in both). Returns {T, F}.
+std::pair<int64_t, int64_t> swiglu_shape(const Tensor& x, const Tensor& y, const char* op,
+                                         const char* y_name) {
+  MEGATON_CHECK(x.ndim() >= 1 && x.dim(-1) % 2 == 0,
+                "{}: x must be [T, 2F] with an even last dim, got {}", op, shape_str(x.shape()));
+  Shape want = x.shape();
+  want.back() /= 2;
+  MEGATON_CHECK(y.shape() == want, "{}: {} {} must be {} for x {}", op, y_name,
+                shape_str(y.shape()), shape_str(want), shape_str(x.shape()));
+  int64_t ffn = want.back();
+  return {ffn ? y.numel() / ffn : 0, ffn};
+}
+
+// ---- kernels ----
+
+// y[t, j] = silu(gate) * up, gate = x[t, j], up = x[t, F + j]; N divides F.
+template <typename T, int N>
+__global__ void swiglu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
+                                      int64_t ffn) {
+  const int64_t packs_per_row = ffn / N, packs = rows * packs_per_row;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = p / packs_per_row, j = (p - t * packs_per_row) * N;
+    const T* gate = x + t * 2 * ffn + j;
+    Pack<T, N> gp = load_pack<N>(gate), up = load_pack<N>(gate + ffn), yp;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float g = to_float(gp.v[k]);
+      yp.v[k] = from_float<T>(g * sigmoid(g) * to_float(up.v[k]));
+    }
+    store_pack<N>(y + t * ffn + j, yp);
+  }
+}
+
+// d silu(g)/dg = s (1 + g (1 - s)), s = sigmoid(g).
+template <typename T, int N>
+__global__ void swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                       T* __restrict__ dx, int64_t rows, int64_t ffn) {
+  const int64_t packs_per_row = ffn / N, packs = rows * packs_per_row;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = p / packs_per_row, j = (p - t * packs_per_row) * N;
+    const int64_t gate_at = t * 2 * ffn + j;
+    Pack<T, N> gp = load_pack<N>(x + gate_at), up = load_pack<N>(x + gate_at + ffn);
+    Pack<T, N> dyp = load_pack<N>(dy + t * ffn + j), dgp, dup;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float g = to_float(gp.v[k]), u = to_float(up.v[k]), d = to_float(dyp.v[k]);
+      float s = sigmoid(g);
+      dgp.v[k] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));
+      dup.v[k] = from_float<T>(d * g * s);
+    }
+    store_pack<N>(dx + gate_at, dgp);
+    store_pack<N>(dx + gate_at + ffn, dup);
+  }
+}
+
+// gelu(x) = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)); N divides n.
+template <typename T, int N>
+__global__ void gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n) {
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N; i < n;
+       i += int64_t(gridDim.x) * blockDim.x * N) {
+    Pack<T, N> xp = load_pack<N>(x + i), yp;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float v = to_float(xp.v[k]);
+      yp.v[k] = from_float<T>(0.5f * v * (1.0f + erff(v * kInvSqrt2)));
+    }
+    store_pack<N>(y + i, yp);
+  }
+}
+
+// gelu'(x) = Phi(x) + x phi(x), phi the standard normal density.
+template <typename T, int N>
+__global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                     T* __restrict__ dx, int64_t n) {
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N; i < n;
+       i += int64_t(gridDim.x) * blockDim.x * N) {
+    Pack<T, N> xp = load_pack<N>(x + i), dyp = load_pack<N>(dy + i), dxp;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float v = to_float(xp.v[k]);
+      float cdf = 0.5f * (1.0f + erff(v * kInvSqrt2));
+      float pdf = kInvSqrt2Pi * expf(-0.5f * v * v);
+      dxp.v[k] = from_float<T>(to_float(dyp.v[k]) * (cdf + v * pdf));
+    }
+    store_pack<N>(dx + i, dxp);
+  }
+}
+
+// Whether every pointer may be read or written in 16-byte packs.
+template <typename T>
+bool packs_aligned(std::initializer_list<const T*> ptrs) {
+  for (const T* p : ptrs)
+    if (!pack_aligned<kPackElems<T>>(p)) return false;
+  return true;
+}
+
+}  // namespace
+
+void swiglu_forward(const Tensor& x, Tensor& y) {
+  const char* op = "swiglu_forward";
+  detail::check_float(x, op, "x");
+  check_pair(y, "y", x, "x", op);
+  auto [rows, ffn] = swiglu_shape(x, y, op, "y");
+  if (rows * ffn == 0) return;
+  detail::dispatch_float(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kN = kPackElems<T>;
+    const T* xp = static_cast<const T*>(x.raw());
+    T* yp = static_cast<T*>(y.raw());
+    if (ffn % kN == 0 && packs_aligned<T>({xp, yp})) {
+      swiglu_forward_kernel<T, kN>
+          <<<grid_for(rows * ffn / kN, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, rows,
+                                                                                  ffn);
+    } else {
+      swiglu_forward_kernel<T, 1>
+          <<<grid_for(rows * ffn, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, rows, ffn);
+    }
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+  const char* op = "swiglu_backward";
+  detail::check_float(x, op, "x");
+  check_pair(dy, "dy", x, "x", op);
+  check_pair(dx, "dx", x, "x", op);
+  auto [rows, ffn] = swiglu_shape(x, dy, op, "dy");
+  detail::check_same_shape(dx, x, op, "dx", "x");
+  if (rows * ffn == 0) return;
+  detail::dispatch_float(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kN = kPackElems<T>;
+    const T* dyp = static_cast<const T*>(dy.raw());
+    const T* xp = static_cast<const T*>(x.raw());
+    T* dxp = static_cast<T*>(dx.raw());
+    if (ffn % kN == 0 && packs_aligned<T>({dyp, xp, dxp})) {
+      swiglu_backward_kernel<T, kN>
+          <<<grid_for(rows * ffn / kN, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp,
+                                                                                  rows, ffn);
+    } else {
+      swiglu_backward_kernel<T, 1>
+          <<<grid_for(rows * ffn, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, rows,
+                                                                             ffn);
+    }
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void gelu_forward(const Tensor& x, Tensor& y) {
+  const char* op = "gelu_forward";
+  detail::check_float(x, op, "x");
+  check_pair(y, "y", x, "x", op);
+  detail::check_same_shape(y, x, op, "y", "x");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  detail::dispatch_float(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kN = kPackElems<T>;
+    const T* xp = static_cast<const T*>(x.raw());
+    T* yp = static_cast<T*>(y.raw());
+    if (n % kN == 0 && packs_aligned<T>({xp, yp})) {
+      gelu_forward_kernel<T, kN>
+          <<<grid_for(n / kN, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, n);
+    } else {
+      gelu_forward_kernel<T, 1><<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, n);
+    }
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+  const char* op = "gelu_backward";
+  detail::check_float(x, op, "x");
+  check_pair(dy, "dy", x, "x", op);
+  check_pair(dx, "dx", x, "x", op);
+  detail::check_same_shape(dy, x, op, "dy", "x");
+  detail::check_same_shape(dx, x, op, "dx", "x");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  detail::dispatch_float(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kN = kPackElems<T>;
+    const T* dyp = static_cast<const T*>(dy.raw());
+    const T* xp = static_cast<const T*>(x.raw());
+    T* dxp = static_cast<T*>(dx.raw());
+    if (n % kN == 0 && packs_aligned<T>({dyp, xp, dxp})) {
+      gelu_backward_kernel<T, kN>
+          <<<grid_for(n / kN, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, n);
+    } else {
+      gelu_backward_kernel<T, 1>
+          <<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, n);
+    }
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace megaton::ops::cuda

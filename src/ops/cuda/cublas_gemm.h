@@ -1,0 +1,49 @@
+// Internal to ops/cuda: the checked-cuBLAS macro and the row-major cuBLASLt GEMM on raw
+// device pointers that gemm.cpp and grouped_gemm.cu share.
+#pragma once
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+#include "core/tensor.h"
+
+// MEGATON_CUBLAS_CHECK(cublasLtMatmul(...)): throws InternalError naming the call, the file
+// and line, and cuBLAS's status name and number. (cublasLtGetStatusString also names the
+// statuses of the classic cuBLAS API: both return cublasStatus_t.)
+#define MEGATON_CUBLAS_CHECK(call)                                                        \
+  do {                                                                                    \
+    cublasStatus_t megaton_status_ = (call);                                              \
+    if (megaton_status_ != CUBLAS_STATUS_SUCCESS) {                                       \
+      throw ::megaton::InternalError(                                                     \
+          ::fmt::format("{}:{}: {} failed: {} ({})", __FILE__, __LINE__, #call,           \
+                        cublasLtGetStatusString(megaton_status_), int(megaton_status_))); \
+    }                                                                                     \
+  } while (0)
+
+namespace megaton::ops::cuda::blas {
+
+// The classic cuBLAS handle (grouped GEMMs, and GEMMs cuBLASLt has no algorithm for), on
+// the compute stream, with fp32 split-K reductions for BF16 outputs.
+cublasHandle_t cublas_handle();
+
+// CUDA_R_32F for F32, CUDA_R_16BF for BF16; InternalError for any other dtype.
+cudaDataType_t cuda_dtype(DType dtype);
+
+// Whether cuBLASLt multiplies A/B of `ab` into C of `c` with fp32 accumulation here:
+// F32 x F32 -> F32, BF16 x BF16 -> BF16 or F32.
+bool supported_dtypes(DType ab, DType c);
+
+// Row-major GEMM on the compute stream: c = alpha * op(a) @ op(b) + beta * c with
+// op(a) [m, k], op(b) [k, n], c [m, n]; lda, ldb, ldc are the row strides (elements) of a,
+// b and c as stored (a is [k, m] when trans_a). a and b have dtype `ab`, c has `c_dtype`
+// (supported_dtypes). Requires m, n, k > 0. Compute type CUBLAS_COMPUTE_32F (no TF32).
+// When beta == 0, c is not read (it may hold NaN). The descriptors and the algorithm are
+// cached per (shape, strides, transposes, dtypes, beta == 0, pointer alignments); where
+// cuBLASLt has no algorithm for a layout, the problem goes to cublasGemmEx instead.
+void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
+            void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
+            float alpha, float beta);
+
+}  // namespace megaton::ops::cuda::blas

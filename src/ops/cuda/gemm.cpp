@@ -1,0 +1,290 @@
+// ops::cuda::gemm: row-major GEMM through cuBLASLt, with descriptors and the heuristic's
+// algorithm cached per problem.
+//
+// cuBLAS is column-major. A row-major [r, c] matrix with row stride ld is, read
+// column-major, its transpose [c, r] with the same ld. So row-major c = op(a) op(b) is
+// computed as the column-major c^T = op(b)^T op(a)^T: the operands swap places and keep
+// their transpose flags, and no data moves.
+#include <cublasLt.h>
+#include <cublas_v2.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "core/cuda/allocator.h"
+#include "core/cuda/cuda_check.h"
+#include "ops/cuda/cublas_gemm.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace megaton::ops::cuda {
+namespace blas {
+
+cudaDataType_t cuda_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return CUDA_R_32F;
+    case DType::BF16:
+      return CUDA_R_16BF;
+    default:
+      break;
+  }
+  MEGATON_CHECK(false, "cuBLAS GEMM: no CUDA data type for {}", dtype_name(dtype));
+  return CUDA_R_32F;
+}
+
+bool supported_dtypes(DType ab, DType c) {
+  if (ab == DType::F32) return c == DType::F32;
+  if (ab == DType::BF16) return c == DType::BF16 || c == DType::F32;
+  return false;
+}
+
+cublasHandle_t cublas_handle() {
+  static cublasHandle_t handle = [] {
+    cublasHandle_t created = nullptr;  // never destroyed: outlives static teardown
+    MEGATON_CUBLAS_CHECK(cublasCreate(&created));
+    MEGATON_CUBLAS_CHECK(cublasSetStream(created, ::megaton::cuda::stream()));
+    // BF16 outputs: split-K partial sums stay fp32 (as the cuBLASLt reduction-scheme mask).
+    MEGATON_CUBLAS_CHECK(cublasSetMathMode(
+        created,
+        cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+    return created;
+  }();
+  return handle;
+}
+
+namespace {
+
+// Split-K and stream-K algorithms want scratch; 32 MiB covers Hopper's choices for the
+// shapes of LLM training (cuBLAS's own default for sm_90 is 32 MiB).
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+struct LtContext {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+};
+
+LtContext& lt_context() {
+  static LtContext* context = [] {
+    auto* c = new LtContext();  // never destroyed: GEMMs may run during static teardown
+    MEGATON_CUBLAS_CHECK(cublasLtCreate(&c->handle));
+    c->workspace = ::megaton::cuda::device_allocate(kWorkspaceBytes);
+    return c;
+  }();
+  return *context;
+}
+
+// The largest power of two up to 256 that divides the address. cuBLASLt assumes 256-byte
+// aligned operands unless told otherwise, and a view (Tensor::rows, an expert's rows) can
+// start anywhere.
+uint32_t alignment_of(const void* p) {
+  auto address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+struct PlanKey {
+  int64_t m, n, k, lda, ldb, ldc;
+  bool trans_a, trans_b, beta_zero;
+  DType ab, c;
+  uint32_t align_a, align_b, align_c;
+  bool operator==(const PlanKey&) const = default;
+};
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& key) const {
+    size_t h = 0;
+    auto mix = [&h](uint64_t v) {
+      h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    };
+    mix(key.m);
+    mix(key.n);
+    mix(key.k);
+    mix(key.lda);
+    mix(key.ldb);
+    mix(key.ldc);
+    mix(uint64_t(key.trans_a) | uint64_t(key.trans_b) << 1 | uint64_t(key.beta_zero) << 2 |
+        uint64_t(key.ab) << 8 | uint64_t(key.c) << 16);
+    mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_c) << 32);
+    return h;
+  }
+};
+
+// Everything cublasLtMatmul needs besides the pointers and scalars. Lives as long as the
+// process (the set of shapes in a training run is small and fixed).
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  // Column-major roles: cuBLAS's A is our b, its B is our a, C (= D) is our c.
+  cublasLtMatrixLayout_t lt_a = nullptr, lt_b = nullptr, lt_c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool use_gemm_ex = false;  // cuBLASLt found no algorithm: use cublasGemmEx instead
+};
+
+Plan make_plan(const PlanKey& key) {
+  LtContext& context = lt_context();
+  Plan plan;
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t op_a = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS A = our b
+  cublasOperation_t op_b = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS B = our a
+  MEGATON_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  MEGATON_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  // Stored (pre-op) shapes, column-major: row-major b is [k, n] (or [n, k] when trans_b),
+  // read as [n, k] (or [k, n]); likewise a; c [m, n] is read as [n, m].
+  const cudaDataType_t ab = cuda_dtype(key.ab), c = cuda_dtype(key.c);
+  MEGATON_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.lt_a, ab, key.trans_b ? key.k : key.n,
+                                                  key.trans_b ? key.n : key.k, key.ldb));
+  MEGATON_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.lt_b, ab, key.trans_a ? key.m : key.k,
+                                                  key.trans_a ? key.k : key.m, key.lda));
+  MEGATON_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.lt_c, c, key.n, key.m, key.ldc));
+
+  cublasLtMatmulPreference_t preference = nullptr;
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+  size_t workspace_bytes = kWorkspaceBytes;
+  MEGATON_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes, sizeof(workspace_bytes)));
+  if (key.c == DType::BF16) {
+    // No split-K partial sums kept in BF16 (in the output or in the workspace): the sum
+    // over k stays fp32 until the final rounding, as PyTorch does when BF16 reduced-
+    // precision reductions are disallowed.
+    uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+  }
+  const uint32_t align_a = key.align_b, align_b = key.align_a, align_c = key.align_c;
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t heuristic =
+      cublasLtMatmulAlgoGetHeuristic(context.handle, plan.desc, plan.lt_a, plan.lt_b, plan.lt_c,
+                                     plan.lt_c, preference, 1, &result, &found);
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
+  if (heuristic != CUBLAS_STATUS_SUCCESS && heuristic != CUBLAS_STATUS_NOT_SUPPORTED)
+    throw InternalError(fmt::format(
+        "{}:{}: cublasLtMatmulAlgoGetHeuristic failed: {} ({}) for m={} n={} k={}", __FILE__,
+        __LINE__, cublasLtGetStatusString(heuristic), int(heuristic), key.m, key.n, key.k));
+  // No cuBLASLt algorithm for this layout and alignment (NOT_SUPPORTED, or none found):
+  // the classic cublasGemmEx accepts any leading dimension and alignment.
+  plan.use_gemm_ex =
+      heuristic != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS;
+  if (!plan.use_gemm_ex) plan.algo = result.algo;
+  return plan;
+}
+
+// The same column-major problem as the cuBLASLt plan, through cublasGemmEx.
+void gemm_ex(const PlanKey& key, const void* a, const void* b, void* c, float alpha, float beta) {
+  MEGATON_CUBLAS_CHECK(cublasGemmEx_64(cublas_handle(), key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                       key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, key.n, key.m, key.k,
+                                       &alpha, b, cuda_dtype(key.ab), key.ldb, a,
+                                       cuda_dtype(key.ab), key.lda, &beta, c, cuda_dtype(key.c),
+                                       key.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+const Plan& plan_for(const PlanKey& key) {
+  static std::mutex mutex;
+  static auto* plans = new std::unordered_map<PlanKey, Plan, PlanKeyHash>();  // never freed
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = plans->find(key);
+  if (it == plans->end()) it = plans->emplace(key, make_plan(key)).first;
+  return it->second;  // unordered_map never moves its elements
+}
+
+}  // namespace
+
+void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
+            void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
+            float alpha, float beta) {
+  MEGATON_CHECK(m > 0 && n > 0 && k > 0, "cuBLASLt matmul: empty problem m={} n={} k={}", m, n, k);
+  MEGATON_CHECK(supported_dtypes(ab, c_dtype), "cuBLASLt matmul: a/b {} into c {}", dtype_name(ab),
+                dtype_name(c_dtype));
+  PlanKey key{m,
+              n,
+              k,
+              lda,
+              ldb,
+              ldc,
+              trans_a,
+              trans_b,
+              beta == 0,
+              ab,
+              c_dtype,
+              alignment_of(a),
+              alignment_of(b),
+              alignment_of(c)};
+  const Plan& plan = plan_for(key);
+  if (plan.use_gemm_ex) {
+    gemm_ex(key, a, b, c, alpha, beta);
+    return;
+  }
+  LtContext& context = lt_context();
+  MEGATON_CUBLAS_CHECK(cublasLtMatmul(
+      context.handle, plan.desc, &alpha, b, plan.lt_a, a, plan.lt_b, &beta, c, plan.lt_c, c,
+      plan.lt_c, &plan.algo, context.workspace, kWorkspaceBytes, ::megaton::cuda::stream()));
+}
+
+}  // namespace blas
+
+namespace {
+
+struct Matrix {
+  int64_t rows, cols;
+};
+
+// The 2-d view of a tensor of rank >= 2 on the GPU: leading dimensions merged into rows.
+Matrix as_matrix(const Tensor& t, const char* name) {
+  MEGATON_CHECK(t.defined(), "gemm: {} is undefined", name);
+  MEGATON_CHECK(t.ndim() >= 2, "gemm: {} must have rank >= 2, got shape {}", name,
+                shape_str(t.shape()));
+  MEGATON_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
+                "gemm: {} must be F32 or BF16, got {}", name, dtype_name(t.dtype()));
+  MEGATON_CHECK(t.device() == Device::CUDA, "gemm: {} must be on the GPU, it is on the CPU", name);
+  int64_t rows = 1;  // not numel / cols: that loses the rows when cols == 0 (k == 0)
+  for (int i = 0; i + 1 < t.ndim(); ++i) rows *= t.dim(i);
+  return {rows, t.dim(-1)};
+}
+
+bool overlaps(const Tensor& x, const Tensor& y) {
+  auto* x0 = static_cast<const char*>(x.raw());
+  auto* y0 = static_cast<const char*>(y.raw());
+  return x.nbytes() && y.nbytes() && x0 < y0 + y.nbytes() && y0 < x0 + x.nbytes();
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
+          float beta) {
+  Matrix ma = as_matrix(a, "a"), mb = as_matrix(b, "b"), mc = as_matrix(c, "c");
+  int64_t m = trans_a ? ma.cols : ma.rows, k = trans_a ? ma.rows : ma.cols;
+  int64_t kb = trans_b ? mb.cols : mb.rows, n = trans_b ? mb.rows : mb.cols;
+  MEGATON_CHECK(k == kb && mc.rows == m && mc.cols == n,
+                "gemm: op(a) [{}, {}] @ op(b) [{}, {}] into c [{}, {}] (a {}{}, b {}{}, c {})", m,
+                k, kb, n, mc.rows, mc.cols, shape_str(a.shape()), trans_a ? "^T" : "",
+                shape_str(b.shape()), trans_b ? "^T" : "", shape_str(c.shape()));
+  MEGATON_CHECK(a.dtype() == b.dtype() && blas::supported_dtypes(a.dtype(), c.dtype()),
+                "gemm: a {} and b {} into c {} (a and b share one dtype, F32 or BF16; c is F32, "
+                "or BF16 when a and b are)",
+                dtype_name(a.dtype()), dtype_name(b.dtype()), dtype_name(c.dtype()));
+  MEGATON_CHECK(!overlaps(c, a) && !overlaps(c, b), "gemm: c must not overlap a or b");
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // op(a) @ op(b) is all zeros; cuBLASLt is not asked about empty sums
+    if (beta == 0.0f)
+      c.zero();
+    else if (beta != 1.0f)
+      scale_(c, beta);
+    return;
+  }
+  blas::matmul(a.raw(), trans_a, ma.cols, b.raw(), trans_b, mb.cols, c.raw(), mc.cols, m, n, k,
+               a.dtype(), c.dtype(), alpha, beta);
+}
+
+}  // namespace megaton::ops::cuda

@@ -1,0 +1,125 @@
+// Rotary position embedding (RoPE) on the GPU, non-interleaved "rotate half", F32 and BF16.
+//
+// Same numbers as ops/cpu/rope.cpp: inv_freq_i = 1 / base^(float(2i) / D) is computed on
+// the host with the CPU's own expression (std::pow in fp32) and passed to the kernel, so
+// both backends start from identical fp32 frequencies; angle = float(s + offset) *
+// inv_freq_i is one fp32 multiply on either side; cos and sin of that fp32 angle are
+// evaluated in double and rounded once, as the CPU does (at position 4096 one fp32 ulp of
+// the angle is ~5e-4, so the angle's rounding, not the trig, dominates; matching it keeps
+// the GPU within a few fp32 ulps of the CPU at long positions).
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/cuda/cuda_check.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace megaton::ops::cuda {
+namespace {
+
+// Up to D = 512: the frequencies travel as a kernel argument (1 KiB), no device buffer.
+constexpr int kMaxHalfDim = 256;
+constexpr int kThreads = 256;
+
+struct InvFreq {
+  float value[kMaxHalfDim];
+};
+
+__device__ inline float load_float(const float* p) { return *p; }
+__device__ inline float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+__device__ inline void store_float(float* p, float v) { *p = v; }
+__device__ inline void store_float(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// One block per token row (b, s): the block first fills cos/sin of its position for the
+// D/2 frequencies in shared memory (the trig is paid once per row, not once per head),
+// then rotates every (head, i) pair of the row. y may alias x: each thread reads both
+// halves of its pair before writing them, and pairs are disjoint across threads.
+template <typename T>
+__global__ void rope_kernel(const T* x, T* y, int64_t S, int heads, int half,
+                            int64_t position_offset, float sign, InvFreq inv_freq) {
+  extern __shared__ float table[];  // cos[half], then sin[half]
+  const int64_t row = blockIdx.x;   // b * S + s
+  const int64_t s = row % S;
+  const float pos = float(s + position_offset);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float angle = __fmul_rn(pos, inv_freq.value[i]);  // no contraction, as on the CPU
+    table[i] = float(cos(double(angle)));
+    table[half + i] = float(sin(double(angle)));
+  }
+  __syncthreads();
+  const int64_t row_start = row * int64_t(heads) * 2 * half;
+  for (int pair = threadIdx.x; pair < heads * half; pair += blockDim.x) {
+    const int h = pair / half, i = pair % half;
+    const int64_t first = row_start + int64_t(h) * 2 * half + i;
+    const float x1 = load_float(x + first), x2 = load_float(x + first + half);
+    const float c = table[i], sn = sign * table[half + i];
+    store_float(y + first, x1 * c - x2 * sn);
+    store_float(y + first + half, x2 * c + x1 * sn);
+  }
+}
+
+void check_rope_args(const Tensor& x, const Tensor& y, const char* x_name, const char* y_name,
+                     float base, int64_t position_offset) {
+  MEGATON_CHECK(x.defined() && y.defined(), "cuda rope: {} and {} must be allocated", x_name,
+                y_name);
+  MEGATON_CHECK(x.device() == Device::CUDA && y.device() == Device::CUDA,
+                "cuda rope: {} and {} must both be CUDA tensors", x_name, y_name);
+  MEGATON_CHECK(x.dtype() == y.dtype() && (x.dtype() == DType::F32 || x.dtype() == DType::BF16),
+                "cuda rope: {} {} and {} {} must both be F32 or both BF16", x_name,
+                dtype_name(x.dtype()), y_name, dtype_name(y.dtype()));
+  MEGATON_CHECK(x.ndim() == 4, "cuda rope: {} must be [B, S, heads, D], got {}", x_name,
+                shape_str(x.shape()));
+  MEGATON_CHECK(y.shape() == x.shape(), "cuda rope: {} {} must match {} {}", y_name,
+                shape_str(y.shape()), x_name, shape_str(x.shape()));
+  MEGATON_CHECK(x.dim(3) % 2 == 0, "cuda rope: head dim {} must be even", x.dim(3));
+  MEGATON_CHECK(x.dim(3) / 2 <= kMaxHalfDim, "cuda rope: head dim {} exceeds the supported {}",
+                x.dim(3), 2 * kMaxHalfDim);
+  MEGATON_CHECK(x.dim(2) * x.dim(3) <= INT32_MAX, "cuda rope: heads * D {} exceeds int32",
+                x.dim(2) * x.dim(3));
+  MEGATON_CHECK(x.dim(0) * x.dim(1) <= INT32_MAX, "cuda rope: B * S {} exceeds the grid limit",
+                x.dim(0) * x.dim(1));
+  MEGATON_CHECK(base > 0.0f, "cuda rope: base {} must be positive", base);
+  MEGATON_CHECK(position_offset >= 0, "cuda rope: position_offset {} must be >= 0",
+                position_offset);
+}
+
+void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset, float sign) {
+  const int64_t B = x.dim(0), S = x.dim(1), heads = x.dim(2), D = x.dim(3);
+  const int half = int(D / 2);
+  if (x.numel() == 0) return;
+  InvFreq inv_freq{};
+  for (int i = 0; i < half; ++i) {
+    // Exactly ops/cpu/rope.cpp's rope_tables.
+    float exponent = float(2 * i) / float(D);
+    inv_freq.value[i] = 1.0f / std::pow(base, exponent);
+  }
+  const unsigned blocks = unsigned(B * S);
+  const size_t shared_bytes = 2 * size_t(half) * sizeof(float);
+  cudaStream_t stream = ::megaton::cuda::stream();
+  if (x.dtype() == DType::F32) {
+    rope_kernel<float><<<blocks, kThreads, shared_bytes, stream>>>(
+        x.f32(), y.f32(), S, int(heads), half, position_offset, sign, inv_freq);
+  } else {
+    rope_kernel<__nv_bfloat16><<<blocks, kThreads, shared_bytes, stream>>>(
+        reinterpret_cast<const __nv_bfloat16*>(x.data<uint16_t>()),
+        reinterpret_cast<__nv_bfloat16*>(y.data<uint16_t>()), S, int(heads), half, position_offset,
+        sign, inv_freq);
+  }
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset) {
+  check_rope_args(x, y, "x", "y", base, position_offset);
+  rope_apply(x, y, base, position_offset, 1.0f);
+}
+
+void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset) {
+  check_rope_args(dy, dx, "dy", "dx", base, position_offset);
+  rope_apply(dy, dx, base, position_offset, -1.0f);
+}
+
+}  // namespace megaton::ops::cuda

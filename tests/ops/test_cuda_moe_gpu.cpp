@@ -1,0 +1,423 @@
+// CUDA softmax cross-entropy, MoE routing and MoE permutation against their CPU twins:
+// the same (bf16-rounded where BF16 is used) inputs on both devices, outputs poisoned
+// before each CUDA op runs.
+#include <gtest/gtest.h>
+
+#ifdef MEGATON_WITH_CUDA
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/testing.h"
+#include "core/cuda/cuda_check.h"
+#include "ops/ops.h"
+
+namespace megaton {
+namespace {
+
+using testing::allclose;
+using testing::randn;
+using testing::rel_error;
+
+// CUDA fp32 tolerances of CONVENTIONS.md (fp32 math on identical inputs, different
+// summation order and exp implementation), and bf16's.
+constexpr double kF32Atol = 1e-5, kF32Rtol = 1e-4;
+constexpr double kBf16Atol = 1e-5, kBf16Rtol = 1e-2, kBf16Rel = 1e-2;
+
+std::string seed_trace(uint64_t seed) { return "seed " + std::to_string(seed); }
+
+class CudaOpsMoeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+Tensor to_gpu(const Tensor& t) { return t.to(Device::CUDA); }
+Tensor to_cpu(const Tensor& t) { return t.to(Device::CPU); }
+
+// A GPU output filled with NaN (float) or -1 (integer), so an unwritten element shows.
+Tensor poisoned_gpu(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, Device::CUDA);
+  t.fill(dtype == DType::I32 || dtype == DType::I64 ? -1.0f : NAN);
+  return t;
+}
+
+// The fp32 values a BF16 tensor holds (the CPU reference's input), and that tensor.
+struct Rounded {
+  Tensor ref;     // F32 on the CPU
+  Tensor device;  // `dtype` on the GPU, the same values
+};
+Rounded as_dtype(const Tensor& f32, DType dtype) {
+  Tensor ref = dtype == DType::BF16 ? f32.to(DType::BF16).to(DType::F32) : f32.clone();
+  return {ref, to_gpu(ref.to(dtype))};
+}
+
+// Every element identical (bit patterns compared for floats: NaN never equals).
+::testing::AssertionResult bitwise_equal(const Tensor& a, const Tensor& b) {
+  const Tensor x = to_cpu(a), y = to_cpu(b);
+  if (x.nbytes() != y.nbytes() || x.dtype() != y.dtype())
+    return ::testing::AssertionFailure() << "different sizes or dtypes";
+  const size_t es = dtype_size(x.dtype());
+  const char *p = static_cast<const char*>(x.raw()), *q = static_cast<const char*>(y.raw());
+  for (int64_t i = 0; i < x.numel(); ++i)
+    if (std::memcmp(p + i * es, q + i * es, es) != 0 || std::isnan(x.item(i)))
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << x.item(i) << " vs " << y.item(i);
+  return ::testing::AssertionSuccess();
+}
+
+// Router logits [T, E] with no near-ties (entries of a row at least 0.075 apart, so fp32
+// scores computed in a different order still rank the same): each row a random permutation
+// of 0.1 * e plus jitter in [0, 0.025). Expert `empty_expert` (when >= 0) gets -1e4 in
+// every row, so no token routes to it while k < E.
+Tensor separated_logits(int64_t T, int64_t E, uint64_t seed, int empty_expert = -1) {
+  Tensor t = Tensor::empty({T, E});
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<float> jitter(0.0f, 0.025f);
+  std::vector<int> perm(E);
+  for (int64_t r = 0; r < T; ++r) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), gen);
+    for (int64_t e = 0; e < E; ++e)
+      t.f32()[r * E + e] = e == empty_expert ? -1e4f : 0.1f * float(perm[e]) - 3.0f + jitter(gen);
+  }
+  return t;
+}
+
+// Logits drawn from {0, 1, 2}: many exact ties, which both devices must break toward the
+// lower expert index (equal inputs give equal fp32 scores on either device).
+Tensor tied_logits(int64_t T, int64_t E, uint64_t seed) {
+  Tensor t = Tensor::empty({T, E});
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> level(0, 2);
+  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = float(level(gen));
+  return t;
+}
+
+struct RouteCase {
+  int64_t T, E;
+  int k;
+};
+std::vector<RouteCase> route_cases() {
+  std::vector<RouteCase> cases;
+  for (int64_t T : {1, 37, 4096})
+    for (int64_t E : {4, 8, 64})
+      for (int k : {1, 2, 8})
+        if (k <= E) cases.push_back({T, E, k});
+  return cases;
+}
+std::string describe(const RouteCase& c) {
+  return "T " + std::to_string(c.T) + " E " + std::to_string(c.E) + " k " + std::to_string(c.k);
+}
+
+// ---------------------------------------------------------------------------------------
+// Softmax cross-entropy
+
+struct CrossEntropyCase {
+  int64_t T, V;
+  DType dtype;
+};
+
+// Forward, backward out of place, and backward in place (dlogits aliasing logits), each
+// against the CPU on the same values; in place must equal out of place bit for bit.
+void check_cross_entropy(const CrossEntropyCase& c, uint64_t seed) {
+  SCOPED_TRACE("T " + std::to_string(c.T) + " V " + std::to_string(c.V) + " " +
+               std::string(dtype_name(c.dtype)));
+  const bool bf16 = c.dtype == DType::BF16;
+  const Rounded logits = as_dtype(randn({c.T, c.V}, seed, 2.0f), c.dtype);
+  const Tensor labels = testing::randint({c.T}, int32_t(c.V), seed + 1);
+  const Tensor dlosses = randn({c.T}, seed + 2);
+  const Tensor labels_gpu = to_gpu(labels), dlosses_gpu = to_gpu(dlosses);
+
+  Tensor ref_losses = Tensor::empty({c.T}), ref_lse = Tensor::empty({c.T});
+  ops::cross_entropy_forward(logits.ref, labels, ref_losses, ref_lse);
+  Tensor ref_dlogits = Tensor::empty({c.T, c.V});
+  ops::cross_entropy_backward(dlosses, logits.ref, labels, ref_lse, ref_dlogits);
+
+  Tensor losses = poisoned_gpu({c.T}, DType::F32), lse = poisoned_gpu({c.T}, DType::F32);
+  ops::cross_entropy_forward(logits.device, labels_gpu, losses, lse);
+  // fp32 math on identical inputs: the CUDA fp32 tolerance whatever the logits' dtype.
+  EXPECT_TRUE(allclose(to_cpu(losses), ref_losses, kF32Atol, kF32Rtol)) << "losses";
+  EXPECT_TRUE(allclose(to_cpu(lse), ref_lse, kF32Atol, kF32Rtol)) << "lse";
+
+  Tensor dlogits = poisoned_gpu({c.T, c.V}, c.dtype);
+  ops::cross_entropy_backward(dlosses_gpu, logits.device, labels_gpu, lse, dlogits);
+  const Tensor dlogits_f32 = to_cpu(dlogits).to(DType::F32);
+  if (bf16) {
+    EXPECT_LE(rel_error(dlogits_f32, ref_dlogits), kBf16Rel) << "dlogits";
+  } else {
+    EXPECT_TRUE(allclose(dlogits_f32, ref_dlogits, kF32Atol, kF32Rtol)) << "dlogits";
+    EXPECT_LE(rel_error(dlogits_f32, ref_dlogits), 1e-5) << "dlogits";
+  }
+
+  Tensor in_place = logits.device.clone();
+  ops::cross_entropy_backward(dlosses_gpu, in_place, labels_gpu, lse, in_place);
+  EXPECT_TRUE(bitwise_equal(in_place, dlogits)) << "in-place dlogits";
+}
+
+TEST_F(CudaOpsMoeTest, CrossEntropyMatchesCpu) {
+  const uint64_t seed = testing::test_seed() + 600;
+  SCOPED_TRACE(seed_trace(seed));
+  // V = 97: rows not a multiple of a 16-byte pack (the element-wise kernels).
+  const std::vector<CrossEntropyCase> cases = {
+      {1, 96, DType::F32},     {37, 96, DType::F32},     {4096, 96, DType::F32},
+      {37, 97, DType::F32},    {1, 50304, DType::F32},   {37, 50304, DType::F32},
+      {1, 96, DType::BF16},    {37, 97, DType::BF16},    {4096, 96, DType::BF16},
+      {1, 50304, DType::BF16}, {37, 50304, DType::BF16}, {4096, 50304, DType::BF16},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) check_cross_entropy(cases[i], seed + 10 * i);
+}
+
+// ---------------------------------------------------------------------------------------
+// Top-k softmax routing
+
+void check_topk_softmax(const Tensor& logits, int k, bool pre_softmax, uint64_t seed) {
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax after top-k");
+  Tensor ref_probs = Tensor::empty({T, k}), ref_indices = Tensor::empty({T, k}, DType::I32);
+  ops::moe_topk_softmax_forward(logits, k, pre_softmax, ref_probs, ref_indices);
+
+  const Tensor logits_gpu = to_gpu(logits);
+  Tensor probs = poisoned_gpu({T, k}, DType::F32), indices = poisoned_gpu({T, k}, DType::I32);
+  ops::moe_topk_softmax_forward(logits_gpu, k, pre_softmax, probs, indices);
+  EXPECT_TRUE(bitwise_equal(indices, ref_indices)) << "indices";
+  EXPECT_TRUE(allclose(to_cpu(probs), ref_probs, kF32Atol, kF32Rtol)) << "probs";
+
+  // Backward from the CPU's forward outputs, so both devices see the same probs/indices.
+  const Tensor dprobs = randn({T, k}, seed);
+  Tensor ref_dlogits = Tensor::empty({T, E});
+  ops::moe_topk_softmax_backward(dprobs, logits, ref_probs, ref_indices, pre_softmax, ref_dlogits);
+  Tensor dlogits = poisoned_gpu({T, E}, DType::F32);
+  ops::moe_topk_softmax_backward(to_gpu(dprobs), logits_gpu, to_gpu(ref_probs), to_gpu(ref_indices),
+                                 pre_softmax, dlogits);
+  EXPECT_TRUE(allclose(to_cpu(dlogits), ref_dlogits, kF32Atol, kF32Rtol)) << "dlogits";
+}
+
+TEST_F(CudaOpsMoeTest, TopkSoftmaxMatchesCpu) {
+  const uint64_t seed = testing::test_seed() + 610;
+  SCOPED_TRACE(seed_trace(seed));
+  for (const RouteCase& c : route_cases()) {
+    SCOPED_TRACE(describe(c));
+    const Tensor logits = separated_logits(c.T, c.E, seed + c.T * 100 + c.E * 10 + c.k);
+    for (bool pre_softmax : {false, true}) check_topk_softmax(logits, c.k, pre_softmax, seed);
+  }
+}
+
+TEST_F(CudaOpsMoeTest, TopkSoftmaxBreaksTiesLikeCpu) {
+  const uint64_t seed = testing::test_seed() + 611;
+  SCOPED_TRACE(seed_trace(seed));
+  for (const RouteCase& c : {RouteCase{37, 8, 2}, RouteCase{37, 8, 8}, RouteCase{4096, 64, 8}}) {
+    SCOPED_TRACE(describe(c));
+    const Tensor logits = tied_logits(c.T, c.E, seed + c.E);
+    for (bool pre_softmax : {false, true}) check_topk_softmax(logits, c.k, pre_softmax, seed);
+  }
+}
+
+TEST_F(CudaOpsMoeTest, TopkSoftmaxNeverRoutesToAStarvedExpert) {
+  const uint64_t seed = testing::test_seed() + 612;
+  SCOPED_TRACE(seed_trace(seed));
+  const int64_t T = 4096, E = 64;
+  const int k = 8, starved = 5;
+  const Tensor logits = separated_logits(T, E, seed, starved);
+  for (bool pre_softmax : {false, true}) {
+    check_topk_softmax(logits, k, pre_softmax, seed);
+    Tensor probs = poisoned_gpu({T, k}, DType::F32), indices = poisoned_gpu({T, k}, DType::I32);
+    ops::moe_topk_softmax_forward(to_gpu(logits), k, pre_softmax, probs, indices);
+    const Tensor chosen = to_cpu(indices);
+    EXPECT_EQ(std::count(chosen.i32(), chosen.i32() + T * k, starved), 0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Aux load-balancing loss
+
+void check_aux_loss(const Tensor& logits, int k, uint64_t seed) {
+  const int64_t T = logits.dim(0), E = logits.dim(1);
+  const float coeff = 1e-2f;
+  Tensor ref_scores = Tensor::empty({T, E}), ref_tokens = Tensor::empty({E});
+  const float ref_aux = ops::moe_aux_loss_forward(logits, k, coeff, ref_scores, ref_tokens);
+
+  Tensor scores = poisoned_gpu({T, E}, DType::F32), tokens = poisoned_gpu({E}, DType::F32);
+  const float aux = ops::moe_aux_loss_forward(to_gpu(logits), k, coeff, scores, tokens);
+  EXPECT_NEAR(aux, ref_aux, kF32Atol * coeff + kF32Rtol * std::fabs(ref_aux)) << "aux";
+  EXPECT_TRUE(allclose(to_cpu(scores), ref_scores, kF32Atol, kF32Rtol)) << "scores";
+  EXPECT_TRUE(bitwise_equal(tokens, ref_tokens)) << "tokens_per_expert";
+
+  // grad_scale = T / coeff makes d aux / d scores = O(1) (it is coeff * grad_scale / T
+  // times n_e E / (k T), about 1), and a small random start checks accumulation.
+  const float grad_scale = float(T) / coeff;
+  const Tensor start = randn({T, E}, seed, 1e-2f);
+  Tensor ref_dlogits = start.clone();
+  ops::moe_aux_loss_backward(grad_scale, ref_scores, ref_tokens, k, coeff, ref_dlogits);
+  Tensor dlogits = to_gpu(start);
+  ops::moe_aux_loss_backward(grad_scale, to_gpu(ref_scores), to_gpu(ref_tokens), k, coeff, dlogits);
+  EXPECT_TRUE(allclose(to_cpu(dlogits), ref_dlogits, kF32Atol, kF32Rtol)) << "dlogits";
+}
+
+TEST_F(CudaOpsMoeTest, AuxLossMatchesCpu) {
+  const uint64_t seed = testing::test_seed() + 620;
+  SCOPED_TRACE(seed_trace(seed));
+  for (const RouteCase& c : route_cases()) {
+    SCOPED_TRACE(describe(c));
+    check_aux_loss(separated_logits(c.T, c.E, seed + c.T * 100 + c.E * 10 + c.k), c.k, seed);
+  }
+}
+
+TEST_F(CudaOpsMoeTest, AuxLossCountsTiesAndStarvedExpertsLikeCpu) {
+  const uint64_t seed = testing::test_seed() + 621;
+  SCOPED_TRACE(seed_trace(seed));
+  check_aux_loss(tied_logits(4096, 64, seed), 8, seed);
+  check_aux_loss(tied_logits(37, 8, seed), 2, seed);
+  const int starved = 3;
+  const Tensor logits = separated_logits(4096, 64, seed, starved);
+  check_aux_loss(logits, 8, seed);
+  Tensor scores = poisoned_gpu({4096, 64}, DType::F32), tokens = poisoned_gpu({64}, DType::F32);
+  ops::moe_aux_loss_forward(to_gpu(logits), 8, 1e-2f, scores, tokens);
+  EXPECT_EQ(to_cpu(tokens).f32()[starved], 0.0f);
+}
+
+// ---------------------------------------------------------------------------------------
+// Token permutation
+
+struct PermuteCase {
+  int64_t T, E;
+  int k;
+  int64_t H;
+  int starved;  // an expert no token routes to, or -1
+};
+
+// Each token's k experts: distinct, uniformly drawn from [0, E) without `starved`.
+Tensor random_routing(int64_t T, int64_t E, int k, int starved, uint64_t seed) {
+  Tensor indices = Tensor::empty({T, k}, DType::I32);
+  std::mt19937_64 gen(seed);
+  std::vector<int32_t> experts;
+  for (int32_t e = 0; e < E; ++e)
+    if (e != starved) experts.push_back(e);
+  for (int64_t t = 0; t < T; ++t) {
+    std::shuffle(experts.begin(), experts.end(), gen);
+    std::copy(experts.begin(), experts.begin() + k, indices.i32() + t * k);
+  }
+  return indices;
+}
+
+// Token probabilities in (0, 1).
+Tensor random_probs(int64_t T, int k, uint64_t seed) {
+  Tensor p = Tensor::empty({T, k});
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (int64_t i = 0; i < p.numel(); ++i) p.f32()[i] = u(gen);
+  return p;
+}
+
+// A sum of k values: the CPU and GPU add in the same j order in fp32, so F32 agrees to
+// rounding (a fused multiply-add may differ by an ulp); BF16 adds the output's rounding.
+::testing::AssertionResult close_sum(const Tensor& gpu, const Tensor& ref, DType dtype) {
+  const Tensor got = to_cpu(gpu).to(DType::F32);
+  return dtype == DType::BF16 ? allclose(got, ref, kBf16Atol, kBf16Rtol)
+                              : allclose(got, ref, 1e-6, 1e-6);
+}
+
+void check_permute(const PermuteCase& c, DType dtype, uint64_t seed) {
+  SCOPED_TRACE("T " + std::to_string(c.T) + " E " + std::to_string(c.E) + " k " +
+               std::to_string(c.k) + " H " + std::to_string(c.H) + " starved " +
+               std::to_string(c.starved) + " " + std::string(dtype_name(dtype)));
+  const int64_t copies = c.T * c.k;
+  const Tensor indices = random_routing(c.T, c.E, c.k, c.starved, seed);
+  const Tensor indices_gpu = to_gpu(indices);
+  const Rounded x = as_dtype(randn({c.T, c.H}, seed + 1), dtype);
+
+  // Forward permutation: a stable counting sort, so the map and counts match exactly and
+  // the rows are exact copies.
+  Tensor ref_permuted = Tensor::empty({copies, c.H});
+  Tensor ref_map = Tensor::empty({copies}, DType::I32);
+  Tensor ref_tokens = Tensor::empty({c.E}, DType::I64);
+  ops::moe_permute(x.ref, indices, int(c.E), ref_permuted, ref_map, ref_tokens);
+  Tensor permuted = poisoned_gpu({copies, c.H}, dtype);
+  Tensor row_id_map = poisoned_gpu({copies}, DType::I32);
+  Tensor tokens = poisoned_gpu({c.E}, DType::I64);
+  ops::moe_permute(x.device, indices_gpu, int(c.E), permuted, row_id_map, tokens);
+  EXPECT_TRUE(bitwise_equal(row_id_map, ref_map)) << "row_id_map";
+  EXPECT_TRUE(bitwise_equal(tokens, ref_tokens)) << "tokens_per_expert";
+  EXPECT_TRUE(bitwise_equal(permuted, ref_permuted.to(dtype))) << "permuted";
+  if (c.starved >= 0) {
+    EXPECT_EQ(to_cpu(tokens).i64()[c.starved], 0);
+  }
+
+  // Backward of the permutation: each token sums its k rows.
+  const Rounded dpermuted = as_dtype(randn({copies, c.H}, seed + 2), dtype);
+  Tensor ref_dx = Tensor::empty({c.T, c.H});
+  ops::moe_permute_backward(dpermuted.ref, ref_map, c.k, ref_dx);
+  Tensor dx = poisoned_gpu({c.T, c.H}, dtype);
+  ops::moe_permute_backward(dpermuted.device, row_id_map, c.k, dx);
+  EXPECT_TRUE(close_sum(dx, ref_dx, dtype)) << "permute backward dx";
+
+  // Unpermute: out[t] = sum_j probs[t, j] expert_out[r(t, j)].
+  const Rounded expert_out = as_dtype(randn({copies, c.H}, seed + 3), dtype);
+  const Tensor probs = random_probs(c.T, c.k, seed + 4);
+  const Tensor probs_gpu = to_gpu(probs);
+  Tensor ref_out = Tensor::empty({c.T, c.H});
+  ops::moe_unpermute(expert_out.ref, ref_map, probs, ref_out);
+  Tensor out = poisoned_gpu({c.T, c.H}, dtype);
+  ops::moe_unpermute(expert_out.device, row_id_map, probs_gpu, out);
+  EXPECT_TRUE(close_sum(out, ref_out, dtype)) << "unpermute out";
+
+  // Unpermute backward: dexpert_out rows are one product each (exact in F32, one bf16
+  // rounding in BF16); dprobs are H-term dot products.
+  const Rounded dout = as_dtype(randn({c.T, c.H}, seed + 5), dtype);
+  Tensor ref_dexpert = Tensor::empty({copies, c.H}), ref_dprobs = Tensor::empty({c.T, c.k});
+  ops::moe_unpermute_backward(dout.ref, expert_out.ref, ref_map, probs, ref_dexpert, ref_dprobs);
+  Tensor dexpert = poisoned_gpu({copies, c.H}, dtype);
+  Tensor dprobs = poisoned_gpu({c.T, c.k}, DType::F32);
+  ops::moe_unpermute_backward(dout.device, expert_out.device, row_id_map, probs_gpu, dexpert,
+                              dprobs);
+  if (dtype == DType::BF16) {
+    EXPECT_TRUE(allclose(to_cpu(dexpert).to(DType::F32), ref_dexpert, kBf16Atol, kBf16Rtol))
+        << "dexpert_out";
+  } else {
+    EXPECT_TRUE(bitwise_equal(dexpert, ref_dexpert)) << "dexpert_out";
+  }
+  // An fp32 dot product of H terms in another order differs by a few ulp of the sum of
+  // |terms| (the CPU adds in fp64): 1e-6 of that sum is ~8 ulp, plus the fp32 rtol.
+  const Tensor got_dprobs = to_cpu(dprobs);
+  const Tensor g = dout.ref, eo = expert_out.ref;
+  std::vector<int64_t> row_of_copy(copies);
+  for (int64_t r = 0; r < copies; ++r) row_of_copy[ref_map.i32()[r]] = r;
+  for (int64_t t = 0; t < c.T; ++t) {
+    for (int j = 0; j < c.k; ++j) {
+      const int64_t copy = t * c.k + j, row = row_of_copy[copy];
+      double magnitude = 0;
+      for (int64_t h = 0; h < c.H; ++h)
+        magnitude += std::fabs(double(g.f32()[t * c.H + h]) * eo.f32()[row * c.H + h]);
+      const float want = ref_dprobs.f32()[copy], got = got_dprobs.f32()[copy];
+      ASSERT_NEAR(got, want, 1e-6 * magnitude + kF32Rtol * std::fabs(want))
+          << "dprobs token " << t << " slot " << j;
+    }
+  }
+}
+
+TEST_F(CudaOpsMoeTest, PermuteAndUnpermuteMatchCpu) {
+  const uint64_t seed = testing::test_seed() + 630;
+  SCOPED_TRACE(seed_trace(seed));
+  // H = 97: rows not a multiple of a 16-byte pack (the element-wise kernels). k = E routes
+  // every token everywhere; E = 64 with k = 2 and 37 tokens leaves experts empty by itself.
+  const std::vector<PermuteCase> cases = {
+      {1, 4, 1, 64, -1},     {37, 8, 2, 97, -1},    {37, 8, 8, 128, -1}, {37, 64, 2, 96, -1},
+      {4096, 64, 8, 256, 7}, {4096, 8, 2, 1024, 0}, {4096, 4, 1, 96, 3},
+  };
+  for (DType dtype : {DType::F32, DType::BF16})
+    for (size_t i = 0; i < cases.size(); ++i) check_permute(cases[i], dtype, seed + 10 * i);
+}
+
+}  // namespace
+}  // namespace megaton
+
+#else  // !MEGATON_WITH_CUDA
+
+TEST(CudaOpsMoeTest, NeedsCudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif

@@ -1,0 +1,397 @@
+// CUDA norms, activations, dropout and embedding against the CPU reference ops.
+//
+// Inputs are random, seeded and rounded to BF16, so the CPU reference (fp32 on those
+// values) and the GPU (BF16 or F32 copies of the same values) see identical numbers; what
+// differs is only fp32-vs-fp64 arithmetic and, for BF16 runs, the rounding of outputs.
+// Outputs are poisoned with NaN first, so an element a kernel skips fails the check.
+#ifdef MEGATON_WITH_CUDA
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/testing.h"
+#include "core/cuda/cuda_check.h"
+#include "ops/ops.h"
+
+namespace megaton {
+namespace {
+
+using testing::allclose;
+using testing::randint;
+using testing::randn;
+using testing::rel_error;
+
+#define SEED_TRACE(seed) SCOPED_TRACE("seed " + std::to_string(seed))
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device"
+
+// Tolerances (CONVENTIONS.md). BF16 outputs carry one bf16 rounding (2^-9 relative), hence
+// rtol 2e-2 elementwise; F32 outputs are "CUDA fp32". Statistics and main grads are F32
+// sums whose only error is fp32 vs the CPU's fp64 accumulation.
+constexpr double kBf16WholeRel = 1e-2, kBf16Atol = 1e-2, kBf16Rtol = 2e-2;
+constexpr double kF32WholeRel = 1e-5, kF32Atol = 1e-5, kF32Rtol = 1e-4;
+constexpr double kStatRel = 1e-4;
+// Main grads elementwise: sums of ~1000 O(1) products, |value| ~ 30; fp32 summation
+// error is ~1e-5 there, so atol 1e-3 is a wide margin that still catches a wrong element.
+constexpr double kMainGradAtol = 1e-3, kMainGradRtol = 1e-4;
+
+constexpr float kEps = 1e-5f;
+
+// {rows, cols}: tiny and odd, two aligned training-like widths, and an odd width that
+// takes the unvectorised path.
+const std::vector<std::pair<int64_t, int64_t>> kShapes = {
+    {7, 33}, {256, 1024}, {1000, 4096}, {300, 1001}};
+
+std::string shape_trace(int64_t rows, int64_t cols, DType dtype) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "] " +
+         std::string(dtype_name(dtype));
+}
+
+// N(mean, std) values rounded to BF16, held in fp32.
+Tensor randn_bf16_values(const Shape& shape, uint64_t seed, float std = 1.0f, float mean = 0.0f) {
+  Tensor t = randn(shape, seed, std);
+  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] += mean;
+  return t.to(DType::BF16).to(DType::F32);
+}
+
+// A device copy of the fp32 host tensor t in `dtype`.
+Tensor on_gpu(const Tensor& t, DType dtype) { return t.to(dtype).to(Device::CUDA); }
+
+Tensor poisoned_gpu(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, Device::CUDA);
+  t.fill(NAN);
+  return t;
+}
+
+Tensor host_f32(const Tensor& gpu) { return gpu.to(Device::CPU).to(DType::F32); }
+
+// An activation output (dtype of the run) against the fp32 CPU reference.
+void expect_output_close(const Tensor& gpu, const Tensor& ref, DType dtype, const char* what) {
+  SCOPED_TRACE(what);
+  Tensor got = host_f32(gpu);
+  const bool bf16 = dtype == DType::BF16;
+  EXPECT_LE(rel_error(got, ref), bf16 ? kBf16WholeRel : kF32WholeRel);
+  EXPECT_TRUE(allclose(got, ref, bf16 ? kBf16Atol : kF32Atol, bf16 ? kBf16Rtol : kF32Rtol));
+}
+
+// An F32 statistic (mean, rstd): whole-tensor rel error, and every element written.
+void expect_stat_close(const Tensor& gpu, const Tensor& ref, const char* what) {
+  SCOPED_TRACE(what);
+  Tensor got = host_f32(gpu);
+  EXPECT_LE(rel_error(got, ref), kStatRel);
+  EXPECT_TRUE(allclose(got, ref, 1e-5, kStatRel));
+}
+
+void expect_main_grad_close(const Tensor& gpu, const Tensor& ref, const char* what) {
+  SCOPED_TRACE(what);
+  Tensor got = host_f32(gpu);
+  EXPECT_LE(rel_error(got, ref), kStatRel);
+  EXPECT_TRUE(allclose(got, ref, kMainGradAtol, kMainGradRtol));
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.to(Device::CPU).to_vector() == b.to(Device::CPU).to_vector();
+}
+
+// Activation dtype and weight dtype of a norm run.
+struct NormDtypes {
+  DType act, weight;
+};
+const NormDtypes kNormDtypes[] = {
+    {DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}};
+
+// ------------------------------------------------------------------------- RMSNorm
+
+TEST(CudaNorm, RmsNormForwardBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (auto [rows, cols] : kShapes) {
+    for (NormDtypes dt : kNormDtypes) {
+      SCOPED_TRACE(shape_trace(rows, cols, dt.act) + " weight " +
+                   std::string(dtype_name(dt.weight)));
+      Tensor x = randn_bf16_values({rows, cols}, seed + 1);
+      Tensor w = randn_bf16_values({cols}, seed + 2, 0.5f, 1.0f);
+      Tensor dy = randn_bf16_values({rows, cols}, seed + 3);
+      Tensor dw0 = randn({cols}, seed + 4);  // main grads start nonzero: they accumulate
+
+      // CPU reference (fp32 on the rounded values).
+      Tensor y_ref = Tensor::empty({rows, cols}), rstd_ref = Tensor::empty({rows});
+      ops::rmsnorm_forward(x, w, kEps, y_ref, rstd_ref);
+      Tensor dx_ref = Tensor::empty({rows, cols}), dw_ref = dw0.clone();
+      ops::rmsnorm_backward(dy, x, w, rstd_ref, dx_ref, dw_ref);
+
+      Tensor xg = on_gpu(x, dt.act), wg = on_gpu(w, dt.weight);
+      Tensor yg = poisoned_gpu({rows, cols}, dt.act), rstdg = poisoned_gpu({rows}, DType::F32);
+      ops::rmsnorm_forward(xg, wg, kEps, yg, rstdg);
+      expect_output_close(yg, y_ref, dt.act, "y");
+      expect_stat_close(rstdg, rstd_ref, "rstd");
+
+      // Backward from the reference rstd, so it is checked on its own.
+      Tensor dyg = on_gpu(dy, dt.act), rstd_in = rstd_ref.to(Device::CUDA);
+      Tensor dxg = poisoned_gpu({rows, cols}, dt.act), dwg = dw0.to(Device::CUDA);
+      ops::rmsnorm_backward(dyg, xg, wg, rstd_in, dxg, dwg);
+      expect_output_close(dxg, dx_ref, dt.act, "dx");
+      expect_main_grad_close(dwg, dw_ref, "dweight");
+
+      // dweight is reduced without atomics: a second run gives the same bits.
+      Tensor dwg_again = dw0.to(Device::CUDA);
+      ops::rmsnorm_backward(dyg, xg, wg, rstd_in, dxg, dwg_again);
+      EXPECT_TRUE(bitwise_equal(dwg_again, dwg)) << "dweight differs between identical runs";
+    }
+  }
+}
+
+TEST(CudaNorm, RmsNormMergesLeadingDimensions) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  Tensor x = randn_bf16_values({3, 5, 64}, seed + 1);
+  Tensor w = randn_bf16_values({64}, seed + 2, 0.5f, 1.0f);
+  Tensor y_ref = Tensor::empty({3, 5, 64}), rstd_ref = Tensor::empty({15});
+  ops::rmsnorm_forward(x, w, kEps, y_ref, rstd_ref);
+  Tensor yg = poisoned_gpu({3, 5, 64}, DType::BF16), rstdg = poisoned_gpu({15}, DType::F32);
+  ops::rmsnorm_forward(on_gpu(x, DType::BF16), on_gpu(w, DType::BF16), kEps, yg, rstdg);
+  expect_output_close(yg, y_ref, DType::BF16, "y");
+  expect_stat_close(rstdg, rstd_ref, "rstd");
+}
+
+// ----------------------------------------------------------------------- LayerNorm
+
+TEST(CudaNorm, LayerNormForwardBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (bool with_bias : {true, false}) {
+    for (auto [rows, cols] : kShapes) {
+      for (NormDtypes dt : kNormDtypes) {
+        SCOPED_TRACE(shape_trace(rows, cols, dt.act) + " weight " +
+                     std::string(dtype_name(dt.weight)) + (with_bias ? " bias" : " no bias"));
+        // Rows with a nonzero mean (2) exercise the centring and the two-pass variance.
+        Tensor x = randn_bf16_values({rows, cols}, seed + 1, 1.0f, 2.0f);
+        Tensor w = randn_bf16_values({cols}, seed + 2, 0.5f, 1.0f);
+        Tensor b = with_bias ? randn_bf16_values({cols}, seed + 3, 0.5f) : Tensor();
+        Tensor dy = randn_bf16_values({rows, cols}, seed + 4);
+        Tensor dw0 = randn({cols}, seed + 5), db0 = randn({cols}, seed + 6);
+
+        Tensor y_ref = Tensor::empty({rows, cols});
+        Tensor mean_ref = Tensor::empty({rows}), rstd_ref = Tensor::empty({rows});
+        ops::layernorm_forward(x, w, b, kEps, y_ref, mean_ref, rstd_ref);
+        Tensor dx_ref = Tensor::empty({rows, cols}), dw_ref = dw0.clone();
+        Tensor db_ref = with_bias ? db0.clone() : Tensor();
+        ops::layernorm_backward(dy, x, w, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref);
+
+        Tensor xg = on_gpu(x, dt.act), wg = on_gpu(w, dt.weight);
+        Tensor bg = with_bias ? on_gpu(b, dt.weight) : Tensor();
+        Tensor yg = poisoned_gpu({rows, cols}, dt.act);
+        Tensor meang = poisoned_gpu({rows}, DType::F32), rstdg = poisoned_gpu({rows}, DType::F32);
+        ops::layernorm_forward(xg, wg, bg, kEps, yg, meang, rstdg);
+        expect_output_close(yg, y_ref, dt.act, "y");
+        expect_stat_close(meang, mean_ref, "mean");
+        expect_stat_close(rstdg, rstd_ref, "rstd");
+
+        Tensor dyg = on_gpu(dy, dt.act);
+        Tensor mean_in = mean_ref.to(Device::CUDA), rstd_in = rstd_ref.to(Device::CUDA);
+        Tensor dxg = poisoned_gpu({rows, cols}, dt.act), dwg = dw0.to(Device::CUDA);
+        Tensor dbg = with_bias ? db0.to(Device::CUDA) : Tensor();
+        ops::layernorm_backward(dyg, xg, wg, mean_in, rstd_in, dxg, dwg, dbg);
+        expect_output_close(dxg, dx_ref, dt.act, "dx");
+        expect_main_grad_close(dwg, dw_ref, "dweight");
+        if (with_bias) expect_main_grad_close(dbg, db_ref, "dbias");
+
+        Tensor dwg_again = dw0.to(Device::CUDA);
+        Tensor dbg_again = with_bias ? db0.to(Device::CUDA) : Tensor();
+        ops::layernorm_backward(dyg, xg, wg, mean_in, rstd_in, dxg, dwg_again, dbg_again);
+        EXPECT_TRUE(bitwise_equal(dwg_again, dwg)) << "dweight differs between identical runs";
+        if (with_bias) {
+          EXPECT_TRUE(bitwise_equal(dbg_again, dbg)) << "dbias differs between identical runs";
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaNorm, DoorChecks) {
+  SKIP_WITHOUT_GPU();
+  Tensor x = Tensor::zeros({4, 8}, DType::BF16, Device::CUDA);
+  Tensor w = Tensor::zeros({8}, DType::BF16, Device::CUDA);
+  Tensor y = Tensor::zeros({4, 8}, DType::BF16, Device::CUDA);
+  Tensor rstd = Tensor::zeros({4}, DType::F32, Device::CUDA);
+  Tensor rstd_bf16 = Tensor::zeros({4}, DType::BF16, Device::CUDA);
+  Tensor y_f32 = Tensor::zeros({4, 8}, DType::F32, Device::CUDA);
+  Tensor w_short = Tensor::zeros({7}, DType::BF16, Device::CUDA);
+  Tensor w_host = Tensor::zeros({8});
+  EXPECT_THROW(ops::rmsnorm_forward(x, w, kEps, y, rstd_bf16), InternalError);  // stats are F32
+  EXPECT_THROW(ops::rmsnorm_forward(x, w, kEps, y_f32, rstd), InternalError);   // y dtype of x
+  EXPECT_THROW(ops::rmsnorm_forward(x, w_short, kEps, y, rstd), InternalError);
+  EXPECT_THROW(ops::rmsnorm_forward(x, w_host, kEps, y, rstd), InternalError);  // device mix
+  Tensor dweight_bf16 = Tensor::zeros({8}, DType::BF16, Device::CUDA);
+  Tensor dx = Tensor::zeros({4, 8}, DType::BF16, Device::CUDA);
+  EXPECT_THROW(ops::rmsnorm_backward(y, x, w, rstd, dx, dweight_bf16), InternalError);
+}
+
+// ---------------------------------------------------------------------- activations
+
+TEST(CudaActivation, SwigluForwardBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (auto [rows, ffn] : kShapes) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(shape_trace(rows, ffn, dtype) + " (F)");
+      Tensor x = randn_bf16_values({rows, 2 * ffn}, seed + 1, 2.0f);
+      Tensor dy = randn_bf16_values({rows, ffn}, seed + 2);
+      Tensor y_ref = Tensor::empty({rows, ffn}), dx_ref = Tensor::empty({rows, 2 * ffn});
+      ops::swiglu_forward(x, y_ref);
+      ops::swiglu_backward(dy, x, dx_ref);
+
+      Tensor xg = on_gpu(x, dtype), dyg = on_gpu(dy, dtype);
+      Tensor yg = poisoned_gpu({rows, ffn}, dtype), dxg = poisoned_gpu({rows, 2 * ffn}, dtype);
+      ops::swiglu_forward(xg, yg);
+      ops::swiglu_backward(dyg, xg, dxg);
+      expect_output_close(yg, y_ref, dtype, "y");
+      expect_output_close(dxg, dx_ref, dtype, "dx");
+    }
+  }
+}
+
+TEST(CudaActivation, GeluForwardBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (auto [rows, cols] : kShapes) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(shape_trace(rows, cols, dtype));
+      Tensor x = randn_bf16_values({rows, cols}, seed + 1, 2.0f);
+      Tensor dy = randn_bf16_values({rows, cols}, seed + 2);
+      Tensor y_ref = Tensor::empty({rows, cols}), dx_ref = Tensor::empty({rows, cols});
+      ops::gelu_forward(x, y_ref);
+      ops::gelu_backward(dy, x, dx_ref);
+
+      Tensor xg = on_gpu(x, dtype), dyg = on_gpu(dy, dtype);
+      Tensor yg = poisoned_gpu({rows, cols}, dtype), dxg = poisoned_gpu({rows, cols}, dtype);
+      ops::gelu_forward(xg, yg);
+      ops::gelu_backward(dyg, xg, dxg);
+      expect_output_close(yg, y_ref, dtype, "y");
+      expect_output_close(dxg, dx_ref, dtype, "dx");
+    }
+  }
+}
+
+// -------------------------------------------------------------------------- dropout
+
+// Elements where exactly one of a and b is zero.
+int64_t zero_pattern_mismatches(const Tensor& a, const Tensor& b) {
+  std::vector<float> va = a.to_vector(), vb = b.to_vector();
+  int64_t n = 0;
+  for (size_t i = 0; i < va.size(); ++i) n += (va[i] == 0.0f) != (vb[i] == 0.0f);
+  return n;
+}
+
+TEST(CudaDropout, MaskEqualsCpuMaskBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const uint64_t drop_seed = 0x1234abcd5678ull ^ seed, stream = 7;
+  for (auto [rows, cols] : kShapes) {
+    for (float p : {0.0f, 0.1f, 0.5f}) {
+      for (DType dtype : {DType::F32, DType::BF16}) {
+        SCOPED_TRACE(shape_trace(rows, cols, dtype) + " p " + std::to_string(p));
+        // N(0, 1) inputs have no zeros, so a zero output marks a dropped element.
+        Tensor x = randn_bf16_values({rows, cols}, seed + 1);
+        Tensor dy = randn_bf16_values({rows, cols}, seed + 2);
+        Tensor y_ref = Tensor::empty({rows, cols}), dx_ref = Tensor::empty({rows, cols});
+        ops::dropout_forward(x, y_ref, p, drop_seed, stream);
+        ops::dropout_backward(dy, dx_ref, p, drop_seed, stream);
+
+        Tensor xg = on_gpu(x, dtype), dyg = on_gpu(dy, dtype);
+        Tensor yg = poisoned_gpu({rows, cols}, dtype), dxg = poisoned_gpu({rows, cols}, dtype);
+        ops::dropout_forward(xg, yg, p, drop_seed, stream);
+        ops::dropout_backward(dyg, dxg, p, drop_seed, stream);
+        Tensor y = host_f32(yg), dx = host_f32(dxg);
+        EXPECT_EQ(zero_pattern_mismatches(y, y_ref), 0) << "forward mask differs from the CPU's";
+        EXPECT_EQ(zero_pattern_mismatches(dx, dx_ref), 0)
+            << "backward mask differs from the CPU's";
+        if (dtype == DType::F32 || p == 0.0f) {
+          // Same mask, same fp32 reciprocal, one fp32 multiply (p = 0: a copy): equal bits.
+          EXPECT_TRUE(allclose(y, y_ref, 0, 0)) << "y";
+          EXPECT_TRUE(allclose(dx, dx_ref, 0, 0)) << "dx";
+        } else {
+          expect_output_close(yg, y_ref, dtype, "y");
+          expect_output_close(dxg, dx_ref, dtype, "dx");
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaDropout, InPlaceEqualsOutOfPlace) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    Tensor x = randn_bf16_values({33, 257}, seed + 1);
+    Tensor xg = on_gpu(x, dtype), yg = poisoned_gpu({33, 257}, dtype);
+    ops::dropout_forward(xg, yg, 0.3f, 42, 5);
+    Tensor inplace = xg.clone();
+    ops::dropout_forward(inplace, inplace, 0.3f, 42, 5);
+    EXPECT_TRUE(bitwise_equal(inplace, yg));
+  }
+}
+
+// ------------------------------------------------------------------------ embedding
+
+TEST(CudaEmbedding, ForwardBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  // A small vocabulary so ids repeat many times: backward must sum repeated rows.
+  const int64_t vocab = 50;
+  for (auto [tokens, hidden] : kShapes) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(shape_trace(tokens, hidden, dtype) + " (tokens, hidden)");
+      // One case with [B, S] ids and a [B, S, H] output.
+      Shape ids_shape = tokens == 256 ? Shape{4, 64} : Shape{tokens};
+      Shape out_shape = ids_shape;
+      out_shape.push_back(hidden);
+      Tensor ids = randint(ids_shape, int32_t(vocab), seed + 1);
+      Tensor table = randn_bf16_values({vocab, hidden}, seed + 2);
+      Tensor dout = randn_bf16_values(out_shape, seed + 3);
+      Tensor dtable0 = randn({vocab, hidden}, seed + 4);  // accumulates onto nonzero values
+
+      Tensor out_ref = Tensor::empty(out_shape), dtable_ref = dtable0.clone();
+      ops::embedding_forward(ids, table, out_ref);
+      ops::embedding_backward(dout, ids, dtable_ref);
+
+      Tensor idsg = ids.to(Device::CUDA);
+      Tensor outg = poisoned_gpu(out_shape, dtype);
+      ops::embedding_forward(idsg, on_gpu(table, dtype), outg);
+      EXPECT_TRUE(allclose(host_f32(outg), out_ref, 0, 0)) << "out is not an exact row copy";
+
+      Tensor dtableg = dtable0.to(Device::CUDA);
+      ops::embedding_backward(on_gpu(dout, dtype), idsg, dtableg);
+      expect_main_grad_close(dtableg, dtable_ref, "dtable");
+    }
+  }
+}
+
+TEST(CudaEmbedding, DoorChecks) {
+  SKIP_WITHOUT_GPU();
+  Tensor ids = Tensor::zeros({4}, DType::I32, Device::CUDA);
+  Tensor table = Tensor::zeros({10, 8}, DType::BF16, Device::CUDA);
+  Tensor out_f32 = Tensor::zeros({4, 8}, DType::F32, Device::CUDA);
+  Tensor out_wide = Tensor::zeros({4, 9}, DType::BF16, Device::CUDA);
+  EXPECT_THROW(ops::embedding_forward(ids, table, out_f32), InternalError);  // dtype of table
+  EXPECT_THROW(ops::embedding_forward(ids, table, out_wide), InternalError);
+  Tensor dout = Tensor::zeros({4, 8}, DType::BF16, Device::CUDA);
+  Tensor dtable_bf16 = Tensor::zeros({10, 8}, DType::BF16, Device::CUDA);
+  EXPECT_THROW(ops::embedding_backward(dout, ids, dtable_bf16), InternalError);  // F32 main grad
+}
+
+}  // namespace
+}  // namespace megaton
+
+#endif  // MEGATON_WITH_CUDA
