@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <deque>
 #include <exception>
@@ -95,7 +96,39 @@ class SentencePieceTokenizer final : public Tokenizer {
 
 }  // namespace
 
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path) {
+std::vector<int32_t> NullTokenizer::encode(std::string_view text) const {
+  // Megatron's _NullTokenizer: the text is whitespace-separated token ids.
+  std::vector<int32_t> ids;
+  std::string word;
+  auto flush = [&] {
+    if (word.empty()) return;
+    char* end = nullptr;
+    long v = std::strtol(word.c_str(), &end, 10);
+    if (*end != '\0' || v < 0 || v >= vocab_size_)
+      fail("NullTokenizer: '{}' is not a token id below {}", word, vocab_size_);
+    ids.push_back(int32_t(v));
+    word.clear();
+  };
+  for (char c : text) {
+    if (std::isspace(static_cast<unsigned char>(c))) flush();
+    else word += c;
+  }
+  flush();
+  return ids;
+}
+
+std::string NullTokenizer::decode(std::span<const int32_t> ids) const {
+  std::string out;
+  for (int32_t id : ids) out += (out.empty() ? "" : " ") + std::to_string(id);
+  return out;
+}
+
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path,
+                                          int64_t vocab_size) {
+  if (type == "NullTokenizer") {
+    if (vocab_size <= 0) fail("--tokenizer-type NullTokenizer needs --vocab-size");
+    return std::make_unique<NullTokenizer>(vocab_size);
+  }
   if (type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer")
     return std::make_unique<SentencePieceTokenizer>(model_path);
   if (type == "ByteTokenizer") return std::make_unique<ByteTokenizer>();

@@ -39,7 +39,22 @@ class ByteTokenizer final : public Tokenizer {
 
 // --tokenizer-type values accepted by make_tokenizer.
 inline constexpr std::string_view kTokenizerTypes[] = {
-    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "ByteTokenizer"};
+    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "ByteTokenizer", "NullTokenizer"};
+
+// Megatron's NullTokenizer (--tokenizer-type NullTokenizer --vocab-size N): ids 0..N-1
+// written as decimal text, eod = N, vocab_size = N + 1. For --mock-data runs and
+// benchmarks, where no text exists.
+class NullTokenizer final : public Tokenizer {
+ public:
+  explicit NullTokenizer(int64_t vocab_size) : vocab_size_(vocab_size) {}
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(std::span<const int32_t> ids) const override;
+  int64_t vocab_size() const override { return vocab_size_ + 1; }
+  int32_t eod() const override { return int32_t(vocab_size_); }
+
+ private:
+  int64_t vocab_size_;
+};
 
 // type "SentencePieceTokenizer" (or Megatron's alias "GPTSentencePieceTokenizer"): the
 // SentencePiece model at model_path; ids are the model's, encode adds no bos/eos,
@@ -47,7 +62,9 @@ inline constexpr std::string_view kTokenizerTypes[] = {
 // _GPTSentencePieceTokenizer). type "ByteTokenizer": model_path is ignored.
 // Throws megaton::Error for an unknown type (listing the valid ones), an unreadable
 // model, or a model without an eos piece.
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path);
+// type "NullTokenizer" needs vocab_size (--vocab-size).
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path,
+                                          int64_t vocab_size = 0);
 
 struct SentencePieceTrainOptions {
   // --input-format and --json-keys, as for preprocessing.

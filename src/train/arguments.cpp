@@ -81,6 +81,8 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"split", "train,valid,test proportions of documents"},
       {"tokenizer-type", "SentencePieceTokenizer or ByteTokenizer"},
       {"tokenizer-model", "tokenizer model file"},
+      {"vocab-size", "vocabulary of the NullTokenizer (ids 0..N-1, eod N)"},
+      {"mock-data", "train on random tokens (throughput runs; no data-path)", true},
       // run
       {"micro-batch-size", "samples per micro-batch"},
       {"global-batch-size", "samples per iteration"},
@@ -260,6 +262,8 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("split", a.split);
   r.get("tokenizer-type", a.tokenizer_type);
   r.get("tokenizer-model", a.tokenizer_model);
+  r.get("vocab-size", a.vocab_size);
+  r.get("mock-data", a.mock_data);
 
   r.get("micro-batch-size", a.micro_batch_size);
   r.get("global-batch-size", a.global_batch_size);
@@ -297,7 +301,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   if (a.train_iters <= 0) fail("train-iters must be positive (got {})", a.train_iters);
   if (a.log_interval <= 0) fail("log-interval must be positive (got {})", a.log_interval);
   if (a.eval_interval < 0 || a.eval_iters < 0) fail("eval-interval and eval-iters must be >= 0");
-  if (a.data_path.empty()) fail("data-path is required");
+  if (a.data_path.empty() && !a.mock_data) fail("data-path is required (or mock-data)");
   if (a.tokenizer_type.empty()) fail("tokenizer-type is required");
   if (!a.save.empty() && a.save_interval < 0) fail("save-interval must be >= 0");
   if (a.lr.lr_decay_iters == 0) a.lr.lr_decay_iters = a.train_iters;

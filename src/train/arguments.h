@@ -22,6 +22,8 @@ struct TrainArgs {
   std::string split = "969,30,1";
   std::string tokenizer_type;
   std::string tokenizer_model;
+  int64_t vocab_size = 0;  // NullTokenizer only
+  bool mock_data = false;
 
   // Batch and iterations.
   int64_t micro_batch_size = 1;

@@ -89,7 +89,8 @@ LoadedModel load_model_for_inference(const std::string& load_dir) {
     LoadedModel out;
     TrainArgs args = parse_train_args(raw);
     out.tokenizer = data::make_tokenizer(meta.at("tokenizer_type").get<std::string>(),
-                                         meta.at("tokenizer_model").get<std::string>());
+                                         meta.at("tokenizer_model").get<std::string>(),
+                                         args.vocab_size);
     args.model.vocab_size = out.tokenizer->vocab_size();
     args.model.finalize();
     out.model = std::make_unique<GPTModel>(args.model, args.seed);

@@ -15,6 +15,7 @@
 #include "ops/ops.h"
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
+#include "data/mock_dataset.h"
 #include "train/flops.h"
 #include "train/generate.h"
 
@@ -30,19 +31,32 @@ int64_t peak_memory_bytes(Device device) {
 }
 
 Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(std::move(raw)) {
-  tokenizer_ = data::make_tokenizer(args_.tokenizer_type, args_.tokenizer_model);
+  tokenizer_ = data::make_tokenizer(args_.tokenizer_type, args_.tokenizer_model, args_.vocab_size);
   args_.model.vocab_size = tokenizer_->vocab_size();
   args_.model.finalize();
+  int64_t gbs = args_.global_batch_size;
+  std::array<int64_t, 3> num_samples = {args_.train_iters * gbs, args_.eval_iters * gbs,
+                                        args_.eval_iters * gbs};
+  if (args_.mock_data) {
+    for (int split = 0; split < 3; ++split)
+      datasets_[split] = std::make_unique<data::MockGPTDataset>(
+          std::max<int64_t>(num_samples[split], 1), args_.model.seq_length,
+          args_.model.vocab_size, args_.seed, uint64_t(split));
+  } else {
+    build_datasets(num_samples);
+  }
+  model_ = std::make_unique<GPTModel>(args_.model, args_.seed);
+  optimizer_ = std::make_unique<optim::AdamW>(model_->params(), args_.adam);
+  if (!args_.load.empty()) load();
+}
 
+void Trainer::build_datasets(const std::array<int64_t, 3>& num_samples) {
   data::GPTDatasetConfig data_cfg;
   data_cfg.blend = data::parse_data_path(args_.data_path);
   data_cfg.split = args_.split;
   data_cfg.seq_length = args_.model.seq_length;
   data_cfg.seed = args_.seed;
-  int64_t gbs = args_.global_batch_size;
-  int64_t eval_samples = args_.eval_iters * gbs;
-  datasets_ = data::build_gpt_datasets(data_cfg, {args_.train_iters * gbs, eval_samples,
-                                                  eval_samples});
+  datasets_ = data::build_gpt_datasets(data_cfg, num_samples);
   if (!datasets_[0]) fail("data-path: the train split of '{}' is empty", args_.split);
   for (const auto& ds : datasets_)
     if (ds && ds->size() > 0) {
@@ -54,10 +68,6 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
           fail("data-path: token id {} is outside the tokenizer's vocabulary of {} (was the "
                "data preprocessed with another tokenizer?)", t, args_.model.vocab_size);
     }
-
-  model_ = std::make_unique<GPTModel>(args_.model, args_.seed);
-  optimizer_ = std::make_unique<optim::AdamW>(model_->params(), args_.adam);
-  if (!args_.load.empty()) load();
 }
 
 void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,

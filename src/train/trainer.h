@@ -34,6 +34,7 @@ class Trainer {
   GPTModel& model() { return *model_; }
 
  private:
+  void build_datasets(const std::array<int64_t, 3>& num_samples);
   double train_step(int64_t iteration, double* aux_loss);
   void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
                   Tensor& tokens, Tensor& labels) const;

@@ -224,7 +224,7 @@ TEST(CudaGemm, RejectsBadShapesAndDtypes) {
 
 const std::vector<int64_t> kGroupRows = {5, 0, 17, 3};
 // (64, 48): every group's pointers are 16-byte aligned, so same-dtype cases take the
-// single cublasGemmGroupedBatchedEx call; (33, 17): odd rows, so the cuBLASLt loop.
+// single cublasGemmGroupedBatchedEx call; (33, 17): odd rows, so the cublasGemmEx loop.
 const std::vector<std::pair<int64_t, int64_t>> kGroupedShapes = {{64, 48}, {33, 17}};
 
 // Whole-output checks for the grouped ops: the GEMM tolerances, per output.

@@ -1,5 +1,6 @@
-// Internal to ops/cuda: the checked-cuBLAS macro and the row-major cuBLASLt GEMM on raw
-// device pointers that gemm.cpp and grouped_gemm.cu share.
+// Internal to ops/cuda: the checked-cuBLAS macro, the cuBLAS handle, and the row-major
+// GEMMs on raw device pointers (cached cuBLASLt plans; cublasGemmEx) that gemm.cpp and
+// grouped_gemm.cu share.
 #pragma once
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -24,8 +25,8 @@
 
 namespace megaton::ops::cuda::blas {
 
-// The classic cuBLAS handle (grouped GEMMs, and GEMMs cuBLASLt has no algorithm for), on
-// the compute stream, with fp32 split-K reductions for BF16 outputs.
+// The classic cuBLAS handle (grouped GEMMs, gemm_ex), on the compute stream, with fp32
+// split-K reductions for BF16 outputs.
 cublasHandle_t cublas_handle();
 
 // CUDA_R_32F for F32, CUDA_R_16BF for BF16; InternalError for any other dtype.
@@ -45,5 +46,12 @@ bool supported_dtypes(DType ab, DType c);
 void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
             void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
             float alpha, float beta);
+
+// The same GEMM through the classic cublasGemmEx, which chooses (and caches, bounded)
+// its algorithm itself: for shapes that change from call to call, such as one expert's
+// row count, where a cached plan per shape would pile up. Any alignment.
+void gemm_ex(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
+             void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
+             float alpha, float beta);
 
 }  // namespace megaton::ops::cuda::blas

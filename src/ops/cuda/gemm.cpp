@@ -1,5 +1,5 @@
 // ops::cuda::gemm: row-major GEMM through cuBLASLt, with descriptors and the heuristic's
-// algorithm cached per problem.
+// algorithm cached per problem (cublasGemmEx where cuBLASLt offers no algorithm).
 //
 // cuBLAS is column-major. A row-major [r, c] matrix with row stride ld is, read
 // column-major, its transpose [c, r] with the same ld. So row-major c = op(a) op(b) is
@@ -65,7 +65,7 @@ struct LtContext {
 
 LtContext& lt_context() {
   static LtContext* context = [] {
-    auto* c = new LtContext();  // never destroyed: GEMMs may run during static teardown
+    auto* c = new LtContext();  // never destroyed, like the allocator: no teardown order
     MEGATON_CUBLAS_CHECK(cublasLtCreate(&c->handle));
     c->workspace = ::megaton::cuda::device_allocate(kWorkspaceBytes);
     return c;
@@ -181,15 +181,6 @@ Plan make_plan(const PlanKey& key) {
   return plan;
 }
 
-// The same column-major problem as the cuBLASLt plan, through cublasGemmEx.
-void gemm_ex(const PlanKey& key, const void* a, const void* b, void* c, float alpha, float beta) {
-  MEGATON_CUBLAS_CHECK(cublasGemmEx_64(cublas_handle(), key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                       key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, key.n, key.m, key.k,
-                                       &alpha, b, cuda_dtype(key.ab), key.ldb, a,
-                                       cuda_dtype(key.ab), key.lda, &beta, c, cuda_dtype(key.c),
-                                       key.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
-
 const Plan& plan_for(const PlanKey& key) {
   static std::mutex mutex;
   static auto* plans = new std::unordered_map<PlanKey, Plan, PlanKeyHash>();  // never freed
@@ -223,13 +214,26 @@ void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_
               alignment_of(c)};
   const Plan& plan = plan_for(key);
   if (plan.use_gemm_ex) {
-    gemm_ex(key, a, b, c, alpha, beta);
+    gemm_ex(a, trans_a, lda, b, trans_b, ldb, c, ldc, m, n, k, ab, c_dtype, alpha, beta);
     return;
   }
   LtContext& context = lt_context();
   MEGATON_CUBLAS_CHECK(cublasLtMatmul(
       context.handle, plan.desc, &alpha, b, plan.lt_a, a, plan.lt_b, &beta, c, plan.lt_c, c,
       plan.lt_c, &plan.algo, context.workspace, kWorkspaceBytes, ::megaton::cuda::stream()));
+}
+
+void gemm_ex(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
+             void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
+             float alpha, float beta) {
+  MEGATON_CHECK(m > 0 && n > 0 && k > 0, "cublasGemmEx: empty problem m={} n={} k={}", m, n, k);
+  MEGATON_CHECK(supported_dtypes(ab, c_dtype), "cublasGemmEx: a/b {} into c {}", dtype_name(ab),
+                dtype_name(c_dtype));
+  // Column-major c^T [n, m] = op(b)^T [n, k] @ op(a)^T [k, m], as for cuBLASLt above.
+  MEGATON_CUBLAS_CHECK(cublasGemmEx_64(
+      cublas_handle(), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n,
+      m, k, &alpha, b, cuda_dtype(ab), ldb, a, cuda_dtype(ab), lda, &beta, c, cuda_dtype(c_dtype),
+      ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace blas

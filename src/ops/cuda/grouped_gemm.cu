@@ -8,7 +8,9 @@
 // (16 bytes ideally; weaker rules depend on k). So the grouped call is used when the
 // dtypes are in that table and every pointer is 16-byte aligned (the case for hidden and
 // FFN sizes that are multiples of 8); otherwise -- in particular the weight gradient of
-// BF16 experts into fp32 main_grad -- the groups run as a loop of cuBLASLt GEMMs.
+// BF16 experts into fp32 main_grad -- the groups run as a loop of cublasGemmEx calls
+// (not cached cuBLASLt plans: the per-expert row counts change every step, and a plan
+// per count would pile up; cuBLAS bounds its own heuristics cache).
 #include <cublas_v2.h>
 
 #include <climits>
@@ -109,8 +111,8 @@ void grouped_call(const std::vector<Problem>& problems, DType ab, DType c_dtype,
   // queued on the same stream after this GEMM, so the arrays are read before reuse.
 }
 
-// Runs the problems (all with k > 0): one grouped call when supported, else one cuBLASLt
-// GEMM each.
+// Runs the problems (all with k > 0): one grouped call when supported, else one
+// cublasGemmEx each.
 void run_problems(const std::vector<Problem>& problems, DType ab, DType c_dtype, float beta) {
   if (problems.empty()) return;
   if (grouped_call_supported(problems, ab, c_dtype)) {
@@ -118,8 +120,8 @@ void run_problems(const std::vector<Problem>& problems, DType ab, DType c_dtype,
     return;
   }
   for (const Problem& p : problems)
-    blas::matmul(p.a, p.trans_a, p.lda, p.b, p.trans_b, p.ldb, p.c, p.ldc, p.m, p.n, p.k, ab,
-                 c_dtype, 1.0f, beta);
+    blas::gemm_ex(p.a, p.trans_a, p.lda, p.b, p.trans_b, p.ldb, p.c, p.ldc, p.m, p.n, p.k, ab,
+                  c_dtype, 1.0f, beta);
 }
 
 // c = beta * c for a group with no rows (the sum over its rows is empty).
