@@ -312,8 +312,7 @@ TEST(CudaDropout, MaskEqualsCpuMaskBitForBit) {
         ops::dropout_backward(dyg, dxg, p, drop_seed, stream);
         Tensor y = host_f32(yg), dx = host_f32(dxg);
         EXPECT_EQ(zero_pattern_mismatches(y, y_ref), 0) << "forward mask differs from the CPU's";
-        EXPECT_EQ(zero_pattern_mismatches(dx, dx_ref), 0)
-            << "backward mask differs from the CPU's";
+        EXPECT_EQ(zero_pattern_mismatches(dx, dx_ref), 0) << "backward mask differs from the CPU's";
         if (dtype == DType::F32 || p == 0.0f) {
           // Same mask, same fp32 reciprocal, one fp32 multiply (p = 0: a copy): equal bits.
           EXPECT_TRUE(allclose(y, y_ref, 0, 0)) << "y";

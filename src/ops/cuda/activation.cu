@@ -14,10 +14,10 @@ namespace {
 using detail::compute_stream;
 using detail::from_float;
 using detail::grid_for;
-using detail::pack_aligned;
 using detail::kPackElems;
 using detail::load_pack;
 using detail::Pack;
+using detail::pack_aligned;
 using detail::store_pack;
 using detail::to_float;
 
@@ -148,7 +148,7 @@ void swiglu_forward(const Tensor& x, Tensor& y) {
     if (ffn % kN == 0 && packs_aligned<T>({xp, yp})) {
       swiglu_forward_kernel<T, kN>
           <<<grid_for(rows * ffn / kN, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, rows,
-                                                                                  ffn);
+                                                                                   ffn);
     } else {
       swiglu_forward_kernel<T, 1>
           <<<grid_for(rows * ffn, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, rows, ffn);
@@ -174,11 +174,11 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
     if (ffn % kN == 0 && packs_aligned<T>({dyp, xp, dxp})) {
       swiglu_backward_kernel<T, kN>
           <<<grid_for(rows * ffn / kN, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp,
-                                                                                  rows, ffn);
+                                                                                   rows, ffn);
     } else {
       swiglu_backward_kernel<T, 1>
           <<<grid_for(rows * ffn, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, rows,
-                                                                             ffn);
+                                                                              ffn);
     }
     MEGATON_CUDA_CHECK_LAUNCH();
   });
@@ -200,7 +200,8 @@ void gelu_forward(const Tensor& x, Tensor& y) {
       gelu_forward_kernel<T, kN>
           <<<grid_for(n / kN, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, n);
     } else {
-      gelu_forward_kernel<T, 1><<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, n);
+      gelu_forward_kernel<T, 1>
+          <<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, n);
     }
     MEGATON_CUDA_CHECK_LAUNCH();
   });

@@ -17,10 +17,10 @@ namespace {
 using detail::compute_stream;
 using detail::from_float;
 using detail::grid_for;
-using detail::pack_aligned;
 using detail::kPackElems;
 using detail::load_pack;
 using detail::Pack;
+using detail::pack_aligned;
 using detail::store_pack;
 using detail::to_float;
 
@@ -38,8 +38,8 @@ void check_args(const Tensor& in, const char* in_name, const Tensor& out, const 
 // out[i] = keep[i] ? in[i] * scale : 0 for i in [0, n); N divides n. Each element draws
 // its own Philox block, as on the CPU (only the first of its four outputs is used).
 template <typename T, int N>
-__global__ void dropout_kernel(const T* in, T* out, int64_t n, float p, float scale,
-                               uint64_t seed, uint64_t stream) {
+__global__ void dropout_kernel(const T* in, T* out, int64_t n, float p, float scale, uint64_t seed,
+                               uint64_t stream) {
   const Philox rng(seed);
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N; i < n;
        i += int64_t(gridDim.x) * blockDim.x * N) {
@@ -58,8 +58,8 @@ void apply_mask(const Tensor& in, Tensor& out, float p, uint64_t seed, uint64_t 
   if (n == 0) return;
   if (p == 0.0f) {
     if (out.raw() != in.raw())
-      MEGATON_CUDA_CHECK(cudaMemcpyAsync(out.raw(), in.raw(), in.nbytes(),
-                                         cudaMemcpyDeviceToDevice, compute_stream()));
+      MEGATON_CUDA_CHECK(cudaMemcpyAsync(out.raw(), in.raw(), in.nbytes(), cudaMemcpyDeviceToDevice,
+                                         compute_stream()));
     return;
   }
   const float scale = 1.0f / (1.0f - p);  // as ops/cpu/dropout.cpp

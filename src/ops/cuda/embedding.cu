@@ -21,10 +21,10 @@ namespace megaton::ops::cuda {
 namespace {
 
 using detail::compute_stream;
-using detail::pack_aligned;
 using detail::kPackElems;
 using detail::load_pack;
 using detail::Pack;
+using detail::pack_aligned;
 using detail::store_pack;
 using detail::to_float;
 

@@ -22,10 +22,10 @@ namespace {
 using detail::block_sum;
 using detail::compute_stream;
 using detail::from_float;
-using detail::pack_aligned;
 using detail::kPackElems;
 using detail::load_pack;
 using detail::Pack;
+using detail::pack_aligned;
 using detail::store_pack;
 using detail::to_float;
 
@@ -244,8 +244,8 @@ __global__ void norm_weight_grad_finalize_kernel(const float* __restrict__ dweig
 // ---- launchers ----
 
 template <bool kLayerNorm>
-void launch_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
-                    Tensor& y, Tensor* mean, Tensor& rstd, int64_t rows, int64_t cols) {
+void launch_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, Tensor& y,
+                    Tensor* mean, Tensor& rstd, int64_t rows, int64_t cols) {
   if (rows == 0) return;
   MEGATON_CHECK(cols > 0, "norm forward: rows of zero width");
   detail::dispatch_float(x.dtype(), [&](auto x_tag) {
@@ -262,12 +262,12 @@ void launch_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, f
                  pack_aligned<kN>(wp) && (bp == nullptr || pack_aligned<kN>(bp));
       if (vec) {
         norm_forward_kernel<kLayerNorm, T, W, kN>
-            <<<unsigned(rows), row_threads(cols, kN), 0, compute_stream()>>>(xp, wp, bp, eps, yp, mp,
-                                                                     rstd.f32(), cols);
+            <<<unsigned(rows), row_threads(cols, kN), 0, compute_stream()>>>(xp, wp, bp, eps, yp,
+                                                                             mp, rstd.f32(), cols);
       } else {
         norm_forward_kernel<kLayerNorm, T, W, 1>
             <<<unsigned(rows), row_threads(cols, 1), 0, compute_stream()>>>(xp, wp, bp, eps, yp, mp,
-                                                                    rstd.f32(), cols);
+                                                                            rstd.f32(), cols);
       }
       MEGATON_CUDA_CHECK_LAUNCH();
     });
@@ -276,8 +276,8 @@ void launch_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, f
 
 template <bool kLayerNorm>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor* mean,
-                     const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor* dbias,
-                     int64_t rows, int64_t cols) {
+                     const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor* dbias, int64_t rows,
+                     int64_t cols) {
   if (rows == 0 || cols == 0) return;
   const float* mp = mean ? mean->f32() : nullptr;
   detail::dispatch_float(x.dtype(), [&](auto x_tag) {
@@ -296,11 +296,11 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, co
       if (vec) {
         norm_backward_dx_kernel<kLayerNorm, T, W, kN>
             <<<unsigned(rows), row_threads(cols, kN), 0, compute_stream()>>>(dyp, xp, wp, mp,
-                                                                     rstd.f32(), dxp, cols);
+                                                                             rstd.f32(), dxp, cols);
       } else {
         norm_backward_dx_kernel<kLayerNorm, T, W, 1>
             <<<unsigned(rows), row_threads(cols, 1), 0, compute_stream()>>>(dyp, xp, wp, mp,
-                                                                    rstd.f32(), dxp, cols);
+                                                                            rstd.f32(), dxp, cols);
       }
       MEGATON_CUDA_CHECK_LAUNCH();
     });
@@ -315,9 +315,9 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, co
     float* dbias_partial_ptr = dbias ? dbias_partial.f32() : nullptr;
     dim3 grid(unsigned((cols + kGradCols - 1) / kGradCols), unsigned(chunks));
     dim3 block(kGradCols, kGradRowThreads);
-    norm_weight_grad_partial_kernel<kLayerNorm, T><<<grid, block, 0, compute_stream()>>>(
-        dyp, xp, mp, rstd.f32(), dweight_partial.f32(), dbias_partial_ptr, rows, cols,
-        rows_per_chunk);
+    norm_weight_grad_partial_kernel<kLayerNorm, T>
+        <<<grid, block, 0, compute_stream()>>>(dyp, xp, mp, rstd.f32(), dweight_partial.f32(),
+                                               dbias_partial_ptr, rows, cols, rows_per_chunk);
     MEGATON_CUDA_CHECK_LAUNCH();
     constexpr int kFinalizeThreads = 256;
     norm_weight_grad_finalize_kernel<<<unsigned((cols + kFinalizeThreads - 1) / kFinalizeThreads),
@@ -341,8 +341,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y
   launch_forward<false>(x, weight, Tensor(), eps, y, nullptr, rstd, rows, cols);
 }
 
-void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                      const Tensor& rstd, Tensor& dx, Tensor& dweight) {
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                      Tensor& dx, Tensor& dweight) {
   const char* op = "rmsnorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_like_x(dy, x, op, "dy");
@@ -369,9 +369,8 @@ void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias
   launch_forward<true>(x, weight, bias, eps, y, &mean, rstd, rows, cols);
 }
 
-void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                        const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dweight,
-                        Tensor& dbias) {
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                        const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor& dbias) {
   const char* op = "layernorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_like_x(dy, x, op, "dy");
@@ -382,8 +381,8 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
   check_f32_vector(dweight, cols, op, "dweight");
   if (dbias.defined()) check_f32_vector(dbias, cols, op, "dbias");
   check_not_aliased(dx, dy, x, op);
-  launch_backward<true>(dy, x, weight, &mean, rstd, dx, dweight,
-                        dbias.defined() ? &dbias : nullptr, rows, cols);
+  launch_backward<true>(dy, x, weight, &mean, rstd, dx, dweight, dbias.defined() ? &dbias : nullptr,
+                        rows, cols);
 }
 
 }  // namespace megaton::ops::cuda

@@ -38,16 +38,16 @@ inline void check_dtype(const Tensor& t, DType want, const char* op, const char*
                 dtype_name(t.dtype()));
 }
 
-inline void check_same_shape(const Tensor& t, const Tensor& ref, const char* op,
-                             const char* name, const char* ref_name) {
+inline void check_same_shape(const Tensor& t, const Tensor& ref, const char* op, const char* name,
+                             const char* ref_name) {
   MEGATON_CHECK(t.shape() == ref.shape(), "{}: {} {} must have the shape of {} {}", op, name,
                 shape_str(t.shape()), ref_name, shape_str(ref.shape()));
 }
 
-inline void check_same_dtype(const Tensor& t, const Tensor& ref, const char* op,
-                             const char* name, const char* ref_name) {
-  MEGATON_CHECK(t.dtype() == ref.dtype(), "{}: {} ({}) must have the dtype of {} ({})", op,
-                name, dtype_name(t.dtype()), ref_name, dtype_name(ref.dtype()));
+inline void check_same_dtype(const Tensor& t, const Tensor& ref, const char* op, const char* name,
+                             const char* ref_name) {
+  MEGATON_CHECK(t.dtype() == ref.dtype(), "{}: {} ({}) must have the dtype of {} ({})", op, name,
+                dtype_name(t.dtype()), ref_name, dtype_name(ref.dtype()));
 }
 
 // Calls f(T{}) with T = float for F32 and __nv_bfloat16 for BF16 (the dtype is checked at
@@ -55,9 +55,14 @@ inline void check_same_dtype(const Tensor& t, const Tensor& ref, const char* op,
 template <typename F>
 void dispatch_float(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::F32: f(float{}); return;
-    case DType::BF16: f(__nv_bfloat16{}); return;
-    default: MEGATON_CHECK(false, "no CUDA kernel for dtype {}", dtype_name(dtype));
+    case DType::F32:
+      f(float{});
+      return;
+    case DType::BF16:
+      f(__nv_bfloat16{});
+      return;
+    default:
+      MEGATON_CHECK(false, "no CUDA kernel for dtype {}", dtype_name(dtype));
   }
 }
 
