@@ -165,7 +165,8 @@ Tensor GPTModel::logits(const Tensor& tokens) {
 void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {
   int64_t T = batch_ * seq_, H = cfg_.hidden_size;
   Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
-  Tensor dlogits = empty_like(logits_, logits_.shape());
+  // In place: the logits buffer ([T, V], the largest activation) becomes dlogits.
+  Tensor dlogits = logits_;
   ops::cross_entropy_backward(dlosses.to(cfg_.device), logits_, labels_, lse_, dlogits);
   logits_ = Tensor();
   Tensor dhidden = empty_like(dlogits, {T, H});

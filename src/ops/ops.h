@@ -120,6 +120,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& losses,
                            Tensor& lse);
 // dlogits[t, v] = dlosses[t] * (softmax(logits[t])[v] - [v == labels[t]]), overwritten.
+// dlogits may alias logits (in-place backward, as Megatron's fused cross entropy).
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& dlogits);
 

@@ -1,0 +1,100 @@
+"""Megaton vs the PyTorch reference on one GPU, in one run: tokens/s, model TFLOP/s, MFU,
+peak memory and the ratio, for the four configurations of ../shared/bench/README.md.
+
+Usage (on the GPU machine, from the repository root):
+    python3 bench/gpu_bench.py --megaton BIN --torch-script PATH [--configs a,b] [--out FILE]
+Both sides train on random tokens, bf16 compute with fp32 master weights, AdamW, no
+dropout. Megaton's step time is the median of its logged interval means after warmup;
+PyTorch's is its own CUDA-event mean over 20 steps after 5 warmup steps. Model FLOPs use
+the reference's PaLM convention for both (6 x active matmul params + 12 x L x h x s).
+"""
+import argparse, json, re, statistics, subprocess, sys
+
+CONFIGS = {  # name: layers, hidden, heads, ffn, experts, topk, expert ffn, seq, micro-batch
+    "gpt2-124M": dict(layers=12, hidden=768, heads=12, ffn=2048, experts=0, topk=0, mffn=0, seq=1024, mbs=16),
+    "llama-1.3B": dict(layers=24, hidden=2048, heads=16, ffn=5632, experts=0, topk=0, mffn=0, seq=2048, mbs=4),
+    "moe-8x-top2": dict(layers=12, hidden=1536, heads=12, ffn=0, experts=8, topk=2, mffn=4096, seq=2048, mbs=4),
+    "moe-64x-top8": dict(layers=8, hidden=2048, heads=16, ffn=0, experts=64, topk=8, mffn=1024, seq=2048, mbs=4),
+}
+VOCAB = 50304
+
+def flops_per_token(c):
+    h, hd = c["hidden"], c["hidden"] // c["heads"]
+    attn = 3 * c["heads"] * hd * h + c["heads"] * hd * h
+    if c["experts"]:
+        per_layer = attn + h * c["experts"] + c["topk"] * 3 * h * c["mffn"]
+    else:
+        per_layer = attn + 3 * h * c["ffn"]
+    n_active = c["layers"] * per_layer + VOCAB * h
+    return 6 * n_active + 12 * c["layers"] * h * c["seq"]
+
+def run_megaton(binary, c, iters):
+    cmd = [binary, "train", "--device", "cuda", "--bf16", "--mock-data",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
+           "--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
+           "--num-attention-heads", str(c["heads"]), "--seq-length", str(c["seq"]),
+           "--micro-batch-size", str(c["mbs"]), "--swiglu", "--normalization", "RMSNorm",
+           "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+           "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+           "--train-iters", str(iters), "--log-interval", "5", "--eval-iters", "0",
+           "--lr", "1e-4", "--lr-warmup-iters", "1"]
+    if c["experts"]:
+        cmd += ["--num-experts", str(c["experts"]), "--moe-router-topk", str(c["topk"]),
+                "--moe-ffn-hidden-size", str(c["mffn"]), "--moe-aux-loss-coeff", "1e-2"]
+    else:
+        cmd += ["--ffn-hidden-size", str(c["ffn"])]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return dict(error=(out.stderr or out.stdout).strip().splitlines()[-1][:200])
+    rows = [l for l in out.stdout.splitlines() if l.startswith(" iteration")]
+    ms = [float(re.search(r"per iteration \(ms\): ([\d.]+)", l).group(1)) for l in rows][1:]
+    mem = float(re.search(r"peak memory \(MB\): ([\d.]+)", rows[-1]).group(1))
+    step_ms = statistics.median(ms)
+    return dict(step_ms=step_ms, tokens_per_s=c["mbs"] * c["seq"] / (step_ms / 1e3),
+                peak_mem_gib=mem * 2**20 / 2**30)
+
+def run_torch(script, name, c):
+    cmd = [sys.executable, script, "--name", name, "--layers", str(c["layers"]),
+           "--hidden", str(c["hidden"]), "--heads", str(c["heads"]), "--seq", str(c["seq"]),
+           "--mbs", str(c["mbs"])]
+    cmd += (["--experts", str(c["experts"]), "--topk", str(c["topk"]), "--moe-ffn", str(c["mffn"])]
+            if c["experts"] else ["--ffn", str(c["ffn"])])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        return dict(error=(out.stderr or "no output").strip().splitlines()[-1][:200])
+    return json.loads(lines[-1])
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--megaton", required=True)
+    p.add_argument("--torch-script", required=True)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    lines = ["| config | impl | tokens/s | model TFLOP/s | MFU (989) | peak GiB | Megaton / PyTorch |",
+             "|---|---|---|---|---|---|---|"]
+    for name in a.configs.split(","):
+        c = CONFIGS[name]
+        f = flops_per_token(c)
+        t = run_torch(a.torch_script, name, c)
+        m = run_megaton(a.megaton, c, a.iters)
+        for impl, r in (("PyTorch", t), ("Megaton", m)):
+            if "error" in r:
+                lines.append(f"| {name} | {impl} | error: {r['error']} | | | | |")
+                continue
+            tps = r["tokens_per_s"]
+            ratio = ""
+            if impl == "Megaton" and "error" not in t:
+                ratio = f"{tps / t['tokens_per_s']:.2f}"
+            lines.append(f"| {name} | {impl} | {tps:,.0f} | {f * tps / 1e12:.0f} | "
+                         f"{f * tps / 989e12:.3f} | {r['peak_mem_gib']:.1f} | {ratio} |")
+        print(lines[-2] + "\n" + lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if a.out:
+        open(a.out, "w").write(table + "\n")
+
+if __name__ == "__main__":
+    main()
