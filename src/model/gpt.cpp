@@ -98,6 +98,17 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed)
                               cfg.init_method_std, seed, Placement::of(cfg));
     params_.push_back(&output_layer);
   }
+  // One fp32 buffer holds every main_grad, so zeroing them is one memset and they can
+  // later be reduced across data-parallel ranks in buckets.
+  auto padded = [](int64_t n) { return (n + 63) / 64 * 64; };
+  int64_t total = 0;
+  for (const Param* p : params_) total += padded(p->weight.numel());
+  grad_buffer_ = Tensor::zeros({total}, DType::F32, cfg_.device);
+  int64_t offset = 0;
+  for (Param* p : params_) {
+    p->main_grad = grad_buffer_.rows(offset, p->weight.numel()).view(p->weight.shape());
+    offset += padded(p->weight.numel());
+  }
 }
 
 int64_t GPTModel::num_parameters() const {

@@ -59,6 +59,9 @@ class GPTModel {
   // MoE aux-loss gradient (1 / number of micro-batches). Accumulates main_grads.
   void backward(const Tensor& dlosses, float aux_grad_scale);
 
+  // Zeroes every main_grad (one memset: they are views of one buffer).
+  void zero_grad() { grad_buffer_.zero(); }
+
   // Every parameter, in a fixed order (embedding, layers, final norm, output layer).
   const std::vector<Param*>& params() const { return params_; }
   const GPTConfig& config() const { return cfg_; }
@@ -75,6 +78,8 @@ class GPTModel {
   Norm final_layernorm;
   Param output_layer;         // untied only
   std::vector<Param*> params_;
+  // All main_grads, contiguous (Megatron's grad buffer), each param's slice 256-byte aligned.
+  Tensor grad_buffer_;
 
   // Saved for backward.
   Tensor tokens_, labels_, final_hidden_, logits_, lse_;

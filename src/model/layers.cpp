@@ -26,7 +26,6 @@ static Param place(const std::string& name, Tensor host_fp32, bool no_weight_dec
     p.weight = Tensor::empty(host_fp32.shape(), where.dtype, where.device);
     ops::cast(p.main_param, p.weight);
   }
-  p.main_grad = Tensor::zeros(host_fp32.shape(), DType::F32, where.device);
   return p;
 }
 

@@ -38,7 +38,8 @@ struct Placement {
 // New parameter named `name`: weights ~ N(0, std) from Philox keyed by (seed, hash of the
 // name), so initial values do not depend on creation order, device or parallel layout.
 // The fp32 main_param is drawn on the host and moved to the placement's device; weight
-// is its compute-dtype copy there (the same tensor for fp32).
+// is its compute-dtype copy there (the same tensor for fp32). main_grad is left undefined:
+// the model assigns it a slice of its contiguous grad buffer.
 Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed,
                  Placement where);
 // A parameter filled with `value` (norm weights 1, biases 0).

@@ -84,7 +84,7 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
 }
 
 double Trainer::train_step(int64_t iteration, double* aux_loss) {
-  for (Param* p : model_->params()) p->main_grad.zero();
+  model_->zero_grad();
   int64_t n_mb = args_.num_micro_batches(), mbs = args_.micro_batch_size;
   double loss_sum = 0, tokens_sum = 0, aux_sum = 0;
   for (int64_t mb = 0; mb < n_mb; ++mb) {
