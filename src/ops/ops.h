@@ -100,6 +100,32 @@ void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offse
 // The inverse rotation applied to dy. dx may alias dy.
 void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset = 0);
 
+// ---- fused QKV split + RoPE (ops/cpu/qkv.cpp) ----
+// Megatron's fused linear_qkv output is grouped by query group (Megatron-LM
+// SelfAttention.get_query_key_value_tensors): each token's row is
+// [ng, qpg + 2, d] = for every group g, its qpg = np / ng query heads, then its key head,
+// then its value head. Query head h = g * qpg + j belongs to group g.
+// np = num_attention_heads (q.dim(2)), ng = num_query_groups, d = kv_channels.
+//
+// Splits qkv [B*S, ng * (qpg + 2) * d] (token t = b * S + s) into q [B, S, np, d] and
+// k, v [B, S, ng, d], then, when apply_rope, rotates q and k exactly as
+// rope_forward(q, q, rotary_base) and rope_forward(k, k, rotary_base) would (position s
+// within the sequence, position_offset 0; v is never rotated). One pass, one kernel on
+// the GPU. q, k, v are overwritten and must not alias qkv. batch = B; S = rows / B.
+// Dtypes: F32 on the CPU; F32 or BF16 on the GPU, all four tensors the same dtype.
+// rotary_base is read only when apply_rope (then it must be > 0 and d even; the GPU
+// supports d <= 512 with RoPE, any d without). Throws InternalError on a shape, dtype or
+// device mismatch, or when batch does not match q.
+void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base);
+// The gradient of qkv_split_rope: rope_backward on dq and dk (when apply_rope), then packs
+// dq [B, S, np, d], dk, dv [B, S, ng, d] into dqkv [B*S, ng * (qpg + 2) * d] in the same
+// grouped layout. dqkv is overwritten (every element: the three parts tile each row) and
+// must not alias the inputs; dq, dk, dv are not modified. Same dtypes as the forward.
+void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                            int64_t num_query_groups, bool apply_rope, float rotary_base,
+                            Tensor& dqkv);
+
 // ---- causal self-attention with GQA (ops/cpu/attention.cpp) ----
 // q [B, S, Hq, D], k, v [B, S, Hkv, D], Hq % Hkv == 0 (query head h reads kv head
 // h / (Hq / Hkv)). scores = q k^T / sqrt(D), causal mask, softmax, dropout with
@@ -172,5 +198,44 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
 // param, grad, exp_avg, exp_avg_sq: same numel, fp32.
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+
+// ---- multi-tensor optimizer ops (ops/cpu/multi_tensor.cpp) ----
+// The optimizer's per-parameter ops over a whole list of tensors at once (as Apex/TE
+// multi_tensor_apply): on the GPU a few launches for the list instead of one or more per
+// tensor, and one host synchronization for the whole sum of squares. The CPU versions
+// apply the single-tensor op to each tensor in list order. Each dispatches on the device
+// of its first tensor; every listed tensor must be defined and on that device
+// (InternalError otherwise). Lists may be empty and may hold 0-element tensors.
+
+// sum over the list of sum_of_squares(tensors[i]), accumulated in fp64 (the global grad
+// norm's squared sum). tensors: any shapes; F32 (GPU: F32 or BF16). Empty list: 0.
+// Deterministic: the same list (shapes, values) gives the same bits on every call. The
+// GPU result differs from adding per-tensor sum_of_squares only in the fp64 summation
+// order (rounding far below fp32 resolution).
+double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors);
+
+// tensors[i] *= scale for every i (gradient clipping), elementwise in fp32; each result
+// equals scale_(tensors[i], scale) bitwise. tensors: any shapes; F32 (GPU: F32 or BF16,
+// BF16 rounded to nearest even).
+void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale);
+
+// adamw_step on every i with weight decay weight_decays[i], followed, where param_copies[i]
+// is defined, by cast(params[i], param_copies[i]) (the compute copy of a bf16 run,
+// round-to-nearest-even; fused into the update on the GPU). Results are bitwise equal to
+// those single-tensor ops on the same device.
+//   params:        fp32 main params, updated in place.
+//   grads:         fp32 main grads, numel of params[i].
+//   exp_avg, exp_avg_sq: fp32 moments, numel of params[i], updated in place.
+//   param_copies:  per param either undefined (no copy) or a BF16 or F32 tensor with the
+//                  numel of params[i], overwritten with the updated param.
+//   weight_decays: per param (0 for biases and norm weights).
+//   lr, beta1, beta2, eps, step: as adamw_step (step 1-based, betas in [0, 1)).
+// All six lists have the same length. Everything is checked before any tensor is
+// updated: a length, dtype, numel or device mismatch, step < 1 or a beta outside [0, 1)
+// throws InternalError and changes nothing.
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, int64_t step);
 
 }  // namespace megaton::ops

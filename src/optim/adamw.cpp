@@ -2,6 +2,7 @@
 #include "optim/adamw.h"
 
 #include <set>
+#include <vector>
 
 #include "core/error.h"
 #include "ops/ops.h"
@@ -32,15 +33,25 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
 
 void AdamW::step(float lr) {
   ++step_count_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Param& p = *params_[i];
-    float weight_decay = p.no_weight_decay ? 0.0f : config_.weight_decay;
-    Tensor& master = p.main_param.defined() ? p.main_param : p.weight;
-    ops::adamw_step(master, p.main_grad, exp_avg_[i], exp_avg_sq_[i], lr, config_.adam_beta1,
-                    config_.adam_beta2, config_.adam_eps, weight_decay, step_count_);
+  // The lists are rebuilt on every call (handles only, no copies of data): the trainer may
+  // have reassigned a Param's tensors since the last step.
+  const size_t n = params_.size();
+  std::vector<Tensor> masters, grads, copies;
+  std::vector<float> weight_decays;
+  masters.reserve(n);
+  grads.reserve(n);
+  copies.reserve(n);
+  weight_decays.reserve(n);
+  for (Param* p : params_) {
+    const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
+    masters.push_back(master);
+    grads.push_back(p->main_grad);
     // The compute copy (bf16 in a bf16 run) follows the updated fp32 master.
-    if (master.raw() != p.weight.raw()) ops::cast(master, p.weight);
+    copies.push_back(master.raw() != p->weight.raw() ? p->weight : Tensor());
+    weight_decays.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
   }
+  ops::multi_tensor_adamw(masters, grads, exp_avg_, exp_avg_sq_, copies, weight_decays, lr,
+                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step_count_);
 }
 
 void AdamW::set_step_count(int64_t count) {

@@ -2,25 +2,37 @@
 #include "optim/clip_grad.h"
 
 #include <cmath>
+#include <vector>
 
 #include "core/error.h"
 #include "ops/ops.h"
 
 namespace megaton::optim {
 
-double global_grad_norm(const std::vector<Param*>& params) {
-  double sum_sq = 0.0;
+namespace {
+
+std::vector<Tensor> main_grads(const std::vector<Param*>& params) {
+  std::vector<Tensor> grads;
+  grads.reserve(params.size());
   for (const Param* p : params) {
     MEGATON_CHECK(p->main_grad.defined(), "param '{}' has no main_grad", p->name);
-    sum_sq += ops::sum_of_squares(p->main_grad);
+    grads.push_back(p->main_grad);
   }
-  return std::sqrt(sum_sq);
+  return grads;
+}
+
+}  // namespace
+
+double global_grad_norm(const std::vector<Param*>& params) {
+  // One fp64 sum over every main_grad: a single host synchronization on the GPU.
+  return std::sqrt(ops::multi_tensor_sum_of_squares(main_grads(params)));
 }
 
 double clip_grad_by_norm(const std::vector<Param*>& params, double max_norm, double total_norm) {
   double clip_coeff = max_norm / (total_norm + 1.0e-6);
   if (!(clip_coeff < 1.0)) return 1.0;
-  for (Param* p : params) ops::scale_(p->main_grad, float(clip_coeff));
+  std::vector<Tensor> grads = main_grads(params);
+  ops::multi_tensor_scale_(grads, float(clip_coeff));
   return clip_coeff;
 }
 

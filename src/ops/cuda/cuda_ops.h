@@ -43,6 +43,11 @@ void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_
 void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream);
 void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset);
 void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset);
+void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base);
+void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                            int64_t num_query_groups, bool apply_rope, float rotary_base,
+                            Tensor& dqkv);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        Tensor& lse, float dropout_p, uint64_t seed,
                        uint64_t stream);
@@ -73,5 +78,16 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
                             Tensor& dexpert_out, Tensor& dprobs);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
+// Multi-tensor ops (multi_tensor.cu): batches of up to 64 (adamw) or 160 tensors per
+// launch, their pointers and sizes passed by value as a __grid_constant__ kernel
+// parameter; each block updates or reduces one chunk of one tensor. sum_of_squares writes
+// one fp64 partial per block, sums them in a fixed order in a second kernel and makes the
+// call's only host synchronization; scale_ and adamw do not synchronize.
+double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors);
+void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale);
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, int64_t step);
 
 }  // namespace megaton::ops::cuda

@@ -1,0 +1,91 @@
+// Multi-tensor optimizer ops on the CPU: multi_tensor_sum_of_squares, multi_tensor_scale_,
+// multi_tensor_adamw. The CPU has no launch or synchronization cost to save, so each is the
+// single-tensor op applied to the list in order (and therefore bitwise equal to it); the
+// GPU versions (ops/cuda/multi_tensor.cu) are where the batching happens.
+#include "ops/dispatch.h"
+#include "ops/ops.h"
+
+namespace megaton::ops {
+namespace {
+
+// Every tensor of `list` is defined and on `device` (the device the call dispatched on).
+void check_list(const std::vector<Tensor>& list, Device device, const char* op, const char* name) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    MEGATON_CHECK(list[i].defined(), "{}: {}[{}] is undefined", op, name, i);
+    MEGATON_CHECK(list[i].device() == device, "{}: {}[{}] is on the {}, the first tensor on the {}",
+                  op, name, i, list[i].device() == Device::CPU ? "CPU" : "GPU",
+                  device == Device::CPU ? "CPU" : "GPU");
+  }
+}
+
+}  // namespace
+
+double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
+  if (tensors.empty()) return 0.0;
+  MEGATON_CUDA_DISPATCH(tensors[0], cuda::multi_tensor_sum_of_squares(tensors));
+  check_list(tensors, Device::CPU, "multi_tensor_sum_of_squares", "tensors");
+  // Added in list order: the same total as summing sum_of_squares per tensor.
+  double total = 0.0;
+  for (const Tensor& t : tensors) total += sum_of_squares(t);
+  return total;
+}
+
+void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {
+  if (tensors.empty()) return;
+  MEGATON_CUDA_DISPATCH(tensors[0], cuda::multi_tensor_scale_(tensors, scale));
+  check_list(tensors, Device::CPU, "multi_tensor_scale_", "tensors");
+  for (Tensor& t : tensors) scale_(t, scale);
+}
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, int64_t step) {
+  const size_t n = params.size();
+  MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
+                    param_copies.size() == n && weight_decays.size() == n,
+                "multi_tensor_adamw: list lengths differ: params {}, grads {}, exp_avg {}, "
+                "exp_avg_sq {}, param_copies {}, weight_decays {}",
+                n, grads.size(), exp_avg.size(), exp_avg_sq.size(), param_copies.size(),
+                weight_decays.size());
+  if (n == 0) return;
+  MEGATON_CUDA_DISPATCH(params[0],
+                        cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies,
+                                                 weight_decays, lr, beta1, beta2, eps, step));
+  const char* op = "multi_tensor_adamw";
+  check_list(params, Device::CPU, op, "params");
+  check_list(grads, Device::CPU, op, "grads");
+  check_list(exp_avg, Device::CPU, op, "exp_avg");
+  check_list(exp_avg_sq, Device::CPU, op, "exp_avg_sq");
+  // Everything is checked before the first update, so a bad list changes nothing.
+  MEGATON_CHECK(step >= 1, "{}: step {} must be >= 1 (1-based)", op, step);
+  MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
+                "{}: betas ({}, {}) must be in [0, 1)", op, beta1, beta2);
+  for (size_t i = 0; i < n; ++i) {
+    const Tensor* entries[] = {&params[i], &grads[i], &exp_avg[i], &exp_avg_sq[i]};
+    for (const Tensor* t : entries) {
+      MEGATON_CHECK(t->dtype() == DType::F32, "{}: tensor {}: {} in a list that must be F32", op, i,
+                    dtype_name(t->dtype()));
+      MEGATON_CHECK(t->numel() == params[i].numel(),
+                    "{}: tensor {}: {} elements in a list, param has {}", op, i, t->numel(),
+                    params[i].numel());
+    }
+    const Tensor& copy = param_copies[i];
+    if (!copy.defined()) continue;
+    MEGATON_CHECK(copy.device() == Device::CPU,
+                  "{}: param_copies[{}] is on the GPU, params on the CPU", op, i);
+    MEGATON_CHECK(copy.dtype() == DType::F32 || copy.dtype() == DType::BF16,
+                  "{}: param_copies[{}] must be F32 or BF16, got {}", op, i,
+                  dtype_name(copy.dtype()));
+    MEGATON_CHECK(copy.numel() == params[i].numel(),
+                  "{}: param_copies[{}] {} has {} elements, param has {}", op, i,
+                  shape_str(copy.shape()), copy.numel(), params[i].numel());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    adamw_step(params[i], grads[i], exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, eps,
+               weight_decays[i], step);
+    if (param_copies[i].defined()) cast(params[i], param_copies[i]);
+  }
+}
+
+}  // namespace megaton::ops

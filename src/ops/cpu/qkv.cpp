@@ -1,0 +1,156 @@
+// Fused split of Megatron's grouped QKV projection into q, k, v with RoPE, and its
+// gradient (pack); CPU fp32 reference.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ops/dispatch.h"
+#include "ops/ops.h"
+
+namespace megaton::ops {
+namespace {
+
+// Below this many elements the loop runs on the calling thread (as in rope.cpp).
+constexpr int64_t kParallelMin = int64_t(1) << 15;
+
+// Sizes of one call: q [B, S, heads, D], k, v [B, S, groups, D], packed [B*S, row].
+struct QkvShape {
+  int64_t batch, seq, heads, groups, head_dim;
+  int64_t tokens() const { return batch * seq; }
+  int64_t heads_per_group() const { return heads / groups; }
+  int64_t row() const { return (heads + 2 * groups) * head_dim; }
+};
+
+// Door checks shared by both directions. `grad` prefixes the names in messages ("" for
+// the forward's qkv, q, k, v; "d" for the backward's).
+QkvShape check_qkv_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
+                        const Tensor& k, const Tensor& v, int64_t num_query_groups, bool apply_rope,
+                        float rotary_base) {
+  MEGATON_CHECK(packed.defined() && q.defined() && k.defined() && v.defined(),
+                "{}: {}qkv, {}q, {}k and {}v must be allocated", op, grad, grad, grad, grad);
+  for (const Tensor* t : {&packed, &q, &k, &v}) {
+    MEGATON_CHECK(t->device() == Device::CPU, "{}: only the CPU backend is built", op);
+    MEGATON_CHECK(t->dtype() == DType::F32, "{}: {}qkv, {}q, {}k, {}v must be F32, got {}", op,
+                  grad, grad, grad, grad, dtype_name(t->dtype()));
+  }
+  MEGATON_CHECK(q.ndim() == 4, "{}: {}q must be [B, S, heads, D], got {}", op, grad,
+                shape_str(q.shape()));
+  const QkvShape sh{q.dim(0), q.dim(1), q.dim(2), num_query_groups, q.dim(3)};
+  MEGATON_CHECK(sh.groups > 0 && sh.heads % sh.groups == 0,
+                "{}: num_query_groups {} must divide the {} query heads", op, sh.groups, sh.heads);
+  const Shape kv_shape{sh.batch, sh.seq, sh.groups, sh.head_dim};
+  MEGATON_CHECK(k.shape() == kv_shape && v.shape() == kv_shape, "{}: {}k {} and {}v {} must be {}",
+                op, grad, shape_str(k.shape()), grad, shape_str(v.shape()), shape_str(kv_shape));
+  const Shape packed_shape{sh.tokens(), sh.row()};
+  MEGATON_CHECK(packed.shape() == packed_shape, "{}: {}qkv {} must be [B*S, (np + 2 ng) d] = {}",
+                op, grad, shape_str(packed.shape()), shape_str(packed_shape));
+  if (apply_rope) {
+    MEGATON_CHECK(sh.head_dim % 2 == 0, "{}: head dim {} must be even for RoPE", op, sh.head_dim);
+    MEGATON_CHECK(rotary_base > 0.0f, "{}: rotary_base {} must be positive", op, rotary_base);
+  }
+  return sh;
+}
+
+// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2]: the expressions of
+// rope.cpp's rope_tables at position_offset 0, so that this op and split + rope_forward
+// give the same numbers (fp32 inv_freq and angle as HF Llama and Megatron round them,
+// cos/sin of the fp32 angle in double, rounded once).
+void rope_tables(int64_t S, int64_t D, float base, std::vector<float>& cos_table,
+                 std::vector<float>& sin_table) {
+  const int64_t half = D / 2;
+  std::vector<float> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) {
+    float exponent = float(2 * i) / float(D);
+    inv_freq[i] = 1.0f / std::pow(base, exponent);
+  }
+  cos_table.resize(S * half);
+  sin_table.resize(S * half);
+  for (int64_t s = 0; s < S; ++s) {
+    float pos = float(s);
+    for (int64_t i = 0; i < half; ++i) {
+      float angle = pos * inv_freq[i];
+      cos_table[s * half + i] = float(std::cos(double(angle)));
+      sin_table[s * half + i] = float(std::sin(double(angle)));
+    }
+  }
+}
+
+// One head of D values, rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,
+// -1 backward) when cos_s is non-null, else copied.
+void move_head(const float* in, float* out, int64_t D, const float* cos_s, const float* sin_s,
+               float sign) {
+  if (!cos_s) {
+    std::memcpy(out, in, D * sizeof(float));
+    return;
+  }
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    float x1 = in[i], x2 = in[i + half];
+    float si = sign * sin_s[i];
+    out[i] = x1 * cos_s[i] - x2 * si;
+    out[i + half] = x2 * cos_s[i] + x1 * si;
+  }
+}
+
+// Walks the grouped layout: for every token and every head of its packed row, calls
+// move(packed_offset, part, part_offset, cos_s, sin_s), where part is 0, 1, 2 for q, k, v,
+// offsets are in elements, and cos_s, sin_s are the token's RoPE tables for a q or k head
+// under RoPE, null otherwise. Tokens run in parallel; heads never overlap.
+template <typename Move>
+void for_each_head(const QkvShape& sh, bool apply_rope, float rotary_base, Move&& move) {
+  const int64_t D = sh.head_dim, half = D / 2, qpg = sh.heads_per_group();
+  std::vector<float> cos_table, sin_table;
+  if (apply_rope) rope_tables(sh.seq, D, rotary_base, cos_table, sin_table);
+#pragma omp parallel for schedule(static) if (sh.tokens() * sh.row() >= kParallelMin)
+  for (int64_t t = 0; t < sh.tokens(); ++t) {
+    const int64_t s = t % sh.seq;
+    const float* cos_s = apply_rope ? cos_table.data() + s * half : nullptr;
+    const float* sin_s = apply_rope ? sin_table.data() + s * half : nullptr;
+    for (int64_t g = 0; g < sh.groups; ++g) {
+      const int64_t group = t * sh.row() + g * (qpg + 2) * D;
+      for (int64_t j = 0; j < qpg; ++j)
+        move(group + j * D, 0, (t * sh.heads + g * qpg + j) * D, cos_s, sin_s);
+      move(group + qpg * D, 1, (t * sh.groups + g) * D, cos_s, sin_s);
+      move(group + (qpg + 1) * D, 2, (t * sh.groups + g) * D, nullptr, nullptr);
+    }
+  }
+}
+
+}  // namespace
+
+void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base) {
+  MEGATON_CUDA_DISPATCH(
+      qkv, cuda::qkv_split_rope(qkv, batch, num_query_groups, q, k, v, apply_rope, rotary_base));
+  const QkvShape sh =
+      check_qkv_args("qkv_split_rope", "", qkv, q, k, v, num_query_groups, apply_rope, rotary_base);
+  MEGATON_CHECK(batch == sh.batch, "qkv_split_rope: batch {} does not match q {}", batch,
+                shape_str(q.shape()));
+  const float* src = qkv.f32();
+  float* dst[3] = {q.f32(), k.f32(), v.f32()};
+  const int64_t D = sh.head_dim;
+  for_each_head(
+      sh, apply_rope, rotary_base,
+      [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
+        move_head(src + packed, dst[part] + separate, D, cos_s, sin_s, 1.0f);
+      });
+}
+
+void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                            int64_t num_query_groups, bool apply_rope, float rotary_base,
+                            Tensor& dqkv) {
+  MEGATON_CUDA_DISPATCH(dq, cuda::qkv_pack_rope_backward(dq, dk, dv, num_query_groups, apply_rope,
+                                                         rotary_base, dqkv));
+  const QkvShape sh = check_qkv_args("qkv_pack_rope_backward", "d", dqkv, dq, dk, dv,
+                                     num_query_groups, apply_rope, rotary_base);
+  const float* src[3] = {dq.f32(), dk.f32(), dv.f32()};
+  float* dst = dqkv.f32();
+  const int64_t D = sh.head_dim;
+  for_each_head(
+      sh, apply_rope, rotary_base,
+      [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
+        move_head(src[part] + separate, dst + packed, D, cos_s, sin_s, -1.0f);
+      });
+}
+
+}  // namespace megaton::ops

@@ -1,0 +1,260 @@
+// Fused split of Megatron's grouped QKV projection with RoPE, and its gradient, on the GPU:
+// one kernel each way, F32 and BF16.
+//
+// Replaces 3 * num_query_groups strided copies plus two RoPE launches per layer and
+// direction. The numbers are those of ops/cuda/rope.cu (and so of ops/cpu/rope.cpp):
+// inv_freq_i = 1 / base^(float(2i) / D) is computed on the host with the CPU's expression
+// and passed as a kernel argument, angle = float(s) * inv_freq_i is one fp32 multiply
+// without contraction, and cos/sin of that fp32 angle are evaluated in double and rounded
+// once per (token, frequency).
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "core/cuda/cuda_check.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/pointwise_util.cuh"
+
+namespace megaton::ops::cuda {
+namespace {
+
+using detail::from_float;
+using detail::Pack;
+using detail::to_float;
+
+// Up to D = 512: the frequencies travel as a kernel argument (1 KiB), no device buffer.
+constexpr int kMaxHalfDim = 256;
+constexpr int kMaxThreads = 256;
+
+struct InvFreq {
+  float value[kMaxHalfDim];
+};
+
+// Sizes of one call: q [B, S, heads, head_dim], k, v [B, S, groups, head_dim], packed
+// [B*S, groups * (heads_per_group + 2) * head_dim].
+struct QkvDims {
+  int64_t seq;
+  int heads, groups, heads_per_group, head_dim;
+};
+
+// Pointers to the three separate tensors; Elem is T (split writes them) or const T (the
+// backward reads them).
+template <typename Elem>
+struct QkvParts {
+  Elem* q;
+  Elem* k;
+  Elem* v;
+};
+
+// Fills table[0, half) with cos and table[half, 2 half) with sin of the token's angles.
+// Ends with a barrier: every thread of the block must call it.
+__device__ void fill_rope_table(float* table, int64_t s, int half, const InvFreq& inv_freq) {
+  const float pos = float(s);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float angle = __fmul_rn(pos, inv_freq.value[i]);  // no contraction, as on the CPU
+    table[i] = float(cos(double(angle)));
+    table[half + i] = float(sin(double(angle)));
+  }
+  __syncthreads();
+}
+
+// Where a head of the packed row lives among q, k, v. Packed slot u = g * (qpg + 2) + r of
+// token t holds query head g * qpg + r for r < qpg, key head g for r = qpg, value head g
+// for r = qpg + 1.
+struct HeadPlace {
+  int part;        // 0 q, 1 k, 2 v
+  int64_t offset;  // element offset of the head's first value in that tensor
+};
+
+__device__ __forceinline__ HeadPlace place_of(int64_t t, int slot, const QkvDims& dims) {
+  const int g = slot / (dims.heads_per_group + 2), r = slot % (dims.heads_per_group + 2);
+  const int64_t D = dims.head_dim;
+  if (r < dims.heads_per_group)
+    return {0, (t * dims.heads + int64_t(g) * dims.heads_per_group + r) * D};
+  return {r == dims.heads_per_group ? 1 : 2, (t * dims.groups + g) * D};
+}
+
+template <typename Elem>
+__device__ __forceinline__ Elem* part_pointer(const QkvParts<Elem>& parts, int part) {
+  return part == 0 ? parts.q : part == 1 ? parts.k : parts.v;
+}
+
+// N values of each half of a head: in[0, N) and in[half, half + N), rotated by
+// sign * angle (cos_i, sin_i point at the N frequencies) or copied, to out likewise. The
+// expressions are rope.cu's.
+template <typename T, int N>
+__device__ __forceinline__ void move_pairs(const T* in, T* out, int half, const float* cos_i,
+                                           const float* sin_i, bool rotate, float sign) {
+  Pack<T, N> first = detail::load_pack<N>(in), second = detail::load_pack<N>(in + half);
+  if (rotate) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float x1 = to_float(first.v[j]), x2 = to_float(second.v[j]);
+      const float c = cos_i[j], sn = sign * sin_i[j];
+      first.v[j] = from_float<T>(x1 * c - x2 * sn);
+      second.v[j] = from_float<T>(x2 * c + x1 * sn);
+    }
+  }
+  detail::store_pack<N>(out, first);
+  detail::store_pack<N>(out + half, second);
+}
+
+// One block per token t = b * S + s. With RoPE, the token's cos/sin are computed once
+// into shared memory and threads stride over (packed head slot, N frequencies), each
+// moving N values of both halves of a head; without, threads stride over (slot, N values)
+// and copy. The same kernel walks both directions: split reads the packed row and writes
+// q, k, v (sign +1); the backward reads dq, dk, dv and writes the packed row (sign -1, the
+// transpose of a rotation).
+template <typename T, int N, bool kPack>
+__global__ void qkv_kernel(const T* packed_in, T* packed_out, QkvParts<const T> parts_in,
+                           QkvParts<T> parts_out, QkvDims dims, bool apply_rope, InvFreq inv_freq) {
+  extern __shared__ float table[];  // cos[half], then sin[half]
+  const int64_t t = blockIdx.x;
+  const int half = dims.head_dim / 2;
+  if (apply_rope) fill_rope_table(table, t % dims.seq, half, inv_freq);
+  const int chunks = (apply_rope ? half : dims.head_dim) / N;
+  const int slots = dims.groups * (dims.heads_per_group + 2);
+  const int64_t row_start = t * int64_t(slots) * dims.head_dim;
+  const float sign = kPack ? -1.0f : 1.0f;
+  for (int item = threadIdx.x; item < slots * chunks; item += blockDim.x) {
+    const int slot = item / chunks, i = (item % chunks) * N;
+    const HeadPlace place = place_of(t, slot, dims);
+    const T* in;
+    T* out;
+    if constexpr (kPack) {
+      in = part_pointer(parts_in, place.part) + place.offset + i;
+      out = packed_out + row_start + int64_t(slot) * dims.head_dim + i;
+    } else {
+      in = packed_in + row_start + int64_t(slot) * dims.head_dim + i;
+      out = part_pointer(parts_out, place.part) + place.offset + i;
+    }
+    if (apply_rope) {
+      const bool rotate = place.part != 2;  // v is never rotated
+      move_pairs<T, N>(in, out, half, table + i, table + half + i, rotate, sign);
+    } else {
+      detail::store_pack<N>(out, detail::load_pack<N>(in));
+    }
+  }
+}
+
+// Door checks shared by both directions; `grad` prefixes the names in messages ("" or "d").
+QkvDims check_qkv_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
+                       const Tensor& k, const Tensor& v, int64_t num_query_groups, bool apply_rope,
+                       float rotary_base) {
+  const std::string q_name = std::string(grad) + "q", k_name = std::string(grad) + "k",
+                    v_name = std::string(grad) + "v", qkv_name = std::string(grad) + "qkv";
+  detail::check_float(q, op, q_name.c_str());
+  detail::check_float(k, op, k_name.c_str());
+  detail::check_float(v, op, v_name.c_str());
+  detail::check_float(packed, op, qkv_name.c_str());
+  detail::check_same_dtype(k, q, op, k_name.c_str(), q_name.c_str());
+  detail::check_same_dtype(v, q, op, v_name.c_str(), q_name.c_str());
+  detail::check_same_dtype(packed, q, op, qkv_name.c_str(), q_name.c_str());
+  MEGATON_CHECK(q.ndim() == 4, "{}: {}q must be [B, S, heads, D], got {}", op, grad,
+                shape_str(q.shape()));
+  const int64_t B = q.dim(0), S = q.dim(1), heads = q.dim(2), D = q.dim(3);
+  const int64_t groups = num_query_groups;
+  MEGATON_CHECK(groups > 0 && heads % groups == 0,
+                "{}: num_query_groups {} must divide the {} query heads", op, groups, heads);
+  const Shape kv_shape{B, S, groups, D};
+  MEGATON_CHECK(k.shape() == kv_shape && v.shape() == kv_shape, "{}: {}k {} and {}v {} must be {}",
+                op, grad, shape_str(k.shape()), grad, shape_str(v.shape()), shape_str(kv_shape));
+  const Shape packed_shape{B * S, (heads + 2 * groups) * D};
+  MEGATON_CHECK(packed.shape() == packed_shape, "{}: {}qkv {} must be [B*S, (np + 2 ng) d] = {}",
+                op, grad, shape_str(packed.shape()), shape_str(packed_shape));
+  MEGATON_CHECK((heads + 2 * groups) * D <= INT32_MAX, "{}: {} values per token exceed int32", op,
+                (heads + 2 * groups) * D);
+  MEGATON_CHECK(B * S <= INT32_MAX, "{}: B * S {} exceeds the grid limit", op, B * S);
+  if (apply_rope) {
+    MEGATON_CHECK(D % 2 == 0, "{}: head dim {} must be even for RoPE", op, D);
+    MEGATON_CHECK(D / 2 <= kMaxHalfDim, "{}: head dim {} exceeds the {} supported with RoPE", op, D,
+                  2 * kMaxHalfDim);
+    MEGATON_CHECK(rotary_base > 0.0f, "{}: rotary_base {} must be positive", op, rotary_base);
+  }
+  return QkvDims{S, int(heads), int(groups), int(heads / groups), int(D)};
+}
+
+// Launches qkv_kernel<T, N, kPack> with N = 16 bytes of T when every access can be an
+// aligned 16-byte pack, else one value (or pair) per item.
+template <typename T, bool kPack>
+void launch(const T* packed_in, T* packed_out, QkvParts<const T> parts_in, QkvParts<T> parts_out,
+            const QkvDims& dims, int64_t tokens, bool apply_rope, float rotary_base) {
+  const int D = dims.head_dim, half = D / 2;
+  InvFreq inv_freq{};
+  if (apply_rope) {
+    for (int i = 0; i < half; ++i) {
+      // Exactly ops/cpu/rope.cpp's rope_tables.
+      float exponent = float(2 * i) / float(D);
+      inv_freq.value[i] = 1.0f / std::pow(rotary_base, exponent);
+    }
+  }
+  constexpr int kWide = detail::kPackElems<T>;
+  // Every access starts at a multiple of the span each item walks (half with RoPE, else
+  // D) plus i, a multiple of N, elements from a base pointer: aligned bases and
+  // span % N == 0 make every pack aligned.
+  const int span = apply_rope ? half : D;
+  const bool wide = span % kWide == 0 &&
+                    detail::pack_aligned<kWide>(packed_in ? packed_in : packed_out) &&
+                    detail::pack_aligned<kWide>(parts_in.q ? parts_in.q : parts_out.q) &&
+                    detail::pack_aligned<kWide>(parts_in.k ? parts_in.k : parts_out.k) &&
+                    detail::pack_aligned<kWide>(parts_in.v ? parts_in.v : parts_out.v);
+  const int64_t slots = int64_t(dims.groups) * (dims.heads_per_group + 2);
+  const int64_t items = slots * span / (wide ? kWide : 1);
+  const int threads = int(std::min<int64_t>(kMaxThreads, (items + 31) / 32 * 32));
+  const size_t shared_bytes = apply_rope ? 2 * size_t(half) * sizeof(float) : 0;
+  cudaStream_t stream = detail::compute_stream();
+  if (wide) {
+    qkv_kernel<T, kWide, kPack><<<unsigned(tokens), threads, shared_bytes, stream>>>(
+        packed_in, packed_out, parts_in, parts_out, dims, apply_rope, inv_freq);
+  } else {
+    qkv_kernel<T, 1, kPack><<<unsigned(tokens), threads, shared_bytes, stream>>>(
+        packed_in, packed_out, parts_in, parts_out, dims, apply_rope, inv_freq);
+  }
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+T* typed(const Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.f32();
+  } else {
+    return reinterpret_cast<T*>(t.data<uint16_t>());
+  }
+}
+
+}  // namespace
+
+void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base) {
+  const QkvDims dims = check_qkv_args("cuda qkv_split_rope", "", qkv, q, k, v, num_query_groups,
+                                      apply_rope, rotary_base);
+  MEGATON_CHECK(batch == q.dim(0), "cuda qkv_split_rope: batch {} does not match q {}", batch,
+                shape_str(q.shape()));
+  if (qkv.numel() == 0) return;
+  detail::dispatch_float(qkv.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    launch<T, false>(typed<T>(qkv), nullptr, {nullptr, nullptr, nullptr},
+                     {typed<T>(q), typed<T>(k), typed<T>(v)}, dims, qkv.dim(0), apply_rope,
+                     rotary_base);
+  });
+}
+
+void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                            int64_t num_query_groups, bool apply_rope, float rotary_base,
+                            Tensor& dqkv) {
+  const QkvDims dims = check_qkv_args("cuda qkv_pack_rope_backward", "d", dqkv, dq, dk, dv,
+                                      num_query_groups, apply_rope, rotary_base);
+  if (dqkv.numel() == 0) return;
+  detail::dispatch_float(dqkv.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    launch<T, true>(nullptr, typed<T>(dqkv), {typed<T>(dq), typed<T>(dk), typed<T>(dv)},
+                    {nullptr, nullptr, nullptr}, dims, dqkv.dim(0), apply_rope, rotary_base);
+  });
+}
+
+}  // namespace megaton::ops::cuda

@@ -1,0 +1,279 @@
+// CUDA multi-tensor ops against the single-tensor GPU ops (bitwise: multi_tensor_adamw with
+// its BF16/F32 param copies, multi_tensor_scale_) and the sum of squares against an fp64
+// sum on the CPU. Lists have 1..500 tensors of odd sizes, 0-element tensors among them,
+// more tensors than one launch takes, and views offset by one element so that both the
+// vectorized and the scalar paths run.
+#include <gtest/gtest.h>
+
+#ifdef MEGATON_WITH_CUDA
+#include <fmt/format.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/testing.h"
+#include "core/cuda/cuda_check.h"
+#include "ops/ops.h"
+
+namespace megaton {
+namespace {
+
+using testing::allclose;
+using testing::poison;
+using testing::randn;
+
+#define SEED_TRACE(seed) SCOPED_TRACE("seed " + std::to_string(seed))
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device"
+
+// CONVENTIONS.md: CUDA fp32 elementwise tolerance (GPU fp32 arithmetic vs CPU fp64).
+constexpr double kF32Atol = 1e-5, kF32Rtol = 1e-4;
+
+// `count` sizes: about 1 in 8 empty, most below a few thousand with every remainder mod 4,
+// and about 1 in 16 larger than several chunks of either kernel (16384 and 65536).
+std::vector<int64_t> random_sizes(size_t count, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> kind(0, 15);
+  std::uniform_int_distribution<int64_t> small(1, 67), medium(68, 5003), large(60000, 300001);
+  std::vector<int64_t> sizes(count);
+  for (int64_t& s : sizes) {
+    const int k = kind(gen);
+    s = k < 2 ? 0 : k < 8 ? small(gen) : k < 15 ? medium(gen) : large(gen);
+  }
+  return sizes;
+}
+
+// `host` (F32) as `dtype` on the GPU; with `offset`, a view starting one element into its
+// buffer (4 or 2 bytes: not aligned for vector access).
+Tensor upload(const Tensor& host, DType dtype, bool offset) {
+  const int64_t n = host.numel();
+  Tensor buffer = Tensor::zeros({n + 1}, dtype, Device::CUDA);
+  Tensor view = buffer.rows(offset ? 1 : 0, n).view(host.shape());
+  view.copy_from(host.to(dtype));
+  return view;
+}
+
+// Same dtype, numel and bytes (device tensors are copied to the host first).
+::testing::AssertionResult bitwise_equal(const Tensor& a_any, const Tensor& b_any) {
+  const Tensor a = a_any.to(Device::CPU), b = b_any.to(Device::CPU);
+  if (a.dtype() != b.dtype() || a.numel() != b.numel())
+    return ::testing::AssertionFailure()
+           << dtype_name(a.dtype()) << " " << shape_str(a.shape()) << " vs "
+           << dtype_name(b.dtype()) << " " << shape_str(b.shape());
+  const size_t es = dtype_size(a.dtype());
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (std::memcmp(static_cast<const char*>(a.raw()) + i * es,
+                    static_cast<const char*>(b.raw()) + i * es, es) != 0)
+      return ::testing::AssertionFailure()
+             << "element " << i << " of " << a.numel() << ": " << a.item(i) << " vs " << b.item(i);
+  return ::testing::AssertionSuccess();
+}
+
+// ------------------------------------------------------------------- sum of squares
+
+// Both sides sum in fp64 in different orders; CPU reference from the values the GPU holds.
+TEST(CudaMultiTensorSumOfSquares, MatchesCpuFp64AndRepeatsOverListsOf1To500) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  std::mt19937_64 gen(seed);
+  for (size_t count : {1, 2, 7, 159, 160, 161, 333, 500}) {
+    const std::vector<int64_t> sizes = random_sizes(count, seed + count);
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(fmt::format("{} tensors, {}", count, dtype_name(dtype)));
+      std::vector<Tensor> list;
+      double reference = 0.0;
+      for (size_t i = 0; i < count; ++i) {
+        // Values as the GPU holds them (BF16-rounded for BF16).
+        Tensor host = randn({sizes[i]}, seed + 7919 * i + count, 2.0f).to(dtype).to(DType::F32);
+        for (int64_t j = 0; j < host.numel(); ++j)
+          reference += double(host.f32()[j]) * host.f32()[j];
+        list.push_back(upload(host, dtype, gen() % 3 == 0));
+      }
+      const double got = ops::multi_tensor_sum_of_squares(list);
+      EXPECT_NEAR(got, reference, 1e-6 * reference);
+      // Deterministic: the same bits again.
+      EXPECT_EQ(std::bit_cast<uint64_t>(ops::multi_tensor_sum_of_squares(list)),
+                std::bit_cast<uint64_t>(got));
+    }
+  }
+}
+
+// The sum does not depend on whether a tensor is read with vector or scalar loads.
+TEST(CudaMultiTensorSumOfSquares, SameBitsForAlignedAndOffsetViews) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const std::vector<int64_t> sizes = random_sizes(40, seed);
+  std::vector<Tensor> aligned, offset;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    Tensor host = randn({sizes[i]}, seed + i);
+    aligned.push_back(upload(host, DType::F32, false));
+    offset.push_back(upload(host, DType::F32, true));
+  }
+  EXPECT_EQ(std::bit_cast<uint64_t>(ops::multi_tensor_sum_of_squares(aligned)),
+            std::bit_cast<uint64_t>(ops::multi_tensor_sum_of_squares(offset)));
+}
+
+TEST(CudaMultiTensorSumOfSquares, EmptyTensorsAndMixedDevices) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Tensor> empties = {Tensor::empty({0}, DType::F32, Device::CUDA),
+                                 Tensor::empty({4, 0}, DType::BF16, Device::CUDA)};
+  EXPECT_EQ(ops::multi_tensor_sum_of_squares(empties), 0.0);
+  std::vector<Tensor> mixed = {Tensor::zeros({3}, DType::F32, Device::CUDA), Tensor::zeros({3})};
+  EXPECT_THROW(ops::multi_tensor_sum_of_squares(mixed), InternalError);
+}
+
+// --------------------------------------------------------------------------- scale_
+
+TEST(CudaMultiTensorScale, EqualsSingleTensorScaleBitwise) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  std::mt19937_64 gen(seed);
+  const std::vector<int64_t> sizes = random_sizes(170, seed);  // two launches
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    std::vector<Tensor> multi, single;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      Tensor host = randn({sizes[i]}, seed + i, 3.0f);
+      const bool offset = gen() % 3 == 0;
+      multi.push_back(upload(host, dtype, offset));
+      single.push_back(upload(host, dtype, offset));
+    }
+    for (Tensor& t : single) ops::scale_(t, 0.3712f);
+    ops::multi_tensor_scale_(multi, 0.3712f);
+    for (size_t i = 0; i < sizes.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(multi[i], single[i])) << "tensor " << i << " of " << sizes[i];
+  }
+}
+
+// ---------------------------------------------------------------------------- AdamW
+
+struct AdamWLists {
+  std::vector<Tensor> params, exp_avg, exp_avg_sq, copies;
+};
+
+// 150 tensors (three launches of at most 64), one of 1000003 elements (62 chunks); the
+// buffers of each tensor independently aligned or offset; copies none / BF16 / F32. Three
+// steps of the multi-tensor op against adamw_step + cast per tensor on the GPU, bitwise,
+// with the copies poisoned before every step; and the params against the CPU op.
+TEST(CudaMultiTensorAdamW, EqualsSingleTensorGpuOpsBitwiseIncludingCopies) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  std::mt19937_64 gen(seed);
+  std::vector<int64_t> sizes = random_sizes(150, seed);
+  sizes[3] = 1000003;
+  sizes[0] = 0;
+  const size_t n = sizes.size();
+  const float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+  std::vector<float> weight_decays(n);
+  for (size_t i = 0; i < n; ++i) weight_decays[i] = i % 4 == 1 ? 0.0f : 0.1f + 1e-3f * float(i);
+
+  AdamWLists multi, single, cpu;
+  std::vector<bool> grad_offset(n);
+  for (size_t i = 0; i < n; ++i) {
+    Tensor p = randn({sizes[i]}, seed + i, 0.5f);
+    Tensor zeros = Tensor::zeros({sizes[i]});
+    const bool p_off = gen() % 4 == 0, m_off = gen() % 8 == 0, v_off = gen() % 8 == 0;
+    grad_offset[i] = gen() % 8 == 0;
+    for (AdamWLists* l : {&multi, &single}) {
+      l->params.push_back(upload(p, DType::F32, p_off));
+      l->exp_avg.push_back(upload(zeros, DType::F32, m_off));
+      l->exp_avg_sq.push_back(upload(zeros, DType::F32, v_off));
+    }
+    cpu.params.push_back(p.clone());
+    cpu.exp_avg.push_back(zeros.clone());
+    cpu.exp_avg_sq.push_back(zeros.clone());
+    cpu.copies.emplace_back();
+    const int kind = int(i % 3);  // 0 no copy, 1 BF16, 2 F32
+    const bool copy_off = gen() % 4 == 0;
+    for (AdamWLists* l : {&multi, &single}) {
+      if (kind == 0)
+        l->copies.emplace_back();
+      else
+        l->copies.push_back(upload(zeros, kind == 1 ? DType::BF16 : DType::F32, copy_off));
+    }
+  }
+
+  const float lrs[] = {1e-2f, 3e-3f, 7e-4f};
+  for (int64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(fmt::format("step {}", step));
+    const float lr = lrs[step - 1];
+    std::vector<Tensor> grads, cpu_grads;
+    for (size_t i = 0; i < n; ++i) {
+      cpu_grads.push_back(randn({sizes[i]}, seed + 100003 * step + i, 0.1f));
+      grads.push_back(upload(cpu_grads.back(), DType::F32, grad_offset[i]));
+      if (multi.copies[i].defined()) {
+        poison(multi.copies[i]);
+        poison(single.copies[i]);
+      }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      ops::adamw_step(single.params[i], grads[i], single.exp_avg[i], single.exp_avg_sq[i], lr,
+                      beta1, beta2, eps, weight_decays[i], step);
+      if (single.copies[i].defined()) ops::cast(single.params[i], single.copies[i]);
+    }
+    ops::multi_tensor_adamw(multi.params, grads, multi.exp_avg, multi.exp_avg_sq, multi.copies,
+                            weight_decays, lr, beta1, beta2, eps, step);
+    ops::multi_tensor_adamw(cpu.params, cpu_grads, cpu.exp_avg, cpu.exp_avg_sq, cpu.copies,
+                            weight_decays, lr, beta1, beta2, eps, step);
+    for (size_t i = 0; i < n; ++i) {
+      SCOPED_TRACE(fmt::format("tensor {} of {} elements", i, sizes[i]));
+      ASSERT_TRUE(bitwise_equal(multi.params[i], single.params[i]));
+      ASSERT_TRUE(bitwise_equal(multi.exp_avg[i], single.exp_avg[i]));
+      ASSERT_TRUE(bitwise_equal(multi.exp_avg_sq[i], single.exp_avg_sq[i]));
+      if (multi.copies[i].defined()) {
+        ASSERT_TRUE(bitwise_equal(multi.copies[i], single.copies[i]));
+      }
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    SCOPED_TRACE(fmt::format("tensor {} of {} elements", i, sizes[i]));
+    EXPECT_TRUE(allclose(multi.params[i].to(Device::CPU), cpu.params[i], kF32Atol, kF32Rtol));
+    // No poison left in a copy: each holds the final param rounded to its dtype.
+    if (multi.copies[i].defined()) {
+      EXPECT_TRUE(bitwise_equal(multi.copies[i],
+                                multi.params[i].to(Device::CPU).to(multi.copies[i].dtype())));
+    }
+  }
+}
+
+TEST(CudaMultiTensorAdamW, RejectsBadListsWithoutUpdatingAnything) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  auto make = [&](int64_t n, uint64_t s) { return upload(randn({n}, s), DType::F32, false); };
+  std::vector<Tensor> params = {make(5, seed), make(7, seed + 1)};
+  const Tensor before0 = params[0].to(Device::CPU);
+  std::vector<Tensor> grads = {make(5, seed + 2), make(7, seed + 3)};
+  std::vector<Tensor> m = {make(5, seed + 4), make(7, seed + 5)};
+  std::vector<Tensor> v = {make(5, seed + 6).to(Device::CPU), make(7, seed + 7)};
+  std::vector<Tensor> copies(2);
+  std::vector<float> wd = {0.1f, 0.0f};
+  // exp_avg_sq[0] on the CPU.
+  EXPECT_THROW(
+      ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f, 1),
+      InternalError);
+  // A copy of the wrong numel in the second entry.
+  v[0] = make(5, seed + 6);
+  copies[1] = Tensor::zeros({6}, DType::BF16, Device::CUDA);
+  EXPECT_THROW(
+      ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f, 1),
+      InternalError);
+  EXPECT_TRUE(bitwise_equal(params[0], before0));
+}
+
+}  // namespace
+}  // namespace megaton
+
+#else  // CPU-only build
+
+TEST(CudaMultiTensor, NeedsCudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif
