@@ -271,28 +271,4 @@ void Tensor::zero() {
   std::memset(raw(), 0, nbytes());
 }
 
-void copy_rows_2d(Tensor& dst, int64_t dst_offset, int64_t dst_pitch, const Tensor& src,
-                  int64_t src_offset, int64_t src_pitch, int64_t rows, int64_t width) {
-  MEGATON_CHECK(dst.dtype() == src.dtype() && dst.device() == src.device(),
-                "copy_rows_2d: dtypes/devices differ");
-  MEGATON_CHECK(rows >= 0 && width >= 0 && width <= dst_pitch && width <= src_pitch &&
-                    (rows == 0 || (dst_offset + (rows - 1) * dst_pitch + width <= dst.numel() &&
-                                   src_offset + (rows - 1) * src_pitch + width <= src.numel())),
-                "copy_rows_2d: {} rows of {} out of bounds", rows, width);
-  size_t es = dtype_size(dst.dtype());
-  char* d = static_cast<char*>(dst.raw()) + dst_offset * es;
-  const char* s = static_cast<const char*>(src.raw()) + src_offset * es;
-  if (rows == 0 || width == 0) return;
-#ifdef MEGATON_WITH_CUDA
-  if (dst.device() == Device::CUDA) {
-    MEGATON_CUDA_CHECK(cudaMemcpy2DAsync(d, dst_pitch * es, s, src_pitch * es, width * es, rows,
-                                         cudaMemcpyDeviceToDevice, cuda::stream()));
-    return;
-  }
-#endif
-#pragma omp parallel for if (rows * width >= (1 << 16))
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(d + r * dst_pitch * es, s + r * src_pitch * es, width * es);
-}
-
 }  // namespace megaton

@@ -84,13 +84,6 @@ class Tensor {
   DType dtype_ = DType::F32;
 };
 
-// Strided row copy between two tensors of the same dtype and device, in elements:
-// for r < rows: dst[dst_offset + r * dst_pitch + [0, width)) =
-//               src[src_offset + r * src_pitch + [0, width)).
-// (cudaMemcpy2DAsync on the GPU.) Used to split and pack the fused QKV projection.
-void copy_rows_2d(Tensor& dst, int64_t dst_offset, int64_t dst_pitch, const Tensor& src,
-                  int64_t src_offset, int64_t src_pitch, int64_t rows, int64_t width);
-
 template <typename T>
 constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::F32; }
