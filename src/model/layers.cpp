@@ -56,8 +56,8 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
   if (bias_on) bias = make_constant_param(name + ".bias", {out_features}, 0.0f, true, where);
 }
 
-Tensor Linear::forward(const Tensor& x) {
-  x_ = x;
+Tensor Linear::forward(const Tensor& x, bool save_input) {
+  x_ = save_input ? x : Tensor();
   Tensor y = empty_like(x, {x.dim(0), weight.weight.dim(0)});
   ops::gemm(x, false, weight.weight, true, y);
   if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
@@ -65,11 +65,17 @@ Tensor Linear::forward(const Tensor& x) {
 }
 
 Tensor Linear::backward(const Tensor& dy) {
+  MEGATON_CHECK(x_.defined(), "Linear '{}': backward without a saved input", weight.name);
+  Tensor x = x_;
+  x_ = Tensor();
+  return backward(dy, x);
+}
+
+Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
   Tensor dx = empty_like(dy, {dy.dim(0), weight.weight.dim(1)});
   ops::gemm(dy, false, weight.weight, false, dx);
-  ops::gemm(dy, true, x_, false, weight.main_grad, 1.0f, 1.0f);
+  ops::gemm(dy, true, x, false, weight.main_grad, 1.0f, 1.0f);
   if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
-  x_ = Tensor();
   return dx;
 }
 
@@ -123,17 +129,25 @@ MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bo
       linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed, where),
       swiglu_(swiglu) {}
 
+// The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward
+// recomputes it from fc1's output, trading one cheap elementwise pass for ffn x T
+// activations per layer (as Megatron's activation recompute for the MLP activation).
+static Tensor activation(const Tensor& fc1_out, int64_t ffn, bool swiglu) {
+  Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
+  if (swiglu) ops::swiglu_forward(fc1_out, act);
+  else ops::gelu_forward(fc1_out, act);
+  return act;
+}
+
 Tensor MLP::forward(const Tensor& x) {
   fc1_out_ = linear_fc1.forward(x);
   int64_t ffn = linear_fc2.weight.weight.dim(1);
-  Tensor act = empty_like(x, {x.dim(0), ffn});
-  if (swiglu_) ops::swiglu_forward(fc1_out_, act);
-  else ops::gelu_forward(fc1_out_, act);
-  return linear_fc2.forward(act);
+  return linear_fc2.forward(activation(fc1_out_, ffn, swiglu_), /*save_input=*/false);
 }
 
 Tensor MLP::backward(const Tensor& dy) {
-  Tensor dact = linear_fc2.backward(dy);
+  int64_t ffn = linear_fc2.weight.weight.dim(1);
+  Tensor dact = linear_fc2.backward(dy, activation(fc1_out_, ffn, swiglu_));
   Tensor dfc1 = empty_like(dact, fc1_out_.shape());
   if (swiglu_) ops::swiglu_backward(dact, fc1_out_, dfc1);
   else ops::gelu_backward(dact, fc1_out_, dfc1);

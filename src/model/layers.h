@@ -59,10 +59,13 @@ class Linear {
  public:
   Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias,
          float init_std, uint64_t seed, Placement where);
-  // x [T, in] -> [T, out]. Saves x.
-  Tensor forward(const Tensor& x);
+  // x [T, in] -> [T, out]. Saves x unless save_input is false (the caller then passes x
+  // to backward, e.g. recomputed).
+  Tensor forward(const Tensor& x, bool save_input = true);
   // dy [T, out] -> dx [T, in]; accumulates weight/bias main_grad.
   Tensor backward(const Tensor& dy);
+  // The same with the forward input given (forward was called with save_input = false).
+  Tensor backward(const Tensor& dy, const Tensor& x);
   void collect_params(std::vector<Param*>& out);
 
   Param weight, bias;

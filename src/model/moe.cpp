@@ -62,6 +62,13 @@ void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias) {
   }
 }
 
+Tensor MoELayer::expert_activation() const {
+  Tensor act = empty_like(fc1_out_, {fc1_out_.dim(0), experts[0].fc2_weight.weight.dim(1)});
+  if (cfg_.swiglu) ops::swiglu_forward(fc1_out_, act);
+  else ops::gelu_forward(fc1_out_, act);
+  return act;
+}
+
 Tensor MoELayer::forward(const Tensor& x, const ForwardContext& ctx) {
   int64_t tokens = x.dim(0), hidden = x.dim(1), num_experts = cfg_.num_experts;
   int k = int(cfg_.moe_router_topk);
@@ -90,16 +97,12 @@ Tensor MoELayer::forward(const Tensor& x, const ForwardContext& ctx) {
   Tensor host_counts = counts.to(Device::CPU);
   last_tokens_per_expert.assign(host_counts.i64(), host_counts.i64() + num_experts);
 
-  int64_t ffn = experts[0].fc2_weight.weight.dim(1);
   fc1_out_ = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
   ops::grouped_gemm(permuted_, expert_weights(&Expert::fc1_weight), true, fc1_out_,
                     last_tokens_per_expert);
   expert_bias_forward(fc1_out_, &Expert::fc1_bias);
-  act_ = empty_like(x, {rows, ffn});
-  if (cfg_.swiglu) ops::swiglu_forward(fc1_out_, act_);
-  else ops::gelu_forward(fc1_out_, act_);
   expert_out_ = empty_like(x, {rows, hidden});
-  ops::grouped_gemm(act_, expert_weights(&Expert::fc2_weight), true, expert_out_,
+  ops::grouped_gemm(expert_activation(), expert_weights(&Expert::fc2_weight), true, expert_out_,
                     last_tokens_per_expert);
   expert_bias_forward(expert_out_, &Expert::fc2_bias);
 
@@ -116,12 +119,14 @@ Tensor MoELayer::backward(const Tensor& dy) {
   Tensor dprobs = Tensor::empty({tokens, k}, DType::F32, dy.device());
   ops::moe_unpermute_backward(dy, expert_out_, row_id_map_, probs_, dexpert_out, dprobs);
 
-  // linear_fc2 of every expert.
-  Tensor dact = empty_like(dy, act_.shape());
+  // linear_fc2 of every expert; its input, the activation, is recomputed (not kept).
+  Tensor act = expert_activation();
+  Tensor dact = empty_like(dy, act.shape());
   ops::grouped_gemm(dexpert_out, expert_weights(&Expert::fc2_weight), false, dact,
                     last_tokens_per_expert);
   std::vector<Tensor> fc2_grads = expert_grads(&Expert::fc2_weight);
-  ops::grouped_gemm_wgrad(dexpert_out, act_, fc2_grads, last_tokens_per_expert);
+  ops::grouped_gemm_wgrad(dexpert_out, act, fc2_grads, last_tokens_per_expert);
+  act = Tensor();
   expert_bias_backward(dexpert_out, &Expert::fc2_bias);
   // activation and linear_fc1.
   Tensor dfc1 = empty_like(dy, fc1_out_.shape());
@@ -151,7 +156,7 @@ Tensor MoELayer::backward(const Tensor& dy) {
   }
   ops::gemm(dlogits_compute, false, router_weight.weight, false, dx, 1.0f, 1.0f);
   ops::gemm(dlogits_compute, true, x_, false, router_weight.main_grad, 1.0f, 1.0f);
-  x_ = logits_ = probs_ = indices_ = row_id_map_ = permuted_ = fc1_out_ = act_ = expert_out_ =
+  x_ = logits_ = probs_ = indices_ = row_id_map_ = permuted_ = fc1_out_ = expert_out_ =
       aux_scores_ = aux_counts_ = Tensor();
   return dx;
 }

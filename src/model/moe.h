@@ -38,11 +38,14 @@ class MoELayer {
   // Adds (forward) or reduces (backward) each expert's bias on its rows.
   void expert_bias_forward(Tensor& y, Param Expert::*bias);
   void expert_bias_backward(const Tensor& dy, Param Expert::*bias);
+  // SwiGLU/GeLU of fc1_out_ ([rows, ffn]); computed in forward and again in backward
+  // instead of being kept (saves rows x ffn activations per layer).
+  Tensor expert_activation() const;
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
 
   const GPTConfig& cfg_;
-  Tensor x_, logits_, probs_, indices_, row_id_map_, permuted_, fc1_out_, act_, expert_out_,
+  Tensor x_, logits_, probs_, indices_, row_id_map_, permuted_, fc1_out_, expert_out_,
       aux_scores_, aux_counts_;
 };
 

@@ -13,6 +13,7 @@
 #include "core/cuda/allocator.h"
 #endif
 #include "ops/ops.h"
+#include "ops/profiler.h"
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
 #include "data/mock_dataset.h"
@@ -31,6 +32,7 @@ int64_t peak_memory_bytes(Device device) {
 }
 
 Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(std::move(raw)) {
+  ops::profile_check_environment();  // before anything is built or written
   tokenizer_ = data::make_tokenizer(args_.tokenizer_type, args_.tokenizer_model, args_.vocab_size);
   args_.model.vocab_size = tokenizer_->vocab_size();
   args_.model.finalize();
@@ -123,6 +125,24 @@ double Trainer::evaluate() {
   return loss_sum / tokens_sum;
 }
 
+// MEGATON_OP_PROFILE=1: the first iterations of a run (cuBLASLt heuristics, cuDNN plans,
+// allocator growth) are timed but not counted.
+constexpr int64_t kOpProfileWarmupIterations = 2;
+
+static void print_op_profile(int64_t iterations, double wall_ms) {
+  if (iterations == 0) {
+    fmt::print(" op profile: no iteration counted (the first {} of a run are warmup)\n",
+               kOpProfileWarmupIterations);
+  } else {
+    fmt::print(
+        " op profile (MEGATON_OP_PROFILE=1): GPU time per iteration by op, mean of {} "
+        "iterations after {} warmup; elapsed time per iteration (ms): {:.1f}\n{}",
+        iterations, kOpProfileWarmupIterations, wall_ms / double(iterations),
+        ops::profile_report(iterations));
+  }
+  std::fflush(stdout);
+}
+
 static void print_eval(const std::string& where, double loss) {
   std::string line = fmt::format(" validation loss {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ",
                                  where, loss, std::exp(std::min(loss, 20.0)));
@@ -161,6 +181,11 @@ TrainResult Trainer::train() {
   double interval_loss = 0, interval_aux = 0, interval_ms = 0;
   int64_t interval_iters = 0;
   bool saved_last = false;
+  // Op profile: iterations of this run, those counted after warmup, and their elapsed ms.
+  const bool op_profile = ops::profile_enabled();
+  int64_t profile_run_iters = 0, profile_counted_iters = 0;
+  double profile_wall_ms = 0;
+  if (op_profile) ops::profile_discard();  // the evaluation at iteration 0, a checkpoint load
   while (iteration_ < args_.train_iters) {
     auto start = std::chrono::steady_clock::now();
     double lr = optim::learning_rate(args_.lr, iteration_);
@@ -175,6 +200,9 @@ TrainResult Trainer::train() {
       if (args_.clip_grad > 0) optim::clip_grad_by_norm(model_->params(), args_.clip_grad, grad_norm);
       optimizer_->step(float(lr));
     }
+    // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
+    // it (without, the optimizer's kernels may still run when the next iteration starts).
+    if (op_profile) ops::profile_flush();
     consumed_samples_ += args_.global_batch_size;
     floating_point_operations_so_far_ += num_floating_point_operations(
         args_.model, args_.global_batch_size * args_.model.seq_length);
@@ -188,6 +216,12 @@ TrainResult Trainer::train() {
       interval_aux += aux / (args_.model.moe_aux_loss_coeff * double(num_moe_layers));
     interval_ms += ms;
     ++interval_iters;
+    if (op_profile && ++profile_run_iters == kOpProfileWarmupIterations) {
+      ops::profile_reset();
+    } else if (op_profile && profile_run_iters > kOpProfileWarmupIterations) {
+      ++profile_counted_iters;
+      profile_wall_ms += ms;
+    }
     if (iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) {
       log_line(iteration_, interval_ms / interval_iters, lr, interval_loss / interval_iters,
                interval_aux / interval_iters, grad_norm);
@@ -197,6 +231,7 @@ TrainResult Trainer::train() {
     if (args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0 &&
         iteration_ < args_.train_iters) {
       double v = evaluate();
+      if (op_profile) ops::profile_discard();  // evaluation is not part of a step
       if (v >= 0) print_eval(fmt::format("at iteration {}", iteration_), v);
     }
     saved_last = false;
@@ -206,13 +241,16 @@ TrainResult Trainer::train() {
     }
     if (args_.exit_interval > 0 && iteration_ % args_.exit_interval == 0) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
+      if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
       fmt::print("exiting program at iteration {}\n", iteration_);
       result.final_iteration = iteration_;
       return result;
     }
   }
   if (!args_.save.empty() && !saved_last) save(iteration_);
+  if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
   result.last_valid_loss = evaluate();
+  if (op_profile) ops::profile_discard();
   if (result.last_valid_loss >= 0) print_eval("at the end of training", result.last_valid_loss);
   result.final_iteration = iteration_;
   return result;

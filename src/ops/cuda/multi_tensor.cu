@@ -229,7 +229,7 @@ void for_each_list_launch(const std::vector<Tensor>& tensors, int64_t chunk, con
 // ---- AdamW ----
 
 // Per-step constants shared by every tensor, computed on the host in fp64 exactly as
-// adam.cu does (the per-tensor decay = 1 - lr * wd travels in AdamWLaunch):
+// the single-tensor op (adam.cu, which now calls this) does (the per-tensor decay = 1 - lr * wd travels in AdamWLaunch):
 //   p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps),
 //   step_size = lr / (1 - b1^step), inv_sqrt_bc2 = 1 / sqrt(1 - b2^step).
 struct AdamWConstants {
@@ -251,7 +251,7 @@ struct AdamWLaunch {
   uint32_t first_chunk[kAdamWTensors + 1];
   float decay[kAdamWTensors];
   uint8_t copy_kind[kAdamWTensors];
-  // param, grad and both moments 16-byte aligned: the update runs on float4, as adam.cu's
+  // param, grad and both moments 16-byte aligned: the update runs on float4, as the single-tensor op (adam.cu, which now calls this)'s
   // adamw_vec4 under the same condition (its FMAs differ from the scalar kernel's, so the
   // path must be chosen exactly as there for the bits to match).
   uint8_t vectorized[kAdamWTensors];
@@ -261,7 +261,7 @@ struct AdamWLaunch {
 };
 static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) <= kMaxKernelParamBytes);
 
-// The update of adam.cu's adamw_update, term for term: the same expression in the same
+// The update of the single-tensor op (adam.cu, which now calls this)'s adamw_update, term for term: the same expression in the same
 // order, so that nvcc contracts it into the same FMAs and the results are bitwise equal
 // to ops::adamw_step on the GPU.
 __device__ __forceinline__ void adamw_update(float& p, float g, float& m, float& v, float decay,
@@ -414,7 +414,7 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                     shape_str(param_copies[i].shape()), param_copies[i].numel(), numels[i]);
     }
   }
-  // Constants as adam.cu computes them (same expressions, so the same float bits).
+  // Constants as the single-tensor op (adam.cu, which now calls this) computes them (same expressions, so the same float bits).
   const double bias_correction1 = 1.0 - std::pow(double(beta1), double(step));
   const double bias_correction2 = 1.0 - std::pow(double(beta2), double(step));
   const AdamWConstants constants{beta1, beta2, eps, float(lr / bias_correction1),
