@@ -251,9 +251,8 @@ struct AdamWLaunch {
   uint32_t first_chunk[kAdamWTensors + 1];
   float decay[kAdamWTensors];
   uint8_t copy_kind[kAdamWTensors];
-  // param, grad and both moments 16-byte aligned: the update runs on float4, as the single-tensor op (adam.cu, which now calls this)'s
-  // adamw_vec4 under the same condition (its FMAs differ from the scalar kernel's, so the
-  // path must be chosen exactly as there for the bits to match).
+  // param, grad and both moments 16-byte aligned: the update runs on float4, otherwise
+  // element by element.
   uint8_t vectorized[kAdamWTensors];
   // The copy is aligned for a 4-element store (16 bytes F32, 8 bytes BF16).
   uint8_t copy_vectorized[kAdamWTensors];
@@ -261,9 +260,8 @@ struct AdamWLaunch {
 };
 static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) <= kMaxKernelParamBytes);
 
-// The update of the single-tensor op (adam.cu, which now calls this)'s adamw_update, term for term: the same expression in the same
-// order, so that nvcc contracts it into the same FMAs and the results are bitwise equal
-// to ops::adamw_step on the GPU.
+// One AdamW element update (ops.h adamw_step's formula). ops::adamw_step on the GPU
+// (adam.cu) calls this kernel too, so single- and multi-tensor results are bitwise equal.
 __device__ __forceinline__ void adamw_update(float& p, float g, float& m, float& v, float decay,
                                              const AdamWConstants& c) {
   m = c.beta1 * m + (1.0f - c.beta1) * g;
