@@ -11,6 +11,7 @@ bash tools/prepare_fortunes.sh
 megaton=build/megaton
 name=$(basename "$config" .yaml)
 rm -rf "runs/$name"
+mkdir -p runs
 $megaton train --config "$config" --save "runs/$name" | tee "runs/$name.log"
 first=$(grep -m1 "validation loss at iteration 0" "runs/$name.log" | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
 last=$(grep "validation loss at the end" "runs/$name.log" | sed 's/.*lm loss value: \([^ ]*\).*/\1/')
