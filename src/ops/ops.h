@@ -219,23 +219,31 @@ double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors);
 // BF16 rounded to nearest even).
 void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale);
 
-// adamw_step on every i with weight decay weight_decays[i], followed, where param_copies[i]
-// is defined, by cast(params[i], param_copies[i]) (the compute copy of a bf16 run,
-// round-to-nearest-even; fused into the update on the GPU). Results are bitwise equal to
-// those single-tensor ops on the same device.
+// adamw_step on every i with weight decay weight_decays[i] and gradient
+// grads[i] * grad_scale, followed, where param_copies[i] is defined, by
+// cast(params[i], param_copies[i]) (the compute copy of a bf16 run, round-to-nearest-even;
+// fused into the update on the GPU). Results are bitwise equal to those single-tensor ops
+// on the same device, with scale_(grad, grad_scale) on a copy of each grad first when
+// grad_scale != 1.
 //   params:        fp32 main params, updated in place.
-//   grads:         fp32 main grads, numel of params[i].
+//   grads:         fp32 main grads, numel of params[i]; read only (not scaled in place).
 //   exp_avg, exp_avg_sq: fp32 moments, numel of params[i], updated in place.
 //   param_copies:  per param either undefined (no copy) or a BF16 or F32 tensor with the
 //                  numel of params[i], overwritten with the updated param.
 //   weight_decays: per param (0 for biases and norm weights).
 //   lr, beta1, beta2, eps, step: as adamw_step (step 1-based, betas in [0, 1)).
+//   grad_scale:    factor applied to every gradient element in fp32 as it is read: the
+//                  gradient-clipping coefficient (optim::clip_coefficient), folded into
+//                  the update as fused optimizers do instead of a separate
+//                  multi_tensor_scale_ pass over the grads. 1 leaves the update exactly
+//                  as without it (g * 1.0f == g). Must be finite.
 // All six lists have the same length. Everything is checked before any tensor is
-// updated: a length, dtype, numel or device mismatch, step < 1 or a beta outside [0, 1)
-// throws InternalError and changes nothing.
+// updated: a length, dtype, numel or device mismatch, step < 1, a beta outside [0, 1) or
+// a non-finite grad_scale throws InternalError and changes nothing.
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, int64_t step);
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale);
 
 }  // namespace megaton::ops

@@ -31,7 +31,7 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
   }
 }
 
-void AdamW::step(float lr) {
+void AdamW::step(float lr, float grad_scale) {
   ++step_count_;
   // The lists are rebuilt on every call (handles only, no copies of data): the trainer may
   // have reassigned a Param's tensors since the last step.
@@ -51,7 +51,8 @@ void AdamW::step(float lr) {
     weight_decays.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
   }
   ops::multi_tensor_adamw(masters, grads, exp_avg_, exp_avg_sq_, copies, weight_decays, lr,
-                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step_count_);
+                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step_count_,
+                          grad_scale);
 }
 
 void AdamW::set_step_count(int64_t count) {

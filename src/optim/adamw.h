@@ -30,10 +30,14 @@ class AdamW {
   explicit AdamW(std::vector<Param*> params, AdamWConfig config = {});
 
   // One update of every main_param (the weight itself when main_param is undefined) from
-  // its main_grad with learning rate `lr` (from the LR schedule); the compute weight is
-  // then rewritten from it when they differ (bf16 runs). Increments the step count first, so the first call uses bias-correction
-  // step 1. Does not zero main_grad (the trainer does).
-  void step(float lr);
+  // its main_grad times `grad_scale` with learning rate `lr` (from the LR schedule); the
+  // compute weight is then rewritten from it when they differ (bf16 runs). grad_scale is
+  // the gradient-clipping coefficient (clip_coefficient in optim/clip_grad.h), applied as
+  // the gradients are read: the same update as clip_grad_by_norm then step(lr), without
+  // the pass over the gradients, which stay unscaled. Increments the step count first, so
+  // the first call uses bias-correction step 1. Does not zero main_grad (the trainer does).
+  // A non-finite grad_scale throws InternalError.
+  void step(float lr, float grad_scale = 1.0f);
 
   // Number of step() calls so far (restored from a checkpoint with set_step_count).
   int64_t step_count() const { return step_count_; }

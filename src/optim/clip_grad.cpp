@@ -28,9 +28,15 @@ double global_grad_norm(const std::vector<Param*>& params) {
   return std::sqrt(ops::multi_tensor_sum_of_squares(main_grads(params)));
 }
 
+double clip_coefficient(double max_norm, double total_norm) {
+  const double clip_coeff = max_norm / (total_norm + 1.0e-6);
+  // Written so that a NaN coefficient (NaN norm) also gives 1.
+  return clip_coeff < 1.0 ? clip_coeff : 1.0;
+}
+
 double clip_grad_by_norm(const std::vector<Param*>& params, double max_norm, double total_norm) {
-  double clip_coeff = max_norm / (total_norm + 1.0e-6);
-  if (!(clip_coeff < 1.0)) return 1.0;
+  const double clip_coeff = clip_coefficient(max_norm, total_norm);
+  if (clip_coeff == 1.0) return 1.0;
   std::vector<Tensor> grads = main_grads(params);
   ops::multi_tensor_scale_(grads, float(clip_coeff));
   return clip_coeff;

@@ -197,8 +197,11 @@ TrainResult Trainer::train() {
       ++nan_iterations_;
       ++skipped_iterations_;
     } else {
-      if (args_.clip_grad > 0) optim::clip_grad_by_norm(model_->params(), args_.clip_grad, grad_norm);
-      optimizer_->step(float(lr));
+      // Clipping folded into the update (the gradients are not rescaled in place): the
+      // logged grad_norm is the one before clipping, as in Megatron.
+      const double clip_coeff =
+          args_.clip_grad > 0 ? optim::clip_coefficient(args_.clip_grad, grad_norm) : 1.0;
+      optimizer_->step(float(lr), float(clip_coeff));
     }
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
     // it (without, the optimizer's kernels may still run when the next iteration starts).

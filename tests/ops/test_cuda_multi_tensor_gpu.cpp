@@ -1,8 +1,8 @@
 // CUDA multi-tensor ops against the single-tensor GPU ops (bitwise: multi_tensor_adamw with
-// its BF16/F32 param copies, multi_tensor_scale_) and the sum of squares against an fp64
-// sum on the CPU. Lists have 1..500 tensors of odd sizes, 0-element tensors among them,
-// more tensors than one launch takes, and views offset by one element so that both the
-// vectorized and the scalar paths run.
+// its BF16/F32 param copies and its grad_scale, multi_tensor_scale_) and the sum of
+// squares against an fp64 sum on the CPU. Lists have 1..500 tensors of odd sizes,
+// 0-element tensors among them, more tensors than one launch takes, and views offset by
+// one element so that both the vectorized and the scalar paths run.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -220,9 +220,9 @@ TEST(CudaMultiTensorAdamW, EqualsSingleTensorGpuOpsBitwiseIncludingCopies) {
       if (single.copies[i].defined()) ops::cast(single.params[i], single.copies[i]);
     }
     ops::multi_tensor_adamw(multi.params, grads, multi.exp_avg, multi.exp_avg_sq, multi.copies,
-                            weight_decays, lr, beta1, beta2, eps, step);
+                            weight_decays, lr, beta1, beta2, eps, step, 1.0f);
     ops::multi_tensor_adamw(cpu.params, cpu_grads, cpu.exp_avg, cpu.exp_avg_sq, cpu.copies,
-                            weight_decays, lr, beta1, beta2, eps, step);
+                            weight_decays, lr, beta1, beta2, eps, step, 1.0f);
     for (size_t i = 0; i < n; ++i) {
       SCOPED_TRACE(fmt::format("tensor {} of {} elements", i, sizes[i]));
       ASSERT_TRUE(bitwise_equal(multi.params[i], single.params[i]));
@@ -244,6 +244,89 @@ TEST(CudaMultiTensorAdamW, EqualsSingleTensorGpuOpsBitwiseIncludingCopies) {
   }
 }
 
+// grad_scale (the folded clipping coefficient) against the path it replaces, on the GPU:
+// scale_ on a copy of each gradient (same alignment), then adamw_step + cast per tensor;
+// bitwise over three steps (scales below one and exactly one), with 100 tensors (two
+// launches), offset views and all three copy kinds. The gradients passed to the
+// multi-tensor op keep their bits, and the params match the CPU op with the same scale.
+TEST(CudaMultiTensorAdamW, GradScaleEqualsScalingTheGradsFirstBitwiseAndLeavesGradsUnchanged) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  std::mt19937_64 gen(seed);
+  std::vector<int64_t> sizes = random_sizes(100, seed + 17);
+  sizes[5] = 100003;
+  const size_t n = sizes.size();
+  const float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+  std::vector<float> weight_decays(n);
+  for (size_t i = 0; i < n; ++i) weight_decays[i] = i % 4 == 1 ? 0.0f : 0.1f;
+
+  AdamWLists multi, single, cpu;
+  std::vector<bool> grad_offset(n);
+  for (size_t i = 0; i < n; ++i) {
+    Tensor p = randn({sizes[i]}, seed + 31 * i, 0.5f);
+    Tensor zeros = Tensor::zeros({sizes[i]});
+    const bool p_off = gen() % 4 == 0, state_off = gen() % 8 == 0, copy_off = gen() % 4 == 0;
+    grad_offset[i] = gen() % 4 == 0;
+    const int kind = int(i % 3);  // 0 no copy, 1 BF16, 2 F32
+    for (AdamWLists* l : {&multi, &single}) {
+      l->params.push_back(upload(p, DType::F32, p_off));
+      l->exp_avg.push_back(upload(zeros, DType::F32, state_off));
+      l->exp_avg_sq.push_back(upload(zeros, DType::F32, state_off));
+      if (kind == 0)
+        l->copies.emplace_back();
+      else
+        l->copies.push_back(upload(zeros, kind == 1 ? DType::BF16 : DType::F32, copy_off));
+    }
+    cpu.params.push_back(p.clone());
+    cpu.exp_avg.push_back(zeros.clone());
+    cpu.exp_avg_sq.push_back(zeros.clone());
+    cpu.copies.emplace_back();
+  }
+
+  const float lrs[] = {1e-2f, 3e-3f, 7e-4f};
+  const float grad_scales[] = {0.3712f, 1.0f, 0.0625f};
+  for (int64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(fmt::format("step {}", step));
+    const float lr = lrs[step - 1], grad_scale = grad_scales[step - 1];
+    std::vector<Tensor> grads, scaled_grads, cpu_grads;
+    for (size_t i = 0; i < n; ++i) {
+      cpu_grads.push_back(randn({sizes[i]}, seed + 100003 * step + i, 2.0f));
+      grads.push_back(upload(cpu_grads.back(), DType::F32, grad_offset[i]));
+      scaled_grads.push_back(upload(cpu_grads.back(), DType::F32, grad_offset[i]));
+      ops::scale_(scaled_grads.back(), grad_scale);
+      if (multi.copies[i].defined()) {
+        poison(multi.copies[i]);
+        poison(single.copies[i]);
+      }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      ops::adamw_step(single.params[i], scaled_grads[i], single.exp_avg[i], single.exp_avg_sq[i],
+                      lr, beta1, beta2, eps, weight_decays[i], step);
+      if (single.copies[i].defined()) ops::cast(single.params[i], single.copies[i]);
+    }
+    ops::multi_tensor_adamw(multi.params, grads, multi.exp_avg, multi.exp_avg_sq, multi.copies,
+                            weight_decays, lr, beta1, beta2, eps, step, grad_scale);
+    ops::multi_tensor_adamw(cpu.params, cpu_grads, cpu.exp_avg, cpu.exp_avg_sq, cpu.copies,
+                            weight_decays, lr, beta1, beta2, eps, step, grad_scale);
+    for (size_t i = 0; i < n; ++i) {
+      SCOPED_TRACE(fmt::format("tensor {} of {} elements", i, sizes[i]));
+      ASSERT_TRUE(bitwise_equal(grads[i], cpu_grads[i]));  // not scaled in place
+      ASSERT_TRUE(bitwise_equal(multi.params[i], single.params[i]));
+      ASSERT_TRUE(bitwise_equal(multi.exp_avg[i], single.exp_avg[i]));
+      ASSERT_TRUE(bitwise_equal(multi.exp_avg_sq[i], single.exp_avg_sq[i]));
+      if (multi.copies[i].defined()) {
+        ASSERT_TRUE(bitwise_equal(multi.copies[i], single.copies[i]));
+      }
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    SCOPED_TRACE(fmt::format("tensor {} of {} elements", i, sizes[i]));
+    EXPECT_TRUE(allclose(multi.params[i].to(Device::CPU), cpu.params[i], kF32Atol, kF32Rtol));
+    EXPECT_TRUE(allclose(multi.exp_avg[i].to(Device::CPU), cpu.exp_avg[i], kF32Atol, kF32Rtol));
+  }
+}
+
 TEST(CudaMultiTensorAdamW, RejectsBadListsWithoutUpdatingAnything) {
   SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed();
@@ -258,14 +341,19 @@ TEST(CudaMultiTensorAdamW, RejectsBadListsWithoutUpdatingAnything) {
   std::vector<float> wd = {0.1f, 0.0f};
   // exp_avg_sq[0] on the CPU.
   EXPECT_THROW(
-      ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f, 1),
+      ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f, 1, 1.0f),
       InternalError);
   // A copy of the wrong numel in the second entry.
   v[0] = make(5, seed + 6);
   copies[1] = Tensor::zeros({6}, DType::BF16, Device::CUDA);
   EXPECT_THROW(
-      ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f, 1),
+      ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f, 1, 1.0f),
       InternalError);
+  // A non-finite grad_scale.
+  copies[1] = Tensor();
+  EXPECT_THROW(ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f,
+                                       1, std::nanf("")),
+               InternalError);
   EXPECT_TRUE(bitwise_equal(params[0], before0));
 }
 

@@ -1,7 +1,8 @@
 // CPU multi-tensor ops (multi_tensor_sum_of_squares, multi_tensor_scale_,
 // multi_tensor_adamw) against the single-tensor ops applied one tensor at a time: bitwise
-// for scale_ and AdamW (and its param copies), and the sum of squares also against an fp64
-// sum written here. Lists hold odd sizes, 0-element tensors among them.
+// for scale_ and AdamW (and its param copies, and its grad_scale against scale_ first),
+// and the sum of squares also against an fp64 sum written here. Lists hold odd sizes,
+// 0-element tensors among them.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -149,7 +150,7 @@ TEST(MultiTensorAdamW, EqualsSingleTensorOpsBitwiseIncludingCopies) {
       if (single.copies[i].defined()) ops::cast(single.params[i], single.copies[i]);
     }
     ops::multi_tensor_adamw(multi.params, grads, multi.exp_avg, multi.exp_avg_sq, multi.copies,
-                            weight_decays, lr, beta1, beta2, eps, step);
+                            weight_decays, lr, beta1, beta2, eps, step, 1.0f);
     for (size_t i = 0; i < n; ++i) {
       SCOPED_TRACE("tensor " + std::to_string(i) + " of " + std::to_string(kSizes[i]));
       EXPECT_TRUE(bitwise_equal(multi.params[i], single.params[i]));
@@ -178,9 +179,92 @@ TEST(MultiTensorAdamW, EqualsSingleTensorOpsBitwiseIncludingCopies) {
   EXPECT_FALSE(bitwise_equal(p, multi.params[5]));
 }
 
+// grad_scale (the folded clipping coefficient) against the path it replaces: scale_ on the
+// gradients, then the single-tensor ops; bitwise, over steps with scales below one and
+// exactly one, and the caller's gradients are left as they were.
+TEST(MultiTensorAdamW, GradScaleEqualsScalingTheGradsFirstBitwiseAndLeavesGradsUnchanged) {
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const size_t n = kSizes.size();
+  const float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+  std::vector<float> weight_decays(n);
+  for (size_t i = 0; i < n; ++i) weight_decays[i] = i % 3 == 1 ? 0.0f : 0.1f;
+
+  AdamWState multi;
+  multi.params = random_list(kSizes, seed, 0.5f);
+  for (size_t i = 0; i < n; ++i) {
+    multi.exp_avg.push_back(Tensor::zeros({kSizes[i]}));
+    multi.exp_avg_sq.push_back(Tensor::zeros({kSizes[i]}));
+    if (i % 2 == 0)
+      multi.copies.emplace_back();
+    else
+      multi.copies.push_back(Tensor::empty({kSizes[i]}, DType::BF16));
+  }
+  AdamWState single{clones(multi.params), clones(multi.exp_avg), clones(multi.exp_avg_sq),
+                    clones(multi.copies)};
+
+  const float lrs[] = {1e-2f, 3e-3f, 7e-4f};
+  const float grad_scales[] = {0.3712f, 1.0f, 0.0625f};
+  for (int64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const float lr = lrs[step - 1], grad_scale = grad_scales[step - 1];
+    std::vector<Tensor> grads = random_list(kSizes, seed + 1000 * step, 2.0f);
+    const std::vector<Tensor> grads_before = clones(grads);
+    std::vector<Tensor> scaled_grads = clones(grads);
+    for (size_t i = 0; i < n; ++i) {
+      if (multi.copies[i].defined()) {
+        poison(multi.copies[i]);
+        poison(single.copies[i]);
+      }
+      ops::scale_(scaled_grads[i], grad_scale);
+      ops::adamw_step(single.params[i], scaled_grads[i], single.exp_avg[i], single.exp_avg_sq[i],
+                      lr, beta1, beta2, eps, weight_decays[i], step);
+      if (single.copies[i].defined()) ops::cast(single.params[i], single.copies[i]);
+    }
+    ops::multi_tensor_adamw(multi.params, grads, multi.exp_avg, multi.exp_avg_sq, multi.copies,
+                            weight_decays, lr, beta1, beta2, eps, step, grad_scale);
+    for (size_t i = 0; i < n; ++i) {
+      SCOPED_TRACE("tensor " + std::to_string(i) + " of " + std::to_string(kSizes[i]));
+      EXPECT_TRUE(bitwise_equal(grads[i], grads_before[i]));
+      EXPECT_TRUE(bitwise_equal(multi.params[i], single.params[i]));
+      EXPECT_TRUE(bitwise_equal(multi.exp_avg[i], single.exp_avg[i]));
+      EXPECT_TRUE(bitwise_equal(multi.exp_avg_sq[i], single.exp_avg_sq[i]));
+      if (multi.copies[i].defined()) {
+        EXPECT_TRUE(bitwise_equal(multi.copies[i], single.copies[i]));
+      }
+      // The scale reached the moments: from zero state, step 1 leaves
+      // exp_avg = (1 - beta1) * grad * grad_scale.
+      if (step == 1) {
+        for (int64_t j = 0; j < kSizes[i]; ++j) {
+          const double want = (1.0 - beta1) * double(grads[i].f32()[j]) * grad_scale;
+          ASSERT_NEAR(multi.exp_avg[i].f32()[j], want, 1e-6 + 5e-6 * std::fabs(want))
+              << "element " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST(MultiTensorAdamW, RejectsNonFiniteGradScaleWithoutUpdatingAnything) {
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const std::vector<int64_t> sizes = {4, 6};
+  for (float grad_scale : {std::nanf(""), INFINITY}) {
+    std::vector<Tensor> params = random_list(sizes, seed, 1.0f);
+    const std::vector<Tensor> before = clones(params);
+    std::vector<Tensor> grads = random_list(sizes, seed + 10, 1.0f);
+    std::vector<Tensor> m = {Tensor::zeros({4}), Tensor::zeros({6})};
+    std::vector<Tensor> v = clones(m), copies(2);
+    EXPECT_THROW(ops::multi_tensor_adamw(params, grads, m, v, copies, {0.1f, 0.0f}, 1e-2f, 0.9f,
+                                         0.999f, 1e-8f, 1, grad_scale),
+                 InternalError);
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i], before[i]));
+  }
+}
+
 TEST(MultiTensorAdamW, EmptyListIsANoOp) {
   std::vector<Tensor> none;
-  ops::multi_tensor_adamw(none, none, none, none, none, {}, 1e-3f, 0.9f, 0.999f, 1e-8f, 1);
+  ops::multi_tensor_adamw(none, none, none, none, none, {}, 1e-3f, 0.9f, 0.999f, 1e-8f, 1, 0.5f);
 }
 
 // A bad entry anywhere in the lists throws before any tensor is updated.
@@ -197,9 +281,9 @@ TEST(MultiTensorAdamW, RejectsBadListsWithoutUpdatingAnything) {
     std::vector<float> wd(sizes.size(), 0.1f);
     int64_t step = 1;
     spoil(grads, copies, wd, step);
-    EXPECT_THROW(
-        ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f, 1e-8f, step),
-        InternalError);
+    EXPECT_THROW(ops::multi_tensor_adamw(params, grads, m, v, copies, wd, 1e-2f, 0.9f, 0.999f,
+                                         1e-8f, step, 1.0f),
+                 InternalError);
     for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(bitwise_equal(params[i], before[i]));
   };
   using L = std::vector<Tensor>;

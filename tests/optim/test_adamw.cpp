@@ -1,4 +1,5 @@
-// AdamW against a double-precision AdamW written here, and gradient clipping.
+// AdamW against a double-precision AdamW written here, gradient clipping, and clipping
+// folded into the step (grad_scale).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -166,6 +167,60 @@ TEST(AdamW, ResumingFromSavedStateMatchesAnUninterruptedRun) {
     EXPECT_TRUE(allclose(b.params[i]->weight, a.params[i]->weight, 0, 0)) << a.params[i]->name;
 }
 
+// The trainer's folded clipping, step(lr, clip_coefficient(...)), against the two passes
+// it replaces, clip_grad_by_norm then step(lr): bitwise, over steps that clip and one
+// that does not, and the main_grads keep their unclipped values.
+TEST(AdamW, StepWithGradScaleEqualsClippingThenStepBitwise) {
+  uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.1f;
+  Model folded = make_model(seed), clipped = make_model(seed);
+  AdamW opt_folded(folded.params, cfg), opt_clipped(clipped.params, cfg);
+  const double max_norm = 1.0;
+  // Gradient std per step: the norm of 41 N(0, std^2) elements is about 6.4 * std, so the
+  // first and last steps clip and the middle one does not.
+  const float grad_stds[] = {3.0f, 0.05f, 0.7f};
+  for (int t = 0; t < 3; ++t) {
+    SCOPED_TRACE("step " + std::to_string(t + 1));
+    for (size_t i = 0; i < folded.params.size(); ++i) {
+      folded.params[i]->main_grad =
+          randn(folded.params[i]->weight.shape(), seed + 200 + t * 10 + i, grad_stds[t]);
+      clipped.params[i]->main_grad = folded.params[i]->main_grad.clone();
+    }
+    const double norm = global_grad_norm(folded.params);
+    ASSERT_EQ(norm, global_grad_norm(clipped.params));
+    const double coeff = clip_coefficient(max_norm, norm);
+    EXPECT_EQ(coeff < 1.0, t != 1) << "norm " << norm;
+    std::vector<Tensor> grads_before;
+    for (Param* p : folded.params) grads_before.push_back(p->main_grad.clone());
+
+    EXPECT_EQ(clip_grad_by_norm(clipped.params, max_norm, norm), coeff);
+    opt_clipped.step(1e-2f);
+    opt_folded.step(1e-2f, float(coeff));
+    for (size_t i = 0; i < folded.params.size(); ++i) {
+      SCOPED_TRACE(folded.params[i]->name);
+      EXPECT_TRUE(allclose(folded.params[i]->weight, clipped.params[i]->weight, 0, 0));
+      EXPECT_TRUE(allclose(folded.params[i]->main_grad, grads_before[i], 0, 0));
+    }
+    auto state_folded = opt_folded.state_tensors(), state_clipped = opt_clipped.state_tensors();
+    for (size_t k = 0; k < state_folded.size(); ++k)
+      EXPECT_TRUE(allclose(*state_folded[k].second, *state_clipped[k].second, 0, 0))
+          << state_folded[k].first;
+  }
+  // Clipping changed the trajectory: the same steps without it end elsewhere.
+  Model unclipped = make_model(seed);
+  AdamW opt_unclipped(unclipped.params, cfg);
+  for (int t = 0; t < 3; ++t) {
+    for (size_t i = 0; i < unclipped.params.size(); ++i)
+      unclipped.params[i]->main_grad =
+          randn(unclipped.params[i]->weight.shape(), seed + 200 + t * 10 + i, grad_stds[t]);
+    opt_unclipped.step(1e-2f);
+  }
+  auto m_unclipped = opt_unclipped.state_tensors(), m_folded = opt_folded.state_tensors();
+  EXPECT_FALSE(allclose(*m_unclipped[0].second, *m_folded[0].second, 1e-6, 5e-6));
+}
+
 TEST(AdamW, RejectsMismatchedMainGradAndDuplicateNames) {
   Model m;
   Param& p = m.add("w", {3, 2}, 1, false);
@@ -206,6 +261,19 @@ TEST(ClipGrad, ScalesByMaxNormOverNormPlusEpsilon) {
                        Tensor::from({2}, {float(3.0 * want), float(-4.0 * want)}), 0, 1e-7));
   EXPECT_TRUE(allclose(m.params[1]->main_grad, Tensor::from({1}, {float(12.0 * want)}), 0, 1e-7));
   EXPECT_NEAR(global_grad_norm(m.params), 6.5, 1e-5);
+}
+
+TEST(ClipGrad, CoefficientIsMaxNormOverNormPlusEpsilonBelowOneElseOne) {
+  EXPECT_DOUBLE_EQ(clip_coefficient(6.5, 13.0), 6.5 / (13.0 + 1e-6));
+  // max_norm == norm still clips, very slightly (the 1e-6).
+  EXPECT_LT(clip_coefficient(5.0, 5.0), 1.0);
+  EXPECT_EQ(clip_coefficient(5.1, 5.0), 1.0);
+  EXPECT_EQ(clip_coefficient(1.0, 0.0), 1.0);  // all-zero gradients
+  EXPECT_EQ(clip_coefficient(1.0, std::nan("")), 1.0);
+  // clip_grad_by_norm applies exactly this coefficient.
+  Model m;
+  m.add("a", {2}, 1, false).main_grad = Tensor::from({2}, {3.0f, -4.0f});
+  EXPECT_EQ(clip_grad_by_norm(m.params, 2.0, 5.0), clip_coefficient(2.0, 5.0));
 }
 
 TEST(ClipGrad, LeavesGradientsWhenCoefficientIsAtLeastOne) {

@@ -2,6 +2,8 @@
 // multi_tensor_adamw. The CPU has no launch or synchronization cost to save, so each is the
 // single-tensor op applied to the list in order (and therefore bitwise equal to it); the
 // GPU versions (ops/cuda/multi_tensor.cu) are where the batching happens.
+#include <cmath>
+
 #include "ops/dispatch.h"
 #include "ops/ops.h"
 
@@ -40,7 +42,8 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, int64_t step) {
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale) {
   const size_t n = params.size();
   MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
                     param_copies.size() == n && weight_decays.size() == n,
@@ -49,9 +52,9 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                 n, grads.size(), exp_avg.size(), exp_avg_sq.size(), param_copies.size(),
                 weight_decays.size());
   if (n == 0) return;
-  MEGATON_CUDA_DISPATCH(params[0],
-                        cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies,
-                                                 weight_decays, lr, beta1, beta2, eps, step));
+  MEGATON_CUDA_DISPATCH(
+      params[0], cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies,
+                                          weight_decays, lr, beta1, beta2, eps, step, grad_scale));
   const char* op = "multi_tensor_adamw";
   check_list(params, Device::CPU, op, "params");
   check_list(grads, Device::CPU, op, "grads");
@@ -61,6 +64,7 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   MEGATON_CHECK(step >= 1, "{}: step {} must be >= 1 (1-based)", op, step);
   MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
                 "{}: betas ({}, {}) must be in [0, 1)", op, beta1, beta2);
+  MEGATON_CHECK(std::isfinite(grad_scale), "{}: grad_scale {} must be finite", op, grad_scale);
   for (size_t i = 0; i < n; ++i) {
     const Tensor* entries[] = {&params[i], &grads[i], &exp_avg[i], &exp_avg_sq[i]};
     for (const Tensor* t : entries) {
@@ -82,7 +86,14 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                   shape_str(copy.shape()), copy.numel(), params[i].numel());
   }
   for (size_t i = 0; i < n; ++i) {
-    adamw_step(params[i], grads[i], exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, eps,
+    // The scaled gradient in a scratch copy, one tensor at a time (the caller's grads stay
+    // as they are): by construction the same bits as scale_ on the grads then adamw_step.
+    Tensor scaled_grad = grads[i];
+    if (grad_scale != 1.0f) {
+      scaled_grad = grads[i].clone();
+      scale_(scaled_grad, grad_scale);
+    }
+    adamw_step(params[i], scaled_grad, exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, eps,
                weight_decays[i], step);
     if (param_copies[i].defined()) cast(params[i], param_copies[i]);
   }

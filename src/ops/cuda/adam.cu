@@ -19,7 +19,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   std::vector<Tensor> params{param}, grads{grad}, exp_avgs{exp_avg}, exp_avg_sqs{exp_avg_sq};
   std::vector<Tensor> no_copies(1);  // undefined: no param copy
   multi_tensor_adamw(params, grads, exp_avgs, exp_avg_sqs, no_copies, {weight_decay}, lr, beta1,
-                     beta2, eps, step);
+                     beta2, eps, step, /*grad_scale=*/1.0f);
 }
 
 }  // namespace megaton::ops::cuda

@@ -88,6 +88,7 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale);
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, int64_t step);
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale);
 
 }  // namespace megaton::ops::cuda

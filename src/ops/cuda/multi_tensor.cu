@@ -228,12 +228,14 @@ void for_each_list_launch(const std::vector<Tensor>& tensors, int64_t chunk, con
 
 // ---- AdamW ----
 
-// Per-step constants shared by every tensor, computed on the host in fp64 exactly as
-// the single-tensor op (adam.cu, which now calls this) does (the per-tensor decay = 1 - lr * wd travels in AdamWLaunch):
+// Per-step constants shared by every tensor, computed on the host in fp64 (the
+// per-tensor decay = 1 - lr * wd travels in AdamWLaunch):
+//   g = grad * grad_scale,
 //   p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps),
 //   step_size = lr / (1 - b1^step), inv_sqrt_bc2 = 1 / sqrt(1 - b2^step).
+// grad_scale is the gradient-clipping coefficient (1 without clipping).
 struct AdamWConstants {
-  float beta1, beta2, eps, step_size, inv_sqrt_bc2;
+  float beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale;
 };
 
 // Kinds of param copy (param_copies[i]).
@@ -260,10 +262,14 @@ struct AdamWLaunch {
 };
 static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) <= kMaxKernelParamBytes);
 
-// One AdamW element update (ops.h adamw_step's formula). ops::adamw_step on the GPU
-// (adam.cu) calls this kernel too, so single- and multi-tensor results are bitwise equal.
-__device__ __forceinline__ void adamw_update(float& p, float g, float& m, float& v, float decay,
+// One AdamW element update (ops.h adamw_step's formula) from the gradient as stored.
+// ops::adamw_step on the GPU (adam.cu) calls this kernel too, so single- and multi-tensor
+// results are bitwise equal. The clipping scale is its own correctly rounded multiply
+// (__fmul_rn is never contracted into an FMA), so g is bitwise the gradient that scale_
+// would have written, and with grad_scale == 1 it is the stored gradient itself.
+__device__ __forceinline__ void adamw_update(float& p, float grad, float& m, float& v, float decay,
                                              const AdamWConstants& c) {
+  const float g = __fmul_rn(grad, c.grad_scale);
   m = c.beta1 * m + (1.0f - c.beta1) * g;
   v = c.beta2 * v + (1.0f - c.beta2) * g * g;
   p = p * decay - c.step_size * m / (sqrtf(v) * c.inv_sqrt_bc2 + c.eps);
@@ -382,7 +388,8 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, int64_t step) {
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale) {
   constexpr const char* kOp = "multi_tensor_adamw";
   const size_t n = params.size();
   MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
@@ -394,6 +401,7 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   MEGATON_CHECK(step >= 1, "{}: step {} must be >= 1 (1-based)", kOp, step);
   MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
                 "{}: betas ({}, {}) must be in [0, 1)", kOp, beta1, beta2);
+  MEGATON_CHECK(std::isfinite(grad_scale), "{}: grad_scale {} must be finite", kOp, grad_scale);
   std::vector<int64_t> numels(n);
   for (size_t i = 0; i < n; ++i) {
     check_listed(params[i], kOp, "params", i, false);
@@ -412,11 +420,12 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                     shape_str(param_copies[i].shape()), param_copies[i].numel(), numels[i]);
     }
   }
-  // Constants as the single-tensor op (adam.cu, which now calls this) computes them (same expressions, so the same float bits).
+  // The single-tensor op (adam.cu) calls this function, so both get these bits.
   const double bias_correction1 = 1.0 - std::pow(double(beta1), double(step));
   const double bias_correction2 = 1.0 - std::pow(double(beta2), double(step));
-  const AdamWConstants constants{beta1, beta2, eps, float(lr / bias_correction1),
-                                 float(1.0 / std::sqrt(bias_correction2))};
+  const float step_size = float(lr / bias_correction1);
+  const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bias_correction2));
+  const AdamWConstants constants{beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale};
   cudaStream_t stream = compute_stream();
   for (const LaunchBatch& batch : plan_launches(numels, kElementwiseChunk, kAdamWTensors, kOp)) {
     AdamWLaunch meta{};
