@@ -6,6 +6,7 @@
 
 #include "ops/dispatch.h"
 #include "ops/ops.h"
+#include "ops/cpu/rope_tables.h"
 
 namespace megaton::ops {
 namespace {
@@ -51,29 +52,6 @@ QkvShape check_qkv_args(const char* op, const char* grad, const Tensor& packed, 
   return sh;
 }
 
-// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2]: the expressions of
-// rope.cpp's rope_tables at position_offset 0, so that this op and split + rope_forward
-// give the same numbers (fp32 inv_freq and angle as HF Llama and Megatron round them,
-// cos/sin of the fp32 angle in double, rounded once).
-void rope_tables(int64_t S, int64_t D, float base, std::vector<float>& cos_table,
-                 std::vector<float>& sin_table) {
-  const int64_t half = D / 2;
-  std::vector<float> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) {
-    float exponent = float(2 * i) / float(D);
-    inv_freq[i] = 1.0f / std::pow(base, exponent);
-  }
-  cos_table.resize(S * half);
-  sin_table.resize(S * half);
-  for (int64_t s = 0; s < S; ++s) {
-    float pos = float(s);
-    for (int64_t i = 0; i < half; ++i) {
-      float angle = pos * inv_freq[i];
-      cos_table[s * half + i] = float(std::cos(double(angle)));
-      sin_table[s * half + i] = float(std::sin(double(angle)));
-    }
-  }
-}
 
 // One head of D values, rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,
 // -1 backward) when cos_s is non-null, else copied.
@@ -100,7 +78,7 @@ template <typename Move>
 void for_each_head(const QkvShape& sh, bool apply_rope, float rotary_base, Move&& move) {
   const int64_t D = sh.head_dim, half = D / 2, qpg = sh.heads_per_group();
   std::vector<float> cos_table, sin_table;
-  if (apply_rope) rope_tables(sh.seq, D, rotary_base, cos_table, sin_table);
+  if (apply_rope) cpu::rope_tables(sh.seq, D, rotary_base, 0, cos_table, sin_table);
 #pragma omp parallel for schedule(static) if (sh.tokens() * sh.row() >= kParallelMin)
   for (int64_t t = 0; t < sh.tokens(); ++t) {
     const int64_t s = t % sh.seq;

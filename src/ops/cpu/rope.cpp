@@ -4,6 +4,7 @@
 
 #include "ops/dispatch.h"
 #include "ops/ops.h"
+#include "ops/cpu/rope_tables.h"
 
 namespace megaton::ops {
 namespace {
@@ -29,39 +30,13 @@ void check_rope_args(const Tensor& x, const Tensor& y, const char* x_name, const
   MEGATON_CHECK(position_offset >= 0, "rope: position_offset {} must be >= 0", position_offset);
 }
 
-// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2].
-// Computed as HF Llama (LlamaRotaryEmbedding) and Megatron (RotaryEmbedding) do in fp32:
-// inv_freq = 1 / base^(float(2i) / D), angle = float(pos) * inv_freq, both rounded to
-// fp32, so that long positions see the same angle rounding as the references (at
-// position 4096 one fp32 ulp of the angle is ~5e-4). cos/sin of that fp32 angle are then
-// evaluated in double and rounded once.
-void rope_tables(int64_t S, int64_t D, float base, int64_t position_offset,
-                 std::vector<float>& cos_table, std::vector<float>& sin_table) {
-  const int64_t half = D / 2;
-  std::vector<float> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) {
-    float exponent = float(2 * i) / float(D);
-    inv_freq[i] = 1.0f / std::pow(base, exponent);
-  }
-  cos_table.resize(S * half);
-  sin_table.resize(S * half);
-  for (int64_t s = 0; s < S; ++s) {
-    float pos = float(s + position_offset);
-    for (int64_t i = 0; i < half; ++i) {
-      float angle = pos * inv_freq[i];
-      cos_table[s * half + i] = float(std::cos(double(angle)));
-      sin_table[s * half + i] = float(std::sin(double(angle)));
-    }
-  }
-}
-
 // y = rotate(x, sign * angle): sign = +1 forward, -1 backward (the transpose of a
 // rotation is the rotation by the opposite angle). Safe when y aliases x: each pair is
 // read completely before it is written.
 void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset, float sign) {
   const int64_t B = x.dim(0), S = x.dim(1), heads = x.dim(2), D = x.dim(3), half = D / 2;
   std::vector<float> cos_table, sin_table;
-  rope_tables(S, D, base, position_offset, cos_table, sin_table);
+  cpu::rope_tables(S, D, base, position_offset, cos_table, sin_table);
   const float* src = x.f32();
   float* dst = y.f32();
 #pragma omp parallel for collapse(2) schedule(static) if (x.numel() >= kParallelMin)

@@ -1,0 +1,35 @@
+// RoPE cos/sin tables shared by the CPU rope and fused QKV ops.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace megaton::ops::cpu {
+
+// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2].
+// Computed as HF Llama (LlamaRotaryEmbedding) and Megatron (RotaryEmbedding) do in fp32:
+// inv_freq = 1 / base^(float(2i) / D), angle = float(pos) * inv_freq, both rounded to
+// fp32, so that long positions see the same angle rounding as the references (at
+// position 4096 one fp32 ulp of the angle is ~5e-4). cos/sin of that fp32 angle are then
+// evaluated in double and rounded once. pos = s + position_offset.
+inline void rope_tables(int64_t S, int64_t D, float base, int64_t position_offset,
+                        std::vector<float>& cos_table, std::vector<float>& sin_table) {
+  const int64_t half = D / 2;
+  std::vector<float> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) {
+    float exponent = float(2 * i) / float(D);
+    inv_freq[i] = 1.0f / std::pow(base, exponent);
+  }
+  cos_table.resize(S * half);
+  sin_table.resize(S * half);
+  for (int64_t s = 0; s < S; ++s) {
+    float pos = float(s + position_offset);
+    for (int64_t i = 0; i < half; ++i) {
+      float angle = pos * inv_freq[i];
+      cos_table[s * half + i] = float(std::cos(double(angle)));
+      sin_table[s * half + i] = float(std::sin(double(angle)));
+    }
+  }
+}
+
+}  // namespace megaton::ops::cpu
