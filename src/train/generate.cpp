@@ -86,6 +86,8 @@ LoadedModel load_model_for_inference(const std::string& load_dir) {
       if (v.is_array()) raw[k] = v.get<std::vector<std::string>>();
       else raw[k] = {v.get<std::string>()};
     }
+    // Generate on whatever this machine has (a GPU-trained checkpoint samples on a CPU).
+    raw.erase("device");
     LoadedModel out;
     TrainArgs args = parse_train_args(raw);
     out.tokenizer = data::make_tokenizer(meta.at("tokenizer_type").get<std::string>(),
