@@ -7,6 +7,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/pointwise_util.cuh"
 
 namespace megaton::ops::cuda {
 namespace {
@@ -52,18 +53,8 @@ int threads_for(int64_t packs) {
 
 // ---- device ----
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using detail::from_float;  // round-to-nearest-even, as the CPU's float_to_bf16
+using detail::to_float;
 
 // kN consecutive elements moved as one aligned load/store (16 bytes when kN * sizeof(T) is).
 template <typename T, int kN>
