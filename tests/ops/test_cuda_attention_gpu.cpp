@@ -8,7 +8,7 @@
 #include "ops/ops.h"
 
 #ifdef MEGATON_WITH_CUDA
-#include "core/cuda/cuda_check.h"
+#include "common/gpu_testing.h"
 
 namespace megaton {
 namespace {
@@ -17,42 +17,13 @@ using testing::allclose;
 using testing::poison;
 using testing::randn;
 using testing::rel_error;
-
-#define MEGATON_SKIP_WITHOUT_GPU()                                      \
-  do {                                                                  \
-    if (!::megaton::cuda::device_available()) GTEST_SKIP() << "no GPU"; \
-  } while (0)
-
-std::string seed_trace(uint64_t seed) { return "seed " + std::to_string(seed); }
-
-// The same values, rounded to bf16 and held in fp32: the CPU reference then sees exactly
-// the inputs the GPU sees.
-Tensor round_to_bf16(const Tensor& x) { return x.to(DType::BF16).to(DType::F32); }
-Tensor to_device(const Tensor& x, DType dtype) { return x.to(dtype).to(Device::CUDA); }
-Tensor poisoned_device(const Shape& shape, DType dtype) {
-  Tensor t = Tensor::empty(shape, dtype, Device::CUDA);
-  poison(t);
-  return t;
-}
-// fp32 host copy (Tensor::item on a device tensor copies the whole tensor per element).
-Tensor to_host_f32(const Tensor& t) { return t.to(Device::CPU).to(DType::F32); }
-
-// Whether every element was written (outputs start as NaN) and is finite.
-::testing::AssertionResult all_finite(const Tensor& host, const char* name) {
-  const float* p = host.f32();
-  for (int64_t i = 0; i < host.numel(); ++i)
-    if (!std::isfinite(p[i]))
-      return ::testing::AssertionFailure() << name << " element " << i << " is " << p[i];
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult bitwise_equal(const Tensor& a, const Tensor& b) {
-  const float *pa = a.f32(), *pb = b.f32();
-  for (int64_t i = 0; i < a.numel(); ++i)
-    if (!(pa[i] == pb[i]))
-      return ::testing::AssertionFailure() << "element " << i << ": " << pa[i] << " vs " << pb[i];
-  return ::testing::AssertionSuccess();
-}
+using testing::all_finite;
+using testing::bitwise_equal;
+using testing::poisoned_device;
+using testing::round_to_bf16;
+using testing::seed_trace;
+using testing::to_device;
+using testing::to_host_f32;
 
 // ---------------------------------------------------------------------------------------
 // Attention
