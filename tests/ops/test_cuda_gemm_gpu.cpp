@@ -223,30 +223,30 @@ TEST(CudaGemm, RejectsBadShapesAndDtypes) {
 // ------------------------------------------------------------------------- grouped_gemm
 
 const std::vector<int64_t> kGroupRows = {5, 0, 17, 3};
-// (64, 48): every group's pointers are 16-byte aligned, so same-dtype cases take the
-// single cublasGemmGroupedBatchedEx call; (33, 17): odd rows, so the cublasGemmEx loop.
+// (64, 48): every group's rows are 16-byte aligned, so BF16 cases of the three expert
+// layouts take the CUTLASS Hopper kernel; (33, 17): odd rows, so the CUDA-core fallback.
 const std::vector<std::pair<int64_t, int64_t>> kGroupedShapes = {{64, 48}, {33, 17}};
 
 // Whole-output checks for the grouped ops: the GEMM tolerances, per output.
 void check_grouped_gemm(int64_t k, int64_t n, DType ab, DType c_dtype, bool trans_b, float beta,
-                        uint64_t seed) {
-  SCOPED_TRACE(fmt::format("k={} n={} a/b {} c {} trans_b={} beta={}", k, n, name(ab),
-                           name(c_dtype), trans_b, beta));
+                        uint64_t seed, const std::vector<int64_t>& group_rows = kGroupRows) {
+  SCOPED_TRACE(fmt::format("k={} n={} a/b {} c {} trans_b={} beta={} groups {}", k, n, name(ab),
+                           name(c_dtype), trans_b, beta, fmt::join(group_rows, ",")));
   int64_t rows = 0;
-  for (int64_t r : kGroupRows) rows += r;
+  for (int64_t r : group_rows) rows += r;
   Tensor a = bf16_exact({rows, k}, seed);
   std::vector<Tensor> b, db;
-  for (size_t g = 0; g < kGroupRows.size(); ++g) {
+  for (size_t g = 0; g < group_rows.size(); ++g) {
     b.push_back(bf16_exact(trans_b ? Shape{n, k} : Shape{k, n}, seed + 1 + g));
     db.push_back(on_gpu(b.back(), ab));
   }
   Tensor c0 = bf16_exact({rows, n}, seed + 9);
   Tensor ref = c0.clone();
-  ops::grouped_gemm(a, b, trans_b, ref, kGroupRows, beta);
+  ops::grouped_gemm(a, b, trans_b, ref, group_rows, beta);
 
   Tensor dc = on_gpu(c0, c_dtype);
   if (beta == 0.0f) poison(dc);
-  ops::grouped_gemm(on_gpu(a, ab), db, trans_b, dc, kGroupRows, beta);
+  ops::grouped_gemm(on_gpu(a, ab), db, trans_b, dc, group_rows, beta);
   expect_gemm_close(on_host(dc), ref, ab, c_dtype, k);
 }
 
@@ -262,6 +262,17 @@ TEST(CudaGroupedGemm, MatchesCpuAllPaths) {
     for (auto [k, n] : kGroupedShapes)
       for (bool trans_b : {false, true})
         for (float beta : {0.0f, 0.5f}) check_grouped_gemm(k, n, t.ab, t.c, trans_b, beta, seed);
+}
+
+// Several CUTLASS tiles per group (128 x 256 x 64), partial edge tiles, and row counts that
+// are not multiples of anything: the MoE shapes at a small scale.
+TEST(CudaGroupedGemm, ManyTilesPerGroup) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const std::vector<int64_t> group_rows = {200, 0, 513, 64, 1};
+  for (bool trans_b : {false, true})
+    check_grouped_gemm(512, 392, DType::BF16, DType::BF16, trans_b, 0.0f, seed, group_rows);
 }
 
 TEST(CudaGroupedGemm, EmptyGroupsAndEmptyInnerDimension) {
@@ -339,6 +350,13 @@ TEST(CudaGroupedGemmWgrad, MatchesCpuAllPaths) {
     for (auto [m, n] : kGroupedShapes)
       for (float beta : {1.0f, 0.5f, 0.0f})
         check_grouped_wgrad(m, n, t.ab, t.c, beta, kGroupRows, seed);
+}
+
+TEST(CudaGroupedGemmWgrad, ManyTilesPerGroup) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  check_grouped_wgrad(392, 512, DType::BF16, DType::F32, 1.0f, {200, 0, 513, 64, 1}, seed);
 }
 
 TEST(CudaGroupedGemmWgrad, AllGroupsEmpty) {

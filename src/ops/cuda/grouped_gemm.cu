@@ -1,127 +1,182 @@
-// ops::cuda::grouped_gemm and grouped_gemm_wgrad: the MoE experts' GEMMs, one group per
-// non-empty expert, in one cublasGemmGroupedBatchedEx call where cuBLAS supports the case.
+// ops::cuda::grouped_gemm and grouped_gemm_wgrad: the MoE experts' GEMMs, all groups in
+// one launch.
 //
-// cublasGemmGroupedBatchedEx (cuBLAS 12.5+) takes the per-group sizes, leading dimensions,
-// transposes and scalars as host arrays, and the A/B/C pointer arrays in device memory.
-// Its documented type table (CUBLAS_COMPUTE_32F) has A/B/C = BF16/BF16/BF16 and
-// F32/F32/F32 but not BF16 x BF16 -> F32, and for BF16 it requires aligned pointers
-// (16 bytes ideally; weaker rules depend on k). So the grouped call is used when the
-// dtypes are in that table and every pointer is 16-byte aligned (the case for hidden and
-// FFN sizes that are multiples of 8); otherwise -- in particular the weight gradient of
-// BF16 experts into fp32 main_grad -- the groups run as a loop of cublasGemmEx calls
-// (not cached cuBLASLt plans: the per-expert row counts change every step, and a plan
-// per count would pile up; cuBLAS bounds its own heuristics cache).
-#include <cublas_v2.h>
-
+// BF16 operands with 16-byte aligned rows (hidden and FFN sizes that are multiples of 8)
+// run CUTLASS's Hopper grouped GEMM (grouped_gemm_cutlass.cuh), including the weight
+// gradient BF16 x BF16 -> fp32 accumulated into main_grad, which cuBLAS's grouped GEMM
+// (cublasGemmGroupedBatchedEx) does not offer. Everything else (F32 operands, odd sizes)
+// runs one launch of a tiled CUDA-core kernel (simt_grouped_gemm below): correct for every
+// shape, not fast. Empty groups are dropped before either kernel sees them.
+#include <algorithm>
 #include <climits>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cublas_gemm.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/grouped_gemm_cutlass.cuh"
+#include "ops/cuda/grouped_gemm_problem.h"
+#include "ops/cuda/pointwise_util.cuh"
 
 namespace megaton::ops::cuda {
+
+namespace grouped_cutlass {
+
+namespace {
+constexpr size_t kUploadChunk = 4096;
+struct UploadChunk {
+  unsigned char bytes[kUploadChunk];
+};
+__global__ void upload_kernel(UploadChunk chunk, unsigned char* dst, size_t bytes) {
+  for (size_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = chunk.bytes[i];
+}
+}  // namespace
+
+void upload(void* device_dst, const void* host_src, size_t bytes) {
+  auto* dst = static_cast<unsigned char*>(device_dst);
+  const auto* src = static_cast<const unsigned char*>(host_src);
+  for (size_t at = 0; at < bytes; at += kUploadChunk) {
+    const size_t n = std::min(kUploadChunk, bytes - at);
+    UploadChunk chunk;
+    std::memcpy(chunk.bytes, src + at, n);
+    upload_kernel<<<1, 256, 0, ::megaton::cuda::stream()>>>(chunk, dst + at, n);
+    MEGATON_CUDA_CHECK_LAUNCH();
+  }
+}
+
+int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    MEGATON_CUDA_CHECK(cudaGetDevice(&device));
+    MEGATON_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  }();
+  return count;
+}
+
+}  // namespace grouped_cutlass
+
+bool cutlass_grouped_gemm(const std::vector<GroupedProblem>& problems, DType ab, DType c,
+                          float beta) {
+  if (ab != DType::BF16 || problems.empty()) return false;
+  const bool trans_a = problems[0].trans_a, trans_b = problems[0].trans_b;
+  const size_t c_size = dtype_size(c);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  for (const GroupedProblem& p : problems) {
+    if (p.trans_a != trans_a || p.trans_b != trans_b) return false;
+    if (!aligned(p.a) || !aligned(p.b) || !aligned(p.c)) return false;
+    if (p.lda % 8 || p.ldb % 8 || (p.ldc * c_size) % 16) return false;
+    for (int64_t v : {p.m, p.n, p.k})
+      if (v > INT_MAX) return false;
+  }
+  if (!trans_a && trans_b && c == DType::BF16) return grouped_cutlass::run_fprop(problems, beta);
+  if (!trans_a && !trans_b && c == DType::BF16) return grouped_cutlass::run_dgrad(problems, beta);
+  if (trans_a && !trans_b && c == DType::F32) return grouped_cutlass::run_wgrad(problems, beta);
+  return false;
+}
+
 namespace {
 
-// One row-major GEMM: c [m, n] = op(a) @ op(b) + beta * c, lda/ldb/ldc the row strides.
-struct Problem {
+// ---- the fallback: one launch, blockIdx.z = group, 64 x 64 output tiles, 16 x 16
+// threads computing 4 x 4 outputs each, k in steps of 16 through shared memory.
+constexpr int kTile = 64, kTileK = 16, kThreads = 16;
+
+struct SimtProblem {
   const void* a;
   const void* b;
   void* c;
   int64_t m, n, k, lda, ldb, ldc;
-  bool trans_a, trans_b;
+  int trans_a, trans_b;
 };
 
-// The device pointer arrays are written by a kernel whose arguments carry the pointers:
-// stream-ordered like everything else, and no pageable host copy (which may block the
-// host until the stream drains).
-constexpr int kPointersPerLaunch = 64;
-struct PointerChunk {
-  const void* a[kPointersPerLaunch];
-  const void* b[kPointersPerLaunch];
-  void* c[kPointersPerLaunch];
-  int count;
-};
-
-__global__ void write_pointer_arrays(PointerChunk chunk, const void** a_out, const void** b_out,
-                                     void** c_out) {
-  int i = threadIdx.x;
-  if (i < chunk.count) {
-    a_out[i] = chunk.a[i];
-    b_out[i] = chunk.b[i];
-    c_out[i] = chunk.c[i];
-  }
+template <typename T>
+__device__ float load_element(const void* base, int64_t index) {
+  return detail::to_float(static_cast<const T*>(base)[index]);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Whether one cublasGemmGroupedBatchedEx call may run these problems (see the file comment).
-bool grouped_call_supported(const std::vector<Problem>& problems, DType ab, DType c) {
-  if (ab != c) return false;
-  for (const Problem& p : problems) {
-    if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.c)) return false;
-    for (int64_t v : {p.m, p.n, p.k, p.lda, p.ldb, p.ldc})
-      if (v > INT_MAX) return false;
-  }
-  return true;
-}
-
-void grouped_call(const std::vector<Problem>& problems, DType ab, DType c_dtype, float beta) {
-  const int count = int(problems.size());
-  // Column-major view as in gemm.cpp: cuBLAS's A is our b, its B is our a, m and n swap.
-  std::vector<cublasOperation_t> trans_a(count), trans_b(count);
-  std::vector<int> m(count), n(count), k(count), lda(count), ldb(count), ldc(count);
-  std::vector<int> group_size(count, 1);
-  std::vector<float> alpha(count, 1.0f), betas(count, beta);
-  for (int i = 0; i < count; ++i) {
-    const Problem& p = problems[i];
-    trans_a[i] = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-    trans_b[i] = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    m[i] = int(p.n);
-    n[i] = int(p.m);
-    k[i] = int(p.k);
-    lda[i] = int(p.ldb);
-    ldb[i] = int(p.lda);
-    ldc[i] = int(p.ldc);
-  }
-
-  // [cuBLAS A pointers | cuBLAS B pointers | C pointers], 8 bytes each.
-  Tensor pointers = Tensor::empty({3 * int64_t(count)}, DType::I64, Device::CUDA);
-  auto** a_array = static_cast<const void**>(pointers.raw());
-  const void** b_array = a_array + count;
-  void** c_array = static_cast<void**>(pointers.raw()) + 2 * count;
-  for (int start = 0; start < count; start += kPointersPerLaunch) {
-    PointerChunk chunk{};
-    chunk.count = std::min(kPointersPerLaunch, count - start);
-    for (int i = 0; i < chunk.count; ++i) {
-      chunk.a[i] = problems[start + i].b;
-      chunk.b[i] = problems[start + i].a;
-      chunk.c[i] = problems[start + i].c;
+template <typename AB, typename C>
+__global__ void simt_grouped_kernel(const SimtProblem* problems, float beta) {
+  const SimtProblem p = problems[blockIdx.z];
+  const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
+  if (row0 >= p.m || col0 >= p.n) return;
+  __shared__ float a_tile[kTileK][kTile + 1];
+  __shared__ float b_tile[kTileK][kTile + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * kThreads + tx;
+  float acc[4][4] = {};
+  for (int64_t k0 = 0; k0 < p.k; k0 += kTileK) {
+    for (int i = tid; i < kTile * kTileK; i += kThreads * kThreads) {
+      const int r = i / kTileK, kk = i % kTileK;  // a_tile[kk][r] = op(a)[row0 + r, k0 + kk]
+      const int64_t row = row0 + r, k = k0 + kk;
+      float a_value = 0.0f, b_value = 0.0f;
+      if (row < p.m && k < p.k)
+        a_value = load_element<AB>(p.a, p.trans_a ? k * p.lda + row : row * p.lda + k);
+      const int64_t col = col0 + r;  // b_tile[kk][r] = op(b)[k0 + kk, col0 + r]
+      if (col < p.n && k < p.k)
+        b_value = load_element<AB>(p.b, p.trans_b ? col * p.ldb + k : k * p.ldb + col);
+      a_tile[kk][r] = a_value;
+      b_tile[kk][r] = b_value;
     }
-    write_pointer_arrays<<<1, kPointersPerLaunch, 0, ::megaton::cuda::stream()>>>(
-        chunk, a_array + start, b_array + start, c_array + start);
-    MEGATON_CUDA_CHECK_LAUNCH();
+    __syncthreads();
+    for (int kk = 0; kk < kTileK; ++kk)
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j)
+          acc[i][j] += a_tile[kk][ty + i * kThreads] * b_tile[kk][tx + j * kThreads];
+    __syncthreads();
   }
-
-  const cudaDataType_t ab_type = blas::cuda_dtype(ab), c_type = blas::cuda_dtype(c_dtype);
-  MEGATON_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
-      blas::cublas_handle(), trans_a.data(), trans_b.data(), m.data(), n.data(), k.data(),
-      alpha.data(), a_array, ab_type, lda.data(), b_array, ab_type, ldb.data(), betas.data(),
-      c_array, c_type, ldc.data(), count, group_size.data(), CUBLAS_COMPUTE_32F));
-  // `pointers` goes back to the allocator's cache here; any later user of the block is
-  // queued on the same stream after this GEMM, so the arrays are read before reuse.
+  C* c = static_cast<C*>(p.c);
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t row = row0 + ty + i * kThreads, col = col0 + tx + j * kThreads;
+      if (row >= p.m || col >= p.n) continue;
+      C& out = c[row * p.ldc + col];
+      // beta == 0 overwrites (NaN in c included), as a GEMM does.
+      const float value = beta == 0.0f ? acc[i][j] : acc[i][j] + beta * detail::to_float(out);
+      out = detail::from_float<C>(value);
+    }
 }
 
-// Runs the problems (all with k > 0): one grouped call when supported, else one
-// cublasGemmEx each.
-void run_problems(const std::vector<Problem>& problems, DType ab, DType c_dtype, float beta) {
+}  // namespace
+
+void simt_grouped_gemm(const std::vector<GroupedProblem>& problems, DType ab, DType c,
+                       float beta) {
   if (problems.empty()) return;
-  if (grouped_call_supported(problems, ab, c_dtype)) {
-    grouped_call(problems, ab, c_dtype, beta);
-    return;
+  std::vector<SimtProblem> host(problems.size());
+  int64_t max_m = 0, max_n = 0;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const GroupedProblem& p = problems[i];
+    host[i] = {p.a, p.b, p.c, p.m, p.n, p.k, p.lda, p.ldb, p.ldc, p.trans_a, p.trans_b};
+    max_m = std::max(max_m, p.m);
+    max_n = std::max(max_n, p.n);
   }
-  for (const Problem& p : problems)
-    blas::gemm_ex(p.a, p.trans_a, p.lda, p.b, p.trans_b, p.ldb, p.c, p.ldc, p.m, p.n, p.k, ab,
-                  c_dtype, 1.0f, beta);
+  const size_t bytes = host.size() * sizeof(SimtProblem);
+  Tensor descriptors = Tensor::empty({int64_t((bytes + 7) / 8)}, DType::I64, Device::CUDA);
+  grouped_cutlass::upload(descriptors.raw(), host.data(), bytes);
+  MEGATON_CHECK(problems.size() <= 65535, "grouped GEMM: {} groups (at most 65535)",
+                problems.size());
+  const dim3 grid(unsigned((max_n + kTile - 1) / kTile), unsigned((max_m + kTile - 1) / kTile),
+                  unsigned(problems.size()));
+  const dim3 block(kThreads, kThreads);
+  auto* d = static_cast<const SimtProblem*>(descriptors.raw());
+  cudaStream_t stream = ::megaton::cuda::stream();
+  if (ab == DType::F32 && c == DType::F32)
+    simt_grouped_kernel<float, float><<<grid, block, 0, stream>>>(d, beta);
+  else if (ab == DType::BF16 && c == DType::F32)
+    simt_grouped_kernel<__nv_bfloat16, float><<<grid, block, 0, stream>>>(d, beta);
+  else if (ab == DType::BF16 && c == DType::BF16)
+    simt_grouped_kernel<__nv_bfloat16, __nv_bfloat16><<<grid, block, 0, stream>>>(d, beta);
+  else
+    MEGATON_CHECK(false, "grouped GEMM: no kernel for {} operands into {}", dtype_name(ab),
+                  dtype_name(c));
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+// Runs the problems (all with m, n, k > 0) in one launch.
+void run_problems(const std::vector<GroupedProblem>& problems, DType ab, DType c_dtype,
+                  float beta) {
+  if (problems.empty()) return;
+  if (!cutlass_grouped_gemm(problems, ab, c_dtype, beta))
+    simt_grouped_gemm(problems, ab, c_dtype, beta);
 }
 
 // c = beta * c for a group with no rows (the sum over its rows is empty).
@@ -178,7 +233,7 @@ void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, T
                 "grouped_gemm: a {} into c {} (c is F32, or BF16 when a is)", dtype_name(a.dtype()),
                 dtype_name(c.dtype()));
   const int64_t k = a.dim(1), n = c.dim(1);
-  std::vector<Problem> problems;
+  std::vector<GroupedProblem> problems;
   int64_t start = 0;
   for (size_t g = 0; g < b.size(); ++g) {
     const int64_t count = group_rows[g];
@@ -232,7 +287,7 @@ void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c
                   shape_str(c[g].shape()), m, n, shape_str(a.shape()), shape_str(b.shape()));
   }
   if (m == 0 || n == 0) return;
-  std::vector<Problem> problems;
+  std::vector<GroupedProblem> problems;
   int64_t start = 0;
   for (size_t g = 0; g < c.size(); ++g) {
     const int64_t count = group_rows[g];

@@ -1,0 +1,10 @@
+// One instantiation of the CUTLASS grouped GEMM (grouped_gemm_cutlass.cuh): wgrad.
+#include "ops/cuda/grouped_gemm_cutlass.cuh"
+
+namespace megaton::ops::cuda::grouped_cutlass {
+
+bool run_wgrad(const std::vector<GroupedProblem>& problems, float beta) {
+  return GroupedGemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float>::run(problems, beta);
+}
+
+}  // namespace megaton::ops::cuda::grouped_cutlass
