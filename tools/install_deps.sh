@@ -10,6 +10,7 @@ packages=(
   libcli11-dev                         # command line
   libfmt-dev                           # formatting
   libgtest-dev libbenchmark-dev        # tests and benchmarks
+  libopenmpi-dev openmpi-bin           # MPI: launch (mpirun), CPU collectives, dist tests
   fortunes fortunes-min                # the demo corpus
 )
 missing=()

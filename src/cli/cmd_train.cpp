@@ -2,6 +2,8 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "core/error.h"
+#include "dist/runtime.h"
 #include "train/arguments.h"
 #include "train/trainer.h"
 
@@ -38,6 +40,11 @@ void add_train_command(CLI::App& app) {
                            : state->values[spec.name];
     }
     TrainArgs args = parse_train_args(raw);
+    // An impossible layout fails here, on every rank alike, before anything is built.
+    const int64_t world = dist::world_size();
+    dist::ValidatedLayout layout = check_parallel_layout(args, world);
+    if (dist::world_rank() == 0)
+      for (const std::string& w : layout.warnings) fmt::print(stderr, "warning: {}\n", w);
     Trainer trainer(args, raw);
     trainer.train();
   });

@@ -7,6 +7,8 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "dist/comm.h"
+#include "dist/runtime.h"
 
 // OpenBLAS picks its GEMM kernels by CPU model when the library loads, and falls back to
 // its slowest (SSE3 "Prescott") kernels on CPU models it does not know, such as the
@@ -27,26 +29,54 @@ static void choose_openblas_kernels(char** argv) {
   execv("/proc/self/exe", argv);  // only returns on failure: keep going with the default
 }
 
+// Parses the command line and runs the chosen subcommand; returns the exit status.
+static int run(CLI::App& app, int argc, char** argv) {
+  // Under mpirun a message says which rank it comes from; alone, it stays one bare line.
+  const std::string who =
+      megaton::dist::world_size() > 1 ? fmt::format("[rank {}] ", megaton::dist::world_rank()) : "";
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "%serror: %s (see --help)\n", who.c_str(), e.what());
+    return 2;
+  } catch (const megaton::Error& e) {
+    std::fprintf(stderr, "%serror: %s\n", who.c_str(), e.what());
+    return 2;
+  } catch (const megaton::dist::CommError& e) {
+    std::fprintf(stderr, "%scommunication error: %s\n", who.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%sinternal error: %s\n", who.c_str(), e.what());
+    return 1;
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
   choose_openblas_kernels(argv);
+  try {
+    megaton::dist::init(&argc, &argv);  // MPI under mpirun/srun only
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "internal error: %s\n", e.what());
+    return 1;
+  }
   CLI::App app{"Megaton: train dense and mixture-of-experts GPT models"};
   app.require_subcommand(1);
   megaton::cli::add_train_command(app);
   megaton::cli::add_generate_command(app);
   megaton::cli::add_preprocess_command(app);
   megaton::cli::add_tokenizer_command(app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    std::fprintf(stderr, "error: %s (see --help)\n", e.what());
-    return 2;
-  } catch (const megaton::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "internal error: %s\n", e.what());
-    return 1;
+  const int status = run(app, argc, argv);
+  // A failed rank leaves without MPI_Finalize: its non-zero exit makes mpirun end the
+  // job, where finalizing could wait forever on ranks stuck in a collective.
+  if (status == 0) {
+    try {
+      megaton::dist::finalize();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "internal error: %s\n", e.what());
+      return 1;
+    }
   }
-  return 0;
+  return status;
 }

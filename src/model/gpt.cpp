@@ -72,7 +72,8 @@ void TransformerLayer::collect_params(std::vector<Param*>& out) {
   else mlp->collect_params(out);
 }
 
-GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed)
+GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, int64_t dense_shards,
+                   int64_t expert_shards)
     : cfg_(cfg),
       word_embeddings(make_param("embedding.word_embeddings.weight",
                                  {cfg.padded_vocab_size, cfg.hidden_size}, cfg.init_method_std,
@@ -98,17 +99,12 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed)
                               cfg.init_method_std, seed, Placement::of(cfg));
     params_.push_back(&output_layer);
   }
-  // One fp32 buffer holds every main_grad, so zeroing them is one memset and they can
-  // later be reduced across data-parallel ranks in buckets.
-  auto padded = [](int64_t n) { return (n + 63) / 64 * 64; };
-  int64_t total = 0;
-  for (const Param* p : params_) total += padded(p->weight.numel());
-  grad_buffer_ = Tensor::zeros({total}, DType::F32, cfg_.device);
-  int64_t offset = 0;
-  for (Param* p : params_) {
-    p->main_grad = grad_buffer_.rows(offset, p->weight.numel()).view(p->weight.shape());
-    offset += padded(p->weight.numel());
-  }
+  // Dense and expert params in two buffers: they are reduced over different groups.
+  std::vector<Param*> dense, expert;
+  for (Param* p : params_) (p->is_expert ? expert : dense).push_back(p);
+  buffers_.reserve(2);
+  buffers_.emplace_back(dense, dense_shards, false);
+  if (!expert.empty()) buffers_.emplace_back(expert, expert_shards, true);
 }
 
 int64_t GPTModel::num_parameters() const {

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "model/attention.h"
+#include "model/param_buffer.h"
 #include "model/moe.h"
 
 namespace megaton {
@@ -48,7 +49,11 @@ struct MicroBatchLoss {
 class GPTModel {
  public:
   // cfg must be finalize()d. seed keys every initial weight (Philox, by parameter name).
-  GPTModel(const GPTConfig& cfg, uint64_t seed);
+  // dense_shards / expert_shards: the shard count of the dense and expert
+  // ParamAndGradBuffers (the data-parallel and expert-data-parallel sizes under the
+  // distributed optimizer, else 1).
+  GPTModel(const GPTConfig& cfg, uint64_t seed, int64_t dense_shards = 1,
+           int64_t expert_shards = 1);
 
   // tokens, labels [B, S] int32 -> per-token losses. Saves activations for backward.
   MicroBatchLoss forward(const Tensor& tokens, const Tensor& labels, const ForwardContext& ctx);
@@ -59,8 +64,12 @@ class GPTModel {
   // MoE aux-loss gradient (1 / number of micro-batches). Accumulates main_grads.
   void backward(const Tensor& dlosses, float aux_grad_scale);
 
-  // Zeroes every main_grad (one memset: they are views of one buffer).
-  void zero_grad() { grad_buffer_.zero(); }
+  // Zeroes every main_grad (one memset per buffer: they are views into the buffers).
+  void zero_grad() {
+    for (ParamAndGradBuffer& b : buffers_) b.grads().zero();
+  }
+  // The dense parameters' buffer, then the experts' (MoE models only).
+  std::vector<ParamAndGradBuffer>& buffers() { return buffers_; }
 
   // Every parameter, in a fixed order (embedding, layers, final norm, output layer).
   const std::vector<Param*>& params() const { return params_; }
@@ -78,8 +87,8 @@ class GPTModel {
   Norm final_layernorm;
   Param output_layer;         // untied only
   std::vector<Param*> params_;
-  // All main_grads, contiguous (Megatron's grad buffer), each param's slice 256-byte aligned.
-  Tensor grad_buffer_;
+  // Weights and main_grads, contiguous (Megatron's param and grad buffers).
+  std::vector<ParamAndGradBuffer> buffers_;
 
   // Saved for backward.
   Tensor tokens_, labels_, final_hidden_, logits_, lse_;

@@ -23,6 +23,8 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
       ex.fc1_bias = make_constant_param(name + ".linear_fc1.bias", {f1}, 0.0f, true, where);
       ex.fc2_bias = make_constant_param(name + ".linear_fc2.bias", {h}, 0.0f, true, where);
     }
+    for (Param* param : {&ex.fc1_weight, &ex.fc2_weight, &ex.fc1_bias, &ex.fc2_bias})
+      param->is_expert = true;
     experts.push_back(std::move(ex));
   }
 }

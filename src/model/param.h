@@ -19,6 +19,9 @@ struct Param {
   Tensor main_grad;
   // Megatron applies no weight decay to biases and normalization weights.
   bool no_weight_decay = false;
+  // An expert's weight (MoE experts, not the router): its gradient is reduced over the
+  // expert-data-parallel group and it lives in the expert ParamAndGradBuffer.
+  bool is_expert = false;
 };
 
 }  // namespace megaton

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "dist/comm.h"
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/cuda_check.h"
 #endif
@@ -91,6 +92,8 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"eval-iters", "validation iterations per evaluation"},
       {"log-interval", "log every this many iterations"},
       {"exit-interval", "exit (after saving) when the iteration is a multiple of this"},
+      {"log-metrics-file", "Megaton: append one JSON line per iteration (iteration, lm_loss, "
+                           "grad_norm, load_balancing_loss, lr) in full precision to this file"},
       {"seed", "random seed"},
       {"save", "checkpoint directory to write"},
       {"save-interval", "save every this many iterations"},
@@ -100,6 +103,21 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"finetune", "load weights only and start at iteration 0", true},
       {"device", "cpu or cuda (default: cuda when a GPU is visible)"},
       {"bf16", "bf16 compute with fp32 main params and grads (GPU; the CPU computes fp32)", true},
+      // parallelism (docs/parallelism.md)
+      {"tensor-model-parallel-size", "tensor parallel ranks (tp)"},
+      {"pipeline-model-parallel-size", "pipeline stages (pp)"},
+      {"expert-model-parallel-size", "expert parallel ranks (ep)"},
+      {"expert-tensor-parallel-size", "tensor parallel ranks of the experts (default tp)"},
+      {"context-parallel-size", "context parallel ranks (only 1 so far)"},
+      {"sequence-parallel", "shard activations along the sequence over tp ranks", true},
+      {"num-layers-per-virtual-pipeline-stage", "layers per model chunk (interleaved pipeline)"},
+      {"decoder-first-pipeline-num-layers", "layers of the first pipeline stage"},
+      {"decoder-last-pipeline-num-layers", "layers of the last pipeline stage"},
+      {"use-distributed-optimizer", "shard optimizer state over data-parallel ranks", true},
+      {"overlap-grad-reduce", "overlap the gradient reduction with backward", true},
+      {"overlap-param-gather", "overlap the parameter all-gather with forward", true},
+      {"moe-token-dispatcher-type", "alltoall or allgather"},
+      {"distributed-timeout-minutes", "deadline of one collective (default: 5 minutes)"},
   };
   return specs;
 }
@@ -272,6 +290,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("eval-iters", a.eval_iters);
   r.get("log-interval", a.log_interval);
   r.get("exit-interval", a.exit_interval);
+  r.get("log-metrics-file", a.log_metrics_file);
   r.get("seed", a.seed);
   r.get("save", a.save);
   r.get("save-interval", a.save_interval);
@@ -280,6 +299,39 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("no-load-rng", a.no_load_rng);
   r.get("finetune", a.finetune);
   r.get("device", a.device);
+
+  ParallelArgs& p = a.parallel;
+  r.get("tensor-model-parallel-size", p.tensor_model_parallel_size);
+  r.get("pipeline-model-parallel-size", p.pipeline_model_parallel_size);
+  r.get("expert-model-parallel-size", p.expert_model_parallel_size);
+  r.get("expert-tensor-parallel-size", p.expert_tensor_parallel_size);
+  r.get("context-parallel-size", p.context_parallel_size);
+  r.get("sequence-parallel", p.sequence_parallel);
+  r.get("num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage);
+  r.get("decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers);
+  r.get("decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers);
+  r.get("use-distributed-optimizer", p.use_distributed_optimizer);
+  r.get("overlap-grad-reduce", p.overlap_grad_reduce);
+  r.get("overlap-param-gather", p.overlap_param_gather);
+  r.get("moe-token-dispatcher-type", p.moe_token_dispatcher_type);
+  r.get("distributed-timeout-minutes", p.distributed_timeout_minutes);
+  // Optional counts: 0 means "not set", so a value given must be positive.
+  for (const char* key : {"expert-tensor-parallel-size", "num-layers-per-virtual-pipeline-stage",
+                          "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
+                          "distributed-timeout-minutes"}) {
+    int64_t v = 0;
+    r.get(key, v);
+    if (r.has(key) && v <= 0) fail("{} must be positive (got {})", key, v);
+  }
+  if (p.moe_token_dispatcher_type != "alltoall" && p.moe_token_dispatcher_type != "allgather")
+    fail("option 'moe-token-dispatcher-type' must be alltoall or allgather (got '{}')",
+         p.moe_token_dispatcher_type);
+  // Megatron's arguments.py: the parameter all-gather exists only with the distributed
+  // optimizer, and is overlapped only together with the gradient reduction.
+  if (p.overlap_param_gather && !p.use_distributed_optimizer)
+    fail("overlap-param-gather needs use-distributed-optimizer");
+  if (p.overlap_param_gather && !p.overlap_grad_reduce)
+    fail("overlap-param-gather needs overlap-grad-reduce");
 
   r.get("bf16", a.model.bf16);
   if (a.device.empty()) a.device = cuda_available() ? "cuda" : "cpu";
@@ -307,6 +359,34 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   if (a.lr.lr_decay_iters == 0) a.lr.lr_decay_iters = a.train_iters;
   optim::validate(a.lr);
   return a;
+}
+
+dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_size) {
+  const ParallelArgs& p = a.parallel;
+  const GPTConfig& m = a.model;
+  dist::LayoutRequest r;
+  r.sizes.tp = p.tensor_model_parallel_size;
+  r.sizes.cp = p.context_parallel_size;
+  r.sizes.ep = p.expert_model_parallel_size;
+  r.sizes.etp = p.expert_tensor_parallel_size;
+  r.sizes.pp = p.pipeline_model_parallel_size;
+  r.world_size = world_size;
+  r.sequence_parallel = p.sequence_parallel;
+  r.num_layers_per_virtual_pipeline_stage = p.num_layers_per_virtual_pipeline_stage;
+  r.decoder_first_pipeline_num_layers = p.decoder_first_pipeline_num_layers;
+  r.decoder_last_pipeline_num_layers = p.decoder_last_pipeline_num_layers;
+  r.num_layers = m.num_layers;
+  r.num_attention_heads = m.num_attention_heads;
+  // As GPTConfig::finalize() will set it: the heads themselves without GQA.
+  r.num_query_groups = m.group_query_attention && m.num_query_groups > 0 ? m.num_query_groups
+                                                                         : m.num_attention_heads;
+  r.num_experts = m.num_experts;
+  return dist::validate_layout(r);
+}
+
+double comm_timeout_s(const ParallelArgs& p) {
+  if (p.distributed_timeout_minutes > 0) return 60.0 * double(p.distributed_timeout_minutes);
+  return dist::default_timeout_s();
 }
 
 std::string args_to_json(const RawOptions& raw) {

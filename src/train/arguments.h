@@ -4,11 +4,33 @@
 #include <string>
 #include <vector>
 
+#include "dist/grid.h"
 #include "model/config.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
 
 namespace megaton {
+
+// Parallel layout and distributed-training flags, Megatron's names and defaults. Parsed
+// and checked (check_parallel_layout); the trainer runs one rank so far. Optional
+// counts use 0 for "not set".
+struct ParallelArgs {
+  int64_t tensor_model_parallel_size = 1;
+  int64_t pipeline_model_parallel_size = 1;
+  int64_t expert_model_parallel_size = 1;
+  int64_t expert_tensor_parallel_size = 0;  // 0: tensor_model_parallel_size
+  int64_t context_parallel_size = 1;
+  bool sequence_parallel = false;
+  int64_t num_layers_per_virtual_pipeline_stage = 0;  // 0: no interleaved schedule
+  int64_t decoder_first_pipeline_num_layers = 0;      // 0: an even share
+  int64_t decoder_last_pipeline_num_layers = 0;       // 0: an even share
+  bool use_distributed_optimizer = false;
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  std::string moe_token_dispatcher_type = "allgather";  // or alltoall
+  // Deadline of one collective in minutes; 0: MEGATON_COMM_TIMEOUT_S seconds, else 300 s.
+  int64_t distributed_timeout_minutes = 0;
+};
 
 // Names are Megatron-LM's argument names ('-' -> '_'); defaults are Megatron's unless
 // noted.
@@ -33,6 +55,7 @@ struct TrainArgs {
   int64_t eval_iters = 100;
   int64_t log_interval = 100;
   int64_t exit_interval = 0;           // 0: off
+  std::string log_metrics_file;        // Megaton: per-iteration JSON lines; "" off
   float clip_grad = 1.0f;
   uint64_t seed = 1234;
 
@@ -45,6 +68,8 @@ struct TrainArgs {
   bool finetune = false;
 
   std::string device;  // "cpu" or "cuda"; empty: cuda when a GPU is visible
+
+  ParallelArgs parallel;
 
   // Micro-batches per iteration (global / micro; DP = 1).
   int64_t num_micro_batches() const { return global_batch_size / micro_batch_size; }
@@ -78,6 +103,16 @@ RawOptions read_yaml_options(const std::string& path);
 // Converts raw values into TrainArgs, checking types and ranges. The model's vocab_size
 // is left 0 (it comes from the tokenizer). Throws megaton::Error naming the key.
 TrainArgs parse_train_args(const RawOptions& raw);
+
+// Checks the parallel layout of `args` on `world_size` ranks against the model before
+// anything is built (dist::validate_layout with the model's layers, heads, query groups
+// and experts). Returns the resolved layout (its warnings are for rank 0 to print);
+// throws megaton::Error naming the clashing numbers.
+dist::ValidatedLayout check_parallel_layout(const TrainArgs& args, int64_t world_size);
+
+// Seconds one collective may take: distributed-timeout-minutes x 60 when set, else
+// dist::default_timeout_s() (MEGATON_COMM_TIMEOUT_S, else 300).
+double comm_timeout_s(const ParallelArgs& parallel);
 
 // The finished args as YAML-like "key: value" JSON object (saved in checkpoints).
 std::string args_to_json(const RawOptions& raw);

@@ -6,12 +6,15 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/checkpoint.h"
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/allocator.h"
 #endif
+#include "dist/host_reduce.h"
+#include "dist/runtime.h"
 #include "ops/ops.h"
 #include "ops/profiler.h"
 #include "optim/clip_grad.h"
@@ -47,9 +50,37 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   } else {
     build_datasets(num_samples);
   }
-  model_ = std::make_unique<GPTModel>(args_.model, args_.seed);
-  optimizer_ = std::make_unique<optim::AdamW>(model_->params(), args_.adam);
+  // The parallel layout (checked again here for callers other than the CLI).
+  const int64_t world = dist::world_size();
+  const dist::ValidatedLayout layout = check_parallel_layout(args_, world);
+  const dist::ParallelSizes& sizes = layout.sizes;
+  if (sizes.tp > 1 || sizes.pp > 1 || sizes.ep > 1 || sizes.etp > 1)
+    fail("tensor, pipeline and expert parallelism are not implemented yet (tp {} pp {} ep {} "
+         "etp {}); use data parallelism", sizes.tp, sizes.pp, sizes.ep, sizes.etp);
+  if (gbs % (args_.micro_batch_size * sizes.dp) != 0)
+    fail("global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "
+         "size ({})", gbs, args_.micro_batch_size, sizes.dp);
+  grid_ = std::make_unique<dist::Grid>(sizes, world, dist::world_rank());
+  dist::Grid::set_current(*grid_);
+  comm_ = dist::make_comm(args_.model.device);
+  comm_->prepare(*grid_);
+
+  const bool distributed = args_.parallel.use_distributed_optimizer;
+  model_ = std::make_unique<GPTModel>(args_.model, args_.seed,
+                                      distributed ? grid_->dp_cp().size() : 1,
+                                      distributed ? grid_->edp().size() : 1);
+  optimizer_ = std::make_unique<optim::DistributedAdamW>(model_->buffers(), *grid_, *comm_,
+                                                         args_.adam, distributed);
   if (!args_.load.empty()) load();
+}
+
+int64_t Trainer::local_micro_batches() const {
+  return args_.global_batch_size / (args_.micro_batch_size * grid_->dp().size());
+}
+
+int64_t Trainer::micro_batch_start(int64_t batch_start, int64_t mb) const {
+  const int64_t dp = grid_->dp().size();
+  return batch_start + (mb * dp + grid_->dp().rank) * args_.micro_batch_size;
 }
 
 void Trainer::build_datasets(const std::array<int64_t, 3>& num_samples) {
@@ -87,12 +118,14 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
 
 double Trainer::train_step(int64_t iteration, double* aux_loss) {
   model_->zero_grad();
-  int64_t n_mb = args_.num_micro_batches(), mbs = args_.micro_batch_size;
+  const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
+  const int64_t dp = grid_->dp().size();
   double loss_sum = 0, tokens_sum = 0, aux_sum = 0;
   for (int64_t mb = 0; mb < n_mb; ++mb) {
     Tensor tokens, labels;
-    load_batch(*datasets_[0], consumed_samples_ + mb * mbs, mbs, tokens, labels);
-    ForwardContext ctx{true, args_.seed, iteration, mb};
+    load_batch(*datasets_[0], micro_batch_start(consumed_samples_, mb), mbs, tokens, labels);
+    // Dropout masks are keyed by the global micro-batch index: the same on any layout.
+    ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
     MicroBatchLoss out = model_->forward(tokens, labels, ctx);
     int64_t T = out.losses.numel();
     loss_sum += ops::sum(out.losses);
@@ -103,26 +136,32 @@ double Trainer::train_step(int64_t iteration, double* aux_loss) {
     dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
     model_->backward(dlosses, 1.0f / float(n_mb));
   }
-  *aux_loss = aux_sum / double(n_mb);
-  return loss_sum / tokens_sum;
+  // The gradients become the mean over the data-parallel ranks (each rank's are the mean
+  // over its micro-batches); the logged losses likewise.
+  optimizer_->reduce_gradients();
+  const std::vector<double> sums =
+      dist::sum_over(*comm_, grid_->dp_cp(), {loss_sum, tokens_sum, aux_sum / double(n_mb)});
+  *aux_loss = sums[2] / double(dp);
+  return sums[0] / sums[1];
 }
 
 double Trainer::evaluate() {
   const auto& valid = datasets_[1];
   if (!valid || args_.eval_iters == 0) return -1;
-  int64_t n_mb = args_.num_micro_batches(), mbs = args_.micro_batch_size;
+  const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   double loss_sum = 0, tokens_sum = 0;
   for (int64_t it = 0; it < args_.eval_iters; ++it) {
     for (int64_t mb = 0; mb < n_mb; ++mb) {
       Tensor tokens, labels;
-      load_batch(*valid, (it * n_mb + mb) * mbs, mbs, tokens, labels);
+      load_batch(*valid, micro_batch_start(it * args_.global_batch_size, mb), mbs, tokens, labels);
       ForwardContext ctx{false, args_.seed, 0, 0};
       MicroBatchLoss out = model_->forward(tokens, labels, ctx);
       loss_sum += ops::sum(out.losses);
       tokens_sum += double(out.losses.numel());
     }
   }
-  return loss_sum / tokens_sum;
+  const std::vector<double> sums = dist::sum_over(*comm_, grid_->dp_cp(), {loss_sum, tokens_sum});
+  return sums[0] / sums[1];
 }
 
 // MEGATON_OP_PROFILE=1: the first iterations of a run (cuBLASLt heuristics, cuDNN plans,
@@ -174,7 +213,8 @@ TrainResult Trainer::train() {
   TrainResult result;
   if (iteration_ == 0) {
     result.first_valid_loss = evaluate();
-    if (result.first_valid_loss >= 0) print_eval("at iteration 0", result.first_valid_loss);
+    if (result.first_valid_loss >= 0 && is_logging_rank())
+      print_eval("at iteration 0", result.first_valid_loss);
   }
   int64_t num_moe_layers = 0;
   for (int64_t l = 0; l < args_.model.num_layers; ++l) num_moe_layers += args_.model.is_moe_layer(l);
@@ -192,7 +232,7 @@ TrainResult Trainer::train() {
     ++iteration_;
     double aux = 0;
     double loss = train_step(iteration_, &aux);
-    double grad_norm = optim::global_grad_norm(model_->params());
+    double grad_norm = optimizer_->grad_norm();
     if (!std::isfinite(grad_norm)) {
       ++nan_iterations_;
       ++skipped_iterations_;
@@ -213,6 +253,15 @@ TrainResult Trainer::train() {
                     .count();
     result.losses.push_back(loss);
     result.grad_norms.push_back(grad_norm);
+    if (!args_.log_metrics_file.empty() && is_logging_rank()) {
+      nlohmann::json line = {{"iteration", iteration_}, {"lm_loss", loss},
+                             {"grad_norm", grad_norm}, {"lr", lr}};
+      if (args_.model.use_aux_loss())
+        line["load_balancing_loss"] = aux / (args_.model.moe_aux_loss_coeff * double(num_moe_layers));
+      std::ofstream out(args_.log_metrics_file, std::ios::app);
+      out << line.dump() << "\n";
+      if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
+    }
     interval_loss += loss;
     // Megatron logs the aux loss divided by its coefficient, averaged over MoE layers.
     if (args_.model.use_aux_loss())
@@ -225,7 +274,8 @@ TrainResult Trainer::train() {
       ++profile_counted_iters;
       profile_wall_ms += ms;
     }
-    if (iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) {
+    if ((iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) &&
+        is_logging_rank()) {
       log_line(iteration_, interval_ms / interval_iters, lr, interval_loss / interval_iters,
                interval_aux / interval_iters, grad_norm);
       interval_loss = interval_aux = interval_ms = 0;
@@ -235,7 +285,7 @@ TrainResult Trainer::train() {
         iteration_ < args_.train_iters) {
       double v = evaluate();
       if (op_profile) ops::profile_discard();  // evaluation is not part of a step
-      if (v >= 0) print_eval(fmt::format("at iteration {}", iteration_), v);
+      if (v >= 0 && is_logging_rank()) print_eval(fmt::format("at iteration {}", iteration_), v);
     }
     saved_last = false;
     if (!args_.save.empty() && args_.save_interval > 0 && iteration_ % args_.save_interval == 0) {
@@ -245,7 +295,7 @@ TrainResult Trainer::train() {
     if (args_.exit_interval > 0 && iteration_ % args_.exit_interval == 0) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
       if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
-      fmt::print("exiting program at iteration {}\n", iteration_);
+      if (is_logging_rank()) fmt::print("exiting program at iteration {}\n", iteration_);
       result.final_iteration = iteration_;
       return result;
     }
@@ -254,24 +304,28 @@ TrainResult Trainer::train() {
   if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
   result.last_valid_loss = evaluate();
   if (op_profile) ops::profile_discard();
-  if (result.last_valid_loss >= 0) print_eval("at the end of training", result.last_valid_loss);
+  if (result.last_valid_loss >= 0 && is_logging_rank())
+    print_eval("at the end of training", result.last_valid_loss);
   result.final_iteration = iteration_;
   return result;
 }
 
 void Trainer::save(int64_t iteration) {
+  // Full tensors whatever the layout (collective: every rank takes part), written by
+  // world rank 0, so a checkpoint loads under any other layout.
+  std::vector<std::pair<std::string, Tensor>> state = optimizer_->full_state();
+  if (!is_logging_rank()) return;
   std::vector<std::pair<std::string, Tensor>> tensors;
   nlohmann::json shapes = nlohmann::json::object();
-  for (Param* p : model_->params()) {
-    tensors.emplace_back("model." + p->name, p->main_param.to(Device::CPU));
-    shapes["model." + p->name] = p->main_param.shape();
+  for (auto& [name, t] : state) {
+    if (name.starts_with("model.")) shapes[name] = t.shape();
+    tensors.emplace_back(name, t.to(Device::CPU));
   }
-  for (auto& [name, t] : optimizer_->state_tensors())
-    tensors.emplace_back("optimizer." + name, t->to(Device::CPU));
   nlohmann::json meta;
   meta["iteration"] = iteration;
   meta["consumed_samples"] = consumed_samples_;
   meta["optimizer_step"] = optimizer_->step_count();
+  meta["world_size"] = grid_->world_size();
   meta["floating_point_operations_so_far"] = floating_point_operations_so_far_;
   meta["skipped_iterations"] = skipped_iterations_;
   meta["nan_iterations"] = nan_iterations_;
@@ -289,18 +343,17 @@ void Trainer::save(int64_t iteration) {
 
 void Trainer::load() {
   ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(args_.load);
-  load_model_weights(ck, model_->params());
-  auto take = [&](const std::string& name, Tensor& dst) {
-    auto it = ck.tensors.find(name);
-    if (it == ck.tensors.end()) fail("checkpoint '{}' has no tensor '{}'", ck.path, name);
-    if (it->second.shape() != dst.shape())
-      fail("checkpoint '{}': tensor '{}' has shape {}, expected {}", ck.path, name,
-           shape_str(it->second.shape()), shape_str(dst.shape()));
-    dst.copy_from(it->second);
-  };
+  const bool optimizer_state = !args_.finetune && !args_.no_load_optim;
+  optimizer_->load_full_state(
+      [&](const std::string& name) -> const Tensor* {
+        auto it = ck.tensors.find(name);
+        return it == ck.tensors.end() ? nullptr : &it->second;
+      },
+      ck.path, optimizer_state);
   auto meta = nlohmann::json::parse(ck.metadata_json);
   if (args_.finetune) {
-    fmt::print(" loaded weights from {} (finetune: starting at iteration 0)\n", ck.path);
+    if (is_logging_rank())
+      fmt::print(" loaded weights from {} (finetune: starting at iteration 0)\n", ck.path);
     return;
   }
   try {
@@ -309,15 +362,12 @@ void Trainer::load() {
     floating_point_operations_so_far_ = meta.at("floating_point_operations_so_far").get<double>();
     skipped_iterations_ = meta.value("skipped_iterations", int64_t(0));
     nan_iterations_ = meta.value("nan_iterations", int64_t(0));
-    if (!args_.no_load_optim) {
-      for (auto& [name, t] : optimizer_->state_tensors()) take("optimizer." + name, *t);
-      optimizer_->set_step_count(meta.at("optimizer_step").get<int64_t>());
-    }
+    if (optimizer_state) optimizer_->set_step_count(meta.at("optimizer_step").get<int64_t>());
     if (!args_.no_load_rng) args_.seed = meta.at("rng_seed").get<uint64_t>();
   } catch (const nlohmann::json::exception& e) {
     fail("checkpoint metadata in '{}' is missing a field: {}", ck.path, e.what());
   }
-  fmt::print(" loaded checkpoint from {} at iteration {}\n", ck.path, iteration_);
+  if (is_logging_rank()) fmt::print(" loaded checkpoint from {} at iteration {}\n", ck.path, iteration_);
 }
 
 }  // namespace megaton

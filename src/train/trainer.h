@@ -7,8 +7,10 @@
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
 #include "data/tokenizer.h"
+#include "dist/comm.h"
+#include "dist/grid.h"
 #include "model/gpt.h"
-#include "optim/adamw.h"
+#include "optim/distrib_optimizer.h"
 #include "train/arguments.h"
 
 namespace megaton {
@@ -29,13 +31,22 @@ class Trainer {
   Trainer(TrainArgs args, RawOptions raw);
   TrainResult train();
 
-  // Mean lm loss over eval_iters global batches of the validation split (no dropout).
+  // Mean lm loss over eval_iters global batches of the validation split (no dropout),
+  // over all data-parallel ranks.
   double evaluate();
   GPTModel& model() { return *model_; }
 
  private:
   void build_datasets(const std::array<int64_t, 3>& num_samples);
   double train_step(int64_t iteration, double* aux_loss);
+  // Micro-batches per step on this data-parallel rank.
+  int64_t local_micro_batches() const;
+  // First sample of local micro-batch `mb` of the global batch starting at `batch_start`:
+  // Megatron's MegatronPretrainingSampler order (rank r takes the r-th micro-batch of
+  // every data-parallel-size consecutive ones).
+  int64_t micro_batch_start(int64_t batch_start, int64_t mb) const;
+  // Whether this rank prints the log lines (world rank 0).
+  bool is_logging_rank() const { return grid_->world_rank() == 0; }
   void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
                   Tensor& tokens, Tensor& labels) const;
   void save(int64_t iteration);
@@ -47,7 +58,9 @@ class Trainer {
   RawOptions raw_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
   std::unique_ptr<GPTModel> model_;
-  std::unique_ptr<optim::AdamW> optimizer_;
+  std::unique_ptr<dist::Grid> grid_;
+  std::unique_ptr<dist::Comm> comm_;
+  std::unique_ptr<optim::DistributedAdamW> optimizer_;
   std::array<std::unique_ptr<data::SampleSource>, 3> datasets_;
   int64_t iteration_ = 0;
   int64_t consumed_samples_ = 0;

@@ -1,0 +1,192 @@
+// Comm's argument checks, the size-1 shortcuts and the choice of transport.
+#include "dist/comm.h"
+
+#include <cstdlib>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace megaton::dist {
+
+double default_timeout_s() {
+  const char* env = std::getenv("MEGATON_COMM_TIMEOUT_S");
+  if (!env) return 300.0;
+  char* end = nullptr;
+  double seconds = std::strtod(env, &end);
+  if (*env == '\0' || *end != '\0' || !(seconds > 0))
+    fail(
+        "environment variable MEGATON_COMM_TIMEOUT_S must be a positive number of seconds "
+        "(got '{}')",
+        env);
+  return seconds;
+}
+
+Comm::Comm(double timeout_s) { set_timeout_s(timeout_s); }
+
+void Comm::set_timeout_s(double seconds) {
+  MEGATON_CHECK(seconds > 0, "communication timeout must be positive (got {})", seconds);
+  timeout_s_ = seconds;
+}
+
+std::string Comm::timeout_message(const char* op, const Group& g) const {
+  return fmt::format("{} on group {} timed out after {:g} s at world rank {}", op, g.describe(),
+                     timeout_s_, g.ranks.at(g.rank));
+}
+
+void Comm::check_tensor(const Tensor& t, const char* op, const char* what) const {
+  MEGATON_CHECK(t.defined(), "{}: {} is not defined", op, what);
+  MEGATON_CHECK(t.device() == device(), "{}: {} is on the {} but this Comm is for the {}", op, what,
+                t.device() == Device::CPU ? "CPU" : "GPU", device() == Device::CPU ? "CPU" : "GPU");
+}
+
+namespace {
+void check_member(const Group& g, const char* op) {
+  MEGATON_CHECK(g.is_member() && g.rank < g.size(), "{} on group {}: this rank is not a member", op,
+                g.describe());
+}
+void check_index(int index, const Group& g, const char* op, const char* what) {
+  MEGATON_CHECK(index >= 0 && index < g.size(), "{} on group {}: {} {} is outside the group", op,
+                g.describe(), what, index);
+}
+}  // namespace
+
+void Comm::prepare(const Grid& grid) {
+  for (const Group& g : grid.groups())
+    if (g.is_member() && g.size() > 1) prepare_group(g);
+}
+
+void Comm::all_reduce(Tensor& t, const Group& g, ReduceOp op) {
+  check_member(g, "all_reduce");
+  check_tensor(t, "all_reduce", "tensor");
+  const DType d = t.dtype();
+  if (op == ReduceOp::Sum)
+    MEGATON_CHECK(d == DType::F32 || d == DType::BF16 || d == DType::I32 || d == DType::I64,
+                  "all_reduce sum of {} is not supported", dtype_name(d));
+  else
+    MEGATON_CHECK(d == DType::F32 || d == DType::I32 || d == DType::I64,
+                  "all_reduce max of {} is not supported", dtype_name(d));
+  if (g.size() == 1 || t.numel() == 0) return;
+  do_all_reduce(t, g, op);
+}
+
+void Comm::reduce_scatter(const Tensor& in, Tensor& out, const Group& g) {
+  check_member(g, "reduce_scatter");
+  check_tensor(in, "reduce_scatter", "input");
+  check_tensor(out, "reduce_scatter", "output");
+  MEGATON_CHECK(
+      in.dtype() == out.dtype() && (in.dtype() == DType::F32 || in.dtype() == DType::BF16),
+      "reduce_scatter of {} into {}: fp32 or bf16 for both", dtype_name(in.dtype()),
+      dtype_name(out.dtype()));
+  MEGATON_CHECK(in.numel() == out.numel() * g.size(),
+                "reduce_scatter on group {}: input has {} elements, output {} (needs {} x output)",
+                g.describe(), in.numel(), out.numel(), g.size());
+  if (g.size() == 1) return out.copy_from(in);
+  if (out.numel() == 0) return;
+  do_reduce_scatter(in, out, g);
+}
+
+void Comm::all_gather(const Tensor& in, Tensor& out, const Group& g) {
+  check_member(g, "all_gather");
+  check_tensor(in, "all_gather", "input");
+  check_tensor(out, "all_gather", "output");
+  MEGATON_CHECK(in.dtype() == out.dtype(), "all_gather of {} into {}", dtype_name(in.dtype()),
+                dtype_name(out.dtype()));
+  MEGATON_CHECK(out.numel() == in.numel() * g.size(),
+                "all_gather on group {}: input has {} elements, output {} (needs {} x input)",
+                g.describe(), in.numel(), out.numel(), g.size());
+  if (g.size() == 1) return out.copy_from(in);
+  if (in.numel() == 0) return;
+  do_all_gather(in, out, g);
+}
+
+void Comm::all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                       std::span<const int64_t> recv_counts, const Group& g) {
+  check_member(g, "all_to_allv");
+  check_tensor(in, "all_to_allv", "input");
+  check_tensor(out, "all_to_allv", "output");
+  MEGATON_CHECK(in.dtype() == out.dtype(), "all_to_allv of {} into {}", dtype_name(in.dtype()),
+                dtype_name(out.dtype()));
+  MEGATON_CHECK(static_cast<int>(send_counts.size()) == g.size() &&
+                    static_cast<int>(recv_counts.size()) == g.size(),
+                "all_to_allv on group {}: {} send and {} receive counts for {} members",
+                g.describe(), send_counts.size(), recv_counts.size(), g.size());
+  for (int i = 0; i < g.size(); ++i)
+    MEGATON_CHECK(send_counts[i] >= 0 && recv_counts[i] >= 0,
+                  "all_to_allv on group {}: negative count for member {}", g.describe(), i);
+  const int64_t sent = std::accumulate(send_counts.begin(), send_counts.end(), int64_t(0));
+  const int64_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t(0));
+  MEGATON_CHECK(sent == in.numel() && received == out.numel(),
+                "all_to_allv on group {}: counts add up to {} sent and {} received, tensors hold "
+                "{} and {} elements",
+                g.describe(), sent, received, in.numel(), out.numel());
+  if (g.size() == 1) {
+    MEGATON_CHECK(sent == received, "all_to_allv to itself: {} sent, {} received", sent, received);
+    return out.copy_from(in);
+  }
+  do_all_to_allv(in, send_counts, out, recv_counts, g);
+}
+
+void Comm::all_to_all(const Tensor& in, Tensor& out, const Group& g) {
+  check_member(g, "all_to_all");
+  MEGATON_CHECK(in.numel() == out.numel() && in.numel() % g.size() == 0,
+                "all_to_all on group {}: {} and {} elements, need equal multiples of {}",
+                g.describe(), in.numel(), out.numel(), g.size());
+  std::vector<int64_t> counts(g.size(), in.numel() / g.size());
+  all_to_allv(in, counts, out, counts, g);
+}
+
+void Comm::send(const Tensor& t, int peer, const Group& g) {
+  check_member(g, "send");
+  check_tensor(t, "send", "tensor");
+  check_index(peer, g, "send", "peer");
+  MEGATON_CHECK(peer != g.rank, "send on group {}: peer is this rank", g.describe());
+  do_send_recv(&t, peer, nullptr, -1, g);
+}
+
+void Comm::recv(Tensor& t, int peer, const Group& g) {
+  check_member(g, "recv");
+  check_tensor(t, "recv", "tensor");
+  check_index(peer, g, "recv", "peer");
+  MEGATON_CHECK(peer != g.rank, "recv on group {}: peer is this rank", g.describe());
+  do_send_recv(nullptr, -1, &t, peer, g);
+}
+
+void Comm::send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int recv_peer,
+                     const Group& g) {
+  check_member(g, "send_recv");
+  check_tensor(send_t, "send_recv", "send tensor");
+  check_tensor(recv_t, "send_recv", "receive tensor");
+  check_index(send_peer, g, "send_recv", "send peer");
+  check_index(recv_peer, g, "send_recv", "receive peer");
+  if (send_peer == g.rank || recv_peer == g.rank) {  // a ring of one
+    MEGATON_CHECK(send_peer == g.rank && recv_peer == g.rank,
+                  "send_recv on group {}: only one of the peers is this rank", g.describe());
+    return recv_t.copy_from(send_t);
+  }
+  do_send_recv(&send_t, send_peer, &recv_t, recv_peer, g);
+}
+
+void Comm::broadcast(Tensor& t, int root, const Group& g) {
+  check_member(g, "broadcast");
+  check_tensor(t, "broadcast", "tensor");
+  check_index(root, g, "broadcast", "root");
+  if (g.size() == 1 || t.numel() == 0) return;
+  do_broadcast(t, root, g);
+}
+
+void Comm::barrier(const Group& g) {
+  check_member(g, "barrier");
+  if (g.size() == 1) return;
+  do_barrier(g);
+}
+
+std::unique_ptr<Comm> make_comm(Device device) {
+  if (device == Device::CPU) return detail::make_mpi_comm();
+#ifdef MEGATON_WITH_CUDA
+  return detail::make_nccl_comm();
+#else
+  fail("a GPU communicator was requested, but this build has no CUDA backend");
+#endif
+}
+
+}  // namespace megaton::dist

@@ -1,0 +1,119 @@
+// Comm: collectives and point-to-point transfers over a Group, with a deadline on each.
+#pragma once
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+
+#include "core/tensor.h"
+#include "dist/grid.h"
+
+namespace megaton::dist {
+
+enum class ReduceOp { Sum, Max };
+
+// A collective that did not finish before its deadline, or a transport that failed
+// mid-operation. The message names the collective, the group and the world rank, e.g.
+// "all_reduce on group dp (ranks 0,2) timed out after 300 s at world rank 2". The
+// communicator of that group is unusable afterwards (every later call on it throws);
+// the process is expected to exit (non-zero, which makes mpirun end the other ranks).
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Seconds one operation may take: MEGATON_COMM_TIMEOUT_S when set (a positive number;
+// anything else throws megaton::Error naming the variable), else 300.
+double default_timeout_s();
+
+// Every call blocks until the operation has finished on this rank (for the GPU: until
+// the NCCL kernel on megaton::cuda::stream() has completed) or its deadline passes.
+// All members of the group must make the same calls in the same order, with matching
+// sizes. Tensors are contiguous views: fp32, bf16, fp16, fp8 (moved as bytes), int32,
+// int64, on the Comm's device.
+//
+// Argument mistakes (wrong device, dtype or size, a peer or root outside the group, a
+// group this rank is not in) throw InternalError before anything is sent. Timeouts and
+// transport failures throw CommError.
+//
+// Groups of size 1 never reach the transport: the operations reduce to copies, so a
+// single process runs without MPI.
+class Comm {
+ public:
+  explicit Comm(double timeout_s = default_timeout_s());
+  virtual ~Comm() = default;
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  virtual Device device() const = 0;
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout_s(double seconds);
+
+  // Creates now the communicators of all of this rank's groups in `grid`, so no later
+  // call creates one (creation has no deadline). Collective over the world: every rank
+  // calls it with a grid of the same layout. Otherwise a group's communicator is created
+  // on its first use, collectively over that group.
+  void prepare(const Grid& grid);
+
+  // In place: t = op over the group of every member's t. Sum: fp32, bf16, int32, int64.
+  // Max: fp32, int32, int64.
+  void all_reduce(Tensor& t, const Group& g, ReduceOp op = ReduceOp::Sum);
+  // in: numel g.size() x n, out: numel n (same dtype). out = sum over members m of
+  // chunk g.rank of m's in, chunk i being elements [i n, (i + 1) n). fp32, bf16.
+  void reduce_scatter(const Tensor& in, Tensor& out, const Group& g);
+  // in: numel n, out: numel g.size() x n. Chunk i of out = member i's in. Any dtype.
+  void all_gather(const Tensor& in, Tensor& out, const Group& g);
+  // Uneven all-to-all. send_counts[i] (elements) of in go to member i, taken from in in
+  // member order; recv_counts[i] elements come from member i, stored in out in member
+  // order. Both spans have g.size() entries, counts may be 0, sum(send_counts) =
+  // in.numel(), sum(recv_counts) = out.numel(); member j's send_counts[i] must equal
+  // member i's recv_counts[j]. Any dtype.
+  void all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                   std::span<const int64_t> recv_counts, const Group& g);
+  // Equal chunks: in and out have numel g.size() x n; chunk i of in goes to member i,
+  // chunk i of out comes from member i.
+  void all_to_all(const Tensor& in, Tensor& out, const Group& g);
+  // Point to point (pipeline stages); peer is an index into g.ranks, not this rank.
+  // The receiver's t has the sender's numel and dtype.
+  void send(const Tensor& t, int peer, const Group& g);
+  void recv(Tensor& t, int peer, const Group& g);
+  // Both at once (a ring step or a pipeline exchange without ordering deadlocks).
+  void send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int recv_peer,
+                 const Group& g);
+  // t on every member = t of member `root` (an index into g.ranks).
+  void broadcast(Tensor& t, int root, const Group& g);
+  void barrier(const Group& g);
+
+ protected:
+  // The transport; called only for groups of size > 1 with checked arguments.
+  virtual void prepare_group(const Group& g) = 0;
+  virtual void do_all_reduce(Tensor& t, const Group& g, ReduceOp op) = 0;
+  virtual void do_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) = 0;
+  virtual void do_all_gather(const Tensor& in, Tensor& out, const Group& g) = 0;
+  virtual void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                              std::span<const int64_t> recv_counts, const Group& g) = 0;
+  // send_t or recv_t may be undefined (a one-sided transfer); the peer is then ignored.
+  virtual void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
+                            const Group& g) = 0;
+  virtual void do_broadcast(Tensor& t, int root, const Group& g) = 0;
+  virtual void do_barrier(const Group& g) = 0;
+
+  // "all_reduce on group dp (ranks 0,2) timed out after 300 s at world rank 2".
+  std::string timeout_message(const char* op, const Group& g) const;
+
+ private:
+  void check_tensor(const Tensor& t, const char* op, const char* what) const;
+  double timeout_s_;
+};
+
+// The Comm for tensors on `device`: MPI for the CPU, NCCL for CUDA (CUDA builds only;
+// otherwise throws megaton::Error). Under mpirun call dist::init() first.
+std::unique_ptr<Comm> make_comm(Device device);
+
+namespace detail {
+// Defined in comm_mpi.cpp and cuda/comm_nccl.cpp.
+std::unique_ptr<Comm> make_mpi_comm();
+std::unique_ptr<Comm> make_nccl_comm();
+}  // namespace detail
+
+}  // namespace megaton::dist

@@ -1,0 +1,272 @@
+// NcclComm: Comm for GPU tensors over NCCL, on megaton::cuda::stream().
+//
+// Communicators are bootstrapped through MPI (the group's first rank makes the unique
+// id, MPI_Bcast over the group's MPI communicator) and created non-blocking
+// (ncclConfig_t::blocking = 0), so this thread never sits inside NCCL: after enqueueing
+// an operation it polls ncclCommGetAsyncError and cudaStreamQuery until the operation
+// has completed, NCCL reports an error, or the deadline passes; then the communicator
+// is aborted (ncclCommAbort) and CommError names the collective, group and rank.
+// Waiting for completion after every call keeps the semantics equal to MpiComm's;
+// overlapping communication with compute will need handles instead.
+#include <nccl.h>
+
+#include <chrono>
+#include <map>
+#include <thread>
+
+#include "core/cuda/cuda_check.h"
+#include "dist/comm.h"
+#include "dist/mpi_util.h"
+
+// MEGATON_NCCL_CHECK(ncclGetUniqueId(&id)): throws InternalError naming the call, the
+// file and line, and NCCL's error string and code. ncclInProgress (a non-blocking
+// communicator still working) is not an error; callers wait for it.
+#define MEGATON_NCCL_CHECK(call)                                                       \
+  do {                                                                                 \
+    ncclResult_t megaton_nccl_rc_ = (call);                                            \
+    if (megaton_nccl_rc_ != ncclSuccess && megaton_nccl_rc_ != ncclInProgress) {       \
+      throw ::megaton::InternalError(                                                  \
+          ::fmt::format("{}:{}: {} failed: {} ({})", __FILE__, __LINE__, #call,        \
+                        ncclGetErrorString(megaton_nccl_rc_), int(megaton_nccl_rc_))); \
+    }                                                                                  \
+  } while (0)
+
+namespace megaton::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::F32:
+      return ncclFloat32;
+    case DType::BF16:
+      return ncclBfloat16;
+    case DType::F16:
+      return ncclFloat16;
+    case DType::F8E4M3:
+    case DType::F8E5M2:
+      return ncclUint8;  // moved, never reduced
+    case DType::I32:
+      return ncclInt32;
+    case DType::I64:
+      return ncclInt64;
+  }
+  MEGATON_CHECK(false, "no NCCL type for dtype {}", int(d));
+  return ncclUint8;
+}
+
+const char* byte_ptr(const Tensor& t) { return static_cast<const char*>(t.raw()); }
+
+bool overlaps(const Tensor& a, const Tensor& b) {
+  return byte_ptr(a) < byte_ptr(b) + b.nbytes() && byte_ptr(b) < byte_ptr(a) + a.nbytes();
+}
+
+class NcclComm final : public Comm {
+ public:
+  ~NcclComm() override {
+    // Best effort at exit: finalize (flushes pending work) and destroy; errors here are
+    // not worth a crash while the process ends.
+    for (auto& [ranks, entry] : comms_) {
+      if (entry.broken) continue;
+      if (ncclCommFinalize(entry.comm) == ncclInProgress) {
+        ncclResult_t state = ncclInProgress;
+        const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
+        while (state == ncclInProgress && Clock::now() < deadline)
+          ncclCommGetAsyncError(entry.comm, &state);
+      }
+      ncclCommDestroy(entry.comm);
+    }
+  }
+
+  Device device() const override { return Device::CUDA; }
+
+ protected:
+  void prepare_group(const Group& g) override { comm_of(g, "communicator setup"); }
+
+  void do_all_reduce(Tensor& t, const Group& g, ReduceOp op) override {
+    run(g, "all_reduce", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype()),
+                           op == ReduceOp::Sum ? ncclSum : ncclMax, c, s);
+    });
+  }
+
+  // NCCL works in place only when out is this rank's chunk of in (reduce-scatter) or in
+  // is this rank's chunk of out (all-gather); other overlaps are copied away first.
+  void do_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) override {
+    const bool in_place = byte_ptr(out) == byte_ptr(in) + size_t(g.rank) * out.nbytes();
+    const Tensor src = !in_place && overlaps(in, out) ? in.clone() : in;
+    run(g, "reduce_scatter", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclReduceScatter(src.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype()),
+                               ncclSum, c, s);
+    });
+  }
+
+  void do_all_gather(const Tensor& in, Tensor& out, const Group& g) override {
+    const bool in_place = byte_ptr(in) == byte_ptr(out) + size_t(g.rank) * in.nbytes();
+    const Tensor src = !in_place && overlaps(in, out) ? in.clone() : in;
+    // Bytes: every dtype moves the same way.
+    run(g, "all_gather", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllGather(src.raw(), out.raw(), in.nbytes(), ncclUint8, c, s);
+    });
+  }
+
+  void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                      std::span<const int64_t> recv_counts, const Group& g) override {
+    const size_t elem = dtype_size(in.dtype());
+    const Tensor src = overlaps(in, out) ? in.clone() : in;
+    run(g, "all_to_allv", [&](ncclComm_t c, cudaStream_t s) {
+      ncclResult_t rc = ncclGroupStart();
+      if (rc != ncclSuccess) return rc;
+      size_t send_off = 0, recv_off = 0;
+      for (int peer = 0; peer < g.size(); ++peer) {
+        const size_t send_bytes = size_t(send_counts[peer]) * elem;
+        const size_t recv_bytes = size_t(recv_counts[peer]) * elem;
+        // Zero counts are skipped on both sides: member j's send count to i is i's
+        // receive count from j, so the pairs still match.
+        if (send_bytes) rc = ncclSend(byte_ptr(src) + send_off, send_bytes, ncclUint8, peer, c, s);
+        if (rc != ncclSuccess && rc != ncclInProgress) break;
+        if (recv_bytes)
+          rc =
+              ncclRecv(static_cast<char*>(out.raw()) + recv_off, recv_bytes, ncclUint8, peer, c, s);
+        if (rc != ncclSuccess && rc != ncclInProgress) break;
+        send_off += send_bytes;
+        recv_off += recv_bytes;
+      }
+      ncclResult_t end = ncclGroupEnd();
+      return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
+    });
+  }
+
+  void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
+                    const Group& g) override {
+    const char* op = send_t && recv_t ? "send_recv" : send_t ? "send" : "recv";
+    run(g, op, [&](ncclComm_t c, cudaStream_t s) {
+      ncclResult_t rc = ncclGroupStart();
+      if (rc != ncclSuccess) return rc;
+      if (send_t) rc = ncclSend(send_t->raw(), send_t->nbytes(), ncclUint8, send_peer, c, s);
+      if (recv_t && (rc == ncclSuccess || rc == ncclInProgress))
+        rc = ncclRecv(recv_t->raw(), recv_t->nbytes(), ncclUint8, recv_peer, c, s);
+      ncclResult_t end = ncclGroupEnd();
+      return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
+    });
+  }
+
+  void do_broadcast(Tensor& t, int root, const Group& g) override {
+    run(g, "broadcast", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclBroadcast(t.raw(), t.raw(), t.nbytes(), ncclUint8, root, c, s);
+    });
+  }
+
+  void do_barrier(const Group& g) override {
+    // NCCL has no barrier: an all-reduce of one int on the stream, waited for.
+    if (!barrier_scratch_.defined())
+      barrier_scratch_ = Tensor::zeros({1}, DType::I32, Device::CUDA);
+    run(g, "barrier", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32, ncclSum, c,
+                           s);
+    });
+  }
+
+ private:
+  struct Entry {
+    ncclComm_t comm = nullptr;
+    bool broken = false;
+  };
+
+  Clock::time_point deadline_from_now() const {
+    return Clock::now() +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s()));
+  }
+
+  // Aborts the communicator and throws CommError with `message`. The abort's own result
+  // is not checked: the error being reported is the one that matters.
+  [[noreturn]] void abort_and_throw(Entry& e, const std::string& message) {
+    e.broken = true;
+    (void)ncclCommAbort(e.comm);
+    throw CommError(message);
+  }
+
+  // Waits until the communicator is no longer ncclInProgress (setup or an enqueue).
+  void wait_ready(Entry& e, const char* op, const Group& g, Clock::time_point deadline) {
+    for (;;) {
+      ncclResult_t state = ncclInProgress;
+      MEGATON_NCCL_CHECK(ncclCommGetAsyncError(e.comm, &state));
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress)
+        abort_and_throw(
+            e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                           g.ranks[g.rank], ncclGetErrorString(state), ncclGetLastError(e.comm)));
+      if (Clock::now() >= deadline) abort_and_throw(e, timeout_message(op, g));
+      std::this_thread::yield();
+    }
+  }
+
+  Entry& comm_of(const Group& g, const char* op) {
+    auto it = comms_.find(g.ranks);
+    if (it != comms_.end()) {
+      if (it->second.broken)
+        throw CommError(fmt::format(
+            "{} on group {} at world rank {}: the group's communicator is unusable after an "
+            "earlier failure",
+            op, g.describe(), g.ranks[g.rank]));
+      return it->second;
+    }
+    ncclUniqueId id;
+    if (g.rank == 0) MEGATON_NCCL_CHECK(ncclGetUniqueId(&id));
+    MEGATON_MPI_CHECK(MPI_Bcast(&id, int(sizeof(id)), MPI_BYTE, 0, mpi_groups_.get(g)));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    config.commName = g.name.c_str();
+    Entry& e = comms_[g.ranks];
+    e.broken = true;  // until set up: a failed setup leaves nothing to finalize
+    MEGATON_NCCL_CHECK(ncclCommInitRankConfig(&e.comm, g.size(), id, g.rank, &config));
+    e.broken = false;
+    wait_ready(e, "communicator setup", g, deadline_from_now());
+    return e;
+  }
+
+  // Enqueues an operation on the compute stream and waits for it to complete.
+  template <typename Enqueue>
+  void run(const Group& g, const char* op, Enqueue enqueue) {
+    Entry& e = comm_of(g, op);
+    cudaStream_t stream = ::megaton::cuda::stream();
+    const Clock::time_point deadline = deadline_from_now();
+    ncclResult_t rc = enqueue(e.comm, stream);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      abort_and_throw(
+          e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                         g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
+    wait_ready(e, op, g, deadline);  // the enqueue itself may still be in progress
+    const Clock::time_point start = Clock::now();
+    for (;;) {
+      cudaError_t q = cudaStreamQuery(stream);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) MEGATON_CUDA_CHECK(q);
+      ncclResult_t state = ncclSuccess;
+      MEGATON_NCCL_CHECK(ncclCommGetAsyncError(e.comm, &state));
+      if (state != ncclSuccess && state != ncclInProgress)
+        abort_and_throw(
+            e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                           g.ranks[g.rank], ncclGetErrorString(state), ncclGetLastError(e.comm)));
+      const Clock::time_point now = Clock::now();
+      if (now >= deadline) abort_and_throw(e, timeout_message(op, g));
+      if (now - start < std::chrono::milliseconds(1))
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  detail::MpiGroups mpi_groups_;
+  std::map<std::vector<int>, Entry> comms_;
+  Tensor barrier_scratch_;
+};
+
+}  // namespace
+
+namespace detail {
+std::unique_ptr<Comm> make_nccl_comm() { return std::make_unique<NcclComm>(); }
+}  // namespace detail
+
+}  // namespace megaton::dist

@@ -1,0 +1,199 @@
+// DistributedAdamW: data-parallel gradient reduction, grad norm, replicated or sharded
+// AdamW, and full-tensor checkpoint state.
+#include "optim/distrib_optimizer.h"
+
+#include <array>
+#include <cmath>
+
+#include "core/error.h"
+#include "dist/host_reduce.h"
+#include "model/layers.h"
+#include "ops/ops.h"
+
+namespace megaton::optim {
+
+const dist::Group& DistributedAdamW::group_of(const ParamAndGradBuffer& b) const {
+  return b.is_expert() ? grid_.edp() : grid_.dp_cp();
+}
+
+DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer>& buffers,
+                                   const dist::Grid& grid, dist::Comm& comm, AdamWConfig config,
+                                   bool distributed)
+    : buffers_(buffers), grid_(grid), comm_(comm), distributed_(distributed) {
+  std::vector<Param*> targets;
+  if (!distributed_) {
+    for (ParamAndGradBuffer& b : buffers_)
+      for (Param* p : b.params()) targets.push_back(p);
+    adam_ = std::make_unique<AdamW>(targets, config);
+    return;
+  }
+  // One AdamW param per piece of a model param inside this rank's shard of each buffer.
+  size_t count = 0;
+  for (ParamAndGradBuffer& b : buffers_) {
+    const dist::Group& g = group_of(b);
+    MEGATON_CHECK(b.num_shards() == g.size(), "buffer of {} shards for group {}", b.num_shards(),
+                  g.describe());
+    count += b.pieces(g.rank * b.shard_numel(), (g.rank + 1) * b.shard_numel()).size();
+  }
+  shard_params_.reserve(count);  // AdamW keeps pointers into it
+  for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+    ParamAndGradBuffer& b = buffers_[bi];
+    const dist::Group& g = group_of(b);
+    for (const BufferPiece& piece :
+         b.pieces(g.rank * b.shard_numel(), (g.rank + 1) * b.shard_numel())) {
+      Param* p = piece.param;
+      Param sp;
+      sp.name = fmt::format("{}[{}:{}]", p->name, piece.param_offset,
+                            piece.param_offset + piece.numel);
+      sp.no_weight_decay = p->no_weight_decay;
+      sp.is_expert = p->is_expert;
+      sp.weight = b.weights().rows(piece.buffer_offset, piece.numel);
+      sp.main_grad = b.grads().rows(piece.buffer_offset, piece.numel);
+      if (p->main_param.raw() == p->weight.raw()) {
+        sp.main_param = sp.weight;  // fp32 run: the weight is the main param
+      } else {
+        sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
+        sp.main_param.copy_from(p->main_param.view({p->main_param.numel()})
+                                    .rows(piece.param_offset, piece.numel));
+      }
+      shard_params_.push_back(std::move(sp));
+      shard_pieces_.push_back(piece);
+      shard_buffer_.push_back(bi);
+    }
+  }
+  // The full fp32 main params are not needed any more: only this rank's shard is updated.
+  for (ParamAndGradBuffer& b : buffers_)
+    for (Param* p : b.params())
+      if (p->main_param.raw() != p->weight.raw()) p->main_param = Tensor();
+  for (Param& sp : shard_params_) targets.push_back(&sp);
+  adam_ = std::make_unique<AdamW>(targets, config);
+}
+
+void DistributedAdamW::reduce_gradients() {
+  for (ParamAndGradBuffer& b : buffers_) {
+    const dist::Group& g = group_of(b);
+    if (g.size() == 1) continue;
+    const float mean = 1.0f / float(g.size());
+    if (!distributed_) {
+      comm_.all_reduce(b.grads(), g);
+      ops::scale_(b.grads(), mean);
+    } else {
+      Tensor shard = Tensor::empty({b.shard_numel()}, DType::F32, b.grads().device());
+      comm_.reduce_scatter(b.grads(), shard, g);
+      Tensor mine = b.grad_shard(g.rank);
+      mine.copy_from(shard);
+      ops::scale_(mine, mean);
+    }
+  }
+}
+
+double DistributedAdamW::grad_norm() {
+  double sum_sq = 0;
+  for (ParamAndGradBuffer& b : buffers_) {
+    const dist::Group& g = group_of(b);
+    if (distributed_) sum_sq += ops::sum_of_squares(b.grad_shard(g.rank));
+    else if (g.rank == 0) sum_sq += ops::sum_of_squares(b.grads());  // padding is zero
+  }
+  // Every rank's partial sum, added in rank order: the same fp64 result everywhere.
+  return std::sqrt(dist::sum_over(comm_, grid_.world(), {sum_sq})[0]);
+}
+
+void DistributedAdamW::step(float lr, float grad_scale) {
+  adam_->step(lr, grad_scale);
+  if (!distributed_) return;
+  for (ParamAndGradBuffer& b : buffers_) {
+    const dist::Group& g = group_of(b);
+    if (g.size() == 1) continue;
+    Tensor mine = b.weight_shard(g.rank).clone();
+    comm_.all_gather(mine, b.weights(), g);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
+  std::vector<std::pair<std::string, Tensor>> model_out, optim_out;
+  auto state = adam_->state_tensors();  // exp_avg, exp_avg_sq of each AdamW param in order
+  if (!distributed_) {
+    for (ParamAndGradBuffer& b : buffers_)
+      for (Param* p : b.params()) {
+        const Tensor& main = p->main_param.defined() ? p->main_param : p->weight;
+        model_out.emplace_back("model." + p->name, main);
+      }
+    for (auto& [name, t] : state) optim_out.emplace_back("optimizer." + name, *t);
+  } else {
+    // Each buffer's full main params and moments: every rank writes its pieces into
+    // zeroed buffers and a sum over the group assembles them (x + 0 = x exactly).
+    for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+      ParamAndGradBuffer& b = buffers_[bi];
+      const dist::Group& g = group_of(b);
+      std::array<Tensor, 3> full;  // main, exp_avg, exp_avg_sq
+      for (Tensor& t : full) t = Tensor::zeros({b.numel()}, DType::F32, b.grads().device());
+      for (size_t i = 0; i < shard_params_.size(); ++i) {
+        if (shard_buffer_[i] != bi) continue;
+        const BufferPiece& piece = shard_pieces_[i];
+        full[0].rows(piece.buffer_offset, piece.numel).copy_from(shard_params_[i].main_param);
+        full[1].rows(piece.buffer_offset, piece.numel).copy_from(*state[2 * i].second);
+        full[2].rows(piece.buffer_offset, piece.numel).copy_from(*state[2 * i + 1].second);
+      }
+      for (Tensor& t : full) comm_.all_reduce(t, g);
+      for (size_t k = 0; k < b.params().size(); ++k) {
+        const Param* p = b.params()[k];
+        auto slice = [&](const Tensor& t) {
+          return t.rows(b.offset(k), p->weight.numel()).view(p->weight.shape());
+        };
+        model_out.emplace_back("model." + p->name, slice(full[0]));
+        optim_out.emplace_back("optimizer." + p->name + ".exp_avg", slice(full[1]));
+        optim_out.emplace_back("optimizer." + p->name + ".exp_avg_sq", slice(full[2]));
+      }
+    }
+  }
+  for (auto& entry : optim_out) model_out.push_back(std::move(entry));
+  return model_out;
+}
+
+void DistributedAdamW::load_full_state(
+    const std::function<const Tensor*(const std::string&)>& find, const std::string& source,
+    bool optimizer_state) {
+  auto get = [&](const std::string& name, const Shape& shape) -> const Tensor& {
+    const Tensor* t = find(name);
+    if (!t) fail("checkpoint '{}' has no tensor '{}'", source, name);
+    if (t->shape() != shape || t->dtype() != DType::F32)
+      fail("checkpoint '{}': tensor '{}' is {} {}, the model expects F32 {}", source, name,
+           dtype_name(t->dtype()), shape_str(t->shape()), shape_str(shape));
+    return *t;
+  };
+  // Weights (every rank holds all of them) and, replicated, the main params.
+  for (ParamAndGradBuffer& b : buffers_)
+    for (Param* p : b.params()) {
+      const Tensor& full = get("model." + p->name, p->weight.shape());
+      if (p->main_param.defined()) {
+        p->main_param.copy_from(full);
+        refresh_compute_weight(*p);
+      } else {
+        Tensor on_device = full.to(p->weight.device());
+        ops::cast(on_device, p->weight);
+      }
+    }
+  auto state = adam_->state_tensors();
+  if (!distributed_) {
+    if (optimizer_state)
+      for (auto& [name, t] : state) t->copy_from(get("optimizer." + name, t->shape()));
+    return;
+  }
+  for (size_t i = 0; i < shard_params_.size(); ++i) {
+    const BufferPiece& piece = shard_pieces_[i];
+    const Param* p = piece.param;
+    auto slice = [&](const Tensor& full) {
+      return full.view({full.numel()}).rows(piece.param_offset, piece.numel);
+    };
+    Param& sp = shard_params_[i];
+    if (sp.main_param.raw() != sp.weight.raw())
+      sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
+    if (optimizer_state) {
+      state[2 * i].second->copy_from(slice(get("optimizer." + p->name + ".exp_avg", p->weight.shape())));
+      state[2 * i + 1].second->copy_from(
+          slice(get("optimizer." + p->name + ".exp_avg_sq", p->weight.shape())));
+    }
+  }
+}
+
+}  // namespace megaton::optim

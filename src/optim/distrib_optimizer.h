@@ -1,0 +1,71 @@
+// DistributedAdamW: AdamW across data-parallel ranks. Gradient reduction over the
+// data-parallel groups, the global grad norm counted once per distinct element, and
+// either a replicated update or Megatron's distributed optimizer (main params and Adam
+// state sharded over the data-parallel ranks, updated weights all-gathered).
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dist/comm.h"
+#include "dist/grid.h"
+#include "model/param_buffer.h"
+#include "optim/adamw.h"
+
+namespace megaton::optim {
+
+class DistributedAdamW {
+ public:
+  // buffers: the model's ParamAndGradBuffers (dense, then expert), whose shard counts must
+  // be the data-parallel sizes when `distributed` (--use-distributed-optimizer), else 1.
+  // Dense buffers reduce over the grid's dp_cp group, expert buffers over edp. With
+  // `distributed`, the fp32 main params outside this rank's shard are released
+  // (Param::main_param becomes undefined in bf16 runs; fp32 runs keep the weight itself).
+  DistributedAdamW(std::vector<ParamAndGradBuffer>& buffers, const dist::Grid& grid,
+                   dist::Comm& comm, AdamWConfig config, bool distributed);
+
+  // After the last micro-batch's backward: every main_grad (or, distributed, this
+  // rank's shard of each buffer) becomes the mean over its data-parallel group.
+  void reduce_gradients();
+
+  // L2 norm of the reduced gradients over the whole model, each distinct element counted
+  // once: a replicated gradient only on data-parallel rank 0 of its group (replicated
+  // update), a shard on its owner (distributed). Sums over the world. NaN/inf when any
+  // element is.
+  double grad_norm();
+
+  // AdamW with learning rate lr, gradients times grad_scale (clipping), then (distributed)
+  // every rank's updated weights all-gathered into the buffers.
+  void step(float lr, float grad_scale);
+
+  int64_t step_count() const { return adam_->step_count(); }
+  void set_step_count(int64_t count) { adam_->set_step_count(count); }
+
+  // Full fp32 tensors for a checkpoint, identical on every rank of a data-parallel group:
+  // "model.<name>" (main params) then "optimizer.<name>.exp_avg" / ".exp_avg_sq", in
+  // parameter order. Collective over the data-parallel groups.
+  std::vector<std::pair<std::string, Tensor>> full_state();
+  // Loads full tensors (from a checkpoint; names as in full_state) into this rank's main
+  // params, weights and Adam state. `optimizer_state`: also the Adam moments. Throws
+  // megaton::Error naming `source` and the tensor when one is missing or misshapen.
+  void load_full_state(const std::function<const Tensor*(const std::string&)>& find,
+                       const std::string& source, bool optimizer_state);
+
+ private:
+  const dist::Group& group_of(const ParamAndGradBuffer& b) const;
+
+  std::vector<ParamAndGradBuffer>& buffers_;
+  const dist::Grid& grid_;
+  dist::Comm& comm_;
+  bool distributed_;
+  // The params AdamW updates: the model's own (replicated), or one per piece of a param
+  // inside this rank's shards (distributed), with views into the buffers.
+  std::vector<Param> shard_params_;
+  std::vector<BufferPiece> shard_pieces_;  // distributed: the piece of each shard param
+  std::vector<size_t> shard_buffer_;       // distributed: its buffer index
+  std::unique_ptr<AdamW> adam_;
+};
+
+}  // namespace megaton::optim

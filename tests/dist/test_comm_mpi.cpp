@@ -1,0 +1,341 @@
+// MpiComm on 4 CPU ranks (`mpirun -np 4`): every collective against values each rank
+// computes locally from every member's seeded inputs, on several groups of a tp 2 grid,
+// and the timeout path (a rank that skips a collective gets a message naming the group,
+// the collective and the rank).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+
+#include "common/testing.h"
+#include "dist/comm.h"
+#include "dist/runtime.h"
+
+namespace megaton::dist {
+namespace {
+
+using ::megaton::testing::allclose;
+using ::megaton::testing::randn;
+
+// The grid of these tests: tp 2 (groups {0,1} {2,3}), dp 2 ({0,2} {1,3}), and an expert
+// grid of ep 4 (the world) with etp 1 (groups of one rank).
+Grid test_grid() {
+  ParallelSizes s;
+  if (world_size() == 4) {  // otherwise every test skips
+    s.tp = 2;
+    s.ep = 4;
+    s.etp = 1;
+  }
+  return Grid(s, world_size(), world_rank());
+}
+
+// Every rank's input for a test: seeded by (test seed, salt, world rank), so each rank
+// can compute what any other rank holds.
+Tensor input(int rank, int64_t n, int salt) {
+  return randn({n}, ::megaton::testing::test_seed() + 1000 * salt + rank);
+}
+
+class CommTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (world_size() != 4) GTEST_SKIP() << "needs 4 ranks: mpirun -np 4 test_comm_mpi";
+  }
+  // One Comm for all tests, its communicators created up front.
+  static Comm& comm() {
+    static std::unique_ptr<Comm> c = [] {
+      auto made = make_comm(Device::CPU);
+      made->prepare(test_grid());
+      return made;
+    }();
+    return *c;
+  }
+  const Grid grid = test_grid();
+  const int me = world_rank();
+};
+
+// Sum (or max) over the group's members of input(member, n, salt), in fp64.
+Tensor reduce_reference(const Group& g, int64_t n, int salt, bool max = false) {
+  Tensor out = Tensor::empty({n});
+  for (int64_t i = 0; i < n; ++i) {
+    double acc = max ? -1e300 : 0;
+    for (int r : g.ranks) {
+      double v = input(r, n, salt).f32()[i];
+      acc = max ? std::max(acc, v) : acc + v;
+    }
+    out.f32()[i] = float(acc);
+  }
+  return out;
+}
+
+TEST_F(CommTest, AllReduceSumAndMaxFp32) {
+  int salt = 1;
+  for (const Group* g : {&grid.world(), &grid.tp(), &grid.dp(), &grid.ep()}) {
+    SCOPED_TRACE(g->describe());
+    Tensor t = input(me, 37, salt);
+    comm().all_reduce(t, *g);
+    EXPECT_TRUE(allclose(t, reduce_reference(*g, 37, salt), 1e-6, 5e-6));
+    Tensor m = input(me, 37, salt + 1);
+    comm().all_reduce(m, *g, ReduceOp::Max);
+    EXPECT_TRUE(allclose(m, reduce_reference(*g, 37, salt + 1, true), 0, 0));
+    salt += 2;
+  }
+}
+
+TEST_F(CommTest, AllReduceIntegers) {
+  for (const Group* g : {&grid.world(), &grid.tp()}) {
+    SCOPED_TRACE(g->describe());
+    // Element i of rank r: (r + 1) * (i + 3) - 7 r.
+    auto value = [](int r, int i) { return int64_t(r + 1) * (i + 3) - 7 * r; };
+    Tensor a = Tensor::empty({5}, DType::I32), b = Tensor::empty({5}, DType::I64);
+    for (int i = 0; i < 5; ++i) a.i32()[i] = int32_t(value(me, i)), b.i64()[i] = value(me, i) << 33;
+    comm().all_reduce(a, *g);
+    comm().all_reduce(b, *g, ReduceOp::Max);
+    for (int i = 0; i < 5; ++i) {
+      int64_t sum = 0, max = INT64_MIN;
+      for (int r : g->ranks) sum += value(r, i), max = std::max(max, value(r, i) << 33);
+      EXPECT_EQ(a.i32()[i], sum) << "element " << i;
+      EXPECT_EQ(b.i64()[i], max) << "element " << i;
+    }
+  }
+}
+
+TEST_F(CommTest, AllReduceBf16SumsInFp32) {
+  for (const Group* g : {&grid.world(), &grid.dp()}) {
+    SCOPED_TRACE(g->describe());
+    Tensor t = input(me, 64, 20).to(DType::BF16);
+    comm().all_reduce(t, *g);
+    // The documented result: the fp32 sum of the bf16 inputs, rounded to bf16 once.
+    Tensor sum = Tensor::zeros({64});
+    for (int r : g->ranks) {
+      Tensor x = input(r, 64, 20).to(DType::BF16).to(DType::F32);
+      for (int i = 0; i < 64; ++i) sum.f32()[i] += x.f32()[i];
+    }
+    EXPECT_EQ(t.dtype(), DType::BF16);
+    EXPECT_TRUE(allclose(t, sum.to(DType::BF16), 1e-5, 1e-2));
+  }
+}
+
+TEST_F(CommTest, ReduceScatter) {
+  for (const Group* g : {&grid.world(), &grid.tp()}) {
+    SCOPED_TRACE(g->describe());
+    const int64_t n = 11;
+    const Tensor full = reduce_reference(*g, n * g->size(), 30);
+    const Tensor mine = full.rows(n * g->rank, n);
+    Tensor out = Tensor::empty({n});
+    ::megaton::testing::poison(out);
+    comm().reduce_scatter(input(me, n * g->size(), 30), out, *g);
+    EXPECT_TRUE(allclose(out, mine, 1e-6, 5e-6));
+
+    Tensor out16 = Tensor::empty({n}, DType::BF16);
+    comm().reduce_scatter(input(me, n * g->size(), 30).to(DType::BF16), out16, *g);
+    Tensor sum = Tensor::zeros({n});
+    for (int r : g->ranks) {
+      Tensor x = input(r, n * g->size(), 30).to(DType::BF16).to(DType::F32);
+      for (int64_t i = 0; i < n; ++i) sum.f32()[i] += x.f32()[n * g->rank + i];
+    }
+    EXPECT_TRUE(allclose(out16, sum.to(DType::BF16), 1e-5, 1e-2));
+  }
+}
+
+TEST_F(CommTest, AllGather) {
+  for (const Group* g : {&grid.world(), &grid.dp()}) {
+    SCOPED_TRACE(g->describe());
+    const int64_t n = 9;
+    Tensor out = Tensor::empty({g->size() * n});
+    ::megaton::testing::poison(out);
+    comm().all_gather(input(me, n, 40), out, *g);
+    for (int i = 0; i < g->size(); ++i)
+      EXPECT_TRUE(allclose(out.rows(i * n, n), input(g->ranks[i], n, 40), 0, 0)) << "chunk " << i;
+
+    // In place: this rank's input is its own chunk of the output.
+    Tensor gathered = Tensor::zeros({g->size() * n}, DType::I64);
+    Tensor shard = gathered.rows(g->rank * n, n);
+    for (int64_t k = 0; k < n; ++k) shard.i64()[k] = int64_t(me) * 1000 + k;
+    comm().all_gather(shard, gathered, *g);
+    for (int i = 0; i < g->size(); ++i)
+      for (int64_t k = 0; k < n; ++k)
+        EXPECT_EQ(gathered.i64()[i * n + k], int64_t(g->ranks[i]) * 1000 + k);
+  }
+}
+
+TEST_F(CommTest, AllToAllvUnevenWithZeroCounts) {
+  for (const Group* g : {&grid.world(), &grid.tp()}) {
+    SCOPED_TRACE(g->describe());
+    const int size = g->size();
+    // Member i sends (i + 2 j + 1) % 3 elements to member j: 0, 1 or 2, so some pairs
+    // exchange nothing. Element k from world rank s to world rank d holds s*1000+d*10+k.
+    auto count = [](int from, int to) { return int64_t((from + 2 * to + 1) % 3); };
+    std::vector<int64_t> send(size), recv(size);
+    int64_t total_send = 0, total_recv = 0, zeros = 0;
+    for (int j = 0; j < size; ++j) {
+      send[j] = count(g->rank, j);
+      recv[j] = count(j, g->rank);
+      total_send += send[j];
+      total_recv += recv[j];
+      for (int i = 0; i < size; ++i) zeros += count(i, j) == 0;
+    }
+    EXPECT_GT(zeros, 0);  // the group has pairs that exchange nothing
+    Tensor in = Tensor::empty({total_send}, DType::I32);
+    Tensor out = Tensor::empty({total_recv}, DType::I32);
+    out.fill(-1);
+    for (int j = 0, at = 0; j < size; ++j)
+      for (int64_t k = 0; k < send[j]; ++k) in.i32()[at++] = me * 1000 + g->ranks[j] * 10 + int(k);
+    comm().all_to_allv(in, send, out, recv, *g);
+    for (int j = 0, at = 0; j < size; ++j)
+      for (int64_t k = 0; k < recv[j]; ++k, ++at)
+        EXPECT_EQ(out.i32()[at], g->ranks[j] * 1000 + me * 10 + int(k))
+            << "from member " << j << " element " << k;
+
+    // Equal chunks, fp32.
+    const int64_t n = 5;
+    Tensor a = input(me, size * n, 50), b = Tensor::empty({size * n});
+    comm().all_to_all(a, b, *g);
+    for (int j = 0; j < size; ++j)
+      EXPECT_TRUE(
+          allclose(b.rows(j * n, n), input(g->ranks[j], size * n, 50).rows(g->rank * n, n), 0, 0));
+  }
+}
+
+TEST_F(CommTest, SendRecvRing) {
+  const Group& w = grid.world();
+  const int next = (w.rank + 1) % w.size(), prev = (w.rank + w.size() - 1) % w.size();
+  // Large enough that MPI cannot buffer it (rendezvous): the order below matters.
+  const int64_t n = 1 << 17;
+  Tensor got = Tensor::empty({n});
+  if (w.rank % 2 == 0) {
+    comm().send(input(me, n, 60), next, w);
+    comm().recv(got, prev, w);
+  } else {
+    comm().recv(got, prev, w);
+    comm().send(input(me, n, 60), next, w);
+  }
+  EXPECT_TRUE(allclose(got, input(w.ranks[prev], n, 60), 0, 0));
+
+  // Everyone at once, the other way round.
+  Tensor back = Tensor::empty({n}, DType::BF16);
+  comm().send_recv(input(me, n, 61).to(DType::BF16), prev, back, next, w);
+  EXPECT_TRUE(allclose(back, input(w.ranks[next], n, 61).to(DType::BF16), 0, 0));
+}
+
+TEST_F(CommTest, Broadcast) {
+  Tensor t = input(me, 33, 70);
+  comm().broadcast(t, 1, grid.world());
+  EXPECT_TRUE(allclose(t, input(1, 33, 70), 0, 0));
+  const Group& dp = grid.dp();
+  Tensor b = input(me, 17, 71).to(DType::BF16);
+  comm().broadcast(b, 1, dp);
+  EXPECT_TRUE(allclose(b, input(dp.ranks[1], 17, 71).to(DType::BF16), 0, 0));
+  for (const Group& g : grid.groups()) comm().barrier(g);
+}
+
+TEST_F(CommTest, GroupsOfOneCopyWithoutTransport) {
+  const Group& etp = grid.etp();
+  ASSERT_EQ(etp.size(), 1);
+  Tensor t = input(me, 8, 80);
+  comm().all_reduce(t, etp);
+  EXPECT_TRUE(allclose(t, input(me, 8, 80), 0, 0));
+  Tensor out = Tensor::empty({8});
+  comm().all_gather(t, out, etp);
+  EXPECT_TRUE(allclose(out, t, 0, 0));
+  comm().reduce_scatter(t, out, etp);
+  EXPECT_TRUE(allclose(out, t, 0, 0));
+  const int64_t count[] = {8};
+  comm().all_to_allv(t, count, out, count, etp);
+  EXPECT_TRUE(allclose(out, t, 0, 0));
+  comm().send_recv(t, 0, out, 0, etp);
+  EXPECT_TRUE(allclose(out, t, 0, 0));
+  comm().broadcast(t, 0, etp);
+  comm().barrier(etp);
+}
+
+TEST_F(CommTest, ArgumentMistakesThrowBeforeSending) {
+  Tensor t = Tensor::zeros({6});
+  Tensor wrong = Tensor::zeros({5});
+  EXPECT_THROW(comm().reduce_scatter(t, wrong, grid.tp()), InternalError);
+  EXPECT_THROW(comm().all_gather(t, wrong, grid.tp()), InternalError);
+  const int64_t counts[] = {3, 3};
+  EXPECT_THROW(comm().all_to_allv(t, counts, wrong, counts, grid.tp()), InternalError);
+  EXPECT_THROW(comm().broadcast(t, 2, grid.tp()), InternalError);
+  EXPECT_THROW(comm().send(t, grid.tp().rank, grid.tp()), InternalError);
+  Tensor f16 = Tensor::zeros({6}, DType::F16);
+  EXPECT_THROW(comm().all_reduce(f16, grid.tp()), InternalError);
+  Tensor b16 = Tensor::zeros({6}, DType::BF16);
+  EXPECT_THROW(comm().all_reduce(b16, grid.tp(), ReduceOp::Max), InternalError);
+  Group stranger{"other", {me == 0 ? 1 : 0}, -1};
+  EXPECT_THROW(comm().barrier(stranger), InternalError);
+}
+
+// Rank 1 skips an all_reduce on the tp group {0, 1}; rank 0 must get the named error
+// after the 2 s deadline. Then rank 1 joins the abandoned collective late, so that it
+// completes and every rank leaves MPI cleanly.
+TEST_F(CommTest, TimeoutNamesGroupCollectiveAndRank) {
+  const char* previous = std::getenv("MEGATON_COMM_TIMEOUT_S");
+  const std::string saved = previous ? previous : "";
+  setenv("MEGATON_COMM_TIMEOUT_S", "2", 1);
+  std::unique_ptr<Comm> hurried = make_comm(Device::CPU);
+  if (previous)
+    setenv("MEGATON_COMM_TIMEOUT_S", saved.c_str(), 1);
+  else
+    unsetenv("MEGATON_COMM_TIMEOUT_S");
+  EXPECT_EQ(hurried->timeout_s(), 2.0);
+  // Its communicators exist before anyone skips anything (creation has no deadline).
+  hurried->prepare(grid);
+
+  Tensor x = input(me, 4, 90);
+  Tensor token = Tensor::zeros({1}, DType::I32);
+  if (me == 0) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      hurried->all_reduce(x, grid.tp());
+      ADD_FAILURE() << "all_reduce finished although rank 1 never called it";
+    } catch (const CommError& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "all_reduce on group tp (ranks 0,1) timed out after 2 s at world rank 0");
+    }
+    EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.9);
+    // The group's communicator is not used again after a timeout.
+    EXPECT_THROW(hurried->barrier(grid.tp()), CommError);
+    comm().send(token, 1, grid.world());  // tell rank 1 the deadline has passed
+  } else if (me == 1) {
+    comm().recv(token, 0, grid.world());
+    hurried->all_reduce(x, grid.tp());  // completes rank 0's abandoned all_reduce
+    EXPECT_TRUE(allclose(x, reduce_reference(grid.tp(), 4, 90), 1e-6, 5e-6));
+  }
+  comm().barrier(grid.world());
+}
+
+// Non-zero ranks print only their failures, tagged with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed())
+      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name(), r.line_number(),
+                   r.message());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace megaton::dist
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  // A rank left waiting by a failed assertion elsewhere gives up after 60 s, not 300.
+  setenv("MEGATON_COMM_TIMEOUT_S", "60", 0);
+  megaton::dist::init(&argc, &argv);
+  const int rank = megaton::dist::world_rank();
+  if (rank == 0)
+    std::printf("inputs seeded with %llu (MEGATON_TEST_SEED)\n",
+                static_cast<unsigned long long>(megaton::testing::test_seed()));
+  if (rank != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new megaton::dist::RankFailurePrinter(rank));
+  }
+  const int status = RUN_ALL_TESTS();
+  megaton::dist::finalize();
+  return status;
+}

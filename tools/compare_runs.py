@@ -1,0 +1,93 @@
+"""Compares two training runs of the same config under different parallel layouts.
+
+Usage: python3 tools/compare_runs.py REF_DIR RUN_DIR [--rtol 1e-5]
+Each DIR holds `metrics.jsonl` (written by `megaton train --log-metrics-file`) and a
+checkpoint directory `save/` (`--save`). Checks, for every iteration, that the lm loss and
+the grad norm agree to a relative difference <= rtol, and that every parameter of the
+last checkpoint ("model.*" tensors, fp32) agrees as a whole tensor: ||a - b|| / ||b|| <=
+rtol. Prints the worst differences; exits 1 when a check fails, 2 on unreadable input.
+Pure Python (no numpy): the CI machine runs it.
+"""
+import argparse, array, json, math, os, struct, sys
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__" or not name.startswith("model."):
+            continue
+        if entry["dtype"] != "F32":
+            sys.exit(f"compare_runs: {path}: {name} is {entry['dtype']}, expected F32")
+        begin, end = entry["data_offsets"]
+        values = array.array("f")
+        values.frombytes(data[begin:end])
+        out[name] = values
+    return out
+
+
+def last_checkpoint(save_dir):
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
+        it = int(f.read().strip())
+    return os.path.join(save_dir, f"iter_{it:07d}", "model_optim_rng.safetensors")
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("ref")
+    p.add_argument("run")
+    p.add_argument("--rtol", type=float, default=1e-5)
+    a = p.parse_args()
+    try:
+        ref_m = read_metrics(os.path.join(a.ref, "metrics.jsonl"))
+        run_m = read_metrics(os.path.join(a.run, "metrics.jsonl"))
+        ref_w = read_safetensors(last_checkpoint(os.path.join(a.ref, "save")))
+        run_w = read_safetensors(last_checkpoint(os.path.join(a.run, "save")))
+    except (OSError, ValueError) as e:
+        print(f"compare_runs: {e}")
+        sys.exit(2)
+    failures = []
+    if len(ref_m) != len(run_m) or not ref_m:
+        failures.append(f"{len(run_m)} iterations logged, reference {len(ref_m)}")
+    worst = {"lm loss": 0.0, "grad norm": 0.0, "params": 0.0}
+    for r, m in zip(ref_m, run_m):
+        for key, name in (("lm_loss", "lm loss"), ("grad_norm", "grad norm")):
+            d = rel(m[key], r[key])
+            worst[name] = max(worst[name], d)
+            if not d <= a.rtol:
+                failures.append(f"iteration {r['iteration']}: {name} {m[key]!r} vs {r[key]!r} "
+                                f"(relative {d:.2e})")
+    if set(ref_w) != set(run_w):
+        failures.append(f"parameter names differ: only in reference {sorted(set(ref_w) - set(run_w))[:3]}, "
+                        f"only in run {sorted(set(run_w) - set(ref_w))[:3]}")
+    for name in sorted(set(ref_w) & set(run_w)):
+        x, y = run_w[name], ref_w[name]
+        if len(x) != len(y):
+            failures.append(f"{name}: {len(x)} elements vs {len(y)}")
+            continue
+        diff = math.sqrt(sum((u - v) ** 2 for u, v in zip(x, y)))
+        norm = math.sqrt(sum(v * v for v in y))
+        d = diff / max(norm, 1e-30)
+        worst["params"] = max(worst["params"], d)
+        if not d <= a.rtol:
+            failures.append(f"{name}: relative difference {d:.2e}")
+    print("worst relative differences: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
+    for f in failures[:20]:
+        print("FAILED: " + f)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
