@@ -113,12 +113,20 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   std::vector<std::pair<std::string, Tensor>> model_out, optim_out;
   auto state = adam_->state_tensors();  // exp_avg, exp_avg_sq of each AdamW param in order
   if (!distributed_) {
-    for (ParamAndGradBuffer& b : buffers_)
+    size_t index = 0;  // AdamW param index: the buffers' params in order
+    for (ParamAndGradBuffer& b : buffers_) {
+      const bool writer = group_of(b).rank == 0;
       for (Param* p : b.params()) {
-        const Tensor& main = p->main_param.defined() ? p->main_param : p->weight;
-        model_out.emplace_back("model." + p->name, main);
+        if (writer) {
+          const Tensor& main = p->main_param.defined() ? p->main_param : p->weight;
+          model_out.emplace_back("model." + p->name, main);
+          optim_out.emplace_back("optimizer." + state[2 * index].first, *state[2 * index].second);
+          optim_out.emplace_back("optimizer." + state[2 * index + 1].first,
+                                 *state[2 * index + 1].second);
+        }
+        ++index;
       }
-    for (auto& [name, t] : state) optim_out.emplace_back("optimizer." + name, *t);
+    }
   } else {
     // Each buffer's full main params and moments: every rank writes its pieces into
     // zeroed buffers and a sum over the group assembles them (x + 0 = x exactly).
@@ -135,6 +143,7 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
         full[2].rows(piece.buffer_offset, piece.numel).copy_from(*state[2 * i + 1].second);
       }
       for (Tensor& t : full) comm_.all_reduce(t, g);
+      if (g.rank != 0) continue;
       for (size_t k = 0; k < b.params().size(); ++k) {
         const Param* p = b.params()[k];
         auto slice = [&](const Tensor& t) {

@@ -43,9 +43,10 @@ class DistributedAdamW {
   int64_t step_count() const { return adam_->step_count(); }
   void set_step_count(int64_t count) { adam_->set_step_count(count); }
 
-  // Full fp32 tensors for a checkpoint, identical on every rank of a data-parallel group:
-  // "model.<name>" (main params) then "optimizer.<name>.exp_avg" / ".exp_avg_sq", in
-  // parameter order. Collective over the data-parallel groups.
+  // Full fp32 tensors (not sharded over data-parallel ranks) for a checkpoint:
+  // "model.<name>" (main params) then "optimizer.<name>.exp_avg" / ".exp_avg_sq", of the
+  // params this rank writes: those of buffers where it is rank 0 of the data-parallel
+  // group (the others return none for them). Collective over the data-parallel groups.
   std::vector<std::pair<std::string, Tensor>> full_state();
   // Loads full tensors (from a checkpoint; names as in full_state) into this rank's main
   // params, weights and Adam state. `optimizer_state`: also the Adam moments. Throws

@@ -13,6 +13,7 @@
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/allocator.h"
 #endif
+#include "dist/gather.h"
 #include "dist/host_reduce.h"
 #include "dist/runtime.h"
 #include "ops/ops.h"
@@ -311,9 +312,10 @@ TrainResult Trainer::train() {
 }
 
 void Trainer::save(int64_t iteration) {
-  // Full tensors whatever the layout (collective: every rank takes part), written by
-  // world rank 0, so a checkpoint loads under any other layout.
-  std::vector<std::pair<std::string, Tensor>> state = optimizer_->full_state();
+  // Full tensors whatever the layout, gathered and written by world rank 0, so a
+  // checkpoint loads under any other layout. Collective: every rank takes part.
+  std::vector<std::pair<std::string, Tensor>> state =
+      dist::gather_named_tensors(*comm_, grid_->world(), optimizer_->full_state());
   if (!is_logging_rank()) return;
   std::vector<std::pair<std::string, Tensor>> tensors;
   nlohmann::json shapes = nlohmann::json::object();
