@@ -12,7 +12,7 @@ static bool uses_rope(const GPTConfig& cfg) {
 }
 
 SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer,
-                             uint64_t seed)
+                             uint64_t seed, const ModelParallel& mp)
     : linear_qkv(prefix + ".linear_qkv", cfg.hidden_size,
                  cfg.query_projection_size() + 2 * cfg.kv_projection_size(),
                  !cfg.disable_bias_linear, cfg.init_method_std, seed, Placement::of(cfg)),
@@ -21,6 +21,7 @@ SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, in
                   cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers)), seed,
                   Placement::of(cfg)),
       cfg_(cfg),
+      mp_(mp),
       layer_(layer) {}
 
 Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,

@@ -1,6 +1,7 @@
 // SelfAttention: Megatron's fused QKV projection, RoPE, causal GQA attention, output proj.
 #pragma once
 #include "model/layers.h"
+#include "model/parallel.h"
 
 namespace megaton {
 
@@ -10,7 +11,8 @@ namespace megaton {
 // h belongs to group h / (np / ng).
 class SelfAttention {
  public:
-  SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed);
+  SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed,
+                const ModelParallel& mp = {});
   // x [B*S, H] -> [B*S, H].
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   Tensor backward(const Tensor& dy);
@@ -20,6 +22,7 @@ class SelfAttention {
 
  private:
   const GPTConfig& cfg_;
+  ModelParallel mp_;
   int64_t layer_;
   float dropout_p_ = 0;
   uint64_t seed_ = 0, stream_ = 0;

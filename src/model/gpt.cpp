@@ -7,18 +7,20 @@
 
 namespace megaton {
 
-TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed)
+TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed,
+                                   const ModelParallel& mp)
     : input_layernorm("decoder.layers." + std::to_string(layer) + ".input_layernorm",
                       cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg)),
       self_attention("decoder.layers." + std::to_string(layer) + ".self_attention", cfg, layer,
-                     seed),
+                     seed, mp),
       pre_mlp_layernorm("decoder.layers." + std::to_string(layer) + ".pre_mlp_layernorm",
                         cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg)),
       cfg_(cfg),
+      mp_(mp),
       layer_(layer) {
   std::string prefix = "decoder.layers." + std::to_string(layer) + ".mlp";
   if (cfg.is_moe_layer(layer)) {
-    moe = std::make_unique<MoELayer>(prefix, cfg, seed);
+    moe = std::make_unique<MoELayer>(prefix, cfg, seed, mp);
   } else {
     float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
     mlp = std::make_unique<MLP>(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu,
@@ -72,9 +74,10 @@ void TransformerLayer::collect_params(std::vector<Param*>& out) {
   else mlp->collect_params(out);
 }
 
-GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, int64_t dense_shards,
-                   int64_t expert_shards)
+GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
+                   int64_t dense_shards, int64_t expert_shards)
     : cfg_(cfg),
+      mp_(mp),
       word_embeddings(make_param("embedding.word_embeddings.weight",
                                  {cfg.padded_vocab_size, cfg.hidden_size}, cfg.init_method_std,
                                  seed, Placement::of(cfg))),
@@ -90,7 +93,7 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, int64_t dense_shards,
     params_.push_back(&position_embeddings);
   }
   for (int64_t i = 0; i < cfg.num_layers; ++i) {
-    layers_.push_back(std::make_unique<TransformerLayer>(cfg_, i, seed));
+    layers_.push_back(std::make_unique<TransformerLayer>(cfg_, i, seed, mp_));
     layers_.back()->collect_params(params_);
   }
   final_layernorm.collect_params(params_);

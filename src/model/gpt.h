@@ -14,7 +14,7 @@ namespace megaton {
 //   y = h + dropout(mlp_or_moe(pre_mlp_layernorm(h)))
 class TransformerLayer {
  public:
-  TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed);
+  TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed, const ModelParallel& mp = {});
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
@@ -31,6 +31,7 @@ class TransformerLayer {
   Tensor dropout_grad(const Tensor& dy, int site) const;
 
   const GPTConfig& cfg_;
+  ModelParallel mp_;
   int64_t layer_;
   float dropout_p_ = 0;
   uint64_t seed_ = 0;
@@ -52,8 +53,10 @@ class GPTModel {
   // dense_shards / expert_shards: the shard count of the dense and expert
   // ParamAndGradBuffers (the data-parallel and expert-data-parallel sizes under the
   // distributed optimizer, else 1).
-  GPTModel(const GPTConfig& cfg, uint64_t seed, int64_t dense_shards = 1,
-           int64_t expert_shards = 1);
+  // mp: the parallel layout (default: one rank).
+  GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp = {},
+           int64_t dense_shards = 1, int64_t expert_shards = 1);
+  const ModelParallel& model_parallel() const { return mp_; }
 
   // tokens, labels [B, S] int32 -> per-token losses. Saves activations for backward.
   MicroBatchLoss forward(const Tensor& tokens, const Tensor& labels, const ForwardContext& ctx);
@@ -81,6 +84,7 @@ class GPTModel {
   Tensor forward_hidden(const Tensor& tokens, const ForwardContext& ctx);
 
   GPTConfig cfg_;
+  ModelParallel mp_;
   Param word_embeddings;
   Param position_embeddings;  // learned_absolute only
   std::vector<std::unique_ptr<TransformerLayer>> layers_;

@@ -19,6 +19,7 @@ static Param place(const std::string& name, Tensor host_fp32, bool no_weight_dec
   Param p;
   p.name = name;
   p.no_weight_decay = no_weight_decay;
+  p.full_shape = host_fp32.shape();
   p.main_param = host_fp32.to(where.device);
   if (where.dtype == DType::F32) {
     p.weight = p.main_param;

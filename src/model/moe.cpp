@@ -7,10 +7,12 @@
 
 namespace megaton {
 
-MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t seed)
+MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t seed,
+                   const ModelParallel& mp)
     : router_weight(make_param(prefix + ".router.weight", {cfg.num_experts, cfg.hidden_size},
                                cfg.init_method_std, seed, Placement::of(cfg))),
-      cfg_(cfg) {
+      cfg_(cfg),
+      mp_(mp) {
   Placement where = Placement::of(cfg);
   float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
   int64_t h = cfg.hidden_size, f = cfg.moe_ffn_hidden_size, f1 = cfg.swiglu ? 2 * f : f;

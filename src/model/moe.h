@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "model/layers.h"
+#include "model/parallel.h"
 
 namespace megaton {
 
@@ -15,7 +16,8 @@ namespace megaton {
 // "<prefix>.experts.local_experts.<e>.linear_fc1/.linear_fc2".
 class MoELayer {
  public:
-  MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t seed);
+  MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t seed,
+           const ModelParallel& mp = {});
   // x [T, H] -> [T, H].
   Tensor forward(const Tensor& x, const ForwardContext& ctx);
   Tensor backward(const Tensor& dy);
@@ -45,6 +47,7 @@ class MoELayer {
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
 
   const GPTConfig& cfg_;
+  ModelParallel mp_;
   Tensor x_, logits_, probs_, indices_, row_id_map_, permuted_, fc1_out_, expert_out_,
       aux_scores_, aux_counts_;
 };

@@ -22,6 +22,18 @@ struct Param {
   // An expert's weight (MoE experts, not the router): its gradient is reduced over the
   // expert-data-parallel group and it lives in the expert ParamAndGradBuffer.
   bool is_expert = false;
+  // Tensor parallelism (Megatron's tensor_model_parallel / partition_dim): the dimension
+  // along which this rank holds a 1/tp (experts: 1/etp) slice of the full tensor, -1 when
+  // every rank of the group holds all of it. full_shape is the unsliced shape (the
+  // checkpoint's). swiglu_halves: fc1 of a SwiGLU MLP, [gate; up] stacked along dim 0, where
+  // each rank holds its slice of each half (Megatron's swiglu sharded factory).
+  int tp_split_dim = -1;
+  bool swiglu_halves = false;
+  Shape full_shape;
+  // Replicated over the tensor-parallel group but fed by this rank's sequence shard only
+  // (norm weights and the router under --sequence-parallel): the gradient is summed over
+  // the tensor-parallel group after backward (Megatron's sequence_parallel attribute).
+  bool sequence_parallel = false;
 };
 
 }  // namespace megaton

@@ -67,7 +67,14 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   comm_->prepare(*grid_);
 
   const bool distributed = args_.parallel.use_distributed_optimizer;
-  model_ = std::make_unique<GPTModel>(args_.model, args_.seed,
+  ModelParallel mp;
+  mp.grid = grid_.get();
+  mp.comm = comm_.get();
+  mp.sequence_parallel = layout.sequence_parallel;
+  mp.dispatcher = args_.parallel.moe_token_dispatcher_type == "alltoall"
+                      ? TokenDispatcher::AllToAll
+                      : TokenDispatcher::AllGather;
+  model_ = std::make_unique<GPTModel>(args_.model, args_.seed, mp,
                                       distributed ? grid_->dp_cp().size() : 1,
                                       distributed ? grid_->edp().size() : 1);
   optimizer_ = std::make_unique<optim::DistributedAdamW>(model_->buffers(), *grid_, *comm_,
