@@ -2,6 +2,7 @@
 #include "model/layers.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "core/rng.h"
 #include "ops/ops.h"
@@ -38,6 +39,52 @@ Param make_param(const std::string& name, const Shape& shape, float std, uint64_
   float* data = w.f32();
   for (int64_t i = 0; i < w.numel(); ++i) data[i] = std * rng.normal(stream, uint64_t(i));
   return place(name, w, false, where);
+}
+
+Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swiglu_halves) {
+  MEGATON_CHECK(split_dim == 0 || split_dim == 1, "shard_of: split dim {}", split_dim);
+  MEGATON_CHECK(!swiglu_halves || split_dim == 0, "shard_of: SwiGLU halves split along dim 0");
+  const Tensor host = full.device() == Device::CPU ? full : full.to(Device::CPU);
+  const int64_t rows = host.dim(0), cols = host.numel() / std::max<int64_t>(rows, 1);
+  const int64_t n = split_dim == 0 ? rows : cols;
+  const int64_t parts = swiglu_halves ? 2 * size : size;
+  MEGATON_CHECK(n % parts == 0, "shard_of: dim {} of {} not divisible into {} parts", split_dim,
+                shape_str(host.shape()), parts);
+  Shape shape = host.shape();
+  shape[split_dim] = n / size;
+  Tensor out = Tensor::empty(shape, host.dtype());
+  const size_t elem = dtype_size(host.dtype());
+  const auto* src = static_cast<const char*>(host.raw());
+  auto* dst = static_cast<char*>(out.raw());
+  if (split_dim == 0) {
+    const int64_t chunk = n / parts;  // rows per copied block
+    const int64_t row_bytes = cols * int64_t(elem);
+    int64_t at = 0;
+    for (int64_t half = 0; half < (swiglu_halves ? 2 : 1); ++half) {
+      const int64_t first = half * (n / 2) * (swiglu_halves ? 1 : 0) + rank * chunk;
+      std::memcpy(dst + at, src + first * row_bytes, size_t(chunk * row_bytes));
+      at += chunk * row_bytes;
+    }
+  } else {
+    const int64_t width = cols / size;
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(dst + r * width * int64_t(elem), src + (r * cols + rank * width) * int64_t(elem),
+                  size_t(width * int64_t(elem)));
+  }
+  return out;
+}
+
+Param make_param_sharded(const std::string& name, const Shape& full_shape, float std,
+                         uint64_t seed, Placement where, int split_dim, int rank, int size,
+                         bool swiglu_halves) {
+  if (size == 1) return make_param(name, full_shape, std, seed, where);
+  Param full = make_param(name, full_shape, std, seed, Placement{Device::CPU, DType::F32});
+  Param p = place(name, shard_of(full.main_param, split_dim, rank, size, swiglu_halves), false,
+                  where);
+  p.tp_split_dim = split_dim;
+  p.swiglu_halves = swiglu_halves;
+  p.full_shape = full_shape;
+  return p;
 }
 
 Param make_constant_param(const std::string& name, const Shape& shape, float value,

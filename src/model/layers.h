@@ -42,6 +42,17 @@ struct Placement {
 // the model assigns it a slice of its contiguous grad buffer.
 Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed,
                  Placement where);
+// The slice of make_param(name, full_shape, ...) that tensor-parallel rank `rank` of
+// `size` holds along dim split_dim (0 or 1; full_shape[split_dim] divisible by size):
+// the same values the one-rank model has there, whatever the layout. swiglu_halves
+// (split_dim 0): the slice of each half of [gate; up] (Megatron's SwiGLU fc1 sharding).
+// Sets the Param's tp_split_dim, swiglu_halves and full_shape. size 1: make_param.
+Param make_param_sharded(const std::string& name, const Shape& full_shape, float std,
+                         uint64_t seed, Placement where, int split_dim, int rank, int size,
+                         bool swiglu_halves = false);
+// Rows or columns [rank * n / size, (rank + 1) * n / size) of a [rows, cols] host tensor
+// (dim 0: rows, 1: columns), as make_param_sharded cuts it; swiglu_halves as there.
+Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swiglu_halves);
 // A parameter filled with `value` (norm weights 1, biases 0).
 Param make_constant_param(const std::string& name, const Shape& shape, float value,
                           bool no_weight_decay, Placement where);
