@@ -1,11 +1,12 @@
 """Compares two training runs of the same config under different parallel layouts.
 
-Usage: python3 tools/compare_runs.py REF_DIR RUN_DIR [--rtol 1e-5]
+Usage: python3 tools/compare_runs.py REF_DIR RUN_DIR [--rtol 1e-5] [--resumed]
 Each DIR holds `metrics.jsonl` (written by `megaton train --log-metrics-file`) and a
 checkpoint directory `save/` (`--save`). Checks, for every iteration, that the lm loss and
 the grad norm agree to a relative difference <= rtol, and that every parameter of the
 last checkpoint ("model.*" tensors, fp32) agrees as a whole tensor: ||a - b|| / ||b|| <=
-rtol. Prints the worst differences; exits 1 when a check fails, 2 on unreadable input.
+rtol. --resumed: RUN_DIR resumed from a checkpoint, so it logged only the later
+iterations (each must be in the reference). Prints the worst differences; exits 1 when a check fails, 2 on unreadable input.
 Pure Python (no numpy): the CI machine runs it.
 """
 import argparse, array, json, math, os, struct, sys
@@ -49,6 +50,7 @@ def main():
     p.add_argument("ref")
     p.add_argument("run")
     p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--resumed", action="store_true")
     a = p.parse_args()
     try:
         ref_m = read_metrics(os.path.join(a.ref, "metrics.jsonl"))
@@ -59,10 +61,16 @@ def main():
         print(f"compare_runs: {e}")
         sys.exit(2)
     failures = []
-    if len(ref_m) != len(run_m) or not ref_m:
-        failures.append(f"{len(run_m)} iterations logged, reference {len(ref_m)}")
+    ref_by_it = {r["iteration"]: r for r in ref_m}
+    run_its = [m["iteration"] for m in run_m]
+    if not run_m or any(it not in ref_by_it for it in run_its) or (
+            not a.resumed and sorted(run_its) != sorted(ref_by_it)):
+        failures.append(f"iterations logged {run_its}, reference {sorted(ref_by_it)}")
     worst = {"lm loss": 0.0, "grad norm": 0.0, "params": 0.0}
-    for r, m in zip(ref_m, run_m):
+    for m in run_m:
+        r = ref_by_it.get(m["iteration"])
+        if r is None:
+            continue
         for key, name in (("lm_loss", "lm loss"), ("grad_norm", "grad norm")):
             d = rel(m[key], r[key])
             worst[name] = max(worst[name], d)

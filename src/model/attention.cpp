@@ -13,20 +13,25 @@ static bool uses_rope(const GPTConfig& cfg) {
 
 SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer,
                              uint64_t seed, const ModelParallel& mp)
+    // Column-parallel QKV: the grouped layout keeps each query group's rows together, so
+    // rank r holds query groups [r ng/tp, (r+1) ng/tp) with their heads; row-parallel proj.
     : linear_qkv(prefix + ".linear_qkv", cfg.hidden_size,
                  cfg.query_projection_size() + 2 * cfg.kv_projection_size(),
-                 !cfg.disable_bias_linear, cfg.init_method_std, seed, Placement::of(cfg)),
+                 !cfg.disable_bias_linear, cfg.init_method_std, seed, Placement::of(cfg),
+                 TensorParallelMode::Column, mp),
       linear_proj(prefix + ".linear_proj", cfg.query_projection_size(), cfg.hidden_size,
                   !cfg.disable_bias_linear,
                   cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers)), seed,
-                  Placement::of(cfg)),
+                  Placement::of(cfg), TensorParallelMode::Row, mp),
       cfg_(cfg),
       mp_(mp),
       layer_(layer) {}
 
 Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
                               const ForwardContext& ctx) {
-  int64_t np = cfg_.num_attention_heads, ng = cfg_.num_query_groups, d = cfg_.kv_channels;
+  // This rank's heads and query groups (all of them without tensor parallelism).
+  const int64_t np = cfg_.num_attention_heads / mp_.tp_size(),
+                ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
   Tensor qkv = linear_qkv.forward(x);
   q_ = empty_like(qkv, {batch, seq, np, d});
   k_ = empty_like(qkv, {batch, seq, ng, d});
@@ -43,12 +48,14 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
 }
 
 Tensor SelfAttention::backward(const Tensor& dy) {
-  int64_t np = cfg_.num_attention_heads, ng = cfg_.num_query_groups, d = cfg_.kv_channels;
+  // This rank's heads and query groups (all of them without tensor parallelism).
+  const int64_t np = cfg_.num_attention_heads / mp_.tp_size(),
+                ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
   Tensor dout = linear_proj.backward(dy).view(out_.shape());
   Tensor dq = empty_like(q_, q_.shape()), dk = empty_like(k_, k_.shape()),
          dv = empty_like(v_, v_.shape());
   ops::attention_backward(dout, q_, k_, v_, out_, lse_, dq, dk, dv, dropout_p_, seed_, stream_);
-  Tensor dqkv = empty_like(dy, {dy.dim(0), (np + 2 * ng) * d});
+  Tensor dqkv = empty_like(dy, {q_.dim(0) * q_.dim(1), (np + 2 * ng) * d});
   ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv);
   q_ = k_ = v_ = out_ = lse_ = Tensor();
   return linear_qkv.backward(dqkv);

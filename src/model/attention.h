@@ -13,7 +13,8 @@ class SelfAttention {
  public:
   SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed,
                 const ModelParallel& mp = {});
-  // x [B*S, H] -> [B*S, H].
+  // x [B*S, H] -> [B*S, H] (under sequence parallelism this rank's [B*S/tp, H] rows;
+  // batch and seq are always the full micro-batch's).
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);

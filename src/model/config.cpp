@@ -47,8 +47,13 @@ void GPTConfig::finalize() {
   if (attention_dropout < 0 || attention_dropout >= 1)
     fail("attention-dropout must be in [0, 1) (got {})", attention_dropout);
   if (init_method_std <= 0) fail("init-method-std must be positive (got {})", init_method_std);
-  int64_t m = make_vocab_size_divisible_by;  // x tensor-model-parallel-size (1 here)
+  positive("tensor-model-parallel-size", tensor_model_parallel_size);
+  int64_t m = make_vocab_size_divisible_by * tensor_model_parallel_size;
   padded_vocab_size = (vocab_size + m - 1) / m * m;
+  const int64_t tp = tensor_model_parallel_size;
+  if (tp > 1 && ffn_hidden_size % tp != 0)
+    fail("ffn-hidden-size ({}) is not divisible by tensor-model-parallel-size ({})",
+         ffn_hidden_size, tp);
 
   if (num_experts < 0) fail("num-experts must be >= 0 (got {})", num_experts);
   if (num_experts > 0) {

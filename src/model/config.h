@@ -25,6 +25,9 @@ struct GPTConfig {
   int64_t max_position_embeddings = 0;  // 0: seq_length
   int64_t vocab_size = 0;               // from the tokenizer, before padding
   int64_t make_vocab_size_divisible_by = 128;
+  // --tensor-model-parallel-size: the vocabulary is padded to a multiple of
+  // make_vocab_size_divisible_by x this (Megatron), so it changes padded_vocab_size.
+  int64_t tensor_model_parallel_size = 1;
   Normalization normalization = Normalization::LayerNorm;
   float norm_epsilon = 1e-5f;
   bool swiglu = false;

@@ -1,8 +1,10 @@
 // GPTModel and TransformerLayer forward/backward.
 #include "model/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -10,11 +12,13 @@ namespace megaton {
 TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed,
                                    const ModelParallel& mp)
     : input_layernorm("decoder.layers." + std::to_string(layer) + ".input_layernorm",
-                      cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg)),
+                      cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
+                      mp.sequence_parallel && mp.tp_size() > 1),
       self_attention("decoder.layers." + std::to_string(layer) + ".self_attention", cfg, layer,
                      seed, mp),
       pre_mlp_layernorm("decoder.layers." + std::to_string(layer) + ".pre_mlp_layernorm",
-                        cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg)),
+                        cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
+                        mp.sequence_parallel && mp.tp_size() > 1),
       cfg_(cfg),
       mp_(mp),
       layer_(layer) {
@@ -25,7 +29,7 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
     float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
     mlp = std::make_unique<MLP>(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu,
                                 !cfg.disable_bias_linear, cfg.init_method_std, output_std, seed,
-                                Placement::of(cfg));
+                                Placement::of(cfg), mp);
   }
 }
 
@@ -74,32 +78,62 @@ void TransformerLayer::collect_params(std::vector<Param*>& out) {
   else mlp->collect_params(out);
 }
 
+// Whether a chunk needs the word embeddings: for the lookup (pre_process), or as the
+// tied output layer (post_process without untie_embeddings_and_output_weights).
+static bool holds_word_embeddings(const GPTConfig& cfg, const PipelineChunk& chunk) {
+  return chunk.pre_process || (chunk.post_process && !cfg.untie_embeddings_and_output_weights);
+}
+
 GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
-                   int64_t dense_shards, int64_t expert_shards)
+                   int64_t dense_shards, int64_t expert_shards, const PipelineChunk& chunk)
     : cfg_(cfg),
       mp_(mp),
-      word_embeddings(make_param("embedding.word_embeddings.weight",
-                                 {cfg.padded_vocab_size, cfg.hidden_size}, cfg.init_method_std,
-                                 seed, Placement::of(cfg))),
+      chunk_(chunk),
+      // Vocab-parallel: rank r holds vocabulary rows [r V/tp, (r+1) V/tp).
+      word_embeddings(holds_word_embeddings(cfg, chunk)
+                          ? make_param_sharded("embedding.word_embeddings.weight",
+                                               {cfg.padded_vocab_size, cfg.hidden_size},
+                                               cfg.init_method_std, seed, Placement::of(cfg), 0,
+                                               mp.tp_rank(), mp.tp_size())
+                          : Param()),
       final_layernorm("decoder.final_layernorm", cfg.hidden_size, cfg.normalization,
-                      cfg.norm_epsilon, Placement::of(cfg)) {
+                      cfg.norm_epsilon, Placement::of(cfg),
+                      mp.sequence_parallel && mp.tp_size() > 1) {
   MEGATON_CHECK(cfg.padded_vocab_size > 0, "GPTConfig not finalized");
-  params_.push_back(&word_embeddings);
-  if (cfg.position_embedding_type == PositionEmbedding::LearnedAbsolute) {
+  MEGATON_CHECK(cfg.padded_vocab_size % mp_.tp_size() == 0 &&
+                    cfg.tensor_model_parallel_size == mp_.tp_size(),
+                "GPTConfig padded for tensor-parallel size {}, the model runs {}",
+                cfg.tensor_model_parallel_size, mp_.tp_size());
+  vocab_start_ = int64_t(mp_.tp_rank()) * (cfg.padded_vocab_size / mp_.tp_size());
+  if (chunk_.num_layers < 0) chunk_.num_layers = cfg.num_layers - chunk_.first_layer;
+  MEGATON_CHECK(chunk_.first_layer >= 0 && chunk_.first_layer + chunk_.num_layers <= cfg.num_layers,
+                "model chunk of layers [{}, {}) outside the model's {} layers", chunk_.first_layer,
+                chunk_.first_layer + chunk_.num_layers, cfg.num_layers);
+  if (chunk_.pre_process) params_.push_back(&word_embeddings);
+  if (chunk_.pre_process && cfg.position_embedding_type == PositionEmbedding::LearnedAbsolute) {
     position_embeddings =
         make_param("embedding.position_embeddings.weight",
                    {cfg.max_position_embeddings, cfg.hidden_size}, cfg.init_method_std, seed,
                    Placement::of(cfg));
+    position_embeddings.sequence_parallel = mp_.sequence_parallel && mp_.tp_size() > 1;
     params_.push_back(&position_embeddings);
   }
-  for (int64_t i = 0; i < cfg.num_layers; ++i) {
+  for (int64_t i = chunk_.first_layer; i < chunk_.first_layer + chunk_.num_layers; ++i) {
     layers_.push_back(std::make_unique<TransformerLayer>(cfg_, i, seed, mp_));
     layers_.back()->collect_params(params_);
   }
-  final_layernorm.collect_params(params_);
-  if (cfg.untie_embeddings_and_output_weights) {
-    output_layer = make_param("output_layer.weight", {cfg.padded_vocab_size, cfg.hidden_size},
-                              cfg.init_method_std, seed, Placement::of(cfg));
+  if (chunk_.post_process) final_layernorm.collect_params(params_);
+  if (chunk_.post_process && !chunk_.pre_process && word_embeddings.weight.defined()) {
+    // The last stage's copy of the tied embeddings, equal to the first stage's from the
+    // start (drawn by name) and kept equal by summing the two gradients.
+    word_embeddings.shared = true;
+    params_.push_back(&word_embeddings);
+  }
+  if (chunk_.post_process && cfg.untie_embeddings_and_output_weights) {
+    output_layer = make_param_sharded("output_layer.weight",
+                                      {cfg.padded_vocab_size, cfg.hidden_size},
+                                      cfg.init_method_std, seed, Placement::of(cfg), 0,
+                                      mp_.tp_rank(), mp_.tp_size());
     params_.push_back(&output_layer);
   }
   // Dense and expert params in two buffers: they are reduced over different groups.
@@ -116,7 +150,11 @@ int64_t GPTModel::num_parameters() const {
   return n;
 }
 
-Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx) {
+int64_t GPTModel::hidden_rows(int64_t batch, int64_t seq) const {
+  return mp_.sequence_parallel ? batch * seq / mp_.tp_size() : batch * seq;
+}
+
+Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
   batch_ = tokens.dim(0);
   seq_ = tokens.dim(1);
   MEGATON_CHECK(cfg_.position_embedding_type != PositionEmbedding::LearnedAbsolute ||
@@ -126,11 +164,23 @@ Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx)
   int64_t T = batch_ * seq_, H = cfg_.hidden_size;
   tokens_ = tokens.view({T}).to(cfg_.device);
   Tensor emb = empty_like(word_embeddings.weight, {T, H});
-  ops::embedding_forward(tokens_, word_embeddings.weight, emb);
+  if (mp_.tp_size() == 1) {
+    ops::embedding_forward(tokens_, word_embeddings.weight, emb);
+  } else {
+    // Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum over
+    // TP is the lookup, whole on every rank or this rank's token rows under SP.
+    ops::embedding_forward_vocab_range(tokens_, word_embeddings.weight, vocab_start_, emb);
+    if (mp_.sequence_parallel) emb = reduce_scatter_sequence(emb, mp_);
+    else all_reduce_tensor_parallel(emb, mp_);
+  }
   if (position_embeddings.weight.defined()) {
-    for (int64_t b = 0; b < batch_; ++b) {
-      Tensor rows = emb.rows(b * seq_, seq_);
-      ops::add_(rows, position_embeddings.weight.rows(0, seq_));
+    // Row i of the micro-batch is position i % seq; this rank's rows start at first_row.
+    const int64_t first_row = mp_.sequence_parallel ? mp_.tp_rank() * emb.dim(0) : 0;
+    for (int64_t row = first_row; row < first_row + emb.dim(0);) {
+      const int64_t pos = row % seq_, n = std::min(seq_ - pos, first_row + emb.dim(0) - row);
+      Tensor rows = emb.rows(row - first_row, n);
+      ops::add_(rows, position_embeddings.weight.rows(pos, n));
+      row += n;
     }
   }
   emb_dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
@@ -138,31 +188,93 @@ Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx)
   emb_stream_ = ctx.stream(-1, 0);
   Tensor x = emb;
   if (emb_dropout_p_ > 0) {
-    x = empty_like(emb, {T, H});
+    x = empty_like(emb, emb.shape());
     ops::dropout_forward(emb, x, emb_dropout_p_, emb_seed_, emb_stream_);
   }
+  return x;
+}
+
+Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx) {
+  Tensor x = embed(tokens, ctx);
   for (auto& layer : layers_) x = layer->forward(x, batch_, seq_, ctx);
   return final_layernorm.forward(x);
 }
 
 MicroBatchLoss GPTModel::forward(const Tensor& tokens, const Tensor& labels,
                                  const ForwardContext& ctx) {
-  final_hidden_ = forward_hidden(tokens, ctx);
+  MEGATON_CHECK(chunk_.pre_process && chunk_.post_process,
+                "GPTModel::forward needs the whole model, not a pipeline chunk");
+  return forward_chunk({tokens.dim(0), tokens.dim(1), tokens, labels, Tensor()}, ctx).loss;
+}
+
+ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& ctx) {
+  Tensor x;
+  if (chunk_.pre_process) {
+    MEGATON_CHECK(in.tokens.defined() && in.tokens.ndim() == 2 && in.tokens.dim(0) == in.batch &&
+                      in.tokens.dim(1) == in.seq,
+                  "forward_chunk: tokens must be [{}, {}]", in.batch, in.seq);
+    x = embed(in.tokens, ctx);
+  } else {
+    batch_ = in.batch;
+    seq_ = in.seq;
+    const Shape want{hidden_rows(in.batch, in.seq), cfg_.hidden_size};
+    MEGATON_CHECK(in.hidden.defined() && in.hidden.shape() == want &&
+                      in.hidden.dtype() == cfg_.compute_dtype() && in.hidden.device() == cfg_.device,
+                  "forward_chunk: the input hidden state must be {} {}", shape_str(want),
+                  dtype_name(cfg_.compute_dtype()));
+    x = in.hidden;
+  }
+  for (auto& layer : layers_) x = layer->forward(x, batch_, seq_, ctx);
+  ChunkOutput out;
+  for (auto& layer : layers_)
+    if (layer->moe) out.loss.aux_loss += layer->moe->last_aux_loss;
+  if (!chunk_.post_process) {
+    out.hidden = x;
+    return out;
+  }
+  MEGATON_CHECK(in.labels.defined() && in.labels.numel() == in.batch * in.seq,
+                "forward_chunk: labels must be [{}, {}]", in.batch, in.seq);
+  const double aux_loss = out.loss.aux_loss;
+  out.loss = output_loss(final_layernorm.forward(x), in.labels);
+  out.loss.aux_loss = aux_loss;
+  return out;
+}
+
+MicroBatchLoss GPTModel::output_loss(const Tensor& hidden, const Tensor& labels) {
+  // The output layer is column-parallel over the vocabulary: every token row is needed.
+  final_hidden_ = hidden;
+  if (mp_.sequence_parallel) final_hidden_ = gather_sequence(final_hidden_, mp_);
   int64_t T = batch_ * seq_;
   const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
-  logits_ = empty_like(final_hidden_, {T, cfg_.padded_vocab_size});
+  logits_ = empty_like(final_hidden_, {T, out_w.weight.dim(0)});
   ops::gemm(final_hidden_, false, out_w.weight, true, logits_);
   labels_ = labels.view({T}).to(cfg_.device);
   MicroBatchLoss result;
   result.losses = Tensor::empty({T}, DType::F32, cfg_.device);
   lse_ = Tensor::empty({T}, DType::F32, cfg_.device);
-  ops::cross_entropy_forward(logits_, labels_, result.losses, lse_);
-  for (auto& layer : layers_)
-    if (layer->moe) result.aux_loss += layer->moe->last_aux_loss;
+  if (mp_.tp_size() == 1) {
+    ops::cross_entropy_forward(logits_, labels_, result.losses, lse_);
+  } else {
+    // Megatron's vocab_parallel_cross_entropy: max, sum of exponentials and the target
+    // logit reduced over the vocabulary shards.
+    Tensor row_max = Tensor::empty({T}, DType::F32, cfg_.device);
+    Tensor sum_exp = Tensor::empty({T}, DType::F32, cfg_.device);
+    Tensor target = Tensor::empty({T}, DType::F32, cfg_.device);
+    ops::cross_entropy_partial_stats(logits_, labels_, vocab_start_, row_max, sum_exp, target);
+    Tensor global_max = row_max.clone();
+    mp_.comm->all_reduce(global_max, mp_.tp(), dist::ReduceOp::Max);
+    ops::cross_entropy_rescale_sum_exp(row_max, global_max, sum_exp);
+    mp_.comm->all_reduce(sum_exp, mp_.tp());
+    mp_.comm->all_reduce(target, mp_.tp());
+    ops::cross_entropy_finish(global_max, sum_exp, target, result.losses, lse_);
+  }
   return result;
 }
 
 Tensor GPTModel::logits(const Tensor& tokens) {
+  MEGATON_CHECK(chunk_.pre_process && chunk_.post_process,
+                "GPTModel::logits needs the whole model, not a pipeline chunk");
+  MEGATON_CHECK(mp_.tp_size() == 1, "GPTModel::logits runs on one tensor-parallel rank");
   ForwardContext ctx;
   ctx.training = false;
   Tensor hidden = forward_hidden(tokens, ctx);
@@ -173,41 +285,73 @@ Tensor GPTModel::logits(const Tensor& tokens) {
 }
 
 void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {
+  MEGATON_CHECK(chunk_.pre_process && chunk_.post_process,
+                "GPTModel::backward needs the whole model, not a pipeline chunk");
+  backward_chunk(dlosses, aux_grad_scale);
+}
+
+Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
+  Tensor dx = chunk_.post_process ? final_layernorm.backward(output_loss_backward(dout)) : dout;
+  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) {
+    if ((*it)->moe) (*it)->moe->aux_grad_scale = aux_grad_scale;
+    dx = (*it)->backward(dx);
+  }
+  if (!chunk_.pre_process) return dx;
+  embed_backward(dx);
+  return Tensor();
+}
+
+Tensor GPTModel::output_loss_backward(const Tensor& dlosses) {
   int64_t T = batch_ * seq_, H = cfg_.hidden_size;
   Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
-  // In place: the logits buffer ([T, V], the largest activation) becomes dlogits.
+  // In place: the logits buffer ([T, V/tp], the largest activation) becomes dlogits.
   Tensor dlogits = logits_;
-  ops::cross_entropy_backward(dlosses.to(cfg_.device), logits_, labels_, lse_, dlogits);
+  if (mp_.tp_size() == 1)
+    ops::cross_entropy_backward(dlosses.to(cfg_.device), logits_, labels_, lse_, dlogits);
+  else
+    ops::cross_entropy_backward_vocab_range(dlosses.to(cfg_.device), logits_, labels_, lse_,
+                                            vocab_start_, dlogits);
   logits_ = Tensor();
   Tensor dhidden = empty_like(dlogits, {T, H});
   ops::gemm(dlogits, false, out_w.weight, false, dhidden);
   ops::gemm(dlogits, true, final_hidden_, false, out_w.main_grad, 1.0f, 1.0f);
   dlogits = final_hidden_ = Tensor();
+  // Partial over the vocabulary shards: summed (and split into token rows under SP).
+  if (mp_.sequence_parallel) dhidden = reduce_scatter_sequence(dhidden, mp_);
+  else all_reduce_tensor_parallel(dhidden, mp_);
+  labels_ = lse_ = Tensor();
+  return dhidden;
+}
 
-  Tensor dx = final_layernorm.backward(dhidden);
-  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) {
-    if ((*it)->moe) (*it)->moe->aux_grad_scale = aux_grad_scale;
-    dx = (*it)->backward(dx);
-  }
+void GPTModel::embed_backward(const Tensor& dx) {
   Tensor demb = dx;
   if (emb_dropout_p_ > 0) {
-    demb = empty_like(dx, {T, H});
+    demb = empty_like(dx, dx.shape());
     ops::dropout_backward(dx, demb, emb_dropout_p_, emb_seed_, emb_stream_);
   }
   if (position_embeddings.weight.defined()) {
-    for (int64_t b = 0; b < batch_; ++b) {
-      Tensor g = position_embeddings.main_grad.rows(0, seq_);
-      Tensor rows = demb.rows(b * seq_, seq_);
+    const int64_t first_row = mp_.sequence_parallel ? mp_.tp_rank() * demb.dim(0) : 0;
+    for (int64_t row = first_row; row < first_row + demb.dim(0);) {
+      const int64_t pos = row % seq_, n = std::min(seq_ - pos, first_row + demb.dim(0) - row);
+      Tensor g = position_embeddings.main_grad.rows(pos, n);
+      Tensor rows = demb.rows(row - first_row, n);
       if (rows.dtype() != DType::F32) {
         Tensor rows_f32 = Tensor::empty(rows.shape(), DType::F32, rows.device());
         ops::cast(rows, rows_f32);
         rows = rows_f32;
       }
       ops::add_(g, rows);
+      row += n;
     }
   }
-  ops::embedding_backward(demb, tokens_, word_embeddings.main_grad);
-  tokens_ = labels_ = lse_ = Tensor();
+  if (mp_.tp_size() == 1) {
+    ops::embedding_backward(demb, tokens_, word_embeddings.main_grad);
+  } else {
+    // Every token row's gradient (gathered under SP) into this rank's vocabulary rows.
+    if (mp_.sequence_parallel) demb = gather_sequence(demb, mp_);
+    ops::embedding_backward_vocab_range(demb, tokens_, vocab_start_, word_embeddings.main_grad);
+  }
+  tokens_ = Tensor();
 }
 
 }  // namespace megaton

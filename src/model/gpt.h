@@ -44,9 +44,38 @@ struct MicroBatchLoss {
   double aux_loss = 0;    // sum over MoE layers of the aux loss (with its coefficient)
 };
 
-// The GPT model (Megatron's GPTModel at TP = PP = 1). Parameter names match Megatron
-// core's local spec ("embedding.word_embeddings.weight", "decoder.layers.0....",
-// "decoder.final_layernorm.weight", "output_layer.weight").
+// The part of the model a GPTModel holds: all of it (the default), or one model chunk of
+// a pipeline (Megatron's pre_process / post_process and transformer layer offset).
+// Layers keep their global numbers, so parameter names and initial values are the
+// one-rank model's whatever the split.
+struct PipelineChunk {
+  int64_t first_layer = 0;    // global index of the chunk's first transformer layer
+  int64_t num_layers = -1;    // transformer layers in the chunk; -1: all of GPTConfig's
+  bool pre_process = true;    // the first chunk of the pipeline: holds the embedding
+  bool post_process = true;   // the last chunk: final norm, output layer and loss
+};
+
+// One micro-batch's input to a model chunk (GPTModel::forward_chunk).
+struct ChunkInput {
+  int64_t batch = 0, seq = 0;  // micro-batch size B and sequence length S
+  Tensor tokens;  // [B, S] int32, host or device: read by pre_process chunks only
+  Tensor labels;  // [B, S] int32, host or device: read by post_process chunks only
+  // The previous chunk's output (chunks without pre_process): [T, H] in the compute dtype
+  // on the model's device, T = B*S, or B*S / tp rows under sequence parallelism.
+  Tensor hidden;
+};
+
+// One micro-batch's output of a model chunk.
+struct ChunkOutput {
+  Tensor hidden;        // [T, H] like ChunkInput::hidden, for the next chunk; undefined
+                        // for a post_process chunk
+  MicroBatchLoss loss;  // losses: post_process chunks only (else undefined); aux_loss:
+                        // the sum over this chunk's MoE layers
+};
+
+// The GPT model (Megatron's GPTModel), whole or one pipeline model chunk. Parameter
+// names match Megatron core's local spec ("embedding.word_embeddings.weight",
+// "decoder.layers.0....", "decoder.final_layernorm.weight", "output_layer.weight").
 class GPTModel {
  public:
   // cfg must be finalize()d. seed keys every initial weight (Philox, by parameter name).
@@ -54,17 +83,45 @@ class GPTModel {
   // ParamAndGradBuffers (the data-parallel and expert-data-parallel sizes under the
   // distributed optimizer, else 1).
   // mp: the parallel layout (default: one rank).
+  // chunk: the layers and ends of the model this object holds (default: all). With tied
+  // embeddings (no untie_embeddings_and_output_weights), a post_process chunk without
+  // pre_process keeps its own copy of "embedding.word_embeddings.weight" (same name, same
+  // initial values) for the output layer, marked Param::shared: its gradient must be
+  // summed with the first chunk's (Megatron's _allreduce_word_embedding_grads).
+  // InternalError when the layer range is outside [0, num_layers).
   GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp = {},
-           int64_t dense_shards = 1, int64_t expert_shards = 1);
+           int64_t dense_shards = 1, int64_t expert_shards = 1, const PipelineChunk& chunk = {});
   const ModelParallel& model_parallel() const { return mp_; }
+  const PipelineChunk& chunk() const { return chunk_; }
 
+  // One micro-batch through this chunk, saving what backward_chunk needs in the layers
+  // (one micro-batch in flight). InternalError when an input the chunk reads is missing
+  // or misshapen.
+  ChunkOutput forward_chunk(const ChunkInput& in, const ForwardContext& ctx);
+  // Backward of the last forward_chunk. dout: for a post_process chunk d(total loss)/
+  // d(per-token loss) [B*S] fp32 (host or device); otherwise the gradient of the chunk's
+  // output [T, H] (as ChunkOutput::hidden). aux_grad_scale scales the injected MoE
+  // aux-loss gradient (1 / number of micro-batches). Accumulates main_grads. Returns the
+  // gradient of ChunkInput::hidden [T, H], undefined for a pre_process chunk.
+  Tensor backward_chunk(const Tensor& dout, float aux_grad_scale);
+  // Rows of the hidden state passed between chunks for a [batch, seq] micro-batch: B*S,
+  // divided by the tensor-parallel size under sequence parallelism.
+  int64_t hidden_rows(int64_t batch, int64_t seq) const;
+  // The word embeddings of this chunk (pre_process, or the tied copy of a post_process
+  // chunk), null when it has none.
+  Param* word_embeddings_param() {
+    return word_embeddings.weight.defined() ? &word_embeddings : nullptr;
+  }
+
+  // Whole model only (pre_process and post_process; InternalError otherwise):
   // tokens, labels [B, S] int32 -> per-token losses. Saves activations for backward.
   MicroBatchLoss forward(const Tensor& tokens, const Tensor& labels, const ForwardContext& ctx);
   // Logits [B*S, padded_vocab] (fp32, on the host) for tokens [B, S] (no labels; used by
-  // generation and tests).
+  // generation and tests). Whole model only.
   Tensor logits(const Tensor& tokens);
   // dlosses [B*S]: d(total loss)/d(per-token loss). aux_grad_scale scales the injected
   // MoE aux-loss gradient (1 / number of micro-batches). Accumulates main_grads.
+  // Whole model only.
   void backward(const Tensor& dlosses, float aux_grad_scale);
 
   // Zeroes every main_grad (one memset per buffer: they are views into the buffers).
@@ -74,17 +131,28 @@ class GPTModel {
   // The dense parameters' buffer, then the experts' (MoE models only).
   std::vector<ParamAndGradBuffer>& buffers() { return buffers_; }
 
-  // Every parameter, in a fixed order (embedding, layers, final norm, output layer).
+  // Every parameter of this chunk, in a fixed order (embedding, layers, final norm,
+  // output layer).
   const std::vector<Param*>& params() const { return params_; }
   const GPTConfig& config() const { return cfg_; }
   int64_t num_parameters() const;
   std::vector<std::unique_ptr<TransformerLayer>>& layers() { return layers_; }
 
  private:
+  // Embedding lookup (+ positions, dropout) of tokens [B, S] -> [T, H]; sets tokens_.
+  Tensor embed(const Tensor& tokens, const ForwardContext& ctx);
+  // embed, the layers and the final norm (whole model).
   Tensor forward_hidden(const Tensor& tokens, const ForwardContext& ctx);
+  // Output layer and cross entropy of the final-normed hidden state (post_process).
+  MicroBatchLoss output_loss(const Tensor& hidden, const Tensor& labels);
+  // Backward of output_loss: dlosses [B*S] -> d hidden (post_process).
+  Tensor output_loss_backward(const Tensor& dlosses);
+  // Backward of embed: accumulates the embedding main_grads (pre_process).
+  void embed_backward(const Tensor& dx);
 
   GPTConfig cfg_;
   ModelParallel mp_;
+  PipelineChunk chunk_;
   Param word_embeddings;
   Param position_embeddings;  // learned_absolute only
   std::vector<std::unique_ptr<TransformerLayer>> layers_;
@@ -99,6 +167,7 @@ class GPTModel {
   int64_t batch_ = 0, seq_ = 0;
   float emb_dropout_p_ = 0;
   uint64_t emb_seed_ = 0, emb_stream_ = 0;
+  int64_t vocab_start_ = 0;  // first vocabulary row of this tensor-parallel rank
 };
 
 }  // namespace megaton

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/rng.h"
+#include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -99,15 +100,48 @@ void refresh_compute_weight(Param& p) {
 }
 
 Linear::Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias_on,
-               float init_std, uint64_t seed, Placement where)
-    : weight(make_param(name + ".weight", {out_features, in_features}, init_std, seed, where)) {
-  if (bias_on) bias = make_constant_param(name + ".bias", {out_features}, 0.0f, true, where);
+               float init_std, uint64_t seed, Placement where, TensorParallelMode mode,
+               const ModelParallel& mp, bool swiglu_halves)
+    : mode_(mp.tp_size() > 1 ? mode : TensorParallelMode::None), mp_(mp) {
+  const int tp = mp.tp_size(), rank = mp.tp_rank();
+  const Shape full = {out_features, in_features};
+  switch (mode_) {
+    case TensorParallelMode::None:
+      weight = make_param(name + ".weight", full, init_std, seed, where);
+      if (bias_on) bias = make_constant_param(name + ".bias", {out_features}, 0.0f, true, where);
+      break;
+    case TensorParallelMode::Column:
+      weight = make_param_sharded(name + ".weight", full, init_std, seed, where, 0, rank, tp,
+                                  swiglu_halves);
+      if (bias_on) {  // zeros: the slice is zeros too
+        bias = make_constant_param(name + ".bias", {out_features / tp}, 0.0f, true, where);
+        bias.tp_split_dim = 0;
+        bias.swiglu_halves = swiglu_halves;
+        bias.full_shape = {out_features};
+      }
+      break;
+    case TensorParallelMode::Row:
+      weight = make_param_sharded(name + ".weight", full, init_std, seed, where, 1, rank, tp);
+      if (bias_on) {
+        bias = make_constant_param(name + ".bias", {out_features}, 0.0f, true, where);
+        bias.sequence_parallel = mp.sequence_parallel;
+      }
+      break;
+  }
 }
 
 Tensor Linear::forward(const Tensor& x, bool save_input) {
   x_ = save_input ? x : Tensor();
-  Tensor y = empty_like(x, {x.dim(0), weight.weight.dim(0)});
-  ops::gemm(x, false, weight.weight, true, y);
+  // Column-parallel under SP: every rank's token rows (re-gathered in backward).
+  const Tensor x_full = mode_ == TensorParallelMode::Column && mp_.sequence_parallel
+                            ? gather_sequence(x, mp_)
+                            : x;
+  Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
+  ops::gemm(x_full, false, weight.weight, true, y);
+  if (mode_ == TensorParallelMode::Row) {
+    if (mp_.sequence_parallel) y = reduce_scatter_sequence(y, mp_);
+    else all_reduce_tensor_parallel(y, mp_);
+  }
   if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
   return y;
 }
@@ -120,10 +154,18 @@ Tensor Linear::backward(const Tensor& dy) {
 }
 
 Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
-  Tensor dx = empty_like(dy, {dy.dim(0), weight.weight.dim(1)});
-  ops::gemm(dy, false, weight.weight, false, dx);
-  ops::gemm(dy, true, x, false, weight.main_grad, 1.0f, 1.0f);
+  const bool sp = mp_.sequence_parallel;
+  // The bias gradient from this rank's rows of dy (a partial sum under SP for Row).
   if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
+  const Tensor dy_full = mode_ == TensorParallelMode::Row && sp ? gather_sequence(dy, mp_) : dy;
+  const Tensor x_full = mode_ == TensorParallelMode::Column && sp ? gather_sequence(x, mp_) : x;
+  Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
+  ops::gemm(dy_full, false, weight.weight, false, dx);
+  ops::gemm(dy_full, true, x_full, false, weight.main_grad, 1.0f, 1.0f);
+  if (mode_ == TensorParallelMode::Column) {
+    if (sp) dx = reduce_scatter_sequence(dx, mp_);
+    else all_reduce_tensor_parallel(dx, mp_);
+  }
   return dx;
 }
 
@@ -133,12 +175,13 @@ void Linear::collect_params(std::vector<Param*>& out) {
 }
 
 Norm::Norm(const std::string& name, int64_t hidden, Normalization kind, float eps,
-           Placement where)
+           Placement where, bool sequence_parallel)
     : weight(make_constant_param(name + ".weight", {hidden}, 1.0f, true, where)),
       kind_(kind),
       eps_(eps) {
   if (kind == Normalization::LayerNorm)
     bias = make_constant_param(name + ".bias", {hidden}, 0.0f, true, where);
+  weight.sequence_parallel = bias.sequence_parallel = sequence_parallel;
 }
 
 Tensor Norm::forward(const Tensor& x) {
@@ -171,10 +214,12 @@ void Norm::collect_params(std::vector<Param*>& out) {
 }
 
 MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
-         float init_std, float output_std, uint64_t seed, Placement where)
+         float init_std, float output_std, uint64_t seed, Placement where,
+         const ModelParallel& mp)
     : linear_fc1(prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, init_std, seed,
-                 where),
-      linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed, where),
+                 where, TensorParallelMode::Column, mp, swiglu),
+      linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed, where,
+                 TensorParallelMode::Row, mp),
       swiglu_(swiglu) {}
 
 // The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward

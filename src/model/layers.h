@@ -11,6 +11,7 @@
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/param.h"
+#include "model/parallel.h"
 
 namespace megaton {
 
@@ -64,14 +65,32 @@ inline Tensor empty_like(const Tensor& like, const Shape& shape) {
   return Tensor::empty(shape, like.dtype(), like.device());
 }
 
-// y = x W^T + b (torch.nn.Linear / Megatron's ColumnParallelLinear at TP=1).
-// weight [out, in]; bias [out] (absent when disable_bias_linear).
+// How a Linear is split over the tensor-parallel group (Megatron's tensor_parallel/layers.py).
+enum class TensorParallelMode {
+  None,    // every rank holds the whole weight
+  Column,  // ColumnParallelLinear: rows of the weight (output features) split over TP
+  Row,     // RowParallelLinear: columns of the weight (input features) split over TP
+};
+
+// y = x W^T + b (torch.nn.Linear; Megatron's ColumnParallelLinear / RowParallelLinear).
+// Full weight [out, in], bias [out] (absent when disable_bias_linear); with tp ranks:
+// - Column: this rank holds weight rows [r out/tp, (r+1) out/tp) (of each SwiGLU half
+//   with swiglu_halves) and that slice of the bias. forward: x [T, in] (under sequence
+//   parallelism x [T/tp, in], all-gathered first) -> y [T, out/tp]; backward: the input
+//   gradient is summed over TP (all-reduce, or reduce-scatter to [T/tp, in] under SP).
+// - Row: this rank holds weight columns [r in/tp, (r+1) in/tp); the bias is whole.
+//   forward: x [T, in/tp] -> partial products summed over TP (all-reduce, or
+//   reduce-scatter to [T/tp, out] under SP), then the bias; backward mirrors it.
+// in_features and out_features are the full sizes; initial values equal the one-rank
+// layer's slice (make_param_sharded).
 class Linear {
  public:
   Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias,
-         float init_std, uint64_t seed, Placement where);
-  // x [T, in] -> [T, out]. Saves x unless save_input is false (the caller then passes x
-  // to backward, e.g. recomputed).
+         float init_std, uint64_t seed, Placement where,
+         TensorParallelMode mode = TensorParallelMode::None, const ModelParallel& mp = {},
+         bool swiglu_halves = false);
+  // x -> y as above. Saves x unless save_input is false (the caller then passes x to
+  // backward, e.g. recomputed).
   Tensor forward(const Tensor& x, bool save_input = true);
   // dy [T, out] -> dx [T, in]; accumulates weight/bias main_grad.
   Tensor backward(const Tensor& dy);
@@ -82,13 +101,18 @@ class Linear {
   Param weight, bias;
 
  private:
+  TensorParallelMode mode_;
+  ModelParallel mp_;
   Tensor x_;
 };
 
 // LayerNorm (weight and bias) or RMSNorm (weight only), per config.normalization.
+// Under sequence parallelism (sequence_parallel true) it runs on this rank's token rows
+// and its weights are marked Param::sequence_parallel (gradients summed over TP).
 class Norm {
  public:
-  Norm(const std::string& name, int64_t hidden, Normalization kind, float eps, Placement where);
+  Norm(const std::string& name, int64_t hidden, Normalization kind, float eps, Placement where,
+       bool sequence_parallel = false);
   // x [T, H] -> [T, H]. Saves x and the statistics.
   Tensor forward(const Tensor& x);
   Tensor backward(const Tensor& dy);
@@ -107,8 +131,10 @@ class Norm {
 // scaled_init_method: init_method_std / sqrt(2 * num_layers)).
 class MLP {
  public:
+  // fc1 column-parallel, fc2 row-parallel over mp's tensor-parallel group.
   MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
-      float init_std, float output_std, uint64_t seed, Placement where);
+      float init_std, float output_std, uint64_t seed, Placement where,
+      const ModelParallel& mp = {});
   Tensor forward(const Tensor& x);
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);

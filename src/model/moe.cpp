@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "core/error.h"
+#include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -12,17 +14,36 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
     : router_weight(make_param(prefix + ".router.weight", {cfg.num_experts, cfg.hidden_size},
                                cfg.init_method_std, seed, Placement::of(cfg))),
       cfg_(cfg),
-      mp_(mp) {
+      mp_(mp),
+      dispatcher_(make_token_dispatcher(cfg.num_experts, mp)) {
   Placement where = Placement::of(cfg);
   float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
   int64_t h = cfg.hidden_size, f = cfg.moe_ffn_hidden_size, f1 = cfg.swiglu ? 2 * f : f;
-  for (int64_t e = 0; e < cfg.num_experts; ++e) {
-    std::string name = prefix + ".experts.local_experts." + std::to_string(e);
+  const int etp = mp.etp_size(), etp_rank = mp.etp_rank();
+  if (f % etp != 0)
+    fail("moe-ffn-hidden-size ({}) is not divisible by expert-tensor-parallel-size ({})", f, etp);
+  // The router sees only this rank's token rows under TP (see moe.h): its gradient is a
+  // partial sum over the tensor-parallel group.
+  router_weight.sequence_parallel = mp.tp_size() > 1;
+  first_local_expert_ = dispatcher_->first_local_expert();
+  for (int64_t l = 0; l < dispatcher_->num_local_experts(); ++l) {
+    // Megatron's checkpoints name experts by their global index.
+    std::string name =
+        prefix + ".experts.local_experts." + std::to_string(first_local_expert_ + l);
     Expert ex;
-    ex.fc1_weight = make_param(name + ".linear_fc1.weight", {f1, h}, cfg.init_method_std, seed, where);
-    ex.fc2_weight = make_param(name + ".linear_fc2.weight", {h, f}, output_std, seed, where);
+    // Column-parallel fc1 (each SwiGLU half split), row-parallel fc2 over etp; the values
+    // are the one-rank expert's slices.
+    ex.fc1_weight = make_param_sharded(name + ".linear_fc1.weight", {f1, h}, cfg.init_method_std,
+                                       seed, where, 0, etp_rank, etp, cfg.swiglu);
+    ex.fc2_weight = make_param_sharded(name + ".linear_fc2.weight", {h, f}, output_std, seed,
+                                       where, 1, etp_rank, etp);
     if (!cfg.disable_bias_linear) {
-      ex.fc1_bias = make_constant_param(name + ".linear_fc1.bias", {f1}, 0.0f, true, where);
+      ex.fc1_bias = make_constant_param(name + ".linear_fc1.bias", {f1 / etp}, 0.0f, true, where);
+      if (etp > 1) {  // zeros: the slice is zeros too
+        ex.fc1_bias.tp_split_dim = 0;
+        ex.fc1_bias.swiglu_halves = cfg.swiglu;
+        ex.fc1_bias.full_shape = {f1};
+      }
       ex.fc2_bias = make_constant_param(name + ".linear_fc2.bias", {h}, 0.0f, true, where);
     }
     for (Param* param : {&ex.fc1_weight, &ex.fc2_weight, &ex.fc1_bias, &ex.fc2_bias})
@@ -30,6 +51,8 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
     experts.push_back(std::move(ex));
   }
 }
+
+bool MoELayer::splits_rows() const { return mp_.tp_size() > 1 && !mp_.sequence_parallel; }
 
 std::vector<Tensor> MoELayer::expert_weights(Param Expert::*w) const {
   std::vector<Tensor> out;
@@ -47,7 +70,7 @@ void MoELayer::expert_bias_forward(Tensor& y, Param Expert::*bias) {
   if (cfg_.disable_bias_linear) return;
   int64_t start = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
-    int64_t n = last_tokens_per_expert[e];
+    int64_t n = last_tokens_per_local_expert[e];
     if (n > 0) {
       Tensor rows = y.rows(start, n);
       ops::bias_add_(rows, (experts[e].*bias).weight);
@@ -60,7 +83,7 @@ void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias) {
   if (cfg_.disable_bias_linear) return;
   int64_t start = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
-    int64_t n = last_tokens_per_expert[e];
+    int64_t n = last_tokens_per_local_expert[e];
     if (n > 0) ops::bias_backward(dy.rows(start, n), (experts[e].*bias).main_grad);
     start += n;
   }
@@ -73,7 +96,39 @@ Tensor MoELayer::expert_activation() const {
   return act;
 }
 
-Tensor MoELayer::forward(const Tensor& x, const ForwardContext& ctx) {
+float MoELayer::aux_loss_forward() {
+  const int64_t tokens = logits_.dim(0), num_experts = cfg_.num_experts;
+  const int k = int(cfg_.moe_router_topk);
+  aux_scores_ = Tensor::empty({tokens, num_experts}, DType::F32, logits_.device());
+  aux_counts_ = Tensor::empty({num_experts}, DType::F32, logits_.device());
+  const float local =
+      ops::moe_aux_loss_forward(logits_, k, cfg_.moe_aux_loss_coeff, aux_scores_, aux_counts_);
+  const dist::Group& group = mp_.tp_cp();
+  if (group.size() == 1) return local;
+  // Megatron's aux_loss: tokens_per_expert summed over the TP x CP group and
+  // T = local tokens x its size, with this rank's scores:
+  //   coeff * E / (k (T S)^2) * sum_e (sum_t scores[t, e]) * tokens_per_expert[e].
+  mp_.comm->all_reduce(aux_counts_, group);
+  const double size = double(group.size());
+  Tensor weighted = Tensor::empty({tokens, 1}, DType::F32, logits_.device());
+  ops::gemm(aux_scores_, false, aux_counts_.view({num_experts, 1}), false, weighted);
+  const double aux = double(cfg_.moe_aux_loss_coeff) * double(num_experts) /
+                     (double(k) * double(tokens) * double(tokens) * size * size) *
+                     ops::sum(weighted);
+  // moe_aux_loss_backward divides by the local T^2: counts / S^2 give the factor above.
+  ops::scale_(aux_counts_, float(1.0 / (size * size)));
+  return float(aux);
+}
+
+Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
+  Tensor x = x_in;
+  if (splits_rows()) {
+    const int64_t tp = mp_.tp_size();
+    MEGATON_CHECK(x_in.dim(0) % tp == 0,
+                  "MoE layer: {} token rows are not divisible by tensor-parallel size {}",
+                  x_in.dim(0), tp);
+    x = x_in.rows(mp_.tp_rank() * (x_in.dim(0) / tp), x_in.dim(0) / tp);
+  }
   int64_t tokens = x.dim(0), hidden = x.dim(1), num_experts = cfg_.num_experts;
   int k = int(cfg_.moe_router_topk);
   Device dev = x.device();
@@ -84,67 +139,60 @@ Tensor MoELayer::forward(const Tensor& x, const ForwardContext& ctx) {
   probs_ = Tensor::empty({tokens, k}, DType::F32, dev);
   indices_ = Tensor::empty({tokens, k}, DType::I32, dev);
   ops::moe_topk_softmax_forward(logits_, k, cfg_.moe_router_pre_softmax, probs_, indices_);
-  last_aux_loss = 0.0f;
-  if (cfg_.use_aux_loss()) {
-    aux_scores_ = Tensor::empty({tokens, num_experts}, DType::F32, dev);
-    aux_counts_ = Tensor::empty({num_experts}, DType::F32, dev);
-    last_aux_loss =
-        ops::moe_aux_loss_forward(logits_, k, cfg_.moe_aux_loss_coeff, aux_scores_, aux_counts_);
-  }
+  last_aux_loss = cfg_.use_aux_loss() ? aux_loss_forward() : 0.0f;
 
-  int64_t rows = tokens * k;
-  permuted_ = empty_like(x, {rows, hidden});
-  row_id_map_ = Tensor::empty({rows}, DType::I32, dev);
-  Tensor counts = Tensor::empty({num_experts}, DType::I64, dev);
-  ops::moe_permute(x, indices_, int(num_experts), permuted_, row_id_map_, counts);
-  // The grouped GEMMs need the group sizes on the host (as Megatron's dropless MoE does).
-  Tensor host_counts = counts.to(Device::CPU);
-  last_tokens_per_expert.assign(host_counts.i64(), host_counts.i64() + num_experts);
-
+  // The copies routed to this rank's experts, grouped by local expert.
+  expert_in_ = dispatcher_->dispatch(x, probs_, indices_);
+  last_tokens_per_local_expert = dispatcher_->tokens_per_local_expert();
+  const int64_t rows = expert_in_.dim(0);
   fc1_out_ = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
-  ops::grouped_gemm(permuted_, expert_weights(&Expert::fc1_weight), true, fc1_out_,
-                    last_tokens_per_expert);
+  ops::grouped_gemm(expert_in_, expert_weights(&Expert::fc1_weight), true, fc1_out_,
+                    last_tokens_per_local_expert);
   expert_bias_forward(fc1_out_, &Expert::fc1_bias);
-  expert_out_ = empty_like(x, {rows, hidden});
-  ops::grouped_gemm(expert_activation(), expert_weights(&Expert::fc2_weight), true, expert_out_,
-                    last_tokens_per_expert);
-  expert_bias_forward(expert_out_, &Expert::fc2_bias);
+  Tensor expert_out = empty_like(x, {rows, hidden});
+  ops::grouped_gemm(expert_activation(), expert_weights(&Expert::fc2_weight), true, expert_out,
+                    last_tokens_per_local_expert);
+  // Row-parallel fc2: the partial outputs are summed over etp, the bias counted once.
+  if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias);
 
-  Tensor out = empty_like(x, {tokens, hidden});
-  ops::moe_unpermute(expert_out_, row_id_map_, probs_, out);
-  return out;
+  Tensor out = dispatcher_->combine(expert_out);
+  return splits_rows() ? gather_sequence(out, mp_) : out;
 }
 
-Tensor MoELayer::backward(const Tensor& dy) {
-  int64_t tokens = dy.dim(0), hidden = dy.dim(1), num_experts = cfg_.num_experts;
-  int64_t rows = expert_out_.dim(0);
+Tensor MoELayer::backward(const Tensor& dy_in) {
+  Tensor dy = dy_in;
+  if (splits_rows()) {  // dy is whole on every TP rank: this rank's block of it
+    const int64_t tp = mp_.tp_size();
+    dy = dy_in.rows(mp_.tp_rank() * (dy_in.dim(0) / tp), dy_in.dim(0) / tp);
+  }
+  int64_t tokens = dy.dim(0), num_experts = cfg_.num_experts;
   int k = int(cfg_.moe_router_topk);
-  Tensor dexpert_out = empty_like(dy, {rows, hidden});
-  Tensor dprobs = Tensor::empty({tokens, k}, DType::F32, dy.device());
-  ops::moe_unpermute_backward(dy, expert_out_, row_id_map_, probs_, dexpert_out, dprobs);
+  Tensor dprobs;
+  Tensor dexpert_out = dispatcher_->combine_backward(dy, dprobs);
 
-  // linear_fc2 of every expert; its input, the activation, is recomputed (not kept).
+  // linear_fc2 of every local expert; its input, the activation, is recomputed (not kept).
   Tensor act = expert_activation();
   Tensor dact = empty_like(dy, act.shape());
   ops::grouped_gemm(dexpert_out, expert_weights(&Expert::fc2_weight), false, dact,
-                    last_tokens_per_expert);
+                    last_tokens_per_local_expert);
   std::vector<Tensor> fc2_grads = expert_grads(&Expert::fc2_weight);
-  ops::grouped_gemm_wgrad(dexpert_out, act, fc2_grads, last_tokens_per_expert);
+  ops::grouped_gemm_wgrad(dexpert_out, act, fc2_grads, last_tokens_per_local_expert);
   act = Tensor();
+  // dexpert_out is whole on every ETP rank: each computes the same fc2 bias gradient.
   expert_bias_backward(dexpert_out, &Expert::fc2_bias);
   // activation and linear_fc1.
   Tensor dfc1 = empty_like(dy, fc1_out_.shape());
   if (cfg_.swiglu) ops::swiglu_backward(dact, fc1_out_, dfc1);
   else ops::gelu_backward(dact, fc1_out_, dfc1);
-  Tensor dpermuted = empty_like(dy, permuted_.shape());
-  ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dpermuted,
-                    last_tokens_per_expert);
+  Tensor dexpert_in = empty_like(dy, expert_in_.shape());
+  ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dexpert_in,
+                    last_tokens_per_local_expert);
   std::vector<Tensor> fc1_grads = expert_grads(&Expert::fc1_weight);
-  ops::grouped_gemm_wgrad(dfc1, permuted_, fc1_grads, last_tokens_per_expert);
+  ops::grouped_gemm_wgrad(dfc1, expert_in_, fc1_grads, last_tokens_per_local_expert);
   expert_bias_backward(dfc1, &Expert::fc1_bias);
+  dfc1 = Tensor();
 
-  Tensor dx = empty_like(dy, {tokens, hidden});
-  ops::moe_permute_backward(dpermuted, row_id_map_, k, dx);
+  Tensor dx = dispatcher_->dispatch_backward(dexpert_in);
 
   // Router: probabilities and the injected aux-loss gradient, then the gating linear.
   Tensor dlogits = Tensor::empty({tokens, num_experts}, DType::F32, dy.device());
@@ -160,9 +208,8 @@ Tensor MoELayer::backward(const Tensor& dy) {
   }
   ops::gemm(dlogits_compute, false, router_weight.weight, false, dx, 1.0f, 1.0f);
   ops::gemm(dlogits_compute, true, x_, false, router_weight.main_grad, 1.0f, 1.0f);
-  x_ = logits_ = probs_ = indices_ = row_id_map_ = permuted_ = fc1_out_ = expert_out_ =
-      aux_scores_ = aux_counts_ = Tensor();
-  return dx;
+  x_ = logits_ = probs_ = indices_ = expert_in_ = fc1_out_ = aux_scores_ = aux_counts_ = Tensor();
+  return splits_rows() ? gather_sequence(dx, mp_) : dx;
 }
 
 void MoELayer::collect_params(std::vector<Param*>& out) {

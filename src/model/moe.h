@@ -1,9 +1,11 @@
 // MoELayer: Megatron's top-k router, token permutation, grouped expert MLPs, weighted combine.
 #pragma once
+#include <memory>
 #include <vector>
 
 #include "model/layers.h"
 #include "model/parallel.h"
+#include "model/token_dispatcher.h"
 
 namespace megaton {
 
@@ -11,45 +13,77 @@ namespace megaton {
 // fp32; top-k; probabilities from moe_topk_softmax; the aux_loss load-balancing loss
 // (switch_load_balancing_loss_func) when configured, whose gradient is injected in
 // backward scaled by aux_grad_scale (MoEAuxLossAutoScaler: 1 / micro-batches).
-// Experts run as grouped GEMMs over the tokens sorted by expert (one call for all
-// experts, Megatron's GroupedMLP); their parameters keep SequentialMLP's names,
-// "<prefix>.experts.local_experts.<e>.linear_fc1/.linear_fc2".
+// Experts run as grouped GEMMs over the tokens sorted by expert (one call for all local
+// experts, Megatron's GroupedMLP); their parameters keep SequentialMLP's names with the
+// global expert index, "<prefix>.experts.local_experts.<e>.linear_fc1/.linear_fc2".
+//
+// Parallelism (mp):
+// - expert parallel (ep): this rank builds experts ep_rank * E/ep .. + E/ep - 1 only; a
+//   token dispatcher (mp.dispatcher: all-to-all or all-gather, token_dispatcher.h) moves
+//   the routed token copies to the ranks of their experts and back. The router weight is
+//   replicated (a dense parameter).
+// - expert tensor parallel (etp): linear_fc1 column-parallel (each rank holds its slice of
+//   the gate and of the up half with SwiGLU), linear_fc2 row-parallel; the dispatcher
+//   all-gathers the copies over etp before the experts and reduce-scatters the outputs.
+//   The fc2 bias is added on etp rank 0 only (the reduction then adds it once).
+// - tensor parallel (tp > 1): the layer works on this rank's block of T / tp token rows,
+//   the rows it holds under sequence parallelism. Without sequence parallelism (every TP
+//   rank holds all T rows; Megatron refuses MoE training there) it takes its block of the
+//   rows and all-gathers the output over TP, and the input gradient likewise. The router
+//   weight is then fed by this rank's rows only: Param::sequence_parallel (its gradient is
+//   summed over TP after backward). The aux loss counts tokens per expert over the TP x CP
+//   group (Megatron's aux_loss with its tp_cp group): each rank's last_aux_loss is its
+//   share, and their sum over TP x CP is the loss of the group's tokens.
 class MoELayer {
  public:
+  // Throws megaton::Error when moe_ffn_hidden_size is not divisible by the
+  // expert-tensor-parallel size (and InternalError when num_experts is not divisible by ep,
+  // which the layout checks reject first).
   MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t seed,
            const ModelParallel& mp = {});
-  // x [T, H] -> [T, H].
+  // x [T, H] -> [T, H] (T: this rank's token rows, compute dtype). Collective over the
+  // expert groups (and tp, tp_cp when they have more than one rank).
   Tensor forward(const Tensor& x, const ForwardContext& ctx);
+  // dy [T, H] -> dx [T, H]; accumulates the main_grad of the router and the local experts
+  // (zero for an expert that received no token).
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
 
   // Scale of the aux-loss gradient for the next backward (set by the trainer).
   float aux_grad_scale = 1.0f;
-  // Aux loss of the last forward (including its coefficient), 0 when disabled.
+  // Aux loss of the last forward (including its coefficient), 0 when disabled. Under
+  // tensor parallelism this rank's share (see above).
   float last_aux_loss = 0.0f;
-  // Tokens routed to each expert in the last forward (host copy).
-  std::vector<int64_t> last_tokens_per_expert;
+  // Rows the last forward gave each local expert (all ranks' copies routed to it; host).
+  std::vector<int64_t> last_tokens_per_local_expert;
 
   struct Expert {
     Param fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases absent with disable_bias_linear
   };
   Param router_weight;  // [E, H], "<prefix>.router.weight"
-  std::vector<Expert> experts;
+  std::vector<Expert> experts;  // the local experts, in global order
+  int64_t first_local_expert() const { return first_local_expert_; }
 
  private:
   // Adds (forward) or reduces (backward) each expert's bias on its rows.
   void expert_bias_forward(Tensor& y, Param Expert::*bias);
   void expert_bias_backward(const Tensor& dy, Param Expert::*bias);
-  // SwiGLU/GeLU of fc1_out_ ([rows, ffn]); computed in forward and again in backward
+  // SwiGLU/GeLU of fc1_out_ ([rows, ffn / etp]); computed in forward and again in backward
   // instead of being kept (saves rows x ffn activations per layer).
   Tensor expert_activation() const;
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
+  // The aux loss of logits_ with the token counts summed over TP x CP (sets aux_scores_,
+  // aux_counts_ for backward).
+  float aux_loss_forward();
+  // Without sequence parallelism under TP: the layer runs on block tp_rank of the rows.
+  bool splits_rows() const;
 
   const GPTConfig& cfg_;
   ModelParallel mp_;
-  Tensor x_, logits_, probs_, indices_, row_id_map_, permuted_, fc1_out_, expert_out_,
-      aux_scores_, aux_counts_;
+  int64_t first_local_expert_ = 0;
+  std::unique_ptr<MoETokenDispatcher> dispatcher_;
+  Tensor x_, logits_, probs_, indices_, expert_in_, fc1_out_, aux_scores_, aux_counts_;
 };
 
 }  // namespace megaton

@@ -34,6 +34,11 @@ struct Param {
   // (norm weights and the router under --sequence-parallel): the gradient is summed over
   // the tensor-parallel group after backward (Megatron's sequence_parallel attribute).
   bool sequence_parallel = false;
+  // A second copy of a tied weight: the word embeddings that the last pipeline stage keeps
+  // for its output layer. Its gradient is summed with the first stage's, so it is left out
+  // of the grad norm and of checkpoints, where the first stage's copy stands for both
+  // (Megatron's `shared` attribute, param_is_not_shared).
+  bool shared = false;
 };
 
 }  // namespace megaton

@@ -150,6 +150,41 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& l
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& dlogits);
 
+// ---- vocab-parallel embedding and cross entropy (ops/cpu/vocab_parallel.cpp) ----
+// Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy: a tensor-parallel
+// rank holds vocabulary rows [vocab_start, vocab_start + V_local) of the embedding table
+// and of the output layer; token ids and labels are global ids in [0, V).
+// out[t, :] = table[ids[t] - vocab_start, :] when vocab_start <= ids[t] < vocab_start +
+// V_local, else 0 (the TP all-reduce or reduce-scatter of the outputs then yields the
+// full lookup). ids [T] int32, ids[t] >= 0; table [V_local, H]; out [T, H]; dtypes as
+// embedding_forward.
+void embedding_forward_vocab_range(const Tensor& ids, const Tensor& table, int64_t vocab_start,
+                                   Tensor& out);
+// dtable[ids[t] - vocab_start, :] += dout[t, :] for the ids in this rank's range.
+void embedding_backward_vocab_range(const Tensor& dout, const Tensor& ids, int64_t vocab_start,
+                                    Tensor& dtable);
+// Per-row statistics of this rank's logits shard [T, V_local] (fp32 or bf16), all fp32
+// [T]: row_max[t] = max_v logits[t, v]; sum_exp[t] = sum_v exp(logits[t, v] - row_max[t]);
+// target_logit[t] = logits[t, labels[t] - vocab_start] when the label is in this rank's
+// range, else 0. labels [T] int32 global ids.
+void cross_entropy_partial_stats(const Tensor& logits, const Tensor& labels,
+                                 int64_t vocab_start, Tensor& row_max, Tensor& sum_exp,
+                                 Tensor& target_logit);
+// sum_exp[t] *= exp(row_max[t] - global_max[t]), in place (global_max: the TP all-reduce
+// MAX of row_max), so that the TP all-reduce SUM of sum_exp is sum_v exp(logit - max).
+void cross_entropy_rescale_sum_exp(const Tensor& row_max, const Tensor& global_max,
+                                   Tensor& sum_exp);
+// lse[t] = global_max[t] + log(sum_exp[t]); losses[t] = lse[t] - target_logit[t] (the
+// reduced statistics). All fp32 [T].
+void cross_entropy_finish(const Tensor& global_max, const Tensor& sum_exp,
+                          const Tensor& target_logit, Tensor& losses, Tensor& lse);
+// dlogits[t, v] = dlosses[t] * (exp(logits[t, v] - lse[t]) - [v + vocab_start ==
+// labels[t]]) on this rank's shard, lse the global log-sum-exp; overwritten, may alias
+// logits. vocab_start 0 with the full vocabulary is cross_entropy_backward.
+void cross_entropy_backward_vocab_range(const Tensor& dlosses, const Tensor& logits,
+                                        const Tensor& labels, const Tensor& lse,
+                                        int64_t vocab_start, Tensor& dlogits);
+
 // ---- MoE routing (ops/cpu/moe_route.cpp); Megatron-LM transformer/moe/router.py ----
 // Top-k routing with softmax scores. logits [T, E]; probs [T, k]; indices [T, k] int32,
 // each row's experts in descending score order (ties: lower expert index first).

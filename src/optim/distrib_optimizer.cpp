@@ -16,20 +16,20 @@ const dist::Group& DistributedAdamW::group_of(const ParamAndGradBuffer& b) const
   return b.is_expert() ? grid_.edp() : grid_.dp_cp();
 }
 
-DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer>& buffers,
+DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
                                    const dist::Grid& grid, dist::Comm& comm, AdamWConfig config,
                                    bool distributed)
-    : buffers_(buffers), grid_(grid), comm_(comm), distributed_(distributed) {
+    : buffers_(std::move(buffers)), grid_(grid), comm_(comm), distributed_(distributed) {
   std::vector<Param*> targets;
   if (!distributed_) {
-    for (ParamAndGradBuffer& b : buffers_)
+    for (ParamAndGradBuffer& b : each_buffer())
       for (Param* p : b.params()) targets.push_back(p);
     adam_ = std::make_unique<AdamW>(targets, config);
     return;
   }
   // One AdamW param per piece of a model param inside this rank's shard of each buffer.
   size_t count = 0;
-  for (ParamAndGradBuffer& b : buffers_) {
+  for (ParamAndGradBuffer& b : each_buffer()) {
     const dist::Group& g = group_of(b);
     MEGATON_CHECK(b.num_shards() == g.size(), "buffer of {} shards for group {}", b.num_shards(),
                   g.describe());
@@ -37,7 +37,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer>& buffers,
   }
   shard_params_.reserve(count);  // AdamW keeps pointers into it
   for (size_t bi = 0; bi < buffers_.size(); ++bi) {
-    ParamAndGradBuffer& b = buffers_[bi];
+    ParamAndGradBuffer& b = *buffers_[bi];
     const dist::Group& g = group_of(b);
     for (const BufferPiece& piece :
          b.pieces(g.rank * b.shard_numel(), (g.rank + 1) * b.shard_numel())) {
@@ -62,7 +62,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer>& buffers,
     }
   }
   // The full fp32 main params are not needed any more: only this rank's shard is updated.
-  for (ParamAndGradBuffer& b : buffers_)
+  for (ParamAndGradBuffer& b : each_buffer())
     for (Param* p : b.params())
       if (p->main_param.raw() != p->weight.raw()) p->main_param = Tensor();
   for (Param& sp : shard_params_) targets.push_back(&sp);
@@ -70,10 +70,18 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer>& buffers,
 }
 
 void DistributedAdamW::reduce_gradients() {
-  for (ParamAndGradBuffer& b : buffers_) {
+  // Megatron's DistributedDataParallel: every buffer is summed over its group and scaled by
+  // 1 / the dense data-parallel size, expert buffers too (expert_gradient_scaling_factor).
+  // An expert's gradient already sums the tokens of the ranks of its expert-model-parallel
+  // group, which belong to different data-parallel ranks, so the mean over edp would
+  // be wrong as soon as ep (or etp < tp) makes edp differ from dp x cp.
+  const float mean = 1.0f / float(grid_.dp_cp().size());
+  for (ParamAndGradBuffer& b : each_buffer()) {
     const dist::Group& g = group_of(b);
-    if (g.size() == 1) continue;
-    const float mean = 1.0f / float(g.size());
+    if (g.size() == 1) {
+      if (mean != 1.0f) ops::scale_(b.grads(), mean);
+      continue;
+    }
     if (!distributed_) {
       comm_.all_reduce(b.grads(), g);
       ops::scale_(b.grads(), mean);
@@ -87,13 +95,27 @@ void DistributedAdamW::reduce_gradients() {
   }
 }
 
+bool DistributedAdamW::counts_in_norm(const Param& p) const {
+  // A param replicated over its tensor-parallel group counts on that group's rank 0 only.
+  const dist::Group& tp = p.is_expert ? grid_.etp() : grid_.tp();
+  // The last stage's copy of tied embeddings counts on the first stage (its twin).
+  return !p.shared && (p.tp_split_dim >= 0 || tp.rank <= 0);
+}
+
 double DistributedAdamW::grad_norm() {
-  double sum_sq = 0;
-  for (ParamAndGradBuffer& b : buffers_) {
-    const dist::Group& g = group_of(b);
-    if (distributed_) sum_sq += ops::sum_of_squares(b.grad_shard(g.rank));
-    else if (g.rank == 0) sum_sq += ops::sum_of_squares(b.grads());  // padding is zero
+  // Each distinct gradient element once: data-parallel replicas on rank 0 of the group
+  // (or each shard on its owner), tensor-parallel replicas on TP rank 0.
+  std::vector<Tensor> grads;
+  if (distributed_) {
+    for (size_t i = 0; i < shard_params_.size(); ++i)
+      if (counts_in_norm(*shard_pieces_[i].param)) grads.push_back(shard_params_[i].main_grad);
+  } else {
+    for (ParamAndGradBuffer& b : each_buffer())
+      if (group_of(b).rank == 0)
+        for (Param* p : b.params())
+          if (counts_in_norm(*p)) grads.push_back(p->main_grad);
   }
+  const double sum_sq = grads.empty() ? 0.0 : ops::multi_tensor_sum_of_squares(grads);
   // Every rank's partial sum, added in rank order: the same fp64 result everywhere.
   return std::sqrt(dist::sum_over(comm_, grid_.world(), {sum_sq})[0]);
 }
@@ -101,7 +123,7 @@ double DistributedAdamW::grad_norm() {
 void DistributedAdamW::step(float lr, float grad_scale) {
   adam_->step(lr, grad_scale);
   if (!distributed_) return;
-  for (ParamAndGradBuffer& b : buffers_) {
+  for (ParamAndGradBuffer& b : each_buffer()) {
     const dist::Group& g = group_of(b);
     if (g.size() == 1) continue;
     Tensor mine = b.weight_shard(g.rank).clone();
@@ -114,10 +136,10 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   auto state = adam_->state_tensors();  // exp_avg, exp_avg_sq of each AdamW param in order
   if (!distributed_) {
     size_t index = 0;  // AdamW param index: the buffers' params in order
-    for (ParamAndGradBuffer& b : buffers_) {
+    for (ParamAndGradBuffer& b : each_buffer()) {
       const bool writer = group_of(b).rank == 0;
       for (Param* p : b.params()) {
-        if (writer) {
+        if (writer && !p->shared) {
           const Tensor& main = p->main_param.defined() ? p->main_param : p->weight;
           model_out.emplace_back("model." + p->name, main);
           optim_out.emplace_back("optimizer." + state[2 * index].first, *state[2 * index].second);
@@ -131,7 +153,7 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
     // Each buffer's full main params and moments: every rank writes its pieces into
     // zeroed buffers and a sum over the group assembles them (x + 0 = x exactly).
     for (size_t bi = 0; bi < buffers_.size(); ++bi) {
-      ParamAndGradBuffer& b = buffers_[bi];
+      ParamAndGradBuffer& b = *buffers_[bi];
       const dist::Group& g = group_of(b);
       std::array<Tensor, 3> full;  // main, exp_avg, exp_avg_sq
       for (Tensor& t : full) t = Tensor::zeros({b.numel()}, DType::F32, b.grads().device());
@@ -146,6 +168,7 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
       if (g.rank != 0) continue;
       for (size_t k = 0; k < b.params().size(); ++k) {
         const Param* p = b.params()[k];
+        if (p->shared) continue;  // the first pipeline stage writes the tied embeddings
         auto slice = [&](const Tensor& t) {
           return t.rows(b.offset(k), p->weight.numel()).view(p->weight.shape());
         };
@@ -171,7 +194,7 @@ void DistributedAdamW::load_full_state(
     return *t;
   };
   // Weights (every rank holds all of them) and, replicated, the main params.
-  for (ParamAndGradBuffer& b : buffers_)
+  for (ParamAndGradBuffer& b : each_buffer())
     for (Param* p : b.params()) {
       const Tensor& full = get("model." + p->name, p->weight.shape());
       if (p->main_param.defined()) {

@@ -5,6 +5,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <ranges>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,22 +19,27 @@ namespace megaton::optim {
 
 class DistributedAdamW {
  public:
-  // buffers: the model's ParamAndGradBuffers (dense, then expert), whose shard counts must
-  // be the data-parallel sizes when `distributed` (--use-distributed-optimizer), else 1.
+  // buffers: the ParamAndGradBuffers of every model chunk of this rank (each chunk's
+  // dense, then expert; they must outlive the optimizer), whose shard counts must be the
+  // data-parallel sizes when `distributed` (--use-distributed-optimizer), else 1.
   // Dense buffers reduce over the grid's dp_cp group, expert buffers over edp. With
   // `distributed`, the fp32 main params outside this rank's shard are released
   // (Param::main_param becomes undefined in bf16 runs; fp32 runs keep the weight itself).
-  DistributedAdamW(std::vector<ParamAndGradBuffer>& buffers, const dist::Grid& grid,
+  DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
                    dist::Comm& comm, AdamWConfig config, bool distributed);
 
   // After the last micro-batch's backward: every main_grad (or, distributed, this
-  // rank's shard of each buffer) becomes the mean over its data-parallel group.
+  // rank's shard of each buffer) becomes the sum over its data-parallel group (dense:
+  // dp_cp, expert: edp) divided by the dp_cp size: for dense parameters the mean over the
+  // data-parallel ranks; for experts, whose gradients already add the tokens of several
+  // data-parallel ranks (expert parallelism), the same mean over the global batch
+  // (Megatron's expert_gradient_scaling_factor).
   void reduce_gradients();
 
   // L2 norm of the reduced gradients over the whole model, each distinct element counted
   // once: a replicated gradient only on data-parallel rank 0 of its group (replicated
-  // update), a shard on its owner (distributed). Sums over the world. NaN/inf when any
-  // element is.
+  // update), a shard on its owner (distributed); the last pipeline stage's copy of tied
+  // embeddings (Param::shared) never. Sums over the world. NaN/inf when any element is.
   double grad_norm();
 
   // AdamW with learning rate lr, gradients times grad_scale (clipping), then (distributed)
@@ -46,7 +52,8 @@ class DistributedAdamW {
   // Full fp32 tensors (not sharded over data-parallel ranks) for a checkpoint:
   // "model.<name>" (main params) then "optimizer.<name>.exp_avg" / ".exp_avg_sq", of the
   // params this rank writes: those of buffers where it is rank 0 of the data-parallel
-  // group (the others return none for them). Collective over the data-parallel groups.
+  // group (the others return none for them), except Param::shared copies, written by the
+  // first pipeline stage. Collective over the data-parallel groups.
   std::vector<std::pair<std::string, Tensor>> full_state();
   // Loads full tensors (from a checkpoint; names as in full_state) into this rank's main
   // params, weights and Adam state. `optimizer_state`: also the Adam moments. Throws
@@ -56,8 +63,16 @@ class DistributedAdamW {
 
  private:
   const dist::Group& group_of(const ParamAndGradBuffer& b) const;
+  // Whether this rank counts p's gradient in the grad norm (tensor-parallel replicas once).
+  bool counts_in_norm(const Param& p) const;
 
-  std::vector<ParamAndGradBuffer>& buffers_;
+  // The buffers as references, for range-for loops.
+  auto each_buffer() const {
+    return std::views::transform(buffers_,
+                                 [](ParamAndGradBuffer* b) -> ParamAndGradBuffer& { return *b; });
+  }
+
+  std::vector<ParamAndGradBuffer*> buffers_;
   const dist::Grid& grid_;
   dist::Comm& comm_;
   bool distributed_;

@@ -1,5 +1,6 @@
 // Option table, YAML reading and conversion to TrainArgs.
 #include "train/arguments.h"
+#include "train/pipeline_schedule.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -381,7 +382,13 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
   r.num_query_groups = m.group_query_attention && m.num_query_groups > 0 ? m.num_query_groups
                                                                          : m.num_attention_heads;
   r.num_experts = m.num_experts;
-  return dist::validate_layout(r);
+  dist::ValidatedLayout layout = dist::validate_layout(r);
+  // The interleaved schedule's micro-batch groups (the trainer checks the batch split).
+  const int64_t per_step = a.micro_batch_size * layout.sizes.dp;
+  if (per_step > 0 && a.global_batch_size % per_step == 0)
+    check_interleaved_micro_batches(a.global_batch_size / per_step, layout.sizes.pp,
+                                    layout.sizes.vpp.value_or(1));
+  return layout;
 }
 
 double comm_timeout_s(const ParallelArgs& p) {

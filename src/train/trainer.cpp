@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/checkpoint.h"
@@ -16,6 +17,8 @@
 #include "dist/gather.h"
 #include "dist/host_reduce.h"
 #include "dist/runtime.h"
+#include "model/tensor_parallel.h"
+#include "train/tensor_parallel_ckpt.h"
 #include "ops/ops.h"
 #include "ops/profiler.h"
 #include "optim/clip_grad.h"
@@ -23,6 +26,7 @@
 #include "data/mock_dataset.h"
 #include "train/flops.h"
 #include "train/generate.h"
+#include "train/pipeline_schedule.h"
 
 namespace megaton {
 
@@ -39,6 +43,8 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   ops::profile_check_environment();  // before anything is built or written
   tokenizer_ = data::make_tokenizer(args_.tokenizer_type, args_.tokenizer_model, args_.vocab_size);
   args_.model.vocab_size = tokenizer_->vocab_size();
+  // The vocabulary padding depends on the tensor-parallel size (Megatron).
+  args_.model.tensor_model_parallel_size = args_.parallel.tensor_model_parallel_size;
   args_.model.finalize();
   int64_t gbs = args_.global_batch_size;
   std::array<int64_t, 3> num_samples = {args_.train_iters * gbs, args_.eval_iters * gbs,
@@ -55,12 +61,11 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   const int64_t world = dist::world_size();
   const dist::ValidatedLayout layout = check_parallel_layout(args_, world);
   const dist::ParallelSizes& sizes = layout.sizes;
-  if (sizes.tp > 1 || sizes.pp > 1 || sizes.ep > 1 || sizes.etp > 1)
-    fail("tensor, pipeline and expert parallelism are not implemented yet (tp {} pp {} ep {} "
-         "etp {}); use data parallelism", sizes.tp, sizes.pp, sizes.ep, sizes.etp);
   if (gbs % (args_.micro_batch_size * sizes.dp) != 0)
     fail("global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "
          "size ({})", gbs, args_.micro_batch_size, sizes.dp);
+  const int64_t vpp = sizes.vpp.value_or(1);  // model chunks per pipeline rank
+  check_interleaved_micro_batches(gbs / (args_.micro_batch_size * sizes.dp), sizes.pp, vpp);
   grid_ = std::make_unique<dist::Grid>(sizes, world, dist::world_rank());
   dist::Grid::set_current(*grid_);
   comm_ = dist::make_comm(args_.model.device);
@@ -74,12 +79,52 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   mp.dispatcher = args_.parallel.moe_token_dispatcher_type == "alltoall"
                       ? TokenDispatcher::AllToAll
                       : TokenDispatcher::AllGather;
-  model_ = std::make_unique<GPTModel>(args_.model, args_.seed, mp,
-                                      distributed ? grid_->dp_cp().size() : 1,
-                                      distributed ? grid_->edp().size() : 1);
-  optimizer_ = std::make_unique<optim::DistributedAdamW>(model_->buffers(), *grid_, *comm_,
+  // This pipeline rank's model chunks: the layers Megatron assigns to virtual stage
+  // c x pp + rank; the embedding on the first chunk of the pipeline, the loss on the last.
+  const int64_t pp_rank = grid_->pp().rank;
+  std::vector<ParamAndGradBuffer*> buffers;
+  for (int64_t c = 0; c < vpp; ++c) {
+    const ChunkLayers layers = chunk_layers(layout.layers_per_stage, vpp, pp_rank, c);
+    const PipelineChunk chunk{layers.first_layer, layers.num_layers, pp_rank == 0 && c == 0,
+                              pp_rank == sizes.pp - 1 && c == vpp - 1};
+    chunks_.push_back(std::make_unique<GPTModel>(args_.model, args_.seed, mp,
+                                                 distributed ? grid_->dp_cp().size() : 1,
+                                                 distributed ? grid_->edp().size() : 1, chunk));
+    for (ParamAndGradBuffer& b : chunks_.back()->buffers()) buffers.push_back(&b);
+  }
+  optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
                                                          args_.adam, distributed);
+  if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
   if (!args_.load.empty()) load();
+}
+
+std::vector<GPTModel*> Trainer::chunk_pointers() const {
+  std::vector<GPTModel*> out;
+  for (const auto& chunk : chunks_) out.push_back(chunk.get());
+  return out;
+}
+
+std::map<std::string, const Param*> Trainer::params_by_name() const {
+  // The tied embeddings' copy on the last stage has the first stage's name; never both on
+  // one rank (pipeline parallelism puts them on different stages).
+  std::map<std::string, const Param*> out;
+  for (const auto& chunk : chunks_)
+    for (const Param* p : chunk->params()) out[p->name] = p;
+  return out;
+}
+
+PipelineMicroBatches Trainer::pipeline_micro_batches(
+    const data::SampleSource& source, int64_t batch_start,
+    std::function<ForwardContext(int64_t)> context) const {
+  PipelineMicroBatches out;
+  out.count = local_micro_batches();
+  out.batch = args_.micro_batch_size;
+  out.seq = args_.model.seq_length;
+  out.load = [this, &source, batch_start](int64_t mb, Tensor& tokens, Tensor& labels) {
+    load_batch(source, micro_batch_start(batch_start, mb), args_.micro_batch_size, tokens, labels);
+  };
+  out.context = std::move(context);
+  return out;
 }
 
 int64_t Trainer::local_micro_batches() const {
@@ -125,16 +170,32 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
 }
 
 double Trainer::train_step(int64_t iteration, double* aux_loss) {
-  model_->zero_grad();
+  for (auto& chunk : chunks_) chunk->zero_grad();
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   const int64_t dp = grid_->dp().size();
   double loss_sum = 0, tokens_sum = 0, aux_sum = 0;
-  for (int64_t mb = 0; mb < n_mb; ++mb) {
+  if (schedule_) {
+    // Dropout masks are keyed by the global micro-batch index: the same on any layout.
+    const PipelineLosses stage = schedule_->forward_backward(
+        pipeline_micro_batches(*datasets_[0], consumed_samples_,
+                               [&](int64_t mb) {
+                                 return ForwardContext{true, args_.seed, iteration,
+                                                       mb * dp + grid_->dp().rank};
+                               }),
+        /*forward_only=*/false);
+    // The LM loss exists on the last stage, the aux losses on every stage's MoE layers.
+    const std::vector<double> pipeline_sums = dist::sum_over(
+        *comm_, grid_->pp(), {stage.loss_sum, stage.num_tokens, stage.aux_loss_sum});
+    loss_sum = pipeline_sums[0];
+    tokens_sum = pipeline_sums[1];
+    aux_sum = pipeline_sums[2];
+  }
+  for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     Tensor tokens, labels;
     load_batch(*datasets_[0], micro_batch_start(consumed_samples_, mb), mbs, tokens, labels);
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
-    MicroBatchLoss out = model_->forward(tokens, labels, ctx);
+    MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
     int64_t T = out.losses.numel();
     loss_sum += ops::sum(out.losses);
     tokens_sum += double(T);
@@ -142,13 +203,22 @@ double Trainer::train_step(int64_t iteration, double* aux_loss) {
     // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
     Tensor dlosses = Tensor::empty({T});
     dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
-    model_->backward(dlosses, 1.0f / float(n_mb));
+    chunks_[0]->backward(dlosses, 1.0f / float(n_mb));
   }
+  for (auto& chunk : chunks_)
+    all_reduce_sequence_parallel_grads(chunk->params(), chunk->model_parallel());
+  all_reduce_embedding_grads(chunk_pointers(), *grid_, *comm_);
   // The gradients become the mean over the data-parallel ranks (each rank's are the mean
   // over its micro-batches); the logged losses likewise.
   optimizer_->reduce_gradients();
+  // The LM losses are whole on every tensor-parallel rank (counted on TP rank 0), the aux
+  // losses a share per TP x CP rank (their sum is the loss of the group's tokens, as
+  // Megatron's tracker reduces them over tp_cp); both are averaged over data parallel.
+  const bool lm_counted = grid_->tp().rank == 0;
   const std::vector<double> sums =
-      dist::sum_over(*comm_, grid_->dp_cp(), {loss_sum, tokens_sum, aux_sum / double(n_mb)});
+      dist::sum_over(*comm_, grid_->tp_dp_cp(),
+                     {lm_counted ? loss_sum : 0.0, lm_counted ? tokens_sum : 0.0,
+                      aux_sum / double(n_mb)});
   *aux_loss = sums[2] / double(dp);
   return sums[0] / sums[1];
 }
@@ -159,14 +229,28 @@ double Trainer::evaluate() {
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   double loss_sum = 0, tokens_sum = 0;
   for (int64_t it = 0; it < args_.eval_iters; ++it) {
-    for (int64_t mb = 0; mb < n_mb; ++mb) {
+    if (schedule_) {
+      const PipelineLosses stage = schedule_->forward_backward(
+          pipeline_micro_batches(*valid, it * args_.global_batch_size,
+                                 [&](int64_t) { return ForwardContext{false, args_.seed, 0, 0}; }),
+          /*forward_only=*/true);
+      loss_sum += stage.loss_sum;
+      tokens_sum += stage.num_tokens;
+    }
+    for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
       Tensor tokens, labels;
       load_batch(*valid, micro_batch_start(it * args_.global_batch_size, mb), mbs, tokens, labels);
       ForwardContext ctx{false, args_.seed, 0, 0};
-      MicroBatchLoss out = model_->forward(tokens, labels, ctx);
+      MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
       loss_sum += ops::sum(out.losses);
       tokens_sum += double(out.losses.numel());
     }
+  }
+  if (schedule_) {  // the losses are on the last stage
+    const std::vector<double> pipeline_sums =
+        dist::sum_over(*comm_, grid_->pp(), {loss_sum, tokens_sum});
+    loss_sum = pipeline_sums[0];
+    tokens_sum = pipeline_sums[1];
   }
   const std::vector<double> sums = dist::sum_over(*comm_, grid_->dp_cp(), {loss_sum, tokens_sum});
   return sums[0] / sums[1];
@@ -321,8 +405,10 @@ TrainResult Trainer::train() {
 void Trainer::save(int64_t iteration) {
   // Full tensors whatever the layout, gathered and written by world rank 0, so a
   // checkpoint loads under any other layout. Collective: every rank takes part.
-  std::vector<std::pair<std::string, Tensor>> state =
-      dist::gather_named_tensors(*comm_, grid_->world(), optimizer_->full_state());
+  const std::map<std::string, const Param*> by_name = params_by_name();
+  std::vector<std::pair<std::string, Tensor>> state = dist::gather_named_tensors(
+      *comm_, grid_->world(),
+      assemble_tensor_parallel(optimizer_->full_state(), by_name, chunks_[0]->model_parallel()));
   if (!is_logging_rank()) return;
   std::vector<std::pair<std::string, Tensor>> tensors;
   nlohmann::json shapes = nlohmann::json::object();
@@ -353,10 +439,18 @@ void Trainer::save(int64_t iteration) {
 void Trainer::load() {
   ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(args_.load);
   const bool optimizer_state = !args_.finetune && !args_.no_load_optim;
+  const std::map<std::string, const Param*> by_name = params_by_name();
+  std::map<std::string, Tensor> slices;  // this rank's tensor-parallel slices, by entry
   optimizer_->load_full_state(
       [&](const std::string& name) -> const Tensor* {
         auto it = ck.tensors.find(name);
-        return it == ck.tensors.end() ? nullptr : &it->second;
+        if (it == ck.tensors.end()) return nullptr;
+        const Param* p = param_of_entry(name, by_name);
+        if (!p || p->tp_split_dim < 0) return &it->second;
+        if (it->second.shape() != p->full_shape) return &it->second;  // misshapen: reported
+        auto [slice, fresh] = slices.try_emplace(name);
+        if (fresh) slice->second = tensor_parallel_slice(it->second, *p, chunks_[0]->model_parallel());
+        return &slice->second;
       },
       ck.path, optimizer_state);
   auto meta = nlohmann::json::parse(ck.metadata_json);

@@ -1,6 +1,8 @@
 // Trainer: the training loop (data -> forward/backward -> clip -> AdamW -> log/eval/save).
 #pragma once
 #include <array>
+#include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "model/gpt.h"
 #include "optim/distrib_optimizer.h"
 #include "train/arguments.h"
+#include "train/pipeline_schedule.h"
 
 namespace megaton {
 
@@ -34,10 +37,19 @@ class Trainer {
   // Mean lm loss over eval_iters global batches of the validation split (no dropout),
   // over all data-parallel ranks.
   double evaluate();
-  GPTModel& model() { return *model_; }
+  // The model (under pipeline parallelism: this rank's first model chunk).
+  GPTModel& model() { return *chunks_[0]; }
 
  private:
   void build_datasets(const std::array<int64_t, 3>& num_samples);
+  std::vector<GPTModel*> chunk_pointers() const;
+  // Every param of this rank's chunks by name (checkpoint entries -> params).
+  std::map<std::string, const Param*> params_by_name() const;
+  // The pipeline schedule's view of the global batch starting at sample batch_start of
+  // `source` (this data-parallel rank's micro-batches).
+  PipelineMicroBatches pipeline_micro_batches(const data::SampleSource& source,
+                                              int64_t batch_start,
+                                              std::function<ForwardContext(int64_t)> context) const;
   double train_step(int64_t iteration, double* aux_loss);
   // Micro-batches per step on this data-parallel rank.
   int64_t local_micro_batches() const;
@@ -57,7 +69,9 @@ class Trainer {
   TrainArgs args_;
   RawOptions raw_;
   std::unique_ptr<data::Tokenizer> tokenizer_;
-  std::unique_ptr<GPTModel> model_;
+  // This pipeline rank's model chunks (one without interleaving; the whole model at pp 1).
+  std::vector<std::unique_ptr<GPTModel>> chunks_;
+  std::unique_ptr<PipelineSchedule> schedule_;  // pp > 1 only
   std::unique_ptr<dist::Grid> grid_;
   std::unique_ptr<dist::Comm> comm_;
   std::unique_ptr<optim::DistributedAdamW> optimizer_;

@@ -71,25 +71,18 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& l
 
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& dlogits) {
-  MEGATON_CUDA_DISPATCH(dlosses, cuda::cross_entropy_backward(dlosses, logits, labels, lse, dlogits));
+  MEGATON_CUDA_DISPATCH(dlosses,
+                        cuda::cross_entropy_backward(dlosses, logits, labels, lse, dlogits));
   check_logits_labels(logits, labels);
-  const int64_t T = logits.dim(0), V = logits.dim(1);
+  const int64_t T = logits.dim(0);
   check_vector(dlosses, T, "dlosses");
   check_vector(lse, T, "lse");
   check_f32_cpu(dlogits, "dlogits");
   MEGATON_CHECK(dlogits.shape() == logits.shape(), "cross_entropy: dlogits {} must match logits {}",
                 shape_str(dlogits.shape()), shape_str(logits.shape()));
-  const float *x = logits.f32(), *dl = dlosses.f32(), *lse_p = lse.f32();
-  const int32_t* lab = labels.i32();
-  float* dx = dlogits.f32();
-#pragma omp parallel for schedule(static) if (T * V >= kParallelMin)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = x + t * V;
-    float* drow = dx + t * V;
-    const float g = dl[t], row_lse = lse_p[t];
-    for (int64_t v = 0; v < V; ++v) drow[v] = g * std::exp(row[v] - row_lse);
-    drow[lab[t]] -= g;
-  }
+  // The same formula on a "shard" that is the whole vocabulary; the checks above also
+  // bound the labels by V, which a shard cannot.
+  cross_entropy_backward_vocab_range(dlosses, logits, labels, lse, /*vocab_start=*/0, dlogits);
 }
 
 }  // namespace megaton::ops

@@ -59,6 +59,21 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& l
                            Tensor& lse);
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
                             const Tensor& lse, Tensor& dlogits);
+// Vocab-parallel embedding and cross entropy (vocab_parallel.cu).
+void embedding_forward_vocab_range(const Tensor& ids, const Tensor& table, int64_t vocab_start,
+                                   Tensor& out);
+void embedding_backward_vocab_range(const Tensor& dout, const Tensor& ids, int64_t vocab_start,
+                                    Tensor& dtable);
+void cross_entropy_partial_stats(const Tensor& logits, const Tensor& labels,
+                                 int64_t vocab_start, Tensor& row_max, Tensor& sum_exp,
+                                 Tensor& target_logit);
+void cross_entropy_rescale_sum_exp(const Tensor& row_max, const Tensor& global_max,
+                                   Tensor& sum_exp);
+void cross_entropy_finish(const Tensor& global_max, const Tensor& sum_exp,
+                          const Tensor& target_logit, Tensor& losses, Tensor& lse);
+void cross_entropy_backward_vocab_range(const Tensor& dlosses, const Tensor& logits,
+                                        const Tensor& labels, const Tensor& lse,
+                                        int64_t vocab_start, Tensor& dlogits);
 void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Tensor& probs,
                               Tensor& indices);
 void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,

@@ -20,13 +20,12 @@
 namespace megaton::ops::cuda {
 namespace {
 
+using detail::atomic_add_pack;
 using detail::compute_stream;
 using detail::kPackElems;
 using detail::load_pack;
-using detail::Pack;
 using detail::pack_aligned;
 using detail::store_pack;
-using detail::to_float;
 
 constexpr int kMaxThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 16;  // blocks stride over tokens beyond this
@@ -65,22 +64,6 @@ __global__ void embedding_forward_kernel(const int32_t* __restrict__ ids,
     T* dst = out + t * hidden;
     for (int64_t j = int64_t(threadIdx.x) * N; j < hidden; j += int64_t(blockDim.x) * N)
       store_pack<N>(dst + j, load_pack<N>(src + j));
-  }
-}
-
-// dst[k] += v[k] for k < N; four at a time with the float4 atomics of compute capability
-// 9.0+ (global memory only, as here).
-template <int N, typename T>
-__device__ __forceinline__ void atomic_add_pack(float* dst, const Pack<T, N>& v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (N == 4) {
-    atomicAdd(reinterpret_cast<float4*>(dst),
-              make_float4(to_float(v.v[0]), to_float(v.v[1]), to_float(v.v[2]), to_float(v.v[3])));
-  } else
-#endif
-  {
-#pragma unroll
-    for (int k = 0; k < N; ++k) atomicAdd(dst + k, to_float(v.v[k]));
   }
 }
 

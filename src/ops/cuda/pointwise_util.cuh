@@ -1,5 +1,5 @@
 // Shared pieces of the pointwise and row-wise CUDA ops (norm, activation, dropout,
-// embedding): door checks, float/BF16 dtype dispatch, packed loads and block sums.
+// embedding): door checks, float/BF16 dtype dispatch, packed loads, atomics and block sums.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -119,6 +119,23 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
 template <int N, typename T>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   *reinterpret_cast<Pack<T, N>*>(p) = v;
+}
+
+// dst[k] += v[k] for k < N (embedding backwards into fp32 main grads); four at a time with
+// the float4 atomics of compute capability 9.0+, which take global memory only: dst must
+// be a global address, 16-byte aligned when N == 4.
+template <int N, typename T>
+__device__ __forceinline__ void atomic_add_pack(float* dst, const Pack<T, N>& v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (N == 4) {
+    atomicAdd(reinterpret_cast<float4*>(dst),
+              make_float4(to_float(v.v[0]), to_float(v.v[1]), to_float(v.v[2]), to_float(v.v[3])));
+  } else
+#endif
+  {
+#pragma unroll
+    for (int k = 0; k < N; ++k) atomicAdd(dst + k, to_float(v.v[k]));
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -1,0 +1,327 @@
+// MoE token dispatchers: all-to-all and all-gather, forward and backward.
+#include "model/token_dispatcher.h"
+
+#include <numeric>
+
+#include "core/error.h"
+#include "ops/ops.h"
+
+namespace megaton {
+
+namespace {
+
+// A new uninitialised tensor shaped `shape` with the dtype and device of `like`.
+Tensor empty_as(const Tensor& like, const Shape& shape) {
+  return Tensor::empty(shape, like.dtype(), like.device());
+}
+
+int64_t sum_of(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t(0));
+}
+
+std::vector<int64_t> times(const std::vector<int64_t>& rows, int64_t width) {
+  std::vector<int64_t> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out[i] = rows[i] * width;
+  return out;
+}
+
+// The host copy of an int64 device (or host) tensor.
+std::vector<int64_t> host_i64(const Tensor& t) {
+  Tensor host = t.to(Device::CPU);
+  return std::vector<int64_t>(host.i64(), host.i64() + host.numel());
+}
+
+// Uneven all-gather of rows over g: x [rows[g.rank], H] -> [sum(rows), H], member m's rows
+// in member order (Megatron's gather_from_sequence_parallel_region with output splits).
+// Comm's all_gather needs equal chunks, so this is an all-to-all sending x to every member.
+Tensor all_gather_rows(dist::Comm& comm, const Tensor& x, const std::vector<int64_t>& rows,
+                       const dist::Group& g) {
+  const int64_t mine = x.dim(0), width = x.dim(1), n = g.size();
+  MEGATON_CHECK(rows[g.rank] == mine, "all_gather_rows: {} rows, the counts say {}", mine,
+                rows[g.rank]);
+  Tensor send = Tensor::empty({n * mine, width}, x.dtype(), x.device());
+  for (int64_t m = 0; m < n; ++m) send.rows(m * mine, mine).copy_from(x);
+  Tensor out = Tensor::empty({sum_of(rows), width}, x.dtype(), x.device());
+  comm.all_to_allv(send, std::vector<int64_t>(n, mine * width), out, times(rows, width), g);
+  return out;
+}
+
+// Uneven reduce-scatter of rows over g: x [sum(rows), H] (member m's block of rows[m] rows in
+// member order) -> [rows[g.rank], H], the sum over members of their block g.rank, added in
+// member order (Megatron's reduce_scatter_to_sequence_parallel_region with input splits).
+Tensor reduce_scatter_rows(dist::Comm& comm, const Tensor& x, const std::vector<int64_t>& rows,
+                           const dist::Group& g) {
+  const int64_t mine = rows[g.rank], width = x.dim(1), n = g.size();
+  Tensor recv = Tensor::empty({n * mine, width}, x.dtype(), x.device());
+  comm.all_to_allv(x, times(rows, width), recv, std::vector<int64_t>(n, mine * width), g);
+  Tensor out = recv.rows(0, mine).clone();
+  if (mine > 0)
+    for (int64_t m = 1; m < n; ++m) ops::add_(out, recv.rows(m * mine, mine));
+  return out;
+}
+
+// Rows of src regrouped by chunks: src is chunks of chunk_rows[c] rows in chunk order; the
+// result holds chunks order[0], order[1], ... (Megatron's sort_chunks_by_idxs).
+Tensor reorder_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
+                      const std::vector<int64_t>& order) {
+  std::vector<int64_t> start(chunk_rows.size() + 1, 0);
+  for (size_t c = 0; c < chunk_rows.size(); ++c) start[c + 1] = start[c] + chunk_rows[c];
+  MEGATON_CHECK(start.back() == src.dim(0), "reorder_chunks: {} rows, chunks of {}", src.dim(0),
+                start.back());
+  Tensor out = Tensor::empty(src.shape(), src.dtype(), src.device());
+  int64_t at = 0;
+  for (int64_t c : order) {
+    const int64_t n = chunk_rows[c];
+    if (n > 0) out.rows(at, n).copy_from(src.rows(start[c], n));
+    at += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+MoETokenDispatcher::MoETokenDispatcher(int64_t num_experts, const ModelParallel& mp)
+    : num_experts_(num_experts), mp_(mp) {
+  const int ep = mp.ep_size();
+  MEGATON_CHECK(num_experts > 0 && num_experts % ep == 0,
+                "MoE token dispatcher: {} experts over expert-model-parallel size {}", num_experts,
+                ep);
+  num_local_experts_ = num_experts / ep;
+  first_local_expert_ = int64_t(mp.ep_rank()) * num_local_experts_;
+  // The expert-model-parallel group (etp x ep) lists its ranks with etp varying fastest:
+  // member etp_rank + etp * ep_rank (the counts exchange relies on it).
+  const dist::Group& expert_mp = mp.group(dist::GroupKind::ExpertMP);
+  MEGATON_CHECK(expert_mp.size() == mp.etp_size() * ep &&
+                    expert_mp.rank == mp.etp_rank() + mp.etp_size() * mp.ep_rank(),
+                "expert-model-parallel group {} does not match etp {} x ep {} (ranks {}, {})",
+                expert_mp.describe(), mp.etp_size(), ep, mp.etp_rank(), mp.ep_rank());
+  MEGATON_CHECK(expert_mp.size() == 1 || mp.comm != nullptr,
+                "MoE token dispatcher: {} expert ranks but no Comm", expert_mp.size());
+}
+
+// ---- all-to-all ----
+
+MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts,
+                                                       const ModelParallel& mp)
+    : MoETokenDispatcher(num_experts, mp) {}
+
+Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,
+                                            const Tensor& indices) {
+  const int64_t tokens = x.dim(0), hidden = x.dim(1), k = indices.dim(1);
+  const int64_t E = num_experts_, L = num_local_experts_;
+  const int ep = mp_.ep_size(), etp = mp_.etp_size();
+  const int ep_rank = mp_.ep_rank(), etp_rank = mp_.etp_rank();
+  probs_ = probs;
+  Tensor permuted = empty_as(x, {tokens * k, hidden});
+  row_id_map_ = Tensor::empty({tokens * k}, DType::I32, x.device());
+  Tensor counts = Tensor::empty({E}, DType::I64, x.device());
+  ops::moe_permute(x, indices, int(E), permuted, row_id_map_, counts);
+
+  // Every member's copies per global expert: counts_all[m * E + e], member m = etp rank +
+  // etp * ep rank of the expert-model-parallel group (Megatron gathers the same matrix
+  // over its tp_ep group). The expert GEMMs need the sizes on the host anyway.
+  const dist::Group& expert_mp = mp_.group(dist::GroupKind::ExpertMP);
+  std::vector<int64_t> counts_all;
+  if (expert_mp.size() == 1) {
+    counts_all = host_i64(counts);
+  } else {
+    Tensor gathered = Tensor::empty({expert_mp.size() * E}, DType::I64, x.device());
+    mp_.comm->all_gather(counts, gathered, expert_mp);
+    counts_all = host_i64(gathered);
+  }
+  auto count = [&](int t, int i, int64_t e) { return counts_all[(t + etp * i) * E + e]; };
+  send_rows_.assign(ep, 0);
+  recv_rows_.assign(ep, 0);
+  etp_rows_.assign(etp, 0);
+  chunk_rows_.assign(size_t(etp) * ep * L, 0);
+  tokens_per_local_expert_.assign(L, 0);
+  for (int i = 0; i < ep; ++i)
+    for (int64_t l = 0; l < L; ++l) {
+      send_rows_[i] += count(etp_rank, ep_rank, i * L + l);
+      recv_rows_[i] += count(etp_rank, i, first_local_expert_ + l);
+    }
+  for (int t = 0; t < etp; ++t)
+    for (int i = 0; i < ep; ++i)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t n = count(t, i, first_local_expert_ + l);
+        chunk_rows_[(t * ep + i) * L + l] = n;
+        etp_rows_[t] += n;
+        tokens_per_local_expert_[l] += n;
+      }
+  return to_experts(permuted);
+}
+
+Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
+  const int ep = mp_.ep_size(), etp = mp_.etp_size();
+  const int64_t L = num_local_experts_;
+  Tensor rows = permuted;
+  if (ep > 1) {
+    Tensor received = empty_as(permuted, {sum_of(recv_rows_), permuted.dim(1)});
+    mp_.comm->all_to_allv(permuted, times(send_rows_, permuted.dim(1)), received,
+                          times(recv_rows_, permuted.dim(1)), mp_.ep());
+    rows = received;
+  }
+  if (etp > 1) rows = all_gather_rows(*mp_.comm, rows, etp_rows_, mp_.etp());
+  if (ep * etp > 1 && L > 1) {
+    // Received by (ETP member, EP member, local expert); the GEMMs want local expert first.
+    std::vector<int64_t> order;
+    for (int64_t l = 0; l < L; ++l)
+      for (int t = 0; t < etp; ++t)
+        for (int i = 0; i < ep; ++i) order.push_back((t * ep + i) * L + l);
+    rows = reorder_chunks(rows, chunk_rows_, order);
+  }
+  return rows;
+}
+
+Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
+  const int ep = mp_.ep_size(), etp = mp_.etp_size();
+  const int64_t L = num_local_experts_;
+  Tensor rows = grouped;
+  if (ep * etp > 1 && L > 1) {
+    // The inverse of to_experts' regrouping: chunk (l, t, i) back to position (t, i, l).
+    std::vector<int64_t> grouped_rows, order(chunk_rows_.size());
+    for (int64_t l = 0; l < L; ++l)
+      for (int t = 0; t < etp; ++t)
+        for (int i = 0; i < ep; ++i) {
+          order[(t * ep + i) * L + l] = int64_t(grouped_rows.size());
+          grouped_rows.push_back(chunk_rows_[(t * ep + i) * L + l]);
+        }
+    rows = reorder_chunks(rows, grouped_rows, order);
+  }
+  if (etp > 1) rows = reduce_scatter_rows(*mp_.comm, rows, etp_rows_, mp_.etp());
+  if (ep > 1) {
+    Tensor back = empty_as(rows, {sum_of(send_rows_), rows.dim(1)});
+    mp_.comm->all_to_allv(rows, times(recv_rows_, rows.dim(1)), back,
+                          times(send_rows_, rows.dim(1)), mp_.ep());
+    rows = back;
+  }
+  return rows;
+}
+
+Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
+  const int64_t tokens = probs_.dim(0);
+  combined_ = from_experts(expert_out);
+  Tensor out = empty_as(expert_out, {tokens, expert_out.dim(1)});
+  ops::moe_unpermute(combined_, row_id_map_, probs_, out);
+  return out;
+}
+
+Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
+  const int64_t tokens = probs_.dim(0), k = probs_.dim(1);
+  Tensor dcombined = empty_as(dout, {tokens * k, dout.dim(1)});
+  dprobs = Tensor::empty({tokens, k}, DType::F32, dout.device());
+  ops::moe_unpermute_backward(dout, combined_, row_id_map_, probs_, dcombined, dprobs);
+  combined_ = Tensor();
+  return to_experts(dcombined);
+}
+
+Tensor MoEAlltoAllTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
+  const int64_t tokens = probs_.dim(0), k = probs_.dim(1);
+  Tensor dpermuted = from_experts(dexpert_in);
+  Tensor dx = empty_as(dexpert_in, {tokens, dexpert_in.dim(1)});
+  ops::moe_permute_backward(dpermuted, row_id_map_, int(k), dx);
+  probs_ = row_id_map_ = Tensor();
+  return dx;
+}
+
+// ---- all-gather ----
+
+MoEAllGatherTokenDispatcher::MoEAllGatherTokenDispatcher(int64_t num_experts,
+                                                         const ModelParallel& mp)
+    : MoETokenDispatcher(num_experts, mp) {}
+
+namespace {
+// x [n, ...] -> [size n, ...] gathered over g (x itself for a group of one).
+Tensor gather_rows(const ModelParallel& mp, const Tensor& x, const dist::Group& g) {
+  if (g.size() == 1) return x;
+  Shape shape = x.shape();
+  shape[0] *= g.size();
+  Tensor out = Tensor::empty(shape, x.dtype(), x.device());
+  mp.comm->all_gather(x, out, g);
+  return out;
+}
+// x [size n, ...] -> [n, ...]: the sum over g of block g.rank (x itself for a group of one).
+Tensor reduce_scatter_blocks(const ModelParallel& mp, const Tensor& x, const dist::Group& g) {
+  if (g.size() == 1) return x;
+  Shape shape = x.shape();
+  shape[0] /= g.size();
+  Tensor out = Tensor::empty(shape, x.dtype(), x.device());
+  mp.comm->reduce_scatter(x, out, g);
+  return out;
+}
+}  // namespace
+
+Tensor MoEAllGatherTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,
+                                             const Tensor& indices) {
+  const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
+  tokens_ = x.dim(0);
+  const int64_t k = indices.dim(1), rows = g.size() * tokens_ * k;
+  Tensor x_all = gather_rows(mp_, x, g);
+  Tensor indices_all = gather_rows(mp_, indices, g);
+  probs_all_ = gather_rows(mp_, probs, g);
+  // Every gathered copy is sorted by expert; the local experts' copies are one block.
+  Tensor permuted = empty_as(x, {rows, x.dim(1)});
+  row_id_map_ = Tensor::empty({rows}, DType::I32, x.device());
+  Tensor counts = Tensor::empty({num_experts_}, DType::I64, x.device());
+  ops::moe_permute(x_all, indices_all, int(num_experts_), permuted, row_id_map_, counts);
+  const std::vector<int64_t> host = host_i64(counts);
+  first_row_ = std::accumulate(host.begin(), host.begin() + first_local_expert_, int64_t(0));
+  tokens_per_local_expert_.assign(host.begin() + first_local_expert_,
+                                  host.begin() + first_local_expert_ + num_local_experts_);
+  local_rows_ = sum_of(tokens_per_local_expert_);
+  if (local_rows_ == rows) return permuted;
+  return permuted.rows(first_row_, local_rows_).clone();
+}
+
+Tensor MoEAllGatherTokenDispatcher::scatter_local(const Tensor& local) const {
+  const int64_t rows = row_id_map_.dim(0);
+  MEGATON_CHECK(local.dim(0) == local_rows_, "MoE all-gather dispatcher: {} expert rows, {} routed",
+                local.dim(0), local_rows_);
+  if (local_rows_ == rows) return local;
+  Tensor all = Tensor::zeros({rows, local.dim(1)}, local.dtype(), local.device());
+  if (local_rows_ > 0) all.rows(first_row_, local_rows_).copy_from(local);
+  return all;
+}
+
+Tensor MoEAllGatherTokenDispatcher::combine(const Tensor& expert_out) {
+  const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
+  // Copies of other ranks' experts contribute zeros here; the reduce-scatter adds them in.
+  expert_out_all_ = scatter_local(expert_out);
+  Tensor out_all = empty_as(expert_out, {g.size() * tokens_, expert_out.dim(1)});
+  ops::moe_unpermute(expert_out_all_, row_id_map_, probs_all_, out_all);
+  return reduce_scatter_blocks(mp_, out_all, g);
+}
+
+Tensor MoEAllGatherTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
+  const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
+  const int64_t k = probs_all_.dim(1), rows = row_id_map_.dim(0);
+  Tensor dout_all = gather_rows(mp_, dout, g);
+  Tensor dexpert_out_all = empty_as(dout, {rows, dout.dim(1)});
+  Tensor dprobs_all = Tensor::empty({g.size() * tokens_, k}, DType::F32, dout.device());
+  ops::moe_unpermute_backward(dout_all, expert_out_all_, row_id_map_, probs_all_, dexpert_out_all,
+                              dprobs_all);
+  expert_out_all_ = Tensor();
+  // A copy's dprobs is nonzero only where its expert ran (partial sums under etp).
+  dprobs = reduce_scatter_blocks(mp_, dprobs_all, g);
+  if (local_rows_ == rows) return dexpert_out_all;
+  return dexpert_out_all.rows(first_row_, local_rows_).clone();
+}
+
+Tensor MoEAllGatherTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
+  const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
+  const int64_t k = probs_all_.dim(1);
+  Tensor dpermuted = scatter_local(dexpert_in);
+  Tensor dx_all = empty_as(dexpert_in, {g.size() * tokens_, dexpert_in.dim(1)});
+  ops::moe_permute_backward(dpermuted, row_id_map_, int(k), dx_all);
+  probs_all_ = row_id_map_ = Tensor();
+  return reduce_scatter_blocks(mp_, dx_all, g);
+}
+
+std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,
+                                                          const ModelParallel& mp) {
+  if (mp.dispatcher == TokenDispatcher::AllGather)
+    return std::make_unique<MoEAllGatherTokenDispatcher>(num_experts, mp);
+  return std::make_unique<MoEAlltoAllTokenDispatcher>(num_experts, mp);
+}
+
+}  // namespace megaton

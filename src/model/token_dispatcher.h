@@ -1,0 +1,112 @@
+// MoE token dispatchers: route token copies to the ranks that hold their experts and back
+// (Megatron's MoEAlltoAllTokenDispatcher and MoEAllGatherTokenDispatcher).
+//
+// Vocabulary: T = this rank's tokens (under sequence parallelism, its sequence shard), H =
+// hidden size, k = router top-k, E = experts in the layer, L = E / ep local experts of this
+// rank (global indices ep_rank * L .. ep_rank * L + L - 1). A "copy" is one (token, choice)
+// pair, T * k per rank. The expert input ("dispatched" rows) holds every copy, from any rank,
+// routed to one of this rank's local experts, grouped by local expert in expert order; under
+// expert tensor parallelism (etp > 1) it also holds the copies of the other ranks of this
+// rank's ETP group, since each of them computes only a slice of the expert.
+//
+// Each dispatcher runs one micro-batch at a time: dispatch, combine, then in backward
+// combine_backward and dispatch_backward, all with the state the forward calls saved. Every
+// rank of the expert groups must make the same calls in the same order, also when none of
+// its local experts receives a copy (its expert input then has 0 rows).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/parallel.h"
+
+namespace megaton {
+
+class MoETokenDispatcher {
+ public:
+  MoETokenDispatcher(int64_t num_experts, const ModelParallel& mp);
+  virtual ~MoETokenDispatcher() = default;
+
+  // x [T, H] (compute dtype), probs [T, k] fp32, indices [T, k] int32 global expert ids, all
+  // on the model's device. Returns the expert input [R, H] (x's dtype): rows grouped by local
+  // expert, tokens_per_local_expert()[l] rows for local expert l, R their sum. Saves the
+  // routing for the other calls. Collective over the expert groups (ep, etp).
+  virtual Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices) = 0;
+  // expert_out [R, H] (the expert output of the dispatched rows; with etp > 1 this rank's
+  // partial sum, its slice of the row-parallel fc2) -> out [T, H]:
+  // out[t] = sum_j probs[t, j] * (expert output of copy (t, j), summed over ETP).
+  virtual Tensor combine(const Tensor& expert_out) = 0;
+  // dout [T, H] (gradient of combine's output) -> gradient of expert_out [R, H]; writes
+  // dprobs [T, k] fp32 (allocated here).
+  virtual Tensor combine_backward(const Tensor& dout, Tensor& dprobs) = 0;
+  // dexpert_in [R, H] (gradient of dispatch's result; with etp > 1 this rank's partial
+  // sum) -> dx [T, H] (gradient of dispatch's x, without the router's part).
+  virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
+
+  // Rows of the last dispatch for each local expert [L] (host counts).
+  const std::vector<int64_t>& tokens_per_local_expert() const { return tokens_per_local_expert_; }
+  int64_t num_local_experts() const { return num_local_experts_; }
+  // Global index of local expert 0.
+  int64_t first_local_expert() const { return first_local_expert_; }
+
+ protected:
+  int64_t num_experts_, num_local_experts_, first_local_expert_;
+  ModelParallel mp_;
+  std::vector<int64_t> tokens_per_local_expert_;
+};
+
+// Megatron's MoEAlltoAllTokenDispatcher: permute the local copies by global expert, exchange
+// the per-(rank, expert) counts over the expert-model-parallel group (etp x ep), send each
+// EP rank the copies of its experts (uneven all-to-all over ep), all-gather them over etp
+// when etp > 1, and regroup the received chunks (ordered by ETP member, EP member, local
+// expert) by local expert. combine and the backward run the exact reverse (chunks ungrouped,
+// reduce-scatter over etp, the all-to-all back, unpermute weighted by probs).
+class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
+ public:
+  MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
+  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices) override;
+  Tensor combine(const Tensor& expert_out) override;
+  Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
+  Tensor dispatch_backward(const Tensor& dexpert_in) override;
+
+ private:
+  // Local copies sorted by global expert [T k, H] -> the expert input [R, H] (all-to-all
+  // over ep, all-gather over etp, chunks grouped by local expert), and back (chunks
+  // ungrouped, sum over etp, all-to-all back).
+  Tensor to_experts(const Tensor& permuted) const;
+  Tensor from_experts(const Tensor& rows) const;
+
+  int64_t tokens_ = 0;
+  Tensor probs_, row_id_map_, combined_;  // combined_: expert output by copy [T k, H]
+  std::vector<int64_t> send_rows_, recv_rows_;  // per EP member: rows sent / received
+  std::vector<int64_t> etp_rows_;               // per ETP member: rows after the all-to-all
+  // Chunk (etp member t, ep member i, local expert l) has chunk_rows_[(t ep + i) L + l] rows.
+  std::vector<int64_t> chunk_rows_;
+};
+
+// Megatron's MoEAllGatherTokenDispatcher: all-gather the tokens and their routing over the
+// expert-model-parallel group (etp x ep), keep the copies routed to the local experts, and
+// after the experts scatter the weighted outputs back to the gathered token rows and
+// reduce-scatter them (a sum) to each rank's tokens.
+class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
+ public:
+  MoEAllGatherTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
+  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices) override;
+  Tensor combine(const Tensor& expert_out) override;
+  Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
+  Tensor dispatch_backward(const Tensor& dexpert_in) override;
+
+ private:
+  // [G T k, H] with `rows` at the local experts' copies and zeros elsewhere (rows itself
+  // when the local experts are all experts).
+  Tensor scatter_local(const Tensor& rows) const;
+
+  int64_t tokens_ = 0, first_row_ = 0, local_rows_ = 0;  // local copies: [first_row_, +local_rows_)
+  Tensor probs_all_, row_id_map_, expert_out_all_;
+};
+
+// The dispatcher mp.dispatcher names, for a layer of num_experts experts (divisible by ep).
+std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,
+                                                          const ModelParallel& mp);
+
+}  // namespace megaton

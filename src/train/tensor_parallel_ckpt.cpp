@@ -1,0 +1,93 @@
+// Assembling and slicing tensor-parallel checkpoint tensors.
+#include "train/tensor_parallel_ckpt.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "model/layers.h"
+
+namespace megaton {
+
+namespace {
+
+const dist::Group& tp_group_of(const Param& p, const ModelParallel& mp) {
+  return p.is_expert ? mp.etp() : mp.tp();
+}
+
+// The inverse of shard_of: slices [size][...] of one tensor, in rank order, -> full.
+Tensor unshard(const Tensor& gathered, const Param& p, int size) {
+  const Tensor host = gathered.device() == Device::CPU ? gathered : gathered.to(Device::CPU);
+  Tensor full = Tensor::empty(p.full_shape, host.dtype());
+  const int64_t rows = p.full_shape[0];
+  const int64_t cols = full.numel() / std::max<int64_t>(rows, 1);
+  const size_t elem = dtype_size(host.dtype());
+  const int64_t slice_numel = full.numel() / size;
+  const auto* src = static_cast<const char*>(host.raw());
+  auto* dst = static_cast<char*>(full.raw());
+  for (int r = 0; r < size; ++r) {
+    const char* slice = src + r * slice_numel * int64_t(elem);
+    if (p.tp_split_dim == 0) {
+      const int64_t parts = p.swiglu_halves ? 2 : 1;
+      const int64_t chunk = rows / (parts * size);  // rows per half per rank
+      for (int64_t half = 0; half < parts; ++half)
+        std::memcpy(dst + (half * (rows / parts) + r * chunk) * cols * int64_t(elem),
+                    slice + half * chunk * cols * int64_t(elem), size_t(chunk * cols) * elem);
+    } else {
+      const int64_t width = cols / size;
+      for (int64_t row = 0; row < rows; ++row)
+        std::memcpy(dst + (row * cols + r * width) * int64_t(elem),
+                    slice + row * width * int64_t(elem), size_t(width) * elem);
+    }
+  }
+  return full;
+}
+
+}  // namespace
+
+const Param* param_of_entry(const std::string& entry,
+                            const std::map<std::string, const Param*>& params) {
+  std::string name;
+  if (entry.starts_with("model.")) {
+    name = entry.substr(6);
+  } else if (entry.starts_with("optimizer.")) {
+    name = entry.substr(10);
+    for (const char* suffix : {".exp_avg_sq", ".exp_avg"})
+      if (name.ends_with(suffix)) {
+        name.resize(name.size() - std::strlen(suffix));
+        break;
+      }
+  }
+  auto it = params.find(name);
+  return it == params.end() ? nullptr : it->second;
+}
+
+dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
+                                            const std::map<std::string, const Param*>& params,
+                                            const ModelParallel& mp) {
+  dist::NamedTensors out;
+  for (const auto& [name, t] : entries) {
+    const Param* p = param_of_entry(name, params);
+    MEGATON_CHECK(p != nullptr, "checkpoint entry '{}' belongs to no parameter", name);
+    const dist::Group& g = tp_group_of(*p, mp);
+    if (g.size() <= 1) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    if (p->tp_split_dim < 0) {  // replicated: the group's rank 0 writes it
+      if (g.rank == 0) out.emplace_back(name, t);
+      continue;
+    }
+    Tensor gathered = Tensor::empty({t.numel() * g.size()}, t.dtype(), t.device());
+    mp.comm->all_gather(t, gathered, g);
+    if (g.rank == 0) out.emplace_back(name, unshard(gathered, *p, g.size()));
+  }
+  return out;
+}
+
+Tensor tensor_parallel_slice(const Tensor& full, const Param& p, const ModelParallel& mp) {
+  const dist::Group& g = tp_group_of(p, mp);
+  if (p.tp_split_dim < 0 || g.size() <= 1) return full;
+  return shard_of(full, p.tp_split_dim, g.rank, g.size(), p.swiglu_halves);
+}
+
+}  // namespace megaton

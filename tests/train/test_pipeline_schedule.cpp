@@ -1,0 +1,255 @@
+// Pipeline parallelism without MPI: the layers of each model chunk against Megatron's
+// rule worked out by hand, each rank's step order against Megatron's 1F1B and interleaved
+// schedules written out by hand, and the plans' transfers (matched, in time, complete).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "core/error.h"
+#include "train/pipeline_schedule.h"
+
+namespace megaton {
+namespace {
+
+using Layers = std::vector<ChunkLayers>;  // per chunk of one rank
+
+Layers rank_chunks(const std::vector<int64_t>& stages, int64_t vpp, int64_t rank) {
+  Layers out;
+  for (int64_t c = 0; c < vpp; ++c) out.push_back(chunk_layers(stages, vpp, rank, c));
+  return out;
+}
+
+TEST(ChunkLayers, EvenStagesWithoutInterleaving) {
+  // 8 layers, pp 2: [0, 4) and [4, 8).
+  EXPECT_EQ(rank_chunks({4, 4}, 1, 0), (Layers{{0, 4}}));
+  EXPECT_EQ(rank_chunks({4, 4}, 1, 1), (Layers{{4, 4}}));
+  // 4 layers, pp 4: one each.
+  for (int64_t r = 0; r < 4; ++r) EXPECT_EQ(rank_chunks({1, 1, 1, 1}, 1, r), (Layers{{r, 1}}));
+}
+
+TEST(ChunkLayers, InterleavedAsMegatronsDocstring) {
+  // Megatron's get_num_layers_to_build: 8 layers, 2 stages, 2 chunks each:
+  // stage 0: [0, 1] [4, 5]; stage 1: [2, 3] [6, 7].
+  EXPECT_EQ(rank_chunks({4, 4}, 2, 0), (Layers{{0, 2}, {4, 2}}));
+  EXPECT_EQ(rank_chunks({4, 4}, 2, 1), (Layers{{2, 2}, {6, 2}}));
+  // 4 chunks each: stage 0: [0] [2] [4] [6]; stage 1: [1] [3] [5] [7].
+  EXPECT_EQ(rank_chunks({4, 4}, 4, 0), (Layers{{0, 1}, {2, 1}, {4, 1}, {6, 1}}));
+  EXPECT_EQ(rank_chunks({4, 4}, 4, 1), (Layers{{1, 1}, {3, 1}, {5, 1}, {7, 1}}));
+  // 8 layers, pp 4, 1 layer per virtual stage (the layouts test): stage s holds s and 4 + s.
+  for (int64_t r = 0; r < 4; ++r)
+    EXPECT_EQ(rank_chunks({2, 2, 2, 2}, 2, r), (Layers{{r, 1}, {4 + r, 1}}));
+}
+
+TEST(ChunkLayers, UnevenFirstAndLastStages) {
+  // 10 layers, pp 4, decoder-first 1, decoder-last 3: stages 1, 3, 3, 3; offsets
+  // first + (rank - 1) x 3 after the first stage.
+  const std::vector<int64_t> stages{1, 3, 3, 3};
+  EXPECT_EQ(rank_chunks(stages, 1, 0), (Layers{{0, 1}}));
+  EXPECT_EQ(rank_chunks(stages, 1, 1), (Layers{{1, 3}}));
+  EXPECT_EQ(rank_chunks(stages, 1, 2), (Layers{{4, 3}}));
+  EXPECT_EQ(rank_chunks(stages, 1, 3), (Layers{{7, 3}}));
+  // Only decoder-last (7 layers, pp 3, last 1): stages 3, 3, 1.
+  EXPECT_EQ(rank_chunks({3, 3, 1}, 1, 0), (Layers{{0, 3}}));
+  EXPECT_EQ(rank_chunks({3, 3, 1}, 1, 1), (Layers{{3, 3}}));
+  EXPECT_EQ(rank_chunks({3, 3, 1}, 1, 2), (Layers{{6, 1}}));
+}
+
+TEST(ChunkLayers, UnevenInterleaved) {
+  // Megatron's get_transformer_layer_offset with 14 layers, pp 4, 2 virtual stages,
+  // decoder-first 2, decoder-last 4 (middle stages 4 each): chunks per round 1 + 2 + 2 + 2
+  // = 7 layers; rank 0 at v x 7, middle rank m (pp rank m + 1) at v x 7 + 1 + m x 2, the
+  // last rank (middle index 2) at v x 7 + 5; sizes first/2, middle/2, last/2.
+  const std::vector<int64_t> stages{2, 4, 4, 4};
+  EXPECT_EQ(rank_chunks(stages, 2, 0), (Layers{{0, 1}, {7, 1}}));
+  EXPECT_EQ(rank_chunks(stages, 2, 1), (Layers{{1, 2}, {8, 2}}));
+  EXPECT_EQ(rank_chunks(stages, 2, 2), (Layers{{3, 2}, {10, 2}}));
+  EXPECT_EQ(rank_chunks(stages, 2, 3), (Layers{{5, 2}, {12, 2}}));
+  // 8 layers, pp 2, decoder-last 2, 3 layers per virtual stage (2 chunks): stage 0 holds
+  // [0, 3) and [4, 7), stage 1 layers 3 and 7.
+  EXPECT_EQ(rank_chunks({6, 2}, 2, 0), (Layers{{0, 3}, {4, 3}}));
+  EXPECT_EQ(rank_chunks({6, 2}, 2, 1), (Layers{{3, 1}, {7, 1}}));
+}
+
+TEST(ChunkLayers, EveryLayerOnceInOrderOfVirtualStages) {
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> cases = {
+      {{4, 4}, 1}, {{4, 4}, 2}, {{4, 4}, 4}, {{2, 4, 4, 4}, 2}, {{6, 6, 6, 3}, 3}, {{1, 1, 1}, 1}};
+  for (const auto& [stages, vpp] : cases) {
+    const int64_t pp = int64_t(stages.size());
+    int64_t expected_first = 0;
+    for (int64_t c = 0; c < vpp; ++c)
+      for (int64_t r = 0; r < pp; ++r) {  // virtual stage c x pp + r follows the previous one
+        const ChunkLayers l = chunk_layers(stages, vpp, r, c);
+        EXPECT_EQ(l.first_layer, expected_first) << "rank " << r << " chunk " << c;
+        EXPECT_EQ(l.num_layers, stages[r] / vpp);
+        expected_first += l.num_layers;
+      }
+  }
+}
+
+TEST(ChunkLayers, RejectsBadArguments) {
+  EXPECT_THROW(chunk_layers({3, 4}, 2, 0, 0), InternalError);  // 3 layers in 2 chunks
+  EXPECT_THROW(chunk_layers({4, 4}, 2, 2, 0), InternalError);  // rank out of range
+  EXPECT_THROW(chunk_layers({4, 4}, 2, 0, 2), InternalError);  // chunk out of range
+}
+
+TEST(InterleavedMicroBatches, MustBeAMultipleOfPp) {
+  EXPECT_NO_THROW(check_interleaved_micro_batches(8, 4, 2));
+  EXPECT_NO_THROW(check_interleaved_micro_batches(3, 4, 1));  // not interleaved
+  try {
+    check_interleaved_micro_batches(6, 4, 2);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(),
+                 "the interleaved pipeline schedule (num-layers-per-virtual-pipeline-stage) needs "
+                 "the micro-batches per step, global-batch-size / (micro-batch-size x "
+                 "data-parallel size) = 6, to be a multiple of pipeline-model-parallel-size (4)");
+  }
+}
+
+PipelineOp F(int64_t mb, int64_t chunk = 0) { return {true, mb, chunk}; }
+PipelineOp B(int64_t mb, int64_t chunk = 0) { return {false, mb, chunk}; }
+using Order = std::vector<PipelineOp>;
+
+TEST(PipelineOrder, OneFOneBByHand) {
+  // pp 2, 4 micro-batches: rank 0 warms up with one forward, rank 1 with none.
+  EXPECT_EQ(pipeline_rank_order(2, 1, 0, 4, false),
+            (Order{F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3)}));
+  EXPECT_EQ(pipeline_rank_order(2, 1, 1, 4, false),
+            (Order{F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)}));
+  // pp 4, 2 micro-batches: the warmup (3 on rank 0) is cut to the micro-batches.
+  EXPECT_EQ(pipeline_rank_order(4, 1, 0, 2, false), (Order{F(0), F(1), B(0), B(1)}));
+  EXPECT_EQ(pipeline_rank_order(4, 1, 2, 2, false), (Order{F(0), F(1), B(0), B(1)}));
+  EXPECT_EQ(pipeline_rank_order(4, 1, 3, 2, false), (Order{F(0), B(0), F(1), B(1)}));
+  EXPECT_EQ(pipeline_rank_order(4, 1, 1, 3, true), (Order{F(0), F(1), F(2)}));
+}
+
+TEST(PipelineOrder, InterleavedByHand) {
+  // pp 2, 2 chunks, 4 micro-batches. get_schedule_table with groups of 2:
+  // (0,c0) (1,c0) (0,c1) (1,c1) (2,c0) (3,c0) (2,c1) (3,c1); backward k mirrors the chunk.
+  // Rank 0: warmup 2 x (2 - 0 - 1) + (2 - 1) x 2 = 4.
+  EXPECT_EQ(pipeline_rank_order(2, 2, 0, 4, false),
+            (Order{F(0, 0), F(1, 0), F(0, 1), F(1, 1),  // warmup
+                   F(2, 0), B(0, 1), F(3, 0), B(1, 1), F(2, 1), B(0, 0), F(3, 1), B(1, 0),
+                   B(2, 1), B(3, 1), B(2, 0), B(3, 0)}));  // cooldown
+  // Rank 1: warmup 2.
+  EXPECT_EQ(pipeline_rank_order(2, 2, 1, 4, false),
+            (Order{F(0, 0), F(1, 0),  // warmup
+                   F(0, 1), B(0, 1), F(1, 1), B(1, 1), F(2, 0), B(0, 0), F(3, 0), B(1, 0),
+                   F(2, 1), B(2, 1), F(3, 1), B(3, 1),  // steady
+                   B(2, 0), B(3, 0)}));
+  // pp 4, 2 chunks, 4 micro-batches: rank 0's warmup 2 x 3 + 4 = 10 > 8 runs every forward.
+  const Order r0 = pipeline_rank_order(4, 2, 0, 4, false);
+  EXPECT_EQ(Order(r0.begin(), r0.begin() + 8),
+            (Order{F(0, 0), F(1, 0), F(2, 0), F(3, 0), F(0, 1), F(1, 1), F(2, 1), F(3, 1)}));
+  EXPECT_EQ(Order(r0.begin() + 8, r0.end()),
+            (Order{B(0, 1), B(1, 1), B(2, 1), B(3, 1), B(0, 0), B(1, 0), B(2, 0), B(3, 0)}));
+  // Forward only: the table.
+  EXPECT_EQ(pipeline_rank_order(2, 2, 1, 2, true), (Order{F(0, 0), F(1, 0), F(0, 1), F(1, 1)}));
+}
+
+TEST(PipelinePlan, OneFOneBByHand) {
+  // pp 2, 2 micro-batches. Tick 0: rank 0 runs F0 and sends it; tick 1: F1 on rank 0, F0
+  // on rank 1 (the loss); tick 2: rank 1's B0 sends its gradient; tick 3: rank 0's B0 and
+  // rank 1's F1; tick 4: rank 1's B1; tick 5: rank 0's B1.
+  const auto plans = pipeline_plan(2, 1, 2, false);
+  ASSERT_EQ(plans.size(), 2u);
+  auto describe = [](const PipelineStep& s) {
+    std::string out = "t" + std::to_string(s.tick);
+    if (s.op) out += std::string(s.op->forward ? " F" : " B") + std::to_string(s.op->micro_batch);
+    if (s.send_next) out += " >next";
+    if (s.recv_prev.defined()) out += " <prev" + std::to_string(s.recv_prev.micro_batch);
+    if (s.send_prev) out += " >prev";
+    if (s.recv_next.defined()) out += " <next" + std::to_string(s.recv_next.micro_batch);
+    return out;
+  };
+  std::vector<std::string> rank0, rank1;
+  for (const auto& s : plans[0]) rank0.push_back(describe(s));
+  for (const auto& s : plans[1]) rank1.push_back(describe(s));
+  EXPECT_EQ(rank0, (std::vector<std::string>{"t0 F0 >next", "t1 F1 >next", "t2 <next0", "t3 B0",
+                                             "t4 <next1", "t5 B1"}));
+  EXPECT_EQ(rank1, (std::vector<std::string>{"t0 <prev0", "t1 F0 <prev1", "t2 B0 >prev", "t3 F1",
+                                             "t4 B1 >prev"}));
+}
+
+// Every plan runs each rank's order, every send meets its receive at the same tick on the
+// neighbour, and every op's input arrived at an earlier tick.
+void check_plan(int64_t pp, int64_t vpp, int64_t m, bool forward_only) {
+  SCOPED_TRACE(::testing::Message() << "pp " << pp << " vpp " << vpp << " micro-batches " << m
+                                    << (forward_only ? " forward only" : ""));
+  const auto plans = pipeline_plan(pp, vpp, m, forward_only);
+  ASSERT_EQ(int64_t(plans.size()), pp);
+  const int64_t stages = pp * vpp;
+  // (kind, rank, tick) -> slot: sends and receives; arrival tick of each input.
+  std::map<std::tuple<int, int64_t, int64_t>, PipelineSlot> recvs;
+  std::map<std::tuple<bool, int64_t, int64_t, int64_t>, int64_t> arrived;  // fwd, rank, chunk, mb
+  for (int64_t r = 0; r < pp; ++r)
+    for (const PipelineStep& s : plans[r]) {
+      if (s.recv_prev.defined()) {
+        recvs[{0, r, s.tick}] = s.recv_prev;
+        arrived[{true, r, s.recv_prev.chunk, s.recv_prev.micro_batch}] = s.tick;
+      }
+      if (s.recv_next.defined()) {
+        recvs[{1, r, s.tick}] = s.recv_next;
+        arrived[{false, r, s.recv_next.chunk, s.recv_next.micro_batch}] = s.tick;
+      }
+    }
+  size_t matched = 0;
+  for (int64_t r = 0; r < pp; ++r) {
+    Order ran;
+    int64_t last_tick = -1;
+    for (const PipelineStep& s : plans[r]) {
+      EXPECT_GT(s.tick, last_tick);
+      last_tick = s.tick;
+      if (!s.op) {
+        EXPECT_FALSE(s.send_next || s.send_prev);
+        continue;
+      }
+      ran.push_back(*s.op);
+      const int64_t v = s.op->chunk * pp + r;  // virtual stage
+      const bool needs_input = s.op->forward ? v > 0 : v < stages - 1;
+      if (needs_input) {
+        auto it = arrived.find({s.op->forward, r, s.op->chunk, s.op->micro_batch});
+        ASSERT_NE(it, arrived.end()) << "rank " << r << " tick " << s.tick;
+        EXPECT_LT(it->second, s.tick);
+      }
+      const bool sends = s.op->forward ? v + 1 < stages : v > 0;
+      EXPECT_EQ(s.send_next, s.op->forward && sends);
+      EXPECT_EQ(s.send_prev, !s.op->forward && sends);
+      if (s.send_next) {
+        auto it = recvs.find({0, (r + 1) % pp, s.tick});
+        ASSERT_NE(it, recvs.end());
+        EXPECT_EQ(it->second, (PipelineSlot{(v + 1) / pp, s.op->micro_batch}));
+        ++matched;
+      }
+      if (s.send_prev) {
+        auto it = recvs.find({1, (r + pp - 1) % pp, s.tick});
+        ASSERT_NE(it, recvs.end());
+        EXPECT_EQ(it->second, (PipelineSlot{(v - 1) / pp, s.op->micro_batch}));
+        ++matched;
+      }
+    }
+    EXPECT_EQ(ran, pipeline_rank_order(pp, vpp, r, m, forward_only)) << "rank " << r;
+  }
+  EXPECT_EQ(matched, recvs.size());  // no receive without its send
+  // Every virtual stage boundary carries each micro-batch once forward (and once back).
+  EXPECT_EQ(int64_t(recvs.size()), (stages - 1) * m * (forward_only ? 1 : 2));
+}
+
+TEST(PipelinePlan, TransfersMatchAndArriveInTime) {
+  for (int64_t pp : {2, 3, 4, 8})
+    for (int64_t m : {1, 2, 3, 4, 5, 8, 12}) {
+      check_plan(pp, 1, m, false);
+      check_plan(pp, 1, m, true);
+    }
+  for (int64_t pp : {2, 3, 4})
+    for (int64_t vpp : {2, 3, 4})
+      for (int64_t m : {pp, 2 * pp, 3 * pp}) {
+        check_plan(pp, vpp, m, false);
+        check_plan(pp, vpp, m, true);
+      }
+}
+
+}  // namespace
+}  // namespace megaton
