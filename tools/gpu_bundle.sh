@@ -7,7 +7,8 @@
 set -euo pipefail
 out=$1; shift
 rm -rf "$out"; mkdir -p "$out/bin" "$out/lib"
-skip='^(libc|libm|libdl|librt|libpthread|ld-linux|libcuda|libcudnn|libcublas|libnvrtc|libcudart|libgcc_s|libstdc\+\+)'
+# MPI and NCCL come from the GPU machine itself (its mpirun must match its libmpi).
+skip='^(libc|libm|libdl|librt|libpthread|ld-linux|libcuda|libcudnn|libcublas|libnvrtc|libcudart|libgcc_s|libstdc\+\+|libmpi|libopen-(rte|pal)|libpmix|libhwloc|libevent|libnccl|libucx|libucp|libucs|libuct|libfabric)'
 for exe in "$@"; do
   cp "$exe" "$out/bin/"
   ldd "$exe" | awk '/=> \//{print $1, $3}' | while read -r name path; do

@@ -2,7 +2,8 @@
 # Every implemented parallel layout reproduces the one-rank run: 3 training steps of a
 # small MoE config on CPU ranks under mpirun, whose lm losses, grad norms and parameters
 # after the steps (the saved checkpoint) match the one-rank run's to a relative
-# difference of 1e-5 (tools/compare_runs.py).
+# difference of 1e-5 (tools/compare_runs.py). A layout may use a variant of the model
+# (more layers, tied embeddings); it is then compared with the one-rank run of that variant.
 # Usage: test_layouts_mpi.sh MEGATON MPIRUN NP_FLAG NP [MPIRUN FLAGS...]
 # (CTest passes NP = 2; each layout below sets its own rank count.)
 set -uo pipefail
@@ -15,19 +16,36 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 
 config=(--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 127
-  --num-layers 4 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
+  --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
   --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 1e-2
   --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
-  --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0
+  --hidden-dropout 0 --attention-dropout 0
   --make-vocab-size-divisible-by 64
   --seq-length 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3
   --lr-warmup-iters 1 --clip-grad 1.0 --eval-iters 0 --log-interval 1 --seed 1234)
+
+# The model variant of the next runs: 4 layers and untied embeddings unless a layout's
+# variant says "LAYERS=n" and/or "TIED=1".
+use_variant() {  # "VAR=value ..."
+  LAYERS=4 TIED=0
+  local setting
+  for setting in $1; do
+    case $setting in
+      LAYERS=*) LAYERS=${setting#*=} ;;
+      TIED=*) TIED=${setting#*=} ;;
+      *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
+    esac
+  done
+}
+use_variant ""
 
 run() {  # NAME NP FLAGS...
   local name=$1 np=$2
   shift 2
   mkdir -p "$dir/$name"
-  local cmd=("$megaton" train "${config[@]}" --train-iters "${ITERS:-3}" "$@"
+  local model=(--num-layers "$LAYERS")
+  [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
+  local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
     --save "$dir/$name/save" --save-interval 3 --log-metrics-file "$dir/$name/metrics.jsonl")
   if [ "$np" -gt 1 ]; then cmd=("$mpirun" "$np_flag" "$np" "${mpi_flags[@]}" "${cmd[@]}"); fi
   OMP_NUM_THREADS=1 "${cmd[@]}" >"$dir/$name/out" 2>&1 || {
@@ -36,7 +54,7 @@ run() {  # NAME NP FLAGS...
 
 status=0
 run one-rank 1 || exit 1
-# name | ranks | flags
+# name | ranks | flags | model variant (empty: the config's)
 layouts=(
   "dp2|2|"
   "dp2-distributed-optimizer|2|--use-distributed-optimizer"
@@ -51,17 +69,43 @@ layouts=(
   "dp2-ep2-distributed-optimizer|4|--expert-model-parallel-size 2 --use-distributed-optimizer"
   "ep2-etp2-alltoall|4|--expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall"
   "ep2-etp2-allgather|4|--expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type allgather"
+  # With tensor parallelism (etp defaults to tp): the MoE layer sees T / tp token rows.
+  "tp2-sp-ep2-etp1-alltoall|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall"
+  "tp2-sp-ep2-etp1-allgather|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type allgather"
+  "tp2-sp-etp1|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"
+  "tp2-etp1-alltoall|2|--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall"
+  "tp2-sp-ep2-distributed-optimizer|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall"
+  # Pipeline parallelism: 1F1B, interleaved 1F1B (8 layers: two 1-layer chunks per rank
+  # on pp 4), uneven first/last stages, tied embeddings synchronised between the stages.
+  "pp2|2|--pipeline-model-parallel-size 2"
+  "pp4|4|--pipeline-model-parallel-size 4"
+  "pp2-dp2|4|--pipeline-model-parallel-size 2"
+  "pp2-dp2-distributed-optimizer|4|--pipeline-model-parallel-size 2 --use-distributed-optimizer"
+  "pp3-uneven|3|--pipeline-model-parallel-size 3 --decoder-first-pipeline-num-layers 2"
+  "pp4-interleaved|4|--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1|LAYERS=8"
+  "pp2-interleaved-uneven|2|--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2 --num-layers-per-virtual-pipeline-stage 3|LAYERS=8"
+  "pp2-tied|2|--pipeline-model-parallel-size 2|TIED=1"
+  "pp2-dp2-distributed-optimizer-tied|4|--pipeline-model-parallel-size 2 --use-distributed-optimizer|TIED=1"
+  "pp4-interleaved-tied|4|--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1|LAYERS=8 TIED=1"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third
 resumes=(
   "dp2-distopt-to-one-rank|2|--use-distributed-optimizer|1|"
   "one-rank-to-dp4-distopt|1||4|--use-distributed-optimizer"
+  "ep2-etp2-to-one-rank|4|--expert-model-parallel-size 2 --expert-tensor-parallel-size 2|1|"
+  "one-rank-to-dp2-ep2-distopt|1||4|--expert-model-parallel-size 2 --use-distributed-optimizer"
+  "tp2-sp-ep2-to-ep4|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1|4|--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall"
+  "pp2-distopt-to-dp2|2|--pipeline-model-parallel-size 2 --use-distributed-optimizer|2|"
+  "dp2-to-pp4|2||4|--pipeline-model-parallel-size 4"
 )
 for entry in "${layouts[@]}"; do
-  IFS='|' read -r name np flags <<<"$entry"
+  IFS='|' read -r name np flags variant <<<"$entry"
+  use_variant "$variant"
+  reference=one-rank${variant:+-${variant// /-}}
+  if [ ! -e "$dir/$reference" ]; then run "$reference" 1 || { status=1; continue; }; fi
   # shellcheck disable=SC2086
   if run "$name" "$np" $flags; then
-    if out=$(python3 "$compare" "$dir/one-rank" "$dir/$name"); then
+    if out=$(python3 "$compare" "$dir/$reference" "$dir/$name"); then
       echo "ok: $name ($np ranks): $out"
     else
       echo "FAILED: $name ($np ranks) differs from one rank:"; echo "$out"; status=1
@@ -84,6 +128,7 @@ resume() {  # NAME SRC_NP "SRC FLAGS" DST_NP "DST FLAGS"
     echo "FAILED: resume $name differs from one rank:"; echo "$out"; return 1
   fi
 }
+use_variant ""
 for entry in "${resumes[@]}"; do
   IFS='|' read -r name src_np src_flags dst_np dst_flags <<<"$entry"
   resume "$name" "$src_np" "$src_flags" "$dst_np" "$dst_flags" || status=1

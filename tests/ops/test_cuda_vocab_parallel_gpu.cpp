@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/gpu_testing.h"
@@ -315,17 +316,17 @@ TEST(CudaVocabParallelCrossEntropy, DoorChecks) {
   };
   Tensor logits = gpu({T, 16}, DType::BF16), labels = gpu({T}, DType::I32);
   Tensor a = gpu({T}), b = gpu({T}), c = gpu({T});
+  Tensor long_f32 = gpu({T + 1}), short_bf16 = gpu({T}, DType::BF16);
   EXPECT_THROW(ops::cross_entropy_partial_stats(gpu({T, 16}, DType::I32), labels, 0, a, b, c),
                InternalError);
   EXPECT_THROW(ops::cross_entropy_partial_stats(logits, gpu({T}), 0, a, b, c), InternalError);
-  EXPECT_THROW(ops::cross_entropy_partial_stats(logits, labels, 0, gpu({T}, DType::BF16), b, c),
+  EXPECT_THROW(ops::cross_entropy_partial_stats(logits, labels, 0, short_bf16, b, c),
                InternalError);
-  EXPECT_THROW(ops::cross_entropy_partial_stats(logits, labels, 0, a, gpu({T + 1}), c),
-               InternalError);
+  EXPECT_THROW(ops::cross_entropy_partial_stats(logits, labels, 0, a, long_f32, c), InternalError);
   EXPECT_THROW(ops::cross_entropy_partial_stats(logits, labels, -1, a, b, c), InternalError);
-  EXPECT_THROW(ops::cross_entropy_rescale_sum_exp(a, gpu({T + 1}), b), InternalError);
-  EXPECT_THROW(ops::cross_entropy_rescale_sum_exp(a, b, gpu({T}, DType::BF16)), InternalError);
-  EXPECT_THROW(ops::cross_entropy_finish(a, b, c, gpu({T + 1}), gpu({T})), InternalError);
+  EXPECT_THROW(ops::cross_entropy_rescale_sum_exp(a, long_f32, b), InternalError);
+  EXPECT_THROW(ops::cross_entropy_rescale_sum_exp(a, b, short_bf16), InternalError);
+  EXPECT_THROW(ops::cross_entropy_finish(a, b, c, long_f32, a), InternalError);
   Tensor dlogits_f32 = gpu({T, 16});
   EXPECT_THROW(ops::cross_entropy_backward_vocab_range(a, logits, labels, b, 0, dlogits_f32),
                InternalError);  // dlogits must have the logits' dtype

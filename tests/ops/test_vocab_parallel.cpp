@@ -407,12 +407,13 @@ TEST(VocabParallel, DoorChecksThrowInternalError) {
   Tensor lse_ok = randn({T}, 3);
   EXPECT_NO_THROW(
       ops::cross_entropy_backward_vocab_range(dlosses, logits, labels, lse_ok, 5, dlogits));
-  EXPECT_THROW(ops::cross_entropy_backward_vocab_range(dlosses, logits, labels, lse_ok, 5,
-                                                       Tensor::zeros({T, 6})),
-               InternalError);
-  EXPECT_THROW(ops::cross_entropy_backward_vocab_range(dlosses, logits, labels, lse_ok, 5,
-                                                       dlogits.to(DType::BF16)),
-               InternalError);
+  Tensor dlogits_wide = Tensor::zeros({T, 6}), dlogits_bf16 = dlogits.to(DType::BF16);
+  EXPECT_THROW(
+      ops::cross_entropy_backward_vocab_range(dlosses, logits, labels, lse_ok, 5, dlogits_wide),
+      InternalError);
+  EXPECT_THROW(
+      ops::cross_entropy_backward_vocab_range(dlosses, logits, labels, lse_ok, 5, dlogits_bf16),
+      InternalError);
   EXPECT_THROW(
       ops::cross_entropy_backward_vocab_range(wrong_len, logits, labels, lse_ok, 5, dlogits),
       InternalError);
