@@ -28,15 +28,14 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
   first_local_expert_ = dispatcher_->first_local_expert();
   for (int64_t l = 0; l < dispatcher_->num_local_experts(); ++l) {
     // Megatron's checkpoints name experts by their global index.
-    std::string name =
-        prefix + ".experts.local_experts." + std::to_string(first_local_expert_ + l);
+    std::string name = prefix + ".experts.local_experts." + std::to_string(first_local_expert_ + l);
     Expert ex;
     // Column-parallel fc1 (each SwiGLU half split), row-parallel fc2 over etp; the values
     // are the one-rank expert's slices.
     ex.fc1_weight = make_param_sharded(name + ".linear_fc1.weight", {f1, h}, cfg.init_method_std,
                                        seed, where, 0, etp_rank, etp, cfg.swiglu);
-    ex.fc2_weight = make_param_sharded(name + ".linear_fc2.weight", {h, f}, output_std, seed,
-                                       where, 1, etp_rank, etp);
+    ex.fc2_weight = make_param_sharded(name + ".linear_fc2.weight", {h, f}, output_std, seed, where,
+                                       1, etp_rank, etp);
     if (!cfg.disable_bias_linear) {
       ex.fc1_bias = make_constant_param(name + ".linear_fc1.bias", {f1 / etp}, 0.0f, true, where);
       if (etp > 1) {  // zeros: the slice is zeros too
@@ -91,8 +90,10 @@ void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias) {
 
 Tensor MoELayer::expert_activation() const {
   Tensor act = empty_like(fc1_out_, {fc1_out_.dim(0), experts[0].fc2_weight.weight.dim(1)});
-  if (cfg_.swiglu) ops::swiglu_forward(fc1_out_, act);
-  else ops::gelu_forward(fc1_out_, act);
+  if (cfg_.swiglu)
+    ops::swiglu_forward(fc1_out_, act);
+  else
+    ops::gelu_forward(fc1_out_, act);
   return act;
 }
 
@@ -182,8 +183,10 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   expert_bias_backward(dexpert_out, &Expert::fc2_bias);
   // activation and linear_fc1.
   Tensor dfc1 = empty_like(dy, fc1_out_.shape());
-  if (cfg_.swiglu) ops::swiglu_backward(dact, fc1_out_, dfc1);
-  else ops::gelu_backward(dact, fc1_out_, dfc1);
+  if (cfg_.swiglu)
+    ops::swiglu_backward(dact, fc1_out_, dfc1);
+  else
+    ops::gelu_backward(dact, fc1_out_, dfc1);
   Tensor dexpert_in = empty_like(dy, expert_in_.shape());
   ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dexpert_in,
                     last_tokens_per_local_expert);
@@ -199,8 +202,8 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   ops::moe_topk_softmax_backward(dprobs, logits_, probs_, indices_, cfg_.moe_router_pre_softmax,
                                  dlogits);
   if (cfg_.use_aux_loss())
-    ops::moe_aux_loss_backward(aux_grad_scale, aux_scores_, aux_counts_, k,
-                               cfg_.moe_aux_loss_coeff, dlogits);
+    ops::moe_aux_loss_backward(aux_grad_scale, aux_scores_, aux_counts_, k, cfg_.moe_aux_loss_coeff,
+                               dlogits);
   Tensor dlogits_compute = dlogits;
   if (dy.dtype() != DType::F32) {
     dlogits_compute = empty_like(dy, dlogits.shape());

@@ -60,7 +60,7 @@ class MoELayer {
   struct Expert {
     Param fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases absent with disable_bias_linear
   };
-  Param router_weight;  // [E, H], "<prefix>.router.weight"
+  Param router_weight;          // [E, H], "<prefix>.router.weight"
   std::vector<Expert> experts;  // the local experts, in global order
   int64_t first_local_expert() const { return first_local_expert_; }
 

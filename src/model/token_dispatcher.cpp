@@ -101,8 +101,7 @@ MoETokenDispatcher::MoETokenDispatcher(int64_t num_experts, const ModelParallel&
 
 // ---- all-to-all ----
 
-MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts,
-                                                       const ModelParallel& mp)
+MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp)
     : MoETokenDispatcher(num_experts, mp) {}
 
 Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,

@@ -76,8 +76,7 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   Tensor to_experts(const Tensor& permuted) const;
   Tensor from_experts(const Tensor& rows) const;
 
-  int64_t tokens_ = 0;
-  Tensor probs_, row_id_map_, combined_;  // combined_: expert output by copy [T k, H]
+  Tensor probs_, row_id_map_, combined_;        // combined_: expert output by copy [T k, H]
   std::vector<int64_t> send_rows_, recv_rows_;  // per EP member: rows sent / received
   std::vector<int64_t> etp_rows_;               // per ETP member: rows after the all-to-all
   // Chunk (etp member t, ep member i, local expert l) has chunk_rows_[(t ep + i) L + l] rows.

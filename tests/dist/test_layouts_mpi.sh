@@ -54,6 +54,11 @@ run() {  # NAME NP FLAGS...
 
 status=0
 run one-rank 1 || exit 1
+# The one-rank run of a model variant, run on first use: sets $reference (its name).
+reference_of() {  # VARIANT
+  reference=one-rank${1:+-${1// /-}}
+  [ -e "$dir/$reference" ] || run "$reference" 1
+}
 # name | ranks | flags | model variant (empty: the config's)
 layouts=(
   "dp2|2|"
@@ -77,6 +82,8 @@ layouts=(
   "tp2-sp-ep2-distributed-optimizer|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall"
   # Pipeline parallelism: 1F1B, interleaved 1F1B (8 layers: two 1-layer chunks per rank
   # on pp 4), uneven first/last stages, tied embeddings synchronised between the stages.
+  "tp2|2|--tensor-model-parallel-size 2"
+  "tp2-sp|2|--tensor-model-parallel-size 2 --sequence-parallel"
   "pp2|2|--pipeline-model-parallel-size 2"
   "pp4|4|--pipeline-model-parallel-size 4"
   "pp2-dp2|4|--pipeline-model-parallel-size 2"
@@ -87,8 +94,12 @@ layouts=(
   "pp2-tied|2|--pipeline-model-parallel-size 2|TIED=1"
   "pp2-dp2-distributed-optimizer-tied|4|--pipeline-model-parallel-size 2 --use-distributed-optimizer|TIED=1"
   "pp4-interleaved-tied|4|--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1|LAYERS=8 TIED=1"
+  "pp2-ep2-alltoall|4|--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  "tp2-pp2|4|--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+  "tp2-sp-pp2-dp2-distributed-optimizer|8|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --use-distributed-optimizer"
+  "tp2-sp-pp2-tied|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|TIED=1"
 )
-# name | ranks, flags of the first two steps | ranks, flags of the third
+# name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
   "dp2-distopt-to-one-rank|2|--use-distributed-optimizer|1|"
   "one-rank-to-dp4-distopt|1||4|--use-distributed-optimizer"
@@ -97,12 +108,13 @@ resumes=(
   "tp2-sp-ep2-to-ep4|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1|4|--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall"
   "pp2-distopt-to-dp2|2|--pipeline-model-parallel-size 2 --use-distributed-optimizer|2|"
   "dp2-to-pp4|2||4|--pipeline-model-parallel-size 4"
+  "pp2-distopt-to-one-rank-tied|2|--pipeline-model-parallel-size 2 --use-distributed-optimizer|1||TIED=1"
+  "pp2-dp2-to-tp2-sp-pp2-tied|4|--pipeline-model-parallel-size 2|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|TIED=1"
 )
 for entry in "${layouts[@]}"; do
   IFS='|' read -r name np flags variant <<<"$entry"
   use_variant "$variant"
-  reference=one-rank${variant:+-${variant// /-}}
-  if [ ! -e "$dir/$reference" ]; then run "$reference" 1 || { status=1; continue; }; fi
+  reference_of "$variant" || { status=1; continue; }
   # shellcheck disable=SC2086
   if run "$name" "$np" $flags; then
     if out=$(python3 "$compare" "$dir/$reference" "$dir/$name"); then
@@ -122,15 +134,16 @@ resume() {  # NAME SRC_NP "SRC FLAGS" DST_NP "DST FLAGS"
   ITERS=2 run "$name-first" "$2" $3 || return 1
   # shellcheck disable=SC2086
   run "$name" "$4" --load "$dir/$name-first/save" $5 || return 1
-  if out=$(python3 "$compare" --resumed "$dir/one-rank" "$dir/$name"); then
+  if out=$(python3 "$compare" --resumed "$dir/$reference" "$dir/$name"); then
     echo "ok: resume $name: $out"
   else
     echo "FAILED: resume $name differs from one rank:"; echo "$out"; return 1
   fi
 }
-use_variant ""
 for entry in "${resumes[@]}"; do
-  IFS='|' read -r name src_np src_flags dst_np dst_flags <<<"$entry"
+  IFS='|' read -r name src_np src_flags dst_np dst_flags variant <<<"$entry"
+  use_variant "$variant"
+  reference_of "$variant" || { status=1; continue; }
   resume "$name" "$src_np" "$src_flags" "$dst_np" "$dst_flags" || status=1
 done
 exit $status

@@ -63,7 +63,8 @@ void attach_grads(MoELayer& layer) {
 Tensor rank_input(int rank, uint64_t salt, bool skewed) {
   Tensor x = randn({kTokens, kHidden}, ::megaton::testing::test_seed() + 100 * salt + rank);
   if (skewed)  // feature 0 positive: the router below then prefers experts 0 and 1
-    for (int64_t t = 0; t < kTokens; ++t) x.f32()[t * kHidden] = std::fabs(x.f32()[t * kHidden]) + 3;
+    for (int64_t t = 0; t < kTokens; ++t)
+      x.f32()[t * kHidden] = std::fabs(x.f32()[t * kHidden]) + 3;
   return x;
 }
 Tensor rank_grad(int rank, uint64_t salt) {
@@ -206,8 +207,8 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
     auto it = expert_grad_sum.find(p->name);
     ASSERT_NE(it, expert_grad_sum.end()) << "not a one-rank parameter";
     Tensor want = p->tp_split_dim < 0 ? it->second
-                                       : shard_of(it->second, p->tp_split_dim, grid.etp().rank,
-                                                  grid.etp().size(), p->swiglu_halves);
+                                      : shard_of(it->second, p->tp_split_dim, grid.etp().rank,
+                                                 grid.etp().size(), p->swiglu_halves);
     ASSERT_EQ(p->main_grad.shape(), want.shape());
     if (ops::sum_of_squares(want) == 0.0) {
       EXPECT_EQ(ops::sum_of_squares(p->main_grad), 0.0);
