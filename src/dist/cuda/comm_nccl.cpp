@@ -2,16 +2,27 @@
 //
 // Communicators are bootstrapped through MPI (the group's first rank makes the unique
 // id, MPI_Bcast over the group's MPI communicator) and created non-blocking
-// (ncclConfig_t::blocking = 0), so this thread never sits inside NCCL: after enqueueing
-// an operation it polls ncclCommGetAsyncError and cudaStreamQuery until the operation
-// has completed, NCCL reports an error, or the deadline passes; then the communicator
-// is aborted (ncclCommAbort) and CommError names the collective, group and rank.
-// Waiting for completion after every call keeps the semantics equal to MpiComm's;
-// overlapping communication with compute will need handles instead.
+// (ncclConfig_t::blocking = 0), so this thread never sits inside NCCL.
+//
+// Operations are stream-ordered on the compute stream and the host does not wait for
+// them (a wait per collective would drain the GPU's queue each time: every later kernel
+// launch would then be exposed). Their deadlines are kept by a watchdog thread, as
+// PyTorch's NCCL watchdog does: each operation records a CUDA event; the watchdog polls
+// the oldest pending event and the communicator's async error, and when an operation
+// fails or outlives its deadline it prints the message naming the collective, group and
+// rank, aborts the communicator (ncclCommAbort) and ends the process with status 1, so
+// mpirun ends the job instead of every rank hanging. Host code that reads a result
+// (Tensor::to(CPU)) synchronizes with the stream as usual. barrier() alone waits on the
+// host.
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "core/cuda/cuda_check.h"
@@ -65,6 +76,12 @@ bool overlaps(const Tensor& a, const Tensor& b) {
 class NcclComm final : public Comm {
  public:
   ~NcclComm() override {
+    if (watchdog_.joinable()) {
+      cudaStreamSynchronize(::megaton::cuda::stream());  // everything queued completes
+      stop_ = true;
+      watchdog_.join();
+    }
+    for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
     // Best effort at exit: finalize (flushes pending work) and destroy; errors here are
     // not worth a crash while the process ends.
     for (auto& [ranks, entry] : comms_) {
@@ -162,10 +179,13 @@ class NcclComm final : public Comm {
     // NCCL has no barrier: an all-reduce of one int on the stream, waited for.
     if (!barrier_scratch_.defined())
       barrier_scratch_ = Tensor::zeros({1}, DType::I32, Device::CUDA);
-    run(g, "barrier", [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32, ncclSum, c,
-                           s);
-    });
+    run(
+        g, "barrier",
+        [&](ncclComm_t c, cudaStream_t s) {
+          return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32,
+                               ncclSum, c, s);
+        },
+        /*wait_host=*/true);
   }
 
  private:
@@ -226,9 +246,75 @@ class NcclComm final : public Comm {
     return e;
   }
 
-  // Enqueues an operation on the compute stream and waits for it to complete.
+  // An operation queued on the stream, watched until its event completes.
+  struct Pending {
+    cudaEvent_t event;
+    Clock::time_point deadline;
+    ncclComm_t comm;
+    std::string timeout, failure;  // messages, made when the operation was queued
+  };
+
+  // Prints `message`, aborts `comm` and ends the process (see the file comment).
+  [[noreturn]] void fatal(ncclComm_t comm, const std::string& message) {
+    std::fprintf(stderr, "[rank %d] communication error: %s\n", world_rank_, message.c_str());
+    std::fflush(stderr);
+    (void)ncclCommAbort(comm);
+    std::_Exit(1);
+  }
+
+  void watchdog_loop(int device) {
+    cudaSetDevice(device);
+    while (!stop_) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        while (!pending_.empty()) {
+          Pending& p = pending_.front();
+          const cudaError_t q = cudaEventQuery(p.event);
+          if (q == cudaSuccess) {
+            free_events_.push_back(p.event);
+            pending_.pop_front();
+            continue;
+          }
+          if (q != cudaErrorNotReady)
+            fatal(p.comm, p.failure + ": CUDA " + cudaGetErrorString(q));
+          ncclResult_t state = ncclSuccess;
+          if (ncclCommGetAsyncError(p.comm, &state) == ncclSuccess && state != ncclSuccess &&
+              state != ncclInProgress)
+            fatal(p.comm, p.failure + ": " + ncclGetErrorString(state));
+          if (Clock::now() >= p.deadline) fatal(p.comm, p.timeout);
+          break;  // operations complete in stream order: the oldest decides
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+  // Records the operation's completion event for the watchdog (started on first use).
+  void watch(Entry& e, const char* op, const Group& g, Clock::time_point deadline) {
+    if (!watchdog_.joinable()) {
+      int device = 0;
+      MEGATON_CUDA_CHECK(cudaGetDevice(&device));
+      world_rank_ = g.ranks[g.rank];
+      watchdog_ = std::thread([this, device] { watchdog_loop(device); });
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaEvent_t ev;
+    if (free_events_.empty()) {
+      MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    } else {
+      ev = free_events_.back();
+      free_events_.pop_back();
+    }
+    MEGATON_CUDA_CHECK(cudaEventRecord(ev, ::megaton::cuda::stream()));
+    pending_.push_back({ev, deadline, e.comm, timeout_message(op, g),
+                        fmt::format("{} on group {} failed at world rank {}", op, g.describe(),
+                                    g.ranks[g.rank])});
+  }
+
+  // Enqueues an operation on the compute stream; the watchdog keeps its deadline, or,
+  // wait_host, this thread waits for it to complete.
   template <typename Enqueue>
-  void run(const Group& g, const char* op, Enqueue enqueue) {
+  void run(const Group& g, const char* op, Enqueue enqueue, bool wait_host = false) {
     Entry& e = comm_of(g, op);
     cudaStream_t stream = ::megaton::cuda::stream();
     const Clock::time_point deadline = deadline_from_now();
@@ -238,6 +324,10 @@ class NcclComm final : public Comm {
           e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
                          g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
     wait_ready(e, op, g, deadline);  // the enqueue itself may still be in progress
+    if (!wait_host) {
+      watch(e, op, g, deadline);
+      return;
+    }
     const Clock::time_point start = Clock::now();
     for (;;) {
       cudaError_t q = cudaStreamQuery(stream);
@@ -261,6 +351,13 @@ class NcclComm final : public Comm {
   detail::MpiGroups mpi_groups_;
   std::map<std::vector<int>, Entry> comms_;
   Tensor barrier_scratch_;
+  // The watchdog and the operations it watches (guarded by mu_).
+  std::mutex mu_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
+  std::thread watchdog_;
+  std::atomic<bool> stop_{false};
+  int world_rank_ = 0;
 };
 
 }  // namespace
