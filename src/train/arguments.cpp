@@ -388,6 +388,15 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
   if (per_step > 0 && a.global_batch_size % per_step == 0)
     check_interleaved_micro_batches(a.global_batch_size / per_step, layout.sizes.pp,
                                     layout.sizes.vpp.value_or(1));
+  // Accepted for Megatron command lines, not implemented yet: say so instead of silently
+  // running without the overlap.
+  if (p.overlap_grad_reduce)
+    layout.warnings.push_back(
+        "--overlap-grad-reduce is not implemented yet: gradients are reduced after backward");
+  if (p.overlap_param_gather)
+    layout.warnings.push_back(
+        "--overlap-param-gather is not implemented yet: parameters are gathered after the "
+        "optimizer step");
   return layout;
 }
 

@@ -27,7 +27,9 @@ struct ParallelArgs {
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
-  std::string moe_token_dispatcher_type = "allgather";  // or alltoall
+  // Megatron's default is allgather; Megaton's is alltoall, the dispatcher whose two-GPU
+  // bf16 loss curve tracks the one-GPU run (docs/parallelism.md, known issue).
+  std::string moe_token_dispatcher_type = "alltoall";  // or allgather
   // Deadline of one collective in minutes; 0: MEGATON_COMM_TIMEOUT_S seconds, else 300 s.
   int64_t distributed_timeout_minutes = 0;
 };
