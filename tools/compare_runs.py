@@ -3,7 +3,7 @@
 Usage: python3 tools/compare_runs.py REF_DIR RUN_DIR [--rtol 1e-5] [--resumed]
 Each DIR holds `metrics.jsonl` (written by `megaton train --log-metrics-file`) and a
 checkpoint directory `save/` (`--save`). Checks, for every iteration, that the lm loss,
-the grad norm and (MoE) the load-balancing loss agree to a relative difference <= rtol, and that every parameter of the
+the grad norm, (MoE) the load-balancing loss and (--log-params-norm) the params norm agree to a relative difference <= rtol, and that every parameter of the
 last checkpoint ("model.*" tensors, fp32) agrees as a whole tensor: ||a - b|| / ||b|| <=
 rtol. --resumed: RUN_DIR resumed from a checkpoint, so it logged only the later
 iterations (each must be in the reference). Prints the worst differences; exits 1 when a check fails, 2 on unreadable input.
@@ -66,13 +66,15 @@ def main():
     if not run_m or any(it not in ref_by_it for it in run_its) or (
             not a.resumed and sorted(run_its) != sorted(ref_by_it)):
         failures.append(f"iterations logged {run_its}, reference {sorted(ref_by_it)}")
-    worst = {"lm loss": 0.0, "grad norm": 0.0, "load-balancing loss": 0.0, "params": 0.0}
+    worst = {"lm loss": 0.0, "grad norm": 0.0, "load-balancing loss": 0.0, "params norm": 0.0,
+             "params": 0.0}
     for m in run_m:
         r = ref_by_it.get(m["iteration"])
         if r is None:
             continue
         for key, name in (("lm_loss", "lm loss"), ("grad_norm", "grad norm"),
-                          ("load_balancing_loss", "load-balancing loss")):
+                          ("load_balancing_loss", "load-balancing loss"),
+                          ("params_norm", "params norm")):
             if key not in r and key not in m:
                 continue
             if key not in r or key not in m:

@@ -102,23 +102,30 @@ bool DistributedAdamW::counts_in_norm(const Param& p) const {
   return !p.shared && (p.tp_split_dim >= 0 || tp.rank <= 0);
 }
 
-double DistributedAdamW::grad_norm() {
-  // Each distinct gradient element once: data-parallel replicas on rank 0 of the group
-  // (or each shard on its owner), tensor-parallel replicas on TP rank 0.
-  std::vector<Tensor> grads;
+double DistributedAdamW::norm_over_model(bool main_params) {
+  // Each distinct element once: data-parallel replicas on rank 0 of the group (or each
+  // shard on its owner), tensor-parallel replicas on TP rank 0.
+  std::vector<Tensor> tensors;
   if (distributed_) {
     for (size_t i = 0; i < shard_params_.size(); ++i)
-      if (counts_in_norm(*shard_pieces_[i].param)) grads.push_back(shard_params_[i].main_grad);
+      if (counts_in_norm(*shard_pieces_[i].param))
+        tensors.push_back(main_params ? shard_params_[i].main_param : shard_params_[i].main_grad);
   } else {
     for (ParamAndGradBuffer& b : each_buffer())
       if (group_of(b).rank == 0)
         for (Param* p : b.params())
-          if (counts_in_norm(*p)) grads.push_back(p->main_grad);
+          if (counts_in_norm(*p))
+            tensors.push_back(main_params ? (p->main_param.defined() ? p->main_param : p->weight)
+                                          : p->main_grad);
   }
-  const double sum_sq = grads.empty() ? 0.0 : ops::multi_tensor_sum_of_squares(grads);
+  const double sum_sq = tensors.empty() ? 0.0 : ops::multi_tensor_sum_of_squares(tensors);
   // Every rank's partial sum, added in rank order: the same fp64 result everywhere.
   return std::sqrt(dist::sum_over(comm_, grid_.world(), {sum_sq})[0]);
 }
+
+double DistributedAdamW::grad_norm() { return norm_over_model(false); }
+
+double DistributedAdamW::params_norm() { return norm_over_model(true); }
 
 void DistributedAdamW::step(float lr, float grad_scale) {
   adam_->step(lr, grad_scale);

@@ -41,6 +41,9 @@ class DistributedAdamW {
   // update), a shard on its owner (distributed); the last pipeline stage's copy of tied
   // embeddings (Param::shared) never. Sums over the world. NaN/inf when any element is.
   double grad_norm();
+  // L2 norm of the fp32 main params, counted like grad_norm (Megatron's
+  // calc_params_l2_norm, logged with --log-params-norm). Collective over the world.
+  double params_norm();
 
   // AdamW with learning rate lr, gradients times grad_scale (clipping), then (distributed)
   // every rank's updated weights all-gathered into the buffers.
@@ -65,6 +68,8 @@ class DistributedAdamW {
   const dist::Group& group_of(const ParamAndGradBuffer& b) const;
   // Whether this rank counts p's gradient in the grad norm (tensor-parallel replicas once).
   bool counts_in_norm(const Param& p) const;
+  // grad_norm (main_params false) or params_norm (true).
+  double norm_over_model(bool main_params);
 
   // The buffers as references, for range-for loops.
   auto each_buffer() const {

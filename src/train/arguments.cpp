@@ -93,6 +93,7 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"eval-iters", "validation iterations per evaluation"},
       {"log-interval", "log every this many iterations"},
       {"exit-interval", "exit (after saving) when the iteration is a multiple of this"},
+      {"log-params-norm", "log the L2 norm of the parameters", true},
       {"log-metrics-file", "Megaton: append one JSON line per iteration (iteration, lm_loss, "
                            "grad_norm, load_balancing_loss, lr) in full precision to this file"},
       {"seed", "random seed"},
@@ -292,6 +293,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("log-interval", a.log_interval);
   r.get("exit-interval", a.exit_interval);
   r.get("log-metrics-file", a.log_metrics_file);
+  r.get("log-params-norm", a.log_params_norm);
   r.get("seed", a.seed);
   r.get("save", a.save);
   r.get("save-interval", a.save_interval);

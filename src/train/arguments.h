@@ -58,6 +58,7 @@ struct TrainArgs {
   int64_t log_interval = 100;
   int64_t exit_interval = 0;           // 0: off
   std::string log_metrics_file;        // Megaton: per-iteration JSON lines; "" off
+  bool log_params_norm = false;        // --log-params-norm
   float clip_grad = 1.0f;
   uint64_t seed = 1234;
 

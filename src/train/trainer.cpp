@@ -282,7 +282,7 @@ static void print_eval(const std::string& where, double loss) {
 }
 
 void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
-                       double grad_norm) {
+                       double grad_norm, double params_norm) {
   int64_t tokens = args_.global_batch_size * args_.model.seq_length;
   double flops = num_floating_point_operations(args_.model, tokens);
   std::string line = fmt::format(
@@ -293,10 +293,12 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
       double(tokens) / (ms_per_iter / 1000.0), flops / (ms_per_iter / 1000.0) / 1e12, lr,
       args_.global_batch_size, loss);
   if (args_.model.use_aux_loss()) line += fmt::format("load_balancing_loss: {:.6E} | ", aux);
+  line += fmt::format("loss scale: 1.0 | grad norm: {:.3f} | ", grad_norm);
+  if (params_norm >= 0) line += fmt::format("params norm: {:.3f} | ", params_norm);
   line += fmt::format(
-      "loss scale: 1.0 | grad norm: {:.3f} | number of skipped iterations: {:>3} | number of "
+      "number of skipped iterations: {:>3} | number of "
       "nan iterations: {:>3} | peak memory (MB): {:.1f} |",
-      grad_norm, skipped_iterations_, nan_iterations_, double(peak_memory_bytes(args_.model.device)) / 1048576.0);
+      skipped_iterations_, nan_iterations_, double(peak_memory_bytes(args_.model.device)) / 1048576.0);
   fmt::print("{}\n", line);
   std::fflush(stdout);
 }
@@ -343,6 +345,8 @@ TrainResult Trainer::train() {
         args_.model, args_.global_batch_size * args_.model.seq_length);
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
                     .count();
+    // After the update, as Megatron logs it; -1: not logged.
+    const double params_norm = args_.log_params_norm ? optimizer_->params_norm() : -1.0;
     result.losses.push_back(loss);
     result.grad_norms.push_back(grad_norm);
     if (!args_.log_metrics_file.empty() && is_logging_rank()) {
@@ -350,6 +354,7 @@ TrainResult Trainer::train() {
                              {"grad_norm", grad_norm}, {"lr", lr}};
       if (args_.model.use_aux_loss())
         line["load_balancing_loss"] = aux / (args_.model.moe_aux_loss_coeff * double(num_moe_layers));
+      if (params_norm >= 0) line["params_norm"] = params_norm;
       std::ofstream out(args_.log_metrics_file, std::ios::app);
       out << line.dump() << "\n";
       if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
@@ -369,7 +374,7 @@ TrainResult Trainer::train() {
     if ((iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) &&
         is_logging_rank()) {
       log_line(iteration_, interval_ms / interval_iters, lr, interval_loss / interval_iters,
-               interval_aux / interval_iters, grad_norm);
+               interval_aux / interval_iters, grad_norm, params_norm);
       interval_loss = interval_aux = interval_ms = 0;
       interval_iters = 0;
     }

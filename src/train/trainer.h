@@ -63,8 +63,9 @@ class Trainer {
                   Tensor& tokens, Tensor& labels) const;
   void save(int64_t iteration);
   void load();
+  // params_norm < 0: not logged.
   void log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
-                double grad_norm);
+                double grad_norm, double params_norm);
 
   TrainArgs args_;
   RawOptions raw_;

@@ -22,7 +22,7 @@ config=(--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 127
   --hidden-dropout 0 --attention-dropout 0
   --make-vocab-size-divisible-by 64
   --seq-length 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3
-  --lr-warmup-iters 1 --clip-grad 1.0 --eval-iters 0 --log-interval 1 --seed 1234)
+  --lr-warmup-iters 1 --clip-grad 1.0 --log-params-norm --eval-iters 0 --log-interval 1 --seed 1234)
 
 # The model variant of the next runs: 4 layers and untied embeddings unless a layout's
 # variant says "LAYERS=n" and/or "TIED=1".
