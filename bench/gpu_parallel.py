@@ -4,7 +4,8 @@ Usage (from the repository root, binaries from tools/gpu_bundle.sh, data/ prepar
     python3 bench/gpu_parallel.py --megaton BIN [--gpus 2] [--out FILE] [--skip-curves]
 
 1. Loss curves: the demo config (configs/demo-moe.yaml, fortunes corpus) for 50
-   iterations on one GPU, then under DP2, TP2, EP2 and PP2 (mpirun, one rank per GPU);
+   iterations on one GPU, then under DP2 (with and without the distributed optimizer),
+   TP2 (with and without SP), EP2 (both dispatchers) and PP2 (mpirun, one rank per GPU);
    each layout's lm loss per iteration against the one-GPU curve (relative difference;
    bf16 runs, so not bit-equal: summation order differs between layouts).
 2. Scaling: moe-8x-top2 with EP2 (data parallel over the dense layers), llama-1.3B with
@@ -59,7 +60,10 @@ def main():
             for name, flags in [("DP2", []), ("DP2 distopt", ["--use-distributed-optimizer"]),
                                 ("TP2", ["--tensor-model-parallel-size", "2"]),
                                 ("TP2 SP", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                                ("EP2", ["--expert-model-parallel-size", "2"]),
+                                ("EP2 alltoall", ["--expert-model-parallel-size", "2",
+                                                  "--moe-token-dispatcher-type", "alltoall"]),
+                                ("EP2 allgather", ["--expert-model-parallel-size", "2",
+                                                   "--moe-token-dispatcher-type", "allgather"]),
                                 ("PP2", ["--pipeline-model-parallel-size", "2"])]:
                 got, err = curve(a.megaton, name.replace(" ", "-"), mpirun(2), flags, work)
                 if got is None:
