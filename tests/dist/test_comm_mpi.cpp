@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 
+#include "common/mpi_testing.h"
 #include "common/testing.h"
 #include "dist/comm.h"
 #include "dist/runtime.h"
@@ -304,38 +305,8 @@ TEST_F(CommTest, TimeoutNamesGroupCollectiveAndRank) {
   comm().barrier(grid.world());
 }
 
-// Non-zero ranks print only their failures, tagged with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name(), r.line_number(),
-                   r.message());
-  }
-
- private:
-  int rank_;
-};
 
 }  // namespace
 }  // namespace megaton::dist
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  // A rank left waiting by a failed assertion elsewhere gives up after 60 s, not 300.
-  setenv("MEGATON_COMM_TIMEOUT_S", "60", 0);
-  megaton::dist::init(&argc, &argv);
-  const int rank = megaton::dist::world_rank();
-  if (rank == 0)
-    std::printf("inputs seeded with %llu (MEGATON_TEST_SEED)\n",
-                static_cast<unsigned long long>(megaton::testing::test_seed()));
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new megaton::dist::RankFailurePrinter(rank));
-  }
-  const int status = RUN_ALL_TESTS();
-  megaton::dist::finalize();
-  return status;
-}
+int main(int argc, char** argv) { return megaton::testing::run_mpi_tests(argc, argv); }

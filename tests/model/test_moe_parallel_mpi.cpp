@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <map>
 
+#include "common/mpi_testing.h"
 #include "common/testing.h"
 #include "dist/comm.h"
 #include "dist/runtime.h"
@@ -221,7 +222,9 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
     if (layer.first_local_expert() >= 2) {
       EXPECT_EQ(routed_here, 0);
       for (Param* p : params)
-        if (p->is_expert) EXPECT_EQ(ops::sum_of_squares(p->main_grad), 0.0) << p->name;
+        if (p->is_expert) {
+          EXPECT_EQ(ops::sum_of_squares(p->main_grad), 0.0) << p->name;
+        }
     } else {
       EXPECT_GT(routed_here, 0);
     }
@@ -245,37 +248,8 @@ INSTANTIATE_TEST_SUITE_P(
                true}),
     layout_name);
 
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, r.file_name(), r.line_number(),
-                   r.message());
-  }
-
- private:
-  int rank_;
-};
 
 }  // namespace
 }  // namespace megaton
 
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  // A rank left waiting by a failed assertion elsewhere gives up after 60 s, not 300.
-  setenv("MEGATON_COMM_TIMEOUT_S", "60", 0);
-  megaton::dist::init(&argc, &argv);
-  const int rank = megaton::dist::world_rank();
-  if (rank == 0)
-    std::printf("inputs seeded with %llu (MEGATON_TEST_SEED)\n",
-                static_cast<unsigned long long>(megaton::testing::test_seed()));
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new megaton::RankFailurePrinter(rank));
-  }
-  const int status = RUN_ALL_TESTS();
-  megaton::dist::finalize();
-  return status;
-}
+int main(int argc, char** argv) { return megaton::testing::run_mpi_tests(argc, argv); }
