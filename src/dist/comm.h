@@ -62,6 +62,7 @@ class Comm {
   // chunk g.rank of m's in, chunk i being elements [i n, (i + 1) n). fp32, bf16.
   void reduce_scatter(const Tensor& in, Tensor& out, const Group& g);
   // in: numel n, out: numel g.size() x n. Chunk i of out = member i's in. Any dtype.
+  // in may be this member's chunk of out (gathered in place, no copy).
   void all_gather(const Tensor& in, Tensor& out, const Group& g);
   // Uneven all-to-all. send_counts[i] (elements) of in go to member i, taken from in in
   // member order; recv_counts[i] elements come from member i, stored in out in member

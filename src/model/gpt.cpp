@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
@@ -173,16 +174,11 @@ Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
     if (mp_.sequence_parallel) emb = reduce_scatter_sequence(emb, mp_);
     else all_reduce_tensor_parallel(emb, mp_);
   }
-  if (position_embeddings.weight.defined()) {
-    // Row i of the micro-batch is position i % seq; this rank's rows start at first_row.
-    const int64_t first_row = mp_.sequence_parallel ? mp_.tp_rank() * emb.dim(0) : 0;
-    for (int64_t row = first_row; row < first_row + emb.dim(0);) {
-      const int64_t pos = row % seq_, n = std::min(seq_ - pos, first_row + emb.dim(0) - row);
-      Tensor rows = emb.rows(row - first_row, n);
+  if (position_embeddings.weight.defined())
+    for_each_position_block(emb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
+      Tensor rows = emb.rows(local_row, n);
       ops::add_(rows, position_embeddings.weight.rows(pos, n));
-      row += n;
-    }
-  }
+    });
   emb_dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
   emb_seed_ = ctx.seed;
   emb_stream_ = ctx.stream(-1, 0);
@@ -192,6 +188,18 @@ Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
     ops::dropout_forward(emb, x, emb_dropout_p_, emb_seed_, emb_stream_);
   }
   return x;
+}
+
+void GPTModel::for_each_position_block(
+    int64_t local_rows, const std::function<void(int64_t, int64_t, int64_t)>& fn) const {
+  // Row i of the micro-batch is position i % seq; under SP this rank's rows start at
+  // tp_rank x local_rows.
+  const int64_t first_row = mp_.sequence_parallel ? mp_.tp_rank() * local_rows : 0;
+  for (int64_t row = first_row; row < first_row + local_rows;) {
+    const int64_t pos = row % seq_, n = std::min(seq_ - pos, first_row + local_rows - row);
+    fn(row - first_row, pos, n);
+    row += n;
+  }
 }
 
 Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx) {
@@ -329,21 +337,17 @@ void GPTModel::embed_backward(const Tensor& dx) {
     demb = empty_like(dx, dx.shape());
     ops::dropout_backward(dx, demb, emb_dropout_p_, emb_seed_, emb_stream_);
   }
-  if (position_embeddings.weight.defined()) {
-    const int64_t first_row = mp_.sequence_parallel ? mp_.tp_rank() * demb.dim(0) : 0;
-    for (int64_t row = first_row; row < first_row + demb.dim(0);) {
-      const int64_t pos = row % seq_, n = std::min(seq_ - pos, first_row + demb.dim(0) - row);
+  if (position_embeddings.weight.defined())
+    for_each_position_block(demb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
       Tensor g = position_embeddings.main_grad.rows(pos, n);
-      Tensor rows = demb.rows(row - first_row, n);
+      Tensor rows = demb.rows(local_row, n);
       if (rows.dtype() != DType::F32) {
         Tensor rows_f32 = Tensor::empty(rows.shape(), DType::F32, rows.device());
         ops::cast(rows, rows_f32);
         rows = rows_f32;
       }
       ops::add_(g, rows);
-      row += n;
-    }
-  }
+    });
   if (mp_.tp_size() == 1) {
     ops::embedding_backward(demb, tokens_, word_embeddings.main_grad);
   } else {

@@ -1,5 +1,6 @@
 // GPTModel: embedding -> transformer layers -> final norm -> output layer -> cross entropy.
 #pragma once
+#include <functional>
 #include <memory>
 #include <optional>
 
@@ -143,6 +144,10 @@ class GPTModel {
   Tensor embed(const Tensor& tokens, const ForwardContext& ctx);
   // embed, the layers and the final norm (whole model).
   Tensor forward_hidden(const Tensor& tokens, const ForwardContext& ctx);
+  // fn(local_row, position, n) for each run of n rows of this rank's local_rows token
+  // rows whose positions are consecutive (learned position embeddings, SP-aware).
+  void for_each_position_block(int64_t local_rows,
+                               const std::function<void(int64_t, int64_t, int64_t)>& fn) const;
   // Output layer and cross entropy of the final-normed hidden state (post_process).
   MicroBatchLoss output_loss(const Tensor& hidden, const Tensor& labels);
   // Backward of output_loss: dlosses [B*S] -> d hidden (post_process).

@@ -32,8 +32,27 @@ void all_reduce_tensor_parallel(Tensor& x, const ModelParallel& mp) {
 void all_reduce_sequence_parallel_grads(const std::vector<Param*>& params,
                                         const ModelParallel& mp) {
   if (mp.tp_size() == 1) return;
+  // One collective for all of them (norm weights and biases: many small tensors).
+  std::vector<Param*> marked;
+  int64_t total = 0;
   for (Param* p : params)
-    if (p->sequence_parallel) mp.comm->all_reduce(p->main_grad, mp.tp());
+    if (p->sequence_parallel) {
+      marked.push_back(p);
+      total += p->main_grad.numel();
+    }
+  if (marked.empty()) return;
+  Tensor flat = Tensor::empty({total}, DType::F32, marked[0]->main_grad.device());
+  int64_t at = 0;
+  for (Param* p : marked) {
+    flat.rows(at, p->main_grad.numel()).copy_from(p->main_grad.view({p->main_grad.numel()}));
+    at += p->main_grad.numel();
+  }
+  mp.comm->all_reduce(flat, mp.tp());
+  at = 0;
+  for (Param* p : marked) {
+    p->main_grad.view({p->main_grad.numel()}).copy_from(flat.rows(at, p->main_grad.numel()));
+    at += p->main_grad.numel();
+  }
 }
 
 }  // namespace megaton

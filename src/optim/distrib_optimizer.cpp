@@ -133,8 +133,8 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   for (ParamAndGradBuffer& b : each_buffer()) {
     const dist::Group& g = group_of(b);
     if (g.size() == 1) continue;
-    Tensor mine = b.weight_shard(g.rank).clone();
-    comm_.all_gather(mine, b.weights(), g);
+    // In place: this rank's shard is already its chunk of the gathered buffer.
+    comm_.all_gather(b.weight_shard(g.rank), b.weights(), g);
   }
 }
 
