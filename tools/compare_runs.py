@@ -85,6 +85,12 @@ def main():
             if not d <= a.rtol:
                 failures.append(f"iteration {r['iteration']}: {name} {m[key]!r} vs {r[key]!r} "
                                 f"(relative {d:.2e})")
+        # Counted once per distinct element on any layout: equal exactly.
+        if ("num_zeros" in r) != ("num_zeros" in m):
+            failures.append(f"iteration {r['iteration']}: num zeros logged by one run only")
+        elif "num_zeros" in r and r["num_zeros"] != m["num_zeros"]:
+            failures.append(f"iteration {r['iteration']}: num zeros {m['num_zeros']} vs "
+                            f"{r['num_zeros']}")
     if set(ref_w) != set(run_w):
         failures.append(f"parameter names differ: only in reference {sorted(set(ref_w) - set(run_w))[:3]}, "
                         f"only in run {sorted(set(run_w) - set(ref_w))[:3]}")

@@ -55,7 +55,7 @@ void Comm::prepare(const Grid& grid) {
     if (g.is_member() && g.size() > 1) prepare_group(g);
 }
 
-void Comm::all_reduce(Tensor& t, const Group& g, ReduceOp op) {
+bool Comm::check_all_reduce(Tensor& t, const Group& g, ReduceOp op) const {
   check_member(g, "all_reduce");
   check_tensor(t, "all_reduce", "tensor");
   const DType d = t.dtype();
@@ -65,11 +65,10 @@ void Comm::all_reduce(Tensor& t, const Group& g, ReduceOp op) {
   else
     MEGATON_CHECK(d == DType::F32 || d == DType::I32 || d == DType::I64,
                   "all_reduce max of {} is not supported", dtype_name(d));
-  if (g.size() == 1 || t.numel() == 0) return;
-  do_all_reduce(t, g, op);
+  return g.size() > 1 && t.numel() > 0;
 }
 
-void Comm::reduce_scatter(const Tensor& in, Tensor& out, const Group& g) {
+bool Comm::check_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) const {
   check_member(g, "reduce_scatter");
   check_tensor(in, "reduce_scatter", "input");
   check_tensor(out, "reduce_scatter", "output");
@@ -80,12 +79,14 @@ void Comm::reduce_scatter(const Tensor& in, Tensor& out, const Group& g) {
   MEGATON_CHECK(in.numel() == out.numel() * g.size(),
                 "reduce_scatter on group {}: input has {} elements, output {} (needs {} x output)",
                 g.describe(), in.numel(), out.numel(), g.size());
-  if (g.size() == 1) return out.copy_from(in);
-  if (out.numel() == 0) return;
-  do_reduce_scatter(in, out, g);
+  if (g.size() == 1) {
+    if (out.raw() != in.raw()) out.copy_from(in);
+    return false;
+  }
+  return out.numel() > 0;
 }
 
-void Comm::all_gather(const Tensor& in, Tensor& out, const Group& g) {
+bool Comm::check_all_gather(const Tensor& in, Tensor& out, const Group& g) const {
   check_member(g, "all_gather");
   check_tensor(in, "all_gather", "input");
   check_tensor(out, "all_gather", "output");
@@ -94,9 +95,47 @@ void Comm::all_gather(const Tensor& in, Tensor& out, const Group& g) {
   MEGATON_CHECK(out.numel() == in.numel() * g.size(),
                 "all_gather on group {}: input has {} elements, output {} (needs {} x input)",
                 g.describe(), in.numel(), out.numel(), g.size());
-  if (g.size() == 1) return out.copy_from(in);
-  if (in.numel() == 0) return;
-  do_all_gather(in, out, g);
+  if (g.size() == 1) {
+    if (out.raw() != in.raw()) out.copy_from(in);
+    return false;
+  }
+  return in.numel() > 0;
+}
+
+void Comm::all_reduce(Tensor& t, const Group& g, ReduceOp op) {
+  if (check_all_reduce(t, g, op)) do_all_reduce(t, g, op);
+}
+
+void Comm::reduce_scatter(const Tensor& in, Tensor& out, const Group& g) {
+  if (check_reduce_scatter(in, out, g)) do_reduce_scatter(in, out, g);
+}
+
+void Comm::all_gather(const Tensor& in, Tensor& out, const Group& g) {
+  if (check_all_gather(in, out, g)) do_all_gather(in, out, g);
+}
+
+namespace {
+// The work of an operation that needed no transport: finished when started.
+class FinishedWork final : public CommWork {
+ public:
+  void wait() override {}
+};
+}  // namespace
+
+std::unique_ptr<CommWork> Comm::all_reduce_async(Tensor& t, const Group& g) {
+  if (!check_all_reduce(t, g, ReduceOp::Sum)) return std::make_unique<FinishedWork>();
+  return do_all_reduce_async(t, g);
+}
+
+std::unique_ptr<CommWork> Comm::reduce_scatter_async(const Tensor& in, Tensor& out,
+                                                     const Group& g) {
+  if (!check_reduce_scatter(in, out, g)) return std::make_unique<FinishedWork>();
+  return do_reduce_scatter_async(in, out, g);
+}
+
+std::unique_ptr<CommWork> Comm::all_gather_async(const Tensor& in, Tensor& out, const Group& g) {
+  if (!check_all_gather(in, out, g)) return std::make_unique<FinishedWork>();
+  return do_all_gather_async(in, out, g);
 }
 
 void Comm::all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,

@@ -22,6 +22,19 @@ class CommError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A collective started by one of Comm's *_async calls, running while the caller goes
+// on (Megatron's overlapped gradient reduce-scatter and parameter all-gather). Until
+// wait() the tensors given to the call must be neither read nor written.
+class CommWork {
+ public:
+  virtual ~CommWork() = default;
+  // CPU (MPI): blocks until the operation has finished or its deadline passes (CommError).
+  // GPU (NCCL): orders all later work on megaton::cuda::stream() after the operation; the
+  // host does not wait (the watchdog keeps the deadline). A second call does nothing.
+  // Destroying a work that was never waited for waits for it.
+  virtual void wait() = 0;
+};
+
 // Seconds one operation may take: MEGATON_COMM_TIMEOUT_S when set (a positive number;
 // anything else throws megaton::Error naming the variable), else 300.
 double default_timeout_s();
@@ -64,6 +77,14 @@ class Comm {
   // in: numel n, out: numel g.size() x n. Chunk i of out = member i's in. Any dtype.
   // in may be this member's chunk of out (gathered in place, no copy).
   void all_gather(const Tensor& in, Tensor& out, const Group& g);
+  // The same three collectives, started and left running (see CommWork). On the GPU they
+  // run on a communication stream of their own, after everything queued so far on the
+  // compute stream, over a second communicator per group, so they overlap the compute
+  // that follows and never interleave with the blocking calls. Operations on one group
+  // must still be started in the same order on every member.
+  std::unique_ptr<CommWork> all_reduce_async(Tensor& t, const Group& g);
+  std::unique_ptr<CommWork> reduce_scatter_async(const Tensor& in, Tensor& out, const Group& g);
+  std::unique_ptr<CommWork> all_gather_async(const Tensor& in, Tensor& out, const Group& g);
   // Uneven all-to-all. send_counts[i] (elements) of in go to member i, taken from in in
   // member order; recv_counts[i] elements come from member i, stored in out in member
   // order. Both spans have g.size() entries, counts may be 0, sum(send_counts) =
@@ -91,6 +112,11 @@ class Comm {
   virtual void do_all_reduce(Tensor& t, const Group& g, ReduceOp op) = 0;
   virtual void do_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) = 0;
   virtual void do_all_gather(const Tensor& in, Tensor& out, const Group& g) = 0;
+  virtual std::unique_ptr<CommWork> do_all_reduce_async(Tensor& t, const Group& g) = 0;
+  virtual std::unique_ptr<CommWork> do_reduce_scatter_async(const Tensor& in, Tensor& out,
+                                                            const Group& g) = 0;
+  virtual std::unique_ptr<CommWork> do_all_gather_async(const Tensor& in, Tensor& out,
+                                                        const Group& g) = 0;
   virtual void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
                               std::span<const int64_t> recv_counts, const Group& g) = 0;
   // send_t or recv_t may be undefined (a one-sided transfer); the peer is then ignored.
@@ -104,6 +130,11 @@ class Comm {
 
  private:
   void check_tensor(const Tensor& t, const char* op, const char* what) const;
+  // Argument checks of the collectives; false when the transport is not needed (a group
+  // of one, whose result is then already in place, or nothing to move).
+  bool check_all_reduce(Tensor& t, const Group& g, ReduceOp op) const;
+  bool check_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) const;
+  bool check_all_gather(const Tensor& in, Tensor& out, const Group& g) const;
   double timeout_s_;
 };
 

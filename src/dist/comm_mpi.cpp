@@ -128,43 +128,24 @@ class MpiComm final : public Comm {
   void prepare_group(const Group& g) override { groups_.get(g); }
 
   void do_all_reduce(Tensor& t, const Group& g, ReduceOp op) override {
-    MPI_Comm comm = comm_of(g, "all_reduce");
-    const bool widen = t.dtype() == DType::BF16;
-    Tensor buf = widen ? t.to(DType::F32) : t;
-    Pending p{{MPI_REQUEST_NULL}, {buf}, {}};
-    MEGATON_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.raw(), mpi_count(buf.numel()),
-                                     mpi_type(buf.dtype()), op == ReduceOp::Sum ? MPI_SUM : MPI_MAX,
-                                     comm, &p.requests[0]));
-    wait(p, "all_reduce", g);
-    if (widen) t.copy_from(buf.to(DType::BF16));
+    start_all_reduce(t, g, op)->wait();
   }
-
   void do_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) override {
-    MPI_Comm comm = comm_of(g, "reduce_scatter");
-    const bool widen = in.dtype() == DType::BF16;
-    Tensor src = widen ? in.to(DType::F32) : (overlaps(in, out) ? in.clone() : in);
-    Tensor dst = widen ? Tensor::empty(out.shape(), DType::F32) : out;
-    Pending p{{MPI_REQUEST_NULL}, {src, dst}, {}};
-    MEGATON_MPI_CHECK(MPI_Ireduce_scatter_block(src.raw(), dst.raw(), mpi_count(dst.numel()),
-                                                MPI_FLOAT, MPI_SUM, comm, &p.requests[0]));
-    wait(p, "reduce_scatter", g);
-    if (widen) out.copy_from(dst.to(DType::BF16));
+    start_reduce_scatter(in, out, g)->wait();
   }
-
   void do_all_gather(const Tensor& in, Tensor& out, const Group& g) override {
-    MPI_Comm comm = comm_of(g, "all_gather");
-    const int n = mpi_count(in.numel());
-    const MPI_Datatype type = mpi_type(in.dtype());
-    mpi_count(out.numel());
-    // This rank's input may already be its chunk of the output (Megatron gathers
-    // parameter shards in place); any other overlap is copied away first.
-    const bool in_place =
-        in.raw() == static_cast<char*>(out.raw()) + int64_t(g.rank) * int64_t(in.nbytes());
-    Tensor src = !in_place && overlaps(in, out) ? in.clone() : in;
-    Pending p{{MPI_REQUEST_NULL}, {src, out}, {}};
-    MEGATON_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : src.raw(), n, type, out.raw(), n,
-                                     type, comm, &p.requests[0]));
-    wait(p, "all_gather", g);
+    start_all_gather(in, out, g)->wait();
+  }
+  std::unique_ptr<CommWork> do_all_reduce_async(Tensor& t, const Group& g) override {
+    return start_all_reduce(t, g, ReduceOp::Sum);
+  }
+  std::unique_ptr<CommWork> do_reduce_scatter_async(const Tensor& in, Tensor& out,
+                                                    const Group& g) override {
+    return start_reduce_scatter(in, out, g);
+  }
+  std::unique_ptr<CommWork> do_all_gather_async(const Tensor& in, Tensor& out,
+                                                const Group& g) override {
+    return start_all_gather(in, out, g);
   }
 
   void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
@@ -230,6 +211,78 @@ class MpiComm final : public Comm {
   }
 
  private:
+  // A started operation; wait() polls it to completion, then runs `finish` (copying a
+  // widened bf16 result back).
+  class MpiWork final : public CommWork {
+   public:
+    MpiWork(MpiComm& comm, Pending pending, const char* op, Group g, std::function<void()> finish)
+        : comm_(comm), pending_(std::move(pending)), op_(op), group_(std::move(g)),
+          finish_(std::move(finish)) {}
+    ~MpiWork() override {
+      if (waited_) return;
+      try {
+        wait();
+      } catch (...) {  // a destructor must not throw; the error was the caller's to see
+      }
+    }
+    void wait() override {
+      if (waited_) return;
+      waited_ = true;
+      comm_.wait(pending_, op_, group_);
+      if (finish_) finish_();
+    }
+
+   private:
+    MpiComm& comm_;
+    Pending pending_;
+    const char* op_;
+    Group group_;
+    std::function<void()> finish_;
+    bool waited_ = false;
+  };
+
+  std::unique_ptr<CommWork> start_all_reduce(Tensor& t, const Group& g, ReduceOp op) {
+    MPI_Comm comm = comm_of(g, "all_reduce");
+    const bool widen = t.dtype() == DType::BF16;
+    Tensor buf = widen ? t.to(DType::F32) : t;
+    Pending p{{MPI_REQUEST_NULL}, {buf}, {}};
+    MEGATON_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.raw(), mpi_count(buf.numel()),
+                                     mpi_type(buf.dtype()), op == ReduceOp::Sum ? MPI_SUM : MPI_MAX,
+                                     comm, &p.requests[0]));
+    std::function<void()> finish;
+    if (widen) finish = [t, buf]() mutable { t.copy_from(buf.to(DType::BF16)); };
+    return std::make_unique<MpiWork>(*this, std::move(p), "all_reduce", g, std::move(finish));
+  }
+
+  std::unique_ptr<CommWork> start_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) {
+    MPI_Comm comm = comm_of(g, "reduce_scatter");
+    const bool widen = in.dtype() == DType::BF16;
+    Tensor src = widen ? in.to(DType::F32) : (overlaps(in, out) ? in.clone() : in);
+    Tensor dst = widen ? Tensor::empty(out.shape(), DType::F32) : out;
+    Pending p{{MPI_REQUEST_NULL}, {src, dst}, {}};
+    MEGATON_MPI_CHECK(MPI_Ireduce_scatter_block(src.raw(), dst.raw(), mpi_count(dst.numel()),
+                                                MPI_FLOAT, MPI_SUM, comm, &p.requests[0]));
+    std::function<void()> finish;
+    if (widen) finish = [out, dst]() mutable { out.copy_from(dst.to(DType::BF16)); };
+    return std::make_unique<MpiWork>(*this, std::move(p), "reduce_scatter", g, std::move(finish));
+  }
+
+  std::unique_ptr<CommWork> start_all_gather(const Tensor& in, Tensor& out, const Group& g) {
+    MPI_Comm comm = comm_of(g, "all_gather");
+    const int n = mpi_count(in.numel());
+    const MPI_Datatype type = mpi_type(in.dtype());
+    mpi_count(out.numel());
+    // This rank's input may already be its chunk of the output (Megatron gathers
+    // parameter shards in place); any other overlap is copied away first.
+    const bool in_place =
+        in.raw() == static_cast<char*>(out.raw()) + int64_t(g.rank) * int64_t(in.nbytes());
+    Tensor src = !in_place && overlaps(in, out) ? in.clone() : in;
+    Pending p{{MPI_REQUEST_NULL}, {src, out}, {}};
+    MEGATON_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : src.raw(), n, type, out.raw(), n,
+                                     type, comm, &p.requests[0]));
+    return std::make_unique<MpiWork>(*this, std::move(p), "all_gather", g, nullptr);
+  }
+
   MPI_Comm comm_of(const Group& g, const char* op) {
     if (broken_.count(g.ranks))
       throw CommError(fmt::format(

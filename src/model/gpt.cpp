@@ -86,7 +86,8 @@ static bool holds_word_embeddings(const GPTConfig& cfg, const PipelineChunk& chu
 }
 
 GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
-                   int64_t dense_shards, int64_t expert_shards, const PipelineChunk& chunk)
+                   int64_t dense_shards, int64_t expert_shards, const PipelineChunk& chunk,
+                   int64_t bucket_size)
     : cfg_(cfg),
       mp_(mp),
       chunk_(chunk),
@@ -119,16 +120,23 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
     position_embeddings.sequence_parallel = mp_.sequence_parallel && mp_.tp_size() > 1;
     params_.push_back(&position_embeddings);
   }
+  head_params_ = params_;
   for (int64_t i = chunk_.first_layer; i < chunk_.first_layer + chunk_.num_layers; ++i) {
     layers_.push_back(std::make_unique<TransformerLayer>(cfg_, i, seed, mp_));
-    layers_.back()->collect_params(params_);
+    layer_params_.emplace_back();
+    layers_.back()->collect_params(layer_params_.back());
+    params_.insert(params_.end(), layer_params_.back().begin(), layer_params_.back().end());
   }
-  if (chunk_.post_process) final_layernorm.collect_params(params_);
+  if (chunk_.post_process) {
+    final_layernorm.collect_params(tail_grads_);
+    params_.insert(params_.end(), tail_grads_.begin(), tail_grads_.end());
+  }
   if (chunk_.post_process && !chunk_.pre_process && word_embeddings.weight.defined()) {
     // The last stage's copy of the tied embeddings, equal to the first stage's from the
     // start (drawn by name) and kept equal by summing the two gradients.
     word_embeddings.shared = true;
     params_.push_back(&word_embeddings);
+    tail_grads_.push_back(&word_embeddings);
   }
   if (chunk_.post_process && cfg.untie_embeddings_and_output_weights) {
     output_layer = make_param_sharded("output_layer.weight",
@@ -136,13 +144,24 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                                       cfg.init_method_std, seed, Placement::of(cfg), 0,
                                       mp_.tp_rank(), mp_.tp_size());
     params_.push_back(&output_layer);
+    tail_grads_.push_back(&output_layer);
   }
+  tail_forward_ = tail_grads_;
+  if (chunk_.post_process && chunk_.pre_process && !cfg.untie_embeddings_and_output_weights)
+    tail_forward_.push_back(&word_embeddings);
   // Dense and expert params in two buffers: they are reduced over different groups.
   std::vector<Param*> dense, expert;
   for (Param* p : params_) (p->is_expert ? expert : dense).push_back(p);
+  // Embeddings tied across pipeline stages: sharded alike on both stages, so their
+  // gradients can be summed over the stages after the data-parallel reduce-scatter
+  // (Megatron's _does_param_require_new_bucket).
+  std::vector<const Param*> own_bucket;
+  if (word_embeddings.weight.defined() && chunk_.pre_process != chunk_.post_process &&
+      dense_shards > 1)
+    own_bucket.push_back(&word_embeddings);
   buffers_.reserve(2);
-  buffers_.emplace_back(dense, dense_shards, false);
-  if (!expert.empty()) buffers_.emplace_back(expert, expert_shards, true);
+  buffers_.emplace_back(dense, dense_shards, false, bucket_size, own_bucket);
+  if (!expert.empty()) buffers_.emplace_back(expert, expert_shards, true, bucket_size);
 }
 
 int64_t GPTModel::num_parameters() const {
@@ -221,6 +240,7 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
     MEGATON_CHECK(in.tokens.defined() && in.tokens.ndim() == 2 && in.tokens.dim(0) == in.batch &&
                       in.tokens.dim(1) == in.seq,
                   "forward_chunk: tokens must be [{}, {}]", in.batch, in.seq);
+    before_forward(head_params_);
     x = embed(in.tokens, ctx);
   } else {
     batch_ = in.batch;
@@ -232,7 +252,10 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
                   dtype_name(cfg_.compute_dtype()));
     x = in.hidden;
   }
-  for (auto& layer : layers_) x = layer->forward(x, batch_, seq_, ctx);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    before_forward(layer_params_[i]);
+    x = layers_[i]->forward(x, batch_, seq_, ctx);
+  }
   ChunkOutput out;
   for (auto& layer : layers_)
     if (layer->moe) out.loss.aux_loss += layer->moe->last_aux_loss;
@@ -243,6 +266,7 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
   MEGATON_CHECK(in.labels.defined() && in.labels.numel() == in.batch * in.seq,
                 "forward_chunk: labels must be [{}, {}]", in.batch, in.seq);
   const double aux_loss = out.loss.aux_loss;
+  before_forward(tail_forward_);
   out.loss = output_loss(final_layernorm.forward(x), in.labels);
   out.loss.aux_loss = aux_loss;
   return out;
@@ -299,13 +323,19 @@ void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {
 }
 
 Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
-  Tensor dx = chunk_.post_process ? final_layernorm.backward(output_loss_backward(dout)) : dout;
-  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) {
-    if ((*it)->moe) (*it)->moe->aux_grad_scale = aux_grad_scale;
-    dx = (*it)->backward(dx);
+  Tensor dx = dout;
+  if (chunk_.post_process) {
+    dx = final_layernorm.backward(output_loss_backward(dout));
+    after_backward(tail_grads_);
+  }
+  for (size_t i = layers_.size(); i-- > 0;) {
+    if (layers_[i]->moe) layers_[i]->moe->aux_grad_scale = aux_grad_scale;
+    dx = layers_[i]->backward(dx);
+    after_backward(layer_params_[i]);
   }
   if (!chunk_.pre_process) return dx;
   embed_backward(dx);
+  after_backward(head_params_);
   return Tensor();
 }
 

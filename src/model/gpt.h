@@ -3,6 +3,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 
 #include "model/attention.h"
 #include "model/param_buffer.h"
@@ -74,6 +75,17 @@ struct ChunkOutput {
                         // the sum over this chunk's MoE layers
 };
 
+// Callbacks a trainer sets on a model chunk so the data-parallel communication can overlap
+// compute (Megatron's DistributedDataParallel forward pre-hooks and gradient hooks).
+// Called with the params of one unit (the embedding, one transformer layer, the final
+// norm and output layer) in the order the forward or backward reaches them.
+struct ParamHooks {
+  // Before a forward reads the weights of these params.
+  std::function<void(std::span<Param* const>)> before_forward;
+  // After a backward has finished these params' gradients for the current micro-batch.
+  std::function<void(std::span<Param* const>)> after_backward;
+};
+
 // The GPT model (Megatron's GPTModel), whole or one pipeline model chunk. Parameter
 // names match Megatron core's local spec ("embedding.word_embeddings.weight",
 // "decoder.layers.0....", "decoder.final_layernorm.weight", "output_layer.weight").
@@ -89,9 +101,14 @@ class GPTModel {
   // pre_process keeps its own copy of "embedding.word_embeddings.weight" (same name, same
   // initial values) for the output layer, marked Param::shared: its gradient must be
   // summed with the first chunk's (Megatron's _allreduce_word_embedding_grads).
+  // bucket_size: elements per gradient bucket (ParamAndGradBuffer; <= 0: one bucket per
+  // buffer). With dense_shards > 1 the word embeddings tied across pipeline stages get a
+  // bucket of their own (see ParamAndGradBuffer).
   // InternalError when the layer range is outside [0, num_layers).
   GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp = {},
-           int64_t dense_shards = 1, int64_t expert_shards = 1, const PipelineChunk& chunk = {});
+           int64_t dense_shards = 1, int64_t expert_shards = 1, const PipelineChunk& chunk = {},
+           int64_t bucket_size = 0);
+  void set_param_hooks(ParamHooks hooks) { hooks_ = std::move(hooks); }
   const ModelParallel& model_parallel() const { return mp_; }
   const PipelineChunk& chunk() const { return chunk_; }
 
@@ -148,6 +165,12 @@ class GPTModel {
   // rows whose positions are consecutive (learned position embeddings, SP-aware).
   void for_each_position_block(int64_t local_rows,
                                const std::function<void(int64_t, int64_t, int64_t)>& fn) const;
+  void before_forward(std::span<Param* const> params) const {
+    if (hooks_.before_forward && !params.empty()) hooks_.before_forward(params);
+  }
+  void after_backward(std::span<Param* const> params) const {
+    if (hooks_.after_backward && !params.empty()) hooks_.after_backward(params);
+  }
   // Output layer and cross entropy of the final-normed hidden state (post_process).
   MicroBatchLoss output_loss(const Tensor& hidden, const Tensor& labels);
   // Backward of output_loss: dlosses [B*S] -> d hidden (post_process).
@@ -166,6 +189,13 @@ class GPTModel {
   std::vector<Param*> params_;
   // Weights and main_grads, contiguous (Megatron's param and grad buffers).
   std::vector<ParamAndGradBuffer> buffers_;
+  // The params of each unit, for the hooks: the embedding (pre_process), each layer, the
+  // final norm with the output weights read by the forward (tail_forward_) and those
+  // whose gradient is complete after the output layer's backward (tail_grads_: not the
+  // word embeddings of a whole model, which the embedding's backward adds to).
+  ParamHooks hooks_;
+  std::vector<Param*> head_params_, tail_forward_, tail_grads_;
+  std::vector<std::vector<Param*>> layer_params_;
 
   // Saved for backward.
   Tensor tokens_, labels_, final_hidden_, logits_, lse_;

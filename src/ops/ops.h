@@ -249,6 +249,15 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
 // order (rounding far below fp32 resolution).
 double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors);
 
+// Number of elements exactly equal to 0 (+0.0f or -0.0f) over every tensor of the list:
+// the fp32 main grads' zero count behind Megatron's --log-num-zeros-in-grad
+// (Megatron-LM `count_zeros_fp32`, numel - torch.count_nonzero). NaN, Inf and denormals
+// are not zero; the test is on the bits, so a flush-to-zero mode cannot change the count.
+// tensors: any shapes; F32 only (also on the GPU). Empty list or 0-element tensors: 0.
+// Exact (integer counts) and deterministic. GPU: one host synchronization for the list.
+// A non-F32 tensor throws InternalError.
+int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors);
+
 // tensors[i] *= scale for every i (gradient clipping), elementwise in fp32; each result
 // equals scale_(tensors[i], scale) bitwise. tensors: any shapes; F32 (GPU: F32 or BF16,
 // BF16 rounded to nearest even).

@@ -33,14 +33,13 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
     const dist::Group& g = group_of(b);
     MEGATON_CHECK(b.num_shards() == g.size(), "buffer of {} shards for group {}", b.num_shards(),
                   g.describe());
-    count += b.pieces(g.rank * b.shard_numel(), (g.rank + 1) * b.shard_numel()).size();
+    count += b.shard_pieces(g.rank).size();
   }
   shard_params_.reserve(count);  // AdamW keeps pointers into it
   for (size_t bi = 0; bi < buffers_.size(); ++bi) {
     ParamAndGradBuffer& b = *buffers_[bi];
     const dist::Group& g = group_of(b);
-    for (const BufferPiece& piece :
-         b.pieces(g.rank * b.shard_numel(), (g.rank + 1) * b.shard_numel())) {
+    for (const BufferPiece& piece : b.shard_pieces(g.rank)) {
       Param* p = piece.param;
       Param sp;
       sp.name = fmt::format("{}[{}:{}]", p->name, piece.param_offset,
@@ -69,32 +68,6 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
   adam_ = std::make_unique<AdamW>(targets, config);
 }
 
-void DistributedAdamW::reduce_gradients() {
-  // Megatron's DistributedDataParallel: every buffer is summed over its group and scaled by
-  // 1 / the dense data-parallel size, expert buffers too (expert_gradient_scaling_factor).
-  // An expert's gradient already sums the tokens of the ranks of its expert-model-parallel
-  // group, which belong to different data-parallel ranks, so the mean over edp would
-  // be wrong as soon as ep (or etp < tp) makes edp differ from dp x cp.
-  const float mean = 1.0f / float(grid_.dp_cp().size());
-  for (ParamAndGradBuffer& b : each_buffer()) {
-    const dist::Group& g = group_of(b);
-    if (g.size() == 1) {
-      if (mean != 1.0f) ops::scale_(b.grads(), mean);
-      continue;
-    }
-    if (!distributed_) {
-      comm_.all_reduce(b.grads(), g);
-      ops::scale_(b.grads(), mean);
-    } else {
-      Tensor shard = Tensor::empty({b.shard_numel()}, DType::F32, b.grads().device());
-      comm_.reduce_scatter(b.grads(), shard, g);
-      Tensor mine = b.grad_shard(g.rank);
-      mine.copy_from(shard);
-      ops::scale_(mine, mean);
-    }
-  }
-}
-
 bool DistributedAdamW::counts_in_norm(const Param& p) const {
   // A param replicated over its tensor-parallel group counts on that group's rank 0 only.
   const dist::Group& tp = p.is_expert ? grid_.etp() : grid_.tp();
@@ -102,7 +75,7 @@ bool DistributedAdamW::counts_in_norm(const Param& p) const {
   return !p.shared && (p.tp_split_dim >= 0 || tp.rank <= 0);
 }
 
-double DistributedAdamW::norm_over_model(bool main_params) {
+std::vector<Tensor> DistributedAdamW::counted_tensors(bool main_params) const {
   // Each distinct element once: data-parallel replicas on rank 0 of the group (or each
   // shard on its owner), tensor-parallel replicas on TP rank 0.
   std::vector<Tensor> tensors;
@@ -118,25 +91,28 @@ double DistributedAdamW::norm_over_model(bool main_params) {
             tensors.push_back(main_params ? (p->main_param.defined() ? p->main_param : p->weight)
                                           : p->main_grad);
   }
+  return tensors;
+}
+
+double DistributedAdamW::norm_over_model(bool main_params) {
+  const std::vector<Tensor> tensors = counted_tensors(main_params);
   const double sum_sq = tensors.empty() ? 0.0 : ops::multi_tensor_sum_of_squares(tensors);
   // Every rank's partial sum, added in rank order: the same fp64 result everywhere.
   return std::sqrt(dist::sum_over(comm_, grid_.world(), {sum_sq})[0]);
+}
+
+int64_t DistributedAdamW::num_zeros_in_grad() {
+  const std::vector<Tensor> tensors = counted_tensors(false);
+  const int64_t zeros = tensors.empty() ? 0 : ops::multi_tensor_count_zeros(tensors);
+  // Exact in fp64 below 2^53 elements.
+  return int64_t(dist::sum_over(comm_, grid_.world(), {double(zeros)})[0]);
 }
 
 double DistributedAdamW::grad_norm() { return norm_over_model(false); }
 
 double DistributedAdamW::params_norm() { return norm_over_model(true); }
 
-void DistributedAdamW::step(float lr, float grad_scale) {
-  adam_->step(lr, grad_scale);
-  if (!distributed_) return;
-  for (ParamAndGradBuffer& b : each_buffer()) {
-    const dist::Group& g = group_of(b);
-    if (g.size() == 1) continue;
-    // In place: this rank's shard is already its chunk of the gathered buffer.
-    comm_.all_gather(b.weight_shard(g.rank), b.weights(), g);
-  }
-}
+void DistributedAdamW::step(float lr, float grad_scale) { adam_->step(lr, grad_scale); }
 
 std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   std::vector<std::pair<std::string, Tensor>> model_out, optim_out;

@@ -1,7 +1,8 @@
-// DistributedAdamW: AdamW across data-parallel ranks. Gradient reduction over the
-// data-parallel groups, the global grad norm counted once per distinct element, and
-// either a replicated update or Megatron's distributed optimizer (main params and Adam
-// state sharded over the data-parallel ranks, updated weights all-gathered).
+// DistributedAdamW: AdamW across data-parallel ranks: the global grad norm counted once
+// per distinct element, and either a replicated update or Megatron's distributed
+// optimizer (main params and Adam state sharded over the data-parallel ranks). The
+// gradient reduction before it and the weight all-gather after it are
+// DistributedDataParallel's.
 #pragma once
 #include <functional>
 #include <memory>
@@ -21,32 +22,29 @@ class DistributedAdamW {
  public:
   // buffers: the ParamAndGradBuffers of every model chunk of this rank (each chunk's
   // dense, then expert; they must outlive the optimizer), whose shard counts must be the
-  // data-parallel sizes when `distributed` (--use-distributed-optimizer), else 1.
+  // data-parallel sizes when `distributed` (--use-distributed-optimizer), else 1. The
+  // gradients must have been reduced (DistributedDataParallel::finish_grad_sync).
   // Dense buffers reduce over the grid's dp_cp group, expert buffers over edp. With
   // `distributed`, the fp32 main params outside this rank's shard are released
   // (Param::main_param becomes undefined in bf16 runs; fp32 runs keep the weight itself).
   DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
                    dist::Comm& comm, AdamWConfig config, bool distributed);
 
-  // After the last micro-batch's backward: every main_grad (or, distributed, this
-  // rank's shard of each buffer) becomes the sum over its data-parallel group (dense:
-  // dp_cp, expert: edp) divided by the dp_cp size: for dense parameters the mean over the
-  // data-parallel ranks; for experts, whose gradients already add the tokens of several
-  // data-parallel ranks (expert parallelism), the same mean over the global batch
-  // (Megatron's expert_gradient_scaling_factor).
-  void reduce_gradients();
-
   // L2 norm of the reduced gradients over the whole model, each distinct element counted
   // once: a replicated gradient only on data-parallel rank 0 of its group (replicated
   // update), a shard on its owner (distributed); the last pipeline stage's copy of tied
   // embeddings (Param::shared) never. Sums over the world. NaN/inf when any element is.
   double grad_norm();
+  // Number of reduced gradient elements equal to zero, counted like grad_norm (Megatron's
+  // count_zeros_fp32, logged with --log-num-zeros-in-grad). Collective over the world.
+  int64_t num_zeros_in_grad();
   // L2 norm of the fp32 main params, counted like grad_norm (Megatron's
   // calc_params_l2_norm, logged with --log-params-norm). Collective over the world.
   double params_norm();
 
-  // AdamW with learning rate lr, gradients times grad_scale (clipping), then (distributed)
-  // every rank's updated weights all-gathered into the buffers.
+  // AdamW with learning rate lr, gradients times grad_scale (clipping), on the params or
+  // (distributed) this rank's shard of every bucket; the other ranks' updated weights
+  // come with DistributedDataParallel::start_param_sync.
   void step(float lr, float grad_scale);
 
   int64_t step_count() const { return adam_->step_count(); }
@@ -68,6 +66,9 @@ class DistributedAdamW {
   const dist::Group& group_of(const ParamAndGradBuffer& b) const;
   // Whether this rank counts p's gradient in the grad norm (tensor-parallel replicas once).
   bool counts_in_norm(const Param& p) const;
+  // The tensors the norms and counts run over: each distinct element once (see grad_norm);
+  // the main params or the main grads.
+  std::vector<Tensor> counted_tensors(bool main_params) const;
   // grad_norm (main_params false) or params_norm (true).
   double norm_over_model(bool main_params);
 

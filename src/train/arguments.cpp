@@ -94,6 +94,7 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"log-interval", "log every this many iterations"},
       {"exit-interval", "exit (after saving) when the iteration is a multiple of this"},
       {"log-params-norm", "log the L2 norm of the parameters", true},
+      {"log-num-zeros-in-grad", "log the number of zero gradient elements", true},
       {"log-metrics-file", "Megaton: append one JSON line per iteration (iteration, lm_loss, "
                            "grad_norm, load_balancing_loss, lr) in full precision to this file"},
       {"seed", "random seed"},
@@ -118,6 +119,8 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"use-distributed-optimizer", "shard optimizer state over data-parallel ranks", true},
       {"overlap-grad-reduce", "overlap the gradient reduction with backward", true},
       {"overlap-param-gather", "overlap the parameter all-gather with forward", true},
+      {"ddp-bucket-size", "elements per gradient bucket with --overlap-grad-reduce (default "
+                          "max(40M, 1M x data-parallel size))"},
       {"moe-token-dispatcher-type", "alltoall or allgather"},
       {"distributed-timeout-minutes", "deadline of one collective (default: 5 minutes)"},
   };
@@ -294,6 +297,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("exit-interval", a.exit_interval);
   r.get("log-metrics-file", a.log_metrics_file);
   r.get("log-params-norm", a.log_params_norm);
+  r.get("log-num-zeros-in-grad", a.log_num_zeros_in_grad);
   r.get("seed", a.seed);
   r.get("save", a.save);
   r.get("save-interval", a.save_interval);
@@ -316,12 +320,13 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("use-distributed-optimizer", p.use_distributed_optimizer);
   r.get("overlap-grad-reduce", p.overlap_grad_reduce);
   r.get("overlap-param-gather", p.overlap_param_gather);
+  r.get("ddp-bucket-size", p.ddp_bucket_size);
   r.get("moe-token-dispatcher-type", p.moe_token_dispatcher_type);
   r.get("distributed-timeout-minutes", p.distributed_timeout_minutes);
   // Optional counts: 0 means "not set", so a value given must be positive.
   for (const char* key : {"expert-tensor-parallel-size", "num-layers-per-virtual-pipeline-stage",
                           "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
-                          "distributed-timeout-minutes"}) {
+                          "distributed-timeout-minutes", "ddp-bucket-size"}) {
     int64_t v = 0;
     r.get(key, v);
     if (r.has(key) && v <= 0) fail("{} must be positive (got {})", key, v);
@@ -390,15 +395,6 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
   if (per_step > 0 && a.global_batch_size % per_step == 0)
     check_interleaved_micro_batches(a.global_batch_size / per_step, layout.sizes.pp,
                                     layout.sizes.vpp.value_or(1));
-  // Accepted for Megatron command lines, not implemented yet: say so instead of silently
-  // running without the overlap.
-  if (p.overlap_grad_reduce)
-    layout.warnings.push_back(
-        "--overlap-grad-reduce is not implemented yet: gradients are reduced after backward");
-  if (p.overlap_param_gather)
-    layout.warnings.push_back(
-        "--overlap-param-gather is not implemented yet: parameters are gathered after the "
-        "optimizer step");
   return layout;
 }
 

@@ -12,7 +12,7 @@
 namespace megaton {
 
 // Parallel layout and distributed-training flags, Megatron's names and defaults. Parsed
-// and checked (check_parallel_layout); the trainer runs one rank so far. Optional
+// and checked (check_parallel_layout). Optional
 // counts use 0 for "not set".
 struct ParallelArgs {
   int64_t tensor_model_parallel_size = 1;
@@ -27,6 +27,9 @@ struct ParallelArgs {
   bool use_distributed_optimizer = false;
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
+  // Elements per gradient bucket under overlap_grad_reduce; 0: Megatron's default,
+  // max(40M, 1M x data-parallel size). Without the overlap, one bucket per buffer.
+  int64_t ddp_bucket_size = 0;
   // Megatron's default is allgather; Megaton's is alltoall, the dispatcher whose two-GPU
   // bf16 loss curve tracks the one-GPU run (docs/parallelism.md, known issue).
   std::string moe_token_dispatcher_type = "alltoall";  // or allgather
@@ -59,6 +62,7 @@ struct TrainArgs {
   int64_t exit_interval = 0;           // 0: off
   std::string log_metrics_file;        // Megaton: per-iteration JSON lines; "" off
   bool log_params_norm = false;        // --log-params-norm
+  bool log_num_zeros_in_grad = false;  // --log-num-zeros-in-grad
   float clip_grad = 1.0f;
   uint64_t seed = 1234;
 

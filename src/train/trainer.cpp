@@ -82,6 +82,12 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   // This pipeline rank's model chunks: the layers Megatron assigns to virtual stage
   // c x pp + rank; the embedding on the first chunk of the pipeline, the loss on the last.
   const int64_t pp_rank = grid_->pp().rank;
+  // Megatron's DistributedDataParallel: buckets only when reductions overlap backward.
+  const int64_t bucket_size =
+      !args_.parallel.overlap_grad_reduce ? 0
+      : args_.parallel.ddp_bucket_size > 0
+          ? args_.parallel.ddp_bucket_size
+          : std::max<int64_t>(40000000, 1000000 * int64_t(grid_->dp_cp().size()));
   std::vector<ParamAndGradBuffer*> buffers;
   for (int64_t c = 0; c < vpp; ++c) {
     const ChunkLayers layers = chunk_layers(layout.layers_per_stage, vpp, pp_rank, c);
@@ -89,9 +95,20 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
                               pp_rank == sizes.pp - 1 && c == vpp - 1};
     chunks_.push_back(std::make_unique<GPTModel>(args_.model, args_.seed, mp,
                                                  distributed ? grid_->dp_cp().size() : 1,
-                                                 distributed ? grid_->edp().size() : 1, chunk));
+                                                 distributed ? grid_->edp().size() : 1, chunk,
+                                                 bucket_size));
     for (ParamAndGradBuffer& b : chunks_.back()->buffers()) buffers.push_back(&b);
   }
+  optim::DataParallelConfig ddp_config;
+  ddp_config.use_distributed_optimizer = distributed;
+  ddp_config.overlap_grad_reduce = args_.parallel.overlap_grad_reduce;
+  ddp_config.overlap_param_gather = args_.parallel.overlap_param_gather;
+  ddp_config.num_micro_batches = gbs / (args_.micro_batch_size * sizes.dp);
+  ddp_ = std::make_unique<optim::DistributedDataParallel>(buffers, *grid_, *comm_, ddp_config);
+  for (auto& chunk : chunks_)
+    chunk->set_param_hooks(
+        {[this](std::span<Param* const> ps) { ddp_->wait_param_sync(ps); },
+         [this](std::span<Param* const> ps) { ddp_->grads_ready(ps); }});
   optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
                                                          args_.adam, distributed);
   if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
@@ -171,6 +188,7 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
 
 double Trainer::train_step(int64_t iteration, double* aux_loss) {
   for (auto& chunk : chunks_) chunk->zero_grad();
+  ddp_->start_grad_sync_step();
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   const int64_t dp = grid_->dp().size();
   double loss_sum = 0, tokens_sum = 0, aux_sum = 0;
@@ -205,12 +223,17 @@ double Trainer::train_step(int64_t iteration, double* aux_loss) {
     dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
     chunks_[0]->backward(dlosses, 1.0f / float(n_mb));
   }
+  // Megatron's finalize_model_grads order: the data-parallel reduction first (under
+  // --overlap-grad-reduce mostly done during backward), then the sums over tensor-parallel
+  // ranks (sequence-parallel params) and over the stages holding tied embeddings. Sums
+  // commute, and under the distributed optimizer the ranks that are summed hold the same
+  // reduced shard (the tied embeddings have a bucket of their own).
+  // The gradients become the mean over the data-parallel ranks (each rank's are the mean
+  // over its micro-batches); the logged losses likewise.
+  ddp_->finish_grad_sync();
   for (auto& chunk : chunks_)
     all_reduce_sequence_parallel_grads(chunk->params(), chunk->model_parallel());
   all_reduce_embedding_grads(chunk_pointers(), *grid_, *comm_);
-  // The gradients become the mean over the data-parallel ranks (each rank's are the mean
-  // over its micro-batches); the logged losses likewise.
-  optimizer_->reduce_gradients();
   // The LM losses are whole on every tensor-parallel rank (counted on TP rank 0), the aux
   // losses a share per TP x CP rank (their sum is the loss of the group's tokens, as
   // Megatron's tracker reduces them over tp_cp); both are averaged over data parallel.
@@ -226,6 +249,7 @@ double Trainer::train_step(int64_t iteration, double* aux_loss) {
 double Trainer::evaluate() {
   const auto& valid = datasets_[1];
   if (!valid || args_.eval_iters == 0) return -1;
+  ddp_->finish_param_sync();
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   double loss_sum = 0, tokens_sum = 0;
   for (int64_t it = 0; it < args_.eval_iters; ++it) {
@@ -282,7 +306,7 @@ static void print_eval(const std::string& where, double loss) {
 }
 
 void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
-                       double grad_norm, double params_norm) {
+                       double grad_norm, int64_t num_zeros, double params_norm) {
   int64_t tokens = args_.global_batch_size * args_.model.seq_length;
   double flops = num_floating_point_operations(args_.model, tokens);
   std::string line = fmt::format(
@@ -294,6 +318,7 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
       args_.global_batch_size, loss);
   if (args_.model.use_aux_loss()) line += fmt::format("load_balancing_loss: {:.6E} | ", aux);
   line += fmt::format("loss scale: 1.0 | grad norm: {:.3f} | ", grad_norm);
+  if (num_zeros >= 0) line += fmt::format("num zeros: {} | ", num_zeros);
   if (params_norm >= 0) line += fmt::format("params norm: {:.3f} | ", params_norm);
   line += fmt::format(
       "number of skipped iterations: {:>3} | number of "
@@ -327,6 +352,8 @@ TrainResult Trainer::train() {
     double aux = 0;
     double loss = train_step(iteration_, &aux);
     double grad_norm = optimizer_->grad_norm();
+    // Before the update, as Megatron counts them; -1: not logged.
+    const int64_t num_zeros = args_.log_num_zeros_in_grad ? optimizer_->num_zeros_in_grad() : -1;
     if (!std::isfinite(grad_norm)) {
       ++nan_iterations_;
       ++skipped_iterations_;
@@ -336,6 +363,7 @@ TrainResult Trainer::train() {
       const double clip_coeff =
           args_.clip_grad > 0 ? optim::clip_coefficient(args_.clip_grad, grad_norm) : 1.0;
       optimizer_->step(float(lr), float(clip_coeff));
+      ddp_->start_param_sync();
     }
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
     // it (without, the optimizer's kernels may still run when the next iteration starts).
@@ -355,6 +383,7 @@ TrainResult Trainer::train() {
       if (args_.model.use_aux_loss())
         line["load_balancing_loss"] = aux / (args_.model.moe_aux_loss_coeff * double(num_moe_layers));
       if (params_norm >= 0) line["params_norm"] = params_norm;
+      if (num_zeros >= 0) line["num_zeros"] = num_zeros;
       std::ofstream out(args_.log_metrics_file, std::ios::app);
       out << line.dump() << "\n";
       if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
@@ -374,7 +403,7 @@ TrainResult Trainer::train() {
     if ((iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) &&
         is_logging_rank()) {
       log_line(iteration_, interval_ms / interval_iters, lr, interval_loss / interval_iters,
-               interval_aux / interval_iters, grad_norm, params_norm);
+               interval_aux / interval_iters, grad_norm, num_zeros, params_norm);
       interval_loss = interval_aux = interval_ms = 0;
       interval_iters = 0;
     }
@@ -391,6 +420,7 @@ TrainResult Trainer::train() {
     }
     if (args_.exit_interval > 0 && iteration_ % args_.exit_interval == 0) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
+      ddp_->finish_param_sync();
       if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
       if (is_logging_rank()) fmt::print("exiting program at iteration {}\n", iteration_);
       result.final_iteration = iteration_;
@@ -398,6 +428,7 @@ TrainResult Trainer::train() {
     }
   }
   if (!args_.save.empty() && !saved_last) save(iteration_);
+  ddp_->finish_param_sync();
   if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
   result.last_valid_loss = evaluate();
   if (op_profile) ops::profile_discard();
@@ -408,6 +439,7 @@ TrainResult Trainer::train() {
 }
 
 void Trainer::save(int64_t iteration) {
+  ddp_->finish_param_sync();
   // Full tensors whatever the layout, gathered and written by world rank 0, so a
   // checkpoint loads under any other layout. Collective: every rank takes part.
   const std::map<std::string, const Param*> by_name = params_by_name();

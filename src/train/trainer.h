@@ -13,6 +13,7 @@
 #include "dist/grid.h"
 #include "model/gpt.h"
 #include "optim/distrib_optimizer.h"
+#include "optim/distributed_data_parallel.h"
 #include "train/arguments.h"
 #include "train/pipeline_schedule.h"
 
@@ -63,9 +64,9 @@ class Trainer {
                   Tensor& tokens, Tensor& labels) const;
   void save(int64_t iteration);
   void load();
-  // params_norm < 0: not logged.
+  // params_norm < 0, num_zeros < 0: not logged.
   void log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
-                double grad_norm, double params_norm);
+                double grad_norm, int64_t num_zeros, double params_norm);
 
   TrainArgs args_;
   RawOptions raw_;
@@ -75,6 +76,7 @@ class Trainer {
   std::unique_ptr<PipelineSchedule> schedule_;  // pp > 1 only
   std::unique_ptr<dist::Grid> grid_;
   std::unique_ptr<dist::Comm> comm_;
+  std::unique_ptr<optim::DistributedDataParallel> ddp_;
   std::unique_ptr<optim::DistributedAdamW> optimizer_;
   std::array<std::unique_ptr<data::SampleSource>, 3> datasets_;
   int64_t iteration_ = 0;

@@ -22,7 +22,7 @@ config=(--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 127
   --hidden-dropout 0 --attention-dropout 0
   --make-vocab-size-divisible-by 64
   --seq-length 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3
-  --lr-warmup-iters 1 --clip-grad 1.0 --log-params-norm --eval-iters 0 --log-interval 1 --seed 1234)
+  --lr-warmup-iters 1 --clip-grad 1.0 --log-params-norm --log-num-zeros-in-grad --eval-iters 0 --log-interval 1 --seed 1234)
 
 # The model variant of the next runs: 4 layers and untied embeddings unless a layout's
 # variant says "LAYERS=n" and/or "TIED=1".
@@ -98,6 +98,13 @@ layouts=(
   "tp2-pp2|4|--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
   "tp2-sp-pp2-dp2-distributed-optimizer|8|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --use-distributed-optimizer"
   "tp2-sp-pp2-tied|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|TIED=1"
+  # Reductions and all-gathers overlapped with backward and forward, several buckets
+  # (the model has about 40k parameters).
+  "dp2-overlap|2|--overlap-grad-reduce --ddp-bucket-size 3000"
+  "dp2-distributed-optimizer-overlap|2|--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000"
+  "tp2-sp-dp2-distributed-optimizer-overlap|4|--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000"
+  "dp2-ep2-distributed-optimizer-overlap|4|--expert-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000"
+  "pp2-interleaved-dp2-distributed-optimizer-overlap-tied|4|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000|LAYERS=8 TIED=1"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(

@@ -1,6 +1,7 @@
 // CUDA multi-tensor ops against the single-tensor GPU ops (bitwise: multi_tensor_adamw with
-// its BF16/F32 param copies and its grad_scale, multi_tensor_scale_) and the sum of
-// squares against an fp64 sum on the CPU. Lists have 1..500 tensors of odd sizes,
+// its BF16/F32 param copies and its grad_scale, multi_tensor_scale_), the sum of squares
+// against an fp64 sum on the CPU and the zero count against the CPU op and the number of
+// zeros planted among random values, NaNs and denormals. Lists have 1..500 tensors of odd sizes,
 // 0-element tensors among them, more tensors than one launch takes, and views offset by
 // one element so that both the vectorized and the scalar paths run.
 #include <gtest/gtest.h>
@@ -10,7 +11,9 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -126,6 +129,109 @@ TEST(CudaMultiTensorSumOfSquares, EmptyTensorsAndMixedDevices) {
   EXPECT_EQ(ops::multi_tensor_sum_of_squares(empties), 0.0);
   std::vector<Tensor> mixed = {Tensor::zeros({3}, DType::F32, Device::CUDA), Tensor::zeros({3})};
   EXPECT_THROW(ops::multi_tensor_sum_of_squares(mixed), InternalError);
+}
+
+// ---------------------------------------------------------------------- count zeros
+
+// Overwrites about 1 in `every` elements of x (F32, CPU) with a special value: +0, -0,
+// NaN (both signs), +-Inf, the smallest and largest denormals of both signs, or 1e-40f;
+// random values that happen to be exactly 0 become 1. Returns the number of elements now
+// equal to +0 or -0: only those planted, so the count is known without the op's test.
+int64_t plant_zeros(Tensor& x, uint64_t seed, int every) {
+  const float denorm_min = std::numeric_limits<float>::denorm_min();
+  const float denorm_max = std::bit_cast<float>(uint32_t(0x007fffff));
+  const float specials[] = {0.0f,       -0.0f,       std::nanf(""), -std::nanf(""),
+                            INFINITY,   -INFINITY,   denorm_min,    -denorm_min,
+                            denorm_max, -denorm_max, 1e-40f};
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> pick(0, every - 1);
+  std::uniform_int_distribution<size_t> kind(0, std::size(specials) - 1);
+  int64_t zeros = 0;
+  float* v = x.f32();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    if (v[i] == 0.0f) v[i] = 1.0f;
+    if (pick(gen) != 0) continue;
+    const size_t k = kind(gen);
+    v[i] = specials[k];
+    zeros += k < 2;
+  }
+  return zeros;
+}
+
+// 1, 65537 and 2,000,003 elements: one element, a chunk and one more, and 31 chunks of
+// 65536; aligned and offset (scalar path) views. The count equals the CPU op's and the
+// planted number, and a chunk of only zeros counts in full.
+TEST(CudaMultiTensorCountZeros, MatchesCpuAndPlantedCountOverChunks) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const std::vector<int64_t> sizes = {1, 65537, 2000003};
+  for (bool offset : {false, true}) {
+    SCOPED_TRACE(offset ? "offset views" : "aligned views");
+    std::vector<Tensor> host, device;
+    int64_t planted = 0;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      Tensor x = randn({sizes[i]}, seed + 31 * i, 0.01f);
+      planted += plant_zeros(x, seed + 31 * i + 1, 13);
+      host.push_back(x);
+    }
+    // The one-element tensor holds -0, and the whole second chunk of the largest tensor
+    // is zero (-0 and +0 alternating).
+    auto make_zero = [&](float& v, float zero) {
+      if ((std::bit_cast<uint32_t>(v) << 1) != 0) ++planted;
+      v = zero;
+    };
+    make_zero(host[0].f32()[0], -0.0f);
+    for (int64_t j = 65536; j < 2 * 65536; ++j) make_zero(host[2].f32()[j], j % 2 ? -0.0f : 0.0f);
+    for (const Tensor& x : host) device.push_back(upload(x, DType::F32, offset));
+    ASSERT_GT(planted, 65536);
+    const int64_t cpu = ops::multi_tensor_count_zeros(host);
+    EXPECT_EQ(cpu, planted);
+    const int64_t got = ops::multi_tensor_count_zeros(device);
+    EXPECT_EQ(got, cpu);
+    EXPECT_EQ(ops::multi_tensor_count_zeros(device), got);  // repeatable
+    for (size_t i = 0; i < sizes.size(); ++i)
+      EXPECT_EQ(ops::multi_tensor_count_zeros({device[i]}),
+                ops::multi_tensor_count_zeros({host[i]}))
+          << "tensor " << i;
+  }
+}
+
+// More tensors than one launch takes (160), 0-element tensors among them.
+TEST(CudaMultiTensorCountZeros, MatchesCpuOverListsOf1To500) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  std::mt19937_64 gen(seed);
+  for (size_t count : {1, 159, 160, 161, 500}) {
+    SCOPED_TRACE(fmt::format("{} tensors", count));
+    const std::vector<int64_t> sizes = random_sizes(count, seed + count);
+    std::vector<Tensor> host, device;
+    int64_t planted = 0;
+    for (size_t i = 0; i < count; ++i) {
+      Tensor x = randn({sizes[i]}, seed + 7919 * i + count);
+      planted += plant_zeros(x, seed + 7919 * i + count + 1, 9);
+      device.push_back(upload(x, DType::F32, gen() % 3 == 0));
+      host.push_back(x);
+    }
+    EXPECT_EQ(ops::multi_tensor_count_zeros(host), planted);
+    EXPECT_EQ(ops::multi_tensor_count_zeros(device), planted);
+  }
+}
+
+TEST(CudaMultiTensorCountZeros, EmptyTensorsMixedDevicesAndNonF32) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Tensor> empties = {Tensor::empty({0}, DType::F32, Device::CUDA),
+                                 Tensor::empty({4, 0}, DType::F32, Device::CUDA)};
+  EXPECT_EQ(ops::multi_tensor_count_zeros(empties), 0);
+  std::vector<Tensor> mixed = {Tensor::zeros({3}, DType::F32, Device::CUDA), Tensor::zeros({3})};
+  EXPECT_THROW(ops::multi_tensor_count_zeros(mixed), InternalError);
+  std::vector<Tensor> mixed_cpu_first = {Tensor::zeros({3}),
+                                         Tensor::zeros({3}, DType::F32, Device::CUDA)};
+  EXPECT_THROW(ops::multi_tensor_count_zeros(mixed_cpu_first), InternalError);
+  std::vector<Tensor> bf16 = {Tensor::zeros({3}, DType::F32, Device::CUDA),
+                              Tensor::zeros({3}, DType::BF16, Device::CUDA)};
+  EXPECT_THROW(ops::multi_tensor_count_zeros(bf16), InternalError);
 }
 
 // --------------------------------------------------------------------------- scale_

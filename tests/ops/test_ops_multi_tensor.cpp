@@ -1,12 +1,17 @@
 // CPU multi-tensor ops (multi_tensor_sum_of_squares, multi_tensor_scale_,
 // multi_tensor_adamw) against the single-tensor ops applied one tensor at a time: bitwise
 // for scale_ and AdamW (and its param copies, and its grad_scale against scale_ first),
-// and the sum of squares also against an fp64 sum written here. Lists hold odd sizes,
-// 0-element tensors among them.
+// and the sum of squares also against an fp64 sum written here. multi_tensor_count_zeros
+// against the number of zeros planted among random values, NaNs and denormals. Lists hold
+// odd sizes, 0-element tensors among them.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -80,6 +85,95 @@ TEST(MultiTensorSumOfSquares, RejectsUndefinedAndNonF32Tensors) {
   EXPECT_THROW(ops::multi_tensor_sum_of_squares({randn({3}, 1), Tensor()}), InternalError);
   EXPECT_THROW(ops::multi_tensor_sum_of_squares({randn({3}, 1), Tensor::zeros({3}, DType::I32)}),
                InternalError);
+}
+
+// ---------------------------------------------------------------------- count zeros
+
+// Overwrites about 1 in `every` elements of x (F32, CPU) with a special value: +0, -0,
+// NaN (both signs), +-Inf, the smallest and largest denormals of both signs, or 1e-40f;
+// random values that happen to be exactly 0 become 1. Returns the number of elements now
+// equal to +0 or -0: only those planted, so the count is known without the op's test.
+int64_t plant_zeros(Tensor& x, uint64_t seed, int every) {
+  const float denorm_min = std::numeric_limits<float>::denorm_min();
+  const float denorm_max = std::bit_cast<float>(uint32_t(0x007fffff));
+  const float specials[] = {0.0f,       -0.0f,       std::nanf(""), -std::nanf(""),
+                            INFINITY,   -INFINITY,   denorm_min,    -denorm_min,
+                            denorm_max, -denorm_max, 1e-40f};
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int> pick(0, every - 1);
+  std::uniform_int_distribution<size_t> kind(0, std::size(specials) - 1);
+  int64_t zeros = 0;
+  float* v = x.f32();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    if (v[i] == 0.0f) v[i] = 1.0f;
+    if (pick(gen) != 0) continue;
+    const size_t k = kind(gen);
+    v[i] = specials[k];
+    zeros += k < 2;
+  }
+  return zeros;
+}
+
+TEST(MultiTensorCountZeros, CountsPlantedZerosNotNanInfOrDenormals) {
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  std::vector<Tensor> list = random_list(kSizes, seed, 1.0f);
+  std::vector<int64_t> planted_per_tensor(list.size());
+  int64_t planted = 0, denormals = 0, nans = 0;
+  for (size_t i = 0; i < list.size(); ++i) {
+    planted_per_tensor[i] = plant_zeros(list[i], seed + 101 * i, 7);
+    planted += planted_per_tensor[i];
+    for (int64_t j = 0; j < list[i].numel(); ++j) {
+      denormals += std::fpclassify(list[i].f32()[j]) == FP_SUBNORMAL;
+      nans += std::isnan(list[i].f32()[j]);
+    }
+  }
+  // The inputs hold what the test is about: zeros of both signs, denormals and NaNs.
+  ASSERT_GT(planted, 100);
+  ASSERT_GT(denormals, 100);
+  ASSERT_GT(nans, 10);
+  bool negative_zero = false;
+  for (const Tensor& t : list)
+    for (int64_t j = 0; j < t.numel(); ++j)
+      negative_zero |= std::bit_cast<uint32_t>(t.f32()[j]) == 0x80000000u;
+  ASSERT_TRUE(negative_zero);
+  EXPECT_EQ(ops::multi_tensor_count_zeros(list), planted);
+  // Each tensor alone.
+  for (size_t i = 0; i < list.size(); ++i) {
+    SCOPED_TRACE("tensor " + std::to_string(i));
+    EXPECT_EQ(ops::multi_tensor_count_zeros({list[i]}), planted_per_tensor[i]);
+  }
+}
+
+TEST(MultiTensorCountZeros, CountsEveryShapeAndWholeZeroTensors) {
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  // A 2-d and a 3-d tensor (the count ignores shape), an all-zero tensor of both signs,
+  // and one past the parallel threshold.
+  Tensor matrix = randn({37, 29}, seed, 0.5f), cube = randn({3, 5, 7}, seed + 1);
+  Tensor big = randn({100003}, seed + 2);
+  int64_t want = plant_zeros(matrix, seed + 3, 5) + plant_zeros(cube, seed + 4, 3) +
+                 plant_zeros(big, seed + 5, 11);
+  Tensor all_zero = Tensor::zeros({1001});
+  for (int64_t j = 0; j < all_zero.numel(); j += 2) all_zero.f32()[j] = -0.0f;
+  want += all_zero.numel();
+  EXPECT_EQ(ops::multi_tensor_count_zeros({matrix, all_zero, cube, big}), want);
+  // Nothing planted, nothing counted (random values made nonzero).
+  Tensor clean = randn({4099}, seed + 6);
+  EXPECT_EQ(plant_zeros(clean, seed + 7, std::numeric_limits<int>::max()), 0);
+  EXPECT_EQ(ops::multi_tensor_count_zeros({clean}), 0);
+}
+
+TEST(MultiTensorCountZeros, EmptyListsAndEmptyTensorsGiveZero) {
+  EXPECT_EQ(ops::multi_tensor_count_zeros({}), 0);
+  EXPECT_EQ(ops::multi_tensor_count_zeros({Tensor::empty({0}), Tensor::empty({3, 0})}), 0);
+}
+
+TEST(MultiTensorCountZeros, RejectsUndefinedAndNonF32Tensors) {
+  EXPECT_THROW(ops::multi_tensor_count_zeros({randn({3}, 1), Tensor()}), InternalError);
+  EXPECT_THROW(ops::multi_tensor_count_zeros({randn({3}, 1), Tensor::zeros({3}, DType::I32)}),
+               InternalError);
+  EXPECT_THROW(ops::multi_tensor_count_zeros({Tensor::zeros({3}, DType::BF16)}), InternalError);
 }
 
 // --------------------------------------------------------------------------- scale_

@@ -14,6 +14,13 @@
 // mpirun ends the job instead of every rank hanging. Host code that reads a result
 // (Tensor::to(CPU)) synchronizes with the stream as usual. barrier() alone waits on the
 // host.
+//
+// The *_async operations run on a communication stream of their own (non-blocking, high
+// priority), after an event recorded on the compute stream, over a second communicator
+// per group: NCCL operations on one communicator must not run concurrently from two
+// streams in different orders on different ranks, and the blocking calls of the
+// forward and backward keep using the first. CommWork::wait makes the compute stream wait
+// for an event recorded after the operation.
 #include <nccl.h>
 
 #include <atomic>
@@ -78,22 +85,25 @@ class NcclComm final : public Comm {
   ~NcclComm() override {
     if (watchdog_.joinable()) {
       cudaStreamSynchronize(::megaton::cuda::stream());  // everything queued completes
+      if (side_stream_) cudaStreamSynchronize(side_stream_);
       stop_ = true;
       watchdog_.join();
     }
     for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
     // Best effort at exit: finalize (flushes pending work) and destroy; errors here are
     // not worth a crash while the process ends.
-    for (auto& [ranks, entry] : comms_) {
-      if (entry.broken) continue;
-      if (ncclCommFinalize(entry.comm) == ncclInProgress) {
-        ncclResult_t state = ncclInProgress;
-        const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
-        while (state == ncclInProgress && Clock::now() < deadline)
-          ncclCommGetAsyncError(entry.comm, &state);
+    for (auto* map : {&comms_, &async_comms_})
+      for (auto& [ranks, entry] : *map) {
+        if (entry.broken) continue;
+        if (ncclCommFinalize(entry.comm) == ncclInProgress) {
+          ncclResult_t state = ncclInProgress;
+          const Clock::time_point deadline = Clock::now() + std::chrono::seconds(10);
+          while (state == ncclInProgress && Clock::now() < deadline)
+            ncclCommGetAsyncError(entry.comm, &state);
+        }
+        ncclCommDestroy(entry.comm);
       }
-      ncclCommDestroy(entry.comm);
-    }
+    if (side_stream_) cudaStreamDestroy(side_stream_);
   }
 
   Device device() const override { return Device::CUDA; }
@@ -124,6 +134,32 @@ class NcclComm final : public Comm {
     const Tensor src = !in_place && overlaps(in, out) ? in.clone() : in;
     // Bytes: every dtype moves the same way.
     run(g, "all_gather", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllGather(src.raw(), out.raw(), in.nbytes(), ncclUint8, c, s);
+    });
+  }
+
+  std::unique_ptr<CommWork> do_all_reduce_async(Tensor& t, const Group& g) override {
+    return run_async(g, "all_reduce", {t}, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype()), ncclSum, c,
+                           s);
+    });
+  }
+
+  std::unique_ptr<CommWork> do_reduce_scatter_async(const Tensor& in, Tensor& out,
+                                                    const Group& g) override {
+    const bool in_place = byte_ptr(out) == byte_ptr(in) + size_t(g.rank) * out.nbytes();
+    const Tensor src = !in_place && overlaps(in, out) ? in.clone() : in;
+    return run_async(g, "reduce_scatter", {src, out}, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclReduceScatter(src.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype()),
+                               ncclSum, c, s);
+    });
+  }
+
+  std::unique_ptr<CommWork> do_all_gather_async(const Tensor& in, Tensor& out,
+                                                const Group& g) override {
+    const bool in_place = byte_ptr(in) == byte_ptr(out) + size_t(g.rank) * in.nbytes();
+    const Tensor src = !in_place && overlaps(in, out) ? in.clone() : in;
+    return run_async(g, "all_gather", {src, out}, [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllGather(src.raw(), out.raw(), in.nbytes(), ncclUint8, c, s);
     });
   }
@@ -222,9 +258,12 @@ class NcclComm final : public Comm {
     }
   }
 
-  Entry& comm_of(const Group& g, const char* op) {
-    auto it = comms_.find(g.ranks);
-    if (it != comms_.end()) {
+  // The group's communicator for blocking calls, or (async) the second one for the
+  // *_async calls; created on first use, collectively over the group.
+  Entry& comm_of(const Group& g, const char* op, bool async = false) {
+    std::map<std::vector<int>, Entry>& comms = async ? async_comms_ : comms_;
+    auto it = comms.find(g.ranks);
+    if (it != comms.end()) {
       if (it->second.broken)
         throw CommError(fmt::format(
             "{} on group {} at world rank {}: the group's communicator is unusable after an "
@@ -238,7 +277,7 @@ class NcclComm final : public Comm {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     config.commName = g.name.c_str();
-    Entry& e = comms_[g.ranks];
+    Entry& e = comms[g.ranks];
     e.broken = true;  // until set up: a failed setup leaves nothing to finalize
     MEGATON_NCCL_CHECK(ncclCommInitRankConfig(&e.comm, g.size(), id, g.rank, &config));
     e.broken = false;
@@ -275,8 +314,7 @@ class NcclComm final : public Comm {
             pending_.pop_front();
             continue;
           }
-          if (q != cudaErrorNotReady)
-            fatal(p.comm, p.failure + ": CUDA " + cudaGetErrorString(q));
+          if (q != cudaErrorNotReady) fatal(p.comm, p.failure + ": CUDA " + cudaGetErrorString(q));
           ncclResult_t state = ncclSuccess;
           if (ncclCommGetAsyncError(p.comm, &state) == ncclSuccess && state != ncclSuccess &&
               state != ncclInProgress)
@@ -290,7 +328,8 @@ class NcclComm final : public Comm {
   }
 
   // Records the operation's completion event for the watchdog (started on first use).
-  void watch(Entry& e, const char* op, const Group& g, Clock::time_point deadline) {
+  void watch(Entry& e, const char* op, const Group& g, Clock::time_point deadline,
+             cudaStream_t stream) {
     if (!watchdog_.joinable()) {
       int device = 0;
       MEGATON_CUDA_CHECK(cudaGetDevice(&device));
@@ -305,10 +344,10 @@ class NcclComm final : public Comm {
       ev = free_events_.back();
       free_events_.pop_back();
     }
-    MEGATON_CUDA_CHECK(cudaEventRecord(ev, ::megaton::cuda::stream()));
-    pending_.push_back({ev, deadline, e.comm, timeout_message(op, g),
-                        fmt::format("{} on group {} failed at world rank {}", op, g.describe(),
-                                    g.ranks[g.rank])});
+    MEGATON_CUDA_CHECK(cudaEventRecord(ev, stream));
+    pending_.push_back(
+        {ev, deadline, e.comm, timeout_message(op, g),
+         fmt::format("{} on group {} failed at world rank {}", op, g.describe(), g.ranks[g.rank])});
   }
 
   // Enqueues an operation on the compute stream; the watchdog keeps its deadline, or,
@@ -325,7 +364,7 @@ class NcclComm final : public Comm {
                          g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
     wait_ready(e, op, g, deadline);  // the enqueue itself may still be in progress
     if (!wait_host) {
-      watch(e, op, g, deadline);
+      watch(e, op, g, deadline, stream);
       return;
     }
     const Clock::time_point start = Clock::now();
@@ -348,8 +387,68 @@ class NcclComm final : public Comm {
     }
   }
 
+  // An operation on the communication stream; wait() orders the compute stream after it.
+  class NcclWork final : public CommWork {
+   public:
+    NcclWork(cudaEvent_t done, std::vector<Tensor> keep) : done_(done), keep_(std::move(keep)) {}
+    ~NcclWork() override {
+      if (!waited_) cudaStreamWaitEvent(::megaton::cuda::stream(), done_, 0);
+      cudaEventDestroy(done_);  // released by CUDA once the event has completed
+    }
+    void wait() override {
+      if (waited_) return;
+      MEGATON_CUDA_CHECK(cudaStreamWaitEvent(::megaton::cuda::stream(), done_, 0));
+      waited_ = true;
+      // The compute stream now runs after the operation: the caching allocator may hand
+      // these tensors' memory to later compute-stream work.
+      keep_.clear();
+    }
+
+   private:
+    cudaEvent_t done_;
+    std::vector<Tensor> keep_;  // the operation's tensors, alive until it is waited for
+    bool waited_ = false;
+  };
+
+  cudaStream_t side_stream() {
+    if (!side_stream_) {
+      int least = 0, greatest = 0;
+      MEGATON_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      MEGATON_CUDA_CHECK(
+          cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, greatest));
+    }
+    return side_stream_;
+  }
+
+  // Enqueues an operation on the communication stream after the compute stream's work so
+  // far; the watchdog keeps its deadline.
+  template <typename Enqueue>
+  std::unique_ptr<CommWork> run_async(const Group& g, const char* op, std::vector<Tensor> keep,
+                                      Enqueue enqueue) {
+    Entry& e = comm_of(g, op, /*async=*/true);
+    cudaStream_t stream = side_stream();
+    cudaEvent_t ready, done;
+    MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    MEGATON_CUDA_CHECK(cudaEventRecord(ready, ::megaton::cuda::stream()));
+    MEGATON_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
+    MEGATON_CUDA_CHECK(cudaEventDestroy(ready));
+    const Clock::time_point deadline = deadline_from_now();
+    ncclResult_t rc = enqueue(e.comm, stream);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      abort_and_throw(
+          e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                         g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
+    wait_ready(e, op, g, deadline);
+    watch(e, op, g, deadline, stream);
+    MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    MEGATON_CUDA_CHECK(cudaEventRecord(done, stream));
+    return std::make_unique<NcclWork>(done, std::move(keep));
+  }
+
   detail::MpiGroups mpi_groups_;
   std::map<std::vector<int>, Entry> comms_;
+  std::map<std::vector<int>, Entry> async_comms_;
+  cudaStream_t side_stream_ = nullptr;
   Tensor barrier_scratch_;
   // The watchdog and the operations it watches (guarded by mu_).
   std::mutex mu_;

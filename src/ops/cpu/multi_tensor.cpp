@@ -1,8 +1,11 @@
-// Multi-tensor optimizer ops on the CPU: multi_tensor_sum_of_squares, multi_tensor_scale_,
-// multi_tensor_adamw. The CPU has no launch or synchronization cost to save, so each is the
-// single-tensor op applied to the list in order (and therefore bitwise equal to it); the
-// GPU versions (ops/cuda/multi_tensor.cu) are where the batching happens.
+// Multi-tensor optimizer ops on the CPU: multi_tensor_sum_of_squares,
+// multi_tensor_count_zeros, multi_tensor_scale_, multi_tensor_adamw. The CPU has no launch
+// or synchronization cost to save, so each is the single-tensor op (or, for count_zeros, a
+// plain loop) applied to the list in order (and therefore bitwise equal to it); the GPU
+// versions (ops/cuda/multi_tensor.cu) are where the batching happens.
+#include <bit>
 #include <cmath>
+#include <cstdint>
 
 #include "ops/dispatch.h"
 #include "ops/ops.h"
@@ -20,6 +23,9 @@ void check_list(const std::vector<Tensor>& list, Device device, const char* op, 
   }
 }
 
+// Below this many elements a parallel region costs more than it saves.
+constexpr int64_t kParallelMin = 1 << 15;
+
 }  // namespace
 
 double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
@@ -30,6 +36,26 @@ double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
   double total = 0.0;
   for (const Tensor& t : tensors) total += sum_of_squares(t);
   return total;
+}
+
+int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors) {
+  if (tensors.empty()) return 0;
+  MEGATON_CUDA_DISPATCH(tensors[0], cuda::multi_tensor_count_zeros(tensors));
+  constexpr const char* kOp = "multi_tensor_count_zeros";
+  check_list(tensors, Device::CPU, kOp, "tensors");
+  for (size_t i = 0; i < tensors.size(); ++i)
+    MEGATON_CHECK(tensors[i].dtype() == DType::F32, "{}: tensors[{}] must be F32, got {}", kOp, i,
+                  dtype_name(tensors[i].dtype()));
+  int64_t zeros = 0;
+  for (const Tensor& t : tensors) {
+    const float* x = t.f32();
+    const int64_t n = t.numel();
+    // +0 and -0 are the two floats whose bits, sign dropped, are all zero. Testing bits
+    // rather than x == 0.0f keeps denormals nonzero even under a denormals-are-zero mode.
+#pragma omp parallel for reduction(+ : zeros) schedule(static) if (n >= kParallelMin)
+    for (int64_t i = 0; i < n; ++i) zeros += (std::bit_cast<uint32_t>(x[i]) << 1) == 0;
+  }
+  return zeros;
 }
 
 void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {

@@ -97,8 +97,10 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
 // launch, their pointers and sizes passed by value as a __grid_constant__ kernel
 // parameter; each block updates or reduces one chunk of one tensor. sum_of_squares writes
 // one fp64 partial per block, sums them in a fixed order in a second kernel and makes the
-// call's only host synchronization; scale_ and adamw do not synchronize.
+// call's only host synchronization; count_zeros adds each block's integer count into one
+// counter (exact in any order) and synchronizes once; scale_ and adamw do not synchronize.
 double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors);
+int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors);
 void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale);
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,

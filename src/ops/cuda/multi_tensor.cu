@@ -1,9 +1,10 @@
-// Multi-tensor optimizer ops on the GPU: multi_tensor_sum_of_squares, multi_tensor_scale_,
-// multi_tensor_adamw. One launch covers a batch of tensors whose pointers, sizes and
-// per-tensor constants travel by value in a __grid_constant__ kernel parameter (at most
-// 4 KB, the classic limit); block b of a launch processes one fixed-size chunk of one
-// tensor. Hundreds of parameters take a handful of launches instead of one or more each,
-// and the sum of squares a single host synchronization.
+// Multi-tensor optimizer ops on the GPU: multi_tensor_sum_of_squares,
+// multi_tensor_count_zeros, multi_tensor_scale_, multi_tensor_adamw. One launch covers a
+// batch of tensors whose pointers, sizes and per-tensor constants travel by value in a
+// __grid_constant__ kernel parameter (at most 4 KB, the classic limit); block b of a
+// launch processes one fixed-size chunk of one tensor. Hundreds of parameters take a
+// handful of launches instead of one or more each, and the sum of squares and the zero
+// count a single host synchronization each.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -176,6 +177,54 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = threadIdx.x; i < count; i += kThreads) acc += partials[i];
   const double total = block_sum(acc);
   if (threadIdx.x == 0) result[0] = total;
+}
+
+// ---- count zeros: a list of F32 tensors (the list machinery above, always F32) ----
+
+// 1 for +0 and -0, the two floats whose bits, sign dropped, are all zero. On the bits
+// rather than v == 0.0f so that a flush-to-zero build cannot count denormals.
+__device__ __forceinline__ unsigned int is_zero(float v) { return (__float_as_uint(v) << 1) == 0u; }
+
+// Zeros among elements [begin, end) of x, this thread's quads (as chunk_sum_of_squares).
+// At most kReduceChunk / kThreads per thread.
+__device__ unsigned int chunk_count_zeros(const float* x, int64_t begin, int64_t end,
+                                          bool vectorized) {
+  unsigned int count = 0;
+  for (int64_t i = begin + 4 * int64_t(threadIdx.x); i < end; i += 4 * kThreads) {
+    if (vectorized && i + 4 <= end) {
+      const Pack<float, 4> pack = load_pack<4>(x + i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) count += is_zero(pack.v[j]);
+    } else {
+      for (int64_t j = i; j < end && j < i + 4; ++j) count += is_zero(x[j]);
+    }
+  }
+  return count;
+}
+
+// Sum over the block of one count per thread; valid in thread 0. A chunk has at most
+// kReduceChunk (2^16) zeros, so 32 bits hold the block's total.
+__device__ unsigned int block_count(unsigned int v) {
+  __shared__ unsigned int warp_totals[kThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) warp_totals[threadIdx.x / 32] = v;
+  __syncthreads();
+  unsigned int total = 0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_totals[w];
+  return total;
+}
+
+// *count += zeros in this block's chunk. Integer addition is exact in any order, so the
+// atomics need no second pass to be deterministic.
+__global__ void __launch_bounds__(kThreads)
+    count_zeros_chunks(const __grid_constant__ ListLaunch launch, unsigned long long* count) {
+  const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
+  const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kReduceChunk;
+  const int64_t end = std::min(launch.numel[t], begin + kReduceChunk);
+  const unsigned int zeros = block_count(chunk_count_zeros(
+      static_cast<const float*>(launch.data[t]), begin, end, launch.vectorized[t]));
+  if (threadIdx.x == 0 && zeros != 0) atomicAdd(count, static_cast<unsigned long long>(zeros));
 }
 
 // x *= s in fp32 (BF16 rounded to nearest even), as ops::scale_.
@@ -372,6 +421,29 @@ double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
       cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, stream));
   ::megaton::cuda::synchronize();
   return host;
+}
+
+int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors) {
+  constexpr const char* kOp = "multi_tensor_count_zeros";
+  for (size_t i = 0; i < tensors.size(); ++i) check_listed(tensors[i], kOp, "tensors", i, false);
+  int64_t total_elements = 0;
+  for (const Tensor& t : tensors) total_elements += t.numel();
+  if (total_elements == 0) return 0;
+  // One uint64 counter (I64 has the size), zeroed in stream order before the launches.
+  Tensor counter = Tensor::empty({1}, DType::I64, Device::CUDA);
+  auto* count = static_cast<unsigned long long*>(counter.raw());
+  cudaStream_t stream = compute_stream();
+  MEGATON_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(unsigned long long), stream));
+  for_each_list_launch(tensors, kReduceChunk, kOp,
+                       [&](const ListLaunch& meta, uint32_t blocks, const LaunchBatch&) {
+                         count_zeros_chunks<<<blocks, kThreads, 0, stream>>>(meta, count);
+                         MEGATON_CUDA_CHECK_LAUNCH();
+                       });
+  unsigned long long host = 0;
+  MEGATON_CUDA_CHECK(
+      cudaMemcpyAsync(&host, count, sizeof(unsigned long long), cudaMemcpyDeviceToHost, stream));
+  ::megaton::cuda::synchronize();
+  return static_cast<int64_t>(host);
 }
 
 void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {

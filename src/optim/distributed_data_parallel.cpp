@@ -1,0 +1,132 @@
+// DistributedDataParallel: bucketed gradient reduction and weight all-gather.
+#include "optim/distributed_data_parallel.h"
+
+#include "core/error.h"
+#include "ops/ops.h"
+
+namespace megaton::optim {
+
+const dist::Group& DistributedDataParallel::group_of(const ParamAndGradBuffer& b) const {
+  return b.is_expert() ? grid_.edp() : grid_.dp_cp();
+}
+
+DistributedDataParallel::DistributedDataParallel(std::vector<ParamAndGradBuffer*> buffers,
+                                                 const dist::Grid& grid, dist::Comm& comm,
+                                                 DataParallelConfig config)
+    : grid_(grid), comm_(comm), config_(config) {
+  MEGATON_CHECK(config_.num_micro_batches >= 1, "DistributedDataParallel: {} micro-batches",
+                config_.num_micro_batches);
+  for (ParamAndGradBuffer* b : buffers) {
+    const dist::Group& g = group_of(*b);
+    // The params lie in reverse in a buffer: its last bucket is the first the forward reads.
+    for (size_t i = b->buckets().size(); i-- > 0;) param_sync_order_.push_back(states_.size() + i);
+    MEGATON_CHECK(!config_.use_distributed_optimizer || b->num_shards() == g.size(),
+                  "buffer of {} shards for group {}", b->num_shards(), g.describe());
+    for (size_t i = 0; i < b->buckets().size(); ++i) {
+      BucketState s;
+      s.buffer = b;
+      s.index = i;
+      s.needed = int64_t(b->buckets()[i].params.size()) * config_.num_micro_batches;
+      for (const Param* p : b->buckets()[i].params) state_index_[p] = states_.size();
+      states_.push_back(std::move(s));
+    }
+  }
+}
+
+DistributedDataParallel::BucketState* DistributedDataParallel::state_of(const Param* p) {
+  auto it = state_index_.find(p);
+  return it == state_index_.end() ? nullptr : &states_[it->second];
+}
+
+void DistributedDataParallel::start_grad_sync_step() {
+  for (BucketState& s : states_) {
+    MEGATON_CHECK(!s.grad_work, "a gradient reduction is still running at the start of a step");
+    s.reported = 0;
+  }
+  reports_.clear();
+}
+
+void DistributedDataParallel::grads_ready(std::span<Param* const> params) {
+  for (const Param* p : params) {
+    BucketState* s = state_of(p);
+    if (!s) continue;
+    MEGATON_CHECK(++reports_[p] <= config_.num_micro_batches,
+                  "gradient of '{}' reported final more than {} times in a step", p->name,
+                  config_.num_micro_batches);
+    if (++s->reported == s->needed && config_.overlap_grad_reduce) start_grad_sync(*s);
+  }
+}
+
+void DistributedDataParallel::start_grad_sync(BucketState& s) {
+  ParamAndGradBuffer& b = *s.buffer;
+  const dist::Group& g = group_of(b);
+  if (g.size() == 1) return;  // nothing to reduce; finish_grad_sync scales
+  if (config_.use_distributed_optimizer) {
+    // In place: this rank's shard of the bucket receives the sum of everyone's shard.
+    Tensor shard = b.grad_shard(s.index, g.rank);
+    s.grad_work = comm_.reduce_scatter_async(b.bucket_grads(s.index), shard, g);
+  } else {
+    Tensor grads = b.bucket_grads(s.index);
+    s.grad_work = comm_.all_reduce_async(grads, g);
+  }
+}
+
+void DistributedDataParallel::finish_grad_sync() {
+  // Buckets not started yet (all of them without overlap_grad_reduce), in buffer order:
+  // the same order on every rank.
+  for (BucketState& s : states_)
+    if (!s.grad_work) start_grad_sync(s);
+  const float mean = 1.0f / float(grid_.dp_cp().size());
+  for (BucketState& s : states_) {
+    ParamAndGradBuffer& b = *s.buffer;
+    const dist::Group& g = group_of(b);
+    if (s.grad_work) {
+      s.grad_work->wait();
+      s.grad_work.reset();
+    }
+    if (mean == 1.0f) continue;
+    Tensor reduced =
+        config_.use_distributed_optimizer ? b.grad_shard(s.index, g.rank) : b.bucket_grads(s.index);
+    ops::scale_(reduced, mean);
+  }
+  for (BucketState& s : states_) s.reported = 0;
+  reports_.clear();
+}
+
+void DistributedDataParallel::start_param_sync() {
+  if (!config_.use_distributed_optimizer) return;
+  for (BucketState& s : states_) MEGATON_CHECK(!s.param_work, "an all-gather is still running");
+  for (size_t i : param_sync_order_) {
+    BucketState& s = states_[i];
+    ParamAndGradBuffer& b = *s.buffer;
+    const dist::Group& g = group_of(b);
+    if (g.size() == 1) continue;
+    // In place: this rank's shard is already its chunk of the gathered bucket.
+    Tensor all = b.bucket_weights(s.index);
+    s.param_work = comm_.all_gather_async(b.weight_shard(s.index, g.rank), all, g);
+    if (!config_.overlap_param_gather) {
+      s.param_work->wait();
+      s.param_work.reset();
+    }
+  }
+}
+
+void DistributedDataParallel::wait_param_sync(std::span<Param* const> params) {
+  for (const Param* p : params) {
+    BucketState* s = state_of(p);
+    if (s && s->param_work) {
+      s->param_work->wait();
+      s->param_work.reset();
+    }
+  }
+}
+
+void DistributedDataParallel::finish_param_sync() {
+  for (BucketState& s : states_)
+    if (s.param_work) {
+      s.param_work->wait();
+      s.param_work.reset();
+    }
+}
+
+}  // namespace megaton::optim

@@ -1,0 +1,84 @@
+// DistributedDataParallel: the data-parallel reduction of the main gradients and, under
+// the distributed optimizer, the all-gather of the updated weights, one bucket at a time
+// (Megatron's DistributedDataParallel and its bucket groups), optionally overlapped with
+// backward (--overlap-grad-reduce) and with the next forward (--overlap-param-gather).
+#pragma once
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "dist/comm.h"
+#include "dist/grid.h"
+#include "model/param_buffer.h"
+
+namespace megaton::optim {
+
+struct DataParallelConfig {
+  bool use_distributed_optimizer = false;  // reduce-scatter + all-gather, else all-reduce
+  bool overlap_grad_reduce = false;        // start a bucket's reduction when it is ready
+  bool overlap_param_gather = false;       // leave the all-gathers running into the forward
+  // Backward passes of every parameter per step on this rank: the local micro-batches
+  // (each model chunk runs one backward per micro-batch).
+  int64_t num_micro_batches = 1;
+};
+
+class DistributedDataParallel {
+ public:
+  // buffers: every ParamAndGradBuffer of this rank (each model chunk's dense, then expert
+  // ones; they must outlive this object). Dense buffers reduce over the grid's dp_cp
+  // group, expert buffers over edp; under the distributed optimizer their shard count
+  // must be that group's size (InternalError otherwise).
+  DistributedDataParallel(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
+                          dist::Comm& comm, DataParallelConfig config);
+
+  // At the start of a step (with zero_grad): no gradient is final yet.
+  void start_grad_sync_step();
+
+  // The gradients of `params` are complete for one micro-batch (their layer's backward
+  // has run). With overlap_grad_reduce, a bucket whose params have all been reported
+  // num_micro_batches times has its reduction started (Megatron's backward hooks).
+  // Params of no buffer are ignored. InternalError when a param is reported more than
+  // num_micro_batches times in a step.
+  void grads_ready(std::span<Param* const> params);
+
+  // After the step's last backward: starts the reductions not started yet and waits for
+  // all. Then every main_grad (distributed: this rank's shard of each bucket; the rest of
+  // the bucket holds partial sums) is the sum over its group divided by the dp_cp size:
+  // for dense parameters the mean over the data-parallel ranks; for experts, whose
+  // gradients already add the tokens of several data-parallel ranks (expert
+  // parallelism), the same mean over the global batch (Megatron's
+  // expert_gradient_scaling_factor). Resets the readiness counts.
+  void finish_grad_sync();
+
+  // After the optimizer updated this rank's shards (distributed optimizer; otherwise
+  // nothing): all-gathers every bucket's weights, first-used buckets first. With
+  // overlap_param_gather they are left running; wait_param_sync waits for them.
+  void start_param_sync();
+  // Before a forward reads the weights of `params`: waits for their buckets' all-gathers.
+  void wait_param_sync(std::span<Param* const> params);
+  // Waits for every all-gather still running (before evaluation, checkpoints, the end).
+  void finish_param_sync();
+
+ private:
+  struct BucketState {
+    ParamAndGradBuffer* buffer;
+    size_t index;          // bucket index in its buffer
+    int64_t reported = 0;  // param reports this step
+    int64_t needed = 0;    // params x num_micro_batches
+    std::unique_ptr<dist::CommWork> grad_work, param_work;
+  };
+  const dist::Group& group_of(const ParamAndGradBuffer& b) const;
+  void start_grad_sync(BucketState& s);
+  BucketState* state_of(const Param* p);
+
+  const dist::Grid& grid_;
+  dist::Comm& comm_;
+  DataParallelConfig config_;
+  std::vector<BucketState> states_;       // every buffer's buckets, buffer by buffer
+  std::vector<size_t> param_sync_order_;  // states_ in the order the forward reads them
+  std::unordered_map<const Param*, size_t> state_index_;
+  std::unordered_map<const Param*, int64_t> reports_;  // per param, this step
+};
+
+}  // namespace megaton::optim

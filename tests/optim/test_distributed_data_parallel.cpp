@@ -1,0 +1,183 @@
+// DistributedDataParallel: buckets start their reduction as soon as their gradients are
+// final (overlap), the rest at finish; results are scaled means; all-gathers run in the
+// order the forward reads the buckets and are waited for bucket by bucket. A recording
+// Comm stands in for the other data-parallel rank, which holds the same gradients.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "optim/distributed_data_parallel.h"
+
+namespace megaton::optim {
+namespace {
+
+// Rank 0 of a data-parallel group of two, in one process: every collective behaves as if
+// the other rank passed the same tensors, and is logged.
+class RecordingComm final : public dist::Comm {
+ public:
+  std::vector<std::string> log;
+  Device device() const override { return Device::CPU; }
+
+ protected:
+  class Work final : public dist::CommWork {
+   public:
+    Work(RecordingComm& c, std::string name) : c_(c), name_(std::move(name)) {}
+    void wait() override {
+      if (!waited_) c_.log.push_back("wait " + name_);
+      waited_ = true;
+    }
+
+   private:
+    RecordingComm& c_;
+    std::string name_;
+    bool waited_ = false;
+  };
+  std::string where(const Tensor& t) const {
+    return std::to_string((static_cast<const char*>(t.raw()) - base) /
+                          int64_t(dtype_size(t.dtype())));
+  }
+
+ public:
+  const char* base = nullptr;  // the buffer the offsets in the log are counted from
+
+ protected:
+  void prepare_group(const dist::Group&) override {}
+  void do_all_reduce(Tensor&, const dist::Group&, dist::ReduceOp) override { FAIL(); }
+  void do_reduce_scatter(const Tensor&, Tensor&, const dist::Group&) override { FAIL(); }
+  void do_all_gather(const Tensor&, Tensor&, const dist::Group&) override { FAIL(); }
+  std::unique_ptr<dist::CommWork> do_all_reduce_async(Tensor& t, const dist::Group&) override {
+    for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] *= 2;  // two equal ranks
+    log.push_back("all_reduce " + where(t));
+    return std::make_unique<Work>(*this, "all_reduce " + where(t));
+  }
+  std::unique_ptr<dist::CommWork> do_reduce_scatter_async(const Tensor& in, Tensor& out,
+                                                          const dist::Group&) override {
+    EXPECT_EQ(out.raw(), in.raw());  // in place: rank 0's shard is the first chunk
+    for (int64_t i = 0; i < out.numel(); ++i) out.f32()[i] = 2 * in.f32()[i];
+    log.push_back("reduce_scatter " + where(in));
+    return std::make_unique<Work>(*this, "reduce_scatter " + where(in));
+  }
+  std::unique_ptr<dist::CommWork> do_all_gather_async(const Tensor& in, Tensor& out,
+                                                      const dist::Group&) override {
+    EXPECT_EQ(in.raw(), out.raw());  // in place
+    log.push_back("all_gather " + where(out));
+    return std::make_unique<Work>(*this, "all_gather " + where(out));
+  }
+  void do_all_to_allv(const Tensor&, std::span<const int64_t>, Tensor&, std::span<const int64_t>,
+                      const dist::Group&) override {
+    FAIL();
+  }
+  void do_send_recv(const Tensor*, int, Tensor*, int, const dist::Group&) override { FAIL(); }
+  void do_broadcast(Tensor&, int, const dist::Group&) override { FAIL(); }
+  void do_barrier(const dist::Group&) override { FAIL(); }
+};
+
+Param make(const std::string& name, int64_t n, float value) {
+  Param p;
+  p.name = name;
+  p.weight = Tensor::empty({n});
+  p.weight.fill(value);
+  p.main_param = p.weight;
+  return p;
+}
+
+struct Fixture {
+  // Forward order a, b, c; bucket size 100 puts each in its own bucket, in reverse:
+  // bucket 0 = c (backward finishes it first) at [0, 128), 1 = b at [128, 384) (192
+  // elements padded to a multiple of 64 x 2 shards), 2 = a at [384, 512).
+  Param a = make("a", 100, 1), b = make("b", 130, 2), c = make("c", 70, 3);
+  dist::Grid grid{[] {
+                    dist::ParallelSizes s;
+                    return s;
+                  }(),
+                  2, 0};
+  RecordingComm comm;
+  ParamAndGradBuffer buffer{{&a, &b, &c}, 2, false, 100};
+  Fixture() { comm.base = static_cast<const char*>(buffer.grads().raw()); }
+};
+
+TEST(DistributedDataParallel, BucketsReverseTheForwardOrder) {
+  Fixture f;
+  ASSERT_EQ(f.buffer.buckets().size(), 3u);
+  EXPECT_EQ(f.buffer.buckets()[0].params, std::vector<Param*>{&f.c});
+  EXPECT_EQ(f.buffer.buckets()[2].params, std::vector<Param*>{&f.a});
+  for (const BufferBucket& bucket : f.buffer.buckets()) EXPECT_EQ(bucket.numel() % 128, 0);
+  EXPECT_EQ(f.buffer.offset(2), 0);  // c first
+  EXPECT_EQ(f.buffer.bucket_of(&f.b), 1);
+}
+
+TEST(DistributedDataParallel, OverlapStartsBucketsWhenTheirGradientsAreFinal) {
+  Fixture f;
+  DataParallelConfig config;
+  config.use_distributed_optimizer = true;
+  config.overlap_grad_reduce = true;
+  config.num_micro_batches = 2;
+  DistributedDataParallel ddp({&f.buffer}, f.grid, f.comm, config);
+  for (Param* p : {&f.a, &f.b, &f.c}) p->main_grad.fill(0.5f);
+  ddp.start_grad_sync_step();
+  Param* c[] = {&f.c};
+  Param* ab[] = {&f.b, &f.a};
+  ddp.grads_ready(c);  // first micro-batch: not final yet
+  EXPECT_TRUE(f.comm.log.empty());
+  ddp.grads_ready(ab);
+  ddp.grads_ready(c);  // second micro-batch: bucket 0 is final
+  ASSERT_EQ(f.comm.log.size(), 1u);
+  EXPECT_EQ(f.comm.log[0], "reduce_scatter 0");
+  ddp.finish_grad_sync();  // b and a started now, then everything waited for
+  const std::vector<std::string> want = {"reduce_scatter 0",        "reduce_scatter 128",
+                                         "reduce_scatter 384",      "wait reduce_scatter 0",
+                                         "wait reduce_scatter 128", "wait reduce_scatter 384"};
+  EXPECT_EQ(f.comm.log, want);
+  // This rank's shards hold the mean: (0.5 + 0.5) / 2.
+  EXPECT_FLOAT_EQ(f.c.main_grad.f32()[0], 0.5f);
+  EXPECT_FLOAT_EQ(f.c.main_grad.f32()[63], 0.5f);
+  // A third report of a in the next step's two micro-batches is a bug in the caller.
+  ddp.start_grad_sync_step();
+  Param* a[] = {&f.a};
+  ddp.grads_ready(a);
+  ddp.grads_ready(a);
+  EXPECT_THROW(ddp.grads_ready(a), InternalError);
+}
+
+TEST(DistributedDataParallel, WithoutOverlapEverythingStartsAtFinish) {
+  Fixture f;
+  DataParallelConfig config;  // all-reduce, no overlap
+  DistributedDataParallel ddp({&f.buffer}, f.grid, f.comm, config);
+  for (Param* p : {&f.a, &f.b, &f.c}) p->main_grad.fill(0.25f);
+  ddp.start_grad_sync_step();
+  Param* all[] = {&f.c, &f.b, &f.a};
+  ddp.grads_ready(all);
+  EXPECT_TRUE(f.comm.log.empty());
+  ddp.finish_grad_sync();
+  ASSERT_EQ(f.comm.log.size(), 6u);
+  EXPECT_EQ(f.comm.log[0], "all_reduce 0");
+  for (Param* p : {&f.a, &f.b, &f.c})
+    for (int64_t i = 0; i < p->main_grad.numel(); ++i)
+      ASSERT_FLOAT_EQ(p->main_grad.f32()[i], 0.25f);
+}
+
+TEST(DistributedDataParallel, ParamGatherRunsInForwardOrderAndIsWaitedPerBucket) {
+  Fixture f;
+  f.comm.base = static_cast<const char*>(f.buffer.weights().raw());
+  DataParallelConfig config;
+  config.use_distributed_optimizer = true;
+  config.overlap_grad_reduce = true;
+  config.overlap_param_gather = true;
+  DistributedDataParallel ddp({&f.buffer}, f.grid, f.comm, config);
+  ddp.start_param_sync();
+  const std::vector<std::string> started = {"all_gather 384", "all_gather 128", "all_gather 0"};
+  EXPECT_EQ(f.comm.log, started);
+  Param* b[] = {&f.b};
+  ddp.wait_param_sync(b);
+  ASSERT_EQ(f.comm.log.size(), 4u);
+  EXPECT_EQ(f.comm.log[3], "wait all_gather 128");
+  ddp.wait_param_sync(b);  // already waited for
+  EXPECT_EQ(f.comm.log.size(), 4u);
+  ddp.finish_param_sync();
+  EXPECT_EQ(f.comm.log.size(), 6u);
+}
+
+}  // namespace
+}  // namespace megaton::optim
