@@ -46,8 +46,13 @@ def main():
     p.add_argument("--out", default="")
     p.add_argument("--skip-curves", action="store_true")
     p.add_argument("--skip-scaling", action="store_true")
+    p.add_argument("--only", default="",
+                   help="comma-separated layout names to run (default: all), e.g. "
+                        "'DP2 distopt overlap,EP2 allgather'")
     a = p.parse_args()
     lines = []
+    only = {n.strip() for n in a.only.split(",") if n.strip()}
+    wanted = lambda name: not only or name in only
     if not a.skip_curves:
         work = tempfile.mkdtemp()
         ref, err = curve(a.megaton, "one-gpu", [], [], work)
@@ -57,7 +62,10 @@ def main():
             lines.append(f"| 1 GPU | error: {err} | | |")
         else:
             lines.append(f"| 1 GPU | {ref[0]:.4f} | {ref[-1]:.4f} | |")
+            overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                       "--overlap-param-gather"]
             for name, flags in [("DP2", []), ("DP2 distopt", ["--use-distributed-optimizer"]),
+                                ("DP2 distopt overlap", overlap),
                                 ("TP2", ["--tensor-model-parallel-size", "2"]),
                                 ("TP2 SP", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                                 ("EP2 alltoall", ["--expert-model-parallel-size", "2",
@@ -65,6 +73,8 @@ def main():
                                 ("EP2 allgather", ["--expert-model-parallel-size", "2",
                                                    "--moe-token-dispatcher-type", "allgather"]),
                                 ("PP2", ["--pipeline-model-parallel-size", "2"])]:
+                if not wanted(name):
+                    continue
                 got, err = curve(a.megaton, name.replace(" ", "-"), mpirun(2), flags, work)
                 if got is None:
                     lines.append(f"| {name} | error: {err} | | |")
@@ -75,11 +85,19 @@ def main():
     if not a.skip_scaling:
         rows = ["| config | layout | GPUs | step ms | tokens/s per GPU | scaling efficiency | peak GiB |",
                 "|---|---|---|---|---|---|---|"]
+        overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
         plans = [("moe-8x-top2", [("EP2 (DP2 dense)", 2, 2, ["--expert-model-parallel-size", "2",
-                                                           "--moe-token-dispatcher-type", "alltoall"])]),
+                                                           "--moe-token-dispatcher-type", "alltoall"]),
+                                  ("EP2 (DP2 dense) distopt overlap", 2, 2,
+                                   ["--expert-model-parallel-size", "2",
+                                    "--moe-token-dispatcher-type", "alltoall"] + overlap)]),
                  ("llama-1.3B", [("DP2 distopt", 2, 2, ["--use-distributed-optimizer"]),
+                                 ("DP2 distopt overlap", 2, 2, overlap),
                                  ("TP2 SP", 2, 1, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])])]
         for cname, layouts in plans:
+            layouts = [l for l in layouts if wanted(l[0])]
+            if not layouts:
+                continue
             c = CONFIGS[cname]
             one = run_megaton(a.megaton, c, a.iters)
             if "error" in one:

@@ -98,7 +98,9 @@ double DistributedAdamW::norm_over_model(bool main_params) {
   const std::vector<Tensor> tensors = counted_tensors(main_params);
   const double sum_sq = tensors.empty() ? 0.0 : ops::multi_tensor_sum_of_squares(tensors);
   // Every rank's partial sum, added in rank order: the same fp64 result everywhere.
-  return std::sqrt(dist::sum_over(comm_, grid_.world(), {sum_sq})[0]);
+  const double norm = std::sqrt(dist::sum_over(comm_, grid_.world(), {sum_sq})[0]);
+  // The reduced gradients are sums over the data-parallel ranks (DistributedDataParallel).
+  return main_params ? norm : norm * double(grad_mean_scale());
 }
 
 int64_t DistributedAdamW::num_zeros_in_grad() {
@@ -112,7 +114,9 @@ double DistributedAdamW::grad_norm() { return norm_over_model(false); }
 
 double DistributedAdamW::params_norm() { return norm_over_model(true); }
 
-void DistributedAdamW::step(float lr, float grad_scale) { adam_->step(lr, grad_scale); }
+void DistributedAdamW::step(float lr, float grad_scale) {
+  adam_->step(lr, grad_scale * grad_mean_scale());
+}
 
 std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   std::vector<std::pair<std::string, Tensor>> model_out, optim_out;

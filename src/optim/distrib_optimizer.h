@@ -23,7 +23,8 @@ class DistributedAdamW {
   // buffers: the ParamAndGradBuffers of every model chunk of this rank (each chunk's
   // dense, then expert; they must outlive the optimizer), whose shard counts must be the
   // data-parallel sizes when `distributed` (--use-distributed-optimizer), else 1. The
-  // gradients must have been reduced (DistributedDataParallel::finish_grad_sync).
+  // gradients must have been reduced (DistributedDataParallel::finish_grad_sync: sums
+  // over the data-parallel ranks, scaled here by grad_mean_scale()).
   // Dense buffers reduce over the grid's dp_cp group, expert buffers over edp. With
   // `distributed`, the fp32 main params outside this rank's shard are released
   // (Param::main_param becomes undefined in bf16 runs; fp32 runs keep the weight itself).
@@ -46,6 +47,10 @@ class DistributedAdamW {
   // (distributed) this rank's shard of every bucket; the other ranks' updated weights
   // come with DistributedDataParallel::start_param_sync.
   void step(float lr, float grad_scale);
+
+  // The factor from the reduced main_grads (sums over the data-parallel ranks) to the
+  // gradient of the mean loss: 1 / dp_cp size. Applied inside grad_norm and step.
+  float grad_mean_scale() const { return 1.0f / float(grid_.dp_cp().size()); }
 
   int64_t step_count() const { return adam_->step_count(); }
   void set_step_count(int64_t count) { adam_->set_step_count(count); }

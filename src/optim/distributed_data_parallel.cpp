@@ -60,7 +60,7 @@ void DistributedDataParallel::grads_ready(std::span<Param* const> params) {
 void DistributedDataParallel::start_grad_sync(BucketState& s) {
   ParamAndGradBuffer& b = *s.buffer;
   const dist::Group& g = group_of(b);
-  if (g.size() == 1) return;  // nothing to reduce; finish_grad_sync scales
+  if (g.size() == 1) return;  // nothing to reduce
   if (config_.use_distributed_optimizer) {
     // In place: this rank's shard of the bucket receives the sum of everyone's shard.
     Tensor shard = b.grad_shard(s.index, g.rank);
@@ -76,19 +76,11 @@ void DistributedDataParallel::finish_grad_sync() {
   // the same order on every rank.
   for (BucketState& s : states_)
     if (!s.grad_work) start_grad_sync(s);
-  const float mean = 1.0f / float(grid_.dp_cp().size());
-  for (BucketState& s : states_) {
-    ParamAndGradBuffer& b = *s.buffer;
-    const dist::Group& g = group_of(b);
+  for (BucketState& s : states_)
     if (s.grad_work) {
       s.grad_work->wait();
       s.grad_work.reset();
     }
-    if (mean == 1.0f) continue;
-    Tensor reduced =
-        config_.use_distributed_optimizer ? b.grad_shard(s.index, g.rank) : b.bucket_grads(s.index);
-    ops::scale_(reduced, mean);
-  }
   for (BucketState& s : states_) s.reported = 0;
   reports_.clear();
 }

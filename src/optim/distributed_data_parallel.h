@@ -44,10 +44,12 @@ class DistributedDataParallel {
 
   // After the step's last backward: starts the reductions not started yet and waits for
   // all. Then every main_grad (distributed: this rank's shard of each bucket; the rest of
-  // the bucket holds partial sums) is the sum over its group divided by the dp_cp size:
-  // for dense parameters the mean over the data-parallel ranks; for experts, whose
-  // gradients already add the tokens of several data-parallel ranks (expert
-  // parallelism), the same mean over the global batch (Megatron's
+  // the bucket holds partial sums) is the SUM over its group (dense: dp_cp, expert: edp).
+  // The mean the optimizer needs is that sum times 1 / dp_cp size
+  // (DistributedAdamW folds the factor into its grad norm and update instead of a pass
+  // over the gradients): for dense parameters the mean over the data-parallel ranks; for
+  // experts, whose gradients already add the tokens of several data-parallel ranks
+  // (expert parallelism), the same mean over the global batch (Megatron's
   // expert_gradient_scaling_factor). Resets the readiness counts.
   void finish_grad_sync();
 

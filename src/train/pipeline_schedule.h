@@ -147,8 +147,9 @@ class PipelineSchedule {
 // With tied embeddings and pp > 1 (Megatron's _allreduce_word_embedding_grads): the main
 // grad of the word embeddings of the first stage's first chunk and of the last stage's
 // copy (Param::shared) summed over the grid's embedding group, so both copies take the
-// same update. Call on every rank after the last backward, before the data-parallel
-// reduction; ranks outside the group, untied models and pp == 1 do nothing.
+// same update. Call on every rank after the data-parallel reduction (under the
+// distributed optimizer the tied embeddings' bucket is sharded alike on both stages, so
+// the summed shards match); ranks outside the group, untied models and pp == 1 do nothing.
 void all_reduce_embedding_grads(const std::vector<GPTModel*>& chunks, const dist::Grid& grid,
                                 dist::Comm& comm);
 

@@ -1,5 +1,5 @@
 // DistributedDataParallel: buckets start their reduction as soon as their gradients are
-// final (overlap), the rest at finish; results are scaled means; all-gathers run in the
+// final (overlap), the rest at finish; results are sums over the ranks; all-gathers run in the
 // order the forward reads the buckets and are waited for bucket by bucket. A recording
 // Comm stands in for the other data-parallel rank, which holds the same gradients.
 #include <gtest/gtest.h>
@@ -130,9 +130,9 @@ TEST(DistributedDataParallel, OverlapStartsBucketsWhenTheirGradientsAreFinal) {
                                          "reduce_scatter 384",      "wait reduce_scatter 0",
                                          "wait reduce_scatter 128", "wait reduce_scatter 384"};
   EXPECT_EQ(f.comm.log, want);
-  // This rank's shards hold the mean: (0.5 + 0.5) / 2.
-  EXPECT_FLOAT_EQ(f.c.main_grad.f32()[0], 0.5f);
-  EXPECT_FLOAT_EQ(f.c.main_grad.f32()[63], 0.5f);
+  // This rank's shards hold the sum over the two ranks (the optimizer takes the mean).
+  EXPECT_FLOAT_EQ(f.c.main_grad.f32()[0], 1.0f);
+  EXPECT_FLOAT_EQ(f.c.main_grad.f32()[63], 1.0f);
   // A third report of a in the next step's two micro-batches is a bug in the caller.
   ddp.start_grad_sync_step();
   Param* a[] = {&f.a};
@@ -155,7 +155,7 @@ TEST(DistributedDataParallel, WithoutOverlapEverythingStartsAtFinish) {
   EXPECT_EQ(f.comm.log[0], "all_reduce 0");
   for (Param* p : {&f.a, &f.b, &f.c})
     for (int64_t i = 0; i < p->main_grad.numel(); ++i)
-      ASSERT_FLOAT_EQ(p->main_grad.f32()[i], 0.25f);
+      ASSERT_FLOAT_EQ(p->main_grad.f32()[i], 0.5f);
 }
 
 TEST(DistributedDataParallel, ParamGatherRunsInForwardOrderAndIsWaitedPerBucket) {
