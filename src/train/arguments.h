@@ -30,9 +30,7 @@ struct ParallelArgs {
   // Elements per gradient bucket under overlap_grad_reduce; 0: Megatron's default,
   // max(40M, 1M x data-parallel size). Without the overlap, one bucket per buffer.
   int64_t ddp_bucket_size = 0;
-  // Megatron's default is allgather; Megaton's is alltoall, the dispatcher whose two-GPU
-  // bf16 loss curve tracks the one-GPU run (docs/parallelism.md, known issue).
-  std::string moe_token_dispatcher_type = "alltoall";  // or allgather
+  std::string moe_token_dispatcher_type = "allgather";  // or alltoall
   // Deadline of one collective in minutes; 0: MEGATON_COMM_TIMEOUT_S seconds, else 300 s.
   int64_t distributed_timeout_minutes = 0;
 };
