@@ -2,6 +2,7 @@
 #include "model/attention.h"
 
 #include <cmath>
+#include <utility>
 
 #include "ops/ops.h"
 
@@ -33,32 +34,46 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
   const int64_t np = cfg_.num_attention_heads / mp_.tp_size(),
                 ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
   Tensor qkv = linear_qkv.forward(x);
-  q_ = empty_like(qkv, {batch, seq, np, d});
-  k_ = empty_like(qkv, {batch, seq, ng, d});
-  v_ = empty_like(qkv, {batch, seq, ng, d});
+  Saved& s = saved_;
+  s.q = empty_like(qkv, {batch, seq, np, d});
+  s.k = empty_like(qkv, {batch, seq, ng, d});
+  s.v = empty_like(qkv, {batch, seq, ng, d});
   // Megatron's grouped [T, ng, np/ng + 2, d] rows -> q, k, v, with RoPE on q and k.
-  ops::qkv_split_rope(qkv, batch, ng, q_, k_, v_, uses_rope(cfg_), cfg_.rotary_base);
-  out_ = empty_like(qkv, {batch, seq, np, d});
-  lse_ = Tensor::empty({batch, np, seq}, DType::F32, qkv.device());
-  dropout_p_ = ctx.training ? cfg_.attention_dropout : 0.0f;
-  seed_ = ctx.seed;
-  stream_ = ctx.stream(layer_, 0);
-  ops::attention_forward(q_, k_, v_, out_, lse_, dropout_p_, seed_, stream_);
-  return linear_proj.forward(out_.view({batch * seq, np * d}));
+  ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, uses_rope(cfg_), cfg_.rotary_base);
+  s.out = empty_like(qkv, {batch, seq, np, d});
+  s.lse = Tensor::empty({batch, np, seq}, DType::F32, qkv.device());
+  s.dropout_p = ctx.training ? cfg_.attention_dropout : 0.0f;
+  s.seed = ctx.seed;
+  s.stream = ctx.stream(layer_, 0);
+  ops::attention_forward(s.q, s.k, s.v, s.out, s.lse, s.dropout_p, s.seed, s.stream);
+  return linear_proj.forward(s.out.view({batch * seq, np * d}));
 }
 
 Tensor SelfAttention::backward(const Tensor& dy) {
+  MEGATON_CHECK(saved_.q.defined(), "SelfAttention of layer {}: backward without a forward",
+                layer_);
+  const Saved s = std::exchange(saved_, {});
   // This rank's heads and query groups (all of them without tensor parallelism).
   const int64_t np = cfg_.num_attention_heads / mp_.tp_size(),
                 ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
-  Tensor dout = linear_proj.backward(dy).view(out_.shape());
-  Tensor dq = empty_like(q_, q_.shape()), dk = empty_like(k_, k_.shape()),
-         dv = empty_like(v_, v_.shape());
-  ops::attention_backward(dout, q_, k_, v_, out_, lse_, dq, dk, dv, dropout_p_, seed_, stream_);
-  Tensor dqkv = empty_like(dy, {q_.dim(0) * q_.dim(1), (np + 2 * ng) * d});
+  Tensor dout = linear_proj.backward(dy).view(s.out.shape());
+  Tensor dq = empty_like(s.q, s.q.shape()), dk = empty_like(s.k, s.k.shape()),
+         dv = empty_like(s.v, s.v.shape());
+  ops::attention_backward(dout, s.q, s.k, s.v, s.out, s.lse, dq, dk, dv, s.dropout_p, s.seed,
+                          s.stream);
+  Tensor dqkv = empty_like(dy, {s.q.dim(0) * s.q.dim(1), (np + 2 * ng) * d});
   ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv);
-  q_ = k_ = v_ = out_ = lse_ = Tensor();
   return linear_qkv.backward(dqkv);
+}
+
+SelfAttention::Activations SelfAttention::take_saved() {
+  return {std::exchange(saved_, {}), linear_qkv.take_saved(), linear_proj.take_saved()};
+}
+
+void SelfAttention::restore_saved(Activations&& saved) {
+  saved_ = std::move(saved.attention);
+  linear_qkv.restore_saved(std::move(saved.linear_qkv));
+  linear_proj.restore_saved(std::move(saved.linear_proj));
 }
 
 void SelfAttention::collect_params(std::vector<Param*>& out) {

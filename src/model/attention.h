@@ -16,8 +16,24 @@ class SelfAttention {
   // x [B*S, H] -> [B*S, H] (under sequence parallelism this rank's [B*S/tp, H] rows;
   // batch and seq are always the full micro-batch's).
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
+  // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
+
+  struct Saved {
+    Tensor q, k, v;                 // [B, S, heads, d] after RoPE (this rank's heads, groups)
+    Tensor out;                     // attention output [B, S, np, d]
+    Tensor lse;                     // log-sum-exp of the scores [B, np, S] fp32
+    float dropout_p = 0;            // attention dropout of this forward
+    uint64_t seed = 0, stream = 0;  // its mask's Philox key and stream
+  };
+  // The attention's saved state with its linears'.
+  struct Activations {
+    Saved attention;
+    Linear::Saved linear_qkv, linear_proj;
+  };
+  Activations take_saved();
+  void restore_saved(Activations&& saved);
 
   Linear linear_qkv, linear_proj;
 
@@ -25,9 +41,7 @@ class SelfAttention {
   const GPTConfig& cfg_;
   ModelParallel mp_;
   int64_t layer_;
-  float dropout_p_ = 0;
-  uint64_t seed_ = 0, stream_ = 0;
-  Tensor q_, k_, v_, out_, lse_;
+  Saved saved_;
 };
 
 }  // namespace megaton

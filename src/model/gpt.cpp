@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <utility>
 
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
@@ -36,8 +37,8 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
 
 Tensor TransformerLayer::forward(const Tensor& x, int64_t batch, int64_t seq,
                                  const ForwardContext& ctx) {
-  ctx_ = ctx;
-  dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
+  saved_.ctx = ctx;
+  saved_.dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
   Tensor h = dropout(self_attention.forward(input_layernorm.forward(x), batch, seq, ctx), 1);
   ops::add_(h, x);
   Tensor normed = pre_mlp_layernorm.forward(h);
@@ -54,20 +55,43 @@ Tensor TransformerLayer::backward(const Tensor& dy) {
   ops::add_(dh, dy);
   Tensor dx = input_layernorm.backward(self_attention.backward(dropout_grad(dh, 1)));
   ops::add_(dx, dh);
+  saved_ = {};
   return dx;
 }
 
+TransformerLayer::Activations TransformerLayer::take_saved() {
+  Activations out;
+  out.layer = std::exchange(saved_, {});
+  out.input_layernorm = input_layernorm.take_saved();
+  out.self_attention = self_attention.take_saved();
+  out.pre_mlp_layernorm = pre_mlp_layernorm.take_saved();
+  if (moe) out.moe = moe->take_saved();
+  else out.mlp = mlp->take_saved();
+  return out;
+}
+
+void TransformerLayer::restore_saved(Activations&& saved) {
+  saved_ = std::move(saved.layer);
+  input_layernorm.restore_saved(std::move(saved.input_layernorm));
+  self_attention.restore_saved(std::move(saved.self_attention));
+  pre_mlp_layernorm.restore_saved(std::move(saved.pre_mlp_layernorm));
+  if (moe) moe->restore_saved(std::move(saved.moe));
+  else mlp->restore_saved(std::move(saved.mlp));
+}
+
 Tensor TransformerLayer::dropout(const Tensor& x, int site) const {
-  if (dropout_p_ == 0.0f) return x;  // the branch output is fresh: no copy needed
+  const Saved& s = saved_;
+  if (s.dropout_p == 0.0f) return x;  // the branch output is fresh: no copy needed
   Tensor y = empty_like(x, x.shape());
-  ops::dropout_forward(x, y, dropout_p_, ctx_.seed, ctx_.stream(layer_, site));
+  ops::dropout_forward(x, y, s.dropout_p, s.ctx.seed, s.ctx.stream(layer_, site));
   return y;
 }
 
 Tensor TransformerLayer::dropout_grad(const Tensor& dy, int site) const {
-  if (dropout_p_ == 0.0f) return dy;
+  const Saved& s = saved_;
+  if (s.dropout_p == 0.0f) return dy;
   Tensor dx = empty_like(dy, dy.shape());
-  ops::dropout_backward(dy, dx, dropout_p_, ctx_.seed, ctx_.stream(layer_, site));
+  ops::dropout_backward(dy, dx, s.dropout_p, s.ctx.seed, s.ctx.stream(layer_, site));
   return dx;
 }
 
@@ -175,21 +199,22 @@ int64_t GPTModel::hidden_rows(int64_t batch, int64_t seq) const {
 }
 
 Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
-  batch_ = tokens.dim(0);
-  seq_ = tokens.dim(1);
+  Saved& s = saved_;
+  s.batch = tokens.dim(0);
+  s.seq = tokens.dim(1);
   MEGATON_CHECK(cfg_.position_embedding_type != PositionEmbedding::LearnedAbsolute ||
-                    seq_ <= cfg_.max_position_embeddings,
-                "sequence of {} tokens exceeds max_position_embeddings {}", seq_,
+                    s.seq <= cfg_.max_position_embeddings,
+                "sequence of {} tokens exceeds max_position_embeddings {}", s.seq,
                 cfg_.max_position_embeddings);
-  int64_t T = batch_ * seq_, H = cfg_.hidden_size;
-  tokens_ = tokens.view({T}).to(cfg_.device);
+  int64_t T = s.batch * s.seq, H = cfg_.hidden_size;
+  s.tokens = tokens.view({T}).to(cfg_.device);
   Tensor emb = empty_like(word_embeddings.weight, {T, H});
   if (mp_.tp_size() == 1) {
-    ops::embedding_forward(tokens_, word_embeddings.weight, emb);
+    ops::embedding_forward(s.tokens, word_embeddings.weight, emb);
   } else {
     // Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum over
     // TP is the lookup, whole on every rank or this rank's token rows under SP.
-    ops::embedding_forward_vocab_range(tokens_, word_embeddings.weight, vocab_start_, emb);
+    ops::embedding_forward_vocab_range(s.tokens, word_embeddings.weight, vocab_start_, emb);
     if (mp_.sequence_parallel) emb = reduce_scatter_sequence(emb, mp_);
     else all_reduce_tensor_parallel(emb, mp_);
   }
@@ -198,13 +223,13 @@ Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
       Tensor rows = emb.rows(local_row, n);
       ops::add_(rows, position_embeddings.weight.rows(pos, n));
     });
-  emb_dropout_p_ = ctx.training ? cfg_.hidden_dropout : 0.0f;
-  emb_seed_ = ctx.seed;
-  emb_stream_ = ctx.stream(-1, 0);
+  s.emb_dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
+  s.emb_seed = ctx.seed;
+  s.emb_stream = ctx.stream(-1, 0);
   Tensor x = emb;
-  if (emb_dropout_p_ > 0) {
+  if (s.emb_dropout_p > 0) {
     x = empty_like(emb, emb.shape());
-    ops::dropout_forward(emb, x, emb_dropout_p_, emb_seed_, emb_stream_);
+    ops::dropout_forward(emb, x, s.emb_dropout_p, s.emb_seed, s.emb_stream);
   }
   return x;
 }
@@ -214,16 +239,18 @@ void GPTModel::for_each_position_block(
   // Row i of the micro-batch is position i % seq; under SP this rank's rows start at
   // tp_rank x local_rows.
   const int64_t first_row = mp_.sequence_parallel ? mp_.tp_rank() * local_rows : 0;
+  const int64_t seq = saved_.seq;
   for (int64_t row = first_row; row < first_row + local_rows;) {
-    const int64_t pos = row % seq_, n = std::min(seq_ - pos, first_row + local_rows - row);
+    const int64_t pos = row % seq, n = std::min(seq - pos, first_row + local_rows - row);
     fn(row - first_row, pos, n);
     row += n;
   }
 }
 
 Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx) {
+  saved_ = {};
   Tensor x = embed(tokens, ctx);
-  for (auto& layer : layers_) x = layer->forward(x, batch_, seq_, ctx);
+  for (auto& layer : layers_) x = layer->forward(x, saved_.batch, saved_.seq, ctx);
   return final_layernorm.forward(x);
 }
 
@@ -235,6 +262,7 @@ MicroBatchLoss GPTModel::forward(const Tensor& tokens, const Tensor& labels,
 }
 
 ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& ctx) {
+  saved_ = {};  // this micro-batch replaces any the chunk held
   Tensor x;
   if (chunk_.pre_process) {
     MEGATON_CHECK(in.tokens.defined() && in.tokens.ndim() == 2 && in.tokens.dim(0) == in.batch &&
@@ -243,8 +271,8 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
     before_forward(head_params_);
     x = embed(in.tokens, ctx);
   } else {
-    batch_ = in.batch;
-    seq_ = in.seq;
+    saved_.batch = in.batch;
+    saved_.seq = in.seq;
     const Shape want{hidden_rows(in.batch, in.seq), cfg_.hidden_size};
     MEGATON_CHECK(in.hidden.defined() && in.hidden.shape() == want &&
                       in.hidden.dtype() == cfg_.compute_dtype() && in.hidden.device() == cfg_.device,
@@ -254,11 +282,11 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
     before_forward(layer_params_[i]);
-    x = layers_[i]->forward(x, batch_, seq_, ctx);
+    x = layers_[i]->forward(x, saved_.batch, saved_.seq, ctx);
   }
   ChunkOutput out;
   for (auto& layer : layers_)
-    if (layer->moe) out.loss.aux_loss += layer->moe->last_aux_loss;
+    if (layer->moe) out.loss.aux_loss += layer->moe->last_aux_loss();
   if (!chunk_.post_process) {
     out.hidden = x;
     return out;
@@ -274,31 +302,32 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
 
 MicroBatchLoss GPTModel::output_loss(const Tensor& hidden, const Tensor& labels) {
   // The output layer is column-parallel over the vocabulary: every token row is needed.
-  final_hidden_ = hidden;
-  if (mp_.sequence_parallel) final_hidden_ = gather_sequence(final_hidden_, mp_);
-  int64_t T = batch_ * seq_;
+  Saved& s = saved_;
+  s.final_hidden = hidden;
+  if (mp_.sequence_parallel) s.final_hidden = gather_sequence(s.final_hidden, mp_);
+  int64_t T = s.batch * s.seq;
   const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
-  logits_ = empty_like(final_hidden_, {T, out_w.weight.dim(0)});
-  ops::gemm(final_hidden_, false, out_w.weight, true, logits_);
-  labels_ = labels.view({T}).to(cfg_.device);
+  s.logits = empty_like(s.final_hidden, {T, out_w.weight.dim(0)});
+  ops::gemm(s.final_hidden, false, out_w.weight, true, s.logits);
+  s.labels = labels.view({T}).to(cfg_.device);
   MicroBatchLoss result;
   result.losses = Tensor::empty({T}, DType::F32, cfg_.device);
-  lse_ = Tensor::empty({T}, DType::F32, cfg_.device);
+  s.lse = Tensor::empty({T}, DType::F32, cfg_.device);
   if (mp_.tp_size() == 1) {
-    ops::cross_entropy_forward(logits_, labels_, result.losses, lse_);
+    ops::cross_entropy_forward(s.logits, s.labels, result.losses, s.lse);
   } else {
     // Megatron's vocab_parallel_cross_entropy: max, sum of exponentials and the target
     // logit reduced over the vocabulary shards.
     Tensor row_max = Tensor::empty({T}, DType::F32, cfg_.device);
     Tensor sum_exp = Tensor::empty({T}, DType::F32, cfg_.device);
     Tensor target = Tensor::empty({T}, DType::F32, cfg_.device);
-    ops::cross_entropy_partial_stats(logits_, labels_, vocab_start_, row_max, sum_exp, target);
+    ops::cross_entropy_partial_stats(s.logits, s.labels, vocab_start_, row_max, sum_exp, target);
     Tensor global_max = row_max.clone();
     mp_.comm->all_reduce(global_max, mp_.tp(), dist::ReduceOp::Max);
     ops::cross_entropy_rescale_sum_exp(row_max, global_max, sum_exp);
     mp_.comm->all_reduce(sum_exp, mp_.tp());
     mp_.comm->all_reduce(target, mp_.tp());
-    ops::cross_entropy_finish(global_max, sum_exp, target, result.losses, lse_);
+    ops::cross_entropy_finish(global_max, sum_exp, target, result.losses, s.lse);
   }
   return result;
 }
@@ -323,6 +352,10 @@ void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {
 }
 
 Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
+  MEGATON_CHECK(holds_activations(),
+                "backward_chunk of layers [{}, {}): the chunk holds no forward (taken, or "
+                "backward already run)",
+                chunk_.first_layer, chunk_.first_layer + chunk_.num_layers);
   Tensor dx = dout;
   if (chunk_.post_process) {
     dx = final_layernorm.backward(output_loss_backward(dout));
@@ -333,39 +366,71 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
     dx = layers_[i]->backward(dx);
     after_backward(layer_params_[i]);
   }
-  if (!chunk_.pre_process) return dx;
-  embed_backward(dx);
-  after_backward(head_params_);
-  return Tensor();
+  if (chunk_.pre_process) {
+    embed_backward(dx);
+    after_backward(head_params_);
+    dx = Tensor();
+  }
+  saved_ = {};
+  return dx;
+}
+
+ChunkActivations GPTModel::take_activations() {
+  MEGATON_CHECK(holds_activations(),
+                "take_activations of layers [{}, {}): the chunk holds no forward",
+                chunk_.first_layer, chunk_.first_layer + chunk_.num_layers);
+  ChunkActivations out;
+  out.owner_ = this;
+  out.model_ = std::exchange(saved_, {});
+  out.final_layernorm_ = final_layernorm.take_saved();
+  out.layers_.reserve(layers_.size());
+  for (auto& layer : layers_) out.layers_.push_back(layer->take_saved());
+  return out;
+}
+
+void GPTModel::restore_activations(ChunkActivations&& activations) {
+  MEGATON_CHECK(activations.owner_ == this, "restore_activations of layers [{}, {}): {}",
+                chunk_.first_layer, chunk_.first_layer + chunk_.num_layers,
+                activations.empty() ? "no activations (empty, or restored already)"
+                                    : "activations taken from another chunk");
+  MEGATON_CHECK(!holds_activations(),
+                "restore_activations of layers [{}, {}): the chunk holds another forward",
+                chunk_.first_layer, chunk_.first_layer + chunk_.num_layers);
+  ChunkActivations in = std::move(activations);
+  saved_ = std::move(in.model_);
+  final_layernorm.restore_saved(std::move(in.final_layernorm_));
+  for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->restore_saved(std::move(in.layers_[i]));
 }
 
 Tensor GPTModel::output_loss_backward(const Tensor& dlosses) {
-  int64_t T = batch_ * seq_, H = cfg_.hidden_size;
+  Saved& s = saved_;
+  int64_t T = s.batch * s.seq, H = cfg_.hidden_size;
   Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
   // In place: the logits buffer ([T, V/tp], the largest activation) becomes dlogits.
-  Tensor dlogits = logits_;
+  Tensor dlogits = s.logits;
   if (mp_.tp_size() == 1)
-    ops::cross_entropy_backward(dlosses.to(cfg_.device), logits_, labels_, lse_, dlogits);
+    ops::cross_entropy_backward(dlosses.to(cfg_.device), s.logits, s.labels, s.lse, dlogits);
   else
-    ops::cross_entropy_backward_vocab_range(dlosses.to(cfg_.device), logits_, labels_, lse_,
+    ops::cross_entropy_backward_vocab_range(dlosses.to(cfg_.device), s.logits, s.labels, s.lse,
                                             vocab_start_, dlogits);
-  logits_ = Tensor();
+  s.logits = Tensor();
   Tensor dhidden = empty_like(dlogits, {T, H});
   ops::gemm(dlogits, false, out_w.weight, false, dhidden);
-  ops::gemm(dlogits, true, final_hidden_, false, out_w.main_grad, 1.0f, 1.0f);
-  dlogits = final_hidden_ = Tensor();
+  ops::gemm(dlogits, true, s.final_hidden, false, out_w.main_grad, 1.0f, 1.0f);
+  dlogits = s.final_hidden = Tensor();
   // Partial over the vocabulary shards: summed (and split into token rows under SP).
   if (mp_.sequence_parallel) dhidden = reduce_scatter_sequence(dhidden, mp_);
   else all_reduce_tensor_parallel(dhidden, mp_);
-  labels_ = lse_ = Tensor();
+  s.labels = s.lse = Tensor();
   return dhidden;
 }
 
 void GPTModel::embed_backward(const Tensor& dx) {
+  Saved& s = saved_;
   Tensor demb = dx;
-  if (emb_dropout_p_ > 0) {
+  if (s.emb_dropout_p > 0) {
     demb = empty_like(dx, dx.shape());
-    ops::dropout_backward(dx, demb, emb_dropout_p_, emb_seed_, emb_stream_);
+    ops::dropout_backward(dx, demb, s.emb_dropout_p, s.emb_seed, s.emb_stream);
   }
   if (position_embeddings.weight.defined())
     for_each_position_block(demb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
@@ -379,13 +444,13 @@ void GPTModel::embed_backward(const Tensor& dx) {
       ops::add_(g, rows);
     });
   if (mp_.tp_size() == 1) {
-    ops::embedding_backward(demb, tokens_, word_embeddings.main_grad);
+    ops::embedding_backward(demb, s.tokens, word_embeddings.main_grad);
   } else {
     // Every token row's gradient (gathered under SP) into this rank's vocabulary rows.
     if (mp_.sequence_parallel) demb = gather_sequence(demb, mp_);
-    ops::embedding_backward_vocab_range(demb, tokens_, vocab_start_, word_embeddings.main_grad);
+    ops::embedding_backward_vocab_range(demb, s.tokens, vocab_start_, word_embeddings.main_grad);
   }
-  tokens_ = Tensor();
+  s.tokens = Tensor();
 }
 
 }  // namespace megaton

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 
 #include "model/attention.h"
 #include "model/param_buffer.h"
@@ -18,8 +19,24 @@ class TransformerLayer {
  public:
   TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed, const ModelParallel& mp = {});
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
+  // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
+
+  struct Saved {
+    ForwardContext ctx;   // keys the hidden-dropout masks
+    float dropout_p = 0;  // hidden dropout of this forward
+  };
+  // The layer's saved state with its sub-layers'.
+  struct Activations {
+    Saved layer;
+    Norm::Saved input_layernorm, pre_mlp_layernorm;
+    SelfAttention::Activations self_attention;
+    MLP::Activations mlp;       // dense layer
+    MoELayer::Activations moe;  // MoE layer
+  };
+  Activations take_saved();
+  void restore_saved(Activations&& saved);
 
   Norm input_layernorm;
   SelfAttention self_attention;
@@ -35,9 +52,7 @@ class TransformerLayer {
   const GPTConfig& cfg_;
   ModelParallel mp_;
   int64_t layer_;
-  float dropout_p_ = 0;
-  uint64_t seed_ = 0;
-  ForwardContext ctx_;
+  Saved saved_;
 };
 
 // Loss of one micro-batch: per-token losses and the router losses of this forward.
@@ -86,6 +101,8 @@ struct ParamHooks {
   std::function<void(std::span<Param* const>)> after_backward;
 };
 
+class ChunkActivations;
+
 // The GPT model (Megatron's GPTModel), whole or one pipeline model chunk. Parameter
 // names match Megatron core's local spec ("embedding.word_embeddings.weight",
 // "decoder.layers.0....", "decoder.final_layernorm.weight", "output_layer.weight").
@@ -112,16 +129,35 @@ class GPTModel {
   const ModelParallel& model_parallel() const { return mp_; }
   const PipelineChunk& chunk() const { return chunk_; }
 
-  // One micro-batch through this chunk, saving what backward_chunk needs in the layers
-  // (one micro-batch in flight). InternalError when an input the chunk reads is missing
-  // or misshapen.
+  // One micro-batch through this chunk, saving what backward_chunk needs in the chunk and
+  // its layers (replacing what they held). InternalError when an input the chunk reads is
+  // missing or misshapen.
   ChunkOutput forward_chunk(const ChunkInput& in, const ForwardContext& ctx);
-  // Backward of the last forward_chunk. dout: for a post_process chunk d(total loss)/
-  // d(per-token loss) [B*S] fp32 (host or device); otherwise the gradient of the chunk's
-  // output [T, H] (as ChunkOutput::hidden). aux_grad_scale scales the injected MoE
-  // aux-loss gradient (1 / number of micro-batches). Accumulates main_grads. Returns the
-  // gradient of ChunkInput::hidden [T, H], undefined for a pre_process chunk.
+  // Backward of the micro-batch the chunk holds (the last forward_chunk, or the one
+  // restore_activations put back), which it then no longer holds. dout: for a
+  // post_process chunk d(total loss)/d(per-token loss) [B*S] fp32 (host or device);
+  // otherwise the gradient of the chunk's output [T, H] (as ChunkOutput::hidden).
+  // aux_grad_scale scales the injected MoE aux-loss gradient (1 / number of
+  // micro-batches). Accumulates main_grads. Returns the gradient of ChunkInput::hidden
+  // [T, H], undefined for a pre_process chunk. InternalError when the chunk holds no
+  // micro-batch.
   Tensor backward_chunk(const Tensor& dout, float aux_grad_scale);
+  // Several micro-batches in flight (the pipeline schedules' stashes; Megatron keeps each
+  // in-flight micro-batch's autograd graph alive until its backward the same way):
+  // take_activations moves everything the held forward saved for its backward, in this
+  // chunk and all its layers (activations, dropout keys, MoE routing, token counts and
+  // aux loss), out into a ChunkActivations, leaving the chunk holding no micro-batch.
+  // Tensors are moved as views: nothing is copied, and the memory stays allocated while
+  // the ChunkActivations lives. restore_activations moves it back (leaving `activations`
+  // empty), so backward_chunk runs that micro-batch's backward, bit for bit as if no
+  // other forward had run in between. take_activations: InternalError when the chunk
+  // holds no micro-batch. restore_activations: InternalError when the chunk holds one
+  // (its state would be lost) or `activations` is empty or was taken from another chunk.
+  ChunkActivations take_activations();
+  void restore_activations(ChunkActivations&& activations);
+  // Whether the chunk holds a forward's saved state (forward_chunk or restore_activations
+  // since the last backward_chunk or take_activations).
+  bool holds_activations() const { return saved_.batch > 0; }
   // Rows of the hidden state passed between chunks for a [batch, seq] micro-batch: B*S,
   // divided by the tensor-parallel size under sequence parallelism.
   int64_t hidden_rows(int64_t batch, int64_t seq) const;
@@ -197,12 +233,49 @@ class GPTModel {
   std::vector<Param*> head_params_, tail_forward_, tail_grads_;
   std::vector<std::vector<Param*>> layer_params_;
 
-  // Saved for backward.
-  Tensor tokens_, labels_, final_hidden_, logits_, lse_;
-  int64_t batch_ = 0, seq_ = 0;
-  float emb_dropout_p_ = 0;
-  uint64_t emb_seed_ = 0, emb_stream_ = 0;
   int64_t vocab_start_ = 0;  // first vocabulary row of this tensor-parallel rank
+
+  // What the chunk's forward saved for backward, outside its layers.
+  friend class ChunkActivations;
+  struct Saved {
+    int64_t batch = 0, seq = 0;  // the micro-batch's B and S (0: none held)
+    Tensor tokens;               // [B*S] int32 on the model's device (pre_process)
+    Tensor labels;               // [B*S] int32 on the model's device (post_process)
+    Tensor final_hidden;         // the output layer's input [B*S, H] (gathered under SP)
+    Tensor logits;               // [B*S, V / tp]; becomes dlogits in backward
+    Tensor lse;                  // log-sum-exp of the logits [B*S] fp32
+    float emb_dropout_p = 0;     // embedding dropout of this forward
+    uint64_t emb_seed = 0;       // its mask's Philox key
+    uint64_t emb_stream = 0;     // and stream
+  };
+  Saved saved_;
+};
+
+// One micro-batch's saved state of a model chunk, moved out by
+// GPTModel::take_activations and back by restore_activations (see there). Move-only:
+// restoring it twice would run a backward twice.
+class ChunkActivations {
+ public:
+  ChunkActivations() = default;
+  ChunkActivations(ChunkActivations&& other) noexcept { *this = std::move(other); }
+  ChunkActivations& operator=(ChunkActivations&& other) noexcept {
+    owner_ = std::exchange(other.owner_, nullptr);
+    model_ = std::exchange(other.model_, {});
+    final_layernorm_ = std::exchange(other.final_layernorm_, {});
+    layers_ = std::exchange(other.layers_, {});
+    return *this;
+  }
+  ChunkActivations(const ChunkActivations&) = delete;
+  ChunkActivations& operator=(const ChunkActivations&) = delete;
+  // True when it holds no micro-batch (default-constructed, restored or moved from).
+  bool empty() const { return owner_ == nullptr; }
+
+ private:
+  friend class GPTModel;
+  const GPTModel* owner_ = nullptr;  // the chunk it was taken from
+  GPTModel::Saved model_;
+  Norm::Saved final_layernorm_;
+  std::vector<TransformerLayer::Activations> layers_;
 };
 
 }  // namespace megaton

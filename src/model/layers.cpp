@@ -131,7 +131,7 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
 }
 
 Tensor Linear::forward(const Tensor& x, bool save_input) {
-  x_ = save_input ? x : Tensor();
+  saved_.x = save_input ? x : Tensor();
   // Column-parallel under SP: every rank's token rows (re-gathered in backward).
   const Tensor x_full = mode_ == TensorParallelMode::Column && mp_.sequence_parallel
                             ? gather_sequence(x, mp_)
@@ -147,10 +147,9 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
 }
 
 Tensor Linear::backward(const Tensor& dy) {
-  MEGATON_CHECK(x_.defined(), "Linear '{}': backward without a saved input", weight.name);
-  Tensor x = x_;
-  x_ = Tensor();
-  return backward(dy, x);
+  MEGATON_CHECK(saved_.x.defined(), "Linear '{}': backward without a saved input", weight.name);
+  const Saved saved = take_saved();
+  return backward(dy, saved.x);
 }
 
 Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
@@ -185,26 +184,29 @@ Norm::Norm(const std::string& name, int64_t hidden, Normalization kind, float ep
 }
 
 Tensor Norm::forward(const Tensor& x) {
-  x_ = x;
+  Saved& s = saved_;
+  s.x = x;
   Tensor y = empty_like(x, x.shape());
-  rstd_ = Tensor::empty({x.dim(0)}, DType::F32, x.device());
+  s.rstd = Tensor::empty({x.dim(0)}, DType::F32, x.device());
   if (kind_ == Normalization::RMSNorm) {
-    ops::rmsnorm_forward(x, weight.weight, eps_, y, rstd_);
+    s.mean = Tensor();
+    ops::rmsnorm_forward(x, weight.weight, eps_, y, s.rstd);
   } else {
-    mean_ = Tensor::empty({x.dim(0)}, DType::F32, x.device());
-    ops::layernorm_forward(x, weight.weight, bias.weight, eps_, y, mean_, rstd_);
+    s.mean = Tensor::empty({x.dim(0)}, DType::F32, x.device());
+    ops::layernorm_forward(x, weight.weight, bias.weight, eps_, y, s.mean, s.rstd);
   }
   return y;
 }
 
 Tensor Norm::backward(const Tensor& dy) {
+  MEGATON_CHECK(saved_.x.defined(), "Norm '{}': backward without a saved input", weight.name);
+  const Saved s = take_saved();
   Tensor dx = empty_like(dy, dy.shape());
   if (kind_ == Normalization::RMSNorm)
-    ops::rmsnorm_backward(dy, x_, weight.weight, rstd_, dx, weight.main_grad);
+    ops::rmsnorm_backward(dy, s.x, weight.weight, s.rstd, dx, weight.main_grad);
   else
-    ops::layernorm_backward(dy, x_, weight.weight, mean_, rstd_, dx, weight.main_grad,
+    ops::layernorm_backward(dy, s.x, weight.weight, s.mean, s.rstd, dx, weight.main_grad,
                             bias.main_grad);
-  x_ = mean_ = rstd_ = Tensor();
   return dx;
 }
 
@@ -233,19 +235,31 @@ static Tensor activation(const Tensor& fc1_out, int64_t ffn, bool swiglu) {
 }
 
 Tensor MLP::forward(const Tensor& x) {
-  fc1_out_ = linear_fc1.forward(x);
+  saved_.fc1_out = linear_fc1.forward(x);
   int64_t ffn = linear_fc2.weight.weight.dim(1);
-  return linear_fc2.forward(activation(fc1_out_, ffn, swiglu_), /*save_input=*/false);
+  return linear_fc2.forward(activation(saved_.fc1_out, ffn, swiglu_), /*save_input=*/false);
 }
 
 Tensor MLP::backward(const Tensor& dy) {
+  MEGATON_CHECK(saved_.fc1_out.defined(), "MLP '{}': backward without a forward",
+                linear_fc1.weight.name);
+  const Tensor fc1_out = std::exchange(saved_, {}).fc1_out;
   int64_t ffn = linear_fc2.weight.weight.dim(1);
-  Tensor dact = linear_fc2.backward(dy, activation(fc1_out_, ffn, swiglu_));
-  Tensor dfc1 = empty_like(dact, fc1_out_.shape());
-  if (swiglu_) ops::swiglu_backward(dact, fc1_out_, dfc1);
-  else ops::gelu_backward(dact, fc1_out_, dfc1);
-  fc1_out_ = Tensor();
+  Tensor dact = linear_fc2.backward(dy, activation(fc1_out, ffn, swiglu_));
+  Tensor dfc1 = empty_like(dact, fc1_out.shape());
+  if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1);
+  else ops::gelu_backward(dact, fc1_out, dfc1);
   return linear_fc1.backward(dfc1);
+}
+
+MLP::Activations MLP::take_saved() {
+  return {std::exchange(saved_, {}), linear_fc1.take_saved(), linear_fc2.take_saved()};
+}
+
+void MLP::restore_saved(Activations&& saved) {
+  saved_ = std::move(saved.mlp);
+  linear_fc1.restore_saved(std::move(saved.linear_fc1));
+  linear_fc2.restore_saved(std::move(saved.linear_fc2));
 }
 
 void MLP::collect_params(std::vector<Param*>& out) {

@@ -1,11 +1,14 @@
 // The basic layers: Linear, Norm (LayerNorm/RMSNorm), MLP; each with explicit backward.
 //
-// A layer's forward saves what its backward needs in the layer itself: one micro-batch
-// is in flight per layer at a time (forward, then its backward). Pipeline schedules with
-// several micro-batches in flight will move this state into per-micro-batch slots.
+// A layer's forward saves what its backward needs in its `Saved saved_` member (one
+// micro-batch at a time: forward, then its backward). take_saved moves that state out
+// and restore_saved moves it back, so a pipeline schedule can keep one per micro-batch in
+// flight (GPTModel::take_activations). Members outside Saved are configuration or
+// parameters.
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -92,18 +95,27 @@ class Linear {
   // x -> y as above. Saves x unless save_input is false (the caller then passes x to
   // backward, e.g. recomputed).
   Tensor forward(const Tensor& x, bool save_input = true);
-  // dy [T, out] -> dx [T, in]; accumulates weight/bias main_grad.
+  // dy [T, out] -> dx [T, in]; accumulates weight/bias main_grad. InternalError when
+  // no input was saved.
   Tensor backward(const Tensor& dy);
   // The same with the forward input given (forward was called with save_input = false).
   Tensor backward(const Tensor& dy, const Tensor& x);
   void collect_params(std::vector<Param*>& out);
+
+  // What forward saved for backward.
+  struct Saved {
+    Tensor x;  // the input [T, in] (this rank's rows under SP), undefined if not saved
+  };
+  // Moves the saved state out (the layer is left holding none) and back in.
+  Saved take_saved() { return std::exchange(saved_, {}); }
+  void restore_saved(Saved&& saved) { saved_ = std::move(saved); }
 
   Param weight, bias;
 
  private:
   TensorParallelMode mode_;
   ModelParallel mp_;
-  Tensor x_;
+  Saved saved_;
 };
 
 // LayerNorm (weight and bias) or RMSNorm (weight only), per config.normalization.
@@ -115,15 +127,23 @@ class Norm {
        bool sequence_parallel = false);
   // x [T, H] -> [T, H]. Saves x and the statistics.
   Tensor forward(const Tensor& x);
+  // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
+
+  struct Saved {
+    Tensor x;           // the input [T, H]
+    Tensor mean, rstd;  // [T] fp32; mean for LayerNorm only
+  };
+  Saved take_saved() { return std::exchange(saved_, {}); }
+  void restore_saved(Saved&& saved) { saved_ = std::move(saved); }
 
   Param weight, bias;
 
  private:
   Normalization kind_;
   float eps_;
-  Tensor x_, mean_, rstd_;
+  Saved saved_;
 };
 
 // Megatron's MLP: linear_fc1 -> SwiGLU or GeLU -> linear_fc2. With SwiGLU, fc1 produces
@@ -139,11 +159,22 @@ class MLP {
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
 
+  struct Saved {
+    Tensor fc1_out;  // [T, fc1 outputs / tp]; the activation is recomputed from it
+  };
+  // The MLP's saved state with its linears'.
+  struct Activations {
+    Saved mlp;
+    Linear::Saved linear_fc1, linear_fc2;
+  };
+  Activations take_saved();
+  void restore_saved(Activations&& saved);
+
   Linear linear_fc1, linear_fc2;
 
  private:
   bool swiglu_;
-  Tensor fc1_out_;
+  Saved saved_;
 };
 
 }  // namespace megaton

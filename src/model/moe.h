@@ -1,5 +1,6 @@
 // MoELayer: Megatron's top-k router, token permutation, grouped expert MLPs, weighted combine.
 #pragma once
+#include <any>
 #include <memory>
 #include <vector>
 
@@ -32,7 +33,7 @@ namespace megaton {
 //   rows and all-gathers the output over TP, and the input gradient likewise. The router
 //   weight is then fed by this rank's rows only: Param::sequence_parallel (its gradient is
 //   summed over TP after backward). The aux loss counts tokens per expert over the TP x CP
-//   group (Megatron's aux_loss with its tp_cp group): each rank's last_aux_loss is its
+//   group (Megatron's aux_loss with its tp_cp group): each rank's last_aux_loss() is its
 //   share, and their sum over TP x CP is the loss of the group's tokens.
 class MoELayer {
  public:
@@ -45,17 +46,42 @@ class MoELayer {
   // expert groups (and tp, tp_cp when they have more than one rank).
   Tensor forward(const Tensor& x, const ForwardContext& ctx);
   // dy [T, H] -> dx [T, H]; accumulates the main_grad of the router and the local experts
-  // (zero for an expert that received no token).
+  // (zero for an expert that received no token). InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
 
   // Scale of the aux-loss gradient for the next backward (set by the trainer).
   float aux_grad_scale = 1.0f;
   // Aux loss of the last forward (including its coefficient), 0 when disabled. Under
-  // tensor parallelism this rank's share (see above).
-  float last_aux_loss = 0.0f;
-  // Rows the last forward gave each local expert (all ranks' copies routed to it; host).
-  std::vector<int64_t> last_tokens_per_local_expert;
+  // tensor parallelism this rank's share (see above). Kept after backward; moved out and
+  // back with the rest of the forward's state by take_saved / restore_saved.
+  float last_aux_loss() const { return saved_.aux_loss; }
+  // Rows the last forward gave each local expert (all ranks' copies routed to it; host),
+  // likewise.
+  const std::vector<int64_t>& last_tokens_per_local_expert() const {
+    return saved_.tokens_per_local_expert;
+  }
+
+  // What forward saved for backward (T: this rank's token rows, R: rows of the local
+  // experts' copies).
+  struct Saved {
+    Tensor x;               // the router input [T, H]
+    Tensor logits;          // router logits [T, E] fp32
+    Tensor probs, indices;  // top-k probabilities [T, k] fp32 and experts [T, k] int32
+    Tensor expert_in;       // the dispatched copies [R, H]
+    Tensor fc1_out;         // [R, fc1 outputs / etp]; the activation is recomputed
+    Tensor aux_scores;      // aux loss: scores [T, E] fp32
+    Tensor aux_counts;      // aux loss: token counts per expert [E] fp32 (scaled, see .cpp)
+    float aux_loss = 0.0f;  // last_aux_loss()
+    std::vector<int64_t> tokens_per_local_expert;  // [local experts], host
+  };
+  // The layer's saved state with its token dispatcher's.
+  struct Activations {
+    Saved moe;
+    std::any dispatcher;  // MoETokenDispatcher::take_saved
+  };
+  Activations take_saved();
+  void restore_saved(Activations&& saved);
 
   struct Expert {
     Param fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases absent with disable_bias_linear
@@ -68,13 +94,13 @@ class MoELayer {
   // Adds (forward) or reduces (backward) each expert's bias on its rows.
   void expert_bias_forward(Tensor& y, Param Expert::*bias);
   void expert_bias_backward(const Tensor& dy, Param Expert::*bias);
-  // SwiGLU/GeLU of fc1_out_ ([rows, ffn / etp]); computed in forward and again in backward
-  // instead of being kept (saves rows x ffn activations per layer).
+  // SwiGLU/GeLU of the saved fc1_out ([rows, ffn / etp]); computed in forward and again in
+  // backward instead of being kept (saves rows x ffn activations per layer).
   Tensor expert_activation() const;
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
-  // The aux loss of logits_ with the token counts summed over TP x CP (sets aux_scores_,
-  // aux_counts_ for backward).
+  // The aux loss of the saved logits with the token counts summed over TP x CP (saves
+  // aux_scores, aux_counts for backward).
   float aux_loss_forward();
   // Without sequence parallelism under TP: the layer runs on block tp_rank of the rows.
   bool splits_rows() const;
@@ -83,7 +109,7 @@ class MoELayer {
   ModelParallel mp_;
   int64_t first_local_expert_ = 0;
   std::unique_ptr<MoETokenDispatcher> dispatcher_;
-  Tensor x_, logits_, probs_, indices_, expert_in_, fc1_out_, aux_scores_, aux_counts_;
+  Saved saved_;
 };
 
 }  // namespace megaton

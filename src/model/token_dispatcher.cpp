@@ -2,6 +2,7 @@
 #include "model/token_dispatcher.h"
 
 #include <numeric>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/ops.h"
@@ -78,6 +79,14 @@ Tensor reorder_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
   return out;
 }
 
+// The dispatcher state held by `saved` (from take_saved of a dispatcher of the same kind).
+template <class Saved>
+Saved& saved_of(std::any& saved, const char* kind) {
+  Saved* state = std::any_cast<Saved>(&saved);
+  MEGATON_CHECK(state != nullptr, "MoE {} dispatcher: restore_saved of another kind's state", kind);
+  return *state;
+}
+
 }  // namespace
 
 MoETokenDispatcher::MoETokenDispatcher(int64_t num_experts, const ModelParallel& mp)
@@ -110,11 +119,11 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   const int64_t E = num_experts_, L = num_local_experts_;
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int ep_rank = mp_.ep_rank(), etp_rank = mp_.etp_rank();
-  probs_ = probs;
+  saved_.probs = probs;
   Tensor permuted = empty_as(x, {tokens * k, hidden});
-  row_id_map_ = Tensor::empty({tokens * k}, DType::I32, x.device());
+  saved_.row_id_map = Tensor::empty({tokens * k}, DType::I32, x.device());
   Tensor counts = Tensor::empty({E}, DType::I64, x.device());
-  ops::moe_permute(x, indices, int(E), permuted, row_id_map_, counts);
+  ops::moe_permute(x, indices, int(E), permuted, saved_.row_id_map, counts);
 
   // Every member's copies per global expert: counts_all[m * E + e], member m = etp rank +
   // etp * ep rank of the expert-model-parallel group (Megatron gathers the same matrix
@@ -129,23 +138,23 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
     counts_all = host_i64(gathered);
   }
   auto count = [&](int t, int i, int64_t e) { return counts_all[(t + etp * i) * E + e]; };
-  send_rows_.assign(ep, 0);
-  recv_rows_.assign(ep, 0);
-  etp_rows_.assign(etp, 0);
-  chunk_rows_.assign(size_t(etp) * ep * L, 0);
-  tokens_per_local_expert_.assign(L, 0);
+  saved_.send_rows.assign(ep, 0);
+  saved_.recv_rows.assign(ep, 0);
+  saved_.etp_rows.assign(etp, 0);
+  saved_.chunk_rows.assign(size_t(etp) * ep * L, 0);
+  saved_.tokens_per_local_expert.assign(L, 0);
   for (int i = 0; i < ep; ++i)
     for (int64_t l = 0; l < L; ++l) {
-      send_rows_[i] += count(etp_rank, ep_rank, i * L + l);
-      recv_rows_[i] += count(etp_rank, i, first_local_expert_ + l);
+      saved_.send_rows[i] += count(etp_rank, ep_rank, i * L + l);
+      saved_.recv_rows[i] += count(etp_rank, i, first_local_expert_ + l);
     }
   for (int t = 0; t < etp; ++t)
     for (int i = 0; i < ep; ++i)
       for (int64_t l = 0; l < L; ++l) {
         const int64_t n = count(t, i, first_local_expert_ + l);
-        chunk_rows_[(t * ep + i) * L + l] = n;
-        etp_rows_[t] += n;
-        tokens_per_local_expert_[l] += n;
+        saved_.chunk_rows[(t * ep + i) * L + l] = n;
+        saved_.etp_rows[t] += n;
+        saved_.tokens_per_local_expert[l] += n;
       }
   return to_experts(permuted);
 }
@@ -155,19 +164,19 @@ Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
   const int64_t L = num_local_experts_;
   Tensor rows = permuted;
   if (ep > 1) {
-    Tensor received = empty_as(permuted, {sum_of(recv_rows_), permuted.dim(1)});
-    mp_.comm->all_to_allv(permuted, times(send_rows_, permuted.dim(1)), received,
-                          times(recv_rows_, permuted.dim(1)), mp_.ep());
+    Tensor received = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
+    mp_.comm->all_to_allv(permuted, times(saved_.send_rows, permuted.dim(1)), received,
+                          times(saved_.recv_rows, permuted.dim(1)), mp_.ep());
     rows = received;
   }
-  if (etp > 1) rows = all_gather_rows(*mp_.comm, rows, etp_rows_, mp_.etp());
+  if (etp > 1) rows = all_gather_rows(*mp_.comm, rows, saved_.etp_rows, mp_.etp());
   if (ep * etp > 1 && L > 1) {
     // Received by (ETP member, EP member, local expert); the GEMMs want local expert first.
     std::vector<int64_t> order;
     for (int64_t l = 0; l < L; ++l)
       for (int t = 0; t < etp; ++t)
         for (int i = 0; i < ep; ++i) order.push_back((t * ep + i) * L + l);
-    rows = reorder_chunks(rows, chunk_rows_, order);
+    rows = reorder_chunks(rows, saved_.chunk_rows, order);
   }
   return rows;
 }
@@ -178,49 +187,56 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
   Tensor rows = grouped;
   if (ep * etp > 1 && L > 1) {
     // The inverse of to_experts' regrouping: chunk (l, t, i) back to position (t, i, l).
-    std::vector<int64_t> grouped_rows, order(chunk_rows_.size());
+    std::vector<int64_t> grouped_rows, order(saved_.chunk_rows.size());
     for (int64_t l = 0; l < L; ++l)
       for (int t = 0; t < etp; ++t)
         for (int i = 0; i < ep; ++i) {
           order[(t * ep + i) * L + l] = int64_t(grouped_rows.size());
-          grouped_rows.push_back(chunk_rows_[(t * ep + i) * L + l]);
+          grouped_rows.push_back(saved_.chunk_rows[(t * ep + i) * L + l]);
         }
     rows = reorder_chunks(rows, grouped_rows, order);
   }
-  if (etp > 1) rows = reduce_scatter_rows(*mp_.comm, rows, etp_rows_, mp_.etp());
+  if (etp > 1) rows = reduce_scatter_rows(*mp_.comm, rows, saved_.etp_rows, mp_.etp());
   if (ep > 1) {
-    Tensor back = empty_as(rows, {sum_of(send_rows_), rows.dim(1)});
-    mp_.comm->all_to_allv(rows, times(recv_rows_, rows.dim(1)), back,
-                          times(send_rows_, rows.dim(1)), mp_.ep());
+    Tensor back = empty_as(rows, {sum_of(saved_.send_rows), rows.dim(1)});
+    mp_.comm->all_to_allv(rows, times(saved_.recv_rows, rows.dim(1)), back,
+                          times(saved_.send_rows, rows.dim(1)), mp_.ep());
     rows = back;
   }
   return rows;
 }
 
 Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
-  const int64_t tokens = probs_.dim(0);
-  combined_ = from_experts(expert_out);
+  const int64_t tokens = saved_.probs.dim(0);
+  saved_.combined = from_experts(expert_out);
   Tensor out = empty_as(expert_out, {tokens, expert_out.dim(1)});
-  ops::moe_unpermute(combined_, row_id_map_, probs_, out);
+  ops::moe_unpermute(saved_.combined, saved_.row_id_map, saved_.probs, out);
   return out;
 }
 
 Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
-  const int64_t tokens = probs_.dim(0), k = probs_.dim(1);
+  const int64_t tokens = saved_.probs.dim(0), k = saved_.probs.dim(1);
   Tensor dcombined = empty_as(dout, {tokens * k, dout.dim(1)});
   dprobs = Tensor::empty({tokens, k}, DType::F32, dout.device());
-  ops::moe_unpermute_backward(dout, combined_, row_id_map_, probs_, dcombined, dprobs);
-  combined_ = Tensor();
+  ops::moe_unpermute_backward(dout, saved_.combined, saved_.row_id_map, saved_.probs, dcombined,
+                              dprobs);
+  saved_.combined = Tensor();
   return to_experts(dcombined);
 }
 
 Tensor MoEAlltoAllTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
-  const int64_t tokens = probs_.dim(0), k = probs_.dim(1);
+  const int64_t tokens = saved_.probs.dim(0), k = saved_.probs.dim(1);
   Tensor dpermuted = from_experts(dexpert_in);
   Tensor dx = empty_as(dexpert_in, {tokens, dexpert_in.dim(1)});
-  ops::moe_permute_backward(dpermuted, row_id_map_, int(k), dx);
-  probs_ = row_id_map_ = Tensor();
+  ops::moe_permute_backward(dpermuted, saved_.row_id_map, int(k), dx);
+  saved_ = {};  // the micro-batch's routing is used up
   return dx;
+}
+
+std::any MoEAlltoAllTokenDispatcher::take_saved() { return std::exchange(saved_, {}); }
+
+void MoEAlltoAllTokenDispatcher::restore_saved(std::any&& saved) {
+  saved_ = std::move(saved_of<Saved>(saved, "all-to-all"));
 }
 
 // ---- all-gather ----
@@ -253,67 +269,74 @@ Tensor reduce_scatter_blocks(const ModelParallel& mp, const Tensor& x, const dis
 Tensor MoEAllGatherTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,
                                              const Tensor& indices) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
-  tokens_ = x.dim(0);
-  const int64_t k = indices.dim(1), rows = g.size() * tokens_ * k;
+  saved_.tokens = x.dim(0);
+  const int64_t k = indices.dim(1), rows = g.size() * saved_.tokens * k;
   Tensor x_all = gather_rows(mp_, x, g);
   Tensor indices_all = gather_rows(mp_, indices, g);
-  probs_all_ = gather_rows(mp_, probs, g);
+  saved_.probs_all = gather_rows(mp_, probs, g);
   // Every gathered copy is sorted by expert; the local experts' copies are one block.
   Tensor permuted = empty_as(x, {rows, x.dim(1)});
-  row_id_map_ = Tensor::empty({rows}, DType::I32, x.device());
+  saved_.row_id_map = Tensor::empty({rows}, DType::I32, x.device());
   Tensor counts = Tensor::empty({num_experts_}, DType::I64, x.device());
-  ops::moe_permute(x_all, indices_all, int(num_experts_), permuted, row_id_map_, counts);
+  ops::moe_permute(x_all, indices_all, int(num_experts_), permuted, saved_.row_id_map, counts);
   const std::vector<int64_t> host = host_i64(counts);
-  first_row_ = std::accumulate(host.begin(), host.begin() + first_local_expert_, int64_t(0));
-  tokens_per_local_expert_.assign(host.begin() + first_local_expert_,
-                                  host.begin() + first_local_expert_ + num_local_experts_);
-  local_rows_ = sum_of(tokens_per_local_expert_);
-  if (local_rows_ == rows) return permuted;
-  return permuted.rows(first_row_, local_rows_).clone();
+  saved_.first_row = std::accumulate(host.begin(), host.begin() + first_local_expert_, int64_t(0));
+  saved_.tokens_per_local_expert.assign(host.begin() + first_local_expert_,
+                                        host.begin() + first_local_expert_ + num_local_experts_);
+  saved_.local_rows = sum_of(saved_.tokens_per_local_expert);
+  if (saved_.local_rows == rows) return permuted;
+  return permuted.rows(saved_.first_row, saved_.local_rows).clone();
 }
 
 Tensor MoEAllGatherTokenDispatcher::scatter_local(const Tensor& local) const {
-  const int64_t rows = row_id_map_.dim(0);
-  MEGATON_CHECK(local.dim(0) == local_rows_, "MoE all-gather dispatcher: {} expert rows, {} routed",
-                local.dim(0), local_rows_);
-  if (local_rows_ == rows) return local;
+  const int64_t rows = saved_.row_id_map.dim(0);
+  MEGATON_CHECK(local.dim(0) == saved_.local_rows,
+                "MoE all-gather dispatcher: {} expert rows, {} routed", local.dim(0),
+                saved_.local_rows);
+  if (saved_.local_rows == rows) return local;
   Tensor all = Tensor::zeros({rows, local.dim(1)}, local.dtype(), local.device());
-  if (local_rows_ > 0) all.rows(first_row_, local_rows_).copy_from(local);
+  if (saved_.local_rows > 0) all.rows(saved_.first_row, saved_.local_rows).copy_from(local);
   return all;
 }
 
 Tensor MoEAllGatherTokenDispatcher::combine(const Tensor& expert_out) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   // Copies of other ranks' experts contribute zeros here; the reduce-scatter adds them in.
-  expert_out_all_ = scatter_local(expert_out);
-  Tensor out_all = empty_as(expert_out, {g.size() * tokens_, expert_out.dim(1)});
-  ops::moe_unpermute(expert_out_all_, row_id_map_, probs_all_, out_all);
+  saved_.expert_out_all = scatter_local(expert_out);
+  Tensor out_all = empty_as(expert_out, {g.size() * saved_.tokens, expert_out.dim(1)});
+  ops::moe_unpermute(saved_.expert_out_all, saved_.row_id_map, saved_.probs_all, out_all);
   return reduce_scatter_blocks(mp_, out_all, g);
 }
 
 Tensor MoEAllGatherTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
-  const int64_t k = probs_all_.dim(1), rows = row_id_map_.dim(0);
+  const int64_t k = saved_.probs_all.dim(1), rows = saved_.row_id_map.dim(0);
   Tensor dout_all = gather_rows(mp_, dout, g);
   Tensor dexpert_out_all = empty_as(dout, {rows, dout.dim(1)});
-  Tensor dprobs_all = Tensor::empty({g.size() * tokens_, k}, DType::F32, dout.device());
-  ops::moe_unpermute_backward(dout_all, expert_out_all_, row_id_map_, probs_all_, dexpert_out_all,
-                              dprobs_all);
-  expert_out_all_ = Tensor();
+  Tensor dprobs_all = Tensor::empty({g.size() * saved_.tokens, k}, DType::F32, dout.device());
+  ops::moe_unpermute_backward(dout_all, saved_.expert_out_all, saved_.row_id_map, saved_.probs_all,
+                              dexpert_out_all, dprobs_all);
+  saved_.expert_out_all = Tensor();
   // A copy's dprobs is nonzero only where its expert ran (partial sums under etp).
   dprobs = reduce_scatter_blocks(mp_, dprobs_all, g);
-  if (local_rows_ == rows) return dexpert_out_all;
-  return dexpert_out_all.rows(first_row_, local_rows_).clone();
+  if (saved_.local_rows == rows) return dexpert_out_all;
+  return dexpert_out_all.rows(saved_.first_row, saved_.local_rows).clone();
 }
 
 Tensor MoEAllGatherTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
-  const int64_t k = probs_all_.dim(1);
+  const int64_t k = saved_.probs_all.dim(1);
   Tensor dpermuted = scatter_local(dexpert_in);
-  Tensor dx_all = empty_as(dexpert_in, {g.size() * tokens_, dexpert_in.dim(1)});
-  ops::moe_permute_backward(dpermuted, row_id_map_, int(k), dx_all);
-  probs_all_ = row_id_map_ = Tensor();
+  Tensor dx_all = empty_as(dexpert_in, {g.size() * saved_.tokens, dexpert_in.dim(1)});
+  ops::moe_permute_backward(dpermuted, saved_.row_id_map, int(k), dx_all);
+  saved_ = {};  // the micro-batch's routing is used up
   return reduce_scatter_blocks(mp_, dx_all, g);
+}
+
+std::any MoEAllGatherTokenDispatcher::take_saved() { return std::exchange(saved_, {}); }
+
+void MoEAllGatherTokenDispatcher::restore_saved(std::any&& saved) {
+  saved_ = std::move(saved_of<Saved>(saved, "all-gather"));
 }
 
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,

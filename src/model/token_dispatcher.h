@@ -10,10 +10,13 @@
 // rank's ETP group, since each of them computes only a slice of the expert.
 //
 // Each dispatcher runs one micro-batch at a time: dispatch, combine, then in backward
-// combine_backward and dispatch_backward, all with the state the forward calls saved. Every
-// rank of the expert groups must make the same calls in the same order, also when none of
-// its local experts receives a copy (its expert input then has 0 rows).
+// combine_backward and dispatch_backward, all with the state the forward calls saved (its
+// `Saved saved_`, which take_saved / restore_saved move out and back so a pipeline can keep
+// several micro-batches in flight). Every rank of the expert groups must make the same calls
+// in the same order, also when none of its local experts receives a copy (its expert input
+// then has 0 rows).
 #pragma once
+#include <any>
 #include <memory>
 #include <vector>
 
@@ -44,15 +47,20 @@ class MoETokenDispatcher {
   virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
 
   // Rows of the last dispatch for each local expert [L] (host counts).
-  const std::vector<int64_t>& tokens_per_local_expert() const { return tokens_per_local_expert_; }
+  virtual const std::vector<int64_t>& tokens_per_local_expert() const = 0;
   int64_t num_local_experts() const { return num_local_experts_; }
   // Global index of local expert 0.
   int64_t first_local_expert() const { return first_local_expert_; }
 
+  // Moves the state the forward calls saved (this dispatcher's Saved, opaque to the
+  // caller) out, leaving none, and back in. restore_saved throws InternalError on a state
+  // another kind of dispatcher took.
+  virtual std::any take_saved() = 0;
+  virtual void restore_saved(std::any&& saved) = 0;
+
  protected:
   int64_t num_experts_, num_local_experts_, first_local_expert_;
   ModelParallel mp_;
-  std::vector<int64_t> tokens_per_local_expert_;
 };
 
 // Megatron's MoEAlltoAllTokenDispatcher: permute the local copies by global expert, exchange
@@ -68,19 +76,30 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   Tensor combine(const Tensor& expert_out) override;
   Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
+  const std::vector<int64_t>& tokens_per_local_expert() const override {
+    return saved_.tokens_per_local_expert;
+  }
+  std::any take_saved() override;
+  void restore_saved(std::any&& saved) override;
+
+  struct Saved {
+    Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
+    Tensor combined;           // expert output by copy [T k, H] (combine's, for its backward)
+    std::vector<int64_t> send_rows, recv_rows;  // per EP member: rows sent / received
+    std::vector<int64_t> etp_rows;              // per ETP member: rows after the all-to-all
+    // Chunk (etp member t, ep member i, local expert l) has chunk_rows[(t ep + i) L + l] rows.
+    std::vector<int64_t> chunk_rows;
+    std::vector<int64_t> tokens_per_local_expert;  // [L]
+  };
 
  private:
   // Local copies sorted by global expert [T k, H] -> the expert input [R, H] (all-to-all
   // over ep, all-gather over etp, chunks grouped by local expert), and back (chunks
-  // ungrouped, sum over etp, all-to-all back).
+  // ungrouped, sum over etp, all-to-all back), with the counts of the last dispatch.
   Tensor to_experts(const Tensor& permuted) const;
   Tensor from_experts(const Tensor& rows) const;
 
-  Tensor probs_, row_id_map_, combined_;        // combined_: expert output by copy [T k, H]
-  std::vector<int64_t> send_rows_, recv_rows_;  // per EP member: rows sent / received
-  std::vector<int64_t> etp_rows_;               // per ETP member: rows after the all-to-all
-  // Chunk (etp member t, ep member i, local expert l) has chunk_rows_[(t ep + i) L + l] rows.
-  std::vector<int64_t> chunk_rows_;
+  Saved saved_;
 };
 
 // Megatron's MoEAllGatherTokenDispatcher: all-gather the tokens and their routing over the
@@ -94,14 +113,28 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
   Tensor combine(const Tensor& expert_out) override;
   Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
+  const std::vector<int64_t>& tokens_per_local_expert() const override {
+    return saved_.tokens_per_local_expert;
+  }
+  std::any take_saved() override;
+  void restore_saved(std::any&& saved) override;
+
+  struct Saved {
+    int64_t tokens = 0;  // T of this rank
+    // The local experts' copies are rows [first_row, first_row + local_rows) of the
+    // gathered copies sorted by expert.
+    int64_t first_row = 0, local_rows = 0;
+    Tensor probs_all, row_id_map;  // gathered [G T, k] fp32; [G T k] int32
+    Tensor expert_out_all;         // expert output by gathered copy [G T k, H] (combine's)
+    std::vector<int64_t> tokens_per_local_expert;  // [L]
+  };
 
  private:
   // [G T k, H] with `rows` at the local experts' copies and zeros elsewhere (rows itself
   // when the local experts are all experts).
   Tensor scatter_local(const Tensor& rows) const;
 
-  int64_t tokens_ = 0, first_row_ = 0, local_rows_ = 0;  // local copies: [first_row_, +local_rows_)
-  Tensor probs_all_, row_id_map_, expert_out_all_;
+  Saved saved_;
 };
 
 // The dispatcher mp.dispatcher names, for a layer of num_experts experts (divisible by ep).

@@ -130,6 +130,25 @@ PipelineSchedule::PipelineSchedule(std::vector<GPTModel*> chunks, const dist::Gr
                 grid_.pp().size());
 }
 
+// For each step of a rank's plan: whether its op is a forward whose chunk runs the same
+// micro-batch's backward as its next op (the last stage's 1F1B pairs), so the chunk can
+// keep that micro-batch's activations in its layers instead of stashing them.
+static std::vector<uint8_t> backward_follows(const std::vector<PipelineStep>& plan) {
+  std::vector<uint8_t> out(plan.size(), 0);
+  std::map<int64_t, size_t> last_forward;  // chunk -> step of its latest op, if a forward
+  for (size_t i = 0; i < plan.size(); ++i) {
+    if (!plan[i].op) continue;
+    const PipelineOp& op = *plan[i].op;
+    auto prev = last_forward.find(op.chunk);
+    if (prev != last_forward.end()) {
+      out[prev->second] = !op.forward && plan[prev->second].op->micro_batch == op.micro_batch;
+      last_forward.erase(prev);
+    }
+    if (op.forward) last_forward[op.chunk] = i;
+  }
+  return out;
+}
+
 PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mbs,
                                                   bool forward_only) {
   const dist::Group& group = grid_.pp();
@@ -137,47 +156,68 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
   check_interleaved_micro_batches(mbs.count, pp, vpp);
   const std::vector<PipelineStep> plan =
       pipeline_plan(pp, vpp, mbs.count, forward_only)[group.rank];
+  const std::vector<uint8_t> keep_in_layers = backward_follows(plan);
   const int next = (group.rank + 1) % int(pp), prev = (group.rank + int(pp) - 1) % int(pp);
   const GPTConfig& cfg = chunks_[0]->config();
   const Shape hidden_shape{chunks_[0]->hidden_rows(mbs.batch, mbs.seq), cfg.hidden_size};
   const int64_t tokens_per_micro_batch = mbs.batch * mbs.seq;
   const float aux_grad_scale = 1.0f / float(mbs.count);
 
-  // Per chunk: the input of every micro-batch between its forward and its backward (kept
-  // for the recomputation), gradients received for its output, and the micro-batch whose
-  // activations its layers hold (-1: none).
-  std::vector<std::map<int64_t, ChunkInput>> inputs(vpp);
-  std::vector<std::map<int64_t, Tensor>> output_grads(vpp);
+  // Per chunk: activations received for micro-batches not yet forwarded, gradients
+  // received for their outputs, the saved state (activation stash) of every micro-batch
+  // between its forward and its backward but the one the chunk's layers hold, and which
+  // micro-batch that is (-1: none). At most pp - rank micro-batches are in flight per
+  // chunk in 1F1B (more with interleaving), each keeping all its activations.
+  std::vector<std::map<int64_t, Tensor>> inputs(vpp), output_grads(vpp);
+  std::vector<std::map<int64_t, ChunkActivations>> stashes(vpp);
   std::vector<int64_t> holds(vpp, -1);
   PipelineLosses losses;
 
-  for (const PipelineStep& step : plan) {
+  for (size_t i = 0; i < plan.size(); ++i) {
+    const PipelineStep& step = plan[i];
     Tensor produced;  // this step's output activation or input gradient, to send
     if (step.op) {
       const PipelineOp& op = *step.op;
       GPTModel& model = *chunks_[op.chunk];
       const PipelineChunk& part = model.chunk();
-      const ForwardContext ctx = mbs.context(op.micro_batch);
       if (op.forward) {
-        ChunkInput& in = inputs[op.chunk][op.micro_batch];  // hidden arrived before
+        ChunkInput in;
         in.batch = mbs.batch;
         in.seq = mbs.seq;
         if (part.pre_process || part.post_process) mbs.load(op.micro_batch, in.tokens, in.labels);
-        ChunkOutput out = model.forward_chunk(in, ctx);
-        holds[op.chunk] = op.micro_batch;
+        if (!part.pre_process) {
+          auto hidden = inputs[op.chunk].find(op.micro_batch);
+          MEGATON_CHECK(hidden != inputs[op.chunk].end(),
+                        "pipeline: no activation received for micro-batch {}", op.micro_batch);
+          in.hidden = hidden->second;
+          inputs[op.chunk].erase(hidden);
+        }
+        MEGATON_CHECK(holds[op.chunk] < 0,
+                      "pipeline: chunk {} still holds micro-batch {} at the forward of {}",
+                      op.chunk, holds[op.chunk], op.micro_batch);
+        ChunkOutput out = model.forward_chunk(in, mbs.context(op.micro_batch));
         losses.aux_loss_sum += out.loss.aux_loss;
         if (part.post_process) {
           losses.loss_sum += ops::sum(out.loss.losses);
           losses.num_tokens += double(out.loss.losses.numel());
         }
         produced = out.hidden;
-        if (forward_only) inputs[op.chunk].erase(op.micro_batch);
+        if (forward_only)
+          model.take_activations();  // evaluation keeps nothing: dropped here
+        else if (keep_in_layers[i])
+          holds[op.chunk] = op.micro_batch;
+        else
+          stashes[op.chunk].emplace(op.micro_batch, model.take_activations());
       } else {
-        auto in = inputs[op.chunk].find(op.micro_batch);
-        MEGATON_CHECK(in != inputs[op.chunk].end(), "pipeline: no input kept for micro-batch {}",
-                      op.micro_batch);
-        // Full recomputation: the layers hold another micro-batch's activations.
-        if (holds[op.chunk] != op.micro_batch) model.forward_chunk(in->second, ctx);
+        auto stash = stashes[op.chunk].find(op.micro_batch);
+        if (stash != stashes[op.chunk].end()) {
+          model.restore_activations(std::move(stash->second));
+          stashes[op.chunk].erase(stash);
+        } else {
+          MEGATON_CHECK(holds[op.chunk] == op.micro_batch,
+                        "pipeline: no activations kept for micro-batch {} of chunk {}",
+                        op.micro_batch, op.chunk);
+        }
         Tensor dout;
         if (part.post_process) {
           // Megatron's default loss: the token mean per micro-batch, averaged over them.
@@ -192,7 +232,6 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
         }
         produced = model.backward_chunk(dout, aux_grad_scale);
         holds[op.chunk] = -1;
-        inputs[op.chunk].erase(in);
       }
     }
     // Forward direction, then backward: every rank exchanges in this order.
@@ -207,16 +246,16 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
       else if (send) comm_.send(produced, send_peer, group);
       else comm_.recv(received, recv_peer, group);
       if (!slot.defined()) return;
-      if (activation) inputs[slot.chunk][slot.micro_batch].hidden = received;
-      else output_grads[slot.chunk][slot.micro_batch] = received;
+      (activation ? inputs : output_grads)[slot.chunk][slot.micro_batch] = received;
     };
     exchange(step.send_next, next, step.recv_prev, prev, true);
     exchange(step.send_prev, prev, step.recv_next, next, false);
   }
   for (int64_t c = 0; c < vpp; ++c)
-    MEGATON_CHECK(inputs[c].empty() && output_grads[c].empty(),
-                  "pipeline: chunk {} kept {} inputs and {} gradients after the step", c,
-                  inputs[c].size(), output_grads[c].size());
+    MEGATON_CHECK(
+        inputs[c].empty() && output_grads[c].empty() && stashes[c].empty() && holds[c] < 0,
+        "pipeline: chunk {} kept {} inputs, {} gradients and {} activation stashes after the step",
+        c, inputs[c].size(), output_grads[c].size(), stashes[c].size());
   return losses;
 }
 

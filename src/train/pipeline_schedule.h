@@ -101,8 +101,8 @@ struct PipelineMicroBatches {
   // Fills tokens and labels [B, S] int32 (host) of micro-batch mb (0 <= mb < count).
   // Called only on the ranks whose chunks read them (first and last stage).
   std::function<void(int64_t mb, Tensor& tokens, Tensor& labels)> load;
-  // The ForwardContext of micro-batch mb: the same for its forward and its recomputation,
-  // so dropout masks repeat.
+  // The ForwardContext of micro-batch mb (its dropout masks; the backward uses the keys
+  // its forward saved).
   std::function<ForwardContext(int64_t mb)> context;
 };
 
@@ -115,14 +115,15 @@ struct PipelineLosses {
 
 // Megatron's pipelined forward_backward_func over this rank's model chunks.
 //
-// Limitation: a layer keeps what its backward needs in its own members (one micro-batch
-// in flight per layer), while 1F1B keeps several micro-batches in flight per stage. So a
-// stage stashes only each in-flight micro-batch's chunk input (and tokens/labels) and,
-// right before that micro-batch's backward, re-runs the chunk's forward with the same
-// ForwardContext (full activation recomputation, Megatron's --recompute-granularity
-// full), unless the chunk's layers still hold that micro-batch (the last stage's 1F1B
-// pairs). This costs one extra forward per micro-batch on the other stages; per-micro-
-// batch activation stashes in the layers will remove it.
+// Activations: every micro-batch between its forward and its backward keeps all that its
+// backward needs, as Megatron keeps each in-flight micro-batch's autograd graph. After a
+// forward whose chunk does not run that micro-batch's backward next, the chunk's saved
+// state is moved into a per-(chunk, micro-batch) stash (GPTModel::take_activations) and
+// moved back right before the backward (restore_activations); no forward is recomputed.
+// The price is memory: in 1F1B a stage holds the activations of up to pp - rank
+// micro-batches at once (pp on the first stage); interleaved, up to
+// 2 (pp - rank - 1) + (vpp - 1) pp + 1 (micro-batch, chunk) pairs, each 1 / vpp of the
+// stage's layers. Forward-only steps (evaluation) keep nothing.
 class PipelineSchedule {
  public:
   // chunks: this pipeline rank's model chunks in order (chunk c is virtual stage

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <span>
 
 #include "common/testing.h"
+#include "core/error.h"
 #include "model/gpt.h"
 #include "ops/ops.h"
 
@@ -137,6 +139,145 @@ TEST(ModelChunks, DenseTiedLearnedPositionsMatchesWholeModel) {
   check_chunks_match_whole_model(false, true, true);
 }
 TEST(ModelChunks, MoeTiedMatchesWholeModel) { check_chunks_match_whole_model(true, true, false); }
+
+// One micro-batch's input to a chunk and the gradient of its output: tokens and labels
+// [B, S], the previous chunk's hidden state [T, H] (chunks without pre_process), and
+// d loss / d output ([T] per-token losses for a post_process chunk, else [T, H]).
+struct MicroBatch {
+  ChunkInput in;
+  Tensor dout;
+  ForwardContext ctx;
+};
+
+MicroBatch random_micro_batch(const GPTConfig& cfg, const PipelineChunk& part, int64_t index,
+                              uint64_t seed) {
+  const int64_t B = 2, S = cfg.seq_length, T = B * S, H = cfg.hidden_size;
+  const uint64_t s = seed + 100 * uint64_t(index);
+  MicroBatch mb;
+  mb.in = {B, S, testing::randint({B, S}, int32_t(cfg.vocab_size), s + 1),
+           testing::randint({B, S}, int32_t(cfg.vocab_size), s + 2), Tensor()};
+  if (!part.pre_process) mb.in.hidden = testing::randn({T, H}, s + 3);
+  mb.dout = part.post_process ? testing::randn({T}, s + 4, 0.5f) : testing::randn({T, H}, s + 5);
+  mb.ctx = ForwardContext{true, seed, 3, index};  // the micro-batch keys its dropout masks
+  return mb;
+}
+
+// What a micro-batch's forward and backward produced on a chunk.
+struct MicroBatchResult {
+  Tensor output;  // losses [T] (post_process) or hidden [T, H]
+  double aux_loss = 0;
+  Tensor input_grad;  // undefined for a pre_process chunk
+};
+
+// Two micro-batches in flight on one chunk, as on a pipeline stage in 1F1B: forward 0, its
+// activations taken; forward 1, taken; then restore 0 and its backward, restore 1 and its
+// backward. Outputs, input gradients and every parameter gradient must equal (bit for
+// bit: the same ops on the same values) those of forward and backward of each micro-batch
+// in turn, with no forward run again: micro-batch 1's forward may overwrite nothing that
+// micro-batch 0's backward reads (activations, dropout keys, MoE routing and token
+// counts, the embedding's tokens, the loss's labels and logits).
+void check_stashed_micro_batches(const GPTConfig& cfg, const PipelineChunk& part) {
+  const uint64_t seed = testing::test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", layers [" + std::to_string(part.first_layer) +
+               ", +" + std::to_string(part.num_layers) + ")");
+  const std::vector<MicroBatch> mbs = {random_micro_batch(cfg, part, 0, seed),
+                                       random_micro_batch(cfg, part, 1, seed)};
+  auto record = [](const ChunkOutput& out, MicroBatchResult& r) {
+    r.output = out.hidden.defined() ? out.hidden : out.loss.losses;
+    r.aux_loss = out.loss.aux_loss;
+  };
+  // Counts forwards through the chunk (the hook sees the first unit of each forward).
+  auto count_forwards = [](GPTModel& model, int& forwards) {
+    const Param* first = model.params().front();
+    model.set_param_hooks({[first, &forwards](std::span<Param* const> params) {
+                             if (params.front() == first) ++forwards;
+                           },
+                           nullptr});
+  };
+
+  GPTModel one_at_a_time(cfg, seed, ModelParallel{}, 1, 1, part);
+  std::vector<MicroBatchResult> want(2);
+  for (size_t i = 0; i < 2; ++i) {
+    record(one_at_a_time.forward_chunk(mbs[i].in, mbs[i].ctx), want[i]);
+    want[i].input_grad = one_at_a_time.backward_chunk(mbs[i].dout, 0.5f);
+  }
+
+  GPTModel stashed(cfg, seed, ModelParallel{}, 1, 1, part);
+  int forwards = 0;
+  count_forwards(stashed, forwards);
+  std::vector<MicroBatchResult> got(2);
+  std::vector<ChunkActivations> activations;
+  for (size_t i = 0; i < 2; ++i) {
+    record(stashed.forward_chunk(mbs[i].in, mbs[i].ctx), got[i]);
+    EXPECT_TRUE(stashed.holds_activations());
+    activations.push_back(stashed.take_activations());
+    EXPECT_FALSE(stashed.holds_activations());
+    EXPECT_FALSE(activations.back().empty());
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    stashed.restore_activations(std::move(activations[i]));
+    EXPECT_TRUE(activations[i].empty());
+    got[i].input_grad = stashed.backward_chunk(mbs[i].dout, 0.5f);
+    EXPECT_FALSE(stashed.holds_activations());
+  }
+  EXPECT_EQ(forwards, 2);  // no recomputation
+
+  for (size_t i = 0; i < 2; ++i) {
+    SCOPED_TRACE("micro-batch " + std::to_string(i));
+    EXPECT_TRUE(testing::allclose(got[i].output, want[i].output, 0, 0));
+    EXPECT_EQ(got[i].aux_loss, want[i].aux_loss);
+    ASSERT_EQ(got[i].input_grad.defined(), !part.pre_process);
+    if (!part.pre_process) {
+      EXPECT_TRUE(testing::allclose(got[i].input_grad, want[i].input_grad, 0, 0));
+    }
+  }
+  bool has_moe = false;
+  for (auto& layer : stashed.layers()) has_moe |= layer->moe != nullptr;
+  if (has_moe) {
+    EXPECT_NE(want[0].aux_loss, want[1].aux_loss);  // the routing differs
+  }
+  ASSERT_EQ(stashed.params().size(), one_at_a_time.params().size());
+  for (size_t p = 0; p < stashed.params().size(); ++p)
+    EXPECT_TRUE(testing::allclose(stashed.params()[p]->main_grad,
+                                  one_at_a_time.params()[p]->main_grad, 0, 0))
+        << stashed.params()[p]->name;
+}
+
+TEST(ModelChunks, StashedMicroBatchesMatchOneAtATime) {
+  for (bool moe : {true, false}) {
+    // MoE: RoPE, SwiGLU, RMSNorm, aux loss; dense: learned positions, LayerNorm, tied.
+    const GPTConfig cfg = chunk_config(moe, /*tied=*/!moe, /*learned_positions=*/!moe);
+    check_stashed_micro_batches(cfg, PipelineChunk{0, 4, true, true});    // whole model
+    check_stashed_micro_batches(cfg, PipelineChunk{0, 1, true, false});   // first stage
+    check_stashed_micro_batches(cfg, PipelineChunk{1, 2, false, false});  // middle stage
+    check_stashed_micro_batches(cfg, PipelineChunk{3, 1, false, true});   // last stage
+  }
+}
+
+TEST(ModelChunks, ActivationsGoBackOnlyWhereTheyCameFrom) {
+  const GPTConfig cfg = chunk_config(true, false, false);
+  const PipelineChunk part{1, 2, false, false};
+  GPTModel chunk(cfg, 7, ModelParallel{}, 1, 1, part), other(cfg, 7, ModelParallel{}, 1, 1, part);
+  const MicroBatch mb0 = random_micro_batch(cfg, part, 0, 7);
+  const MicroBatch mb1 = random_micro_batch(cfg, part, 1, 7);
+  // Nothing to take or to run backward on before a forward.
+  EXPECT_THROW(chunk.take_activations(), InternalError);
+  EXPECT_THROW(chunk.backward_chunk(mb0.dout, 1.0f), InternalError);
+  chunk.forward_chunk(mb0.in, mb0.ctx);
+  ChunkActivations first = chunk.take_activations();
+  EXPECT_THROW(chunk.backward_chunk(mb0.dout, 1.0f), InternalError);  // taken
+  EXPECT_THROW(other.restore_activations(std::move(first)), InternalError);  // another chunk
+  chunk.forward_chunk(mb1.in, mb1.ctx);
+  // Micro-batch 1 is held: restoring 0 would lose it.
+  EXPECT_THROW(chunk.restore_activations(std::move(first)), InternalError);
+  ChunkActivations second = chunk.take_activations();
+  chunk.restore_activations(std::move(first));
+  EXPECT_THROW(chunk.restore_activations(std::move(first)), InternalError);  // empty now
+  chunk.backward_chunk(mb0.dout, 1.0f);
+  EXPECT_THROW(chunk.backward_chunk(mb0.dout, 1.0f), InternalError);  // ran already
+  chunk.restore_activations(std::move(second));
+  chunk.backward_chunk(mb1.dout, 1.0f);
+}
 
 TEST(ModelChunks, MiddleChunkHoldsOnlyItsLayers) {
   const GPTConfig cfg = chunk_config(true, true, true);

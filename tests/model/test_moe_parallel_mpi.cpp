@@ -150,10 +150,10 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   // optimizer's gradient reduction sums them.
   for (Param* p : params)
     if (p->is_expert) comm().all_reduce(p->main_grad, grid.edp());
-  Tensor aux = Tensor::from({1}, {layer.last_aux_loss});
+  Tensor aux = Tensor::from({1}, {layer.last_aux_loss()});
   comm().all_reduce(aux, grid.tp_cp());
   int64_t routed_here = 0;
-  for (int64_t n : layer.last_tokens_per_local_expert) routed_here += n;
+  for (int64_t n : layer.last_tokens_per_local_expert()) routed_here += n;
 
   // One-rank references: one per TP group (outputs, dx, aux, router), and the expert
   // gradients summed over all groups (every rank's tokens reach the experts).
@@ -182,7 +182,7 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
     if (members == tp.ranks) {
       ref_out = o;
       ref_dx = d;
-      ref_aux = ref.last_aux_loss;
+      ref_aux = ref.last_aux_loss();
       ref_router_grad = ref.router_weight.main_grad;
     }
   }

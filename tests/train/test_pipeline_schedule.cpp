@@ -1,13 +1,26 @@
 // Pipeline parallelism without MPI: the layers of each model chunk against Megatron's
 // rule worked out by hand, each rank's step order against Megatron's 1F1B and interleaved
-// schedules written out by hand, and the plans' transfers (matched, in time, complete).
+// schedules written out by hand, the plans' transfers (matched, in time, complete), and
+// the schedule itself on ranks played by threads (one forward per micro-batch, the
+// one-rank gradients).
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
 #include <map>
+#include <mutex>
 #include <set>
+#include <span>
+#include <thread>
 #include <tuple>
 
+#include "common/testing.h"
 #include "core/error.h"
+#include "ops/ops.h"
 #include "train/pipeline_schedule.h"
 
 namespace megaton {
@@ -249,6 +262,211 @@ TEST(PipelinePlan, TransfersMatchAndArriveInTime) {
         check_plan(pp, vpp, m, false);
         check_plan(pp, vpp, m, true);
       }
+}
+
+// ---- the schedule run: pipeline ranks as threads of one process ----
+
+// Messages between the threads standing in for pipeline ranks, by (from, to) world rank.
+// The ranks take turns: a rank runs only while it holds `turn` (the mailboxes' lock),
+// which it gives up while it waits for a message, so the CPU ops (OpenBLAS, OpenMP loops)
+// never run on two threads at once.
+struct Mailboxes {
+  std::mutex turn;
+  std::condition_variable arrived;
+  std::map<std::pair<int, int>, std::deque<std::vector<char>>> queues;
+};
+
+// A Comm for one rank of the threads: point-to-point transfers only.
+class ThreadComm final : public dist::Comm {
+ public:
+  ThreadComm(Mailboxes& boxes, int world_rank) : boxes_(boxes), rank_(world_rank) {}
+  Device device() const override { return Device::CPU; }
+  std::unique_lock<std::mutex>* held = nullptr;  // this rank's turn, while it runs
+
+ protected:
+  void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
+                    const dist::Group& g) override {
+    if (send_t) {
+      const char* data = static_cast<const char*>(send_t->raw());
+      boxes_.queues[{rank_, g.ranks[send_peer]}].emplace_back(data, data + send_t->nbytes());
+      boxes_.arrived.notify_all();
+    }
+    if (recv_t) {
+      auto& queue = boxes_.queues[{g.ranks[recv_peer], rank_}];
+      if (!boxes_.arrived.wait_for(*held, std::chrono::seconds(30),
+                                   [&] { return !queue.empty(); }))
+        throw dist::CommError("rank " + std::to_string(rank_) + ": no message from rank " +
+                              std::to_string(g.ranks[recv_peer]) + " in 30 s");
+      MEGATON_CHECK(queue.front().size() == recv_t->nbytes(), "message of {} bytes for {}",
+                    queue.front().size(), recv_t->nbytes());
+      std::memcpy(recv_t->raw(), queue.front().data(), queue.front().size());
+      queue.pop_front();
+    }
+  }
+  void prepare_group(const dist::Group&) override {}
+  void do_all_reduce(Tensor&, const dist::Group&, dist::ReduceOp) override { unused(); }
+  void do_reduce_scatter(const Tensor&, Tensor&, const dist::Group&) override { unused(); }
+  void do_all_gather(const Tensor&, Tensor&, const dist::Group&) override { unused(); }
+  std::unique_ptr<dist::CommWork> do_all_reduce_async(Tensor&, const dist::Group&) override {
+    unused();
+  }
+  std::unique_ptr<dist::CommWork> do_reduce_scatter_async(const Tensor&, Tensor&,
+                                                          const dist::Group&) override {
+    unused();
+  }
+  std::unique_ptr<dist::CommWork> do_all_gather_async(const Tensor&, Tensor&,
+                                                      const dist::Group&) override {
+    unused();
+  }
+  void do_all_to_allv(const Tensor&, std::span<const int64_t>, Tensor&, std::span<const int64_t>,
+                      const dist::Group&) override {
+    unused();
+  }
+  void do_broadcast(Tensor&, int, const dist::Group&) override { unused(); }
+  void do_barrier(const dist::Group&) override { unused(); }
+
+ private:
+  [[noreturn]] static void unused() { throw InternalError("ThreadComm: point to point only"); }
+  Mailboxes& boxes_;
+  int rank_;
+};
+
+GPTConfig schedule_config() {
+  GPTConfig c;
+  c.num_layers = 4;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.seq_length = 6;
+  c.vocab_size = 23;
+  c.make_vocab_size_divisible_by = 8;
+  c.hidden_dropout = c.attention_dropout = 0.1f;  // masks keyed by micro-batch and layer
+  c.init_method_std = 0.3f;
+  c.untie_embeddings_and_output_weights = true;
+  c.num_experts = 4;  // layers 0 and 2 MoE (routing and token counts per micro-batch)
+  c.moe_router_topk = 2;
+  c.moe_ffn_hidden_size = 12;
+  c.moe_aux_loss_coeff = 1e-2f;
+  c.moe_layer_freq = 2;
+  c.swiglu = true;
+  c.normalization = Normalization::RMSNorm;
+  c.finalize();
+  return c;
+}
+
+// PipelineSchedule::forward_backward on pp ranks (threads) with vpp chunks each, against
+// the whole model running the micro-batches one after another: the same losses, aux
+// losses and parameter gradients (bit for bit: the same ops in the same order), and each
+// chunk runs exactly one forward per micro-batch (no recomputation: the stages keep
+// their in-flight micro-batches' activations). Forward only: the same losses, one
+// forward each, nothing kept.
+void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool forward_only) {
+  const GPTConfig cfg = schedule_config();
+  const uint64_t seed = testing::test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", pp " + std::to_string(pp) + ", vpp " +
+               std::to_string(vpp) + ", " + std::to_string(m) + " micro-batches" +
+               (forward_only ? ", forward only" : ""));
+  const int64_t B = 2, S = cfg.seq_length, T = B * S;
+  std::vector<Tensor> tokens, labels;
+  for (int64_t mb = 0; mb < m; ++mb) {
+    tokens.push_back(testing::randint({B, S}, int32_t(cfg.vocab_size), seed + 10 * mb + 1));
+    labels.push_back(testing::randint({B, S}, int32_t(cfg.vocab_size), seed + 10 * mb + 2));
+  }
+  auto context = [&](int64_t mb) { return ForwardContext{!forward_only, seed, 7, mb}; };
+
+  GPTModel whole(cfg, seed);
+  double want_loss = 0, want_aux = 0;
+  for (int64_t mb = 0; mb < m; ++mb) {
+    MicroBatchLoss loss = whole.forward(tokens[mb], labels[mb], context(mb));
+    want_loss += ops::sum(loss.losses);
+    want_aux += loss.aux_loss;
+    if (forward_only) continue;
+    Tensor dlosses = Tensor::empty({T});
+    dlosses.fill(float(1.0 / (double(T) * double(m))));
+    whole.backward(dlosses, 1.0f / float(m));
+  }
+
+  const std::vector<int64_t> stages(pp, cfg.num_layers / pp);
+  Mailboxes boxes;
+  std::vector<std::unique_ptr<GPTModel>> models;  // rank-major, vpp per rank
+  std::vector<int> forwards(pp * vpp, 0);
+  for (int64_t r = 0; r < pp; ++r)
+    for (int64_t c = 0; c < vpp; ++c) {
+      const ChunkLayers layers = chunk_layers(stages, vpp, r, c);
+      models.push_back(std::make_unique<GPTModel>(
+          cfg, seed, ModelParallel{}, 1, 1,
+          PipelineChunk{layers.first_layer, layers.num_layers, r == 0 && c == 0,
+                        r == pp - 1 && c == vpp - 1}));
+      GPTModel& model = *models.back();
+      const Param* first = model.params().front();
+      int& count = forwards[r * vpp + c];
+      model.set_param_hooks({[first, &count](std::span<Param* const> params) {
+                               if (params.front() == first) ++count;  // a forward starts
+                             },
+                             nullptr});
+    }
+  std::vector<PipelineLosses> got(pp);
+  std::vector<std::exception_ptr> failed(pp);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < int(pp); ++r)
+    ranks.emplace_back([&, r] {
+      std::unique_lock<std::mutex> turn(boxes.turn);
+      try {
+        dist::ParallelSizes sizes;
+        sizes.pp = pp;
+        const dist::Grid grid(sizes, pp, r);
+        ThreadComm comm(boxes, r);
+        comm.held = &turn;
+        std::vector<GPTModel*> chunks;
+        for (int64_t c = 0; c < vpp; ++c) chunks.push_back(models[r * vpp + c].get());
+        PipelineSchedule schedule(chunks, grid, comm);
+        PipelineMicroBatches mbs;
+        mbs.count = m;
+        mbs.batch = B;
+        mbs.seq = S;
+        mbs.load = [&](int64_t mb, Tensor& t, Tensor& l) {
+          t = tokens[mb];
+          l = labels[mb];
+        };
+        mbs.context = context;
+        got[r] = schedule.forward_backward(mbs, forward_only);
+      } catch (...) {
+        failed[r] = std::current_exception();
+      }
+    });
+  for (std::thread& t : ranks) t.join();
+  for (const std::exception_ptr& e : failed)
+    if (e) std::rethrow_exception(e);
+
+  for (int64_t i = 0; i < pp * vpp; ++i) {
+    EXPECT_EQ(forwards[i], m) << "rank " << i / vpp << " chunk " << i % vpp;
+    EXPECT_FALSE(models[i]->holds_activations());
+  }
+  EXPECT_EQ(got[pp - 1].loss_sum, want_loss);
+  EXPECT_EQ(got[pp - 1].num_tokens, double(T * m));
+  double aux = 0;
+  for (const PipelineLosses& l : got) aux += l.aux_loss_sum;
+  EXPECT_NEAR(aux, want_aux, 1e-12 * std::fabs(want_aux));  // summed in another order
+  EXPECT_GT(want_aux, 0);
+  if (forward_only) return;
+  std::map<std::string, const Param*> reference;
+  for (const Param* p : whole.params()) reference[p->name] = p;
+  size_t compared = 0;
+  for (auto& model : models)
+    for (const Param* p : model->params()) {
+      ASSERT_TRUE(reference.count(p->name)) << p->name;
+      EXPECT_TRUE(testing::allclose(p->main_grad, reference[p->name]->main_grad, 0, 0))
+          << p->name;
+      ++compared;
+    }
+  EXPECT_EQ(compared, reference.size());
+}
+
+TEST(PipelineSchedule, OneForwardPerMicroBatchAndOneRankGradients) {
+  check_schedule_matches_one_rank(2, 1, 4, false);  // 1F1B: rank 0 keeps 2 in flight
+  check_schedule_matches_one_rank(4, 1, 5, false);  // rank 0 keeps 4
+  check_schedule_matches_one_rank(2, 2, 4, false);  // interleaved
+  check_schedule_matches_one_rank(2, 1, 3, true);   // evaluation
+  check_schedule_matches_one_rank(2, 2, 2, true);
 }
 
 }  // namespace
