@@ -7,10 +7,23 @@
 
 namespace megaton {
 
+float GPTConfig::moe_loss_coeff(const std::string& type) const {
+  if (num_experts == 0) return 0.0f;
+  for (size_t i = 0; i < moe_router_load_balancing_type.size(); ++i)
+    if (moe_router_load_balancing_type[i] == type)
+      return i < moe_aux_loss_coeffs.size() ? moe_aux_loss_coeffs[i] : moe_aux_loss_coeff;
+  return 0.0f;
+}
+
 bool GPTConfig::use_aux_loss() const {
-  return num_experts > 0 && moe_aux_loss_coeff != 0.0f &&
-         std::find(moe_router_load_balancing_type.begin(), moe_router_load_balancing_type.end(),
-                   "aux_loss") != moe_router_load_balancing_type.end();
+  return moe_loss_coeff("aux_loss") != 0.0f || moe_loss_coeff("seq_aux_loss") != 0.0f ||
+         moe_loss_coeff("global_aux_loss") != 0.0f;
+}
+
+int64_t GPTConfig::num_moe_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_layers; ++l) n += is_moe_layer(l);
+  return n;
 }
 
 void GPTConfig::finalize() {
@@ -62,10 +75,63 @@ void GPTConfig::finalize() {
       fail("moe-router-topk ({}) must be between 1 and num-experts ({})", moe_router_topk,
            num_experts);
     if (moe_layer_freq <= 0) fail("moe-layer-freq must be positive (got {})", moe_layer_freq);
-    for (const auto& t : moe_router_load_balancing_type)
-      if (t != "aux_loss" && t != "none")
-        fail("moe-router-load-balancing-type '{}' is not supported yet (supported: aux_loss, "
-             "none)", t);
+    if (!moe_layer_pattern.empty()) {
+      if (int64_t(moe_layer_pattern.size()) != num_layers)
+        fail("moe-layer-freq pattern has {} entries for num-layers {}", moe_layer_pattern.size(),
+             num_layers);
+      for (int v : moe_layer_pattern)
+        if (v != 0 && v != 1) fail("moe-layer-freq pattern entries must be 0 or 1 (got {})", v);
+    }
+    const std::vector<std::string>& types = moe_router_load_balancing_type;
+    for (const auto& t : types)
+      if (t != "aux_loss" && t != "seq_aux_loss" && t != "global_aux_loss" && t != "sinkhorn" &&
+          t != "none")
+        fail("moe-router-load-balancing-type '{}' must be aux_loss, seq_aux_loss, "
+             "global_aux_loss, sinkhorn or none", t);
+    if (!moe_aux_loss_coeffs.empty() && moe_aux_loss_coeffs.size() != types.size())
+      fail("moe-aux-loss-coeff has {} values for {} moe-router-load-balancing-type values",
+           moe_aux_loss_coeffs.size(), types.size());
+    if (moe_aux_loss_coeffs.empty()) moe_aux_loss_coeffs.assign(types.size(), moe_aux_loss_coeff);
+    const bool sinkhorn = std::find(types.begin(), types.end(), "sinkhorn") != types.end();
+    if (sinkhorn && (types.size() != 1 || moe_aux_loss_coeffs[0] != 0.0f))
+      fail("moe-router-load-balancing-type sinkhorn takes no other type and moe-aux-loss-coeff 0");
+    // Megatron's sinkhorn router has no group limit, scaling factor or expert bias.
+    if (sinkhorn && (moe_router_num_groups > 0 || moe_router_topk_scaling_factor != 0.0f ||
+                     moe_router_enable_expert_bias))
+      fail("moe-router-load-balancing-type sinkhorn takes no moe-router-num-groups, "
+           "moe-router-topk-scaling-factor or moe-router-enable-expert-bias");
+    const std::string& f = moe_router_score_function;
+    if (f != "softmax" && f != "sigmoid" && f != "sqrtsoftplus")
+      fail("moe-router-score-function must be softmax, sigmoid or sqrtsoftplus (got '{}')", f);
+    // Megatron's TransformerConfig checks.
+    if (moe_router_topk == 1 && f == "softmax" && !moe_router_pre_softmax && !sinkhorn)
+      fail("moe-router-topk 1 with the softmax score function needs moe-router-pre-softmax");
+    if (moe_router_enable_expert_bias && f == "softmax")
+      fail("moe-router-enable-expert-bias needs moe-router-score-function sigmoid or "
+           "sqrtsoftplus");
+    if (moe_router_num_groups > 0) {
+      if (num_experts % moe_router_num_groups != 0)
+        fail("num-experts ({}) is not divisible by moe-router-num-groups ({})", num_experts,
+             moe_router_num_groups);
+      if (moe_router_group_topk <= 0 || moe_router_group_topk > moe_router_num_groups)
+        fail("moe-router-group-topk ({}) must be between 1 and moe-router-num-groups ({})",
+             moe_router_group_topk, moe_router_num_groups);
+      if (moe_router_topk < moe_router_group_topk)
+        fail("moe-router-topk ({}) is smaller than moe-router-group-topk ({})", moe_router_topk,
+             moe_router_group_topk);
+    } else if (moe_router_group_topk > 0) {
+      fail("moe-router-group-topk needs moe-router-num-groups");
+    }
+    if (!moe_router_dtype.empty() && moe_router_dtype != "fp32" && moe_router_dtype != "fp64")
+      fail("moe-router-dtype must be fp32 or fp64 (got '{}')", moe_router_dtype);
+    if (moe_z_loss_coeff < 0) fail("moe-z-loss-coeff must be >= 0 (got {})", moe_z_loss_coeff);
+    if (moe_input_jitter_eps < 0 || moe_input_jitter_eps >= 1)
+      fail("moe-input-jitter-eps must be in [0, 1) (got {})", moe_input_jitter_eps);
+    if (moe_shared_expert_intermediate_size < 0)
+      fail("moe-shared-expert-intermediate-size must be >= 0 (got {})",
+           moe_shared_expert_intermediate_size);
+    if (moe_shared_expert_gate)
+      fail("moe-shared-expert-gate is not supported yet (the shared expert is added ungated)");
   }
 }
 

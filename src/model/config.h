@@ -44,9 +44,28 @@ struct GPTConfig {
   int64_t moe_ffn_hidden_size = 0;  // 0: ffn_hidden_size
   int64_t moe_router_topk = 2;
   bool moe_router_pre_softmax = false;
-  int64_t moe_layer_freq = 1;       // every moe_layer_freq-th layer is MoE (layer i: i % f == 0)
+  // --moe-layer-freq: an integer f (layer i is MoE when i % f == 0), or a per-layer
+  // pattern such as "[0]*1+[1]*3" (1: MoE), parsed into moe_layer_pattern.
+  int64_t moe_layer_freq = 1;
+  std::vector<int> moe_layer_pattern;  // empty: use moe_layer_freq
+  // Load balancing: one or more of aux_loss, seq_aux_loss, global_aux_loss, sinkhorn,
+  // none, with one coefficient each (moe_aux_loss_coeffs, filled by finalize from
+  // moe_aux_loss_coeff when --moe-aux-loss-coeff gave one value).
   std::vector<std::string> moe_router_load_balancing_type = {"aux_loss"};
   float moe_aux_loss_coeff = 0.0f;
+  std::vector<float> moe_aux_loss_coeffs;
+  std::string moe_router_score_function = "softmax";  // softmax | sigmoid | sqrtsoftplus
+  float moe_router_topk_scaling_factor = 0.0f;        // 0: none
+  std::string moe_router_dtype;                       // "" | fp32 | fp64
+  int64_t moe_router_num_groups = 0;                  // 0: no group-limited routing
+  int64_t moe_router_group_topk = 0;
+  float moe_z_loss_coeff = 0.0f;                      // 0: no z-loss
+  float moe_input_jitter_eps = 0.0f;                  // 0: no jitter
+  bool moe_router_enable_expert_bias = false;
+  float moe_router_bias_update_rate = 1e-3f;
+  bool moe_router_force_load_balancing = false;
+  int64_t moe_shared_expert_intermediate_size = 0;    // 0: no shared expert
+  bool moe_shared_expert_gate = false;
 
   // Where and in what precision the model runs. --bf16 keeps fp32 main params and main
   // grads and computes in bf16; it applies on the GPU (the CPU backend is the fp32
@@ -63,8 +82,14 @@ struct GPTConfig {
   int64_t query_projection_size() const { return kv_channels * num_attention_heads; }
   int64_t kv_projection_size() const { return kv_channels * num_query_groups; }
   bool is_moe_layer(int64_t layer) const {
-    return num_experts > 0 && layer % moe_layer_freq == 0;
+    if (num_experts == 0) return false;
+    if (!moe_layer_pattern.empty()) return moe_layer_pattern[size_t(layer)] != 0;
+    return layer % moe_layer_freq == 0;
   }
+  int64_t num_moe_layers() const;
+  // The coefficient of load-balancing type `type` (0 when it is not enabled).
+  float moe_loss_coeff(const std::string& type) const;
+  // Whether any aux-loss-style load-balancing loss is enabled with a nonzero coefficient.
   bool use_aux_loss() const;
 
   // Fills defaults that depend on other fields, pads the vocabulary (Megatron's

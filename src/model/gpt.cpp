@@ -26,7 +26,7 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
       layer_(layer) {
   std::string prefix = "decoder.layers." + std::to_string(layer) + ".mlp";
   if (cfg.is_moe_layer(layer)) {
-    moe = std::make_unique<MoELayer>(prefix, cfg, seed, mp);
+    moe = std::make_unique<MoELayer>(prefix, cfg, seed, mp, layer);
   } else {
     float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
     mlp = std::make_unique<MLP>(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu,

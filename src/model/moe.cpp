@@ -11,11 +11,11 @@
 namespace megaton {
 
 MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t seed,
-                   const ModelParallel& mp)
-    : router_weight(make_param(prefix + ".router.weight", {cfg.num_experts, cfg.hidden_size},
-                               cfg.init_method_std, seed, Placement::of(cfg))),
+                   const ModelParallel& mp, int64_t layer)
+    : router(prefix, cfg, seed, mp, layer),
       cfg_(cfg),
       mp_(mp),
+      layer_(layer),
       dispatcher_(make_token_dispatcher(cfg.num_experts, mp)) {
   Placement where = Placement::of(cfg);
   float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
@@ -23,9 +23,13 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
   const int etp = mp.etp_size(), etp_rank = mp.etp_rank();
   if (f % etp != 0)
     fail("moe-ffn-hidden-size ({}) is not divisible by expert-tensor-parallel-size ({})", f, etp);
-  // The router sees only this rank's token rows under TP (see moe.h): its gradient is a
-  // partial sum over the tensor-parallel group.
-  router_weight.sequence_parallel = mp.tp_size() > 1;
+  if (cfg.moe_shared_expert_intermediate_size > 0) {
+    const float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
+    shared_expert = std::make_unique<MLP>(prefix + ".shared_experts", cfg.hidden_size,
+                                          cfg.moe_shared_expert_intermediate_size, cfg.swiglu,
+                                          false, cfg.init_method_std, output_std, seed,
+                                          Placement::of(cfg), mp);
+  }
   first_local_expert_ = dispatcher_->first_local_expert();
   for (int64_t l = 0; l < dispatcher_->num_local_experts(); ++l) {
     // Megatron's checkpoints name experts by their global index.
@@ -99,31 +103,6 @@ Tensor MoELayer::expert_activation() const {
   return act;
 }
 
-float MoELayer::aux_loss_forward() {
-  Saved& s = saved_;
-  const int64_t tokens = s.logits.dim(0), num_experts = cfg_.num_experts;
-  const int k = int(cfg_.moe_router_topk);
-  s.aux_scores = Tensor::empty({tokens, num_experts}, DType::F32, s.logits.device());
-  s.aux_counts = Tensor::empty({num_experts}, DType::F32, s.logits.device());
-  const float local =
-      ops::moe_aux_loss_forward(s.logits, k, cfg_.moe_aux_loss_coeff, s.aux_scores, s.aux_counts);
-  const dist::Group& group = mp_.tp_cp();
-  if (group.size() == 1) return local;
-  // Megatron's aux_loss: tokens_per_expert summed over the TP x CP group and
-  // T = local tokens x its size, with this rank's scores:
-  //   coeff * E / (k (T S)^2) * sum_e (sum_t scores[t, e]) * tokens_per_expert[e].
-  mp_.comm->all_reduce(s.aux_counts, group);
-  const double size = double(group.size());
-  Tensor weighted = Tensor::empty({tokens, 1}, DType::F32, s.logits.device());
-  ops::gemm(s.aux_scores, false, s.aux_counts.view({num_experts, 1}), false, weighted);
-  const double aux = double(cfg_.moe_aux_loss_coeff) * double(num_experts) /
-                     (double(k) * double(tokens) * double(tokens) * size * size) *
-                     ops::sum(weighted);
-  // moe_aux_loss_backward divides by the local T^2: counts / S^2 give the factor above.
-  ops::scale_(s.aux_counts, float(1.0 / (size * size)));
-  return float(aux);
-}
-
 Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   Tensor x = x_in;
   if (splits_rows()) {
@@ -133,26 +112,17 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
                   x_in.dim(0), tp);
     x = x_in.rows(mp_.tp_rank() * (x_in.dim(0) / tp), x_in.dim(0) / tp);
   }
-  int64_t tokens = x.dim(0), hidden = x.dim(1), num_experts = cfg_.num_experts;
-  int k = int(cfg_.moe_router_topk);
-  Device dev = x.device();
+  const int64_t tokens = x.dim(0), hidden = x.dim(1);
   Saved& s = saved_;
   s.x = x;
-  // Router math in fp32 (Megatron computes the routing scores in fp32).
-  s.logits = Tensor::empty({tokens, num_experts}, DType::F32, dev);
-  ops::gemm(x, false, router_weight.weight, true, s.logits);
-  s.probs = Tensor::empty({tokens, k}, DType::F32, dev);
-  s.indices = Tensor::empty({tokens, k}, DType::I32, dev);
-  ops::moe_topk_softmax_forward(s.logits, k, cfg_.moe_router_pre_softmax, s.probs, s.indices);
-  if (cfg_.use_aux_loss()) {
-    s.aux_loss = aux_loss_forward();
-  } else {
-    s.aux_loss = 0.0f;
-    s.aux_scores = s.aux_counts = Tensor();
-  }
+  // This rank's rows are block tp_rank of the tensor-parallel group's token rows (under
+  // sequence parallelism, or split here without it).
+  const TopKRouter::Output routing =
+      router.forward(x, ctx, mp_.tp_size() > 1 ? int64_t(mp_.tp_rank()) * tokens : 0);
+  s.aux_loss = float(router.last_loss());
 
   // The copies routed to this rank's experts, grouped by local expert.
-  s.expert_in = dispatcher_->dispatch(x, s.probs, s.indices);
+  s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices);
   s.tokens_per_local_expert = dispatcher_->tokens_per_local_expert();
   const int64_t rows = s.expert_in.dim(0);
   s.fc1_out = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
@@ -166,20 +136,20 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias);
 
   Tensor out = dispatcher_->combine(expert_out);
-  return splits_rows() ? gather_sequence(out, mp_) : out;
+  if (splits_rows()) out = gather_sequence(out, mp_);
+  if (shared_expert) ops::add_(out, shared_expert->forward(x_in));
+  return out;
 }
 
 Tensor MoELayer::backward(const Tensor& dy_in) {
   MEGATON_CHECK(saved_.x.defined(), "MoE layer '{}': backward without a forward",
-                router_weight.name);
+                router.weight.name);
   const Saved& s = saved_;
   Tensor dy = dy_in;
   if (splits_rows()) {  // dy is whole on every TP rank: this rank's block of it
     const int64_t tp = mp_.tp_size();
     dy = dy_in.rows(mp_.tp_rank() * (dy_in.dim(0) / tp), dy_in.dim(0) / tp);
   }
-  int64_t tokens = dy.dim(0), num_experts = cfg_.num_experts;
-  int k = int(cfg_.moe_router_topk);
   Tensor dprobs;
   Tensor dexpert_out = dispatcher_->combine_backward(dy, dprobs);
 
@@ -209,40 +179,35 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
 
   Tensor dx = dispatcher_->dispatch_backward(dexpert_in);
 
-  // Router: probabilities and the injected aux-loss gradient, then the gating linear.
-  Tensor dlogits = Tensor::empty({tokens, num_experts}, DType::F32, dy.device());
-  ops::moe_topk_softmax_backward(dprobs, s.logits, s.probs, s.indices, cfg_.moe_router_pre_softmax,
-                                 dlogits);
-  if (cfg_.use_aux_loss())
-    ops::moe_aux_loss_backward(aux_grad_scale, s.aux_scores, s.aux_counts, k,
-                               cfg_.moe_aux_loss_coeff, dlogits);
-  Tensor dlogits_compute = dlogits;
-  if (dy.dtype() != DType::F32) {
-    dlogits_compute = empty_like(dy, dlogits.shape());
-    ops::cast(dlogits, dlogits_compute);
-  }
-  ops::gemm(dlogits_compute, false, router_weight.weight, false, dx, 1.0f, 1.0f);
-  ops::gemm(dlogits_compute, true, s.x, false, router_weight.main_grad, 1.0f, 1.0f);
+  // Router: the probabilities' and the injected losses' gradients, then the gating linear.
+  router.backward(dprobs, aux_grad_scale, dx);
   // The tensors are used up; last_aux_loss() and last_tokens_per_local_expert() stay
   // readable until the next forward (or take_saved).
   Saved reported;
   reported.aux_loss = s.aux_loss;
   reported.tokens_per_local_expert = std::move(saved_.tokens_per_local_expert);
   saved_ = std::move(reported);
-  return splits_rows() ? gather_sequence(dx, mp_) : dx;
+  if (splits_rows()) dx = gather_sequence(dx, mp_);
+  if (shared_expert) ops::add_(dx, shared_expert->backward(dy_in));
+  return dx;
 }
 
 MoELayer::Activations MoELayer::take_saved() {
-  return {std::exchange(saved_, {}), dispatcher_->take_saved()};
+  Activations out{std::exchange(saved_, {}), router.take_saved(), dispatcher_->take_saved(), {}};
+  if (shared_expert) out.shared_expert = shared_expert->take_saved();
+  return out;
 }
 
 void MoELayer::restore_saved(Activations&& saved) {
   saved_ = std::move(saved.moe);
+  router.restore_saved(std::move(saved.router));
   dispatcher_->restore_saved(std::move(saved.dispatcher));
+  if (shared_expert) shared_expert->restore_saved(std::move(saved.shared_expert));
 }
 
 void MoELayer::collect_params(std::vector<Param*>& out) {
-  out.push_back(&router_weight);
+  router.collect_params(out);
+  if (shared_expert) shared_expert->collect_params(out);
   for (Expert& e : experts) {
     out.push_back(&e.fc1_weight);
     if (e.fc1_bias.weight.defined()) out.push_back(&e.fc1_bias);

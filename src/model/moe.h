@@ -6,14 +6,15 @@
 
 #include "model/layers.h"
 #include "model/parallel.h"
+#include "model/router.h"
 #include "model/token_dispatcher.h"
 
 namespace megaton {
 
-// Router (Megatron TopKRouter, softmax score function, dropless): logits = x Wr^T in
-// fp32; top-k; probabilities from moe_topk_softmax; the aux_loss load-balancing loss
-// (switch_load_balancing_loss_func) when configured, whose gradient is injected in
-// backward scaled by aux_grad_scale (MoEAuxLossAutoScaler: 1 / micro-batches).
+// Router: TopKRouter (router.h; every Megatron routing and load-balancing option,
+// dropless), whose injected loss gradients are scaled by aux_grad_scale
+// (MoEAuxLossAutoScaler: 1 / micro-batches). An optional shared expert (a dense MLP over
+// all tokens) is added to the routed output.
 // Experts run as grouped GEMMs over the tokens sorted by expert (one call for all local
 // experts, Megatron's GroupedMLP); their parameters keep SequentialMLP's names with the
 // global expert index, "<prefix>.experts.local_experts.<e>.linear_fc1/.linear_fc2".
@@ -40,8 +41,9 @@ class MoELayer {
   // Throws megaton::Error when moe_ffn_hidden_size is not divisible by the
   // expert-tensor-parallel size (and InternalError when num_experts is not divisible by ep,
   // which the layout checks reject first).
+  // layer: the global layer number.
   MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t seed,
-           const ModelParallel& mp = {});
+           const ModelParallel& mp = {}, int64_t layer = 0);
   // x [T, H] -> [T, H] (T: this rank's token rows, compute dtype). Collective over the
   // expert groups (and tp, tp_cp when they have more than one rank).
   Tensor forward(const Tensor& x, const ForwardContext& ctx);
@@ -56,6 +58,8 @@ class MoELayer {
   // tensor parallelism this rank's share (see above). Kept after backward; moved out and
   // back with the rest of the forward's state by take_saved / restore_saved.
   float last_aux_loss() const { return saved_.aux_loss; }
+  // The global layer number (router random streams, logs, checkpoint names).
+  int64_t layer_number() const { return layer_; }
   // Rows the last forward gave each local expert (all ranks' copies routed to it; host),
   // likewise.
   const std::vector<int64_t>& last_tokens_per_local_expert() const {
@@ -65,20 +69,18 @@ class MoELayer {
   // What forward saved for backward (T: this rank's token rows, R: rows of the local
   // experts' copies).
   struct Saved {
-    Tensor x;               // the router input [T, H]
-    Tensor logits;          // router logits [T, E] fp32
-    Tensor probs, indices;  // top-k probabilities [T, k] fp32 and experts [T, k] int32
+    Tensor x;               // the layer's token rows [T, H] (defined between forward and backward)
     Tensor expert_in;       // the dispatched copies [R, H]
     Tensor fc1_out;         // [R, fc1 outputs / etp]; the activation is recomputed
-    Tensor aux_scores;      // aux loss: scores [T, E] fp32
-    Tensor aux_counts;      // aux loss: token counts per expert [E] fp32 (scaled, see .cpp)
     float aux_loss = 0.0f;  // last_aux_loss()
     std::vector<int64_t> tokens_per_local_expert;  // [local experts], host
   };
-  // The layer's saved state with its token dispatcher's.
+  // The layer's saved state with its router's, token dispatcher's and shared expert's.
   struct Activations {
     Saved moe;
+    TopKRouter::Saved router;
     std::any dispatcher;  // MoETokenDispatcher::take_saved
+    MLP::Activations shared_expert;
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
@@ -86,8 +88,12 @@ class MoELayer {
   struct Expert {
     Param fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases absent with disable_bias_linear
   };
-  Param router_weight;          // [E, H], "<prefix>.router.weight"
+  TopKRouter router;            // "<prefix>.router.weight" [E, H] (+ expert_bias)
   std::vector<Expert> experts;  // the local experts, in global order
+  // --moe-shared-expert-intermediate-size: a dense MLP over every token, added to the
+  // routed experts' output ("<prefix>.shared_experts.linear_fc1/2"; tensor-parallel like
+  // the dense MLP). Null without.
+  std::unique_ptr<MLP> shared_expert;
   int64_t first_local_expert() const { return first_local_expert_; }
 
  private:
@@ -99,14 +105,12 @@ class MoELayer {
   Tensor expert_activation() const;
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
-  // The aux loss of the saved logits with the token counts summed over TP x CP (saves
-  // aux_scores, aux_counts for backward).
-  float aux_loss_forward();
   // Without sequence parallelism under TP: the layer runs on block tp_rank of the rows.
   bool splits_rows() const;
 
   const GPTConfig& cfg_;
   ModelParallel mp_;
+  int64_t layer_;
   int64_t first_local_expert_ = 0;
   std::unique_ptr<MoETokenDispatcher> dispatcher_;
   Saved saved_;

@@ -185,29 +185,94 @@ void cross_entropy_backward_vocab_range(const Tensor& dlosses, const Tensor& log
                                         const Tensor& labels, const Tensor& lse,
                                         int64_t vocab_start, Tensor& dlogits);
 
-// ---- MoE routing (ops/cpu/moe_route.cpp); Megatron-LM transformer/moe/router.py ----
-// Top-k routing with softmax scores. logits [T, E]; probs [T, k]; indices [T, k] int32,
-// each row's experts in descending score order (ties: lower expert index first).
-// pre_softmax=false (Megatron default): top-k over the logits, softmax over the k chosen.
-// pre_softmax=true: softmax over all E, then top-k (probs not renormalised).
-void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Tensor& probs,
-                              Tensor& indices);
-// dlogits [T, E] overwritten from dprobs [T, k].
-void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,
-                               const Tensor& indices, bool pre_softmax, Tensor& dlogits);
-// Megatron's aux_loss load balancing (compute_routing_scores_for_aux_loss +
-// switch_load_balancing_loss_func): scores = softmax over all E of logits, routing map =
-// top-k of scores, tokens_per_expert[e] = routed count, T = rows of logits, and
-//   aux = coeff * E / (k * T^2) * sum_e (sum_t scores[t, e]) * tokens_per_expert[e].
-// scores [T, E] and tokens_per_expert [E] (fp32 counts) are written for backward.
-// Returns aux (a scalar, not added to the LM loss).
-float moe_aux_loss_forward(const Tensor& logits, int k, float coeff, Tensor& scores,
-                           Tensor& tokens_per_expert);
-// dlogits [T, E] += d(aux * grad_scale)/d(logits) through the softmax (accumulates).
-// grad_scale is what MoEAuxLossAutoScaler multiplies by (1 / micro-batches).
-void moe_aux_loss_backward(float grad_scale, const Tensor& scores,
-                           const Tensor& tokens_per_expert, int k, float coeff,
-                           Tensor& dlogits);
+// ---- MoE router, all of Megatron's options (ops/cpu/moe_router.cpp) ----
+// Megatron-LM transformer/moe/moe_utils.py (topk_routing_with_score_function,
+// group_limited_topk, compute_routing_scores_for_aux_loss, switch_load_balancing_loss_func,
+// z_loss_func, sinkhorn). Router math in fp32 whatever the model dtype (Megatron computes
+// softmax/sigmoid scores in fp32 even with --moe-router-dtype fp64).
+
+enum class RouterScoreFunction { Softmax, Sigmoid, SqrtSoftplus };
+
+struct RouterTopK {
+  int topk = 2;
+  RouterScoreFunction score_function = RouterScoreFunction::Softmax;
+  bool pre_softmax = false;     // softmax only: softmax over all E, then top-k
+  float scaling_factor = 0.0f;  // --moe-router-topk-scaling-factor; 0: none
+  int num_groups = 0;           // --moe-router-num-groups; 0: no group limit
+  int group_topk = 0;           // --moe-router-group-topk
+  bool sinkhorn = false;        // --moe-router-load-balancing-type sinkhorn (training)
+};
+
+// Top-k routing. logits [T, E] fp32; expert_bias [E] fp32, or undefined (no bias; only
+// with sigmoid/sqrtsoftplus); probs [T, k] fp32 and indices [T, k] int32 written, each
+// row's experts in descending order of the selection score (ties: lower expert first).
+// - softmax, !pre_softmax: select the top-k logits, probs = softmax over those k.
+// - softmax, pre_softmax: s = softmax over all E, select the top-k s, probs = s there.
+// - sigmoid / sqrtsoftplus: s = sigmoid(x) or sqrt(softplus(x)) (softplus(x) = x for
+//   x > 20, torch's threshold); select the top-k of s + bias; probs = s there, divided by
+//   (their sum + 1e-20) when k > 1.
+// - sinkhorn (softmax or sigmoid scores only as the probability): select the top-k of
+//   Megatron's sinkhorn(exp(logits)) (below); probs = sigmoid(x) there when k == 1, else
+//   softmax over all E there (not renormalised).
+// - group limit (num_groups > 0): experts in num_groups equal consecutive groups; group
+//   score = sum of the top (k / group_topk) selection scores in the group; experts outside
+//   the group_topk best groups cannot be selected.
+// Then probs *= scaling_factor when it is set. (Megatron's sinkhorn router applies
+// neither the group limit nor the scaling factor, nor a bias: leave them unset with
+// sinkhorn to match it.) InternalError on bad shapes or options (k outside [1, E],
+// E % num_groups, group_topk outside [1, num_groups] with groups, k / group_topk outside
+// [1, E / num_groups], k > group_topk * E / num_groups, bias with softmax or sinkhorn).
+void moe_router_topk_forward(const Tensor& logits, const Tensor& expert_bias,
+                             const RouterTopK& options, Tensor& probs, Tensor& indices);
+// dlogits [T, E] (overwritten) = d(sum(dprobs * probs)) / d(logits) for the forward above
+// (same logits, probs, indices, options). The selection has no gradient; with sinkhorn
+// the gradient flows through the sigmoid/softmax probability only.
+void moe_router_topk_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,
+                              const Tensor& indices, const RouterTopK& options, Tensor& dlogits);
+
+// Megatron's sinkhorn(cost = exp(logits)): d0 = 1/T / (sum_e d1 cost + 1e-8), d1 = 1/E /
+// (sum_t d0 cost + 1e-8), from d1 = 1, until mean |d1 - d1_previous| <= 1e-4; out
+// [T, E] fp32 = d1 * cost * d0 (column scale d1, row scale d0). logits [T, E] fp32.
+void moe_sinkhorn(const Tensor& logits, Tensor& out);
+
+// Statistics of the load-balancing losses (compute_routing_scores_for_aux_loss), for
+// token rows grouped into sequences. logits [T, E] fp32 are rows first_row ..
+// first_row + T - 1 of a token list in which row r belongs to group r / rows_per_group
+// (seq_aux_loss: rows_per_group = sequence length; aux/global: one group). Writes
+// scores [T, E] fp32: softmax over all E, or sigmoid / sqrtsoftplus divided by their sum
+// over E (+ 1e-20); score_sums [G, E] fp32: per group the sum over this call's rows of
+// scores; counts [G, E] fp32: per group the rows whose top-k of scores (no bias, no
+// group limit; ties: lower expert) includes e. G = score_sums.dim(0) must cover every
+// row's group. InternalError otherwise.
+void moe_aux_loss_statistics(const Tensor& logits, RouterScoreFunction score_function, int topk,
+                             int64_t first_row, int64_t rows_per_group, Tensor& scores,
+                             Tensor& score_sums, Tensor& counts);
+// dlogits [T, E] += J^T dscores with dscores[t, e] = coeffs[g(t), e] (coeffs [G, E] fp32,
+// g(t) = (first_row + t) / rows_per_group) and J the Jacobian of the scores above with
+// respect to the logits. The switch load-balancing loss c E / (k T^2) sum_e score_sums[e]
+// counts[e] has coeffs[g, e] = c E / (k T^2) counts[g, e] times the gradient scale.
+void moe_aux_loss_statistics_backward(const Tensor& coeffs, const Tensor& logits,
+                                      const Tensor& scores, RouterScoreFunction score_function,
+                                      int64_t first_row, int64_t rows_per_group, Tensor& dlogits);
+
+// Row log-sum-exp: lse [T] fp32 of logits [T, E] fp32 (z_loss_func's torch.logsumexp).
+void moe_router_logsumexp(const Tensor& logits, Tensor& lse);
+// dlogits [T, E] += scale * lse[t] * softmax(logits[t, :]): the gradient of
+// scale / 2 * sum_t lse[t]^2 (the z-loss coeff / (tp cp) * mean(lse^2) has
+// scale = 2 coeff / (tp cp T) times the gradient scale).
+void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, Tensor& dlogits);
+
+// counts [num_experts] fp32 += how many rows of indices [T, k] int32 name each expert
+// (tokens per expert; an index outside [0, num_experts) is an InternalError).
+void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& counts);
+
+// Counter-based random fills (core/rng.h Philox, the same values on CPU and GPU): element
+// i of t (fp32, contiguous) = Philox(seed).normal(stream, i) (standard normal), or
+// lo + (hi - lo) * Philox(seed).uniform(stream, i).
+void fill_normal(Tensor& t, uint64_t seed, uint64_t stream);
+void fill_uniform(Tensor& t, float lo, float hi, uint64_t seed, uint64_t stream);
+// y *= x elementwise (same shape; y any float dtype, x fp32 or y's dtype).
+void mul_(Tensor& y, const Tensor& x);
 
 // ---- MoE token permutation (ops/cpu/moe_permute.cpp) ----
 // Sort the T*k (token, slot) copies by expert, stable in token order.

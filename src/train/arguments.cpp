@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -60,9 +61,24 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"moe-ffn-hidden-size", "expert MLP hidden size"},
       {"moe-router-topk", "experts per token"},
       {"moe-router-pre-softmax", "softmax over all experts before top-k", true},
-      {"moe-layer-freq", "every n-th layer is MoE"},
-      {"moe-router-load-balancing-type", "aux_loss or none", false, true},
-      {"moe-aux-loss-coeff", "coefficient of the aux loss"},
+      {"moe-layer-freq", "every n-th layer is MoE, or a pattern like [0]*1+[1]*3"},
+      {"moe-router-load-balancing-type",
+       "aux_loss, seq_aux_loss, global_aux_loss, sinkhorn or none (several allowed)", false,
+       true},
+      {"moe-aux-loss-coeff", "coefficient of each load-balancing loss", false, true},
+      {"moe-router-score-function", "softmax, sigmoid or sqrtsoftplus"},
+      {"moe-router-topk-scaling-factor", "multiply the top-k probabilities by this"},
+      {"moe-router-dtype", "fp32 or fp64: the router's gating GEMM and statistics"},
+      {"moe-router-num-groups", "expert groups for group-limited routing"},
+      {"moe-router-group-topk", "groups each token may use"},
+      {"moe-z-loss-coeff", "coefficient of the router z-loss"},
+      {"moe-input-jitter-eps", "multiply router inputs by Uniform(1-eps, 1+eps)"},
+      {"moe-router-enable-expert-bias", "aux-loss-free balancing with a per-expert bias", true},
+      {"moe-router-bias-update-rate", "expert bias update rate"},
+      {"moe-router-force-load-balancing", "random routing scores (benchmarking)", true},
+      {"moe-shared-expert-intermediate-size", "hidden size of the shared expert"},
+      {"moe-shared-expert-gate", "sigmoid gate on the shared expert output", true},
+      {"moe-per-layer-logging", "log MoE metrics per layer", true},
       // optimizer and schedule
       {"optimizer", "adam (AdamW)"},
       {"lr", "peak learning rate"},
@@ -217,6 +233,103 @@ struct Reader {
 };
 }  // namespace
 
+namespace {
+// Megatron's --moe-layer-freq pattern: a Python expression of lists of integers, '+'
+// (concatenation, or addition of integers), '*' (repetition, or multiplication) and
+// parentheses, e.g. "[0]*1+[1]*3" -> [0, 1, 1, 1]. Megatron eval()s it after checking
+// those characters; this is a parser for exactly that grammar.
+class LayerPatternParser {
+ public:
+  LayerPatternParser(const std::string& text, const char* key) : s_(text), key_(key) {}
+  std::vector<int> parse() {
+    Value v = expr();
+    skip();
+    if (pos_ != s_.size()) bad("unexpected '" + s_.substr(pos_, 1) + "'");
+    if (!v.is_list) bad("the pattern must be a list");
+    return v.list;
+  }
+
+ private:
+  struct Value {
+    bool is_list = false;
+    std::vector<int> list;
+    int64_t number = 0;
+  };
+  [[noreturn]] void bad(const std::string& why) const {
+    fail("option '{}': cannot read pattern '{}': {}", key_, s_, why);
+  }
+  void skip() {
+    while (pos_ < s_.size() && s_[pos_] == ' ') ++pos_;
+  }
+  bool take(char c) {
+    skip();
+    if (pos_ < s_.size() && s_[pos_] == c) return ++pos_, true;
+    return false;
+  }
+  int64_t integer() {
+    skip();
+    size_t start = pos_;
+    while (pos_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+    if (start == pos_) bad("expected a number at position " + std::to_string(start));
+    if (pos_ - start > 6) bad("number too large");
+    return std::stoll(s_.substr(start, pos_ - start));
+  }
+  Value atom() {
+    Value v;
+    if (take('(')) {
+      v = expr();
+      if (!take(')')) bad("missing ')'");
+    } else if (take('[')) {
+      v.is_list = true;
+      if (!take(']')) {
+        do v.list.push_back(int(integer()));
+        while (take(','));
+        if (!take(']')) bad("missing ']'");
+      }
+    } else {
+      v.number = integer();
+    }
+    return v;
+  }
+  Value product() {
+    Value v = atom();
+    while (take('*')) {
+      Value w = atom();
+      if (v.is_list && w.is_list) bad("a list times a list");
+      if (!v.is_list && !w.is_list) {
+        v.number *= w.number;
+        continue;
+      }
+      const Value& list = v.is_list ? v : w;
+      const int64_t times = v.is_list ? w.number : v.number;
+      if (times * int64_t(list.list.size()) > 100000) bad("pattern too long");
+      Value r;
+      r.is_list = true;
+      for (int64_t i = 0; i < times; ++i) r.list.insert(r.list.end(), list.list.begin(), list.list.end());
+      v = r;
+    }
+    return v;
+  }
+  Value expr() {
+    Value v = product();
+    while (take('+')) {
+      Value w = product();
+      if (v.is_list != w.is_list) bad("a list plus a number");
+      if (v.is_list) v.list.insert(v.list.end(), w.list.begin(), w.list.end());
+      else v.number += w.number;
+    }
+    return v;
+  }
+  std::string s_;
+  const char* key_;
+  size_t pos_ = 0;
+};
+}  // namespace
+
+std::vector<int> parse_layer_pattern(const std::string& text, const char* key) {
+  return LayerPatternParser(text, key).parse();
+}
+
 TrainArgs parse_train_args(const RawOptions& raw) {
   for (const auto& [k, v] : raw)
     if (!find_spec(k)) fail("unknown option '{}'", k);
@@ -255,10 +368,39 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("moe-ffn-hidden-size", m.moe_ffn_hidden_size);
   r.get("moe-router-topk", m.moe_router_topk);
   r.get("moe-router-pre-softmax", m.moe_router_pre_softmax);
-  r.get("moe-layer-freq", m.moe_layer_freq);
+  if (r.has("moe-layer-freq")) {
+    const std::string& freq = r.one("moe-layer-freq");
+    if (freq.find('[') != std::string::npos)
+      m.moe_layer_pattern = parse_layer_pattern(freq, "moe-layer-freq");
+    else
+      r.get("moe-layer-freq", m.moe_layer_freq);
+  }
   if (r.has("moe-router-load-balancing-type"))
     m.moe_router_load_balancing_type = raw.at("moe-router-load-balancing-type");
-  r.get("moe-aux-loss-coeff", m.moe_aux_loss_coeff);
+  if (r.has("moe-aux-loss-coeff")) {
+    const std::vector<std::string>& coeffs = raw.at("moe-aux-loss-coeff");
+    for (const std::string& c : coeffs) {
+      char* end = nullptr;
+      const double v = std::strtod(c.c_str(), &end);
+      if (c.empty() || *end != '\0') fail("option 'moe-aux-loss-coeff' expects numbers (got '{}')", c);
+      m.moe_aux_loss_coeffs.push_back(float(v));
+    }
+    m.moe_aux_loss_coeff = m.moe_aux_loss_coeffs.empty() ? 0.0f : m.moe_aux_loss_coeffs[0];
+    if (coeffs.size() == 1) m.moe_aux_loss_coeffs.clear();  // one value for every type
+  }
+  r.get("moe-router-score-function", m.moe_router_score_function);
+  r.get("moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor);
+  r.get("moe-router-dtype", m.moe_router_dtype);
+  r.get("moe-router-num-groups", m.moe_router_num_groups);
+  r.get("moe-router-group-topk", m.moe_router_group_topk);
+  r.get("moe-z-loss-coeff", m.moe_z_loss_coeff);
+  r.get("moe-input-jitter-eps", m.moe_input_jitter_eps);
+  r.get("moe-router-enable-expert-bias", m.moe_router_enable_expert_bias);
+  r.get("moe-router-bias-update-rate", m.moe_router_bias_update_rate);
+  r.get("moe-router-force-load-balancing", m.moe_router_force_load_balancing);
+  r.get("moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size);
+  r.get("moe-shared-expert-gate", m.moe_shared_expert_gate);
+  r.get("moe-per-layer-logging", a.moe_per_layer_logging);
 
   std::string optimizer = "adam";
   r.get("optimizer", optimizer);

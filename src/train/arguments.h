@@ -61,6 +61,7 @@ struct TrainArgs {
   std::string log_metrics_file;        // Megaton: per-iteration JSON lines; "" off
   bool log_params_norm = false;        // --log-params-norm
   bool log_num_zeros_in_grad = false;  // --log-num-zeros-in-grad
+  bool moe_per_layer_logging = false;  // --moe-per-layer-logging
   float clip_grad = 1.0f;
   uint64_t seed = 1234;
 
@@ -108,6 +109,11 @@ RawOptions read_yaml_options(const std::string& path);
 // Converts raw values into TrainArgs, checking types and ranges. The model's vocab_size
 // is left 0 (it comes from the tokenizer). Throws megaton::Error naming the key.
 TrainArgs parse_train_args(const RawOptions& raw);
+
+// Megatron's --moe-layer-freq pattern ("[0]*1+[1]*3" -> {0, 1, 1, 1}): lists of integers
+// joined by '+' (concatenation) and '*' (repetition), with parentheses. Throws
+// megaton::Error naming `key` and the pattern when it is not of that form.
+std::vector<int> parse_layer_pattern(const std::string& text, const char* key);
 
 // Checks the parallel layout of `args` on `world_size` ranks against the model before
 // anything is built (dist::validate_layout with the model's layers, heads, query groups

@@ -109,6 +109,7 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
     chunk->set_param_hooks(
         {[this](std::span<Param* const> ps) { ddp_->wait_param_sync(ps); },
          [this](std::span<Param* const> ps) { ddp_->grads_ready(ps); }});
+  moe_ = std::make_unique<MoEStepBookkeeping>(chunk_pointers(), args_.model, *grid_, *comm_);
   optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
                                                          args_.adam, distributed);
   if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
@@ -189,6 +190,7 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
 double Trainer::train_step(int64_t iteration, double* aux_loss) {
   for (auto& chunk : chunks_) chunk->zero_grad();
   ddp_->start_grad_sync_step();
+  moe_->start_step();
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   const int64_t dp = grid_->dp().size();
   double loss_sum = 0, tokens_sum = 0, aux_sum = 0;
@@ -305,8 +307,74 @@ static void print_eval(const std::string& where, double loss) {
   std::fflush(stdout);
 }
 
-void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
-                       double grad_norm, int64_t num_zeros, double params_norm) {
+// Megatron's log fields of the MoE losses (each divided by its coefficient, averaged over
+// layers) and Megaton's tokens-per-expert balance: min, max, max/mean over experts.
+static std::string moe_log_fields(const MoELayerMetrics& m) {
+  std::string out;
+  if (m.load_balancing_loss >= 0) out += fmt::format("load_balancing_loss: {:.6E} | ", m.load_balancing_loss);
+  if (m.seq_load_balancing_loss >= 0)
+    out += fmt::format("seq_load_balancing_loss: {:.6E} | ", m.seq_load_balancing_loss);
+  if (m.global_load_balancing_loss >= 0)
+    out += fmt::format("global_load_balancing_loss: {:.6E} | ", m.global_load_balancing_loss);
+  if (m.z_loss >= 0) out += fmt::format("z_loss: {:.6E} | ", m.z_loss);
+  out += fmt::format("tokens per expert min/max: {:.0f}/{:.0f} | expert imbalance (max/mean): {:.3f} | ",
+                     m.tokens_min, m.tokens_max, m.imbalance);
+  return out;
+}
+
+static void add_moe_metrics(nlohmann::json& line, const MoEStepMetrics& moe, bool per_layer) {
+  auto fill = [](nlohmann::json& j, const MoELayerMetrics& m) {
+    if (m.load_balancing_loss >= 0) j["load_balancing_loss"] = m.load_balancing_loss;
+    if (m.seq_load_balancing_loss >= 0) j["seq_load_balancing_loss"] = m.seq_load_balancing_loss;
+    if (m.global_load_balancing_loss >= 0)
+      j["global_load_balancing_loss"] = m.global_load_balancing_loss;
+    if (m.z_loss >= 0) j["z_loss"] = m.z_loss;
+    j["moe_tokens_per_expert_min"] = m.tokens_min;
+    j["moe_tokens_per_expert_max"] = m.tokens_max;
+    j["moe_expert_imbalance"] = m.imbalance;
+  };
+  fill(line, moe.mean);
+  if (!per_layer) return;
+  nlohmann::json layers = nlohmann::json::array();
+  for (const MoELayerMetrics& m : moe.layers) {
+    nlohmann::json j = {{"layer", m.layer}};
+    fill(j, m);
+    layers.push_back(j);
+  }
+  line["moe_layers"] = layers;
+}
+
+// Interval sums of the per-step metrics (fields that are -1, not enabled, stay -1).
+static void accumulate_moe_metrics(MoEStepMetrics& sum, const MoEStepMetrics& step) {
+  auto add = [](MoELayerMetrics& a, const MoELayerMetrics& b) {
+    a.layer = b.layer;
+    for (auto f : {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
+                   &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss})
+      a.*f = b.*f < 0 ? -1 : (a.*f < 0 ? 0 : a.*f) + b.*f;
+    a.tokens_min += b.tokens_min;
+    a.tokens_max += b.tokens_max;
+    a.imbalance += b.imbalance;
+  };
+  if (sum.layers.size() != step.layers.size()) sum.layers.assign(step.layers.size(), {});
+  for (size_t i = 0; i < step.layers.size(); ++i) add(sum.layers[i], step.layers[i]);
+  add(sum.mean, step.mean);
+}
+
+static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
+  auto scale = [s](MoELayerMetrics& a) {
+    for (auto f : {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
+                   &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss,
+                   &MoELayerMetrics::tokens_min, &MoELayerMetrics::tokens_max,
+                   &MoELayerMetrics::imbalance})
+      if (a.*f >= 0) a.*f *= s;
+  };
+  for (MoELayerMetrics& m : sum.layers) scale(m);
+  scale(sum.mean);
+}
+
+void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double loss,
+                       const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
+                       double params_norm) {
   int64_t tokens = args_.global_batch_size * args_.model.seq_length;
   double flops = num_floating_point_operations(args_.model, tokens);
   std::string line = fmt::format(
@@ -316,7 +384,7 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
       iteration, args_.train_iters, consumed_samples_, ms_per_iter,
       double(tokens) / (ms_per_iter / 1000.0), flops / (ms_per_iter / 1000.0) / 1e12, lr,
       args_.global_batch_size, loss);
-  if (args_.model.use_aux_loss()) line += fmt::format("load_balancing_loss: {:.6E} | ", aux);
+  if (moe_->active()) line += moe_log_fields(moe.mean);
   line += fmt::format("loss scale: 1.0 | grad norm: {:.3f} | ", grad_norm);
   if (num_zeros >= 0) line += fmt::format("num zeros: {} | ", num_zeros);
   if (params_norm >= 0) line += fmt::format("params norm: {:.3f} | ", params_norm);
@@ -325,6 +393,9 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
       "nan iterations: {:>3} | peak memory (MB): {:.1f} |",
       skipped_iterations_, nan_iterations_, double(peak_memory_bytes(args_.model.device)) / 1048576.0);
   fmt::print("{}\n", line);
+  if (moe_->active() && args_.moe_per_layer_logging)
+    for (const MoELayerMetrics& m : moe.layers)
+      fmt::print(" moe layer {:>3} | {}\n", m.layer, moe_log_fields(m));
   std::fflush(stdout);
 }
 
@@ -335,9 +406,8 @@ TrainResult Trainer::train() {
     if (result.first_valid_loss >= 0 && is_logging_rank())
       print_eval("at iteration 0", result.first_valid_loss);
   }
-  int64_t num_moe_layers = 0;
-  for (int64_t l = 0; l < args_.model.num_layers; ++l) num_moe_layers += args_.model.is_moe_layer(l);
-  double interval_loss = 0, interval_aux = 0, interval_ms = 0;
+  double interval_loss = 0, interval_ms = 0;
+  MoEStepMetrics interval_moe;  // sums over the log interval
   int64_t interval_iters = 0;
   bool saved_last = false;
   // Op profile: iterations of this run, those counted after warmup, and their elapsed ms.
@@ -349,7 +419,7 @@ TrainResult Trainer::train() {
     auto start = std::chrono::steady_clock::now();
     double lr = optim::learning_rate(args_.lr, iteration_);
     ++iteration_;
-    double aux = 0;
+    double aux = 0;  // the MoE losses are logged from moe_->finish_step's metrics
     double loss = train_step(iteration_, &aux);
     double grad_norm = optimizer_->grad_norm();
     // Before the update, as Megatron counts them; -1: not logged.
@@ -365,6 +435,9 @@ TrainResult Trainer::train() {
       optimizer_->step(float(lr), float(clip_coeff));
       ddp_->start_param_sync();
     }
+    // Expert biases (updated whether or not the step was skipped, as Megatron's
+    // finalize_model_grads does) and the routers' metrics.
+    const MoEStepMetrics moe_metrics = moe_->finish_step(local_micro_batches());
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
     // it (without, the optimizer's kernels may still run when the next iteration starts).
     if (op_profile) ops::profile_flush();
@@ -380,8 +453,7 @@ TrainResult Trainer::train() {
     if (!args_.log_metrics_file.empty() && is_logging_rank()) {
       nlohmann::json line = {{"iteration", iteration_}, {"lm_loss", loss},
                              {"grad_norm", grad_norm}, {"lr", lr}};
-      if (args_.model.use_aux_loss())
-        line["load_balancing_loss"] = aux / (args_.model.moe_aux_loss_coeff * double(num_moe_layers));
+      if (moe_->active()) add_moe_metrics(line, moe_metrics, args_.moe_per_layer_logging);
       if (params_norm >= 0) line["params_norm"] = params_norm;
       if (num_zeros >= 0) line["num_zeros"] = num_zeros;
       std::ofstream out(args_.log_metrics_file, std::ios::app);
@@ -389,9 +461,7 @@ TrainResult Trainer::train() {
       if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
     }
     interval_loss += loss;
-    // Megatron logs the aux loss divided by its coefficient, averaged over MoE layers.
-    if (args_.model.use_aux_loss())
-      interval_aux += aux / (args_.model.moe_aux_loss_coeff * double(num_moe_layers));
+    accumulate_moe_metrics(interval_moe, moe_metrics);
     interval_ms += ms;
     ++interval_iters;
     if (op_profile && ++profile_run_iters == kOpProfileWarmupIterations) {
@@ -402,9 +472,11 @@ TrainResult Trainer::train() {
     }
     if ((iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) &&
         is_logging_rank()) {
+      scale_moe_metrics(interval_moe, 1.0 / double(interval_iters));
       log_line(iteration_, interval_ms / interval_iters, lr, interval_loss / interval_iters,
-               interval_aux / interval_iters, grad_norm, num_zeros, params_norm);
-      interval_loss = interval_aux = interval_ms = 0;
+               interval_moe, grad_norm, num_zeros, params_norm);
+      interval_moe = MoEStepMetrics();
+      interval_loss = interval_ms = 0;
       interval_iters = 0;
     }
     if (args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0 &&
@@ -443,9 +515,11 @@ void Trainer::save(int64_t iteration) {
   // Full tensors whatever the layout, gathered and written by world rank 0, so a
   // checkpoint loads under any other layout. Collective: every rank takes part.
   const std::map<std::string, const Param*> by_name = params_by_name();
-  std::vector<std::pair<std::string, Tensor>> state = dist::gather_named_tensors(
-      *comm_, grid_->world(),
-      assemble_tensor_parallel(optimizer_->full_state(), by_name, chunks_[0]->model_parallel()));
+  dist::NamedTensors local =
+      assemble_tensor_parallel(optimizer_->full_state(), by_name, chunks_[0]->model_parallel());
+  for (auto& entry : moe_->expert_bias_state()) local.push_back(std::move(entry));
+  std::vector<std::pair<std::string, Tensor>> state =
+      dist::gather_named_tensors(*comm_, grid_->world(), local);
   if (!is_logging_rank()) return;
   std::vector<std::pair<std::string, Tensor>> tensors;
   nlohmann::json shapes = nlohmann::json::object();
@@ -490,6 +564,12 @@ void Trainer::load() {
         return &slice->second;
       },
       ck.path, optimizer_state);
+  moe_->load_expert_bias(
+      [&](const std::string& name) -> const Tensor* {
+        auto it = ck.tensors.find(name);
+        return it == ck.tensors.end() ? nullptr : &it->second;
+      },
+      ck.path);
   auto meta = nlohmann::json::parse(ck.metadata_json);
   if (args_.finetune) {
     if (is_logging_rank())

@@ -15,6 +15,7 @@
 #include "optim/distrib_optimizer.h"
 #include "optim/distributed_data_parallel.h"
 #include "train/arguments.h"
+#include "train/moe_metrics.h"
 #include "train/pipeline_schedule.h"
 
 namespace megaton {
@@ -64,9 +65,10 @@ class Trainer {
                   Tensor& tokens, Tensor& labels) const;
   void save(int64_t iteration);
   void load();
-  // params_norm < 0, num_zeros < 0: not logged.
-  void log_line(int64_t iteration, double ms_per_iter, double lr, double loss, double aux,
-                double grad_norm, int64_t num_zeros, double params_norm);
+  // params_norm < 0, num_zeros < 0: not logged. moe: the interval's mean MoE metrics.
+  void log_line(int64_t iteration, double ms_per_iter, double lr, double loss,
+                const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
+                double params_norm);
 
   TrainArgs args_;
   RawOptions raw_;
@@ -77,6 +79,7 @@ class Trainer {
   std::unique_ptr<dist::Grid> grid_;
   std::unique_ptr<dist::Comm> comm_;
   std::unique_ptr<optim::DistributedDataParallel> ddp_;
+  std::unique_ptr<MoEStepBookkeeping> moe_;
   std::unique_ptr<optim::DistributedAdamW> optimizer_;
   std::array<std::unique_ptr<data::SampleSource>, 3> datasets_;
   int64_t iteration_ = 0;

@@ -17,22 +17,38 @@ trap 'rm -rf "$dir"' EXIT
 
 config=(--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 127
   --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
-  --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 1e-2
+  --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48
   --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
   --hidden-dropout 0 --attention-dropout 0
   --make-vocab-size-divisible-by 64
-  --seq-length 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3
+  --seq-length 16 --global-batch-size 8 --lr 1e-3
   --lr-warmup-iters 1 --clip-grad 1.0 --log-params-norm --log-num-zeros-in-grad --eval-iters 0 --log-interval 1 --seed 1234)
 
+# Router variants (issue 5): Megatron's routing and load-balancing options.
+router_flags() {  # NAME
+  case $1 in
+    "") echo "--moe-aux-loss-coeff 1e-2" ;;  # aux_loss, Megatron's default type
+    seqaux) echo "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-2" ;;
+    global) echo "--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3" ;;
+    bias) echo "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 --moe-router-load-balancing-type none --moe-aux-loss-coeff 0" ;;
+    v3) echo "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 --moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 32" ;;
+    *) echo "FAILED: unknown router variant '$1'" >&2; exit 1 ;;
+  esac
+}
+
 # The model variant of the next runs: 4 layers and untied embeddings unless a layout's
-# variant says "LAYERS=n" and/or "TIED=1".
+# variant says "LAYERS=n" and/or "TIED=1"; "ROUTER=name" adds router flags (above);
+# "MBS=n" sets the micro-batch size (the one-rank run of a DP layout whose global
+# micro-batches must be the reference's micro-batches: global_aux_loss).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0
+  LAYERS=4 TIED=0 ROUTER="" MBS=2
   local setting
   for setting in $1; do
     case $setting in
       LAYERS=*) LAYERS=${setting#*=} ;;
       TIED=*) TIED=${setting#*=} ;;
+      ROUTER=*) ROUTER=${setting#*=} ;;
+      MBS=*) MBS=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -43,8 +59,10 @@ run() {  # NAME NP FLAGS...
   local name=$1 np=$2
   shift 2
   mkdir -p "$dir/$name"
-  local model=(--num-layers "$LAYERS")
+  local model=(--num-layers "$LAYERS" --micro-batch-size "$MBS")
   [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
+  # shellcheck disable=SC2207
+  model+=($(router_flags "$ROUTER"))
   local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
     --save "$dir/$name/save" --save-interval 3 --log-metrics-file "$dir/$name/metrics.jsonl")
   if [ "$np" -gt 1 ]; then cmd=("$mpirun" "$np_flag" "$np" "${mpi_flags[@]}" "${cmd[@]}"); fi
@@ -55,6 +73,7 @@ run() {  # NAME NP FLAGS...
 status=0
 run one-rank 1 || exit 1
 # The one-rank run of a model variant, run on first use: sets $reference (its name).
+# A layout may give its reference's variant in a fifth field (default: its own).
 reference_of() {  # VARIANT
   reference=one-rank${1:+-${1// /-}}
   [ -e "$dir/$reference" ] || run "$reference" 1
@@ -105,6 +124,15 @@ layouts=(
   "tp2-sp-dp2-distributed-optimizer-overlap|4|--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000"
   "dp2-ep2-distributed-optimizer-overlap|4|--expert-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000"
   "pp2-interleaved-dp2-distributed-optimizer-overlap-tied|4|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 3000|LAYERS=8 TIED=1"
+  # Router options (issue 5): seq_aux_loss under TP + SP (sequences split over ranks),
+  # global_aux_loss (+ z-loss) over DP2 x 2 micro-batches against one rank with
+  # the same global micro-batches (micro-batch 4), expert bias updated from counts over
+  # DP x EP, and a DeepSeek-V3-style router with a shared expert under TP + SP x EP.
+  "tp2-sp-seq-aux|2|--tensor-model-parallel-size 2 --sequence-parallel|ROUTER=seqaux"
+  "tp2-seq-aux|2|--tensor-model-parallel-size 2|ROUTER=seqaux"
+  "dp2-global-aux|2||ROUTER=global|ROUTER=global MBS=4"
+  "dp2-ep2-expert-bias|4|--expert-model-parallel-size 2|ROUTER=bias"
+  "tp2-sp-ep2-etp1-v3-router|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1|ROUTER=v3"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -119,9 +147,13 @@ resumes=(
   "pp2-dp2-to-tp2-sp-pp2-tied|4|--pipeline-model-parallel-size 2|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|TIED=1"
 )
 for entry in "${layouts[@]}"; do
-  IFS='|' read -r name np flags variant <<<"$entry"
+  IFS='|' read -r name np flags variant ref_variant <<<"$entry"
+  if [ -n "$ref_variant" ]; then
+    use_variant "$ref_variant"
+    reference_of "$ref_variant" || { status=1; continue; }
+  fi
   use_variant "$variant"
-  reference_of "$variant" || { status=1; continue; }
+  [ -n "$ref_variant" ] || reference_of "$variant" || { status=1; continue; }
   # shellcheck disable=SC2086
   if run "$name" "$np" $flags; then
     if out=$(python3 "$compare" "$dir/$reference" "$dir/$name"); then

@@ -107,7 +107,32 @@ TEST(ModelGradients, MoEBiasesGelu) {
   c.num_experts = 3;
   c.moe_ffn_hidden_size = 10;
   c.moe_router_topk = 1;
+  c.moe_router_pre_softmax = true;  // Megatron requires it with top-1 softmax
   c.moe_aux_loss_coeff = 0.1f;
+  check_gradients(c);
+}
+
+// Megatron's other router options through the whole model: sigmoid scores with group-limited
+// routing and a scaling factor, seq_aux_loss and global_aux_loss with their own
+// coefficients, the z-loss, and a shared expert; the injected losses' gradients must
+// match finite differences of loss + injected losses.
+TEST(ModelGradients, MoERouterOptionsAndSharedExpert) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.swiglu = true;
+  c.disable_bias_linear = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 10;
+  c.moe_router_topk = 2;
+  c.moe_router_score_function = "sigmoid";
+  c.moe_router_num_groups = 2;
+  c.moe_router_group_topk = 1;
+  c.moe_router_topk_scaling_factor = 2.5f;
+  c.moe_router_load_balancing_type = {"seq_aux_loss", "global_aux_loss"};
+  c.moe_aux_loss_coeffs = {0.3f, 0.2f};
+  c.moe_z_loss_coeff = 0.05f;
+  c.moe_shared_expert_intermediate_size = 6;
   check_gradients(c);
 }
 

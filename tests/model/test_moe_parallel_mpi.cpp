@@ -87,7 +87,7 @@ Tensor stack(const std::vector<Tensor>& parts) {
 
 // The router weight of the skewed layouts: experts 0 and 1 strongly favoured by feature 0.
 void skew_router(MoELayer& layer) {
-  Tensor& w = layer.router_weight.weight;
+  Tensor& w = layer.router.weight.weight;
   for (int64_t e = 0; e < 4; ++e) w.f32()[e * kHidden] = e < 2 ? 4.0f - float(e) : -4.0f;
 }
 
@@ -183,7 +183,7 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
       ref_out = o;
       ref_dx = d;
       ref_aux = ref.last_aux_loss();
-      ref_router_grad = ref.router_weight.main_grad;
+      ref_router_grad = ref.router.weight.main_grad;
     }
   }
   if (layout.sequence_parallel) {  // this rank's block of the group's rows
@@ -196,7 +196,7 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   EXPECT_LE(rel_error(out, ref_out), kRelTol) << "output";
   EXPECT_LE(rel_error(dx, ref_dx), kRelTol) << "input gradient";
   EXPECT_NEAR(aux.f32()[0], ref_aux, 1e-6 + 1e-5 * std::fabs(ref_aux)) << "aux loss";
-  EXPECT_LE(rel_error(layer.router_weight.main_grad, ref_router_grad), kRelTol) << "router";
+  EXPECT_LE(rel_error(layer.router.weight.main_grad, ref_router_grad), kRelTol) << "router";
 
   // Local experts: global names, the one-rank gradient (its etp slice).
   const int64_t local = cfg.num_experts / layout.ep;

@@ -1,6 +1,6 @@
-// CUDA softmax cross-entropy, MoE routing and MoE permutation against their CPU twins:
-// the same (bf16-rounded where BF16 is used) inputs on both devices, outputs poisoned
-// before each CUDA op runs.
+// CUDA softmax cross-entropy and MoE permutation against their CPU twins (the router:
+// test_cuda_moe_router_gpu.cpp): the same (bf16-rounded where BF16 is used) inputs on
+// both devices, outputs poisoned before each CUDA op runs.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -171,114 +171,6 @@ TEST_F(CudaOpsMoeTest, CrossEntropyMatchesCpu) {
       {1, 50304, DType::BF16}, {37, 50304, DType::BF16}, {4096, 50304, DType::BF16},
   };
   for (size_t i = 0; i < cases.size(); ++i) check_cross_entropy(cases[i], seed + 10 * i);
-}
-
-// ---------------------------------------------------------------------------------------
-// Top-k softmax routing
-
-void check_topk_softmax(const Tensor& logits, int k, bool pre_softmax, uint64_t seed) {
-  const int64_t T = logits.dim(0), E = logits.dim(1);
-  SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax after top-k");
-  Tensor ref_probs = Tensor::empty({T, k}), ref_indices = Tensor::empty({T, k}, DType::I32);
-  ops::moe_topk_softmax_forward(logits, k, pre_softmax, ref_probs, ref_indices);
-
-  const Tensor logits_gpu = to_gpu(logits);
-  Tensor probs = poisoned_gpu({T, k}, DType::F32), indices = poisoned_gpu({T, k}, DType::I32);
-  ops::moe_topk_softmax_forward(logits_gpu, k, pre_softmax, probs, indices);
-  EXPECT_TRUE(bitwise_equal(indices, ref_indices)) << "indices";
-  EXPECT_TRUE(allclose(to_cpu(probs), ref_probs, kF32Atol, kF32Rtol)) << "probs";
-
-  // Backward from the CPU's forward outputs, so both devices see the same probs/indices.
-  const Tensor dprobs = randn({T, k}, seed);
-  Tensor ref_dlogits = Tensor::empty({T, E});
-  ops::moe_topk_softmax_backward(dprobs, logits, ref_probs, ref_indices, pre_softmax, ref_dlogits);
-  Tensor dlogits = poisoned_gpu({T, E}, DType::F32);
-  ops::moe_topk_softmax_backward(to_gpu(dprobs), logits_gpu, to_gpu(ref_probs), to_gpu(ref_indices),
-                                 pre_softmax, dlogits);
-  EXPECT_TRUE(allclose(to_cpu(dlogits), ref_dlogits, kF32Atol, kF32Rtol)) << "dlogits";
-}
-
-TEST_F(CudaOpsMoeTest, TopkSoftmaxMatchesCpu) {
-  const uint64_t seed = testing::test_seed() + 610;
-  SCOPED_TRACE(seed_trace(seed));
-  for (const RouteCase& c : route_cases()) {
-    SCOPED_TRACE(describe(c));
-    const Tensor logits = separated_logits(c.T, c.E, seed + c.T * 100 + c.E * 10 + c.k);
-    for (bool pre_softmax : {false, true}) check_topk_softmax(logits, c.k, pre_softmax, seed);
-  }
-}
-
-TEST_F(CudaOpsMoeTest, TopkSoftmaxBreaksTiesLikeCpu) {
-  const uint64_t seed = testing::test_seed() + 611;
-  SCOPED_TRACE(seed_trace(seed));
-  for (const RouteCase& c : {RouteCase{37, 8, 2}, RouteCase{37, 8, 8}, RouteCase{4096, 64, 8}}) {
-    SCOPED_TRACE(describe(c));
-    const Tensor logits = tied_logits(c.T, c.E, seed + c.E);
-    for (bool pre_softmax : {false, true}) check_topk_softmax(logits, c.k, pre_softmax, seed);
-  }
-}
-
-TEST_F(CudaOpsMoeTest, TopkSoftmaxNeverRoutesToAStarvedExpert) {
-  const uint64_t seed = testing::test_seed() + 612;
-  SCOPED_TRACE(seed_trace(seed));
-  const int64_t T = 4096, E = 64;
-  const int k = 8, starved = 5;
-  const Tensor logits = separated_logits(T, E, seed, starved);
-  for (bool pre_softmax : {false, true}) {
-    check_topk_softmax(logits, k, pre_softmax, seed);
-    Tensor probs = poisoned_gpu({T, k}, DType::F32), indices = poisoned_gpu({T, k}, DType::I32);
-    ops::moe_topk_softmax_forward(to_gpu(logits), k, pre_softmax, probs, indices);
-    const Tensor chosen = to_cpu(indices);
-    EXPECT_EQ(std::count(chosen.i32(), chosen.i32() + T * k, starved), 0);
-  }
-}
-
-// ---------------------------------------------------------------------------------------
-// Aux load-balancing loss
-
-void check_aux_loss(const Tensor& logits, int k, uint64_t seed) {
-  const int64_t T = logits.dim(0), E = logits.dim(1);
-  const float coeff = 1e-2f;
-  Tensor ref_scores = Tensor::empty({T, E}), ref_tokens = Tensor::empty({E});
-  const float ref_aux = ops::moe_aux_loss_forward(logits, k, coeff, ref_scores, ref_tokens);
-
-  Tensor scores = poisoned_gpu({T, E}, DType::F32), tokens = poisoned_gpu({E}, DType::F32);
-  const float aux = ops::moe_aux_loss_forward(to_gpu(logits), k, coeff, scores, tokens);
-  EXPECT_NEAR(aux, ref_aux, kF32Atol * coeff + kF32Rtol * std::fabs(ref_aux)) << "aux";
-  EXPECT_TRUE(allclose(to_cpu(scores), ref_scores, kF32Atol, kF32Rtol)) << "scores";
-  EXPECT_TRUE(bitwise_equal(tokens, ref_tokens)) << "tokens_per_expert";
-
-  // grad_scale = T / coeff makes d aux / d scores = O(1) (it is coeff * grad_scale / T
-  // times n_e E / (k T), about 1), and a small random start checks accumulation.
-  const float grad_scale = float(T) / coeff;
-  const Tensor start = randn({T, E}, seed, 1e-2f);
-  Tensor ref_dlogits = start.clone();
-  ops::moe_aux_loss_backward(grad_scale, ref_scores, ref_tokens, k, coeff, ref_dlogits);
-  Tensor dlogits = to_gpu(start);
-  ops::moe_aux_loss_backward(grad_scale, to_gpu(ref_scores), to_gpu(ref_tokens), k, coeff, dlogits);
-  EXPECT_TRUE(allclose(to_cpu(dlogits), ref_dlogits, kF32Atol, kF32Rtol)) << "dlogits";
-}
-
-TEST_F(CudaOpsMoeTest, AuxLossMatchesCpu) {
-  const uint64_t seed = testing::test_seed() + 620;
-  SCOPED_TRACE(seed_trace(seed));
-  for (const RouteCase& c : route_cases()) {
-    SCOPED_TRACE(describe(c));
-    check_aux_loss(separated_logits(c.T, c.E, seed + c.T * 100 + c.E * 10 + c.k), c.k, seed);
-  }
-}
-
-TEST_F(CudaOpsMoeTest, AuxLossCountsTiesAndStarvedExpertsLikeCpu) {
-  const uint64_t seed = testing::test_seed() + 621;
-  SCOPED_TRACE(seed_trace(seed));
-  check_aux_loss(tied_logits(4096, 64, seed), 8, seed);
-  check_aux_loss(tied_logits(37, 8, seed), 2, seed);
-  const int starved = 3;
-  const Tensor logits = separated_logits(4096, 64, seed, starved);
-  check_aux_loss(logits, 8, seed);
-  Tensor scores = poisoned_gpu({4096, 64}, DType::F32), tokens = poisoned_gpu({64}, DType::F32);
-  ops::moe_aux_loss_forward(to_gpu(logits), 8, 1e-2f, scores, tokens);
-  EXPECT_EQ(to_cpu(tokens).f32()[starved], 0.0f);
 }
 
 // ---------------------------------------------------------------------------------------

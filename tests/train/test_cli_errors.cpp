@@ -85,6 +85,35 @@ TEST_F(CliErrors, TopKAboveExperts) {
                     "moe-router-topk (3) must be between 1 and num-experts (2)");
 }
 
+// Megatron's router configuration checks, one line each.
+TEST_F(CliErrors, RouterOptionsThatClash) {
+  const std::string moe = std::string(kModel) + "num-experts: 4\n";
+  const std::pair<const char*, const char*> cases[] = {
+      {"moe-router-topk: 1\n",
+       "moe-router-topk 1 with the softmax score function needs moe-router-pre-softmax"},
+      {"moe-router-enable-expert-bias: true\n",
+       "moe-router-enable-expert-bias needs moe-router-score-function sigmoid or sqrtsoftplus"},
+      {"moe-router-num-groups: 3\nmoe-router-group-topk: 1\n",
+       "num-experts (4) is not divisible by moe-router-num-groups (3)"},
+      {"moe-router-num-groups: 2\nmoe-router-group-topk: 3\n",
+       "moe-router-group-topk (3) must be between 1 and moe-router-num-groups (2)"},
+      {"moe-router-score-function: relu\n",
+       "moe-router-score-function must be softmax, sigmoid or sqrtsoftplus (got 'relu')"},
+      {"moe-router-load-balancing-type: [aux_loss, z]\n",
+       "moe-router-load-balancing-type 'z' must be aux_loss, seq_aux_loss, global_aux_loss"},
+      {"moe-router-load-balancing-type: [aux_loss, seq_aux_loss]\nmoe-aux-loss-coeff: [1, 2, 3]\n",
+       "moe-aux-loss-coeff has 3 values for 2 moe-router-load-balancing-type values"},
+      {"moe-layer-freq: '[0]*1+[1]*3'\n", "moe-layer-freq pattern has 4 entries for num-layers 1"},
+      {"moe-layer-freq: '[0]*'\n", "option 'moe-layer-freq': cannot read pattern '[0]*'"},
+      {"moe-shared-expert-gate: true\nmoe-shared-expert-intermediate-size: 8\n",
+       "moe-shared-expert-gate is not supported yet"},
+  };
+  for (const auto& [lines, message] : cases) {
+    SCOPED_TRACE(lines);
+    expect_user_error("train --config " + config(moe + lines), message);
+  }
+}
+
 TEST_F(CliErrors, MissingCheckpoint) {
   expect_user_error("train --config " + config(kModel) + " --load " + (dir / "nope").string(),
                     (dir / "nope").string());

@@ -446,7 +446,9 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
   double aux = 0;
   for (const PipelineLosses& l : got) aux += l.aux_loss_sum;
   EXPECT_NEAR(aux, want_aux, 1e-12 * std::fabs(want_aux));  // summed in another order
-  EXPECT_GT(want_aux, 0);
+  // The load-balancing losses exist in training forwards only (Megatron's router).
+  if (forward_only) EXPECT_EQ(want_aux, 0);
+  else EXPECT_GT(want_aux, 0);
   if (forward_only) return;
   std::map<std::string, const Param*> reference;
   for (const Param* p : whole.params()) reference[p->name] = p;

@@ -10,6 +10,12 @@
 
 #include "core/tensor.h"
 
+namespace megaton::ops {
+// Router option types, defined in ops/ops.h.
+enum class RouterScoreFunction;
+struct RouterTopK;
+}  // namespace megaton::ops
+
 namespace megaton::ops::cuda {
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
@@ -74,15 +80,25 @@ void cross_entropy_finish(const Tensor& global_max, const Tensor& sum_exp,
 void cross_entropy_backward_vocab_range(const Tensor& dlosses, const Tensor& logits,
                                         const Tensor& labels, const Tensor& lse,
                                         int64_t vocab_start, Tensor& dlogits);
-void moe_topk_softmax_forward(const Tensor& logits, int k, bool pre_softmax, Tensor& probs,
-                              Tensor& indices);
-void moe_topk_softmax_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,
-                               const Tensor& indices, bool pre_softmax, Tensor& dlogits);
-float moe_aux_loss_forward(const Tensor& logits, int k, float coeff, Tensor& scores,
-                           Tensor& tokens_per_expert);
-void moe_aux_loss_backward(float grad_scale, const Tensor& scores,
-                           const Tensor& tokens_per_expert, int k, float coeff,
-                           Tensor& dlogits);
+// MoE router with all of Megatron's options (moe_router.cu, moe_router_stats.cu,
+// moe_router_sinkhorn.cu).
+void moe_router_topk_forward(const Tensor& logits, const Tensor& expert_bias,
+                             const RouterTopK& options, Tensor& probs, Tensor& indices);
+void moe_router_topk_backward(const Tensor& dprobs, const Tensor& logits, const Tensor& probs,
+                              const Tensor& indices, const RouterTopK& options, Tensor& dlogits);
+void moe_sinkhorn(const Tensor& logits, Tensor& out);
+void moe_aux_loss_statistics(const Tensor& logits, RouterScoreFunction score_function, int topk,
+                             int64_t first_row, int64_t rows_per_group, Tensor& scores,
+                             Tensor& score_sums, Tensor& counts);
+void moe_aux_loss_statistics_backward(const Tensor& coeffs, const Tensor& logits,
+                                      const Tensor& scores, RouterScoreFunction score_function,
+                                      int64_t first_row, int64_t rows_per_group, Tensor& dlogits);
+void moe_router_logsumexp(const Tensor& logits, Tensor& lse);
+void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, Tensor& dlogits);
+void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& counts);
+void fill_normal(Tensor& t, uint64_t seed, uint64_t stream);
+void fill_uniform(Tensor& t, float lo, float hi, uint64_t seed, uint64_t stream);
+void mul_(Tensor& y, const Tensor& x);
 void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor& permuted,
                  Tensor& row_id_map, Tensor& tokens_per_expert);
 void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx);
