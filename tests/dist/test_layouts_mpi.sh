@@ -145,6 +145,8 @@ resumes=(
   "dp2-to-pp4|2||4|--pipeline-model-parallel-size 4"
   "pp2-distopt-to-one-rank-tied|2|--pipeline-model-parallel-size 2 --use-distributed-optimizer|1||TIED=1"
   "pp2-dp2-to-tp2-sp-pp2-tied|4|--pipeline-model-parallel-size 2|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|TIED=1"
+  # The expert bias (fp32, not a parameter) goes through the checkpoint.
+  "dp2-ep2-expert-bias-to-one-rank|4|--expert-model-parallel-size 2|1||ROUTER=bias"
 )
 for entry in "${layouts[@]}"; do
   IFS='|' read -r name np flags variant ref_variant <<<"$entry"
