@@ -154,7 +154,7 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
   ops::moe_tokens_per_expert(out.indices, E, tokens_per_expert_);
   const auto& types = cfg_.moe_router_load_balancing_type;
   for (size_t i = 0; i < types.size(); ++i) {
-    const float coeff = cfg_.moe_aux_loss_coeffs[i];
+    const float coeff = cfg_.moe_loss_coeff(types[i]);  // also for configs not finalize()d
     if (coeff == 0.0f || types[i] == "none" || types[i] == "sinkhorn") continue;
     const double loss = aux_loss_forward(types[i], coeff, first_row);
     last_loss_ += loss;
