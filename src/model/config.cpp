@@ -125,6 +125,14 @@ void GPTConfig::finalize() {
     if (!moe_router_dtype.empty() && moe_router_dtype != "fp32" && moe_router_dtype != "fp64")
       fail("moe-router-dtype must be fp32 or fp64 (got '{}')", moe_router_dtype);
     if (moe_z_loss_coeff < 0) fail("moe-z-loss-coeff must be >= 0 (got {})", moe_z_loss_coeff);
+    if (moe_expert_capacity_factor < 0)
+      fail("moe-expert-capacity-factor must be positive (got {})", moe_expert_capacity_factor);
+    if (moe_token_drop_policy != "probs" && moe_token_drop_policy != "position")
+      fail("moe-token-drop-policy must be probs or position (got '{}')", moe_token_drop_policy);
+    if (moe_pad_expert_input_to_capacity && moe_expert_capacity_factor == 0)
+      fail("moe-pad-expert-input-to-capacity needs moe-expert-capacity-factor");
+    if (sinkhorn && moe_expert_capacity_factor > 0)
+      fail("moe-expert-capacity-factor is not supported with the sinkhorn router");
     if (moe_input_jitter_eps < 0 || moe_input_jitter_eps >= 1)
       fail("moe-input-jitter-eps must be in [0, 1) (got {})", moe_input_jitter_eps);
     if (moe_shared_expert_intermediate_size < 0)

@@ -64,6 +64,10 @@ struct GPTConfig {
   bool moe_router_enable_expert_bias = false;
   float moe_router_bias_update_rate = 1e-3f;
   bool moe_router_force_load_balancing = false;
+  // Token dropping (--moe-expert-capacity-factor; 0: dropless, Megatron's default None).
+  float moe_expert_capacity_factor = 0.0f;
+  std::string moe_token_drop_policy = "probs";        // probs | position
+  bool moe_pad_expert_input_to_capacity = false;
   int64_t moe_shared_expert_intermediate_size = 0;    // 0: no shared expert
   bool moe_shared_expert_gate = false;
 

@@ -149,9 +149,23 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
                                out.indices);
   saved_.probs = out.probs;
   saved_.indices = out.indices;
+  if (cfg_.moe_expert_capacity_factor > 0) {
+    // Megatron's get_capacity: ceil(T k / E cf), in double.
+    const int64_t capacity = int64_t(std::ceil(double(rows) * double(topk_) / double(E) *
+                                               double(cfg_.moe_expert_capacity_factor)));
+    saved_.keep = Tensor::empty({rows, topk_}, DType::F32, dev);
+    Tensor kept = Tensor::zeros({E}, DType::F32, dev);
+    ops::moe_capacity_drop(out.probs, out.indices, E, capacity,
+                           cfg_.moe_token_drop_policy == "position", saved_.keep, kept);
+    out.probs = out.probs.clone();
+    ops::mul_(out.probs, saved_.keep);
+    if (ctx.training) ops::add_(tokens_per_expert_, kept);
+  } else if (ctx.training) {
+    ops::moe_tokens_per_expert(out.indices, E, tokens_per_expert_);
+  }
   last_loss_ = 0;
   if (!ctx.training) return out;
-  ops::moe_tokens_per_expert(out.indices, E, tokens_per_expert_);
+  metrics_.routed += double(rows * topk_);
   const auto& types = cfg_.moe_router_load_balancing_type;
   for (size_t i = 0; i < types.size(); ++i) {
     const float coeff = cfg_.moe_loss_coeff(types[i]);  // also for configs not finalize()d
@@ -180,7 +194,12 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
 void TopKRouter::backward(const Tensor& dprobs, float aux_grad_scale, Tensor& dx) {
   const Tensor& logits = saved_.logits;
   Tensor dlogits = Tensor::empty(logits.shape(), DType::F32, logits.device());
-  ops::moe_router_topk_backward(dprobs, logits, saved_.probs, saved_.indices,
+  Tensor dkept = dprobs;
+  if (saved_.keep.defined()) {  // a dropped copy's probability is the constant 0
+    dkept = dprobs.clone();
+    ops::mul_(dkept, saved_.keep);
+  }
+  ops::moe_router_topk_backward(dkept, logits, saved_.probs, saved_.indices,
                                 topk_options(saved_.training), dlogits);
   for (AuxTerm& term : saved_.aux) {
     ops::scale_(term.coeffs, aux_grad_scale * term.extra_scale);

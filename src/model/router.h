@@ -33,6 +33,13 @@ namespace megaton {
 // Uniform(1 - eps, 1 + eps), training only here), --moe-router-force-load-balancing
 // (standard-normal logits replace the real ones, Megatron's RandomSTE: the gradient
 // passes straight to the real logits).
+// Token dropping (--moe-expert-capacity-factor cf): each expert keeps at most
+// capacity = ceil(T k / E cf) of its routed copies (by probability, or the first rows
+// with --moe-token-drop-policy position); a dropped copy's probability is 0, so it adds
+// nothing to the output and gets no gradient (Megatron's apply_router_token_dropping).
+// Megaton still sends dropped copies to their expert (computed, weighted 0);
+// --moe-pad-expert-input-to-capacity, which in Megatron adds zero-weight rows, changes
+// nothing here. The losses ignore the dropping, as Megatron's.
 // The expert bias (--moe-router-enable-expert-bias, fp32 whatever the model dtype) is added
 // to the selection scores only; the trainer updates it after each optimizer step from the
 // tokens per expert of the step's training forwards (update_expert_bias).
@@ -65,6 +72,7 @@ class TopKRouter {
   //   metrics: sums over the step's micro-batches of each loss divided by its coefficient.
   struct Metrics {
     double aux_loss = 0, seq_aux_loss = 0, global_aux_loss = 0, z_loss = 0;
+    double routed = 0;  // routed copies (rows x k) of the step's training forwards
   };
   const Tensor& tokens_per_expert() const { return tokens_per_expert_; }
   const Metrics& metrics() const { return metrics_; }
@@ -106,7 +114,8 @@ class TopKRouter {
     Tensor x;            // router input (after jitter)
     Tensor jitter;       // [T, H] fp32 noise, when jitter applied
     Tensor logits;       // [T, E] fp32 (random under force balancing)
-    Tensor probs, indices;
+    Tensor probs, indices;  // probs before dropping
+    Tensor keep;            // [T, k] fp32 1/0 with token dropping, else undefined
     Tensor lse;          // [T] fp32 (z-loss)
     float z_scale = 0;   // 2 coeff / (tp cp T)
     std::vector<AuxTerm> aux;

@@ -266,6 +266,23 @@ void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, T
 // (tokens per expert; an index outside [0, num_experts) is an InternalError).
 void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& counts);
 
+// Token dropping with a per-expert capacity (Megatron's apply_router_token_dropping,
+// --moe-expert-capacity-factor, --moe-token-drop-policy; ops/cpu/moe_router_capacity.cpp).
+// probs [T, k] fp32 (finite; Megatron's are >= 0) and indices [T, k] int32
+// (moe_router_topk_forward's outputs). For each expert, of the (row, slot) entries routed
+// to it keep `capacity` entries (tokens): policy probs (by_position false): those with the
+// largest probability (ties: lower row first, then lower slot; -0 equals +0); policy
+// position (true): the first in row order (then slot order). keep [T, k] fp32 is written
+// with 1 (kept) or 0 (dropped); kept_counts [num_experts] fp32 += kept entries per expert
+// (min(routed, capacity)). The capacity is get_capacity's ceil(T k / E * capacity_factor),
+// computed by the caller. Megatron's position policy and its pad_to_capacity take
+// torch.topk's order among equal values, which is not specified: this op fixes one.
+// InternalError on bad shapes, num_experts < 1, capacity < 0, or (CPU) an index outside
+// [0, num_experts); the GPU does not check indices (a host synchronization): it drops
+// such entries (keep 0, not counted).
+void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_experts,
+                       int64_t capacity, bool by_position, Tensor& keep, Tensor& kept_counts);
+
 // Counter-based random fills (core/rng.h Philox, the same values on CPU and GPU): element
 // i of t (fp32, contiguous) = Philox(seed).normal(stream, i) (standard normal), or
 // lo + (hi - lo) * Philox(seed).uniform(stream, i).

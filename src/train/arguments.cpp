@@ -76,6 +76,9 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"moe-router-enable-expert-bias", "aux-loss-free balancing with a per-expert bias", true},
       {"moe-router-bias-update-rate", "expert bias update rate"},
       {"moe-router-force-load-balancing", "random routing scores (benchmarking)", true},
+      {"moe-expert-capacity-factor", "per-expert capacity factor (token dropping)"},
+      {"moe-token-drop-policy", "probs or position: which routed tokens an expert keeps"},
+      {"moe-pad-expert-input-to-capacity", "pad every expert to its capacity", true},
       {"moe-shared-expert-intermediate-size", "hidden size of the shared expert"},
       {"moe-shared-expert-gate", "sigmoid gate on the shared expert output", true},
       {"moe-per-layer-logging", "log MoE metrics per layer", true},
@@ -398,6 +401,9 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("moe-router-enable-expert-bias", m.moe_router_enable_expert_bias);
   r.get("moe-router-bias-update-rate", m.moe_router_bias_update_rate);
   r.get("moe-router-force-load-balancing", m.moe_router_force_load_balancing);
+  r.get("moe-expert-capacity-factor", m.moe_expert_capacity_factor);
+  r.get("moe-token-drop-policy", m.moe_token_drop_policy);
+  r.get("moe-pad-expert-input-to-capacity", m.moe_pad_expert_input_to_capacity);
   r.get("moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size);
   r.get("moe-shared-expert-gate", m.moe_shared_expert_gate);
   r.get("moe-per-layer-logging", a.moe_per_layer_logging);

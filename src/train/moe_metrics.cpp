@@ -47,16 +47,18 @@ MoEStepMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
           counts[size_t(routers_[i].layer * E + e)] = host.f32()[int64_t(i) * E + e];
     }
   }
-  // Losses: per layer [aux, seq, global, z] summed over the world, then scaled (see
-  // MoELayerMetrics).
-  std::vector<double> losses(size_t(L * 4), 0.0);
+  // Per layer [aux, seq, global, z, routed copies] summed over the world, then scaled
+  // (see MoELayerMetrics).
+  constexpr int64_t kValues = 5;
+  std::vector<double> losses(size_t(L * kValues), 0.0);
   for (const Entry& e : routers_) {
     const TopKRouter::Metrics& m = e.router->metrics();
-    double* v = &losses[size_t(e.layer * 4)];
+    double* v = &losses[size_t(e.layer * kValues)];
     v[0] = m.aux_loss;
     v[1] = m.seq_aux_loss;
     v[2] = m.global_aux_loss;
     v[3] = m.z_loss;
+    v[4] = m.routed;
   }
   std::vector<double> both = losses;
   both.insert(both.end(), counts.begin(), counts.end());
@@ -68,12 +70,12 @@ MoEStepMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
     if (!cfg_.is_moe_layer(l)) continue;
     MoELayerMetrics m;
     m.layer = l;
-    const double* v = &both[size_t(l * 4)];
+    const double* v = &both[size_t(l * kValues)];
     if (enabled("aux_loss")) m.load_balancing_loss = v[0] / dp / mbs;
     if (enabled("seq_aux_loss")) m.seq_load_balancing_loss = v[1] / dp / mbs;
     if (enabled("global_aux_loss")) m.global_load_balancing_loss = v[2] / mbs;
     if (cfg_.moe_z_loss_coeff > 0) m.z_loss = v[3] / tp_dp_cp / mbs;
-    const double* c = &both[size_t(L * 4 + l * E)];
+    const double* c = &both[size_t(L * kValues + l * E)];
     double total = 0;
     m.tokens_min = c[0];
     m.tokens_max = c[0];
@@ -83,6 +85,7 @@ MoEStepMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
       m.tokens_max = std::max(m.tokens_max, c[e]);
     }
     m.imbalance = total > 0 ? m.tokens_max / (total / double(E)) : 0.0;
+    m.dropped_fraction = v[4] > 0 ? 1.0 - total / v[4] : 0.0;
     out.layers.push_back(m);
   }
   // Averages over the MoE layers (Megatron logs the mean over layers).
@@ -92,7 +95,7 @@ MoEStepMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
   for (auto field : {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
                      &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss,
                      &MoELayerMetrics::tokens_min, &MoELayerMetrics::tokens_max,
-                     &MoELayerMetrics::imbalance}) {
+                     &MoELayerMetrics::imbalance, &MoELayerMetrics::dropped_fraction}) {
     if (!out.layers.empty() && out.layers[0].*field < 0) continue;  // not enabled
     mean.*field = 0;
     for (const MoELayerMetrics& m : out.layers) mean.*field += m.*field / n;

@@ -22,6 +22,8 @@ struct MoELayerMetrics {
   // Tokens routed to each expert in the step (summed over TP x DP x CP): min, max, and
   // max / mean (1: perfectly balanced).
   double tokens_min = 0, tokens_max = 0, imbalance = 0;
+  // Share of routed copies dropped by expert capacity (0 when dropless).
+  double dropped_fraction = 0;
 };
 
 struct MoEStepMetrics {

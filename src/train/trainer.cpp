@@ -309,7 +309,7 @@ static void print_eval(const std::string& where, double loss) {
 
 // Megatron's log fields of the MoE losses (each divided by its coefficient, averaged over
 // layers) and Megaton's tokens-per-expert balance: min, max, max/mean over experts.
-static std::string moe_log_fields(const MoELayerMetrics& m) {
+static std::string moe_log_fields(const MoELayerMetrics& m, bool capacity) {
   std::string out;
   if (m.load_balancing_loss >= 0) out += fmt::format("load_balancing_loss: {:.6E} | ", m.load_balancing_loss);
   if (m.seq_load_balancing_loss >= 0)
@@ -319,6 +319,7 @@ static std::string moe_log_fields(const MoELayerMetrics& m) {
   if (m.z_loss >= 0) out += fmt::format("z_loss: {:.6E} | ", m.z_loss);
   out += fmt::format("tokens per expert min/max: {:.0f}/{:.0f} | expert imbalance (max/mean): {:.3f} | ",
                      m.tokens_min, m.tokens_max, m.imbalance);
+  if (capacity) out += fmt::format("dropped tokens: {:.4f} | ", m.dropped_fraction);
   return out;
 }
 
@@ -332,6 +333,7 @@ static void add_moe_metrics(nlohmann::json& line, const MoEStepMetrics& moe, boo
     j["moe_tokens_per_expert_min"] = m.tokens_min;
     j["moe_tokens_per_expert_max"] = m.tokens_max;
     j["moe_expert_imbalance"] = m.imbalance;
+    j["moe_dropped_fraction"] = m.dropped_fraction;
   };
   fill(line, moe.mean);
   if (!per_layer) return;
@@ -354,6 +356,7 @@ static void accumulate_moe_metrics(MoEStepMetrics& sum, const MoEStepMetrics& st
     a.tokens_min += b.tokens_min;
     a.tokens_max += b.tokens_max;
     a.imbalance += b.imbalance;
+    a.dropped_fraction += b.dropped_fraction;
   };
   if (sum.layers.size() != step.layers.size()) sum.layers.assign(step.layers.size(), {});
   for (size_t i = 0; i < step.layers.size(); ++i) add(sum.layers[i], step.layers[i]);
@@ -365,7 +368,7 @@ static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
     for (auto f : {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
                    &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss,
                    &MoELayerMetrics::tokens_min, &MoELayerMetrics::tokens_max,
-                   &MoELayerMetrics::imbalance})
+                   &MoELayerMetrics::imbalance, &MoELayerMetrics::dropped_fraction})
       if (a.*f >= 0) a.*f *= s;
   };
   for (MoELayerMetrics& m : sum.layers) scale(m);
@@ -384,7 +387,8 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
       iteration, args_.train_iters, consumed_samples_, ms_per_iter,
       double(tokens) / (ms_per_iter / 1000.0), flops / (ms_per_iter / 1000.0) / 1e12, lr,
       args_.global_batch_size, loss);
-  if (moe_->active()) line += moe_log_fields(moe.mean);
+  const bool capacity = args_.model.moe_expert_capacity_factor > 0;
+  if (moe_->active()) line += moe_log_fields(moe.mean, capacity);
   line += fmt::format("loss scale: 1.0 | grad norm: {:.3f} | ", grad_norm);
   if (num_zeros >= 0) line += fmt::format("num zeros: {} | ", num_zeros);
   if (params_norm >= 0) line += fmt::format("params norm: {:.3f} | ", params_norm);
@@ -395,7 +399,7 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
   fmt::print("{}\n", line);
   if (moe_->active() && args_.moe_per_layer_logging)
     for (const MoELayerMetrics& m : moe.layers)
-      fmt::print(" moe layer {:>3} | {}\n", m.layer, moe_log_fields(m));
+      fmt::print(" moe layer {:>3} | {}\n", m.layer, moe_log_fields(m, capacity));
   std::fflush(stdout);
 }
 

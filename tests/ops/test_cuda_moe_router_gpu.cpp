@@ -1,7 +1,7 @@
 // CUDA MoE router ops (all of Megatron's router options: moe_router.cu,
-// moe_router_sinkhorn.cu, moe_router_stats.cu) against their CPU twins
-// (ops/cpu/moe_router.cpp): the same random seeded inputs on both devices, GPU outputs
-// poisoned before each op runs.
+// moe_router_sinkhorn.cu, moe_router_stats.cu, moe_router_capacity.cu) against their CPU
+// twins (ops/cpu/moe_router*.cpp): the same random seeded inputs on both devices, GPU
+// outputs poisoned before each op runs.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -509,6 +509,142 @@ TEST_F(CudaMoeRouterTest, TokensPerExpertMatchesCpu) {
         ops::moe_tokens_per_expert(to_gpu(indices), E, counts);
         EXPECT_TRUE(bitwise_equal(counts, ref)) << "counts";
       }
+}
+
+// Routing indices [T, k]: k distinct experts per row in random order (a router's output).
+Tensor distinct_indices(int64_t T, int64_t E, int k, uint64_t seed) {
+  Tensor t = Tensor::empty({T, k}, DType::I32);
+  std::mt19937_64 gen(seed);
+  std::vector<int32_t> experts(E);
+  for (int64_t r = 0; r < T; ++r) {
+    std::iota(experts.begin(), experts.end(), 0);
+    for (int j = 0; j < k; ++j) {  // a partial Fisher-Yates shuffle
+      std::uniform_int_distribution<int64_t> pick(j, E - 1);
+      std::swap(experts[j], experts[pick(gen)]);
+      t.i32()[r * k + j] = experts[j];
+    }
+  }
+  return t;
+}
+
+// Probabilities [T, k] in [0, 1): continuous, or on 9 levels (many ties, among them +0
+// and -0, which tie with each other).
+Tensor capacity_probs(int64_t T, int k, bool tied, uint64_t seed) {
+  Tensor t = Tensor::empty({T, k});
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  std::uniform_int_distribution<int> level(0, 8);
+  for (int64_t i = 0; i < T * k; ++i) {
+    if (!tied) {
+      t.f32()[i] = uniform(gen);
+    } else {
+      const int l = level(gen);
+      t.f32()[i] = l == 0 ? -0.0f : float(l - 1) / 8.0f;
+    }
+  }
+  return t;
+}
+
+// The CPU's keep and kept_counts (+= from `start`) against the GPU's, both bitwise.
+void check_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t E, int64_t capacity,
+                         bool by_position, const Tensor& start) {
+  const Shape shape = probs.shape();
+  Tensor keep_ref = Tensor::empty(shape), counts_ref = start.clone();
+  ops::moe_capacity_drop(probs, indices, E, capacity, by_position, keep_ref, counts_ref);
+  Tensor keep = poisoned_gpu(shape, DType::F32), counts = to_gpu(start);
+  ops::moe_capacity_drop(to_gpu(probs), to_gpu(indices), E, capacity, by_position, keep, counts);
+  EXPECT_TRUE(bitwise_equal(keep, keep_ref)) << "keep";
+  EXPECT_TRUE(bitwise_equal(counts, counts_ref)) << "kept_counts";
+}
+
+TEST_F(CudaMoeRouterTest, CapacityDropMatchesCpu) {
+  const uint64_t seed = testing::test_seed() + 745;
+  SCOPED_TRACE(seed_trace(seed));
+  struct Shape3 {
+    int64_t T, E;
+    int k;
+  };
+  for (const Shape3& s :
+       {Shape3{1, 8, 1}, Shape3{37, 8, 2}, Shape3{1000, 64, 6}, Shape3{4096, 256, 8},
+        Shape3{8192, 8, 2}, Shape3{8192, 128, 8}, Shape3{8192, 256, 1}}) {
+    const uint64_t case_seed = seed + uint64_t(s.T * 1000 + s.E * 10 + s.k);
+    const Tensor indices = distinct_indices(s.T, s.E, s.k, case_seed);
+    const Tensor start = testing::randint({s.E}, 1000, case_seed + 1).to(DType::F32);
+    // get_capacity for capacity factors 0.5 and 1 (drops), 0, and one above every count.
+    const double average = double(s.T * s.k) / double(s.E);
+    for (int64_t capacity :
+         {int64_t(std::ceil(average * 0.5)), int64_t(std::ceil(average)), int64_t(0), s.T})
+      for (bool tied : {false, true}) {
+        const Tensor probs = capacity_probs(s.T, s.k, tied, case_seed + 2);
+        for (bool by_position : {false, true}) {
+          SCOPED_TRACE("T " + std::to_string(s.T) + " E " + std::to_string(s.E) + " k " +
+                       std::to_string(s.k) + " capacity " + std::to_string(capacity) +
+                       (tied ? " tied" : "") + (by_position ? " position" : " probs"));
+          check_capacity_drop(probs, indices, s.E, capacity, by_position, start);
+        }
+      }
+  }
+}
+
+TEST_F(CudaMoeRouterTest, CapacityDropMatchesCpuWithRepeatedExperts) {
+  // The same expert twice in a row (not a router's output): ties then go to the lower slot.
+  const uint64_t seed = testing::test_seed() + 746;
+  SCOPED_TRACE(seed_trace(seed));
+  const int64_t T = 2048, E = 16;
+  const Tensor indices = testing::randint({T, 4}, int32_t(E), seed);
+  const Tensor probs = capacity_probs(T, 4, true, seed + 1);
+  for (int64_t capacity : {1, 100, 600})
+    for (bool by_position : {false, true}) {
+      SCOPED_TRACE("capacity " + std::to_string(capacity) + (by_position ? " position" : ""));
+      check_capacity_drop(probs, indices, E, capacity, by_position, Tensor::zeros({E}));
+    }
+}
+
+TEST_F(CudaMoeRouterTest, CapacityDropDropsIndicesOutsideTheExperts) {
+  // The GPU does not check indices: one outside [0, E) is dropped and counted nowhere. The
+  // experts are independent, so the CPU with those entries sent to an extra expert E gives
+  // the same result for the others.
+  const uint64_t seed = testing::test_seed() + 747;
+  SCOPED_TRACE(seed_trace(seed));
+  const int64_t T = 500, E = 8;
+  const int k = 2;
+  const Tensor indices = distinct_indices(T, E, k, seed);
+  const Tensor probs = capacity_probs(T, k, true, seed + 1);
+  Tensor bad = indices.clone(), as_extra_expert = indices.clone();
+  std::vector<int64_t> outside;
+  for (int64_t i = 0; i < T * k; i += 7) {
+    bad.i32()[i] = i % 2 ? int32_t(E) + 3 : -1;
+    as_extra_expert.i32()[i] = int32_t(E);
+    outside.push_back(i);
+  }
+  for (bool by_position : {false, true}) {
+    Tensor keep_ref = Tensor::empty({T, k}), counts_ref = Tensor::zeros({E + 1});
+    ops::moe_capacity_drop(probs, as_extra_expert, E + 1, 40, by_position, keep_ref, counts_ref);
+    for (int64_t i : outside) keep_ref.f32()[i] = 0.0f;
+    Tensor keep = poisoned_gpu({T, k}, DType::F32),
+           counts = Tensor::zeros({E}, DType::F32, Device::CUDA);
+    ops::moe_capacity_drop(to_gpu(probs), to_gpu(bad), E, 40, by_position, keep, counts);
+    EXPECT_TRUE(bitwise_equal(keep, keep_ref)) << "keep";
+    const std::vector<float> got = to_cpu(counts).to_vector();
+    for (int64_t e = 0; e < E; ++e) EXPECT_EQ(got[e], counts_ref.f32()[e]) << "expert " << e;
+  }
+}
+
+TEST_F(CudaMoeRouterTest, CapacityDropRejectsBadShapes) {
+  const Tensor probs = to_gpu(Tensor::from({2, 2}, {0.6f, 0.4f, 0.7f, 0.3f}));
+  const Tensor host_indices = Tensor::from_i32({2, 2}, {0, 1, 2, 0});
+  const Tensor indices = to_gpu(host_indices);
+  Tensor keep = poisoned_gpu({2, 2}, DType::F32), counts = poisoned_gpu({3}, DType::F32);
+  Tensor wide = poisoned_gpu({2, 3}, DType::F32), host_keep = Tensor::zeros({2, 2});
+  EXPECT_THROW(ops::moe_capacity_drop(probs, indices, 3, -1, false, keep, counts), InternalError);
+  EXPECT_THROW(ops::moe_capacity_drop(probs, indices, 0, 1, false, keep, counts), InternalError);
+  EXPECT_THROW(ops::moe_capacity_drop(probs, indices, 4, 1, false, keep, counts), InternalError);
+  EXPECT_THROW(ops::moe_capacity_drop(probs, indices, 3, 1, false, wide, counts), InternalError);
+  EXPECT_THROW(ops::moe_capacity_drop(probs, indices, 3, 1, false, host_keep, counts),
+               InternalError);
+  EXPECT_THROW(
+      ops::moe_capacity_drop(probs, to_gpu(host_indices.to(DType::F32)), 3, 1, false, keep, counts),
+      InternalError);
 }
 
 TEST_F(CudaMoeRouterTest, FillsMatchCpu) {

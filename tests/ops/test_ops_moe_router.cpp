@@ -1,13 +1,15 @@
 // Tests of the CPU MoE router ops (ops.h, "MoE router, all of Megatron's options")
 // beyond Megatron's golden data (test_ops_moe_router_golden.cpp): tie order and group
 // limit by hand, sinkhorn's balance, finite differences of every backward, the door
-// checks, the Philox fills and mul_.
+// checks, token dropping by expert capacity, the Philox fills and mul_.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/testing.h"
@@ -159,6 +161,157 @@ TEST(MoeRouterCounts, TokensPerExpertAccumulates) {
   Tensor counts = Tensor::from({4}, {1.0f, 0.0f, 0.5f, 0.0f});
   ops::moe_tokens_per_expert(indices, 4, counts);
   EXPECT_EQ(counts.to_vector(), (std::vector<float>{2.0f, 1.0f, 3.5f, 1.0f}));
+}
+
+// Five tokens, top-2 of three experts. Entries by expert (flat index t * 2 + j: prob):
+// expert 0: 0: .5, 3: .3, 4: .6, 6: .5, 9: .1; expert 1: 1: .5, 2: .7, 7: .5;
+// expert 2: 5: .4, 8: .9.
+struct CapacityExample {
+  Tensor probs = Tensor::from({5, 2}, {0.5f, 0.5f, 0.7f, 0.3f, 0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f});
+  Tensor indices = Tensor::from_i32({5, 2}, {0, 1, 1, 0, 0, 2, 0, 1, 2, 0});
+  static constexpr int64_t kExperts = 3;
+  // keep (poisoned first, so every entry must be written) and counts += from {1, .5, 2}.
+  std::pair<std::vector<float>, std::vector<float>> drop(int64_t capacity, bool by_position) {
+    Tensor keep = Tensor::empty({5, 2});
+    poison(keep);
+    Tensor counts = Tensor::from({kExperts}, {1.0f, 0.5f, 2.0f});
+    ops::moe_capacity_drop(probs, indices, kExperts, capacity, by_position, keep, counts);
+    return {keep.to_vector(), counts.to_vector()};
+  }
+};
+
+TEST(MoeCapacityDrop, ProbsPolicyKeepsTheLargestWithTiesToTheLowerRow) {
+  CapacityExample ex;
+  using V = std::vector<float>;
+  // Capacity 2. Expert 0: .6 (4), then .5 at rows 0 and 3: row 0 (entry 0). Expert 1: .7
+  // (2), then .5 at rows 0 and 3: row 0 (entry 1). Expert 2: both.
+  auto [keep, counts] = ex.drop(2, false);
+  EXPECT_EQ(keep, (V{1, 1, 1, 0, 1, 1, 0, 0, 1, 0}));
+  EXPECT_EQ(counts, (V{3, 2.5f, 4}));
+  // Capacity 1: the largest of each expert (4, 2, 8).
+  std::tie(keep, counts) = ex.drop(1, false);
+  EXPECT_EQ(keep, (V{0, 0, 1, 0, 1, 0, 0, 0, 1, 0}));
+  EXPECT_EQ(counts, (V{2, 1.5f, 3}));
+  // Capacity 3: expert 0 adds the second .5 (6); experts 1 and 2 keep everything.
+  std::tie(keep, counts) = ex.drop(3, false);
+  EXPECT_EQ(keep, (V{1, 1, 1, 0, 1, 1, 1, 1, 1, 0}));
+  EXPECT_EQ(counts, (V{4, 3.5f, 4}));
+}
+
+TEST(MoeCapacityDrop, PositionPolicyKeepsTheFirstRows) {
+  CapacityExample ex;
+  using V = std::vector<float>;
+  // Capacity 2: expert 0 keeps rows 0, 1 (entries 0, 3), expert 1 rows 0, 1 (1, 2),
+  // expert 2 both (5, 8), whatever the probabilities.
+  auto [keep, counts] = ex.drop(2, true);
+  EXPECT_EQ(keep, (V{1, 1, 1, 1, 0, 1, 0, 0, 1, 0}));
+  EXPECT_EQ(counts, (V{3, 2.5f, 4}));
+  std::tie(keep, counts) = ex.drop(1, true);
+  EXPECT_EQ(keep, (V{1, 1, 0, 0, 0, 1, 0, 0, 0, 0}));
+  EXPECT_EQ(counts, (V{2, 1.5f, 3}));
+}
+
+TEST(MoeCapacityDrop, CapacityZeroDropsAllAndEnoughCapacityDropsNone) {
+  CapacityExample ex;
+  using V = std::vector<float>;
+  for (bool by_position : {false, true}) {
+    SCOPED_TRACE(by_position ? "position" : "probs");
+    auto [keep, counts] = ex.drop(0, by_position);
+    EXPECT_EQ(keep, V(10, 0.0f));
+    EXPECT_EQ(counts, (V{1, 0.5f, 2}));   // += 0
+    for (int64_t capacity : {5, 1000}) {  // expert 0 has 5 entries, the most
+      std::tie(keep, counts) = ex.drop(capacity, by_position);
+      EXPECT_EQ(keep, V(10, 1.0f)) << capacity;
+      EXPECT_EQ(counts, (V{6, 3.5f, 4})) << capacity;  // += tokens per expert 5, 3, 2
+    }
+  }
+}
+
+TEST(MoeCapacityDrop, SignedZerosTieAndSameRowTiesGoToTheLowerSlot) {
+  // Expert 0: -0 (row 0), +0 (row 1), then row 2 names expert 1 twice with equal probs.
+  Tensor probs = Tensor::from({3, 2}, {-0.0f, 0.2f, 0.0f, 0.1f, 0.3f, 0.3f});
+  Tensor indices = Tensor::from_i32({3, 2}, {0, 2, 0, 2, 1, 1});
+  Tensor keep = Tensor::empty({3, 2});
+  poison(keep);
+  Tensor counts = Tensor::zeros({3});
+  ops::moe_capacity_drop(probs, indices, 3, 1, false, keep, counts);
+  EXPECT_EQ(keep.to_vector(), (std::vector<float>{1, 1, 0, 0, 1, 0}));
+  EXPECT_EQ(counts.to_vector(), (std::vector<float>{1, 1, 1}));
+}
+
+TEST(MoeCapacityDrop, KeptCountsAreMinOfRoutedAndCapacityOnRandomRoutes) {
+  const uint64_t seed = 4711;
+  SCOPED_TRACE(seed_trace(seed));
+  const int64_t T = 300, k = 3, E = 7;
+  const Tensor indices = testing::randint({T, k}, int32_t(E), seed);
+  const Tensor probs = testing::randn({T, k}, seed + 1);
+  std::vector<int64_t> routed(E, 0);
+  for (int64_t i = 0; i < T * k; ++i) ++routed[indices.i32()[i]];
+  for (int64_t capacity : {0, 17, 100, 300})
+    for (bool by_position : {false, true}) {
+      Tensor keep = Tensor::empty({T, k}), counts = Tensor::zeros({E});
+      poison(keep);
+      ops::moe_capacity_drop(probs, indices, E, capacity, by_position, keep, counts);
+      std::vector<int64_t> kept(E, 0);
+      std::vector<float> dropped_max(E, -INFINITY), kept_min(E, INFINITY);
+      std::vector<int64_t> last_kept_row(E, -1), first_dropped_row(E, T);
+      for (int64_t i = 0; i < T * k; ++i) {
+        const float v = keep.f32()[i], p = probs.f32()[i];
+        const int32_t e = indices.i32()[i];
+        ASSERT_TRUE(v == 0.0f || v == 1.0f) << i << ": " << v;
+        if (v == 1.0f) {
+          ++kept[e];
+          kept_min[e] = std::min(kept_min[e], p);
+          last_kept_row[e] = std::max(last_kept_row[e], i / k);
+        } else {
+          dropped_max[e] = std::max(dropped_max[e], p);
+          first_dropped_row[e] = std::min(first_dropped_row[e], i / k);
+        }
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        EXPECT_EQ(kept[e], std::min(routed[e], capacity)) << e;
+        EXPECT_EQ(counts.f32()[e], float(kept[e])) << e;
+        // Random normal probs have no ties: the kept ones beat the dropped ones; by
+        // position, every kept row comes before every dropped one.
+        if (by_position) {
+          EXPECT_LE(last_kept_row[e], first_dropped_row[e]) << e;
+        } else {
+          EXPECT_GT(kept_min[e], dropped_max[e]) << e;
+        }
+      }
+    }
+}
+
+TEST(MoeCapacityDrop, BadShapesAndIndicesThrowBeforeWriting) {
+  const Tensor probs = Tensor::from({2, 2}, {0.6f, 0.4f, 0.7f, 0.3f});
+  const Tensor indices = Tensor::from_i32({2, 2}, {0, 1, 2, 0});
+  Tensor keep = Tensor::zeros({2, 2}), counts = Tensor::zeros({3});
+  auto drop = [&](const Tensor& p, const Tensor& i, int64_t E, int64_t capacity, Tensor& kp,
+                  Tensor& c) { ops::moe_capacity_drop(p, i, E, capacity, false, kp, c); };
+  EXPECT_NO_THROW(drop(probs, indices, 3, 1, keep, counts));
+  EXPECT_THROW(drop(probs.view({4}), indices, 3, 1, keep, counts), InternalError);
+  EXPECT_THROW(drop(probs, Tensor::from_i32({1, 4}, {0, 1, 2, 0}), 3, 1, keep, counts),
+               InternalError);
+  EXPECT_THROW(drop(probs, indices.to(DType::F32), 3, 1, keep, counts), InternalError);
+  EXPECT_THROW(drop(probs.to(DType::BF16), indices, 3, 1, keep, counts), InternalError);
+  Tensor wide_keep = Tensor::zeros({2, 3}), int_keep = Tensor::zeros({2, 2}, DType::I32);
+  EXPECT_THROW(drop(probs, indices, 3, 1, wide_keep, counts), InternalError);
+  EXPECT_THROW(drop(probs, indices, 3, 1, int_keep, counts), InternalError);
+  Tensor long_counts = Tensor::zeros({4});
+  EXPECT_THROW(drop(probs, indices, 3, 1, keep, long_counts), InternalError);
+  Tensor no_counts = Tensor::zeros({0});
+  EXPECT_THROW(drop(probs, indices, 0, 1, keep, no_counts), InternalError);
+  EXPECT_THROW(drop(probs, indices, 3, -1, keep, counts), InternalError);
+  // An index outside [0, E): thrown before keep or counts change.
+  for (int32_t bad : {3, -1}) {
+    Tensor fresh_keep = Tensor::from({2, 2}, {5, 5, 5, 5}), fresh_counts = Tensor::zeros({3});
+    EXPECT_THROW(
+        drop(probs, Tensor::from_i32({2, 2}, {0, 1, bad, 0}), 3, 1, fresh_keep, fresh_counts),
+        InternalError)
+        << bad;
+    EXPECT_EQ(fresh_keep.to_vector(), std::vector<float>(4, 5.0f));
+    EXPECT_EQ(fresh_counts.to_vector(), std::vector<float>(3, 0.0f));
+  }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -367,6 +367,111 @@ TEST(MoeRouterGolden, RoutingCasesMatchMegatron) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Golden: token dropping (apply_router_token_dropping, the "cap_*" cases)
+
+// get_capacity(num_tokens = T k, E, cf) as apply_router_token_dropping calls it:
+// ceil((T k / E) cf) in double.
+int64_t expert_capacity(int64_t T, int64_t k, int64_t E, double capacity_factor) {
+  return int64_t(std::ceil(double(T * k) / double(E) * capacity_factor));
+}
+
+TEST(MoeRouterGolden, ExpertCapacityIsMegatronsGetCapacity) {
+  int entries = 0;
+  for (const json& c : golden_meta().at("capacity")) {
+    EXPECT_EQ(expert_capacity(c.at("num_tokens"), c.at("topk"), c.at("num_experts"),
+                              c.at("capacity_factor")),
+              c.at("expert_capacity").get<int64_t>())
+        << c.dump();
+    ++entries;
+  }
+  EXPECT_EQ(entries, 10);
+}
+
+TEST(MoeRouterGolden, CapacityDropMatchesMegatron) {
+  int cases_run = 0, exact_cases = 0;
+  for (const auto& [name, c] : golden_meta().at("cases").items()) {
+    if (!name.starts_with("cap_")) continue;
+    SCOPED_TRACE(name);
+    std::printf("%s\n", name.c_str());
+    const int64_t T = c.at("num_tokens"), E = c.at("num_experts");
+    const int k = c.at("topk");
+    const int64_t capacity = expert_capacity(T, k, E, c.at("capacity_factor"));
+    EXPECT_EQ(capacity, c.at("expert_capacity").get<int64_t>());
+    const bool by_position = c.at("drop_policy") == "position";
+    const std::string map_check = c.at("checks").at("routing_map");
+    const std::string probs_check = c.at("checks").at("probs");
+    const std::vector<int64_t> pre_map = golden_ints(name + ".pre_drop_routing_map");
+    const std::vector<int64_t> want_map = golden_ints(name + ".routing_map");
+    const Tensor pre_probs = golden_f32(name + ".pre_drop_probs");
+    const Tensor want_probs = golden_f32(name + ".probs");
+    ASSERT_EQ(int64_t(pre_map.size()), T * E);
+    ASSERT_EQ(int64_t(want_map.size()), T * E);
+
+    // The router's outputs [T, k] for Megatron's pre-drop routing: each row's k experts
+    // (ascending; the order within a row does not change what is dropped) and their
+    // probabilities, bit for bit.
+    Tensor probs = Tensor::empty({T, k}), indices = Tensor::empty({T, k}, DType::I32);
+    for (int64_t t = 0; t < T; ++t) {
+      int j = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        if (!pre_map[t * E + e]) continue;
+        ASSERT_LT(j, k) << "row " << t;
+        indices.i32()[t * k + j] = int32_t(e);
+        probs.f32()[t * k + j] = pre_probs.f32()[t * E + e];
+        ++j;
+      }
+      ASSERT_EQ(j, k) << "row " << t;
+    }
+    Tensor keep = Tensor::empty({T, k}), kept_counts = Tensor::zeros({E});
+    poison(keep);
+    ops::moe_capacity_drop(probs, indices, E, capacity, by_position, keep, kept_counts);
+
+    // Ours as Megatron's dense map and probs.
+    std::vector<int64_t> map(T * E, 0);
+    Tensor dense = Tensor::zeros({T, E});
+    for (int64_t t = 0; t < T; ++t)
+      for (int j = 0; j < k; ++j) {
+        const float v = keep.f32()[t * k + j];
+        ASSERT_TRUE(v == 0.0f || v == 1.0f) << "row " << t << " slot " << j << ": " << v;
+        const int64_t i = t * E + indices.i32()[t * k + j];
+        map[i] = int64_t(v);
+        dense.f32()[i] = probs.f32()[t * k + j] * v;
+      }
+    // Every case: per expert, min(routed, capacity) kept, as many routed tokens as Megatron
+    // kept (with pad_to_capacity its map also holds padding slots: routed ones only).
+    for (int64_t e = 0; e < E; ++e) {
+      int64_t routed = 0, megatron_kept = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        routed += pre_map[t * E + e];
+        megatron_kept += pre_map[t * E + e] & want_map[t * E + e];
+      }
+      EXPECT_EQ(kept_counts.f32()[e], float(std::min(routed, capacity))) << "expert " << e;
+      EXPECT_EQ(kept_counts.f32()[e], float(megatron_kept)) << "expert " << e;
+    }
+    if (map_check == "exact") {
+      EXPECT_EQ(map, want_map) << "routing map after dropping";
+      ++exact_cases;
+    } else if (map_check == "exact where probs != 0") {
+      // pad_to_capacity: Megatron's map adds padding slots of probability 0.
+      for (int64_t i = 0; i < T * E; ++i) {
+        if (want_probs.f32()[i] != 0.0f || pre_probs.f32()[i] != 0.0f) {
+          EXPECT_EQ(map[i], want_map[i]) << "row " << i / E << " expert " << i % E;
+        }
+      }
+      ++exact_cases;
+    } else {
+      // Megatron's position policy keeps torch.topk's choice among equal 0/1 values: only
+      // the counts above compare.
+      ASSERT_EQ(map_check, "invariants");
+    }
+    if (probs_check == "exact") expect_close(dense, want_probs, 0, 0, name + " probs");
+    ++cases_run;
+  }
+  EXPECT_EQ(cases_run, 8);    // every capacity case of the file
+  EXPECT_EQ(exact_cases, 6);  // those with the probs policy
+}
+
+// ---------------------------------------------------------------------------------------
 // Golden: moe_utils functions called directly ("fn.*" cases)
 
 TEST(MoeRouterGolden, GroupLimitedTopkSelectsMegatronsExperts) {

@@ -107,6 +107,10 @@ TEST_F(CliErrors, RouterOptionsThatClash) {
       {"moe-layer-freq: '[0]*'\n", "option 'moe-layer-freq': cannot read pattern '[0]*'"},
       {"moe-shared-expert-gate: true\nmoe-shared-expert-intermediate-size: 8\n",
        "moe-shared-expert-gate is not supported yet"},
+      {"moe-pad-expert-input-to-capacity: true\n",
+       "moe-pad-expert-input-to-capacity needs moe-expert-capacity-factor"},
+      {"moe-expert-capacity-factor: 1.0\nmoe-token-drop-policy: random\n",
+       "moe-token-drop-policy must be probs or position (got 'random')"},
   };
   for (const auto& [lines, message] : cases) {
     SCOPED_TRACE(lines);

@@ -96,6 +96,9 @@ void moe_aux_loss_statistics_backward(const Tensor& coeffs, const Tensor& logits
 void moe_router_logsumexp(const Tensor& logits, Tensor& lse);
 void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, Tensor& dlogits);
 void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& counts);
+// Token dropping by expert capacity (moe_router_capacity.cu).
+void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_experts,
+                       int64_t capacity, bool by_position, Tensor& keep, Tensor& kept_counts);
 void fill_normal(Tensor& t, uint64_t seed, uint64_t stream);
 void fill_uniform(Tensor& t, float lo, float hi, uint64_t seed, uint64_t stream);
 void mul_(Tensor& y, const Tensor& x);
