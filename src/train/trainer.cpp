@@ -187,13 +187,13 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
   }
 }
 
-double Trainer::train_step(int64_t iteration, double* aux_loss) {
+double Trainer::train_step(int64_t iteration) {
   for (auto& chunk : chunks_) chunk->zero_grad();
   ddp_->start_grad_sync_step();
   moe_->start_step();
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   const int64_t dp = grid_->dp().size();
-  double loss_sum = 0, tokens_sum = 0, aux_sum = 0;
+  double loss_sum = 0, tokens_sum = 0;
   if (schedule_) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     const PipelineLosses stage = schedule_->forward_backward(
@@ -203,12 +203,12 @@ double Trainer::train_step(int64_t iteration, double* aux_loss) {
                                                        mb * dp + grid_->dp().rank};
                                }),
         /*forward_only=*/false);
-    // The LM loss exists on the last stage, the aux losses on every stage's MoE layers.
-    const std::vector<double> pipeline_sums = dist::sum_over(
-        *comm_, grid_->pp(), {stage.loss_sum, stage.num_tokens, stage.aux_loss_sum});
+    // The LM loss exists on the last stage (the MoE losses are logged from the routers'
+    // metrics, MoEStepBookkeeping).
+    const std::vector<double> pipeline_sums =
+        dist::sum_over(*comm_, grid_->pp(), {stage.loss_sum, stage.num_tokens});
     loss_sum = pipeline_sums[0];
     tokens_sum = pipeline_sums[1];
-    aux_sum = pipeline_sums[2];
   }
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     Tensor tokens, labels;
@@ -219,7 +219,6 @@ double Trainer::train_step(int64_t iteration, double* aux_loss) {
     int64_t T = out.losses.numel();
     loss_sum += ops::sum(out.losses);
     tokens_sum += double(T);
-    aux_sum += out.aux_loss;
     // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
     Tensor dlosses = Tensor::empty({T});
     dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
@@ -236,15 +235,12 @@ double Trainer::train_step(int64_t iteration, double* aux_loss) {
   for (auto& chunk : chunks_)
     all_reduce_sequence_parallel_grads(chunk->params(), chunk->model_parallel());
   all_reduce_embedding_grads(chunk_pointers(), *grid_, *comm_);
-  // The LM losses are whole on every tensor-parallel rank (counted on TP rank 0), the aux
-  // losses a share per TP x CP rank (their sum is the loss of the group's tokens, as
-  // Megatron's tracker reduces them over tp_cp); both are averaged over data parallel.
+  // The LM losses are whole on every tensor-parallel rank (counted on TP rank 0) and
+  // averaged over data parallel.
   const bool lm_counted = grid_->tp().rank == 0;
   const std::vector<double> sums =
       dist::sum_over(*comm_, grid_->tp_dp_cp(),
-                     {lm_counted ? loss_sum : 0.0, lm_counted ? tokens_sum : 0.0,
-                      aux_sum / double(n_mb)});
-  *aux_loss = sums[2] / double(dp);
+                     {lm_counted ? loss_sum : 0.0, lm_counted ? tokens_sum : 0.0});
   return sums[0] / sums[1];
 }
 
@@ -423,8 +419,7 @@ TrainResult Trainer::train() {
     auto start = std::chrono::steady_clock::now();
     double lr = optim::learning_rate(args_.lr, iteration_);
     ++iteration_;
-    double aux = 0;  // the MoE losses are logged from moe_->finish_step's metrics
-    double loss = train_step(iteration_, &aux);
+    double loss = train_step(iteration_);
     double grad_norm = optimizer_->grad_norm();
     // Before the update, as Megatron counts them; -1: not logged.
     const int64_t num_zeros = args_.log_num_zeros_in_grad ? optimizer_->num_zeros_in_grad() : -1;

@@ -52,7 +52,8 @@ class Trainer {
   PipelineMicroBatches pipeline_micro_batches(const data::SampleSource& source,
                                               int64_t batch_start,
                                               std::function<ForwardContext(int64_t)> context) const;
-  double train_step(int64_t iteration, double* aux_loss);
+  // One step's forwards and backwards and the gradient reduction; returns the lm loss.
+  double train_step(int64_t iteration);
   // Micro-batches per step on this data-parallel rank.
   int64_t local_micro_batches() const;
   // First sample of local micro-batch `mb` of the global batch starting at `batch_start`:
