@@ -14,6 +14,7 @@
 
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/moe_router_util.cuh"
+#include "ops/cuda/pointwise_util.cuh"
 
 namespace megaton::ops::cuda {
 namespace {
@@ -65,21 +66,13 @@ ScoreMode score_mode(const RouterTopK& options) {
 
 // ---- host: door checks ----
 
-void check_on_gpu(const Tensor& t, DType want, const char* op, const char* name) {
-  MEGATON_CHECK(t.defined(), "{}: {} must be allocated", op, name);
-  MEGATON_CHECK(t.device() == Device::CUDA, "{}: {} must be on the GPU", op, name);
-  MEGATON_CHECK(t.dtype() == want, "{}: {} must be {}, got {}", op, name, dtype_name(want),
-                dtype_name(t.dtype()));
-}
-
-void check_shape(const Tensor& t, const Shape& want, const char* op, const char* name) {
-  MEGATON_CHECK(t.shape() == want, "{}: {} has shape {}, expected {}", op, name,
-                shape_str(t.shape()), shape_str(want));
-}
+// Door checks shared by the CUDA ops (pointwise_util.cuh).
+using detail::check_dtype;
+using detail::check_shape;
 
 // logits [T, E] F32 on the GPU, E <= kMaxExperts, options consistent with E.
 void check_router_args(const Tensor& logits, const RouterTopK& options, const char* op) {
-  check_on_gpu(logits, DType::F32, op, "logits");
+  check_dtype(logits, DType::F32, op, "logits");
   MEGATON_CHECK(logits.ndim() == 2, "{}: logits must be [T, E], got {}", op,
                 shape_str(logits.shape()));
   const int64_t T = logits.dim(0), E = logits.dim(1);
@@ -377,13 +370,13 @@ void moe_router_topk_forward(const Tensor& logits, const Tensor& expert_bias,
   constexpr const char* op = "moe_router_topk_forward";
   check_router_args(logits, options, op);
   const TopkParams p = make_params(logits, options);
-  check_on_gpu(probs, DType::F32, op, "probs");
+  check_dtype(probs, DType::F32, op, "probs");
   check_shape(probs, {p.T, p.k}, op, "probs");
-  check_on_gpu(indices, DType::I32, op, "indices");
+  check_dtype(indices, DType::I32, op, "indices");
   check_shape(indices, {p.T, p.k}, op, "indices");
   const float* bias = nullptr;
   if (expert_bias.defined()) {
-    check_on_gpu(expert_bias, DType::F32, op, "expert_bias");
+    check_dtype(expert_bias, DType::F32, op, "expert_bias");
     check_shape(expert_bias, {p.E}, op, "expert_bias");
     MEGATON_CHECK(p.mode == ScoreMode::Sigmoid || p.mode == ScoreMode::SqrtSoftplus,
                   "{}: an expert bias needs the sigmoid or sqrtsoftplus score function", op);
@@ -418,13 +411,13 @@ void moe_router_topk_backward(const Tensor& dprobs, const Tensor& logits, const 
   constexpr const char* op = "moe_router_topk_backward";
   check_router_args(logits, options, op);
   const TopkParams p = make_params(logits, options);
-  check_on_gpu(dprobs, DType::F32, op, "dprobs");
+  check_dtype(dprobs, DType::F32, op, "dprobs");
   check_shape(dprobs, {p.T, p.k}, op, "dprobs");
-  check_on_gpu(probs, DType::F32, op, "probs");
+  check_dtype(probs, DType::F32, op, "probs");
   check_shape(probs, {p.T, p.k}, op, "probs");
-  check_on_gpu(indices, DType::I32, op, "indices");
+  check_dtype(indices, DType::I32, op, "indices");
   check_shape(indices, {p.T, p.k}, op, "indices");
-  check_on_gpu(dlogits, DType::F32, op, "dlogits");
+  check_dtype(dlogits, DType::F32, op, "dlogits");
   check_shape(dlogits, {p.T, p.E}, op, "dlogits");
   if (p.T == 0) return;
   // The probabilities are recomputed from the logits (no division by a scaling factor);

@@ -25,16 +25,12 @@ constexpr int kThreads = 256;
 
 // ---- host: door checks ----
 
+constexpr const char* kOp = "moe_capacity_drop";
 void check_on_gpu(const Tensor& t, DType want, const char* name) {
-  MEGATON_CHECK(t.defined(), "moe_capacity_drop: {} must be allocated", name);
-  MEGATON_CHECK(t.device() == Device::CUDA, "moe_capacity_drop: {} must be on the GPU", name);
-  MEGATON_CHECK(t.dtype() == want, "moe_capacity_drop: {} must be {}, got {}", name,
-                dtype_name(want), dtype_name(t.dtype()));
+  detail::check_dtype(t, want, kOp, name);
 }
-
 void check_shape(const Tensor& t, const Shape& want, const char* name) {
-  MEGATON_CHECK(t.shape() == want, "moe_capacity_drop: {} has shape {}, expected {}", name,
-                shape_str(t.shape()), shape_str(want));
+  detail::check_shape(t, want, kOp, name);
 }
 
 // ---- device ----

@@ -31,21 +31,13 @@ using router::warp_best;
 
 // ---- host: door checks ----
 
-void check_on_gpu(const Tensor& t, DType want, const char* op, const char* name) {
-  MEGATON_CHECK(t.defined(), "{}: {} must be allocated", op, name);
-  MEGATON_CHECK(t.device() == Device::CUDA, "{}: {} must be on the GPU", op, name);
-  MEGATON_CHECK(t.dtype() == want, "{}: {} must be {}, got {}", op, name, dtype_name(want),
-                dtype_name(t.dtype()));
-}
-
-void check_shape(const Tensor& t, const Shape& want, const char* op, const char* name) {
-  MEGATON_CHECK(t.shape() == want, "{}: {} has shape {}, expected {}", op, name,
-                shape_str(t.shape()), shape_str(want));
-}
+// Door checks shared by the CUDA ops (pointwise_util.cuh).
+using detail::check_dtype;
+using detail::check_shape;
 
 // logits [T, E] F32 on the GPU, 1 <= E <= kMaxExperts.
 void check_logits(const Tensor& logits, const char* op) {
-  check_on_gpu(logits, DType::F32, op, "logits");
+  check_dtype(logits, DType::F32, op, "logits");
   MEGATON_CHECK(logits.ndim() == 2, "{}: logits must be [T, E], got {}", op,
                 shape_str(logits.shape()));
   MEGATON_CHECK(logits.dim(1) >= 1 && logits.dim(1) <= kMaxExperts,
@@ -292,13 +284,13 @@ void moe_aux_loss_statistics(const Tensor& logits, RouterScoreFunction score_fun
   const int64_t T = logits.dim(0);
   const int E = int(logits.dim(1));
   MEGATON_CHECK(topk >= 1 && topk <= E, "{}: top-k {} must be in [1, E = {}]", op, topk, E);
-  check_on_gpu(scores, DType::F32, op, "scores");
+  check_dtype(scores, DType::F32, op, "scores");
   check_shape(scores, {T, E}, op, "scores");
-  check_on_gpu(score_sums, DType::F32, op, "score_sums");
+  check_dtype(score_sums, DType::F32, op, "score_sums");
   MEGATON_CHECK(score_sums.ndim() == 2 && score_sums.dim(1) == E,
                 "{}: score_sums must be [G, E = {}], got {}", op, E, shape_str(score_sums.shape()));
   const int64_t G = score_sums.dim(0);
-  check_on_gpu(counts, DType::F32, op, "counts");
+  check_dtype(counts, DType::F32, op, "counts");
   check_shape(counts, {G, E}, op, "counts");
   check_groups(T, first_row, rows_per_group, G, op);
   if (G == 0) return;
@@ -340,13 +332,13 @@ void moe_aux_loss_statistics_backward(const Tensor& coeffs, const Tensor& logits
   check_logits(logits, op);
   const int64_t T = logits.dim(0);
   const int E = int(logits.dim(1));
-  check_on_gpu(coeffs, DType::F32, op, "coeffs");
+  check_dtype(coeffs, DType::F32, op, "coeffs");
   MEGATON_CHECK(coeffs.ndim() == 2 && coeffs.dim(1) == E, "{}: coeffs must be [G, E = {}], got {}",
                 op, E, shape_str(coeffs.shape()));
   check_groups(T, first_row, rows_per_group, coeffs.dim(0), op);
-  check_on_gpu(scores, DType::F32, op, "scores");
+  check_dtype(scores, DType::F32, op, "scores");
   check_shape(scores, {T, E}, op, "scores");
-  check_on_gpu(dlogits, DType::F32, op, "dlogits");
+  check_dtype(dlogits, DType::F32, op, "dlogits");
   check_shape(dlogits, {T, E}, op, "dlogits");
   if (T == 0) return;
   aux_backward_kernel<<<row_blocks(T), kThreads, 0, ::megaton::cuda::stream()>>>(
@@ -357,13 +349,13 @@ void moe_aux_loss_statistics_backward(const Tensor& coeffs, const Tensor& logits
 
 void moe_router_logsumexp(const Tensor& logits, Tensor& lse) {
   constexpr const char* op = "moe_router_logsumexp";
-  check_on_gpu(logits, DType::F32, op, "logits");
+  check_dtype(logits, DType::F32, op, "logits");
   MEGATON_CHECK(logits.ndim() == 2, "{}: logits must be [T, E], got {}", op,
                 shape_str(logits.shape()));
   const int64_t T = logits.dim(0);
   MEGATON_CHECK(T <= int64_t(INT32_MAX) * kWarpsPerBlock && logits.dim(1) <= INT32_MAX,
                 "{}: logits {} exceed the grid limit", op, shape_str(logits.shape()));
-  check_on_gpu(lse, DType::F32, op, "lse");
+  check_dtype(lse, DType::F32, op, "lse");
   check_shape(lse, {T}, op, "lse");
   if (T == 0) return;
   logsumexp_kernel<<<row_blocks(T), kThreads, 0, ::megaton::cuda::stream()>>>(
@@ -373,15 +365,15 @@ void moe_router_logsumexp(const Tensor& logits, Tensor& lse) {
 
 void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, Tensor& dlogits) {
   constexpr const char* op = "moe_z_loss_backward";
-  check_on_gpu(logits, DType::F32, op, "logits");
+  check_dtype(logits, DType::F32, op, "logits");
   MEGATON_CHECK(logits.ndim() == 2, "{}: logits must be [T, E], got {}", op,
                 shape_str(logits.shape()));
   const int64_t T = logits.dim(0);
   MEGATON_CHECK(T <= int64_t(INT32_MAX) * kWarpsPerBlock && logits.dim(1) <= INT32_MAX,
                 "{}: logits {} exceed the grid limit", op, shape_str(logits.shape()));
-  check_on_gpu(lse, DType::F32, op, "lse");
+  check_dtype(lse, DType::F32, op, "lse");
   check_shape(lse, {T}, op, "lse");
-  check_on_gpu(dlogits, DType::F32, op, "dlogits");
+  check_dtype(dlogits, DType::F32, op, "dlogits");
   check_shape(dlogits, logits.shape(), op, "dlogits");
   if (T == 0) return;
   z_loss_backward_kernel<<<row_blocks(T), kThreads, 0, ::megaton::cuda::stream()>>>(
@@ -391,9 +383,9 @@ void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, T
 
 void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& counts) {
   constexpr const char* op = "moe_tokens_per_expert";
-  check_on_gpu(indices, DType::I32, op, "indices");
+  check_dtype(indices, DType::I32, op, "indices");
   MEGATON_CHECK(num_experts >= 1, "{}: num_experts {} must be >= 1", op, num_experts);
-  check_on_gpu(counts, DType::F32, op, "counts");
+  check_dtype(counts, DType::F32, op, "counts");
   check_shape(counts, {num_experts}, op, "counts");
   const int64_t n = indices.numel();
   if (n == 0) return;
@@ -411,7 +403,7 @@ void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& c
 }
 
 void fill_normal(Tensor& t, uint64_t seed, uint64_t stream) {
-  check_on_gpu(t, DType::F32, "fill_normal", "t");
+  check_dtype(t, DType::F32, "fill_normal", "t");
   const int64_t n = t.numel();
   if (n == 0) return;
   fill_normal_kernel<<<detail::grid_for(n, 256), 256, 0, ::megaton::cuda::stream()>>>(t.f32(), n,
@@ -420,7 +412,7 @@ void fill_normal(Tensor& t, uint64_t seed, uint64_t stream) {
 }
 
 void fill_uniform(Tensor& t, float lo, float hi, uint64_t seed, uint64_t stream) {
-  check_on_gpu(t, DType::F32, "fill_uniform", "t");
+  check_dtype(t, DType::F32, "fill_uniform", "t");
   const int64_t n = t.numel();
   if (n == 0) return;
   fill_uniform_kernel<<<detail::grid_for(n, 256), 256, 0, ::megaton::cuda::stream()>>>(

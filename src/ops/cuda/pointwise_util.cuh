@@ -38,6 +38,11 @@ inline void check_dtype(const Tensor& t, DType want, const char* op, const char*
                 dtype_name(t.dtype()));
 }
 
+inline void check_shape(const Tensor& t, const Shape& want, const char* op, const char* name) {
+  MEGATON_CHECK(t.shape() == want, "{}: {} has shape {}, expected {}", op, name,
+                shape_str(t.shape()), shape_str(want));
+}
+
 inline void check_same_shape(const Tensor& t, const Tensor& ref, const char* op, const char* name,
                              const char* ref_name) {
   MEGATON_CHECK(t.shape() == ref.shape(), "{}: {} {} must have the shape of {} {}", op, name,
