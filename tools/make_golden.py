@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
 """Golden reference data for Megaton's model-parity tests, from Hugging Face transformers.
 
-Writes tests/golden/llama_tiny.safetensors and tests/golden/mixtral_tiny.safetensors: a
-tiny LlamaForCausalLM (GQA) and a tiny MixtralForCausalLM (top-2 of 4 experts) with seeded
+Writes tests/golden/llama_tiny.safetensors, tests/golden/mixtral_tiny.safetensors and
+tests/golden/qwen3_moe_tiny.safetensors: a tiny LlamaForCausalLM (GQA), a tiny
+MixtralForCausalLM (top-2 of 4 experts) and a tiny Qwen3MoeForCausalLM (per-head q/k
+RMSNorm, head_dim 32 != hidden / heads, top-2 of 4 experts renormalised) with seeded
 random weights, one batch of random tokens and labels, the logits, the loss and the
 gradient of every parameter. docs/golden.md describes the contents; run
 
     pip install -r tools/requirements-golden.txt
     python tools/make_golden.py            # writes tests/golden/*.safetensors
+    python tools/make_golden.py --models qwen3_moe   # only that file
 
 Numerics: weights are drawn in float32 and stored as F32 (exactly); the forward and the
 backward run in float64 on those same values, and the results are rounded to F32 when
 saved. transformers casts to float32 in a few places whatever the model dtype (RMSNorm,
-RoPE angles, the attention softmax, Mixtral's router softmax); the reference runs under
+RoPE angles, the attention softmax, the MoE router softmax); the reference runs under
 Float64Everywhere, which turns every float32 request into float64, and with the RoPE
 inverse frequencies recomputed in float64, so the whole computation is float64. check()
 then confirms the stock float32-island model gives the same logits to ~1e-6, and the
@@ -20,7 +23,9 @@ stored gradients against central differences of the float64 loss.
 
 Parameter names are the checkpoint names that save_pretrained writes (for Mixtral:
 block_sparse_moe.gate and block_sparse_moe.experts.<e>.w1/w2/w3, the names of the
-published Mixtral checkpoints), not the fused in-memory layout of transformers 5.
+published Mixtral checkpoints; for Qwen3-MoE: mlp.gate and
+mlp.experts.<e>.gate_proj/up_proj/down_proj), not the fused in-memory layout of
+transformers 5.
 """
 
 import argparse
@@ -33,11 +38,18 @@ import torch
 import transformers
 from torch.overrides import TorchFunctionMode
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 BATCH, SEQ = 2, 16
 SEED = 1234
-# Mixtral routing must not hinge on a near-tie: an fp32 implementation has to pick the
+# MoE routing must not hinge on a near-tie: an fp32 implementation has to pick the
 # same top-2 experts as this fp64 reference for every token and layer. Its routing probs
 # differ from these by ~1e-6 at most; the margin keeps a factor of 100 above that. Seeds
 # seed, seed + 1, ... are tried until one gives the margin.
@@ -79,6 +91,30 @@ def mixtral_config():
     )
 
 
+def qwen3_moe_config():
+    """Qwen3-MoE: q_norm / k_norm on each head, head_dim 32 (query width 128 != hidden 64),
+    every layer MoE, softmax router with the top-k renormalised (norm_topk_prob), no
+    shared expert, no attention bias."""
+    return Qwen3MoeConfig(
+        head_dim=32,
+        intermediate_size=96,  # unused: no dense layer
+        moe_intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        attention_bias=False,
+        use_sliding_window=False,
+        router_aux_loss_coef=0.0,
+        output_router_logits=False,
+        **COMMON,
+    )
+
+
+MOE_CLASSES = (MixtralForCausalLM, Qwen3MoeForCausalLM)
+
+
 class Float64Everywhere(TorchFunctionMode):
     """Every float32 dtype asked for inside (x.float(), x.to(torch.float32),
     softmax(..., dtype=torch.float32)) becomes float64."""
@@ -109,14 +145,14 @@ def rope_inv_freq_fp64(model):
 def build(model_class, config, seed):
     """The model in float64 with float32-representable weights drawn from `seed`."""
     kwargs = dict(attn_implementation="eager")
-    if model_class is MixtralForCausalLM:
+    if model_class in MOE_CLASSES:
         kwargs["experts_implementation"] = "eager"  # the plain per-expert loop
     model = model_class._from_config(config, **kwargs)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            # RMSNorm weights around 1 so that the norm's weight is exercised.
+            # RMSNorm weights (q_norm / k_norm too) around 1 so that they are exercised.
             value = 1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.02 * noise
             p.copy_(value)
     model = model.to(torch.float64)
@@ -162,7 +198,7 @@ def model_and_batch(model_class, config, seed):
 
 def make(model_class, config, seed, path):
     extra = {}
-    if model_class is MixtralForCausalLM:
+    if model_class in MOE_CLASSES:
         for seed in range(seed, seed + MAX_SEED_TRIES):
             model, tokens, labels = model_and_batch(model_class, config, seed)
             margin = router_margin(model, tokens)
@@ -224,15 +260,17 @@ def make(model_class, config, seed, path):
 
 def in_memory_view(model, name):
     """The model's tensor (or a view of it) holding checkpoint parameter `name`. Written
-    by hand from the published Mixtral layout: gate_up_proj[e] = [w1; w3], down_proj[e] =
-    w2; an independent check of the names revert_weight_conversion produced."""
-    m = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight",
-                     name)
+    by hand from the published Mixtral and Qwen3-MoE layouts: gate_up_proj[e] = [w1; w3]
+    = [gate_proj; up_proj], down_proj[e] = w2 = down_proj; an independent check of the
+    names revert_weight_conversion produced."""
+    m = re.fullmatch(r"(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w[123]|gate_proj|up_proj|down_proj)\.weight", name)
     if m:
         experts = model.get_submodule(m.group(1) + ".mlp.experts")
         e, inter = int(m.group(2)), experts.intermediate_dim
-        return {"w1": experts.gate_up_proj[e, :inter], "w3": experts.gate_up_proj[e, inter:],
-                "w2": experts.down_proj[e]}[m.group(3)]
+        gate, up = experts.gate_up_proj[e, :inter], experts.gate_up_proj[e, inter:]
+        return {"w1": gate, "w3": up, "w2": experts.down_proj[e], "gate_proj": gate,
+                "up_proj": up, "down_proj": experts.down_proj[e]}[m.group(3)]
     return model.get_parameter(name.replace(".block_sparse_moe.", ".mlp."))
 
 
@@ -251,7 +289,7 @@ def check(model_class, path, elements_per_param=3):
             f.write(config_json)
         save_file(params, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         kwargs = dict(dtype=torch.float64, attn_implementation="eager")
-        if model_class is MixtralForCausalLM:
+        if model_class in MOE_CLASSES:
             kwargs["experts_implementation"] = "eager"
         model = model_class.from_pretrained(tmp, **kwargs)
     model.train()
@@ -303,12 +341,18 @@ def main():
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--check-only", action="store_true",
                     help="only re-check the existing files against transformers")
+    models = {
+        "llama": (LlamaForCausalLM, llama_config, "llama_tiny.safetensors"),
+        "mixtral": (MixtralForCausalLM, mixtral_config, "mixtral_tiny.safetensors"),
+        "qwen3_moe": (Qwen3MoeForCausalLM, qwen3_moe_config, "qwen3_moe_tiny.safetensors"),
+    }
+    ap.add_argument("--models", nargs="+", choices=list(models), default=list(models),
+                    help="which files to write and check (default: all)")
     args = ap.parse_args()
     torch.use_deterministic_algorithms(True)
-    for model_class, config, file in [
-        (LlamaForCausalLM, llama_config(), "llama_tiny.safetensors"),
-        (MixtralForCausalLM, mixtral_config(), "mixtral_tiny.safetensors"),
-    ]:
+    for key in args.models:
+        model_class, make_config, file = models[key]
+        config = make_config()
         path = os.path.join(args.out_dir, file)
         if not args.check_only:
             make(model_class, config, args.seed, path)

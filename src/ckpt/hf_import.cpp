@@ -57,14 +57,22 @@ std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>&
     }
     out[m + "self_attention.linear_qkv.weight"] = stack_rows(qkv);
     out[m + "self_attention.linear_proj.weight"] = f32(in.at(h + "self_attn.o_proj.weight"));
-    if (L.num_experts == 0) {
+    // Qwen3's per-head q_norm / k_norm: Megatron's --qk-layernorm.
+    if (in.has(h + "self_attn.q_norm.weight")) {
+      out[m + "self_attention.q_layernorm.weight"] = f32(in.at(h + "self_attn.q_norm.weight"));
+      out[m + "self_attention.k_layernorm.weight"] = f32(in.at(h + "self_attn.k_norm.weight"));
+    }
+    // Dense layers, also those of an MoE model (Qwen3-MoE's mlp_only_layers).
+    if (L.num_experts == 0 || in.has(h + "mlp.gate_proj.weight")) {
       out[m + "mlp.linear_fc1.weight"] =
           stack_rows({in.at(h + "mlp.gate_proj.weight"), in.at(h + "mlp.up_proj.weight")});
       out[m + "mlp.linear_fc2.weight"] = f32(in.at(h + "mlp.down_proj.weight"));
       continue;
     }
     bool fused = in.has(h + "mlp.experts.gate_up_proj");
-    std::string moe = fused ? h + "mlp." : h + "block_sparse_moe.";
+    // Qwen3-MoE checkpoints: mlp.gate and mlp.experts.E.{gate,up,down}_proj.
+    bool qwen = in.has(h + "mlp.experts.0.gate_proj.weight");
+    std::string moe = fused || qwen ? h + "mlp." : h + "block_sparse_moe.";
     out[m + "mlp.router.weight"] = f32(in.at(moe + "gate.weight"));
     for (int64_t e = 0; e < L.num_experts; ++e) {
       std::string dst = m + "mlp.experts.local_experts." + std::to_string(e) + ".";
@@ -73,6 +81,11 @@ std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>&
         const Tensor& down = in.at(moe + "experts.down_proj");   // [E, H, F]
         out[dst + "linear_fc1.weight"] = f32(gu.rows(e, 1).view({gu.dim(1), gu.dim(2)}));
         out[dst + "linear_fc2.weight"] = f32(down.rows(e, 1).view({down.dim(1), down.dim(2)}));
+      } else if (qwen) {
+        std::string src = moe + "experts." + std::to_string(e) + ".";
+        out[dst + "linear_fc1.weight"] =
+            stack_rows({in.at(src + "gate_proj.weight"), in.at(src + "up_proj.weight")});
+        out[dst + "linear_fc2.weight"] = f32(in.at(src + "down_proj.weight"));
       } else {
         std::string src = moe + "experts." + std::to_string(e) + ".";
         out[dst + "linear_fc1.weight"] =

@@ -26,7 +26,26 @@ SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, in
                   Placement::of(cfg), TensorParallelMode::Row, mp),
       cfg_(cfg),
       mp_(mp),
-      layer_(layer) {}
+      layer_(layer) {
+  if (cfg.qk_layernorm) {
+    // Replicated over TP but each rank normalises its own heads: the gradient is a partial
+    // sum over the tensor-parallel group, summed after backward (with or without
+    // --sequence-parallel) as for the sequence-parallel norms.
+    const bool tp_partial_grad = mp.tp_size() > 1;
+    q_layernorm =
+        std::make_unique<Norm>(prefix + ".q_layernorm", cfg.kv_channels, cfg.normalization,
+                               cfg.norm_epsilon, Placement::of(cfg), tp_partial_grad);
+    k_layernorm =
+        std::make_unique<Norm>(prefix + ".k_layernorm", cfg.kv_channels, cfg.normalization,
+                               cfg.norm_epsilon, Placement::of(cfg), tp_partial_grad);
+  }
+}
+
+// q_layernorm / k_layernorm on x [B, S, heads, d]: one row of d per head -> a new
+// [B, S, heads, d] (the norm saves x).
+static Tensor norm_heads(Norm& norm, const Tensor& x) {
+  return norm.forward(x.view({x.numel() / x.dim(3), x.dim(3)})).view(x.shape());
+}
 
 Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
                               const ForwardContext& ctx) {
@@ -38,8 +57,20 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
   s.q = empty_like(qkv, {batch, seq, np, d});
   s.k = empty_like(qkv, {batch, seq, ng, d});
   s.v = empty_like(qkv, {batch, seq, ng, d});
-  // Megatron's grouped [T, ng, np/ng + 2, d] rows -> q, k, v, with RoPE on q and k.
-  ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, uses_rope(cfg_), cfg_.rotary_base);
+  if (!q_layernorm) {
+    // Megatron's grouped [T, ng, np/ng + 2, d] rows -> q, k, v, with RoPE on q and k.
+    ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, uses_rope(cfg_), cfg_.rotary_base);
+  } else {
+    // Split, normalise each head, then RoPE (Megatron: q_layernorm / k_layernorm before
+    // apply_rotary_pos_emb). The norms keep the split q and k for backward.
+    ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, /*apply_rope=*/false, cfg_.rotary_base);
+    s.q = norm_heads(*q_layernorm, s.q);
+    s.k = norm_heads(*k_layernorm, s.k);
+    if (uses_rope(cfg_)) {
+      ops::rope_forward(s.q, s.q, cfg_.rotary_base);
+      ops::rope_forward(s.k, s.k, cfg_.rotary_base);
+    }
+  }
   s.out = empty_like(qkv, {batch, seq, np, d});
   s.lse = Tensor::empty({batch, np, seq}, DType::F32, qkv.device());
   s.dropout_p = ctx.training ? cfg_.attention_dropout : 0.0f;
@@ -62,23 +93,50 @@ Tensor SelfAttention::backward(const Tensor& dy) {
   ops::attention_backward(dout, s.q, s.k, s.v, s.out, s.lse, dq, dk, dv, s.dropout_p, s.seed,
                           s.stream);
   Tensor dqkv = empty_like(dy, {s.q.dim(0) * s.q.dim(1), (np + 2 * ng) * d});
-  ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv);
+  if (!q_layernorm) {
+    ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv);
+  } else {
+    if (uses_rope(cfg_)) {
+      ops::rope_backward(dq, dq, cfg_.rotary_base);
+      ops::rope_backward(dk, dk, cfg_.rotary_base);
+    }
+    const Tensor dq_split = q_layernorm->backward(dq.view({dq.numel() / d, d})).view(dq.shape());
+    const Tensor dk_split = k_layernorm->backward(dk.view({dk.numel() / d, d})).view(dk.shape());
+    ops::qkv_pack_rope_backward(dq_split, dk_split, dv, ng, /*apply_rope=*/false, cfg_.rotary_base,
+                                dqkv);
+  }
   return linear_qkv.backward(dqkv);
 }
 
 SelfAttention::Activations SelfAttention::take_saved() {
-  return {std::exchange(saved_, {}), linear_qkv.take_saved(), linear_proj.take_saved()};
+  Activations out;
+  out.attention = std::exchange(saved_, {});
+  out.linear_qkv = linear_qkv.take_saved();
+  out.linear_proj = linear_proj.take_saved();
+  if (q_layernorm) {
+    out.q_layernorm = q_layernorm->take_saved();
+    out.k_layernorm = k_layernorm->take_saved();
+  }
+  return out;
 }
 
 void SelfAttention::restore_saved(Activations&& saved) {
   saved_ = std::move(saved.attention);
   linear_qkv.restore_saved(std::move(saved.linear_qkv));
   linear_proj.restore_saved(std::move(saved.linear_proj));
+  if (q_layernorm) {
+    q_layernorm->restore_saved(std::move(saved.q_layernorm));
+    k_layernorm->restore_saved(std::move(saved.k_layernorm));
+  }
 }
 
 void SelfAttention::collect_params(std::vector<Param*>& out) {
   linear_qkv.collect_params(out);
   linear_proj.collect_params(out);
+  if (q_layernorm) {
+    q_layernorm->collect_params(out);
+    k_layernorm->collect_params(out);
+  }
 }
 
 }  // namespace megaton

@@ -1,5 +1,7 @@
 // SelfAttention: Megatron's fused QKV projection, RoPE, causal GQA attention, output proj.
 #pragma once
+#include <memory>
+
 #include "model/layers.h"
 #include "model/parallel.h"
 
@@ -9,6 +11,14 @@ namespace megaton {
 // query group g, the rows of its np/ng query heads, then its key head, then its value
 // head (np = num_attention_heads, ng = num_query_groups, d = kv_channels). Query head
 // h belongs to group h / (np / ng).
+//
+// With --qk-layernorm (cfg.qk_layernorm), q_layernorm and k_layernorm (Norm of
+// cfg.normalization over d = kv_channels, eps cfg.norm_epsilon, weights [d] initialised to
+// 1) normalise every query and key head after the split and before RoPE, as Megatron's
+// SelfAttention and Hugging Face Qwen3 do. Their weights are replicated on the
+// tensor-parallel ranks, which normalise different heads: they are marked
+// Param::sequence_parallel, so their gradients are summed over TP after backward
+// (Megatron's finalize_model_grads all-reduces q/k_layernorm grads likewise).
 class SelfAttention {
  public:
   SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed,
@@ -20,6 +30,8 @@ class SelfAttention {
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
 
+  // With qk_layernorm the norms save their inputs (q, k before the norm, [B*S*heads, d])
+  // and statistics in their own Norm::Saved.
   struct Saved {
     Tensor q, k, v;                 // [B, S, heads, d] after RoPE (this rank's heads, groups)
     Tensor out;                     // attention output [B, S, np, d]
@@ -27,15 +39,17 @@ class SelfAttention {
     float dropout_p = 0;            // attention dropout of this forward
     uint64_t seed = 0, stream = 0;  // its mask's Philox key and stream
   };
-  // The attention's saved state with its linears'.
+  // The attention's saved state with its linears' and q/k norms'.
   struct Activations {
     Saved attention;
     Linear::Saved linear_qkv, linear_proj;
+    Norm::Saved q_layernorm, k_layernorm;  // empty without qk_layernorm
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
 
   Linear linear_qkv, linear_proj;
+  std::unique_ptr<Norm> q_layernorm, k_layernorm;  // null without qk_layernorm
 
  private:
   const GPTConfig& cfg_;

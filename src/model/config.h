@@ -30,6 +30,10 @@ struct GPTConfig {
   int64_t tensor_model_parallel_size = 1;
   Normalization normalization = Normalization::LayerNorm;
   float norm_epsilon = 1e-5f;
+  // --qk-layernorm: a norm of type `normalization` over each head's kv_channels values of
+  // the query and the key, after the QKV split and before RoPE (Megatron's q_layernorm /
+  // k_layernorm; Qwen3's q_norm / k_norm).
+  bool qk_layernorm = false;
   bool swiglu = false;
   PositionEmbedding position_embedding_type = PositionEmbedding::LearnedAbsolute;
   float rotary_base = 10000.0f;

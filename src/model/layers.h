@@ -120,7 +120,8 @@ class Linear {
 
 // LayerNorm (weight and bias) or RMSNorm (weight only), per config.normalization.
 // Under sequence parallelism (sequence_parallel true) it runs on this rank's token rows
-// and its weights are marked Param::sequence_parallel (gradients summed over TP).
+// and its weights are marked Param::sequence_parallel (gradients summed over TP); the
+// q/k norms of --qk-layernorm pass true under any TP > 1 (each rank has its own heads).
 class Norm {
  public:
   Norm(const std::string& name, int64_t hidden, Normalization kind, float eps, Placement where,

@@ -31,8 +31,10 @@ struct Param {
   bool swiglu_halves = false;
   Shape full_shape;
   // Replicated over the tensor-parallel group but fed by this rank's sequence shard only
-  // (norm weights and the router under --sequence-parallel): the gradient is summed over
-  // the tensor-parallel group after backward (Megatron's sequence_parallel attribute).
+  // (norm weights and the router under --sequence-parallel), or by this rank's attention
+  // heads only (--qk-layernorm's q_layernorm / k_layernorm, with or without SP): the
+  // gradient is summed over the tensor-parallel group after backward (Megatron's
+  // sequence_parallel attribute; for the q/k norms, finalize_model_grads' TP all-reduce).
   bool sequence_parallel = false;
   // A second copy of a tied weight: the word embeddings that the last pipeline stage keeps
   // for its output layer. Its gradient is summed with the first stage's, so it is left out

@@ -49,6 +49,8 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"make-vocab-size-divisible-by", "pad the vocabulary up to a multiple of this"},
       {"normalization", "LayerNorm or RMSNorm"},
       {"norm-epsilon", "epsilon of the norms"},
+      {"qk-layernorm", "normalize each query and key head before RoPE (Qwen3's q_norm/k_norm)",
+       true},
       {"swiglu", "SwiGLU MLP instead of GeLU", true},
       {"position-embedding-type", "learned_absolute or rope"},
       {"rotary-base", "RoPE base"},
@@ -355,6 +357,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   else if (norm == "RMSNorm") m.normalization = Normalization::RMSNorm;
   else fail("option 'normalization' must be LayerNorm or RMSNorm (got '{}')", norm);
   r.get("norm-epsilon", m.norm_epsilon);
+  r.get("qk-layernorm", m.qk_layernorm);
   r.get("swiglu", m.swiglu);
   std::string pos = "learned_absolute";
   r.get("position-embedding-type", pos);

@@ -235,11 +235,15 @@ struct Expected {
   Shape shape;
 };
 
-// Parameter names and shapes a Llama/Mixtral checkpoint has for this config.
+// Parameter names and shapes a Llama/Mixtral/Qwen3-MoE checkpoint has for this config.
 std::vector<Expected> expected_params(const nlohmann::json& cfg) {
-  int64_t v = cfg["vocab_size"], h = cfg["hidden_size"], ffn = cfg["intermediate_size"];
+  const bool qwen3_moe = cfg["model_type"] == "qwen3_moe";
+  int64_t v = cfg["vocab_size"], h = cfg["hidden_size"];
+  int64_t ffn = qwen3_moe ? cfg["moe_intermediate_size"] : cfg["intermediate_size"];
   int64_t heads = cfg["num_attention_heads"], groups = cfg["num_key_value_heads"];
-  int64_t d = h / heads;
+  int64_t d = cfg.contains("head_dim") && !cfg["head_dim"].is_null()
+                  ? cfg["head_dim"].get<int64_t>()
+                  : h / heads;
   std::vector<Expected> out = {{"model.embed_tokens.weight", {v, h}},
                                {"model.norm.weight", {h}},
                                {"lm_head.weight", {v, h}}};
@@ -251,7 +255,18 @@ std::vector<Expected> expected_params(const nlohmann::json& cfg) {
     out.push_back({p + "self_attn.k_proj.weight", {groups * d, h}});
     out.push_back({p + "self_attn.v_proj.weight", {groups * d, h}});
     out.push_back({p + "self_attn.o_proj.weight", {h, heads * d}});
-    if (cfg.contains("num_local_experts")) {
+    if (qwen3_moe) {
+      out.push_back({p + "self_attn.q_norm.weight", {d}});
+      out.push_back({p + "self_attn.k_norm.weight", {d}});
+      int64_t experts = cfg["num_local_experts"];
+      out.push_back({p + "mlp.gate.weight", {experts, h}});
+      for (int e = 0; e < experts; ++e) {
+        std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+        out.push_back({q + "gate_proj.weight", {ffn, h}});
+        out.push_back({q + "up_proj.weight", {ffn, h}});
+        out.push_back({q + "down_proj.weight", {h, ffn}});
+      }
+    } else if (cfg.contains("num_local_experts")) {
       int64_t experts = cfg["num_local_experts"];
       out.push_back({p + "block_sparse_moe.gate.weight", {experts, h}});
       for (int e = 0; e < experts; ++e) {
@@ -282,7 +297,13 @@ void check_golden(const std::string& file, const std::string& model_type, int64_
   EXPECT_EQ(cfg["num_attention_heads"], 4);
   EXPECT_EQ(cfg["num_key_value_heads"], 2);
   EXPECT_EQ(cfg["tie_word_embeddings"], false);
-  if (experts) {
+  if (model_type == "qwen3_moe") {
+    EXPECT_EQ(cfg["num_local_experts"], experts);
+    EXPECT_EQ(cfg["num_experts_per_tok"], 2);
+    EXPECT_EQ(cfg["moe_intermediate_size"], 48);
+    EXPECT_EQ(cfg["head_dim"], 32);
+    EXPECT_EQ(cfg["norm_topk_prob"], true);
+  } else if (experts) {
     EXPECT_EQ(cfg["num_local_experts"], experts);
     EXPECT_EQ(cfg["num_experts_per_tok"], 2);
     EXPECT_EQ(cfg["intermediate_size"], 48);
@@ -336,4 +357,8 @@ TEST(SafetensorsGolden, LlamaTinyHasEveryParamGradInputAndOutput) {
 
 TEST(SafetensorsGolden, MixtralTinyHasEveryParamGradInputAndOutput) {
   check_golden("mixtral_tiny.safetensors", "mixtral", 4);
+}
+
+TEST(SafetensorsGolden, Qwen3MoeTinyHasEveryParamGradInputAndOutput) {
+  check_golden("qwen3_moe_tiny.safetensors", "qwen3_moe", 4);
 }

@@ -1,4 +1,5 @@
-// Golden parity: tiny Llama and Mixtral models against Hugging Face transformers (fp32).
+// Golden parity: tiny Llama, Mixtral and Qwen3-MoE models against Hugging Face transformers
+// (fp32).
 // tools/make_golden.py wrote the weights, inputs, logits, loss and every gradient.
 #include <gtest/gtest.h>
 
@@ -48,12 +49,21 @@ Golden load_golden(const std::string& name) {
   c.untie_embeddings_and_output_weights = !hf.value("tie_word_embeddings", false);
   c.disable_bias_linear = true;
   c.hidden_dropout = c.attention_dropout = 0.0f;
+  // Qwen3's q_norm / k_norm: RMSNorm over each query and key head before RoPE.
+  const std::string model_type = hf.value("model_type", "");
+  c.qk_layernorm = model_type == "qwen3" || model_type == "qwen3_moe";
   if (hf.contains("num_local_experts")) {
     c.num_experts = hf.at("num_local_experts");
     c.moe_router_topk = hf.at("num_experts_per_tok");
-    c.moe_ffn_hidden_size = c.ffn_hidden_size;
+    c.moe_ffn_hidden_size = hf.value("moe_intermediate_size", c.ffn_hidden_size);
     c.moe_aux_loss_coeff = 0.0f;  // HF's aux loss differs from Megatron's (tested apart)
+    // Megatron's default softmax router (top-k logits, softmax over those k) is Mixtral's
+    // and Qwen3-MoE's with norm_topk_prob (softmax over all, top-k, renormalised).
+    EXPECT_TRUE(hf.value("norm_topk_prob", true)) << name;
+    EXPECT_EQ(hf.value("decoder_sparse_step", 1), 1) << name << ": every layer MoE";
+    EXPECT_TRUE(hf.value("mlp_only_layers", nlohmann::json::array()).empty()) << name;
   }
+  EXPECT_FALSE(hf.value("attention_bias", false)) << name;
   c.finalize();
   g.layout = {c.num_layers, c.num_attention_heads, c.num_query_groups, c.kv_channels,
               c.num_experts};
@@ -91,19 +101,25 @@ void check_parity(const std::string& file) {
   dlosses.fill(1.0f / float(T));
   model.backward(dlosses, 1.0f);
   double worst_grad_error = 0;
+  std::string worst_grad;
   for (Param* p : model.params()) {
     ASSERT_TRUE(grads.count(p->name)) << p->name;
     double e = testing::rel_error(p->main_grad, grads[p->name]);
+    if (e >= worst_grad_error) worst_grad = p->name;
     worst_grad_error = std::max(worst_grad_error, e);
     EXPECT_LE(e, 1e-4) << file << " grad " << p->name;
   }
-  std::printf("%s: logits rel error %.2e, loss rel error %.2e, worst gradient rel error %.2e\n",
-              file.c_str(), logits_error, std::fabs(loss - ref_loss) / std::fabs(ref_loss),
-              worst_grad_error);
+  std::printf(
+      "%s: logits rel error %.2e, loss rel error %.2e, worst gradient rel error %.2e "
+      "(%s)\n",
+      file.c_str(), logits_error, std::fabs(loss - ref_loss) / std::fabs(ref_loss),
+      worst_grad_error, worst_grad.c_str());
 }
 
 TEST(Golden, LlamaMatchesHuggingFace) { check_parity("llama_tiny.safetensors"); }
 TEST(Golden, MixtralMatchesHuggingFace) { check_parity("mixtral_tiny.safetensors"); }
+// --qk-layernorm (q_norm / k_norm), head_dim 32 != hidden / heads, GQA, all layers MoE.
+TEST(Golden, Qwen3MoeMatchesHuggingFace) { check_parity("qwen3_moe_tiny.safetensors"); }
 
 }  // namespace
 }  // namespace megaton

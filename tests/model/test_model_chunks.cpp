@@ -254,6 +254,17 @@ TEST(ModelChunks, StashedMicroBatchesMatchOneAtATime) {
   }
 }
 
+// --qk-layernorm: the q/k norms' saved inputs and statistics travel with the activations.
+TEST(ModelChunks, StashedMicroBatchesWithQkLayernormMatchOneAtATime) {
+  for (bool moe : {true, false}) {
+    // MoE: RMSNorm q/k norms and RoPE; dense: LayerNorm q/k norms (with bias), no RoPE.
+    GPTConfig cfg = chunk_config(moe, /*tied=*/!moe, /*learned_positions=*/!moe);
+    cfg.qk_layernorm = true;
+    check_stashed_micro_batches(cfg, PipelineChunk{0, 4, true, true});
+    check_stashed_micro_batches(cfg, PipelineChunk{1, 2, false, false});
+  }
+}
+
 TEST(ModelChunks, ActivationsGoBackOnlyWhereTheyCameFrom) {
   const GPTConfig cfg = chunk_config(true, false, false);
   const PipelineChunk part{1, 2, false, false};

@@ -76,29 +76,39 @@ class TrainTest : public ::testing::Test {
     return trainer.train();
   }
 
+  // Six iterations in one run, and three, saved, then three more resumed from the save.
+  void check_resume_is_bit_identical(const RawOptions& options) {
+    TrainResult full = run(options);
+    ASSERT_EQ(full.losses.size(), 6u);
+
+    RawOptions first = options;
+    first["save"] = {(dir / "ckpt").string()};
+    first["exit-interval"] = {"3"};
+    TrainResult a = run(first);
+    ASSERT_EQ(a.losses.size(), 3u);
+    ASSERT_TRUE(fs::exists(dir / "ckpt" / "iter_0000003" / "metadata.json"));
+
+    RawOptions second = options;
+    second["load"] = {(dir / "ckpt").string()};
+    TrainResult b = run(second);
+    ASSERT_EQ(b.losses.size(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(a.losses[i], full.losses[i]) << "iteration " << i + 1;
+      EXPECT_EQ(b.losses[i], full.losses[i + 3]) << "iteration " << i + 4;
+      EXPECT_EQ(b.grad_norms[i], full.grad_norms[i + 3]) << "iteration " << i + 4;
+    }
+  }
+
   fs::path dir;
 };
 
-TEST_F(TrainTest, ResumeIsBitIdentical) {
-  TrainResult full = run(tiny_moe());
-  ASSERT_EQ(full.losses.size(), 6u);
+TEST_F(TrainTest, ResumeIsBitIdentical) { check_resume_is_bit_identical(tiny_moe()); }
 
-  RawOptions first = tiny_moe();
-  first["save"] = {(dir / "ckpt").string()};
-  first["exit-interval"] = {"3"};
-  TrainResult a = run(first);
-  ASSERT_EQ(a.losses.size(), 3u);
-  ASSERT_TRUE(fs::exists(dir / "ckpt" / "iter_0000003" / "metadata.json"));
-
-  RawOptions second = tiny_moe();
-  second["load"] = {(dir / "ckpt").string()};
-  TrainResult b = run(second);
-  ASSERT_EQ(b.losses.size(), 3u);
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(a.losses[i], full.losses[i]) << "iteration " << i + 1;
-    EXPECT_EQ(b.losses[i], full.losses[i + 3]) << "iteration " << i + 4;
-    EXPECT_EQ(b.grad_norms[i], full.grad_norms[i + 3]) << "iteration " << i + 4;
-  }
+// --qk-layernorm: the q/k norm weights and their optimizer state go through the checkpoint.
+TEST_F(TrainTest, ResumeWithQkLayernormIsBitIdentical) {
+  RawOptions options = tiny_moe();
+  options["qk-layernorm"] = {"true"};
+  check_resume_is_bit_identical(options);
 }
 
 TEST_F(TrainTest, LossFallsAndModelSamples) {
@@ -127,6 +137,27 @@ TEST_F(TrainTest, LossFallsAndModelSamples) {
   EXPECT_EQ(out1, out2);  // greedy decoding is deterministic
   EXPECT_GT(out1.size(), prompt.size());
   EXPECT_TRUE(std::equal(prompt.begin(), prompt.end(), out1.begin()));
+}
+
+// --qk-layernorm as a YAML key (underscores allowed, as for every key) and as a flag value.
+TEST(Arguments, QkLayernormFromYamlAndFlag) {
+  const fs::path yaml =
+      fs::temp_directory_path() / ("megaton_qk_layernorm_" + std::to_string(::getpid()) + ".yaml");
+  std::ofstream(yaml) << "qk_layernorm: true\n";
+  RawOptions raw = read_yaml_options(yaml.string());
+  fs::remove(yaml);
+  ASSERT_TRUE(raw.count("qk-layernorm"));
+  raw["mock-data"] = {"true"};
+  raw["tokenizer-type"] = {"NullTokenizer"};
+  raw["train-iters"] = {"1"};
+  raw["device"] = {"cpu"};
+  EXPECT_TRUE(parse_train_args(raw).model.qk_layernorm);
+  raw["qk-layernorm"] = {"false"};
+  EXPECT_FALSE(parse_train_args(raw).model.qk_layernorm);
+  raw.erase("qk-layernorm");
+  EXPECT_FALSE(parse_train_args(raw).model.qk_layernorm);  // Megatron's default
+  raw["qk-layernorm"] = {"maybe"};
+  EXPECT_THROW(parse_train_args(raw), Error);
 }
 
 TEST(Sampling, GreedyTopKTopP) {
