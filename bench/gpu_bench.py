@@ -28,15 +28,17 @@ def flops_per_token(c):
     n_active = c["layers"] * per_layer + VOCAB * h
     return 6 * n_active + 12 * c["layers"] * h * c["seq"]
 
-def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1):
+def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_batches=1):
     """One Megaton run; launcher (e.g. mpirun -np 2 ...) and extra flags for parallel
-    layouts: world GPUs, of which dp data-parallel (global batch = micro-batch x dp).
+    layouts: world GPUs, of which dp data-parallel; global batch = micro-batch x dp x
+    micro_batches (micro-batches per data-parallel rank and step).
     tokens_per_s is for the whole job; tokens_per_s_per_gpu divides by world."""
+    gbs = c["mbs"] * dp * micro_batches
     cmd = list(launcher) + [binary, "train", "--device", "cuda", "--bf16", "--mock-data",
            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
            "--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
            "--num-attention-heads", str(c["heads"]), "--seq-length", str(c["seq"]),
-           "--micro-batch-size", str(c["mbs"]), "--global-batch-size", str(c["mbs"] * dp),
+           "--micro-batch-size", str(c["mbs"]), "--global-batch-size", str(gbs),
            "--swiglu", "--normalization", "RMSNorm",
            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
            "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
@@ -55,7 +57,7 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1):
     ms = [float(re.search(r"per iteration \(ms\): ([\d.]+)", l).group(1)) for l in rows][1:]
     mem = float(re.search(r"peak memory \(MB\): ([\d.]+)", rows[-1]).group(1))
     step_ms = statistics.median(ms)
-    tokens_per_s = c["mbs"] * dp * c["seq"] / (step_ms / 1e3)
+    tokens_per_s = gbs * c["seq"] / (step_ms / 1e3)
     return dict(step_ms=step_ms, tokens_per_s=tokens_per_s,
                 tokens_per_s_per_gpu=tokens_per_s / world, peak_mem_gib=mem * 2**20 / 2**30)
 

@@ -138,8 +138,8 @@ void GPTConfig::finalize() {
     if (moe_shared_expert_intermediate_size < 0)
       fail("moe-shared-expert-intermediate-size must be >= 0 (got {})",
            moe_shared_expert_intermediate_size);
-    if (moe_shared_expert_gate)
-      fail("moe-shared-expert-gate is not supported yet (the shared expert is added ungated)");
+    if (moe_shared_expert_gate && moe_shared_expert_intermediate_size == 0)
+      fail("moe-shared-expert-gate needs a shared expert (moe-shared-expert-intermediate-size > 0)");
   }
 }
 

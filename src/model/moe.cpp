@@ -23,13 +23,8 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
   const int etp = mp.etp_size(), etp_rank = mp.etp_rank();
   if (f % etp != 0)
     fail("moe-ffn-hidden-size ({}) is not divisible by expert-tensor-parallel-size ({})", f, etp);
-  if (cfg.moe_shared_expert_intermediate_size > 0) {
-    const float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
-    shared_expert = std::make_unique<MLP>(prefix + ".shared_experts", cfg.hidden_size,
-                                          cfg.moe_shared_expert_intermediate_size, cfg.swiglu,
-                                          false, cfg.init_method_std, output_std, seed,
-                                          Placement::of(cfg), mp);
-  }
+  if (cfg.moe_shared_expert_intermediate_size > 0)
+    shared_expert = std::make_unique<SharedExpertMLP>(prefix + ".shared_experts", cfg, seed, mp);
   first_local_expert_ = dispatcher_->first_local_expert();
   for (int64_t l = 0; l < dispatcher_->num_local_experts(); ++l) {
     // Megatron's checkpoints name experts by their global index.
@@ -74,7 +69,7 @@ void MoELayer::expert_bias_forward(Tensor& y, Param Expert::*bias) {
   if (cfg_.disable_bias_linear) return;
   int64_t start = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
-    int64_t n = saved_.tokens_per_local_expert[e];
+    int64_t n = saved_.expert_rows[e];
     if (n > 0) {
       Tensor rows = y.rows(start, n);
       ops::bias_add_(rows, (experts[e].*bias).weight);
@@ -87,10 +82,29 @@ void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias) {
   if (cfg_.disable_bias_linear) return;
   int64_t start = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
-    int64_t n = saved_.tokens_per_local_expert[e];
+    int64_t n = saved_.expert_rows[e];
     if (n > 0) ops::bias_backward(dy.rows(start, n), (experts[e].*bias).main_grad);
     start += n;
   }
+}
+
+Tensor MoELayer::pad_to_capacity(const Tensor& rows) const {
+  const Saved& s = saved_;
+  if (s.expert_capacity == 0) return rows;
+  const int64_t groups = int64_t(s.expert_rows.size());
+  Tensor padded = empty_like(rows, {groups * s.expert_capacity, rows.dim(1)});
+  ops::moe_pad_rows_to_capacity(rows, s.tokens_per_local_expert, s.expert_capacity, padded);
+  return padded;
+}
+
+Tensor MoELayer::unpad_from_capacity(const Tensor& padded) const {
+  const Saved& s = saved_;
+  if (s.expert_capacity == 0) return padded;
+  int64_t routed = 0;
+  for (int64_t n : s.tokens_per_local_expert) routed += n;
+  Tensor rows = empty_like(padded, {routed, padded.dim(1)});
+  ops::moe_unpad_rows_from_capacity(padded, s.tokens_per_local_expert, s.expert_capacity, rows);
+  return rows;
 }
 
 Tensor MoELayer::expert_activation() const {
@@ -121,21 +135,32 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
       router.forward(x, ctx, mp_.tp_size() > 1 ? int64_t(mp_.tp_rank()) * tokens : 0);
   s.aux_loss = float(router.last_loss());
 
-  // The copies routed to this rank's experts, grouped by local expert.
+  // The kept copies routed to this rank's experts, grouped by local expert; padded to a
+  // fixed size per expert: each rank of the expert-model-parallel group sends an expert at
+  // most `capacity` copies (all ranks have the same token count, hence capacity).
   s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices);
   s.tokens_per_local_expert = dispatcher_->tokens_per_local_expert();
+  s.expert_rows = s.tokens_per_local_expert;
+  s.expert_capacity = 0;
+  if (cfg_.moe_pad_expert_input_to_capacity) {
+    MEGATON_CHECK(cfg_.moe_expert_capacity_factor > 0,
+                  "moe-pad-expert-input-to-capacity needs moe-expert-capacity-factor");
+    s.expert_capacity = routing.capacity * mp_.group(dist::GroupKind::ExpertMP).size();
+    s.expert_rows.assign(s.tokens_per_local_expert.size(), s.expert_capacity);
+    s.expert_in = pad_to_capacity(s.expert_in);
+  }
   const int64_t rows = s.expert_in.dim(0);
   s.fc1_out = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
   ops::grouped_gemm(s.expert_in, expert_weights(&Expert::fc1_weight), true, s.fc1_out,
-                    s.tokens_per_local_expert);
+                    s.expert_rows);
   expert_bias_forward(s.fc1_out, &Expert::fc1_bias);
   Tensor expert_out = empty_like(x, {rows, hidden});
   ops::grouped_gemm(expert_activation(), expert_weights(&Expert::fc2_weight), true, expert_out,
-                    s.tokens_per_local_expert);
+                    s.expert_rows);
   // Row-parallel fc2: the partial outputs are summed over etp, the bias counted once.
   if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias);
 
-  Tensor out = dispatcher_->combine(expert_out);
+  Tensor out = dispatcher_->combine(unpad_from_capacity(expert_out));
   if (splits_rows()) out = gather_sequence(out, mp_);
   if (shared_expert) ops::add_(out, shared_expert->forward(x_in));
   return out;
@@ -151,15 +176,15 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
     dy = dy_in.rows(mp_.tp_rank() * (dy_in.dim(0) / tp), dy_in.dim(0) / tp);
   }
   Tensor dprobs;
-  Tensor dexpert_out = dispatcher_->combine_backward(dy, dprobs);
+  // The padding rows' output gradient is zero (a padding row is no copy's).
+  Tensor dexpert_out = pad_to_capacity(dispatcher_->combine_backward(dy, dprobs));
 
   // linear_fc2 of every local expert; its input, the activation, is recomputed (not kept).
   Tensor act = expert_activation();
   Tensor dact = empty_like(dy, act.shape());
-  ops::grouped_gemm(dexpert_out, expert_weights(&Expert::fc2_weight), false, dact,
-                    s.tokens_per_local_expert);
+  ops::grouped_gemm(dexpert_out, expert_weights(&Expert::fc2_weight), false, dact, s.expert_rows);
   std::vector<Tensor> fc2_grads = expert_grads(&Expert::fc2_weight);
-  ops::grouped_gemm_wgrad(dexpert_out, act, fc2_grads, s.tokens_per_local_expert);
+  ops::grouped_gemm_wgrad(dexpert_out, act, fc2_grads, s.expert_rows);
   act = Tensor();
   // dexpert_out is whole on every ETP rank: each computes the same fc2 bias gradient.
   expert_bias_backward(dexpert_out, &Expert::fc2_bias);
@@ -170,14 +195,13 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   else
     ops::gelu_backward(dact, s.fc1_out, dfc1);
   Tensor dexpert_in = empty_like(dy, s.expert_in.shape());
-  ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dexpert_in,
-                    s.tokens_per_local_expert);
+  ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dexpert_in, s.expert_rows);
   std::vector<Tensor> fc1_grads = expert_grads(&Expert::fc1_weight);
-  ops::grouped_gemm_wgrad(dfc1, s.expert_in, fc1_grads, s.tokens_per_local_expert);
+  ops::grouped_gemm_wgrad(dfc1, s.expert_in, fc1_grads, s.expert_rows);
   expert_bias_backward(dfc1, &Expert::fc1_bias);
   dfc1 = Tensor();
 
-  Tensor dx = dispatcher_->dispatch_backward(dexpert_in);
+  Tensor dx = dispatcher_->dispatch_backward(unpad_from_capacity(dexpert_in));
 
   // Router: the probabilities' and the injected losses' gradients, then the gating linear.
   router.backward(dprobs, aux_grad_scale, dx);

@@ -7,17 +7,26 @@
 #include "model/layers.h"
 #include "model/parallel.h"
 #include "model/router.h"
+#include "model/shared_experts.h"
 #include "model/token_dispatcher.h"
 
 namespace megaton {
 
-// Router: TopKRouter (router.h; every Megatron routing and load-balancing option,
-// dropless), whose injected loss gradients are scaled by aux_grad_scale
+// Router: TopKRouter (router.h; every Megatron routing and load-balancing option, token
+// dropping by capacity included), whose injected loss gradients are scaled by aux_grad_scale
 // (MoEAuxLossAutoScaler: 1 / micro-batches). An optional shared expert (a dense MLP over
-// all tokens) is added to the routed output.
+// all tokens, optionally sigmoid-gated: SharedExpertMLP) is added to the routed output.
 // Experts run as grouped GEMMs over the tokens sorted by expert (one call for all local
 // experts, Megatron's GroupedMLP); their parameters keep SequentialMLP's names with the
 // global expert index, "<prefix>.experts.local_experts.<e>.linear_fc1/.linear_fc2".
+// Copies dropped by capacity reach no expert (token_dispatcher.h): the expert input holds
+// the kept copies only. --moe-pad-expert-input-to-capacity then pads each local expert's
+// input with zero rows to exactly capacity x (ranks of the expert-model-parallel group,
+// ep x etp) rows, the most its copies can number (ops::moe_pad_rows_to_capacity), and
+// strips the padding from the expert output and, in backward, from the input gradient.
+// Megatron instead pads at the source rank with zero-probability copies, which are
+// exchanged; a zero-weight row adds nothing to the output nor to any gradient (its output
+// gradient is 0), so the numbers are the same, but the communication is not padded here.
 //
 // Parallelism (mp):
 // - expert parallel (ep): this rank builds experts ep_rank * E/ep .. + E/ep - 1 only; a
@@ -60,8 +69,8 @@ class MoELayer {
   float last_aux_loss() const { return saved_.aux_loss; }
   // The global layer number (router random streams, logs, checkpoint names).
   int64_t layer_number() const { return layer_; }
-  // Rows the last forward gave each local expert (all ranks' copies routed to it; host),
-  // likewise.
+  // Rows the last forward gave each local expert (all ranks' kept copies routed to it,
+  // without the padding to capacity; host), likewise.
   const std::vector<int64_t>& last_tokens_per_local_expert() const {
     return saved_.tokens_per_local_expert;
   }
@@ -70,17 +79,21 @@ class MoELayer {
   // experts' copies).
   struct Saved {
     Tensor x;               // the layer's token rows [T, H] (defined between forward and backward)
-    Tensor expert_in;       // the dispatched copies [R, H]
+    Tensor expert_in;       // the dispatched copies [R, H] (padded: [L x expert_capacity, H])
     Tensor fc1_out;         // [R, fc1 outputs / etp]; the activation is recomputed
     float aux_loss = 0.0f;  // last_aux_loss()
     std::vector<int64_t> tokens_per_local_expert;  // [local experts], host
+    // Rows of expert_in per local expert (the GEMMs' groups): tokens_per_local_expert, or
+    // expert_capacity each when padded to capacity.
+    std::vector<int64_t> expert_rows;
+    int64_t expert_capacity = 0;  // rows per local expert when padded, else 0
   };
   // The layer's saved state with its router's, token dispatcher's and shared expert's.
   struct Activations {
     Saved moe;
     TopKRouter::Saved router;
     std::any dispatcher;  // MoETokenDispatcher::take_saved
-    MLP::Activations shared_expert;
+    SharedExpertMLP::Activations shared_expert;
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
@@ -90,10 +103,10 @@ class MoELayer {
   };
   TopKRouter router;            // "<prefix>.router.weight" [E, H] (+ expert_bias)
   std::vector<Expert> experts;  // the local experts, in global order
-  // --moe-shared-expert-intermediate-size: a dense MLP over every token, added to the
-  // routed experts' output ("<prefix>.shared_experts.linear_fc1/2"; tensor-parallel like
-  // the dense MLP). Null without.
-  std::unique_ptr<MLP> shared_expert;
+  // --moe-shared-expert-intermediate-size: a dense MLP over every token (sigmoid-gated with
+  // --moe-shared-expert-gate), added to the routed experts' output
+  // ("<prefix>.shared_experts.*", shared_experts.h). Null without.
+  std::unique_ptr<SharedExpertMLP> shared_expert;
   int64_t first_local_expert() const { return first_local_expert_; }
 
  private:
@@ -105,6 +118,11 @@ class MoELayer {
   Tensor expert_activation() const;
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
+  // --moe-pad-expert-input-to-capacity: rows [R, H] grouped by local expert -> [L x
+  // expert_capacity, H] with zero padding rows, and back (the padding dropped). Both return
+  // their argument when the last forward did not pad.
+  Tensor pad_to_capacity(const Tensor& rows) const;
+  Tensor unpad_from_capacity(const Tensor& padded) const;
   // Without sequence parallelism under TP: the layer runs on block tp_rank of the rows.
   bool splits_rows() const;
 

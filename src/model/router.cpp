@@ -159,6 +159,10 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
                            cfg_.moe_token_drop_policy == "position", saved_.keep, kept);
     out.probs = out.probs.clone();
     ops::mul_(out.probs, saved_.keep);
+    // The dispatchers skip the dropped copies (index E); backward keeps the real indices.
+    out.indices = Tensor::empty({rows, topk_}, DType::I32, dev);
+    ops::moe_mark_dropped(saved_.indices, saved_.keep, E, out.indices);
+    out.capacity = capacity;
     if (ctx.training) ops::add_(tokens_per_expert_, kept);
   } else if (ctx.training) {
     ops::moe_tokens_per_expert(out.indices, E, tokens_per_expert_);

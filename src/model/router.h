@@ -36,10 +36,12 @@ namespace megaton {
 // Token dropping (--moe-expert-capacity-factor cf): each expert keeps at most
 // capacity = ceil(T k / E cf) of its routed copies (by probability, or the first rows
 // with --moe-token-drop-policy position); a dropped copy's probability is 0, so it adds
-// nothing to the output and gets no gradient (Megatron's apply_router_token_dropping).
-// Megaton still sends dropped copies to their expert (computed, weighted 0);
-// --moe-pad-expert-input-to-capacity, which in Megatron adds zero-weight rows, changes
-// nothing here. The losses ignore the dropping, as Megatron's.
+// nothing to the output and gets no gradient (Megatron's apply_router_token_dropping), and
+// its index in Output is E, the "dropped" marker: the token dispatchers send it to no
+// expert, so the experts compute only kept copies (the routing map after dropping, as
+// Megatron's). --moe-pad-expert-input-to-capacity is applied by MoELayer (moe.h) with
+// Output::capacity. The losses ignore the dropping, as Megatron's; the expert bias and
+// tokens_per_expert count the kept copies only.
 // The expert bias (--moe-router-enable-expert-bias, fp32 whatever the model dtype) is added
 // to the selection scores only; the trainer updates it after each optimizer step from the
 // tokens per expert of the step's training forwards (update_expert_bias).
@@ -50,8 +52,10 @@ class TopKRouter {
              const ModelParallel& mp, int64_t layer);
 
   struct Output {
-    Tensor probs;    // [T, k] fp32
-    Tensor indices;  // [T, k] int32
+    Tensor probs;  // [T, k] fp32; 0 for a copy dropped by capacity
+    // [T, k] int32: the chosen expert in [0, E), or E for a copy dropped by capacity.
+    Tensor indices;
+    int64_t capacity = 0;  // per-expert capacity of this forward (copies), 0 when dropless
   };
   // x [T, H] compute dtype: this rank's token rows, which are rows first_row .. of the
   // tensor-parallel group's [B * S] token list (batch-major; seq_aux_loss groups rows by
@@ -114,7 +118,7 @@ class TopKRouter {
     Tensor x;            // router input (after jitter)
     Tensor jitter;       // [T, H] fp32 noise, when jitter applied
     Tensor logits;       // [T, E] fp32 (random under force balancing)
-    Tensor probs, indices;  // probs before dropping
+    Tensor probs, indices;  // before dropping (indices: the chosen experts, all in [0, E))
     Tensor keep;            // [T, k] fp32 1/0 with token dropping, else undefined
     Tensor lse;          // [T] fp32 (z-loss)
     float z_scale = 0;   // 2 coeff / (tp cp T)

@@ -122,8 +122,11 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   saved_.probs = probs;
   Tensor permuted = empty_as(x, {tokens * k, hidden});
   saved_.row_id_map = Tensor::empty({tokens * k}, DType::I32, x.device());
-  Tensor counts = Tensor::empty({E}, DType::I64, x.device());
-  ops::moe_permute(x, indices, int(E), permuted, saved_.row_id_map, counts);
+  // Group E holds the copies dropped by capacity (index E): sorted after every expert's,
+  // neither counted nor sent.
+  Tensor counts = Tensor::empty({E + 1}, DType::I64, x.device());
+  ops::moe_permute(x, indices, int(E + 1), permuted, saved_.row_id_map, counts);
+  const Tensor expert_counts = counts.rows(0, E);
 
   // Every member's copies per global expert: counts_all[m * E + e], member m = etp rank +
   // etp * ep rank of the expert-model-parallel group (Megatron gathers the same matrix
@@ -131,10 +134,10 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   const dist::Group& expert_mp = mp_.group(dist::GroupKind::ExpertMP);
   std::vector<int64_t> counts_all;
   if (expert_mp.size() == 1) {
-    counts_all = host_i64(counts);
+    counts_all = host_i64(expert_counts);
   } else {
     Tensor gathered = Tensor::empty({expert_mp.size() * E}, DType::I64, x.device());
-    mp_.comm->all_gather(counts, gathered, expert_mp);
+    mp_.comm->all_gather(expert_counts, gathered, expert_mp);
     counts_all = host_i64(gathered);
   }
   auto count = [&](int t, int i, int64_t e) { return counts_all[(t + etp * i) * E + e]; };
@@ -156,7 +159,8 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
         saved_.etp_rows[t] += n;
         saved_.tokens_per_local_expert[l] += n;
       }
-  return to_experts(permuted);
+  // The kept copies: the first rows of permuted (all of them without dropping).
+  return to_experts(permuted.rows(0, sum_of(saved_.send_rows)));
 }
 
 Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
@@ -197,13 +201,20 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
     rows = reorder_chunks(rows, grouped_rows, order);
   }
   if (etp > 1) rows = reduce_scatter_rows(*mp_.comm, rows, saved_.etp_rows, mp_.etp());
+  const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
+  if (ep == 1 && kept == copies) return rows;
+  // The kept copies' rows, then zero rows for the dropped copies: unpermute weights them
+  // by probability 0 (0 x uninitialised memory could be NaN), permute_backward adds them.
+  Tensor back = empty_as(rows, {copies, rows.dim(1)});
+  Tensor back_kept = back.rows(0, kept);
   if (ep > 1) {
-    Tensor back = empty_as(rows, {sum_of(saved_.send_rows), rows.dim(1)});
-    mp_.comm->all_to_allv(rows, times(saved_.recv_rows, rows.dim(1)), back,
+    mp_.comm->all_to_allv(rows, times(saved_.recv_rows, rows.dim(1)), back_kept,
                           times(saved_.send_rows, rows.dim(1)), mp_.ep());
-    rows = back;
+  } else {
+    back_kept.copy_from(rows);
   }
-  return rows;
+  back.rows(kept, copies - kept).zero();
+  return back;
 }
 
 Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
@@ -221,7 +232,7 @@ Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, Tensor& 
   ops::moe_unpermute_backward(dout, saved_.combined, saved_.row_id_map, saved_.probs, dcombined,
                               dprobs);
   saved_.combined = Tensor();
-  return to_experts(dcombined);
+  return to_experts(dcombined.rows(0, sum_of(saved_.send_rows)));  // the kept copies
 }
 
 Tensor MoEAlltoAllTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
@@ -274,11 +285,12 @@ Tensor MoEAllGatherTokenDispatcher::dispatch(const Tensor& x, const Tensor& prob
   Tensor x_all = gather_rows(mp_, x, g);
   Tensor indices_all = gather_rows(mp_, indices, g);
   saved_.probs_all = gather_rows(mp_, probs, g);
-  // Every gathered copy is sorted by expert; the local experts' copies are one block.
+  // Every gathered copy is sorted by expert; the local experts' copies are one block. Group
+  // E holds the copies dropped by capacity (index E), after every expert's: never local.
   Tensor permuted = empty_as(x, {rows, x.dim(1)});
   saved_.row_id_map = Tensor::empty({rows}, DType::I32, x.device());
-  Tensor counts = Tensor::empty({num_experts_}, DType::I64, x.device());
-  ops::moe_permute(x_all, indices_all, int(num_experts_), permuted, saved_.row_id_map, counts);
+  Tensor counts = Tensor::empty({num_experts_ + 1}, DType::I64, x.device());
+  ops::moe_permute(x_all, indices_all, int(num_experts_ + 1), permuted, saved_.row_id_map, counts);
   const std::vector<int64_t> host = host_i64(counts);
   saved_.first_row = std::accumulate(host.begin(), host.begin() + first_local_expert_, int64_t(0));
   saved_.tokens_per_local_expert.assign(host.begin() + first_local_expert_,

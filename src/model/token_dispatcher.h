@@ -9,6 +9,13 @@
 // expert tensor parallelism (etp > 1) it also holds the copies of the other ranks of this
 // rank's ETP group, since each of them computes only a slice of the expert.
 //
+// Token dropping: a copy the router dropped by capacity has index E (router.h) and
+// probability 0. It is permuted into an extra group E, sorted after every expert's, and
+// goes to no expert: it is not exchanged, not counted in tokens_per_local_expert() and not
+// computed, so the expert input holds the kept copies only. In combine its expert output is
+// a zero row (weighted by its probability 0), and in backward its gradient is zero. Without
+// dropping the extra group is empty and the results are those of a dispatch over E groups.
+//
 // Each dispatcher runs one micro-batch at a time: dispatch, combine, then in backward
 // combine_backward and dispatch_backward, all with the state the forward calls saved (its
 // `Saved saved_`, which take_saved / restore_saved move out and back so a pipeline can keep
@@ -30,10 +37,11 @@ class MoETokenDispatcher {
   MoETokenDispatcher(int64_t num_experts, const ModelParallel& mp);
   virtual ~MoETokenDispatcher() = default;
 
-  // x [T, H] (compute dtype), probs [T, k] fp32, indices [T, k] int32 global expert ids, all
-  // on the model's device. Returns the expert input [R, H] (x's dtype): rows grouped by local
-  // expert, tokens_per_local_expert()[l] rows for local expert l, R their sum. Saves the
-  // routing for the other calls. Collective over the expert groups (ep, etp).
+  // x [T, H] (compute dtype), probs [T, k] fp32, indices [T, k] int32 global expert ids in
+  // [0, E], E marking a dropped copy (whose probability must be 0), all on the model's
+  // device. Returns the expert input [R, H] (x's dtype): rows grouped by local expert,
+  // tokens_per_local_expert()[l] rows for local expert l, R their sum. Saves the routing for
+  // the other calls. Collective over the expert groups (ep, etp).
   virtual Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices) = 0;
   // expert_out [R, H] (the expert output of the dispatched rows; with etp > 1 this rank's
   // partial sum, its slice of the row-parallel fc2) -> out [T, H]:
@@ -46,7 +54,7 @@ class MoETokenDispatcher {
   // sum) -> dx [T, H] (gradient of dispatch's x, without the router's part).
   virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
 
-  // Rows of the last dispatch for each local expert [L] (host counts).
+  // Rows of the last dispatch for each local expert [L] (host counts; kept copies only).
   virtual const std::vector<int64_t>& tokens_per_local_expert() const = 0;
   int64_t num_local_experts() const { return num_local_experts_; }
   // Global index of local expert 0.
@@ -68,7 +76,8 @@ class MoETokenDispatcher {
 // EP rank the copies of its experts (uneven all-to-all over ep), all-gather them over etp
 // when etp > 1, and regroup the received chunks (ordered by ETP member, EP member, local
 // expert) by local expert. combine and the backward run the exact reverse (chunks ungrouped,
-// reduce-scatter over etp, the all-to-all back, unpermute weighted by probs).
+// reduce-scatter over etp, the all-to-all back, unpermute weighted by probs). Dropped
+// copies (the last rows of the permuted order) are left out of every exchange.
 class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
@@ -85,7 +94,8 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   struct Saved {
     Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
     Tensor combined;           // expert output by copy [T k, H] (combine's, for its backward)
-    std::vector<int64_t> send_rows, recv_rows;  // per EP member: rows sent / received
+    // Per EP member: rows sent / received (kept copies; their sum sent: the kept copies).
+    std::vector<int64_t> send_rows, recv_rows;
     std::vector<int64_t> etp_rows;              // per ETP member: rows after the all-to-all
     // Chunk (etp member t, ep member i, local expert l) has chunk_rows[(t ep + i) L + l] rows.
     std::vector<int64_t> chunk_rows;
@@ -93,9 +103,10 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   };
 
  private:
-  // Local copies sorted by global expert [T k, H] -> the expert input [R, H] (all-to-all
-  // over ep, all-gather over etp, chunks grouped by local expert), and back (chunks
-  // ungrouped, sum over etp, all-to-all back), with the counts of the last dispatch.
+  // The kept local copies sorted by global expert [sum(send_rows), H] -> the expert input
+  // [R, H] (all-to-all over ep, all-gather over etp, chunks grouped by local expert), and
+  // back (chunks ungrouped, sum over etp, all-to-all back) to all local copies [T k, H],
+  // the dropped ones' rows zeros, with the counts of the last dispatch.
   Tensor to_experts(const Tensor& permuted) const;
   Tensor from_experts(const Tensor& rows) const;
 
@@ -105,7 +116,8 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
 // Megatron's MoEAllGatherTokenDispatcher: all-gather the tokens and their routing over the
 // expert-model-parallel group (etp x ep), keep the copies routed to the local experts, and
 // after the experts scatter the weighted outputs back to the gathered token rows and
-// reduce-scatter them (a sum) to each rank's tokens.
+// reduce-scatter them (a sum) to each rank's tokens. Dropped copies are no local expert's:
+// they get zero rows like the other ranks' copies.
 class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAllGatherTokenDispatcher(int64_t num_experts, const ModelParallel& mp);

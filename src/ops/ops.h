@@ -85,6 +85,16 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
 // GeLU, exact erf form (torch.nn.functional.gelu, Megatron's default activation).
 void gelu_forward(const Tensor& x, Tensor& y);
 void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+// Sigmoid row gate (Megatron's SharedExpertMLP with --moe-shared-expert-gate, whose
+// output is MLP(x) * sigmoid(x gate_weight^T)): y[t, :] = x[t, :] * sigmoid(logits[t]).
+// x, y [T, H] one float dtype (fp32 on the CPU); logits fp32 with T elements ([T] or
+// [T, 1]). The gate value is computed in fp32 (Megatron's in the compute dtype).
+void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y);
+// s_t = sigmoid(logits[t]): dx[t, :] = dy[t, :] * s_t (x's dtype) and
+// dlogits[t] = s_t (1 - s_t) * sum_h dy[t, h] x[t, h] (fp32, summed in fp32), both
+// overwritten. dy, x, dx [T, H]; logits, dlogits fp32 with T elements. dx may be dy.
+void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logits, Tensor& dx,
+                           Tensor& dlogits);
 
 // ---- dropout (ops/cpu/dropout.cpp) ----
 // y = x * keep / (1 - p), keep[i] = Philox(seed).uniform(stream, i) >= p. The mask is
@@ -282,6 +292,14 @@ void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& c
 // such entries (keep 0, not counted).
 void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_experts,
                        int64_t capacity, bool by_position, Tensor& keep, Tensor& kept_counts);
+// The routing map after dropping, as the token dispatchers take it: routed [T, k] int32
+// = indices[i] where keep[i] != 0, num_experts where keep[i] == 0 (the "dropped" marker:
+// an expert index one past the last, so that moe_permute with num_experts + 1 groups sorts
+// the dropped copies last). indices [T, k] int32, keep [T, k] fp32 (moe_capacity_drop's);
+// routed must not alias indices. InternalError on bad shapes or dtypes, num_experts < 1, or
+// (CPU) a kept index outside [0, num_experts); the GPU does not check indices.
+void moe_mark_dropped(const Tensor& indices, const Tensor& keep, int64_t num_experts,
+                      Tensor& routed);
 
 // Counter-based random fills (core/rng.h Philox, the same values on CPU and GPU): element
 // i of t (fp32, contiguous) = Philox(seed).normal(stream, i) (standard normal), or
@@ -296,6 +314,9 @@ void mul_(Tensor& y, const Tensor& x);
 // x [T, H]; indices [T, k] int32 in [0, E); permuted [T*k, H];
 // row_id_map [T*k] int32: permuted row r holds copy row_id_map[r] = t*k + j;
 // tokens_per_expert [E] int64 (rows of permuted per expert, in expert order).
+// E = num_experts is any group count (GPU: at most 8192): the token dispatchers pass the
+// layer's experts + 1, the last group holding the copies dropped by capacity
+// (moe_mark_dropped), which then sort after every expert's.
 void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor& permuted,
                  Tensor& row_id_map, Tensor& tokens_per_expert);
 // dx[t, :] = sum over permuted rows r of token t of dpermuted[r, :]; dx [T, H] overwritten.
@@ -307,6 +328,24 @@ void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Ten
 void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
                             const Tensor& row_id_map, const Tensor& probs,
                             Tensor& dexpert_out, Tensor& dprobs);
+
+// Expert inputs padded to a fixed number of rows per expert (Megatron's
+// --moe-pad-expert-input-to-capacity; ops/cpu/moe_permute.cpp, CUDA: one launch per 960
+// groups, moe_permute.cu). rows [R, H] holds G groups of consecutive rows, group g having
+// group_rows[g] rows (host counts, each in [0, capacity], R = their sum; empty groups
+// allowed); padded [G * capacity, H] is overwritten with group g's rows at
+// [g * capacity, g * capacity + group_rows[g]) in order and zeros in the rest of its
+// capacity rows. rows and padded: the same dtype (CPU: F32; GPU: F32 or BF16), on one
+// device, not aliasing; G = group_rows.size(). Its gradient is moe_unpad_rows_from_capacity.
+// InternalError on a shape, dtype or device mismatch, capacity < 0, a group above the
+// capacity, or (GPU) R above INT32_MAX.
+void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                              int64_t capacity, Tensor& padded);
+// The reverse (and the gradient of the padding): rows [R, H] overwritten with group g's
+// first group_rows[g] rows of padded [G * capacity, H]; the padding rows are not read.
+// Same shapes, dtypes and errors as moe_pad_rows_to_capacity.
+void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                                  int64_t capacity, Tensor& rows);
 
 // ---- AdamW (ops/cpu/adam.cpp) ----
 // Decoupled weight decay (Loshchilov & Hutter 2019; torch.optim.AdamW, Megatron's

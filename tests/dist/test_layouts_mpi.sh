@@ -5,6 +5,7 @@
 # difference of 1e-5 (tools/compare_runs.py). A layout may use a variant of the model
 # (more layers, tied embeddings); it is then compared with the one-rank run of that variant.
 # Usage: test_layouts_mpi.sh MEGATON MPIRUN NP_FLAG NP [MPIRUN FLAGS...]
+# LAYOUTS_ONLY=REGEX runs only the layouts and resumes whose names match (by hand).
 # (CTest passes NP = 2; each layout below sets its own rank count.)
 set -uo pipefail
 megaton=$1 mpirun=$2 np_flag=$3
@@ -32,20 +33,27 @@ router_flags() {  # NAME
     global) echo "--moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3" ;;
     bias) echo "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 --moe-router-load-balancing-type none --moe-aux-loss-coeff 0" ;;
     v3) echo "--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-num-groups 2 --moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3 --moe-shared-expert-intermediate-size 32" ;;
+    # Token dropping: capacity ceil(32 x 2 / 4 x cf) = 8 (half the copies dropped) or 16
+    # (about 8% dropped) of about 16 copies per expert and micro-batch.
+    capacity) echo "--moe-aux-loss-coeff 1e-2 --moe-expert-capacity-factor 0.5" ;;
+    capacity-pad) echo "--moe-aux-loss-coeff 1e-2 --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity --moe-token-drop-policy position" ;;
+    gate) echo "--moe-aux-loss-coeff 1e-2 --moe-shared-expert-intermediate-size 32 --moe-shared-expert-gate" ;;  # Qwen2-MoE style
     *) echo "FAILED: unknown router variant '$1'" >&2; exit 1 ;;
   esac
 }
 
 # The model variant of the next runs: 4 layers and untied embeddings unless a layout's
 # variant says "LAYERS=n" and/or "TIED=1"; "ROUTER=name" adds router flags (above);
+# "QKN=1" adds --qk-layernorm;
 # "MBS=n" sets the micro-batch size (the one-rank run of a DP layout whose global
 # micro-batches must be the reference's micro-batches: global_aux_loss).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0
   local setting
   for setting in $1; do
     case $setting in
       LAYERS=*) LAYERS=${setting#*=} ;;
+      QKN=*) QKN=${setting#*=} ;;
       TIED=*) TIED=${setting#*=} ;;
       ROUTER=*) ROUTER=${setting#*=} ;;
       MBS=*) MBS=${setting#*=} ;;
@@ -61,6 +69,7 @@ run() {  # NAME NP FLAGS...
   mkdir -p "$dir/$name"
   local model=(--num-layers "$LAYERS" --micro-batch-size "$MBS")
   [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
+  [ "$QKN" = 0 ] || model+=(--qk-layernorm)
   # shellcheck disable=SC2207
   model+=($(router_flags "$ROUTER"))
   local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
@@ -133,6 +142,22 @@ layouts=(
   "dp2-global-aux|2||ROUTER=global|ROUTER=global MBS=4"
   "dp2-ep2-expert-bias|4|--expert-model-parallel-size 2|ROUTER=bias"
   "tp2-sp-ep2-etp1-v3-router|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1|ROUTER=v3"
+  # Token dropping under EP2 (capacity per rank's micro-batch, so no TP: the ranks' rows are
+  # the reference's micro-batches): dropped copies are exchanged with no rank; with padding
+  # every expert's input is capacity x 2 rows.
+  "ep2-alltoall-capacity|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|ROUTER=capacity"
+  "ep2-allgather-capacity|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather|ROUTER=capacity"
+  "ep2-alltoall-capacity-pad|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|ROUTER=capacity-pad"
+  "ep2-allgather-capacity-pad|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather|ROUTER=capacity-pad"
+  # The sigmoid-gated shared expert: its gate weight is fed by each rank's sequence shard
+  # under SP (gradient summed over TP) and by every row without it.
+  "tp2-sp-shared-gate|2|--tensor-model-parallel-size 2 --sequence-parallel|ROUTER=gate"
+  "tp2-shared-gate|2|--tensor-model-parallel-size 2|ROUTER=gate"
+  # --qk-layernorm: the q/k norm weights are replicated over TP, each rank normalising its
+  # own heads, so their gradients are summed over TP with and without sequence parallelism.
+  "tp2-qk-layernorm|2|--tensor-model-parallel-size 2|QKN=1"
+  "tp2-sp-qk-layernorm|2|--tensor-model-parallel-size 2 --sequence-parallel|QKN=1"
+  "pp2-qk-layernorm|2|--pipeline-model-parallel-size 2|QKN=1"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -147,9 +172,13 @@ resumes=(
   "pp2-dp2-to-tp2-sp-pp2-tied|4|--pipeline-model-parallel-size 2|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|TIED=1"
   # The expert bias (fp32, not a parameter) goes through the checkpoint.
   "dp2-ep2-expert-bias-to-one-rank|4|--expert-model-parallel-size 2|1||ROUTER=bias"
+  # The replicated q/k norm weights are written once and loaded whole on every TP rank.
+  "tp2-sp-to-one-rank-qk-layernorm|2|--tensor-model-parallel-size 2 --sequence-parallel|1||QKN=1"
+  "one-rank-to-tp2-qk-layernorm|1||2|--tensor-model-parallel-size 2|QKN=1"
 )
 for entry in "${layouts[@]}"; do
   IFS='|' read -r name np flags variant ref_variant <<<"$entry"
+  [[ -z "${LAYOUTS_ONLY:-}" || $name =~ $LAYOUTS_ONLY ]] || continue
   if [ -n "$ref_variant" ]; then
     use_variant "$ref_variant"
     reference_of "$ref_variant" || { status=1; continue; }
@@ -183,6 +212,7 @@ resume() {  # NAME SRC_NP "SRC FLAGS" DST_NP "DST FLAGS"
 }
 for entry in "${resumes[@]}"; do
   IFS='|' read -r name src_np src_flags dst_np dst_flags variant <<<"$entry"
+  [[ -z "${LAYOUTS_ONLY:-}" || $name =~ $LAYOUTS_ONLY ]] || continue
   use_variant "$variant"
   reference_of "$variant" || { status=1; continue; }
   resume "$name" "$src_np" "$src_flags" "$dst_np" "$dst_flags" || status=1

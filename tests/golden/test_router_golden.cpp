@@ -149,13 +149,19 @@ TEST(RouterGolden, EveryRoutingAndLossOptionMatchesMegatron) {
       // probs and routing map, [T, E] in Megatron's rows.
       const Tensor want_probs = to_megaton_rows(tensor(p + ".probs"), B, S);
       const Tensor want_map = to_megaton_rows(tensor(p + ".routing_map"), B, S);
-      // Copies dropped by capacity have probability 0 and are not in Megatron's map.
+      // Copies dropped by capacity have index E (sent to no expert) and probability 0, and
+      // are not in Megatron's map.
       Tensor got_probs = Tensor::zeros({B * S, E});
       int64_t kept = 0, want_kept = 0;
       for (int64_t t = 0; t < B * S; ++t)
         for (int64_t j = 0; j < k; ++j) {
           const int32_t e = out.indices.i32()[t * k + j];
-          if (out.probs.f32()[t * k + j] == 0.0f && cfg.moe_expert_capacity_factor > 0) continue;
+          if (e == E) {
+            ASSERT_GT(cfg.moe_expert_capacity_factor, 0) << "row " << t << " dropped";
+            ASSERT_EQ(out.probs.f32()[t * k + j], 0.0f) << "row " << t << " dropped";
+            continue;
+          }
+          ASSERT_TRUE(e >= 0 && e < E) << "row " << t << " picks expert " << e;
           ++kept;
           ASSERT_EQ(want_map.i32()[t * E + e], 1) << "row " << t << " picks expert " << e;
           got_probs.f32()[t * E + e] = out.probs.f32()[t * k + j];
@@ -167,9 +173,13 @@ TEST(RouterGolden, EveryRoutingAndLossOptionMatchesMegatron) {
       // Backward of sum(probs * upstream) + the injected losses.
       const Tensor upstream = to_megaton_rows(tensor(p + ".upstream"), B, S);
       Tensor dprobs = Tensor::empty({B * S, k});
+      // A dropped copy's probability is the constant 0: its upstream value (any finite
+      // number) must not reach the logits.
       for (int64_t t = 0; t < B * S; ++t)
-        for (int64_t j = 0; j < k; ++j)
-          dprobs.f32()[t * k + j] = upstream.f32()[t * E + out.indices.i32()[t * k + j]];
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t e = out.indices.i32()[t * k + j];
+          dprobs.f32()[t * k + j] = e == E ? 1e3f : upstream.f32()[t * E + e];
+        }
       Tensor dx = Tensor::zeros({B * S, E});
       router.backward(dprobs, float(c.at("aux_loss_backward_scale").get<double>()), dx);
       expect_close(dx, to_megaton_rows(tensor(p + ".dlogits"), B, S), 1e-7, 2e-5, "dlogits");

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <vector>
 
 #include "common/testing.h"
 #include "model/gpt.h"
@@ -37,6 +38,25 @@ double objective(GPTModel& model, const Tensor& tokens, const Tensor& labels, co
   return testing::dot(w, out.losses) + out.aux_loss;
 }
 
+// Every MoE layer's routing of the last forward: the chosen experts of each token (and
+// with token dropping which copies were kept). The objective is not differentiable where a
+// perturbation changes them, so finite differences across such a step are meaningless.
+std::vector<float> routing_of(GPTModel& model) {
+  std::vector<float> out;
+  for (auto& layer : model.layers()) {
+    if (!layer->moe) continue;
+    MoELayer::Activations saved = layer->moe->take_saved();
+    for (const Tensor* t : {&saved.router.indices, &saved.router.keep}) {
+      if (!t->defined()) continue;
+      std::vector<float> v = t->dtype() == DType::I32 ? t->to(DType::F32).to_vector()
+                                                      : t->to_vector();
+      out.insert(out.end(), v.begin(), v.end());
+    }
+    layer->moe->restore_saved(std::move(saved));
+  }
+  return out;
+}
+
 void check_gradients(GPTConfig cfg) {
   cfg.finalize();
   uint64_t seed = testing::test_seed();
@@ -48,9 +68,11 @@ void check_gradients(GPTConfig cfg) {
   Tensor w = testing::randn({B * S}, seed + 3, 0.5f);
 
   objective(model, tokens, labels, w);
+  const std::vector<float> routing = routing_of(model);
   model.backward(w, 1.0f);
 
   std::mt19937_64 pick(seed + 4);
+  int checked = 0, skipped = 0;
   for (Param* p : model.params()) {
     // Finite differences of up to 12 random elements per parameter.
     int64_t n = p->weight.numel();
@@ -60,9 +82,16 @@ void check_gradients(GPTConfig cfg) {
       const float eps = 1e-2f;
       p->weight.f32()[i] = orig + eps;
       double up = objective(model, tokens, labels, w);
+      bool same_routing = routing_of(model) == routing;
       p->weight.f32()[i] = orig - eps;
       double down = objective(model, tokens, labels, w);
+      same_routing = same_routing && routing_of(model) == routing;
       p->weight.f32()[i] = orig;
+      if (!same_routing) {  // a top-k choice or a drop flipped inside [orig - eps, orig + eps]
+        ++skipped;
+        continue;
+      }
+      ++checked;
       double fd = (up - down) / (2 * eps);
       double analytic = p->main_grad.f32()[i];
       // fp32 forward, eps 1e-2: truncation error O(eps^2 * f''') and rounding error
@@ -70,6 +99,9 @@ void check_gradients(GPTConfig cfg) {
       EXPECT_NEAR(analytic, fd, 2e-3 + 2e-2 * std::fabs(fd)) << p->name << "[" << i << "]";
     }
   }
+  // Routing flips are rare; a test that skipped most elements would check nothing.
+  EXPECT_GE(checked, 2 * skipped) << checked << " elements checked, " << skipped
+                                  << " skipped for a routing change";
 }
 
 TEST(ModelGradients, LayerNormLearnedPositionsGeluBiasesTied) {
@@ -133,6 +165,73 @@ TEST(ModelGradients, MoERouterOptionsAndSharedExpert) {
   c.moe_aux_loss_coeffs = {0.3f, 0.2f};
   c.moe_z_loss_coeff = 0.05f;
   c.moe_shared_expert_intermediate_size = 6;
+  check_gradients(c);
+}
+
+// Qwen2-MoE-style shared expert: sigmoid-gated (--moe-shared-expert-gate), with GeLU and
+// biases in the routed experts.
+TEST(ModelGradients, MoEGatedSharedExpert) {
+  GPTConfig c = base_config();
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 10;
+  c.moe_router_topk = 2;
+  c.moe_aux_loss_coeff = 0.1f;
+  c.moe_shared_expert_intermediate_size = 6;
+  c.moe_shared_expert_gate = true;
+  check_gradients(c);
+}
+
+// --qk-layernorm (Qwen3's q_norm / k_norm): RMSNorm over each query and key head before
+// RoPE, with GQA and a head dimension other than hidden / heads (query width 24 vs hidden
+// 16) and an MoE layer.
+TEST(ModelGradients, QkLayernormRMSNormRopeGqaMoE) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.swiglu = true;
+  c.disable_bias_linear = true;
+  c.untie_embeddings_and_output_weights = true;
+  c.group_query_attention = true;
+  c.num_query_groups = 2;
+  c.kv_channels = 6;
+  c.qk_layernorm = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 12;
+  c.moe_router_topk = 2;
+  c.moe_layer_freq = 2;
+  check_gradients(c);
+}
+
+// The LayerNorm form of the q/k norms (weight and bias), with learned positions (no RoPE)
+// and linear biases.
+TEST(ModelGradients, QkLayernormLayerNormLearnedPositions) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::LayerNorm;
+  c.position_embedding_type = PositionEmbedding::LearnedAbsolute;
+  c.max_position_embeddings = 8;
+  c.disable_bias_linear = false;
+  c.kv_channels = 8;  // LayerNorm over 4 values is too curved for the step of 1e-2
+  c.qk_layernorm = true;
+  check_gradients(c);
+}
+
+// Token dropping: capacity ceil(12 x 2 / 4 x 0.5) = 3 of about 6 copies per expert, the
+// dropped copies sent to no expert, each expert's input padded with zero rows to its
+// capacity. The position policy keeps the kept set fixed under the steps (it depends on the
+// top-k choices only, like every MoE case here), so the objective is smooth.
+TEST(ModelGradients, MoETokenDroppingPaddedToCapacity) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.swiglu = true;
+  c.disable_bias_linear = false;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 10;
+  c.moe_router_topk = 2;
+  c.moe_aux_loss_coeff = 0.1f;
+  c.moe_expert_capacity_factor = 0.5f;
+  c.moe_token_drop_policy = "position";
+  c.moe_pad_expert_input_to_capacity = true;
   check_gradients(c);
 }
 

@@ -3,9 +3,14 @@
 // tokens: outputs, input gradients, the aux loss, the router gradient and every local
 // expert's gradients (the one-rank expert's slice under etp). Some layouts force every
 // token to experts 0 and 1, so the ranks holding experts 2 and 3 receive no token: they
-// must take part in every collective, not hang, and get zero expert gradients.
+// must take part in every collective, not hang, and get zero expert gradients. Layouts with
+// a capacity factor (token dropping, per rank as Megatron's, so only without TP, where a
+// rank's tokens are the reference's) drop copies before the exchange; with
+// --moe-pad-expert-input-to-capacity each local expert's input is then exactly capacity x
+// (ep x etp) rows, against the one-rank layer's capacity rows.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <map>
 
@@ -35,6 +40,9 @@ struct Layout {
   bool sequence_parallel;
   // Every token routed to experts 0 and 1 (the ranks of experts 2 and 3 get none).
   bool skewed;
+  float capacity_factor = 0.0f;  // token dropping when > 0
+  bool pad = false;              // --moe-pad-expert-input-to-capacity
+  const char* drop_policy = "probs";
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
@@ -118,7 +126,10 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   const uint64_t seed = ::megaton::testing::test_seed();
   SCOPED_TRACE(fmt::format("layout {}, seed {}, world rank {}", layout.name, seed, me));
   const uint64_t salt = std::hash<std::string>{}(layout.name) % 1000;
-  const GPTConfig cfg = moe_config();
+  GPTConfig cfg = moe_config();
+  cfg.moe_expert_capacity_factor = layout.capacity_factor;
+  cfg.moe_pad_expert_input_to_capacity = layout.pad;
+  cfg.moe_token_drop_policy = layout.drop_policy;
   const std::string prefix = "decoder.layers.0.mlp";
 
   // The tokens a TP group works on: its members' rows in TP rank order. Under sequence
@@ -142,6 +153,16 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   attach_grads(layer);
   if (layout.skewed) skew_router(layer);
   Tensor out = layer.forward(my_x, ForwardContext{});
+  const int64_t local = cfg.num_experts / layout.ep;
+  if (layout.pad) {
+    // capacity = ceil(T k / E cf) per rank, times the ranks that can send an expert copies.
+    const int64_t capacity = int64_t(std::ceil(double(kTokens) * double(cfg.moe_router_topk) /
+                                               double(cfg.num_experts) * layout.capacity_factor));
+    MoELayer::Activations saved = layer.take_saved();
+    EXPECT_EQ(saved.moe.expert_in.dim(0), local * capacity * layout.ep * layout.etp)
+        << "padded expert input";
+    layer.restore_saved(std::move(saved));
+  }
   Tensor dx = layer.backward(my_dy);
   std::vector<Param*> params;
   layer.collect_params(params);
@@ -154,6 +175,14 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   comm().all_reduce(aux, grid.tp_cp());
   int64_t routed_here = 0;
   for (int64_t n : layer.last_tokens_per_local_expert()) routed_here += n;
+  if (layout.capacity_factor > 0) {
+    // Copies were dropped: fewer reached the experts than were routed (each copy is on
+    // every ETP member of its expert's ranks).
+    Tensor reached = Tensor::from({1}, {float(routed_here)});
+    comm().all_reduce(reached, grid.world());
+    EXPECT_LT(reached.f32()[0] / float(layout.etp), float(4 * kTokens * cfg.moe_router_topk))
+        << "no copy dropped";
+  }
 
   // One-rank references: one per TP group (outputs, dx, aux, router), and the expert
   // gradients summed over all groups (every rank's tokens reach the experts).
@@ -199,7 +228,6 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   EXPECT_LE(rel_error(layer.router.weight.main_grad, ref_router_grad), kRelTol) << "router";
 
   // Local experts: global names, the one-rank gradient (its etp slice).
-  const int64_t local = cfg.num_experts / layout.ep;
   ASSERT_EQ(int64_t(layer.experts.size()), local);
   EXPECT_EQ(layer.first_local_expert(), grid.ep().rank * local);
   for (Param* p : params) {
@@ -244,10 +272,26 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"tp2_sp_ep2_etp1_allgather", 2, 2, 1, TokenDispatcher::AllGather, true, false},
         Layout{"tp2_sp_ep1_etp1_alltoall", 2, 1, 1, TokenDispatcher::AllToAll, true, false},
         Layout{"tp2_nosp_ep1_etp2_alltoall", 2, 1, 2, TokenDispatcher::AllToAll, false, false},
-        Layout{"tp4_sp_ep2_etp2_allgather_skewed", 4, 2, 2, TokenDispatcher::AllGather, true,
+        Layout{"tp4_sp_ep2_etp2_allgather_skewed", 4, 2, 2, TokenDispatcher::AllGather, true, true},
+        // Token dropping (capacity 3 of about 6 copies per expert at factor 0.5; the skewed
+        // layouts send 12 copies to experts 0 and 1).
+        Layout{"ep2_alltoall_capacity", 1, 2, 1, TokenDispatcher::AllToAll, false, false, 0.5f},
+        Layout{"ep2_allgather_capacity", 1, 2, 1, TokenDispatcher::AllGather, false, false, 0.5f},
+        Layout{"ep2_alltoall_capacity_pad", 1, 2, 1, TokenDispatcher::AllToAll, false, false, 0.5f,
+               true},
+        Layout{"ep2_allgather_capacity_pad_position", 1, 2, 1, TokenDispatcher::AllGather, false,
+               false, 0.5f, true, "position"},
+        Layout{"ep4_alltoall_skewed_capacity_pad", 1, 4, 1, TokenDispatcher::AllToAll, false, true,
+               1.0f, true},
+        Layout{"ep4_allgather_skewed_capacity", 1, 4, 1, TokenDispatcher::AllGather, false, true,
+               1.0f},
+        Layout{"ep2_etp2_alltoall_skewed_capacity_pad", 1, 2, 2, TokenDispatcher::AllToAll, false,
+               true, 0.5f, true},
+        Layout{"ep2_etp2_allgather_capacity_position", 1, 2, 2, TokenDispatcher::AllGather, false,
+               false, 1.0f, false, "position"},
+        Layout{"etp4_alltoall_capacity_pad", 1, 1, 4, TokenDispatcher::AllToAll, false, false, 0.5f,
                true}),
     layout_name);
-
 
 }  // namespace
 }  // namespace megaton

@@ -1,6 +1,6 @@
-// CUDA softmax cross-entropy and MoE permutation against their CPU twins (the router:
-// test_cuda_moe_router_gpu.cpp): the same (bf16-rounded where BF16 is used) inputs on
-// both devices, outputs poisoned before each CUDA op runs.
+// CUDA softmax cross-entropy, MoE permutation and padding to capacity against their CPU
+// twins (the router: test_cuda_moe_router_gpu.cpp): the same (bf16-rounded where BF16 is
+// used) inputs on both devices, outputs poisoned before each CUDA op runs.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -303,6 +303,69 @@ TEST_F(CudaOpsMoeTest, PermuteAndUnpermuteMatchCpu) {
   };
   for (DType dtype : {DType::F32, DType::BF16})
     for (size_t i = 0; i < cases.size(); ++i) check_permute(cases[i], dtype, seed + 10 * i);
+}
+
+// ---------------------------------------------------------------------------------------
+// Padding to capacity (--moe-pad-expert-input-to-capacity)
+
+struct PadCase {
+  int64_t groups, capacity, H;
+};
+
+// Pad and unpad on both devices: pure copies and zeros, so bitwise equal.
+void check_pad_rows(const PadCase& c, DType dtype, uint64_t seed) {
+  SCOPED_TRACE("groups " + std::to_string(c.groups) + " capacity " + std::to_string(c.capacity) +
+               " H " + std::to_string(c.H) + " " + std::string(dtype_name(dtype)));
+  // Group sizes in [0, capacity], with a full and an empty group.
+  std::vector<int64_t> group_rows(c.groups);
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<int64_t> count(0, c.capacity);
+  for (int64_t& n : group_rows) n = count(gen);
+  group_rows[0] = c.capacity;
+  if (c.groups > 1) group_rows[1] = 0;
+  const int64_t R = std::accumulate(group_rows.begin(), group_rows.end(), int64_t(0));
+  const int64_t padded_rows = c.groups * c.capacity;
+
+  const Rounded rows = as_dtype(randn({R, c.H}, seed + 1), dtype);
+  Tensor ref_padded = Tensor::empty({padded_rows, c.H});
+  ops::moe_pad_rows_to_capacity(rows.ref, group_rows, c.capacity, ref_padded);
+  Tensor padded = poisoned_gpu({padded_rows, c.H}, dtype);
+  ops::moe_pad_rows_to_capacity(rows.device, group_rows, c.capacity, padded);
+  EXPECT_TRUE(bitwise_equal(padded, ref_padded.to(dtype))) << "padded";
+
+  const Rounded grad = as_dtype(randn({padded_rows, c.H}, seed + 2), dtype);
+  Tensor ref_rows = Tensor::empty({R, c.H});
+  ops::moe_unpad_rows_from_capacity(grad.ref, group_rows, c.capacity, ref_rows);
+  Tensor unpadded = poisoned_gpu({R, c.H}, dtype);
+  ops::moe_unpad_rows_from_capacity(grad.device, group_rows, c.capacity, unpadded);
+  EXPECT_TRUE(bitwise_equal(unpadded, ref_rows.to(dtype))) << "unpadded";
+}
+
+TEST_F(CudaOpsMoeTest, PadRowsToCapacityMatchesCpu) {
+  const uint64_t seed = testing::test_seed() + 660;
+  SCOPED_TRACE(seed_trace(seed));
+  // H = 97: rows not a multiple of a 16-byte pack; 2000 groups: more than one launch's
+  // (960) groups; 256 x 40: DeepSeek-V3's experts on one rank.
+  const std::vector<PadCase> cases = {
+      {1, 1, 64}, {4, 37, 97}, {8, 512, 256}, {2000, 3, 96}, {256, 40, 1024},
+  };
+  for (DType dtype : {DType::F32, DType::BF16})
+    for (size_t i = 0; i < cases.size(); ++i) check_pad_rows(cases[i], dtype, seed + 10 * i);
+}
+
+TEST_F(CudaOpsMoeTest, PadRowsToCapacityRejectsBadInputs) {
+  const Tensor rows = to_gpu(randn({5, 2}, 3));
+  Tensor padded = poisoned_gpu({9, 2}, DType::F32);
+  const std::vector<int64_t> groups = {2, 0, 3};
+  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, padded));
+  Tensor short_padded = poisoned_gpu({8, 2}, DType::F32);
+  Tensor bf16_padded = poisoned_gpu({9, 2}, DType::BF16);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {2, 0, 2}, 3, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {4, 0, 1}, 3, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, short_padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, bf16_padded), InternalError);
+  Tensor host_rows = Tensor::empty({5, 2});
+  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(padded, groups, 3, host_rows), InternalError);
 }
 
 }  // namespace

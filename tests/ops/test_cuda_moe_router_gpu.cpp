@@ -1,7 +1,7 @@
 // CUDA MoE router ops (all of Megatron's router options: moe_router.cu,
-// moe_router_sinkhorn.cu, moe_router_stats.cu, moe_router_capacity.cu) against their CPU
-// twins (ops/cpu/moe_router*.cpp): the same random seeded inputs on both devices, GPU
-// outputs poisoned before each op runs.
+// moe_router_sinkhorn.cu, moe_router_stats.cu, moe_router_capacity.cu with
+// moe_mark_dropped) against their CPU twins (ops/cpu/moe_router*.cpp): the same random
+// seeded inputs on both devices, GPU outputs poisoned before each op runs.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -545,16 +545,23 @@ Tensor capacity_probs(int64_t T, int k, bool tied, uint64_t seed) {
   return t;
 }
 
-// The CPU's keep and kept_counts (+= from `start`) against the GPU's, both bitwise.
+// The CPU's keep and kept_counts (+= from `start`) against the GPU's, both bitwise, and
+// the routing map after dropping (moe_mark_dropped) of each.
 void check_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t E, int64_t capacity,
                          bool by_position, const Tensor& start) {
   const Shape shape = probs.shape();
   Tensor keep_ref = Tensor::empty(shape), counts_ref = start.clone();
   ops::moe_capacity_drop(probs, indices, E, capacity, by_position, keep_ref, counts_ref);
   Tensor keep = poisoned_gpu(shape, DType::F32), counts = to_gpu(start);
-  ops::moe_capacity_drop(to_gpu(probs), to_gpu(indices), E, capacity, by_position, keep, counts);
+  const Tensor indices_gpu = to_gpu(indices);
+  ops::moe_capacity_drop(to_gpu(probs), indices_gpu, E, capacity, by_position, keep, counts);
   EXPECT_TRUE(bitwise_equal(keep, keep_ref)) << "keep";
   EXPECT_TRUE(bitwise_equal(counts, counts_ref)) << "kept_counts";
+  Tensor routed_ref = Tensor::empty(shape, DType::I32);
+  ops::moe_mark_dropped(indices, keep_ref, E, routed_ref);
+  Tensor routed = poisoned_gpu(shape, DType::I32);
+  ops::moe_mark_dropped(indices_gpu, keep, E, routed);
+  EXPECT_TRUE(bitwise_equal(routed, routed_ref)) << "moe_mark_dropped";
 }
 
 TEST_F(CudaMoeRouterTest, CapacityDropMatchesCpu) {
@@ -645,6 +652,23 @@ TEST_F(CudaMoeRouterTest, CapacityDropRejectsBadShapes) {
   EXPECT_THROW(
       ops::moe_capacity_drop(probs, to_gpu(host_indices.to(DType::F32)), 3, 1, false, keep, counts),
       InternalError);
+}
+
+TEST_F(CudaMoeRouterTest, MarkDroppedRejectsBadShapes) {
+  const Tensor indices = to_gpu(Tensor::from_i32({2, 2}, {0, 1, 2, 0}));
+  const Tensor keep = to_gpu(Tensor::from({2, 2}, {1, 0, 1, 1}));
+  Tensor routed = poisoned_gpu({2, 2}, DType::I32);
+  EXPECT_NO_THROW(ops::moe_mark_dropped(indices, keep, 3, routed));
+  EXPECT_EQ(to_cpu(routed).to_vector(), (std::vector<float>{0, 3, 2, 0}));
+  Tensor wide = poisoned_gpu({2, 3}, DType::I32), floats = poisoned_gpu({2, 2}, DType::F32);
+  Tensor host_routed = Tensor::empty({2, 2}, DType::I32);
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 0, routed), InternalError);
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 3, wide), InternalError);
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 3, floats), InternalError);
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 3, host_routed), InternalError);
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep.view({4}), 3, routed), InternalError);
+  Tensor aliased = indices.clone();
+  EXPECT_THROW(ops::moe_mark_dropped(aliased, keep, 3, aliased), InternalError);
 }
 
 TEST_F(CudaMoeRouterTest, FillsMatchCpu) {

@@ -280,6 +280,37 @@ TEST(CudaActivation, GeluForwardBackwardMatchCpu) {
   }
 }
 
+TEST(CudaActivation, SigmoidGateForwardBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (auto [rows, cols] : kShapes) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(shape_trace(rows, cols, dtype));
+      Tensor x = randn_bf16_values({rows, cols}, seed + 1, 2.0f);
+      Tensor dy = randn_bf16_values({rows, cols}, seed + 2);
+      Tensor logits = randn({rows, 1}, seed + 3, 3.0f);
+      Tensor y_ref = Tensor::empty({rows, cols}), dx_ref = Tensor::empty({rows, cols});
+      Tensor dlogits_ref = Tensor::empty({rows, 1});
+      ops::sigmoid_gate_forward(x, logits, y_ref);
+      ops::sigmoid_gate_backward(dy, x, logits, dx_ref, dlogits_ref);
+
+      Tensor xg = on_gpu(x, dtype), dyg = on_gpu(dy, dtype), lg = on_gpu(logits, DType::F32);
+      Tensor yg = poisoned_gpu({rows, cols}, dtype), dxg = poisoned_gpu({rows, cols}, dtype);
+      Tensor dlg = poisoned_gpu({rows, 1}, DType::F32);
+      ops::sigmoid_gate_forward(xg, lg, yg);
+      ops::sigmoid_gate_backward(dyg, xg, lg, dxg, dlg);
+      expect_output_close(yg, y_ref, dtype, "y");
+      expect_output_close(dxg, dx_ref, dtype, "dx");
+      // dlogits: an fp32 sum over the row of products of bf16-valued inputs.
+      expect_main_grad_close(dlg, dlogits_ref, "dlogits");
+      // In place (dx = dy), as the shared expert's backward may call it.
+      ops::sigmoid_gate_backward(dyg, xg, lg, dyg, dlg);
+      expect_output_close(dyg, dx_ref, dtype, "dx in place");
+    }
+  }
+}
+
 // -------------------------------------------------------------------------- dropout
 
 // Elements where exactly one of a and b is zero.

@@ -537,6 +537,51 @@ TEST(GeLU, BackwardMatchesFiniteDifferences) {
   EXPECT_TRUE(allclose(dx, fd, kFdAtol, kFdRtol));
 }
 
+TEST(SigmoidGate, ForwardScalesEachRow) {
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const int64_t rows = 37, hidden = 300;  // threaded path
+  Tensor x = randn({rows, hidden}, seed, 2.0f), logits = randn({rows, 1}, seed + 1, 3.0f);
+  Tensor y = Tensor::empty({rows, hidden});
+  poison(y);
+  ops::sigmoid_gate_forward(x, logits, y);
+  std::vector<double> ref(rows * hidden);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < hidden; ++h)
+      ref[t * hidden + h] = double(x.f32()[t * hidden + h]) / (1.0 + std::exp(-double(logits.f32()[t])));
+  EXPECT_TRUE(allclose(y, from_double({rows, hidden}, ref), kAtol, kRtol));
+}
+
+TEST(SigmoidGate, BackwardMatchesFiniteDifferences) {
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const int64_t rows = 5, hidden = 7;
+  Tensor x = randn({rows, hidden}, seed, 2.0f), logits = randn({rows}, seed + 1, 2.0f);
+  Tensor w = randn({rows, hidden}, seed + 2);
+  auto loss = [&] {
+    Tensor y = Tensor::empty({rows, hidden});
+    ops::sigmoid_gate_forward(x, logits, y);
+    return dot(w, y);
+  };
+  Tensor fd_x = finite_difference(x, loss, kFdEps);
+  Tensor fd_logits = finite_difference(logits, loss, kFdEps);
+  Tensor dx = Tensor::empty({rows, hidden}), dlogits = Tensor::empty({rows});
+  poison(dx);
+  poison(dlogits);
+  ops::sigmoid_gate_backward(w, x, logits, dx, dlogits);
+  EXPECT_TRUE(allclose(dx, fd_x, kFdAtol, kFdRtol));
+  EXPECT_TRUE(allclose(dlogits, fd_logits, kFdAtol, kFdRtol));
+  // dx may overwrite dy.
+  Tensor dy = w.clone(), dlogits2 = Tensor::empty({rows});
+  ops::sigmoid_gate_backward(dy, x, logits, dy, dlogits2);
+  EXPECT_TRUE(allclose(dy, dx, 0.0, 0.0));
+  EXPECT_TRUE(allclose(dlogits2, dlogits, 0.0, 0.0));
+  Tensor short_logits = Tensor::zeros({rows - 1}), y = Tensor::empty({rows, hidden});
+  EXPECT_THROW(ops::sigmoid_gate_forward(x, short_logits, y), InternalError);
+  Tensor y_bad = Tensor::empty({rows, hidden + 1});
+  EXPECT_THROW(ops::sigmoid_gate_forward(x, logits, y_bad), InternalError);
+}
+
 // ------------------------------------------------------------------------ dropout
 
 TEST(Dropout, MaskIsPhiloxOfSeedAndStream) {

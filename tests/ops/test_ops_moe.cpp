@@ -1,4 +1,5 @@
-// Tests of the MoE token permutation by expert (the router ops: test_ops_moe_router*.cpp).
+// Tests of the MoE token permutation by expert and of the padding of expert inputs to
+// capacity (the router ops: test_ops_moe_router*.cpp).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -163,6 +164,93 @@ TEST(MoePermute, RejectsBadInputs) {
   Tensor repeated = Tensor::from_i32({4}, {0, 1, 1, 3});  // not a permutation
   Tensor dx = Tensor::empty({2, 3});
   EXPECT_THROW(ops::moe_permute_backward(permuted, repeated, 2, dx), InternalError);
+}
+
+// ---------------------------------------------------------------------------------------
+// Padding to capacity (--moe-pad-expert-input-to-capacity)
+
+TEST(MoePadRows, HandWorkedExample) {
+  // Groups of 2, 0 and 3 rows padded to 3 rows each.
+  Tensor rows = Tensor::from({5, 2}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
+  const std::vector<int64_t> groups = {2, 0, 3};
+  Tensor padded = Tensor::empty({9, 2});
+  poison(padded);
+  ops::moe_pad_rows_to_capacity(rows, groups, 3, padded);
+  const std::vector<float> want = {1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 5, 6, 7, 8, 9, 10};
+  EXPECT_TRUE(allclose(padded, Tensor::from({9, 2}, want), 0, 0));
+  // Unpadding reads the groups' rows only: NaN padding rows do not reach the result.
+  for (int64_t r : {2, 3, 4, 5}) padded.rows(r, 1).fill(NAN);
+  Tensor back = Tensor::empty({5, 2});
+  poison(back);
+  ops::moe_unpad_rows_from_capacity(padded, groups, 3, back);
+  EXPECT_TRUE(allclose(back, rows, 0, 0));
+}
+
+TEST(MoePadRows, RoundTripsAndIsItsOwnAdjoint) {
+  const uint64_t seed = testing::test_seed() + 140;
+  SCOPED_TRACE(seed_trace(seed));
+  std::mt19937_64 gen(seed);
+  const int64_t H = 7, capacity = 9;
+  // Empty, full and partial groups.
+  std::vector<int64_t> groups = {0, capacity, 1};
+  std::uniform_int_distribution<int64_t> count(0, capacity);
+  for (int g = 0; g < 8; ++g) groups.push_back(count(gen));
+  const int64_t G = int64_t(groups.size());
+  const int64_t R = std::accumulate(groups.begin(), groups.end(), int64_t(0));
+  Tensor rows = randn({R, H}, seed + 1);
+  Tensor padded = Tensor::empty({G * capacity, H});
+  poison(padded);
+  ops::moe_pad_rows_to_capacity(rows, groups, capacity, padded);
+  int64_t start = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < capacity; ++i)
+      for (int64_t c = 0; c < H; ++c) {
+        const float got = padded.f32()[(g * capacity + i) * H + c];
+        const float want = i < groups[g] ? rows.f32()[(start + i) * H + c] : 0.0f;
+        ASSERT_EQ(got, want) << "group " << g << " row " << i << " column " << c;
+        ASSERT_FALSE(std::signbit(got) && want == 0.0f) << "padding must be +0";
+      }
+    start += groups[g];
+  }
+  Tensor back = Tensor::empty({R, H});
+  poison(back);
+  ops::moe_unpad_rows_from_capacity(padded, groups, capacity, back);
+  EXPECT_TRUE(allclose(back, rows, 0, 0));
+  // <pad(x), w> = <x, unpad(w)>: unpadding is the gradient of padding (and the reverse).
+  Tensor w = randn({G * capacity, H}, seed + 2);
+  Tensor unpadded_w = Tensor::empty({R, H});
+  ops::moe_unpad_rows_from_capacity(w, groups, capacity, unpadded_w);
+  EXPECT_NEAR(dot(padded, w), dot(rows, unpadded_w), 1e-9 * double(R * H));
+}
+
+TEST(MoePadRows, ZeroCapacityAndNoGroups) {
+  Tensor none = Tensor::empty({0, 3});
+  Tensor padded = Tensor::empty({0, 3});
+  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(none, {0, 0}, 0, padded));
+  EXPECT_NO_THROW(ops::moe_unpad_rows_from_capacity(padded, {0, 0}, 0, none));
+  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(none, {}, 4, padded));
+}
+
+TEST(MoePadRows, RejectsBadInputs) {
+  Tensor rows = randn({5, 2}, 3);
+  Tensor padded = Tensor::empty({9, 2});
+  const std::vector<int64_t> groups = {2, 0, 3};
+  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, padded));
+  // A group above the capacity, counts not summing to the rows, a negative count or
+  // capacity, a wrong padded shape or dtype.
+  Tensor padded2 = Tensor::empty({6, 2});
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {5, 0}, 3, padded2), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {2, 0, 2}, 3, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {2, -1, 4}, 4, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, -3, padded), InternalError);
+  Tensor short_padded = Tensor::empty({8, 2}), wide_padded = Tensor::empty({9, 3});
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, short_padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, wide_padded), InternalError);
+  Tensor int_padded = Tensor::empty({9, 2}, DType::I32);
+  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, int_padded), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(padded, {2, 0, 2}, 3, rows), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(padded, {4, 0, 1}, 3, rows), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(short_padded, groups, 3, rows), InternalError);
 }
 
 }  // namespace

@@ -314,6 +314,47 @@ TEST(MoeCapacityDrop, BadShapesAndIndicesThrowBeforeWriting) {
   }
 }
 
+TEST(MoeMarkDropped, DroppedEntriesNameExpertEAndSortLastInThePermutation) {
+  // The capacity example at capacity 1 keeps entries 2, 4 and 8 (expert 1, 0, 2).
+  CapacityExample ex;
+  Tensor keep = Tensor::empty({5, 2}), counts = Tensor::zeros({3});
+  ops::moe_capacity_drop(ex.probs, ex.indices, 3, 1, false, keep, counts);
+  Tensor routed = Tensor::empty({5, 2}, DType::I32);
+  routed.fill(-1);
+  ops::moe_mark_dropped(ex.indices, keep, 3, routed);
+  const std::vector<int32_t> want = {3, 3, 1, 3, 0, 3, 3, 3, 2, 3};
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(routed.i32()[i], want[i]) << "entry " << i;
+  // moe_permute over E + 1 groups: the kept copies by expert, then the 7 dropped ones.
+  const Tensor x = randn({5, 4}, 17);
+  Tensor permuted = Tensor::empty({10, 4}), map = Tensor::empty({10}, DType::I32),
+         tokens = Tensor::empty({4}, DType::I64);
+  ops::moe_permute(x, routed, 4, permuted, map, tokens);
+  EXPECT_EQ(tokens.to_vector(), (std::vector<float>{1, 1, 1, 7}));
+  EXPECT_EQ(map.i32()[0], 4);
+  EXPECT_EQ(map.i32()[1], 2);
+  EXPECT_EQ(map.i32()[2], 8);
+  // Everything kept: the indices unchanged.
+  keep.fill(1.0f);
+  ops::moe_mark_dropped(ex.indices, keep, 3, routed);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(routed.i32()[i], ex.indices.i32()[i]) << "entry " << i;
+}
+
+TEST(MoeMarkDropped, BadShapesAndIndicesThrow) {
+  const Tensor indices = Tensor::from_i32({2, 2}, {0, 1, 2, 0});
+  const Tensor keep = Tensor::from({2, 2}, {1, 0, 1, 1});
+  Tensor routed = Tensor::empty({2, 2}, DType::I32);
+  EXPECT_NO_THROW(ops::moe_mark_dropped(indices, keep, 3, routed));
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 2, routed), InternalError);  // kept 2
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 0, routed), InternalError);
+  EXPECT_THROW(ops::moe_mark_dropped(indices.to(DType::F32), keep, 3, routed), InternalError);
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep.view({4}), 3, routed), InternalError);
+  Tensor wide = Tensor::empty({2, 3}, DType::I32), floats = Tensor::empty({2, 2});
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 3, wide), InternalError);
+  EXPECT_THROW(ops::moe_mark_dropped(indices, keep, 3, floats), InternalError);
+  Tensor aliased = indices.clone();
+  EXPECT_THROW(ops::moe_mark_dropped(aliased, keep, 3, aliased), InternalError);
+}
+
 // ---------------------------------------------------------------------------------------
 // Finite differences
 

@@ -1,11 +1,17 @@
-// The demo config trains on the GPU (bf16 compute, fp32 main params and grads) and its
-// loss curve over 50 iterations matches the CPU (fp32) run within bf16 tolerance.
-// Needs data/ from tools/prepare_fortunes.sh (run from the repository root).
+// GPU training runs: the demo config trains on the GPU (bf16 compute, fp32 main params and
+// grads) and its loss curve over 50 iterations matches the CPU (fp32) run within bf16
+// tolerance (needs data/ from tools/prepare_fortunes.sh, run from the repository root);
+// the MoE expert bias stays fp32 through a bf16 run and a checkpoint round trip.
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
+#include <vector>
 
+#include "ckpt/safetensors.h"
+#include "core/dtype.h"
 #include "train/trainer.h"
 
 namespace megaton {
@@ -49,6 +55,94 @@ TEST(TrainGpu, DemoLossCurveMatchesCpu) {
               "relative difference %.2e\n",
               gpu.losses[0], cpu.losses[0], gpu.losses[49], cpu.losses[49], worst);
   EXPECT_LT(gpu.losses[49], gpu.losses[0] - 1.0);
+}
+
+// The expert bias of every MoE layer (host copies, in layer order); each must be an fp32
+// tensor on the GPU.
+std::vector<std::vector<float>> expert_biases(GPTModel& model) {
+  std::vector<std::vector<float>> out;
+  for (auto& layer : model.layers()) {
+    if (!layer->moe) continue;
+    const Tensor& bias = layer->moe->router.expert_bias;
+    EXPECT_EQ(bias.dtype(), DType::F32);
+    EXPECT_EQ(bias.device(), Device::CUDA);
+    out.push_back(bias.to(Device::CPU).to_vector());
+  }
+  return out;
+}
+
+// Megatron keeps the expert bias in fp32 whatever the model dtype
+// (_maintain_float32_expert_bias): its updates of rate * sign(...) are far below a bf16
+// ulp once the bias has grown, so a bf16 bias would stop moving. Six bf16 iterations with
+// bias updates, against three, a checkpoint, and three more after loading it.
+TEST(TrainGpu, ExpertBiasStaysFp32ThroughBf16RunAndCheckpoint) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("megaton_bias_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto options = [] {
+    return RawOptions{
+        {"device", {"cuda"}}, {"bf16", {"true"}}, {"mock-data", {"true"}},
+        {"tokenizer-type", {"NullTokenizer"}}, {"vocab-size", {"127"}},
+        {"num-layers", {"2"}}, {"hidden-size", {"64"}}, {"num-attention-heads", {"4"}},
+        {"seq-length", {"64"}}, {"micro-batch-size", {"4"}}, {"global-batch-size", {"8"}},
+        {"position-embedding-type", {"rope"}}, {"normalization", {"RMSNorm"}},
+        {"swiglu", {"true"}}, {"disable-bias-linear", {"true"}},
+        {"num-experts", {"8"}}, {"moe-ffn-hidden-size", {"64"}}, {"moe-router-topk", {"2"}},
+        {"moe-router-score-function", {"sigmoid"}}, {"moe-router-enable-expert-bias", {"true"}},
+        // 1e-3 + 1e-3 + ... is not exact in bf16 (8 significant bits) but is in fp32 to
+        // well below 1e-7 here.
+        {"moe-router-bias-update-rate", {"1e-3"}},
+        {"moe-router-load-balancing-type", {"none"}}, {"moe-aux-loss-coeff", {"0"}},
+        {"hidden-dropout", {"0"}}, {"attention-dropout", {"0"}},
+        {"train-iters", {"6"}}, {"lr", {"1e-3"}}, {"lr-warmup-iters", {"1"}},
+        {"eval-iters", {"0"}}, {"log-interval", {"1"}}, {"seed", {"1234"}}};
+  };
+  auto run = [](RawOptions raw, TrainResult& result) {
+    TrainArgs args = parse_train_args(raw);
+    Trainer trainer(args, raw);
+    result = trainer.train();
+    return expert_biases(trainer.model());
+  };
+  TrainResult full, first, second;
+  const auto bias_full = run(options(), full);
+  ASSERT_EQ(bias_full.size(), 2u);
+  // The bias moved, and holds values a bf16 tensor could not: after six updates of
+  // +-1e-3 each entry is a sum like 4e-3 or 2e-3, none a bf16 number.
+  int not_bf16 = 0;
+  for (const auto& layer : bias_full)
+    for (float b : layer) {
+      EXPECT_LE(std::fabs(b), 6e-3f + 1e-7f);
+      not_bf16 += bf16_to_float(float_to_bf16(b)) != b;
+    }
+  EXPECT_GT(not_bf16, 0);
+
+  RawOptions a = options();
+  a["save"] = {(dir / "ckpt").string()};
+  a["exit-interval"] = {"3"};
+  run(a, first);
+  ASSERT_TRUE(fs::exists(dir / "ckpt" / "iter_0000003" / "metadata.json"));
+  // The checkpoint stores the bias as F32.
+  int stored = 0;
+  for (const auto& entry : fs::directory_iterator(dir / "ckpt" / "iter_0000003")) {
+    if (entry.path().extension() != ".safetensors") continue;
+    ckpt::SafetensorsFile file = ckpt::load_safetensors(entry.path().string());
+    for (const auto& [name, tensor] : file.tensors) {
+      if (name.find("router.expert_bias") == std::string::npos) continue;
+      EXPECT_EQ(tensor.dtype(), DType::F32) << name;
+      ++stored;
+    }
+  }
+  EXPECT_EQ(stored, 2);
+
+  RawOptions b = options();
+  b["load"] = {(dir / "ckpt").string()};
+  const auto bias_resumed = run(b, second);
+  ASSERT_EQ(second.losses.size(), 3u);
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(second.losses[i], full.losses[i + 3]) << "iteration " << i + 4;
+  EXPECT_EQ(bias_resumed, bias_full);  // bit-identical after the round trip
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -89,7 +89,42 @@ void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
   }
 }
 
+// y[t, :] = x[t, :] * sigmoid(logits[t]).
+void sigmoid_gate_forward(const float* x, const float* logits, float* y, int64_t rows,
+                          int64_t hidden) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float s = sigmoid(logits[t]);
+    for (int64_t h = 0; h < hidden; ++h) y[t * hidden + h] = x[t * hidden + h] * s;
+  }
+}
+
+// dlogits[t] = s (1 - s) <dy[t], x[t]> (d sigmoid / d logit = s (1 - s)); dx = dy s.
+void sigmoid_gate_backward(const float* dy, const float* x, const float* logits, float* dx,
+                           float* dlogits, int64_t rows, int64_t hidden) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float s = sigmoid(logits[t]);
+    float dot = 0.0f;
+    for (int64_t h = 0; h < hidden; ++h) {
+      const float d = dy[t * hidden + h];
+      dot += d * x[t * hidden + h];
+      dx[t * hidden + h] = d * s;
+    }
+    dlogits[t] = s * (1.0f - s) * dot;
+  }
+}
+
 }  // namespace cpu
+
+// x, y (or dy, dx) [T, H] with logits of T elements. Returns {T, H}.
+std::pair<int64_t, int64_t> gate_shape(const Tensor& x, const Tensor& logits, const char* op) {
+  MEGATON_CHECK(x.ndim() == 2, "{}: x must be [T, H], got {}", op, shape_str(x.shape()));
+  MEGATON_CHECK(logits.numel() == x.dim(0), "{}: logits {} must have {} elements (x {})", op,
+                shape_str(logits.shape()), x.dim(0), shape_str(x.shape()));
+  return {x.dim(0), x.dim(1)};
+}
+
 }  // namespace
 
 void swiglu_forward(const Tensor& x, Tensor& y) {
@@ -130,6 +165,35 @@ void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
   check_same_shape(dy, x, op, "dy", "x");
   check_same_shape(dx, x, op, "dx", "x");
   cpu::gelu_backward(dy.f32(), x.f32(), dx.f32(), x.numel());
+}
+
+void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y) {
+  MEGATON_CUDA_DISPATCH(x, cuda::sigmoid_gate_forward(x, logits, y));
+  const char* op = "sigmoid_gate_forward";
+  check_f32(x, op, "x");
+  check_f32(logits, op, "logits");
+  check_f32(y, op, "y");
+  check_same_shape(y, x, op, "y", "x");
+  auto [rows, hidden] = gate_shape(x, logits, op);
+  cpu::sigmoid_gate_forward(x.f32(), logits.f32(), y.f32(), rows, hidden);
+}
+
+void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logits, Tensor& dx,
+                           Tensor& dlogits) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::sigmoid_gate_backward(dy, x, logits, dx, dlogits));
+  const char* op = "sigmoid_gate_backward";
+  check_f32(dy, op, "dy");
+  check_f32(x, op, "x");
+  check_f32(logits, op, "logits");
+  check_f32(dx, op, "dx");
+  check_f32(dlogits, op, "dlogits");
+  check_same_shape(dy, x, op, "dy", "x");
+  check_same_shape(dx, x, op, "dx", "x");
+  auto [rows, hidden] = gate_shape(x, logits, op);
+  MEGATON_CHECK(dlogits.numel() == rows, "{}: dlogits {} must have {} elements", op,
+                shape_str(dlogits.shape()), rows);
+  cpu::sigmoid_gate_backward(dy.f32(), x.f32(), logits.f32(), dx.f32(), dlogits.f32(), rows,
+                             hidden);
 }
 
 }  // namespace megaton::ops

@@ -5,6 +5,9 @@
 // moe_utils.permute with a routing map), and row_id_map records which copy each permuted
 // row holds. The other ops invert that map once (copy -> row) so every output row is
 // written by one iteration and the loops parallelise without atomics.
+//
+// moe_pad_rows_to_capacity / moe_unpad_rows_from_capacity (--moe-pad-expert-input-to-capacity)
+// copy each expert's rows of the expert input into, or out of, a block of `capacity` rows.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -184,6 +187,66 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out, const 
       dp[t * k + j] = float(dot);
     }
   }
+}
+
+namespace {
+
+// Door checks shared by the padding ops: rows [R, H] and padded [G * capacity, H] F32 CPU
+// tensors, R = sum(group_rows), each group in [0, capacity]. Returns each group's first row
+// in rows.
+std::vector<int64_t> check_padding(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                                   int64_t capacity, const Tensor& padded) {
+  check_f32_cpu(rows, "rows");
+  check_f32_cpu(padded, "padded");
+  MEGATON_CHECK(rows.ndim() == 2, "moe_pad_rows_to_capacity: rows must be [R, H], got {}",
+                shape_str(rows.shape()));
+  MEGATON_CHECK(capacity >= 0, "moe_pad_rows_to_capacity: capacity {} must be >= 0", capacity);
+  const int64_t groups = int64_t(group_rows.size());
+  std::vector<int64_t> start(groups + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    MEGATON_CHECK(group_rows[g] >= 0 && group_rows[g] <= capacity,
+                  "moe_pad_rows_to_capacity: group {} has {} rows, not in [0, capacity {}]", g,
+                  group_rows[g], capacity);
+    start[g + 1] = start[g] + group_rows[g];
+  }
+  MEGATON_CHECK(start.back() == rows.dim(0),
+                "moe_pad_rows_to_capacity: rows has {} rows, the groups sum to {}", rows.dim(0),
+                start.back());
+  check_shape(padded, {groups * capacity, rows.dim(1)}, "padded");
+  return start;
+}
+
+}  // namespace
+
+void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                              int64_t capacity, Tensor& padded) {
+  MEGATON_CUDA_DISPATCH(rows, cuda::moe_pad_rows_to_capacity(rows, group_rows, capacity, padded));
+  const std::vector<int64_t> start = check_padding(rows, group_rows, capacity, padded);
+  const int64_t H = rows.dim(1);
+  if (H == 0) return;
+  const float* src = rows.f32();
+  float* dst = padded.f32();
+  for (size_t g = 0; g < group_rows.size(); ++g) {
+    float* group = dst + int64_t(g) * capacity * H;
+    const int64_t n = group_rows[g];
+    if (n > 0) std::memcpy(group, src + start[g] * H, sizeof(float) * n * H);
+    if (n < capacity) std::memset(group + n * H, 0, sizeof(float) * (capacity - n) * H);  // +0.0f
+  }
+}
+
+void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                                  int64_t capacity, Tensor& rows) {
+  MEGATON_CUDA_DISPATCH(padded,
+                        cuda::moe_unpad_rows_from_capacity(padded, group_rows, capacity, rows));
+  const std::vector<int64_t> start = check_padding(rows, group_rows, capacity, padded);
+  const int64_t H = rows.dim(1);
+  if (H == 0) return;
+  const float* src = padded.f32();
+  float* dst = rows.f32();
+  for (size_t g = 0; g < group_rows.size(); ++g)
+    if (group_rows[g] > 0)
+      std::memcpy(dst + start[g] * H, src + int64_t(g) * capacity * H,
+                  sizeof(float) * group_rows[g] * H);
 }
 
 }  // namespace megaton::ops

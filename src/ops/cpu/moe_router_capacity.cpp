@@ -1,7 +1,9 @@
 // Token dropping by expert capacity on the CPU (the reference of
 // ops/cuda/moe_router_capacity.cu). Semantics: ops.h; source: Megatron-LM
-// transformer/moe/moe_utils.py (apply_router_token_dropping, get_capacity).
+// transformer/moe/moe_utils.py (apply_router_token_dropping, get_capacity). Also
+// moe_mark_dropped, the routing map after dropping that the token dispatchers take.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -58,6 +60,35 @@ void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_e
       });
     for (auto it = first; it != first + kept_here; ++it) kept[*it] = 1.0f;
     kept_counts.f32()[e] += float(kept_here);
+  }
+}
+
+void moe_mark_dropped(const Tensor& indices, const Tensor& keep, int64_t num_experts,
+                      Tensor& routed) {
+  MEGATON_CUDA_DISPATCH(indices, cuda::moe_mark_dropped(indices, keep, num_experts, routed));
+  constexpr const char* op = "moe_mark_dropped";
+  check_tensor(indices, DType::I32, op, "indices");
+  MEGATON_CHECK(indices.ndim() == 2, "{}: indices must be [T, k], got {}", op,
+                shape_str(indices.shape()));
+  check_tensor(keep, DType::F32, op, "keep");
+  check_shape(keep, indices.shape(), op, "keep");
+  check_tensor(routed, DType::I32, op, "routed");
+  check_shape(routed, indices.shape(), op, "routed");
+  MEGATON_CHECK(num_experts >= 1 && num_experts < INT32_MAX,
+                "{}: num_experts {} must be in [1, {})", op, num_experts, INT32_MAX);
+  MEGATON_CHECK(indices.numel() == 0 || routed.raw() != indices.raw(),
+                "{}: routed must not alias indices", op);
+  const int32_t* idx = indices.i32();
+  const float* kept = keep.f32();
+  int32_t* out = routed.i32();
+  for (int64_t i = 0; i < indices.numel(); ++i) {
+    if (kept[i] == 0.0f) {
+      out[i] = int32_t(num_experts);
+      continue;
+    }
+    MEGATON_CHECK(idx[i] >= 0 && idx[i] < num_experts, "{}: index {} at {} not in [0, {})", op,
+                  idx[i], i, num_experts);
+    out[i] = idx[i];
   }
 }
 

@@ -1,5 +1,5 @@
-// SwiGLU and exact (erf) GeLU, forward and backward, on the GPU (semantics: ops.h, CPU
-// twin: ops/cpu/activation.cpp). Inputs and outputs share one dtype (F32 or BF16); the
+// SwiGLU, exact (erf) GeLU and the sigmoid row gate, forward and backward, on the GPU
+// (semantics: ops.h, CPU twin: ops/cpu/activation.cpp). Inputs and outputs share one dtype (F32 or BF16); the
 // math is fp32. Grid-stride loops over 16-byte packs when the rows allow it, else over
 // single elements.
 #include <initializer_list>
@@ -124,6 +124,49 @@ __global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restri
   }
 }
 
+// y[t, h] = x[t, h] * sigmoid(logits[t]); N divides hidden.
+template <typename T, int N>
+__global__ void sigmoid_gate_forward_kernel(const T* __restrict__ x, const float* __restrict__ logits,
+                                            T* __restrict__ y, int64_t rows, int64_t hidden) {
+  const int64_t packs_per_row = hidden / N, packs = rows * packs_per_row;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = p / packs_per_row, at = t * hidden + (p - t * packs_per_row) * N;
+    const float s = sigmoid(logits[t]);
+    Pack<T, N> xp = load_pack<N>(x + at), yp;
+#pragma unroll
+    for (int k = 0; k < N; ++k) yp.v[k] = from_float<T>(to_float(xp.v[k]) * s);
+    store_pack<N>(y + at, yp);
+  }
+}
+
+// One warp per row: dx = dy s, dlogits[t] = s (1 - s) <dy[t], x[t]> (fixed summation
+// order: lane-strided partials, then the warp's butterfly).
+template <typename T, int N>
+__global__ void sigmoid_gate_backward_kernel(const T* dy, const T* __restrict__ x,
+                                             const float* __restrict__ logits, T* dx,
+                                             float* __restrict__ dlogits, int64_t rows,
+                                             int64_t hidden) {
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const float s = sigmoid(logits[t]);
+  float dot = 0.0f;
+  for (int64_t h = int64_t(lane) * N; h < hidden; h += 32 * N) {
+    const int64_t at = t * hidden + h;
+    Pack<T, N> dyp = load_pack<N>(dy + at), xp = load_pack<N>(x + at), dxp;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float d = to_float(dyp.v[k]);
+      dot += d * to_float(xp.v[k]);
+      dxp.v[k] = from_float<T>(d * s);
+    }
+    store_pack<N>(dx + at, dxp);
+  }
+  dot = detail::warp_sum(dot);
+  if (lane == 0) dlogits[t] = s * (1.0f - s) * dot;
+}
+
 // Whether every pointer may be read or written in 16-byte packs.
 template <typename T>
 bool packs_aligned(std::initializer_list<const T*> ptrs) {
@@ -228,6 +271,74 @@ void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
     } else {
       gelu_backward_kernel<T, 1>
           <<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, n);
+    }
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
+// x [T, H] and logits (fp32, T elements). Returns {T, H}.
+static std::pair<int64_t, int64_t> gate_shape(const Tensor& x, const Tensor& logits,
+                                              const char* op) {
+  MEGATON_CHECK(x.ndim() == 2, "{}: x must be [T, H], got {}", op, shape_str(x.shape()));
+  detail::check_dtype(logits, DType::F32, op, "logits");
+  MEGATON_CHECK(logits.numel() == x.dim(0), "{}: logits {} must have {} elements (x {})", op,
+                shape_str(logits.shape()), x.dim(0), shape_str(x.shape()));
+  return {x.dim(0), x.dim(1)};
+}
+
+void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y) {
+  const char* op = "sigmoid_gate_forward";
+  detail::check_float(x, op, "x");
+  check_pair(y, "y", x, "x", op);
+  detail::check_same_shape(y, x, op, "y", "x");
+  auto [rows, hidden] = gate_shape(x, logits, op);
+  if (rows * hidden == 0) return;
+  detail::dispatch_float(x.dtype(), [&, rows = rows, hidden = hidden](auto tag) {
+    using T = decltype(tag);
+    constexpr int kN = kPackElems<T>;
+    const T* xp = static_cast<const T*>(x.raw());
+    const float* lp = logits.f32();
+    T* yp = static_cast<T*>(y.raw());
+    if (hidden % kN == 0 && packs_aligned<T>({xp, yp})) {
+      sigmoid_gate_forward_kernel<T, kN><<<grid_for(rows * hidden / kN, kThreads), kThreads, 0,
+                                           compute_stream()>>>(xp, lp, yp, rows, hidden);
+    } else {
+      sigmoid_gate_forward_kernel<T, 1><<<grid_for(rows * hidden, kThreads), kThreads, 0,
+                                          compute_stream()>>>(xp, lp, yp, rows, hidden);
+    }
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logits, Tensor& dx,
+                           Tensor& dlogits) {
+  const char* op = "sigmoid_gate_backward";
+  detail::check_float(x, op, "x");
+  check_pair(dy, "dy", x, "x", op);
+  check_pair(dx, "dx", x, "x", op);
+  detail::check_same_shape(dy, x, op, "dy", "x");
+  detail::check_same_shape(dx, x, op, "dx", "x");
+  auto [rows, hidden] = gate_shape(x, logits, op);
+  detail::check_dtype(dlogits, DType::F32, op, "dlogits");
+  MEGATON_CHECK(dlogits.numel() == rows, "{}: dlogits {} must have {} elements", op,
+                shape_str(dlogits.shape()), rows);
+  if (rows == 0) return;
+  constexpr int kWarps = kThreads / 32;
+  const unsigned blocks = unsigned((rows + kWarps - 1) / kWarps);
+  detail::dispatch_float(x.dtype(), [&, rows = rows, hidden = hidden](auto tag) {
+    using T = decltype(tag);
+    constexpr int kN = kPackElems<T>;
+    const T* dyp = static_cast<const T*>(dy.raw());
+    const T* xp = static_cast<const T*>(x.raw());
+    T* dxp = static_cast<T*>(dx.raw());
+    const float* lp = logits.f32();
+    float* dlp = dlogits.f32();
+    if (hidden % kN == 0 && packs_aligned<T>({dyp, xp, dxp})) {
+      sigmoid_gate_backward_kernel<T, kN>
+          <<<blocks, kThreads, 0, compute_stream()>>>(dyp, xp, lp, dxp, dlp, rows, hidden);
+    } else {
+      sigmoid_gate_backward_kernel<T, 1>
+          <<<blocks, kThreads, 0, compute_stream()>>>(dyp, xp, lp, dxp, dlp, rows, hidden);
     }
     MEGATON_CUDA_CHECK_LAUNCH();
   });

@@ -45,6 +45,9 @@ void swiglu_forward(const Tensor& x, Tensor& y);
 void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
 void gelu_forward(const Tensor& x, Tensor& y);
 void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y);
+void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logits, Tensor& dx,
+                           Tensor& dlogits);
 void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_t stream);
 void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream);
 void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset);
@@ -99,6 +102,8 @@ void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& c
 // Token dropping by expert capacity (moe_router_capacity.cu).
 void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_experts,
                        int64_t capacity, bool by_position, Tensor& keep, Tensor& kept_counts);
+void moe_mark_dropped(const Tensor& indices, const Tensor& keep, int64_t num_experts,
+                      Tensor& routed);
 void fill_normal(Tensor& t, uint64_t seed, uint64_t stream);
 void fill_uniform(Tensor& t, float lo, float hi, uint64_t seed, uint64_t stream);
 void mul_(Tensor& y, const Tensor& x);
@@ -110,6 +115,10 @@ void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Ten
 void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
                             const Tensor& row_id_map, const Tensor& probs,
                             Tensor& dexpert_out, Tensor& dprobs);
+void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                              int64_t capacity, Tensor& padded);
+void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                                  int64_t capacity, Tensor& rows);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 // Multi-tensor ops (multi_tensor.cu): batches of up to 64 (adamw) or 160 tensors per

@@ -8,9 +8,12 @@
 // count is an integer, so the result is deterministic and equal to the CPU's.
 //
 // The other ops invert row_id_map (copy -> permuted row) and gather: each output row is
-// written by one warp, summing its inputs in j order, with no atomics.
+// written by one warp, summing its inputs in j order, with no atomics. The padding ops
+// (--moe-pad-expert-input-to-capacity) move each expert's rows into or out of a block of
+// `capacity` rows, one warp per padded row, the groups' starts passed by value.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <type_traits>
@@ -303,6 +306,88 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ dout,
   if (lane == 0) dprobs[c] = dot;
 }
 
+// Groups of one padding launch (moe_pad_rows_to_capacity): their first rows in the
+// unpadded rows, passed by value as a __grid_constant__ parameter under the classic 4 KB
+// limit, so the host counts reach the kernel without a copy or a synchronization.
+constexpr int kMaxPadGroups = 960;
+struct PadGroups {
+  int32_t start[kMaxPadGroups + 1];  // group g's rows: [start[g], start[g + 1]) of rows
+  int32_t groups;
+};
+static_assert(sizeof(PadGroups) + 4 * sizeof(int64_t) + 2 * sizeof(void*) <= 4096);
+
+// Padded row p = g * capacity + i (of this launch's groups): rows[start[g] + i] when i is
+// below group g's rows (kUnpad: copied the other way), else zeros (padding only). One warp
+// per padded row.
+template <typename T, int kN, bool kUnpad>
+__global__ void pad_rows_kernel(const __grid_constant__ PadGroups groups, T* __restrict__ rows,
+                                T* __restrict__ padded, int64_t capacity, int64_t H) {
+  const int64_t p = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (p >= int64_t(groups.groups) * capacity) return;
+  const int64_t g = p / capacity, i = p % capacity;
+  const int64_t row = int64_t(groups.start[g]) + i;
+  auto* padded_row = reinterpret_cast<Pack<T, kN>*>(padded + p * H);
+  if (row < groups.start[g + 1]) {
+    auto* rows_row = reinterpret_cast<Pack<T, kN>*>(rows + row * H);
+    for (int64_t n = lane; n < H / kN; n += 32) {
+      if constexpr (kUnpad)
+        rows_row[n] = padded_row[n];
+      else
+        padded_row[n] = rows_row[n];
+    }
+  } else if (!kUnpad) {
+    const float zeros[kN] = {};
+    for (int64_t n = lane; n < H / kN; n += 32) store_floats<T, kN>(padded + p * H, n, zeros);
+  }
+}
+
+// Both padding ops: door checks, then one launch per kMaxPadGroups groups.
+void pad_rows(const Tensor& rows, const std::vector<int64_t>& group_rows, int64_t capacity,
+              const Tensor& padded, bool unpad) {
+  const char* op = unpad ? "moe_unpad_rows_from_capacity" : "moe_pad_rows_to_capacity";
+  check_float(rows, "rows");
+  check_dtype(padded, rows.dtype(), "padded");
+  MEGATON_CHECK(rows.ndim() == 2, "{}: rows must be [R, H], got {}", op, shape_str(rows.shape()));
+  MEGATON_CHECK(capacity >= 0, "{}: capacity {} must be >= 0", op, capacity);
+  const int64_t num_groups = int64_t(group_rows.size()), H = rows.dim(1);
+  std::vector<int64_t> start(num_groups + 1, 0);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    MEGATON_CHECK(group_rows[g] >= 0 && group_rows[g] <= capacity,
+                  "{}: group {} has {} rows, not in [0, capacity {}]", op, g, group_rows[g],
+                  capacity);
+    start[g + 1] = start[g] + group_rows[g];
+  }
+  MEGATON_CHECK(start.back() == rows.dim(0), "{}: rows has {} rows, the groups sum to {}", op,
+                rows.dim(0), start.back());
+  MEGATON_CHECK(start.back() <= INT32_MAX, "{}: {} rows overflow the int32 group starts", op,
+                start.back());
+  check_shape(padded, {num_groups * capacity, H}, "padded");
+  if (H == 0 || capacity == 0) return;
+  const size_t elem = dtype_size(rows.dtype());
+  for (int64_t first = 0; first < num_groups; first += kMaxPadGroups) {
+    PadGroups launch;
+    launch.groups = int32_t(std::min<int64_t>(kMaxPadGroups, num_groups - first));
+    for (int32_t g = 0; g <= launch.groups; ++g) launch.start[g] = int32_t(start[first + g]);
+    const int64_t padded_rows = int64_t(launch.groups) * capacity;
+    char* padded_at = static_cast<char*>(padded.raw()) + size_t(first * capacity * H) * elem;
+    dispatch_rows(rows.dtype(), H, {rows.raw(), padded_at}, [&](auto tag, auto pack) {
+      using T_ = decltype(tag);
+      auto* rows_ptr = static_cast<T_*>(rows.raw());
+      auto* padded_ptr = reinterpret_cast<T_*>(padded_at);
+      if (unpad)
+        pad_rows_kernel<T_, decltype(pack)::value, true>
+            <<<row_blocks(padded_rows), kWarpsPerBlock * 32, 0, ::megaton::cuda::stream()>>>(
+                launch, rows_ptr, padded_ptr, capacity, H);
+      else
+        pad_rows_kernel<T_, decltype(pack)::value, false>
+            <<<row_blocks(padded_rows), kWarpsPerBlock * 32, 0, ::megaton::cuda::stream()>>>(
+                launch, rows_ptr, padded_ptr, capacity, H);
+      MEGATON_CUDA_CHECK_LAUNCH();
+    });
+  }
+}
+
 // row_of_copy [copies] on the GPU, the inverse of row_id_map.
 Tensor invert_row_id_map(const Tensor& row_id_map, int64_t copies) {
   check_dtype(row_id_map, DType::I32, "row_id_map");
@@ -444,6 +529,16 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out, const 
                           copies, H, int(k), static_cast<T_*>(dexpert_out.raw()), dprobs.f32());
                   MEGATON_CUDA_CHECK_LAUNCH();
                 });
+}
+
+void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                              int64_t capacity, Tensor& padded) {
+  pad_rows(rows, group_rows, capacity, padded, false);
+}
+
+void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                                  int64_t capacity, Tensor& rows) {
+  pad_rows(rows, group_rows, capacity, padded, true);
 }
 
 }  // namespace megaton::ops::cuda

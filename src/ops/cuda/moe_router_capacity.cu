@@ -1,6 +1,7 @@
 // Token dropping by expert capacity on the GPU. Semantics: ops.h; CPU twin:
 // ops/cpu/moe_router_capacity.cpp; source: Megatron-LM transformer/moe/moe_utils.py
-// (apply_router_token_dropping).
+// (apply_router_token_dropping). moe_mark_dropped (the routing map after dropping) is one
+// elementwise kernel at the end of the file.
 //
 // Entries (flat index t * k + j) are ranked within their expert by one radix sort of a
 // 64-bit key: the expert in the high word, and in the low word (policy probs) the
@@ -93,6 +94,15 @@ __global__ void capacity_counts_kernel(const int32_t* __restrict__ first,
   }
 }
 
+// routed[i] = indices[i] where keep[i] != 0, else E (the dropped marker).
+__global__ void mark_dropped_kernel(const int32_t* __restrict__ indices,
+                                    const float* __restrict__ keep, int64_t n, int32_t E,
+                                    int32_t* __restrict__ routed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    routed[i] = keep[i] != 0.0f ? indices[i] : E;
+}
+
 }  // namespace
 
 void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_experts,
@@ -148,6 +158,26 @@ void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_e
   MEGATON_CUDA_CHECK_LAUNCH();
   capacity_counts_kernel<<<detail::grid_for(num_experts, kThreads), kThreads, 0, stream>>>(
       first, end, E, capacity, kept_counts.f32());
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
+void moe_mark_dropped(const Tensor& indices, const Tensor& keep, int64_t num_experts,
+                      Tensor& routed) {
+  constexpr const char* op = "moe_mark_dropped";
+  detail::check_dtype(indices, DType::I32, op, "indices");
+  MEGATON_CHECK(indices.ndim() == 2, "moe_mark_dropped: indices must be [T, k], got {}",
+                shape_str(indices.shape()));
+  detail::check_dtype(keep, DType::F32, op, "keep");
+  detail::check_shape(keep, indices.shape(), op, "keep");
+  detail::check_dtype(routed, DType::I32, op, "routed");
+  detail::check_shape(routed, indices.shape(), op, "routed");
+  MEGATON_CHECK(num_experts >= 1 && num_experts < INT32_MAX,
+                "moe_mark_dropped: num_experts {} must be in [1, {})", num_experts, INT32_MAX);
+  const int64_t n = indices.numel();
+  if (n == 0) return;
+  MEGATON_CHECK(routed.raw() != indices.raw(), "moe_mark_dropped: routed must not alias indices");
+  mark_dropped_kernel<<<detail::grid_for(n, kThreads), kThreads, 0, ::megaton::cuda::stream()>>>(
+      indices.i32(), keep.f32(), n, int32_t(num_experts), routed.i32());
   MEGATON_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,143 @@
+"""Scaling on one multi-GPU node (issue 6), in one run on the GPU machine.
+
+Usage (from the repository root, binaries from tools/gpu_bundle.sh, data/ prepared):
+    python3 bench/gpu_scaling.py --megaton BIN --gpus N [--out FILE] [--skip-curves]
+        [--skip-scaling] [--only 'name,name']
+
+N = 8 is the issue's run; N = 4 runs the same layouts at half size.
+
+1. Scaling, the benchmark configurations of ../shared/bench/README.md on random tokens:
+   - moe-64x-top8, EP N (data parallel N over the dense layers), all-to-all dispatcher,
+     distributed optimizer with overlapped grad reduce and param gather;
+   - llama-1.3B, DP N + distributed optimizer + both overlaps; TP2 (+ SP) x DP N/2;
+     PP2 x DP N/2 interleaved (2 model chunks per stage), each with the distributed
+     optimizer.
+   Every run, the one-GPU reference included, trains the same global batch (micro-batch 4,
+   gradient accumulation on one GPU), so each GPU of an N-GPU run does 1/N of the
+   reference's work per step (the optimizer too: the distributed optimizer shards it).
+   Scaling efficiency = tokens/s per GPU over the one-GPU run's tokens/s; peak memory per
+   GPU (rank 0's allocator peak) is reported beside it.
+2. Loss curves: the demo model (configs/demo-moe.yaml, fortunes corpus, bf16) for 50
+   iterations on one GPU and under each layout above (same global batch 16, micro-batch
+   16 / N), lm loss per iteration against the one-GPU curve.
+"""
+import argparse, json, os, subprocess, sys, tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_bench import CONFIGS, run_megaton  # noqa: E402
+
+
+def mpirun(n):
+    return ["mpirun", "--allow-run-as-root", "-np", str(n), "-x", "LD_LIBRARY_PATH",
+            "-x", "NCCL_NVLS_ENABLE", "--bind-to", "none"]
+
+
+OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+
+
+def layouts(n, layers):
+    """name -> (flags, dp) of the issue's layouts on n GPUs for a model of `layers` layers."""
+    half = n // 2
+    return {
+        f"EP{n} alltoall": (["--expert-model-parallel-size", str(n),
+                             "--moe-token-dispatcher-type", "alltoall"] + OVERLAP, n),
+        f"DP{n}": (OVERLAP, n),
+        f"TP2 SP x DP{half}": (["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+                               + OVERLAP, half),
+        f"PP2 x DP{half} interleaved": (["--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage",
+                                         str(layers // 4)] + OVERLAP, half),
+    }
+
+
+def curve(binary, name, launcher, flags, work, mbs):
+    metrics = os.path.join(work, name.replace(" ", "-") + ".jsonl")
+    cmd = list(launcher) + [binary, "train", "--config", "configs/demo-moe.yaml",
+                            "--device", "cuda", "--bf16", "--train-iters", "50",
+                            "--micro-batch-size", str(mbs), "--global-batch-size", "16",
+                            "--eval-iters", "0", "--eval-interval", "0", "--save-interval", "0",
+                            "--lr-warmup-iters", "5", "--make-vocab-size-divisible-by", "64",
+                            "--log-metrics-file", metrics] + list(flags)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return None, (out.stderr or out.stdout).strip().splitlines()[-1][:300]
+    with open(metrics) as f:
+        return [json.loads(l)["lm_loss"] for l in f if l.strip()], None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--megaton", required=True)
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default="")
+    p.add_argument("--skip-curves", action="store_true")
+    p.add_argument("--skip-scaling", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    a = p.parse_args()
+    n = a.gpus
+    only = {x.strip() for x in a.only.split(",") if x.strip()}
+    wanted = lambda name: not only or name in only
+    lines = []
+    if not a.skip_scaling:
+        rows = ["| config | layout | GPUs | global batch | step ms | tokens/s per GPU | "
+                "scaling efficiency | peak GiB per GPU |", "|---|---|---|---|---|---|---|---|"]
+        # config -> (layouts, micro-batches of the one-GPU reference per step)
+        plans = [("moe-64x-top8", [f"EP{n} alltoall"], n),
+                 ("llama-1.3B", [f"DP{n}", f"TP2 SP x DP{n // 2}",
+                                 f"PP2 x DP{n // 2} interleaved"], 2 * n)]
+        for cname, names, ref_micro in plans:
+            names = [x for x in names if wanted(x)]
+            if not names:
+                continue
+            c = CONFIGS[cname]
+            gbs = c["mbs"] * ref_micro
+            one = run_megaton(a.megaton, c, a.iters, micro_batches=ref_micro)
+            if "error" in one:
+                rows.append(f"| {cname} | 1 GPU | 1 | {gbs} | error: {one['error']} | | | |")
+                print(rows[-1], flush=True)
+                continue
+            rows.append(f"| {cname} | 1 GPU | 1 | {gbs} | {one['step_ms']:.1f} | "
+                        f"{one['tokens_per_s']:,.0f} | 1.00 | {one['peak_mem_gib']:.1f} |")
+            print(rows[-1], flush=True)
+            for lname in names:
+                flags, dp = layouts(n, c["layers"])[lname]
+                r = run_megaton(a.megaton, c, a.iters, launcher=mpirun(n), extra=flags,
+                                world=n, dp=dp, micro_batches=gbs // (c["mbs"] * dp))
+                if "error" in r:
+                    rows.append(f"| {cname} | {lname} | {n} | {gbs} | error: {r['error']} | | | |")
+                else:
+                    eff = r["tokens_per_s_per_gpu"] / one["tokens_per_s"]
+                    rows.append(f"| {cname} | {lname} | {n} | {gbs} | {r['step_ms']:.1f} | "
+                                f"{r['tokens_per_s_per_gpu']:,.0f} | {eff:.2f} | "
+                                f"{r['peak_mem_gib']:.1f} |")
+                print(rows[-1], flush=True)
+        lines += rows
+    if not a.skip_curves:
+        work = tempfile.mkdtemp()
+        ref, err = curve(a.megaton, "one-gpu", [], [], work, 16 // n)
+        lines += ["", "| layout (demo model, 50 iterations) | lm loss it 1 | it 50 | "
+                  "worst relative difference vs 1 GPU |", "|---|---|---|---|"]
+        if ref is None:
+            lines.append(f"| 1 GPU | error: {err} | | |")
+        else:
+            lines.append(f"| 1 GPU | {ref[0]:.4f} | {ref[-1]:.4f} | |")
+            for name, (flags, _) in layouts(n, 4).items():
+                if not wanted(name):
+                    continue
+                got, err = curve(a.megaton, name, mpirun(n), flags, work, 16 // n)
+                if got is None:
+                    lines.append(f"| {name} | error: {err} | | |")
+                    continue
+                worst = (max(abs(x - y) / y for x, y in zip(got, ref))
+                         if len(got) == len(ref) else float("nan"))
+                lines.append(f"| {name} | {got[0]:.4f} | {got[-1]:.4f} | {worst:.2e} |")
+                print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        open(a.out, "w").write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
