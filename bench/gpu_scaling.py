@@ -25,11 +25,7 @@ import argparse, json, os, subprocess, sys, tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench import CONFIGS, run_megaton  # noqa: E402
-
-
-def mpirun(n):
-    return ["mpirun", "--allow-run-as-root", "-np", str(n), "-x", "LD_LIBRARY_PATH",
-            "-x", "NCCL_NVLS_ENABLE", "--bind-to", "none"]
+from gpu_parallel import curve, mpirun  # noqa: E402
 
 
 OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
@@ -50,19 +46,10 @@ def layouts(n, layers):
     }
 
 
-def curve(binary, name, launcher, flags, work, mbs):
-    metrics = os.path.join(work, name.replace(" ", "-") + ".jsonl")
-    cmd = list(launcher) + [binary, "train", "--config", "configs/demo-moe.yaml",
-                            "--device", "cuda", "--bf16", "--train-iters", "50",
-                            "--micro-batch-size", str(mbs), "--global-batch-size", "16",
-                            "--eval-iters", "0", "--eval-interval", "0", "--save-interval", "0",
-                            "--lr-warmup-iters", "5", "--make-vocab-size-divisible-by", "64",
-                            "--log-metrics-file", metrics] + list(flags)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        return None, (out.stderr or out.stdout).strip().splitlines()[-1][:300]
-    with open(metrics) as f:
-        return [json.loads(l)["lm_loss"] for l in f if l.strip()], None
+def demo_curve(binary, name, launcher, flags, work, mbs):
+    """gpu_parallel.curve (the demo config, 50 bf16 iterations) at global batch 16."""
+    return curve(binary, name.replace(" ", "-"), launcher,
+                 ["--micro-batch-size", str(mbs), "--global-batch-size", "16"] + list(flags), work)
 
 
 def main():
@@ -115,7 +102,7 @@ def main():
         lines += rows
     if not a.skip_curves:
         work = tempfile.mkdtemp()
-        ref, err = curve(a.megaton, "one-gpu", [], [], work, 16 // n)
+        ref, err = demo_curve(a.megaton, "one-gpu", [], [], work, 16 // n)
         lines += ["", "| layout (demo model, 50 iterations) | lm loss it 1 | it 50 | "
                   "worst relative difference vs 1 GPU |", "|---|---|---|---|"]
         if ref is None:
@@ -125,7 +112,7 @@ def main():
             for name, (flags, _) in layouts(n, 4).items():
                 if not wanted(name):
                     continue
-                got, err = curve(a.megaton, name, mpirun(n), flags, work, 16 // n)
+                got, err = demo_curve(a.megaton, name, mpirun(n), flags, work, 16 // n)
                 if got is None:
                     lines.append(f"| {name} | error: {err} | | |")
                     continue
