@@ -79,7 +79,7 @@ void check_gradients(GPTConfig cfg) {
     for (int s = 0; s < std::min<int64_t>(12, n); ++s) {
       int64_t i = int64_t(pick() % uint64_t(n));
       float orig = p->weight.f32()[i];
-      const float eps = 1e-2f;
+      const float eps = 3e-3f;
       p->weight.f32()[i] = orig + eps;
       double up = objective(model, tokens, labels, w);
       bool same_routing = routing_of(model) == routing;
@@ -94,8 +94,10 @@ void check_gradients(GPTConfig cfg) {
       ++checked;
       double fd = (up - down) / (2 * eps);
       double analytic = p->main_grad.f32()[i];
-      // fp32 forward, eps 1e-2: truncation error O(eps^2 * f''') and rounding error
-      // O(1e-7 * |f| / eps) are both around 1e-4 here.
+      // fp32 forward, eps 3e-3: truncation error O(eps^2 * f''') and rounding error
+      // O(1e-7 * |f| / eps) are both around 1e-4 here. With eps 1e-2 a word-embedding
+      // element of seed 6 (a row many tokens share) was off by 0.07 from truncation alone;
+      // eps 3e-3 passes seeds 1-20.
       EXPECT_NEAR(analytic, fd, 2e-3 + 2e-2 * std::fabs(fd)) << p->name << "[" << i << "]";
     }
   }
