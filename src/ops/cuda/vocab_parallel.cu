@@ -1,14 +1,9 @@
-// Vocab-parallel embedding and softmax cross entropy on the GPU (semantics: ops.h, CPU
-// twin: ops/cpu/vocab_parallel.cpp).
+// Vocab-parallel softmax cross entropy on the GPU (semantics: ops.h, CPU twin:
+// ops/cpu/vocab_parallel.cpp); the vocab-parallel embedding is in embedding.cu.
 //
-// Global ids outside this rank's vocabulary rows are expected (another rank holds them),
-// so every id and label is range-checked on the device: an id another rank holds gives a
-// zero output row and no gradient, never an access outside the shard. A negative label
-// gives a NaN target logit and a NaN gradient row (the CPU twin throws), as a bad label
-// does in cross_entropy.cu; a negative token id is simply outside every shard.
-//
-// embedding_backward_vocab_range accumulates with fp32 atomicAdd, as embedding_backward:
-// when an id repeats within the batch the last bits of dtable can change from run to run.
+// Labels outside this rank's vocabulary rows are expected (another rank holds them), so
+// every label is range-checked on the device. A negative label gives a NaN target logit
+// and a NaN gradient row (the CPU twin throws), as a bad label does in cross_entropy.cu.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -41,22 +36,6 @@ void check_vocab_start(const char* op, int64_t vocab_start) {
   MEGATON_CHECK(vocab_start >= 0, "{}: vocab_start {} is negative", op, vocab_start);
 }
 
-// ids any rank (T = numel) I32; table [V_local, H]; rows [T, H] or ids.shape + [H].
-void check_embedding(const char* op, const Tensor& ids, const Tensor& table, const char* table_name,
-                     const Tensor& rows, const char* rows_name, int64_t vocab_start) {
-  detail::check_dtype(ids, DType::I32, op, "ids");
-  detail::check_cuda_tensor(table, op, table_name);
-  detail::check_cuda_tensor(rows, op, rows_name);
-  MEGATON_CHECK(table.ndim() == 2, "{}: {} must be [V_local, H], got {}", op, table_name,
-                shape_str(table.shape()));
-  const int64_t hidden = table.dim(1);
-  MEGATON_CHECK(rows.ndim() >= 1 && rows.dim(-1) == hidden && rows.numel() == ids.numel() * hidden,
-                "{}: {} {} does not match ids {} and {} {} (expected [T, H])", op, rows_name,
-                shape_str(rows.shape()), shape_str(ids.shape()), table_name,
-                shape_str(table.shape()));
-  check_vocab_start(op, vocab_start);
-}
-
 // logits [T, V_local] F32 or BF16 with V_local > 0 and T within the grid (a block per
 // row); labels [T] I32.
 void check_logits_labels(const char* op, const Tensor& logits, const Tensor& labels,
@@ -78,62 +57,9 @@ void check_stat(const char* op, const Tensor& t, int64_t T, const char* name) {
   MEGATON_CHECK(t.shape() == Shape{T}, "{}: {} {} must be [{}]", op, name, shape_str(t.shape()), T);
 }
 
-constexpr int kEmbeddingMaxThreads = 256;
-constexpr int64_t kEmbeddingMaxBlocks = 1 << 16;  // blocks stride over tokens beyond this
 constexpr int kStatThreads = 256;
 
-// Embedding: one block per token (striding beyond kEmbeddingMaxBlocks), threads over packs.
-int embedding_threads(int64_t hidden, int pack) {
-  const int64_t packs = (hidden + pack - 1) / pack;
-  return int(std::clamp<int64_t>((packs + 31) / 32 * 32, 32, kEmbeddingMaxThreads));
-}
-unsigned embedding_blocks(int64_t tokens) {
-  return unsigned(std::min(tokens, kEmbeddingMaxBlocks));
-}
-
 // ---- device ----
-
-// out[t, :] = table[ids[t] - vocab_start, :] for an id in [vocab_start, vocab_start +
-// vocab_local), else 0. N divides hidden. The branch is uniform within a block (one token).
-template <typename T, int N>
-__global__ void embedding_forward_vocab_range_kernel(const int32_t* __restrict__ ids,
-                                                     const T* __restrict__ table,
-                                                     T* __restrict__ out, int64_t tokens,
-                                                     int64_t hidden, int64_t vocab_start,
-                                                     int64_t vocab_local) {
-  Pack<T, N> zero;
-#pragma unroll
-  for (int k = 0; k < N; ++k) zero.v[k] = from_float<T>(0.0f);
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const int64_t row = int64_t(ids[t]) - vocab_start;
-    T* dst = out + t * hidden;
-    if (row >= 0 && row < vocab_local) {
-      const T* src = table + row * hidden;
-      for (int64_t j = int64_t(threadIdx.x) * N; j < hidden; j += int64_t(blockDim.x) * N)
-        store_pack<N>(dst + j, load_pack<N>(src + j));
-    } else {
-      for (int64_t j = int64_t(threadIdx.x) * N; j < hidden; j += int64_t(blockDim.x) * N)
-        store_pack<N>(dst + j, zero);
-    }
-  }
-}
-
-// dtable[ids[t] - vocab_start, :] += dout[t, :] for the ids in this rank's rows; N divides
-// hidden (N = 4: one float4 atomic per pack).
-template <typename T, int N>
-__global__ void embedding_backward_vocab_range_kernel(const T* __restrict__ dout,
-                                                      const int32_t* __restrict__ ids,
-                                                      float* dtable, int64_t tokens, int64_t hidden,
-                                                      int64_t vocab_start, int64_t vocab_local) {
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    const int64_t row = int64_t(ids[t]) - vocab_start;
-    if (row < 0 || row >= vocab_local) continue;
-    float* dst = dtable + row * hidden;
-    const T* src = dout + t * hidden;
-    for (int64_t j = int64_t(threadIdx.x) * N; j < hidden; j += int64_t(blockDim.x) * N)
-      atomic_add_pack<N>(dst + j, load_pack<N>(src + j));
-  }
-}
 
 // One block per row of the shard: row_max, sum_exp (relative to row_max) and the target
 // logit (0 when another rank holds the label, NaN for a negative label).
@@ -197,58 +123,6 @@ __global__ void cross_entropy_backward_vocab_range_kernel(const float* __restric
 }
 
 }  // namespace
-
-void embedding_forward_vocab_range(const Tensor& ids, const Tensor& table, int64_t vocab_start,
-                                   Tensor& out) {
-  const char* op = "embedding_forward_vocab_range";
-  check_embedding(op, ids, table, "table", out, "out", vocab_start);
-  detail::check_float(table, op, "table");
-  detail::check_same_dtype(out, table, op, "out", "table");
-  const int64_t tokens = ids.numel(), vocab_local = table.dim(0), hidden = table.dim(1);
-  if (tokens == 0 || hidden == 0) return;
-  detail::dispatch_float(table.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int kN = kPackElems<T>;
-    const T* tp = static_cast<const T*>(table.raw());
-    T* outp = static_cast<T*>(out.raw());
-    if (hidden % kN == 0 && pack_aligned<kN>(tp) && pack_aligned<kN>(outp)) {
-      embedding_forward_vocab_range_kernel<T, kN>
-          <<<embedding_blocks(tokens), embedding_threads(hidden, kN), 0, compute_stream()>>>(
-              ids.i32(), tp, outp, tokens, hidden, vocab_start, vocab_local);
-    } else {
-      embedding_forward_vocab_range_kernel<T, 1>
-          <<<embedding_blocks(tokens), embedding_threads(hidden, 1), 0, compute_stream()>>>(
-              ids.i32(), tp, outp, tokens, hidden, vocab_start, vocab_local);
-    }
-    MEGATON_CUDA_CHECK_LAUNCH();
-  });
-}
-
-void embedding_backward_vocab_range(const Tensor& dout, const Tensor& ids, int64_t vocab_start,
-                                    Tensor& dtable) {
-  const char* op = "embedding_backward_vocab_range";
-  check_embedding(op, ids, dtable, "dtable", dout, "dout", vocab_start);
-  detail::check_dtype(dtable, DType::F32, op, "dtable");
-  detail::check_float(dout, op, "dout");
-  const int64_t tokens = ids.numel(), vocab_local = dtable.dim(0), hidden = dtable.dim(1);
-  if (tokens == 0 || hidden == 0 || vocab_local == 0) return;
-  detail::dispatch_float(dout.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int kN = 4;
-    const T* dp = static_cast<const T*>(dout.raw());
-    float* tablep = dtable.f32();
-    if (hidden % kN == 0 && pack_aligned<kN>(dp) && pack_aligned<kN>(tablep)) {
-      embedding_backward_vocab_range_kernel<T, kN>
-          <<<embedding_blocks(tokens), embedding_threads(hidden, kN), 0, compute_stream()>>>(
-              dp, ids.i32(), tablep, tokens, hidden, vocab_start, vocab_local);
-    } else {
-      embedding_backward_vocab_range_kernel<T, 1>
-          <<<embedding_blocks(tokens), embedding_threads(hidden, 1), 0, compute_stream()>>>(
-              dp, ids.i32(), tablep, tokens, hidden, vocab_start, vocab_local);
-    }
-    MEGATON_CUDA_CHECK_LAUNCH();
-  });
-}
 
 void cross_entropy_partial_stats(const Tensor& logits, const Tensor& labels, int64_t vocab_start,
                                  Tensor& row_max, Tensor& sum_exp, Tensor& target_logit) {
