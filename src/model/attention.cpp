@@ -22,7 +22,7 @@ SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, in
                  TensorParallelMode::Column, mp),
       linear_proj(prefix + ".linear_proj", cfg.query_projection_size(), cfg.hidden_size,
                   !cfg.disable_bias_linear,
-                  cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers)), seed,
+                  cfg.scaled_init_method_std(), seed,
                   Placement::of(cfg), TensorParallelMode::Row, mp),
       cfg_(cfg),
       mp_(mp),

@@ -1,5 +1,6 @@
 // GPTConfig: the model's shape and numerics, named as Megatron-LM's TransformerConfig.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -39,6 +40,12 @@ struct GPTConfig {
   float rotary_base = 10000.0f;
   bool untie_embeddings_and_output_weights = false;
   float init_method_std = 0.02f;
+  // The std of the layers that write into the residual stream (attention's linear_proj,
+  // the MLPs' linear_fc2): Megatron's scaled_init_method_normal, init_method_std /
+  // sqrt(2 num_layers).
+  float scaled_init_method_std() const {
+    return init_method_std / std::sqrt(2.0f * float(num_layers));
+  }
   bool disable_bias_linear = false;
   float hidden_dropout = 0.1f;
   float attention_dropout = 0.1f;

@@ -28,7 +28,7 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
   if (cfg.is_moe_layer(layer)) {
     moe = std::make_unique<MoELayer>(prefix, cfg, seed, mp, layer);
   } else {
-    float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
+    float output_std = cfg.scaled_init_method_std();
     mlp = std::make_unique<MLP>(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu,
                                 !cfg.disable_bias_linear, cfg.init_method_std, output_std, seed,
                                 Placement::of(cfg), mp);

@@ -18,7 +18,7 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
       layer_(layer),
       dispatcher_(make_token_dispatcher(cfg.num_experts, mp)) {
   Placement where = Placement::of(cfg);
-  float output_std = cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers));
+  float output_std = cfg.scaled_init_method_std();
   int64_t h = cfg.hidden_size, f = cfg.moe_ffn_hidden_size, f1 = cfg.swiglu ? 2 * f : f;
   const int etp = mp.etp_size(), etp_rank = mp.etp_rank();
   if (f % etp != 0)

@@ -12,7 +12,7 @@ SharedExpertMLP::SharedExpertMLP(const std::string& prefix, const GPTConfig& cfg
                                  const ModelParallel& mp)
     : mlp(prefix, cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.swiglu,
           /*bias=*/false, cfg.init_method_std,
-          cfg.init_method_std / std::sqrt(2.0f * float(cfg.num_layers)), seed,
+          cfg.scaled_init_method_std(), seed,
           Placement::of(cfg), mp) {
   if (!cfg.moe_shared_expert_gate) return;
   gate_weight = make_param(prefix + ".gate_weight", {1, cfg.hidden_size}, cfg.init_method_std,

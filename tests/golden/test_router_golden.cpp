@@ -140,7 +140,6 @@ TEST(RouterGolden, EveryRoutingAndLossOptionMatchesMegatron) {
     router.start_step();
     ForwardContext ctx;
     ctx.training = c.value("training", true);
-    double logged_sum = 0;
     for (int64_t m = 0; m < M; ++m) {
       const std::string p = M > 1 ? name + ".mb" + std::to_string(m) : name;
       Tensor x = to_megaton_rows(tensor(p + ".logits"), B, S);

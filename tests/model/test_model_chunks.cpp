@@ -87,7 +87,9 @@ void check_chunks_match_whole_model(bool moe, bool tied, bool learned_positions)
   // The same ops on the same values in the same order: equal bits.
   EXPECT_TRUE(testing::allclose(out.loss.losses, want.losses, 0, 0));
   EXPECT_EQ(aux, want.aux_loss);
-  if (moe) EXPECT_GT(aux, 0);
+  if (moe) {
+    EXPECT_GT(aux, 0);
+  }
 
   Tensor grad = dlosses;
   for (auto it = chunks.rbegin(); it != chunks.rend(); ++it) {
