@@ -58,8 +58,13 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     mem = float(re.search(r"peak memory \(MB\): ([\d.]+)", rows[-1]).group(1))
     step_ms = statistics.median(ms)
     tokens_per_s = gbs * c["seq"] / (step_ms / 1e3)
-    return dict(step_ms=step_ms, tokens_per_s=tokens_per_s,
-                tokens_per_s_per_gpu=tokens_per_s / world, peak_mem_gib=mem * 2**20 / 2**30)
+    r = dict(step_ms=step_ms, tokens_per_s=tokens_per_s,
+             tokens_per_s_per_gpu=tokens_per_s / world, peak_mem_gib=mem * 2**20 / 2**30)
+    # With MEGATON_OP_PROFILE=1 in the environment: the last op profile table (rank 0's).
+    at = out.stdout.rfind(" op profile")
+    if at >= 0:
+        r["op_profile"] = out.stdout[at:].strip()
+    return r
 
 def run_torch(script, name, c):
     cmd = [sys.executable, script, "--name", name, "--layers", str(c["layers"]),

@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench import CONFIGS, run_megaton  # noqa: E402
 
 def mpirun(n):
+    forward = ["-x", "MEGATON_OP_PROFILE"] if "MEGATON_OP_PROFILE" in os.environ else []
     return ["mpirun", "--allow-run-as-root", "-np", str(n), "-x", "LD_LIBRARY_PATH",
-            "-x", "NCCL_NVLS_ENABLE", "--bind-to", "none"]
+            "-x", "NCCL_NVLS_ENABLE", "--bind-to", "none"] + forward
 
 def curve(binary, name, launcher, flags, work):
     metrics = os.path.join(work, name + ".jsonl")

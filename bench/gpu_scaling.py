@@ -2,7 +2,7 @@
 
 Usage (from the repository root, binaries from tools/gpu_bundle.sh, data/ prepared):
     python3 bench/gpu_scaling.py --megaton BIN --gpus N [--out FILE] [--skip-curves]
-        [--skip-scaling] [--only 'name,name']
+        [--skip-scaling] [--only 'name,name'] [--op-profile]
 
 N = 8 is the issue's run; N = 4 runs the same layouts at half size.
 
@@ -16,7 +16,9 @@ N = 8 is the issue's run; N = 4 runs the same layouts at half size.
    gradient accumulation on one GPU), so each GPU of an N-GPU run does 1/N of the
    reference's work per step (the optimizer too: the distributed optimizer shards it).
    Scaling efficiency = tokens/s per GPU over the one-GPU run's tokens/s; peak memory per
-   GPU (rank 0's allocator peak) is reported beside it.
+   GPU (rank 0's allocator peak) is reported beside it. --op-profile runs them all with
+   MEGATON_OP_PROFILE=1 and prints rank 0's GPU time per op (NCCL collectives included)
+   after each row; profiled step times are not comparable with unprofiled ones.
 2. Loss curves: the demo model (configs/demo-moe.yaml, fortunes corpus, bf16) for 50
    iterations on one GPU and under each layout above (same global batch 16, micro-batch
    16 / N), lm loss per iteration against the one-GPU curve.
@@ -52,6 +54,13 @@ def demo_curve(binary, name, launcher, flags, work, mbs):
                  ["--micro-batch-size", str(mbs), "--global-batch-size", "16"] + list(flags), work)
 
 
+def show_profile(profiles, title, result):
+    """Appends (and prints) the op profile of one run, when it has one."""
+    if "op_profile" in result:
+        profiles.extend(["", f"{title}:", "```", result["op_profile"], "```"])
+        print("\n".join(profiles[-4:]), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--megaton", required=True)
@@ -61,7 +70,12 @@ def main():
     p.add_argument("--skip-curves", action="store_true")
     p.add_argument("--skip-scaling", action="store_true")
     p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    p.add_argument("--op-profile", action="store_true",
+                   help="MEGATON_OP_PROFILE=1 for the scaling runs; print their op tables")
     a = p.parse_args()
+    if a.op_profile:
+        os.environ["MEGATON_OP_PROFILE"] = "1"
+    profiles = []
     n = a.gpus
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     wanted = lambda name: not only or name in only
@@ -87,6 +101,7 @@ def main():
             rows.append(f"| {cname} | 1 GPU | 1 | {gbs} | {one['step_ms']:.1f} | "
                         f"{one['tokens_per_s']:,.0f} | 1.00 | {one['peak_mem_gib']:.1f} |")
             print(rows[-1], flush=True)
+            show_profile(profiles, f"{cname}, 1 GPU", one)
             for lname in names:
                 flags, dp = layouts(n, c["layers"])[lname]
                 r = run_megaton(a.megaton, c, a.iters, launcher=mpirun(n), extra=flags,
@@ -99,7 +114,8 @@ def main():
                                 f"{r['tokens_per_s_per_gpu']:,.0f} | {eff:.2f} | "
                                 f"{r['peak_mem_gib']:.1f} |")
                 print(rows[-1], flush=True)
-        lines += rows
+                show_profile(profiles, f"{cname}, {lname}", r)
+        lines += rows + profiles
     if not a.skip_curves:
         work = tempfile.mkdtemp()
         ref, err = demo_curve(a.megaton, "one-gpu", [], [], work, 16 // n)

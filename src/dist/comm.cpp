@@ -1,6 +1,7 @@
 // Comm's argument checks, the size-1 shortcuts and the choice of transport.
 #include "dist/comm.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <numeric>
 
@@ -172,6 +173,117 @@ void Comm::all_to_all(const Tensor& in, Tensor& out, const Group& g) {
                 g.describe(), in.numel(), out.numel(), g.size());
   std::vector<int64_t> counts(g.size(), in.numel() / g.size());
   all_to_allv(in, counts, out, counts, g);
+}
+
+namespace {
+// The lengths of a run list without its empty runs (those are skipped on both sides).
+std::vector<int64_t> nonempty_lengths(const std::vector<RowRun>& runs) {
+  std::vector<int64_t> out;
+  for (const RowRun& r : runs)
+    if (r.count > 0) out.push_back(r.count);
+  return out;
+}
+
+int64_t total_rows(const std::vector<RowRun>& runs) {
+  int64_t n = 0;
+  for (const RowRun& r : runs) n += r.count;
+  return n;
+}
+
+// t's shape with `rows` rows.
+Shape with_rows(const Tensor& t, int64_t rows) {
+  Shape shape = t.shape();
+  shape[0] = rows;
+  return shape;
+}
+}  // namespace
+
+bool Comm::check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
+                                  const RowRuns& recv, const Group& g) const {
+  const char* op = "all_to_allv_rows";
+  check_member(g, op);
+  check_tensor(in, op, "input");
+  check_tensor(out, op, "output");
+  MEGATON_CHECK(in.dtype() == out.dtype(), "{} of {} into {}", op, dtype_name(in.dtype()),
+                dtype_name(out.dtype()));
+  MEGATON_CHECK(in.shape().size() >= 1 && out.shape().size() == in.shape().size() &&
+                    std::equal(in.shape().begin() + 1, in.shape().end(), out.shape().begin() + 1),
+                "{}: rows of input {} and output {} differ", op, shape_str(in.shape()),
+                shape_str(out.shape()));
+  MEGATON_CHECK(int(send.size()) == g.size() && int(recv.size()) == g.size(),
+                "{} on group {}: {} send and {} receive run lists for {} members", op,
+                g.describe(), send.size(), recv.size(), g.size());
+  auto check_runs = [&](const RowRuns& runs, int64_t rows, const char* what) {
+    for (int m = 0; m < g.size(); ++m)
+      for (const RowRun& r : runs[m])
+        MEGATON_CHECK(r.first >= 0 && r.count >= 0 && r.first + r.count <= rows,
+                      "{} on group {}: {} run [{}, +{}) for member {} outside {} rows", op,
+                      g.describe(), what, r.first, r.count, m, rows);
+  };
+  check_runs(send, in.dim(0), "send");
+  check_runs(recv, out.dim(0), "receive");
+  // What this member sends itself is what it receives from itself.
+  MEGATON_CHECK(nonempty_lengths(send[g.rank]) == nonempty_lengths(recv[g.rank]),
+                "{} on group {}: the runs to and from this member differ", op, g.describe());
+  if (g.size() > 1) return true;
+  const std::vector<RowRun>& from = send[0];
+  const std::vector<RowRun>& to = recv[0];
+  for (size_t i = 0, j = 0;; ++i, ++j) {
+    while (i < from.size() && from[i].count == 0) ++i;
+    while (j < to.size() && to[j].count == 0) ++j;
+    if (i == from.size()) break;
+    out.rows(to[j].first, to[j].count).copy_from(in.rows(from[i].first, from[i].count));
+  }
+  return false;
+}
+
+void Comm::all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
+                            const RowRuns& recv, const Group& g) {
+  if (check_all_to_allv_rows(in, send, out, recv, g)) do_all_to_allv_rows(in, send, out, recv, g);
+}
+
+std::unique_ptr<CommWork> Comm::all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
+                                                       Tensor& out, const RowRuns& recv,
+                                                       const Group& g) {
+  if (!check_all_to_allv_rows(in, send, out, recv, g)) return std::make_unique<FinishedWork>();
+  return do_all_to_allv_rows_async(in, send, out, recv, g);
+}
+
+void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
+                               const RowRuns& recv, const Group& g) {
+  const int n = g.size();
+  int64_t row_size = 1;  // elements per row
+  for (size_t d = 1; d < in.shape().size(); ++d) row_size *= in.shape()[d];
+  std::vector<int64_t> send_counts(n), recv_counts(n);
+  int64_t send_rows = 0, recv_rows = 0;
+  for (int m = 0; m < n; ++m) {
+    send_counts[m] = total_rows(send[m]) * row_size;
+    recv_counts[m] = total_rows(recv[m]) * row_size;
+    send_rows += total_rows(send[m]);
+    recv_rows += total_rows(recv[m]);
+  }
+  Tensor packed = Tensor::empty(with_rows(in, send_rows), in.dtype(), in.device());
+  int64_t at = 0;
+  for (int m = 0; m < n; ++m)
+    for (const RowRun& r : send[m]) {
+      if (r.count > 0) packed.rows(at, r.count).copy_from(in.rows(r.first, r.count));
+      at += r.count;
+    }
+  Tensor received = Tensor::empty(with_rows(out, recv_rows), out.dtype(), out.device());
+  do_all_to_allv(packed, send_counts, received, recv_counts, g);
+  at = 0;
+  for (int m = 0; m < n; ++m)
+    for (const RowRun& r : recv[m]) {
+      if (r.count > 0) out.rows(r.first, r.count).copy_from(received.rows(at, r.count));
+      at += r.count;
+    }
+}
+
+std::unique_ptr<CommWork> Comm::do_all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
+                                                          Tensor& out, const RowRuns& recv,
+                                                          const Group& g) {
+  do_all_to_allv_rows(in, send, out, recv, g);
+  return std::make_unique<FinishedWork>();
 }
 
 void Comm::send(const Tensor& t, int peer, const Group& g) {

@@ -4,6 +4,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 #include "dist/grid.h"
@@ -34,6 +35,13 @@ class CommWork {
   // Destroying a work that was never waited for waits for it.
   virtual void wait() = 0;
 };
+
+// A run of consecutive rows of a tensor (indices along dim 0): [first, first + count).
+struct RowRun {
+  int64_t first = 0, count = 0;
+};
+// Row runs per group member (all_to_allv_rows).
+using RowRuns = std::vector<std::vector<RowRun>>;
 
 // Seconds one operation may take: MEGATON_COMM_TIMEOUT_S when set (a positive number;
 // anything else throws megaton::Error naming the variable), else 300.
@@ -95,6 +103,22 @@ class Comm {
   // Equal chunks: in and out have numel g.size() x n; chunk i of in goes to member i,
   // chunk i of out comes from member i.
   void all_to_all(const Tensor& in, Tensor& out, const Group& g);
+  // Uneven all-to-all of row runs, scattered on both sides: an all_to_allv whose chunks
+  // are regrouped in flight (Megatron's all-to-all followed by sort_chunks_by_idxs,
+  // without the copy). in and out have rank >= 1, the same dtype and the same row size
+  // (elements per index of dim 0). send[i] lists the runs of in's rows that go to member
+  // i, in order; recv[i] the runs of out's rows that member i's runs fill, in order. Runs
+  // of 0 rows are skipped; the others of member j's send[i] and of member i's recv[j]
+  // pair up in order and must have equal lengths. Both lists have g.size() entries, every
+  // run lies inside its tensor, and runs of out must not overlap (rows of out in no run
+  // are left as they are).
+  void all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out, const RowRuns& recv,
+                        const Group& g);
+  // The same, started and left running (see CommWork): on the GPU like the other *_async
+  // calls; a transport without its own version (MPI) finishes it before returning.
+  std::unique_ptr<CommWork> all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
+                                                   Tensor& out, const RowRuns& recv,
+                                                   const Group& g);
   // Point to point (pipeline stages); peer is an index into g.ranks, not this rank.
   // The receiver's t has the sender's numel and dtype.
   void send(const Tensor& t, int peer, const Group& g);
@@ -119,6 +143,14 @@ class Comm {
                                                         const Group& g) = 0;
   virtual void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
                               std::span<const int64_t> recv_counts, const Group& g) = 0;
+  // Default: the runs packed into one buffer per direction around do_all_to_allv.
+  virtual void do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
+                                   const RowRuns& recv, const Group& g);
+  // Default: do_all_to_allv_rows, finished when it returns.
+  virtual std::unique_ptr<CommWork> do_all_to_allv_rows_async(const Tensor& in,
+                                                              const RowRuns& send, Tensor& out,
+                                                              const RowRuns& recv,
+                                                              const Group& g);
   // send_t or recv_t may be undefined (a one-sided transfer); the peer is then ignored.
   virtual void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
                             const Group& g) = 0;
@@ -135,6 +167,8 @@ class Comm {
   bool check_all_reduce(Tensor& t, const Group& g, ReduceOp op) const;
   bool check_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) const;
   bool check_all_gather(const Tensor& in, Tensor& out, const Group& g) const;
+  bool check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
+                              const RowRuns& recv, const Group& g) const;
   double timeout_s_;
 };
 

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "ops/ops.h"
+#include "ops/profiler.h"
 
 namespace megaton {
 
@@ -70,6 +71,7 @@ Tensor reorder_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
   MEGATON_CHECK(start.back() == src.dim(0), "reorder_chunks: {} rows, chunks of {}", src.dim(0),
                 start.back());
   Tensor out = Tensor::empty(src.shape(), src.dtype(), src.device());
+  const ops::OpProfileScope profile_scope("moe_reorder_chunks");  // MEGATON_OP_PROFILE=1
   int64_t at = 0;
   for (int64_t c : order) {
     const int64_t n = chunk_rows[c];
@@ -106,6 +108,17 @@ MoETokenDispatcher::MoETokenDispatcher(int64_t num_experts, const ModelParallel&
                 expert_mp.describe(), mp.etp_size(), ep, mp.etp_rank(), mp.ep_rank());
   MEGATON_CHECK(expert_mp.size() == 1 || mp.comm != nullptr,
                 "MoE token dispatcher: {} expert ranks but no Comm", expert_mp.size());
+}
+
+void MoETokenDispatcher::start_dispatch_backward(const Tensor& dexpert_in) {
+  MEGATON_CHECK(!pending_dx_.defined(), "MoE token dispatcher: a second start_dispatch_backward");
+  pending_dx_ = dispatch_backward(dexpert_in);
+}
+
+Tensor MoETokenDispatcher::finish_dispatch_backward() {
+  MEGATON_CHECK(pending_dx_.defined(),
+                "MoE token dispatcher: finish_dispatch_backward without a start");
+  return std::exchange(pending_dx_, Tensor());
 }
 
 // ---- all-to-all ----
@@ -159,6 +172,28 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
         saved_.etp_rows[t] += n;
         saved_.tokens_per_local_expert[l] += n;
       }
+  saved_.permuted_runs.clear();
+  saved_.grouped_runs.clear();
+  if (ep > 1 && etp == 1) {
+    saved_.permuted_runs.assign(ep, {});
+    saved_.grouped_runs.assign(ep, {});
+    // This rank's kept copies are sorted by global expert: by member i, then local expert.
+    int64_t at = 0;
+    for (int i = 0; i < ep; ++i)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t n = count(0, ep_rank, i * L + l);
+        saved_.permuted_runs[i].push_back({at, n});
+        at += n;
+      }
+    // The expert input is grouped by local expert, then by the member the copies came from.
+    at = 0;
+    for (int64_t l = 0; l < L; ++l)
+      for (int i = 0; i < ep; ++i) {
+        const int64_t n = saved_.chunk_rows[i * L + l];
+        saved_.grouped_runs[i].push_back({at, n});
+        at += n;
+      }
+  }
   // The kept copies: the first rows of permuted (all of them without dropping).
   return to_experts(permuted.rows(0, sum_of(saved_.send_rows)));
 }
@@ -166,6 +201,12 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
 Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
+  if (!saved_.grouped_runs.empty()) {  // etp 1: the chunks land in their groups
+    Tensor grouped = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
+    mp_.comm->all_to_allv_rows(permuted, saved_.permuted_runs, grouped, saved_.grouped_runs,
+                               mp_.ep());
+    return grouped;
+  }
   Tensor rows = permuted;
   if (ep > 1) {
     Tensor received = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
@@ -188,6 +229,14 @@ Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
 Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
+  const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
+  if (!saved_.grouped_runs.empty()) {  // etp 1: each chunk goes back from its group
+    Tensor back = empty_as(grouped, {copies, grouped.dim(1)});
+    back.rows(kept, copies - kept).zero();  // the dropped copies (see below)
+    mp_.comm->all_to_allv_rows(grouped, saved_.grouped_runs, back, saved_.permuted_runs,
+                               mp_.ep());
+    return back;
+  }
   Tensor rows = grouped;
   if (ep * etp > 1 && L > 1) {
     // The inverse of to_experts' regrouping: chunk (l, t, i) back to position (t, i, l).
@@ -201,7 +250,6 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
     rows = reorder_chunks(rows, grouped_rows, order);
   }
   if (etp > 1) rows = reduce_scatter_rows(*mp_.comm, rows, saved_.etp_rows, mp_.etp());
-  const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
   if (ep == 1 && kept == copies) return rows;
   // The kept copies' rows, then zero rows for the dropped copies: unpermute weights them
   // by probability 0 (0 x uninitialised memory could be NaN), permute_backward adds them.
@@ -236,12 +284,32 @@ Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, Tensor& 
 }
 
 Tensor MoEAlltoAllTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
+  return permute_backward(from_experts(dexpert_in));
+}
+
+Tensor MoEAlltoAllTokenDispatcher::permute_backward(const Tensor& dpermuted) {
   const int64_t tokens = saved_.probs.dim(0), k = saved_.probs.dim(1);
-  Tensor dpermuted = from_experts(dexpert_in);
-  Tensor dx = empty_as(dexpert_in, {tokens, dexpert_in.dim(1)});
+  Tensor dx = empty_as(dpermuted, {tokens, dpermuted.dim(1)});
   ops::moe_permute_backward(dpermuted, saved_.row_id_map, int(k), dx);
   saved_ = {};  // the micro-batch's routing is used up
   return dx;
+}
+
+void MoEAlltoAllTokenDispatcher::start_dispatch_backward(const Tensor& dexpert_in) {
+  if (saved_.grouped_runs.empty()) return MoETokenDispatcher::start_dispatch_backward(dexpert_in);
+  MEGATON_CHECK(!pending_exchange_, "MoE all-to-all dispatcher: a second start_dispatch_backward");
+  const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
+  pending_dpermuted_ = empty_as(dexpert_in, {copies, dexpert_in.dim(1)});
+  pending_dpermuted_.rows(kept, copies - kept).zero();  // the dropped copies' gradient
+  pending_exchange_ = mp_.comm->all_to_allv_rows_async(
+      dexpert_in, saved_.grouped_runs, pending_dpermuted_, saved_.permuted_runs, mp_.ep());
+}
+
+Tensor MoEAlltoAllTokenDispatcher::finish_dispatch_backward() {
+  if (!pending_exchange_) return MoETokenDispatcher::finish_dispatch_backward();
+  pending_exchange_->wait();
+  pending_exchange_.reset();
+  return permute_backward(std::exchange(pending_dpermuted_, Tensor()));
 }
 
 std::any MoEAlltoAllTokenDispatcher::take_saved() { return std::exchange(saved_, {}); }

@@ -53,6 +53,13 @@ class MoETokenDispatcher {
   // dexpert_in [R, H] (gradient of dispatch's result; with etp > 1 this rank's partial
   // sum) -> dx [T, H] (gradient of dispatch's x, without the router's part).
   virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
+  // dispatch_backward in two halves, so that the caller can compute between them (the
+  // experts' weight gradients while the exchange runs): start_dispatch_backward takes
+  // dexpert_in (not to be written until finish) and finish_dispatch_backward returns dx.
+  // Here, the whole of dispatch_backward runs in start; a dispatcher with an overlapped
+  // exchange overrides both. Throws InternalError on finish without a start.
+  virtual void start_dispatch_backward(const Tensor& dexpert_in);
+  virtual Tensor finish_dispatch_backward();
 
   // Rows of the last dispatch for each local expert [L] (host counts; kept copies only).
   virtual const std::vector<int64_t>& tokens_per_local_expert() const = 0;
@@ -69,6 +76,9 @@ class MoETokenDispatcher {
  protected:
   int64_t num_experts_, num_local_experts_, first_local_expert_;
   ModelParallel mp_;
+
+ private:
+  Tensor pending_dx_;  // the default start_dispatch_backward's result
 };
 
 // Megatron's MoEAlltoAllTokenDispatcher: permute the local copies by global expert, exchange
@@ -85,6 +95,10 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   Tensor combine(const Tensor& expert_out) override;
   Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
+  // Without expert tensor parallelism the exchange runs on the communication stream
+  // (Comm::all_to_allv_rows_async) between start and finish.
+  void start_dispatch_backward(const Tensor& dexpert_in) override;
+  Tensor finish_dispatch_backward() override;
   const std::vector<int64_t>& tokens_per_local_expert() const override {
     return saved_.tokens_per_local_expert;
   }
@@ -93,6 +107,11 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
 
   struct Saved {
     Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
+    // Without expert tensor parallelism (etp 1, ep > 1) the exchange places each chunk
+    // (EP member i, local expert l) straight where it goes: permuted_runs[i] are the kept
+    // local copies' rows for member i's experts, grouped_runs[i] the expert-input rows of
+    // member i's copies, both in local-expert order. Empty otherwise.
+    dist::RowRuns permuted_runs, grouped_runs;
     Tensor combined;           // expert output by copy [T k, H] (combine's, for its backward)
     // Per EP member: rows sent / received (kept copies; their sum sent: the kept copies).
     std::vector<int64_t> send_rows, recv_rows;
@@ -109,8 +128,14 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   // the dropped ones' rows zeros, with the counts of the last dispatch.
   Tensor to_experts(const Tensor& permuted) const;
   Tensor from_experts(const Tensor& rows) const;
+  // The gradient of all local copies [T k, H] -> dx [T, H]; ends the micro-batch's routing.
+  Tensor permute_backward(const Tensor& dpermuted);
 
   Saved saved_;
+  // Between start_ and finish_dispatch_backward: the gradient of the permuted copies being
+  // received, and the exchange filling it.
+  Tensor pending_dpermuted_;
+  std::unique_ptr<dist::CommWork> pending_exchange_;
 };
 
 // Megatron's MoEAllGatherTokenDispatcher: all-gather the tokens and their routing over the

@@ -9,8 +9,11 @@
 // On, each op's time is the span of megaton::cuda::stream() between an event recorded when
 // the door function hands the op to its CUDA implementation and one recorded when that
 // returns: the op's kernels, copies and library calls, plus any gap between them while
-// the host was still launching. Work not dispatched through an op door (memsets, Tensor
-// copies, allocator frees) is not timed. A door reached inside another timed op counts
+// the host was still launching. The blocking NCCL collectives (dist/cuda/comm_nccl.cpp)
+// and the MoE dispatcher's chunk regrouping are timed the same way under their own names
+// (all_to_allv, all_gather, moe_reorder_chunks, ...); the *_async collectives, on the
+// communication stream, are not. Other work not dispatched through an op door (memsets,
+// Tensor copies, allocator frees) is not timed. A door reached inside another timed op counts
 // toward the outer op only, so the per-op times add up to no more than the stream's busy
 // span. Recording an event costs a few microseconds of host time per op, and
 // profile_flush() synchronizes the stream: timings of a profiled run are not those of an

@@ -492,7 +492,7 @@ TrainResult Trainer::train() {
     if (args_.exit_interval > 0 && iteration_ % args_.exit_interval == 0) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
       ddp_->finish_param_sync();
-      if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
+      if (op_profile && is_logging_rank()) print_op_profile(profile_counted_iters, profile_wall_ms);
       if (is_logging_rank()) fmt::print("exiting program at iteration {}\n", iteration_);
       result.final_iteration = iteration_;
       return result;
@@ -500,7 +500,7 @@ TrainResult Trainer::train() {
   }
   if (!args_.save.empty() && !saved_last) save(iteration_);
   ddp_->finish_param_sync();
-  if (op_profile) print_op_profile(profile_counted_iters, profile_wall_ms);
+  if (op_profile && is_logging_rank()) print_op_profile(profile_counted_iters, profile_wall_ms);
   result.last_valid_loss = evaluate();
   if (op_profile) ops::profile_discard();
   if (result.last_valid_loss >= 0 && is_logging_rank())

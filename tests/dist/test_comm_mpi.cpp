@@ -197,6 +197,77 @@ TEST_F(CommTest, AllToAllvUnevenWithZeroCounts) {
   }
 }
 
+TEST_F(CommTest, AllToAllvRowsScattersRunsOnBothSides) {
+  for (const Group* g : {&grid.world(), &grid.tp()}) {
+    SCOPED_TRACE(g->describe());
+    const int size = g->size(), runs = 3, width = 2;
+    // Member s sends member j runs r = 0, 1, 2 of (s + j + r) % 3 rows (some empty). Row k
+    // of run r from world rank s to world rank d holds s*10000 + d*100 + r*10 + k, then
+    // its negative.
+    auto length = [](int s, int d, int r) { return int64_t((s + d + r) % 3); };
+    auto value = [](int s, int d, int r, int64_t k) { return s * 10000 + d * 100 + r * 10 + int(k); };
+    // The sender stores its runs last member first and last run first; the receiver
+    // stores run r of every member before run r + 1, with one untouched row after each.
+    dist::RowRuns send(size, std::vector<dist::RowRun>(runs));
+    dist::RowRuns recv(size, std::vector<dist::RowRun>(runs));
+    int64_t in_rows = 0, out_rows = 0;
+    for (int j = size - 1; j >= 0; --j)
+      for (int r = runs - 1; r >= 0; --r) {
+        send[j][r] = {in_rows, length(g->rank, j, r)};
+        in_rows += send[j][r].count;
+      }
+    for (int r = 0; r < runs; ++r)
+      for (int j = 0; j < size; ++j) {
+        recv[j][r] = {out_rows, length(j, g->rank, r)};
+        out_rows += recv[j][r].count + 1;
+      }
+    Tensor in = Tensor::empty({in_rows, width}, DType::I32);
+    for (int j = 0; j < size; ++j)
+      for (int r = 0; r < runs; ++r)
+        for (int64_t k = 0; k < send[j][r].count; ++k) {
+          const int v = value(me, g->ranks[j], r, k);
+          in.i32()[(send[j][r].first + k) * width] = v;
+          in.i32()[(send[j][r].first + k) * width + 1] = -v;
+        }
+    for (bool async : {false, true}) {
+      SCOPED_TRACE(async ? "async" : "blocking");
+      Tensor out = Tensor::empty({out_rows, width}, DType::I32);
+      out.fill(-1);
+      if (async)
+        comm().all_to_allv_rows_async(in, send, out, recv, *g)->wait();
+      else
+        comm().all_to_allv_rows(in, send, out, recv, *g);
+      int64_t checked = 0;
+      for (int j = 0; j < size; ++j)
+        for (int r = 0; r < runs; ++r) {
+          const dist::RowRun run = recv[j][r];
+          for (int64_t k = 0; k < run.count; ++k, ++checked) {
+            const int v = value(g->ranks[j], me, r, k);
+            EXPECT_EQ(out.i32()[(run.first + k) * width], v) << "member " << j << " run " << r;
+            EXPECT_EQ(out.i32()[(run.first + k) * width + 1], -v);
+          }
+          // The row after each run is in no run: left as it was.
+          EXPECT_EQ(out.i32()[(run.first + run.count) * width], -1);
+        }
+      EXPECT_EQ(checked + size * runs, out_rows);
+    }
+  }
+}
+
+TEST_F(CommTest, AllToAllvRowsRejectsMismatchedRuns) {
+  const Group& g = grid.world();
+  Tensor in = Tensor::zeros({4, 3}), out = Tensor::zeros({4, 3}), narrow = Tensor::zeros({4, 2});
+  dist::RowRuns none(g.size()), outside(g.size());
+  outside[0] = {{3, 2}};  // rows 3 and 4 of a 4-row tensor
+  EXPECT_THROW(comm().all_to_allv_rows(in, none, narrow, none, g), InternalError);
+  EXPECT_THROW(comm().all_to_allv_rows(in, outside, out, none, g), InternalError);
+  EXPECT_THROW(comm().all_to_allv_rows(in, dist::RowRuns(1), out, none, g), InternalError);
+  // The runs to and from this member must pair up.
+  dist::RowRuns self(g.size());
+  self[g.rank] = {{0, 2}};
+  EXPECT_THROW(comm().all_to_allv_rows(in, self, out, none, g), InternalError);
+}
+
 TEST_F(CommTest, SendRecvRing) {
   const Group& w = grid.world();
   const int next = (w.rank + 1) % w.size(), prev = (w.rank + w.size() - 1) % w.size();
@@ -245,6 +316,11 @@ TEST_F(CommTest, GroupsOfOneCopyWithoutTransport) {
   EXPECT_TRUE(allclose(out, t, 0, 0));
   comm().send_recv(t, 0, out, 0, etp);
   EXPECT_TRUE(allclose(out, t, 0, 0));
+  // Row runs to itself: rows 0-2 to 5-7 and rows 3-7 to 0-4, an empty run in between.
+  Tensor swapped = Tensor::empty({8});
+  comm().all_to_allv_rows(t, {{{0, 3}, {6, 0}, {3, 5}}}, swapped, {{{5, 3}, {0, 5}}}, etp);
+  EXPECT_TRUE(allclose(swapped.rows(5, 3), t.rows(0, 3), 0, 0));
+  EXPECT_TRUE(allclose(swapped.rows(0, 5), t.rows(3, 5), 0, 0));
   comm().broadcast(t, 0, etp);
   comm().barrier(etp);
 }

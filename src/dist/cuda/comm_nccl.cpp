@@ -35,6 +35,7 @@
 #include "core/cuda/cuda_check.h"
 #include "dist/comm.h"
 #include "dist/mpi_util.h"
+#include "ops/profiler.h"
 
 // MEGATON_NCCL_CHECK(ncclGetUniqueId(&id)): throws InternalError naming the call, the
 // file and line, and NCCL's error string and code. ncclInProgress (a non-blocking
@@ -189,6 +190,47 @@ class NcclComm final : public Comm {
       ncclResult_t end = ncclGroupEnd();
       return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
     });
+  }
+
+  void do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
+                           const RowRuns& recv, const Group& g) override {
+    const Tensor src = overlaps(in, out) ? in.clone() : in;
+    run(g, "all_to_allv_rows", [&](ncclComm_t c, cudaStream_t s) {
+      return enqueue_row_runs(src, send, out, recv, c, s);
+    });
+  }
+
+  std::unique_ptr<CommWork> do_all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
+                                                      Tensor& out, const RowRuns& recv,
+                                                      const Group& g) override {
+    const Tensor src = overlaps(in, out) ? in.clone() : in;
+    return run_async(g, "all_to_allv_rows", {src, out}, [&](ncclComm_t c, cudaStream_t s) {
+      return enqueue_row_runs(src, send, out, recv, c, s);
+    });
+  }
+
+  // One ncclSend per non-empty send run and one ncclRecv per non-empty receive run, in
+  // list order, in one group: NCCL pairs the transfers between two ranks in the order
+  // they were issued, and both sides skip the same empty runs.
+  static ncclResult_t enqueue_row_runs(const Tensor& in, const RowRuns& send, Tensor& out,
+                                       const RowRuns& recv, ncclComm_t c, cudaStream_t s) {
+    size_t row_bytes = dtype_size(in.dtype());
+    for (size_t d = 1; d < in.shape().size(); ++d) row_bytes *= size_t(in.shape()[d]);
+    ncclResult_t rc = ncclGroupStart();
+    if (rc != ncclSuccess) return rc;
+    auto ok = [&] { return rc == ncclSuccess || rc == ncclInProgress; };
+    for (size_t peer = 0; peer < send.size() && ok(); ++peer) {
+      for (const RowRun& r : send[peer])
+        if (r.count > 0 && ok())
+          rc = ncclSend(byte_ptr(in) + size_t(r.first) * row_bytes, size_t(r.count) * row_bytes,
+                        ncclUint8, int(peer), c, s);
+      for (const RowRun& r : recv[peer])
+        if (r.count > 0 && ok())
+          rc = ncclRecv(static_cast<char*>(out.raw()) + size_t(r.first) * row_bytes,
+                        size_t(r.count) * row_bytes, ncclUint8, int(peer), c, s);
+    }
+    ncclResult_t end = ncclGroupEnd();
+    return ok() ? end : rc;
   }
 
   void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
@@ -357,6 +399,8 @@ class NcclComm final : public Comm {
     Entry& e = comm_of(g, op);
     cudaStream_t stream = ::megaton::cuda::stream();
     const Clock::time_point deadline = deadline_from_now();
+    // MEGATON_OP_PROFILE=1 times the collective on the compute stream under its name.
+    const ops::OpProfileScope profile_scope(op);
     ncclResult_t rc = enqueue(e.comm, stream);
     if (rc != ncclSuccess && rc != ncclInProgress)
       abort_and_throw(
