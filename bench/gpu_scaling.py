@@ -125,10 +125,13 @@ def main():
             lines.append(f"| 1 GPU | error: {err} | | |")
         else:
             lines.append(f"| 1 GPU | {ref[0]:.4f} | {ref[-1]:.4f} | |")
-            for name, (flags, _) in layouts(n, 4).items():
-                if not wanted(name):
-                    continue
-                got, err = demo_curve(a.megaton, name, mpirun(n), flags, work, 16 // n)
+            # The control: one GPU again, accumulating micro-batches of half the size. Equal
+            # in exact arithmetic, so its distance is what bf16 summation order alone does.
+            runs = [("1 GPU, half micro-batches (control)", [], [], max(1, 8 // n))]
+            runs += [(name, mpirun(n), flags, 16 // n)
+                     for name, (flags, _) in layouts(n, 4).items() if wanted(name)]
+            for name, launcher, flags, mbs in runs:
+                got, err = demo_curve(a.megaton, name, launcher, flags, work, mbs)
                 if got is None:
                     lines.append(f"| {name} | error: {err} | | |")
                     continue

@@ -1,7 +1,9 @@
 // MoE token dispatchers: all-to-all and all-gather, forward and backward.
 #include "model/token_dispatcher.h"
 
+#include <cstdlib>
 #include <numeric>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
@@ -174,7 +176,7 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
       }
   saved_.permuted_runs.clear();
   saved_.grouped_runs.clear();
-  if (ep > 1 && etp == 1) {
+  if (ep > 1 && etp == 1 && mp_.alltoall_exchange != AlltoAllExchange::Regroup) {
     saved_.permuted_runs.assign(ep, {});
     saved_.grouped_runs.assign(ep, {});
     // This rank's kept copies are sorted by global expert: by member i, then local expert.
@@ -296,7 +298,8 @@ Tensor MoEAlltoAllTokenDispatcher::permute_backward(const Tensor& dpermuted) {
 }
 
 void MoEAlltoAllTokenDispatcher::start_dispatch_backward(const Tensor& dexpert_in) {
-  if (saved_.grouped_runs.empty()) return MoETokenDispatcher::start_dispatch_backward(dexpert_in);
+  if (saved_.grouped_runs.empty() || mp_.alltoall_exchange != AlltoAllExchange::DirectOverlap)
+    return MoETokenDispatcher::start_dispatch_backward(dexpert_in);
   MEGATON_CHECK(!pending_exchange_, "MoE all-to-all dispatcher: a second start_dispatch_backward");
   const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
   pending_dpermuted_ = empty_as(dexpert_in, {copies, dexpert_in.dim(1)});
@@ -417,6 +420,15 @@ std::any MoEAllGatherTokenDispatcher::take_saved() { return std::exchange(saved_
 
 void MoEAllGatherTokenDispatcher::restore_saved(std::any&& saved) {
   saved_ = std::move(saved_of<Saved>(saved, "all-gather"));
+}
+
+AlltoAllExchange alltoall_exchange_from_env() {
+  const char* env = std::getenv("MEGATON_MOE_DIRECT_ALLTOALL");
+  const std::string value = env ? env : "0";
+  if (value == "0") return AlltoAllExchange::Regroup;
+  if (value == "1") return AlltoAllExchange::Direct;
+  if (value == "2") return AlltoAllExchange::DirectOverlap;
+  fail("environment variable MEGATON_MOE_DIRECT_ALLTOALL must be 0, 1 or 2 (got '{}')", value);
 }
 
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,

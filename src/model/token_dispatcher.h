@@ -95,8 +95,8 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   Tensor combine(const Tensor& expert_out) override;
   Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
-  // Without expert tensor parallelism the exchange runs on the communication stream
-  // (Comm::all_to_allv_rows_async) between start and finish.
+  // With mp.alltoall_exchange DirectOverlap (and etp 1) the exchange runs on the
+  // communication stream (Comm::all_to_allv_rows_async) between start and finish.
   void start_dispatch_backward(const Tensor& dexpert_in) override;
   Tensor finish_dispatch_backward() override;
   const std::vector<int64_t>& tokens_per_local_expert() const override {
@@ -107,10 +107,10 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
 
   struct Saved {
     Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
-    // Without expert tensor parallelism (etp 1, ep > 1) the exchange places each chunk
-    // (EP member i, local expert l) straight where it goes: permuted_runs[i] are the kept
-    // local copies' rows for member i's experts, grouped_runs[i] the expert-input rows of
-    // member i's copies, both in local-expert order. Empty otherwise.
+    // With a Direct exchange (etp 1, ep > 1) each chunk (EP member i, local expert l) goes
+    // straight where it belongs: permuted_runs[i] are the kept local copies' rows for member
+    // i's experts, grouped_runs[i] the expert-input rows of member i's copies, both in
+    // local-expert order. Empty otherwise.
     dist::RowRuns permuted_runs, grouped_runs;
     Tensor combined;           // expert output by copy [T k, H] (combine's, for its backward)
     // Per EP member: rows sent / received (kept copies; their sum sent: the kept copies).
@@ -173,6 +173,12 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
 
   Saved saved_;
 };
+
+// MEGATON_MOE_DIRECT_ALLTOALL: unset or "0" Regroup, "1" Direct, "2" DirectOverlap. Direct
+// and DirectOverlap are new and opt-in until they have been run at scale on GPUs (see
+// docs/performance.md: an 8-layer EP4 run with DirectOverlap did not finish). Throws
+// megaton::Error naming the variable for any other value.
+AlltoAllExchange alltoall_exchange_from_env();
 
 // The dispatcher mp.dispatcher names, for a layer of num_experts experts (divisible by ep).
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,

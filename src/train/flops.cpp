@@ -1,6 +1,8 @@
 // Model FLOPs per iteration.
 #include "train/flops.h"
 
+#include "core/error.h"
+
 namespace megaton {
 
 double num_floating_point_operations(const GPTConfig& c, int64_t tokens) {
@@ -24,6 +26,14 @@ double num_floating_point_operations(const GPTConfig& c, int64_t tokens) {
   }
   per_token += 2.0 * h * double(c.padded_vocab_size);
   return 3.0 * per_token * double(tokens);
+}
+
+double throughput_per_gpu_tflops(double flops_per_iteration, double ms_per_iteration,
+                                 int64_t world_size) {
+  MEGATON_CHECK(ms_per_iteration > 0 && world_size >= 1,
+                "throughput_per_gpu_tflops: {} ms per iteration on {} processes", ms_per_iteration,
+                world_size);
+  return flops_per_iteration / (ms_per_iteration / 1e3) / double(world_size) / 1e12;
 }
 
 }  // namespace megaton

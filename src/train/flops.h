@@ -15,4 +15,11 @@ namespace megaton {
 // so the total is 3 x forward. Only active (routed) expert parameters count.
 double num_floating_point_operations(const GPTConfig& cfg, int64_t tokens);
 
+// The log line's "throughput per GPU (TFLOP/s/GPU)": one iteration's model FLOPs (of the
+// whole global batch) over its time in ms and over the job's processes (GPUs, or CPU
+// ranks), in 1e12 FLOP/s, as Megatron-LM training_log divides by args.world_size. Throws
+// InternalError unless ms_per_iteration > 0 and world_size >= 1.
+double throughput_per_gpu_tflops(double flops_per_iteration, double ms_per_iteration,
+                                 int64_t world_size);
+
 }  // namespace megaton

@@ -18,6 +18,7 @@
 #include "dist/host_reduce.h"
 #include "dist/runtime.h"
 #include "model/tensor_parallel.h"
+#include "model/token_dispatcher.h"
 #include "train/tensor_parallel_ckpt.h"
 #include "ops/ops.h"
 #include "ops/profiler.h"
@@ -79,6 +80,7 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   mp.dispatcher = args_.parallel.moe_token_dispatcher_type == "alltoall"
                       ? TokenDispatcher::AllToAll
                       : TokenDispatcher::AllGather;
+  mp.alltoall_exchange = alltoall_exchange_from_env();
   // This pipeline rank's model chunks: the layers Megatron assigns to virtual stage
   // c x pp + rank; the embedding on the first chunk of the pipeline, the loss on the last.
   const int64_t pp_rank = grid_->pp().rank;
@@ -381,7 +383,8 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
       "{:.1f} | tokens per second: {:.1f} | throughput per GPU (TFLOP/s/GPU): {:.3f} | "
       "learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} | ",
       iteration, args_.train_iters, consumed_samples_, ms_per_iter,
-      double(tokens) / (ms_per_iter / 1000.0), flops / (ms_per_iter / 1000.0) / 1e12, lr,
+      double(tokens) / (ms_per_iter / 1000.0),
+      throughput_per_gpu_tflops(flops, ms_per_iter, grid_->world_size()), lr,
       args_.global_batch_size, loss);
   const bool capacity = args_.model.moe_expert_capacity_factor > 0;
   if (moe_->active()) line += moe_log_fields(moe.mean, capacity);

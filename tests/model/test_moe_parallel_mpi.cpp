@@ -43,6 +43,7 @@ struct Layout {
   float capacity_factor = 0.0f;  // token dropping when > 0
   bool pad = false;              // --moe-pad-expert-input-to-capacity
   const char* drop_policy = "probs";
+  AlltoAllExchange exchange = AlltoAllExchange::Regroup;
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
@@ -123,6 +124,7 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   mp.comm = &comm();
   mp.sequence_parallel = layout.sequence_parallel;
   mp.dispatcher = layout.dispatcher;
+  mp.alltoall_exchange = layout.exchange;
   const uint64_t seed = ::megaton::testing::test_seed();
   SCOPED_TRACE(fmt::format("layout {}, seed {}, world rank {}", layout.name, seed, me));
   const uint64_t salt = std::hash<std::string>{}(layout.name) % 1000;
@@ -290,7 +292,20 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"ep2_etp2_allgather_capacity_position", 1, 2, 2, TokenDispatcher::AllGather, false,
                false, 1.0f, false, "position"},
         Layout{"etp4_alltoall_capacity_pad", 1, 1, 4, TokenDispatcher::AllToAll, false, false, 0.5f,
-               true}),
+               true},
+        // The all-to-all's chunks received straight into their expert groups (and the
+        // backward exchange overlapped), MEGATON_MOE_DIRECT_ALLTOALL=1 and 2; the skewed
+        // layout has empty runs, the capacity ones dropped copies.
+        Layout{"ep4_alltoall_skewed_direct", 1, 4, 1, TokenDispatcher::AllToAll, false, true, 0.0f,
+               false, "probs", AlltoAllExchange::Direct},
+        Layout{"ep2_alltoall_direct_overlap", 1, 2, 1, TokenDispatcher::AllToAll, false, false,
+               0.0f, false, "probs", AlltoAllExchange::DirectOverlap},
+        Layout{"tp2_sp_ep2_etp1_alltoall_direct_overlap", 2, 2, 1, TokenDispatcher::AllToAll, true,
+               false, 0.0f, false, "probs", AlltoAllExchange::DirectOverlap},
+        Layout{"ep4_alltoall_skewed_capacity_pad_direct", 1, 4, 1, TokenDispatcher::AllToAll, false,
+               true, 1.0f, true, "probs", AlltoAllExchange::Direct},
+        Layout{"ep2_alltoall_capacity_direct_overlap", 1, 2, 1, TokenDispatcher::AllToAll, false,
+               false, 0.5f, false, "probs", AlltoAllExchange::DirectOverlap}),
     layout_name);
 
 }  // namespace

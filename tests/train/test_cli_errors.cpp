@@ -42,9 +42,11 @@ class CliErrors : public ::testing::Test {
   }
 
   // Runs the binary; returns the exit status and fills stderr_lines.
-  int run(const std::string& args) {
+  // env: "NAME=value ..." set for the binary only.
+  int run(const std::string& args, const std::string& env = "") {
     fs::path err = dir / "stderr.txt";
-    std::string cmd = std::string(MEGATON_BINARY) + " " + args + " > /dev/null 2> " + err.string();
+    std::string cmd = (env.empty() ? "" : "env " + env + " ") + std::string(MEGATON_BINARY) + " " +
+                      args + " > /dev/null 2> " + err.string();
     int status = std::system(cmd.c_str());
     std::ifstream in(err);
     stderr_lines.clear();
@@ -52,8 +54,9 @@ class CliErrors : public ::testing::Test {
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
 
-  void expect_user_error(const std::string& args, const std::string& needle) {
-    int rc = run(args + " --save " + (dir / "save").string());
+  void expect_user_error(const std::string& args, const std::string& needle,
+                         const std::string& env = "") {
+    int rc = run(args + " --save " + (dir / "save").string(), env);
     EXPECT_EQ(rc, 2) << args;
     ASSERT_EQ(stderr_lines.size(), 1u) << args;
     EXPECT_NE(stderr_lines[0].find(needle), std::string::npos)
@@ -142,6 +145,12 @@ TEST_F(CliErrors, TruncatedIndex) {
 
 TEST_F(CliErrors, BadFlagValue) {
   expect_user_error("train --config " + config(kModel) + " --lr fast", "'lr'");
+}
+
+TEST_F(CliErrors, BadDirectAlltoAllSetting) {
+  expect_user_error("train --config " + config(std::string(kModel) + "num-experts: 4\n"),
+                    "MEGATON_MOE_DIRECT_ALLTOALL must be 0, 1 or 2 (got 'yes')",
+                    "MEGATON_MOE_DIRECT_ALLTOALL=yes");
 }
 
 TEST_F(CliErrors, MissingConfigFile) {
