@@ -231,10 +231,8 @@ Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
 Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
-  const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
   if (!saved_.grouped_runs.empty()) {  // etp 1: each chunk goes back from its group
-    Tensor back = empty_as(grouped, {copies, grouped.dim(1)});
-    back.rows(kept, copies - kept).zero();  // the dropped copies (see below)
+    Tensor back = local_copies_buffer(grouped);
     mp_.comm->all_to_allv_rows(grouped, saved_.grouped_runs, back, saved_.permuted_runs,
                                mp_.ep());
     return back;
@@ -252,10 +250,9 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
     rows = reorder_chunks(rows, grouped_rows, order);
   }
   if (etp > 1) rows = reduce_scatter_rows(*mp_.comm, rows, saved_.etp_rows, mp_.etp());
-  if (ep == 1 && kept == copies) return rows;
-  // The kept copies' rows, then zero rows for the dropped copies: unpermute weights them
-  // by probability 0 (0 x uninitialised memory could be NaN), permute_backward adds them.
-  Tensor back = empty_as(rows, {copies, rows.dim(1)});
+  const int64_t kept = sum_of(saved_.send_rows);
+  if (ep == 1 && kept == saved_.row_id_map.dim(0)) return rows;
+  Tensor back = local_copies_buffer(rows);
   Tensor back_kept = back.rows(0, kept);
   if (ep > 1) {
     mp_.comm->all_to_allv(rows, times(saved_.recv_rows, rows.dim(1)), back_kept,
@@ -263,8 +260,16 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
   } else {
     back_kept.copy_from(rows);
   }
-  back.rows(kept, copies - kept).zero();
   return back;
+}
+
+Tensor MoEAlltoAllTokenDispatcher::local_copies_buffer(const Tensor& like) const {
+  const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
+  Tensor buffer = empty_as(like, {copies, like.dim(1)});
+  // Unpermute weights the dropped copies' rows by probability 0 (0 x uninitialised memory
+  // could be NaN) and permute_backward adds them: zeros.
+  buffer.rows(kept, copies - kept).zero();
+  return buffer;
 }
 
 Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
@@ -301,9 +306,7 @@ void MoEAlltoAllTokenDispatcher::start_dispatch_backward(const Tensor& dexpert_i
   if (saved_.grouped_runs.empty() || mp_.alltoall_exchange != AlltoAllExchange::DirectOverlap)
     return MoETokenDispatcher::start_dispatch_backward(dexpert_in);
   MEGATON_CHECK(!pending_exchange_, "MoE all-to-all dispatcher: a second start_dispatch_backward");
-  const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
-  pending_dpermuted_ = empty_as(dexpert_in, {copies, dexpert_in.dim(1)});
-  pending_dpermuted_.rows(kept, copies - kept).zero();  // the dropped copies' gradient
+  pending_dpermuted_ = local_copies_buffer(dexpert_in);
   pending_exchange_ = mp_.comm->all_to_allv_rows_async(
       dexpert_in, saved_.grouped_runs, pending_dpermuted_, saved_.permuted_runs, mp_.ep());
 }

@@ -130,6 +130,9 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   Tensor from_experts(const Tensor& rows) const;
   // The gradient of all local copies [T k, H] -> dx [T, H]; ends the micro-batch's routing.
   Tensor permute_backward(const Tensor& dpermuted);
+  // A new [T k, H] buffer (like's dtype and device) for rows by local copy, the kept
+  // copies' rows (the first sum(send_rows)) uninitialised, the dropped copies' zero.
+  Tensor local_copies_buffer(const Tensor& like) const;
 
   Saved saved_;
   // Between start_ and finish_dispatch_backward: the gradient of the permuted copies being
