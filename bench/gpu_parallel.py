@@ -21,9 +21,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench import CONFIGS, run_megaton  # noqa: E402
 
 def mpirun(n):
-    forward = ["-x", "MEGATON_OP_PROFILE"] if "MEGATON_OP_PROFILE" in os.environ else []
-    return ["mpirun", "--allow-run-as-root", "-np", str(n), "-x", "LD_LIBRARY_PATH",
-            "-x", "NCCL_NVLS_ENABLE", "--bind-to", "none"] + forward
+    """The launcher of an n-rank run; it hands every rank LD_LIBRARY_PATH and whatever
+    MEGATON_* and NCCL_* variables are set (NCCL_NVLS_ENABLE=0, MEGATON_OP_PROFILE,
+    MEGATON_MOE_DIRECT_ALLTOALL, MEGATON_COMM_TIMEOUT_S, ...)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off here
+    forward = ["LD_LIBRARY_PATH"] + sorted(
+        k for k in os.environ if k.startswith(("MEGATON_", "NCCL_")))
+    return (["mpirun", "--allow-run-as-root", "-np", str(n), "--bind-to", "none"] +
+            [arg for k in forward for arg in ("-x", k)])
 
 def curve(binary, name, launcher, flags, work):
     metrics = os.path.join(work, name + ".jsonl")
