@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/rng.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -34,11 +33,12 @@ static Param place(const std::string& name, Tensor host_fp32, bool no_weight_dec
 
 Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed,
                  Placement where) {
+  // On the host, whatever the placement, so every device starts from the same values;
+  // fill_normal is Philox(seed).normal(stream, i) per element over a thread team (the
+  // serial loop took most of a large model's start-up).
   Tensor w = Tensor::empty(shape);
-  Philox rng(seed);
-  uint64_t stream = fnv1a(name);
-  float* data = w.f32();
-  for (int64_t i = 0; i < w.numel(); ++i) data[i] = std * rng.normal(stream, uint64_t(i));
+  ops::fill_normal(w, seed, fnv1a(name));
+  ops::scale_(w, std);
   return place(name, w, false, where);
 }
 
