@@ -252,15 +252,15 @@ std::unique_ptr<CommWork> Comm::all_to_allv_rows_async(const Tensor& in, const R
 void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
                                const RowRuns& recv, const Group& g) {
   const int n = g.size();
-  int64_t row_size = 1;  // elements per row
-  for (size_t d = 1; d < in.shape().size(); ++d) row_size *= in.shape()[d];
+  const int64_t row_size = row_numel(in);
   std::vector<int64_t> send_counts(n), recv_counts(n);
   int64_t send_rows = 0, recv_rows = 0;
   for (int m = 0; m < n; ++m) {
-    send_counts[m] = total_rows(send[m]) * row_size;
-    recv_counts[m] = total_rows(recv[m]) * row_size;
-    send_rows += total_rows(send[m]);
-    recv_rows += total_rows(recv[m]);
+    const int64_t to_m = total_rows(send[m]), from_m = total_rows(recv[m]);
+    send_counts[m] = to_m * row_size;
+    recv_counts[m] = from_m * row_size;
+    send_rows += to_m;
+    recv_rows += from_m;
   }
   Tensor packed = Tensor::empty(with_rows(in, send_rows), in.dtype(), in.device());
   int64_t at = 0;

@@ -43,6 +43,13 @@ struct RowRun {
 // Row runs per group member (all_to_allv_rows).
 using RowRuns = std::vector<std::vector<RowRun>>;
 
+// Elements per row of t (per index of dim 0: the product of the other dims; t has rank >= 1).
+inline int64_t row_numel(const Tensor& t) {
+  int64_t n = 1;
+  for (size_t d = 1; d < t.shape().size(); ++d) n *= t.shape()[d];
+  return n;
+}
+
 // Seconds one operation may take: MEGATON_COMM_TIMEOUT_S when set (a positive number;
 // anything else throws megaton::Error naming the variable), else 300.
 double default_timeout_s();

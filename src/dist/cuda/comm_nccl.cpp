@@ -214,8 +214,7 @@ class NcclComm final : public Comm {
   // they were issued, and both sides skip the same empty runs.
   static ncclResult_t enqueue_row_runs(const Tensor& in, const RowRuns& send, Tensor& out,
                                        const RowRuns& recv, ncclComm_t c, cudaStream_t s) {
-    size_t row_bytes = dtype_size(in.dtype());
-    for (size_t d = 1; d < in.shape().size(); ++d) row_bytes *= size_t(in.shape()[d]);
+    const size_t row_bytes = dtype_size(in.dtype()) * size_t(row_numel(in));
     ncclResult_t rc = ncclGroupStart();
     if (rc != ncclSuccess) return rc;
     auto ok = [&] { return rc == ncclSuccess || rc == ncclInProgress; };
