@@ -242,12 +242,6 @@ void Comm::all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
   if (check_all_to_allv_rows(in, send, out, recv, g)) do_all_to_allv_rows(in, send, out, recv, g);
 }
 
-std::unique_ptr<CommWork> Comm::all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
-                                                       Tensor& out, const RowRuns& recv,
-                                                       const Group& g) {
-  if (!check_all_to_allv_rows(in, send, out, recv, g)) return std::make_unique<FinishedWork>();
-  return do_all_to_allv_rows_async(in, send, out, recv, g);
-}
 
 void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
                                const RowRuns& recv, const Group& g) {
@@ -279,11 +273,76 @@ void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& ou
     }
 }
 
-std::unique_ptr<CommWork> Comm::do_all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
-                                                          Tensor& out, const RowRuns& recv,
-                                                          const Group& g) {
-  do_all_to_allv_rows(in, send, out, recv, g);
-  return std::make_unique<FinishedWork>();
+void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
+                     const Group& g) {
+  const char* op = "pull_rows";
+  check_member(g, op);
+  check_tensor(in, op, "input");
+  check_tensor(out, op, "output");
+  MEGATON_CHECK(in.dtype() == out.dtype(), "{} of {} into {}", op, dtype_name(in.dtype()),
+                dtype_name(out.dtype()));
+  MEGATON_CHECK(in.shape().size() >= 1 && out.shape().size() == in.shape().size() &&
+                    std::equal(in.shape().begin() + 1, in.shape().end(), out.shape().begin() + 1),
+                "{}: rows of input {} and output {} differ", op, shape_str(in.shape()),
+                shape_str(out.shape()));
+  for (const PullRun& r : runs) {
+    check_index(r.member, g, op, "run member");
+    MEGATON_CHECK(r.count >= 0 && r.src_first >= 0 && r.dst_first >= 0 &&
+                      r.dst_first + r.count <= out.dim(0) &&
+                      (r.member != g.rank || r.src_first + r.count <= in.dim(0)),
+                  "{} on group {}: run of {} rows from row {} of member {} to row {} outside "
+                  "input {} / output {} rows",
+                  op, g.describe(), r.count, r.src_first, r.member, r.dst_first, in.dim(0),
+                  out.dim(0));
+  }
+  if (g.size() > 1) return do_pull_rows(in, runs, out, g);
+  for (const PullRun& r : runs)
+    if (r.count > 0) out.rows(r.dst_first, r.count).copy_from(in.rows(r.src_first, r.count));
+}
+
+bool Comm::peer_memory(const Group& g) {
+  check_member(g, "peer_memory");
+  return g.size() > 1 && do_peer_memory(g);
+}
+
+bool Comm::do_peer_memory(const Group&) { return false; }
+
+void Comm::do_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
+                        const Group& g) {
+  const int n = g.size();
+  // What this member asks of member m, in list order: the rows' place here (recv[m]) and
+  // their place there (wanted[m], sent to m as (first, count) pairs).
+  RowRuns recv(n), send(n);
+  std::vector<std::vector<int64_t>> wanted(n);
+  for (const PullRun& r : runs) {
+    if (r.count == 0) continue;
+    recv[r.member].push_back({r.dst_first, r.count});
+    wanted[r.member].insert(wanted[r.member].end(), {r.src_first, r.count});
+  }
+  auto to_device = [&](const std::vector<int64_t>& v) {
+    Tensor host = Tensor::empty({int64_t(v.size())}, DType::I64);
+    std::copy(v.begin(), v.end(), host.i64());
+    return host.to(device());
+  };
+  std::vector<int64_t> asked_of(n), flat;
+  for (int m = 0; m < n; ++m) {
+    asked_of[m] = int64_t(wanted[m].size());
+    flat.insert(flat.end(), wanted[m].begin(), wanted[m].end());
+  }
+  Tensor asked_by = Tensor::empty({n}, DType::I64, device());
+  all_to_all(to_device(asked_of), asked_by, g);
+  const Tensor asked_by_host = asked_by.to(Device::CPU);
+  const std::vector<int64_t> asked_by_counts(asked_by_host.i64(), asked_by_host.i64() + n);
+  int64_t total = 0;
+  for (int64_t c : asked_by_counts) total += c;
+  Tensor requests = Tensor::empty({total}, DType::I64, device());
+  all_to_allv(to_device(flat), asked_of, requests, asked_by_counts, g);
+  const Tensor host = requests.to(Device::CPU);
+  int64_t at = 0;
+  for (int m = 0; m < n; ++m)
+    for (int64_t i = 0; i < asked_by_counts[m]; i += 2, at += 2)
+      send[m].push_back({host.i64()[at], host.i64()[at + 1]});
+  all_to_allv_rows(in, send, out, recv, g);
 }
 
 void Comm::send(const Tensor& t, int peer, const Group& g) {

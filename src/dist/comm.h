@@ -43,6 +43,14 @@ struct RowRun {
 // Row runs per group member (all_to_allv_rows).
 using RowRuns = std::vector<std::vector<RowRun>>;
 
+// One transfer of pull_rows: rows [src_first, src_first + count) of member `member`'s
+// input (member: an index into the group) land in rows [dst_first, dst_first + count) of
+// the caller's output.
+struct PullRun {
+  int member = 0;
+  int64_t src_first = 0, dst_first = 0, count = 0;
+};
+
 // Elements per row of t (per index of dim 0: the product of the other dims; t has rank >= 1).
 inline int64_t row_numel(const Tensor& t) {
   int64_t n = 1;
@@ -121,11 +129,23 @@ class Comm {
   // are left as they are).
   void all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out, const RowRuns& recv,
                         const Group& g);
-  // The same, started and left running (see CommWork): on the GPU like the other *_async
-  // calls; a transport without its own version (MPI) finishes it before returning.
-  std::unique_ptr<CommWork> all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
-                                                   Tensor& out, const RowRuns& recv,
-                                                   const Group& g);
+  // An all-to-all in which only the receiver names the transfers: each member copies the
+  // runs it lists out of the members' inputs (its own included) into its output. in and
+  // out have rank >= 1, the same dtype and the same row size; in's row count may differ
+  // between members. Every run's member is in the group and its rows lie inside that
+  // member's in and this member's out; runs of out must not overlap; runs of 0 rows are
+  // skipped. Every member must call it (also with no runs). in must not be written until
+  // every member has returned from the call (GPU: until the next collective on g).
+  // Through peer memory (peer_memory(g)) the rows are read straight from the other GPUs;
+  // otherwise the run lists are exchanged first and the rows move by all_to_allv_rows.
+  // Used by the MoE all-to-all dispatcher, whose routing counts tell every member where
+  // the others keep the rows it needs (Megatron's all-to-all + sort_chunks_by_idxs in one
+  // step).
+  void pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g);
+  // Whether pull_rows on g reads the other members' memory directly: GPUs of one node that
+  // can map each other's memory (CUDA IPC). Collective over g the first time it is asked
+  // for g; false for a group of one and for the CPU.
+  bool peer_memory(const Group& g);
   // Point to point (pipeline stages); peer is an index into g.ranks, not this rank.
   // The receiver's t has the sender's numel and dtype.
   void send(const Tensor& t, int peer, const Group& g);
@@ -153,11 +173,12 @@ class Comm {
   // Default: the runs packed into one buffer per direction around do_all_to_allv.
   virtual void do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
                                    const RowRuns& recv, const Group& g);
-  // Default: do_all_to_allv_rows, finished when it returns.
-  virtual std::unique_ptr<CommWork> do_all_to_allv_rows_async(const Tensor& in,
-                                                              const RowRuns& send, Tensor& out,
-                                                              const RowRuns& recv,
-                                                              const Group& g);
+  // Default: the run lists exchanged (all_to_allv of their lengths, then of the runs), the
+  // rows by all_to_allv_rows.
+  virtual void do_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
+                            const Group& g);
+  // Default: false (no peer memory).
+  virtual bool do_peer_memory(const Group& g);
   // send_t or recv_t may be undefined (a one-sided transfer); the peer is then ignored.
   virtual void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
                             const Group& g) = 0;

@@ -196,14 +196,11 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
     ops::gelu_backward(dact, s.fc1_out, dfc1);
   Tensor dexpert_in = empty_like(dy, s.expert_in.shape());
   ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dexpert_in, s.expert_rows);
-  // The input gradient goes back to the tokens' ranks while fc1's weight gradient is
-  // computed (the all-to-all dispatcher overlaps the two; see start_dispatch_backward).
-  dispatcher_->start_dispatch_backward(unpad_from_capacity(dexpert_in));
   std::vector<Tensor> fc1_grads = expert_grads(&Expert::fc1_weight);
   ops::grouped_gemm_wgrad(dfc1, s.expert_in, fc1_grads, s.expert_rows);
   expert_bias_backward(dfc1, &Expert::fc1_bias);
   dfc1 = Tensor();
-  Tensor dx = dispatcher_->finish_dispatch_backward();
+  Tensor dx = dispatcher_->dispatch_backward(unpad_from_capacity(dexpert_in));
 
   // Router: the probabilities' and the injected losses' gradients, then the gating linear.
   router.backward(dprobs, aux_grad_scale, dx);

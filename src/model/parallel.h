@@ -8,15 +8,16 @@ namespace megaton {
 // Megatron's --moe-token-dispatcher-type.
 enum class TokenDispatcher { AllGather, AllToAll };
 
-// How the all-to-all dispatcher exchanges tokens when experts are not tensor-parallel
-// (etp 1), chosen by MEGATON_MOE_DIRECT_ALLTOALL (alltoall_exchange_from_env). The
-// results are the same; only copies and overlap differ.
+// How the all-to-all dispatcher moves tokens when experts are not tensor-parallel (etp 1),
+// chosen by MEGATON_MOE_ALLTOALL_EXCHANGE (alltoall_exchange_from_env). The results are
+// the same; only the copies differ.
 enum class AlltoAllExchange {
-  Regroup,        // 0, the default: one all-to-all, then the received chunks regrouped by
-                  // local expert with one copy per chunk (Megatron's sort_chunks_by_idxs)
-  Direct,         // 1: each chunk received straight into its expert group, no regrouping
-  DirectOverlap,  // 2: Direct, and dispatch_backward's exchange overlaps fc1's weight
-                  // gradient on the communication stream
+  Auto,     // "auto", the default: Pull where the EP group has peer memory (GPUs of one
+            // node, Comm::peer_memory), else Regroup
+  Regroup,  // "regroup": one all-to-all, then the received chunks regrouped by local
+            // expert with one copy per chunk (Megatron's sort_chunks_by_idxs)
+  Pull,     // "pull": each rank pulls the chunks it needs straight into expert order
+            // (Comm::pull_rows), no regrouping
 };
 
 // Where a model runs: its grid (Megatron's parallel_state) and the Comm for its device.
@@ -27,7 +28,7 @@ struct ModelParallel {
   dist::Comm* comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (only with tp > 1)
   TokenDispatcher dispatcher = TokenDispatcher::AllToAll;
-  AlltoAllExchange alltoall_exchange = AlltoAllExchange::Regroup;
+  AlltoAllExchange alltoall_exchange = AlltoAllExchange::Auto;
 
   bool single() const { return grid == nullptr; }
   // A group of this rank (a one-member group when single()).

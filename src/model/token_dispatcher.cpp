@@ -112,17 +112,6 @@ MoETokenDispatcher::MoETokenDispatcher(int64_t num_experts, const ModelParallel&
                 "MoE token dispatcher: {} expert ranks but no Comm", expert_mp.size());
 }
 
-void MoETokenDispatcher::start_dispatch_backward(const Tensor& dexpert_in) {
-  MEGATON_CHECK(!pending_dx_.defined(), "MoE token dispatcher: a second start_dispatch_backward");
-  pending_dx_ = dispatch_backward(dexpert_in);
-}
-
-Tensor MoETokenDispatcher::finish_dispatch_backward() {
-  MEGATON_CHECK(pending_dx_.defined(),
-                "MoE token dispatcher: finish_dispatch_backward without a start");
-  return std::exchange(pending_dx_, Tensor());
-}
-
 // ---- all-to-all ----
 
 MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp)
@@ -174,26 +163,39 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
         saved_.etp_rows[t] += n;
         saved_.tokens_per_local_expert[l] += n;
       }
-  saved_.permuted_runs.clear();
-  saved_.grouped_runs.clear();
-  if (ep > 1 && etp == 1 && mp_.alltoall_exchange != AlltoAllExchange::Regroup) {
-    saved_.permuted_runs.assign(ep, {});
-    saved_.grouped_runs.assign(ep, {});
-    // This rank's kept copies are sorted by global expert: by member i, then local expert.
-    int64_t at = 0;
+  saved_.to_experts_runs.clear();
+  saved_.from_experts_runs.clear();
+  saved_.pull = ep > 1 && etp == 1 && pulls();
+  if (saved_.pull) {
+    // Where member i keeps its kept copies of global expert e (sorted by expert):
+    // copies_first[i E + e].
+    std::vector<int64_t> copies_first(size_t(ep) * E);
     for (int i = 0; i < ep; ++i)
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t n = count(0, ep_rank, i * L + l);
-        saved_.permuted_runs[i].push_back({at, n});
-        at += n;
-      }
-    // The expert input is grouped by local expert, then by the member the copies came from.
-    at = 0;
+      for (int64_t e = 0, at = 0; e < E; at += count(0, i, e), ++e) copies_first[i * E + e] = at;
+    // Where member j keeps the rows of its local expert l that came from member i (its
+    // expert input, by local expert, then by member): rows_first[(j L + l) ep + i].
+    std::vector<int64_t> rows_first(size_t(ep) * L * ep);
+    for (int j = 0; j < ep; ++j) {
+      int64_t at = 0;
+      for (int64_t l = 0; l < L; ++l)
+        for (int i = 0; i < ep; ++i) {
+          rows_first[(j * L + l) * ep + i] = at;
+          at += count(0, i, j * L + l);
+        }
+    }
     for (int64_t l = 0; l < L; ++l)
       for (int i = 0; i < ep; ++i) {
-        const int64_t n = saved_.chunk_rows[i * L + l];
-        saved_.grouped_runs[i].push_back({at, n});
-        at += n;
+        const int64_t e = first_local_expert_ + l, n = count(0, i, e);
+        if (n > 0)
+          saved_.to_experts_runs.push_back(
+              {i, copies_first[i * E + e], rows_first[(ep_rank * L + l) * ep + i], n});
+      }
+    for (int j = 0; j < ep; ++j)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t e = j * L + l, n = count(0, ep_rank, e);
+        if (n > 0)
+          saved_.from_experts_runs.push_back(
+              {j, rows_first[e * ep + ep_rank], copies_first[ep_rank * E + e], n});
       }
   }
   // The kept copies: the first rows of permuted (all of them without dropping).
@@ -203,10 +205,9 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
 Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
-  if (!saved_.grouped_runs.empty()) {  // etp 1: the chunks land in their groups
+  if (saved_.pull) {  // the chunks land in their groups
     Tensor grouped = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
-    mp_.comm->all_to_allv_rows(permuted, saved_.permuted_runs, grouped, saved_.grouped_runs,
-                               mp_.ep());
+    mp_.comm->pull_rows(permuted, saved_.to_experts_runs, grouped, mp_.ep());
     return grouped;
   }
   Tensor rows = permuted;
@@ -231,10 +232,9 @@ Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
 Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
-  if (!saved_.grouped_runs.empty()) {  // etp 1: each chunk goes back from its group
+  if (saved_.pull) {  // each chunk comes back from its group
     Tensor back = local_copies_buffer(grouped);
-    mp_.comm->all_to_allv_rows(grouped, saved_.grouped_runs, back, saved_.permuted_runs,
-                               mp_.ep());
+    mp_.comm->pull_rows(grouped, saved_.from_experts_runs, back, mp_.ep());
     return back;
   }
   Tensor rows = grouped;
@@ -302,20 +302,22 @@ Tensor MoEAlltoAllTokenDispatcher::permute_backward(const Tensor& dpermuted) {
   return dx;
 }
 
-void MoEAlltoAllTokenDispatcher::start_dispatch_backward(const Tensor& dexpert_in) {
-  if (saved_.grouped_runs.empty() || mp_.alltoall_exchange != AlltoAllExchange::DirectOverlap)
-    return MoETokenDispatcher::start_dispatch_backward(dexpert_in);
-  MEGATON_CHECK(!pending_exchange_, "MoE all-to-all dispatcher: a second start_dispatch_backward");
-  pending_dpermuted_ = local_copies_buffer(dexpert_in);
-  pending_exchange_ = mp_.comm->all_to_allv_rows_async(
-      dexpert_in, saved_.grouped_runs, pending_dpermuted_, saved_.permuted_runs, mp_.ep());
-}
-
-Tensor MoEAlltoAllTokenDispatcher::finish_dispatch_backward() {
-  if (!pending_exchange_) return MoETokenDispatcher::finish_dispatch_backward();
-  pending_exchange_->wait();
-  pending_exchange_.reset();
-  return permute_backward(std::exchange(pending_dpermuted_, Tensor()));
+bool MoEAlltoAllTokenDispatcher::pulls() {
+  if (pulls_ < 0) {
+    const bool can = mp_.ep_size() > 1 && mp_.etp_size() == 1;
+    switch (mp_.alltoall_exchange) {
+      case AlltoAllExchange::Regroup:
+        pulls_ = 0;
+        break;
+      case AlltoAllExchange::Pull:
+        pulls_ = can;
+        break;
+      case AlltoAllExchange::Auto:
+        pulls_ = can && mp_.comm->peer_memory(mp_.ep());
+        break;
+    }
+  }
+  return pulls_ == 1;
 }
 
 std::any MoEAlltoAllTokenDispatcher::take_saved() { return std::exchange(saved_, {}); }
@@ -426,12 +428,13 @@ void MoEAllGatherTokenDispatcher::restore_saved(std::any&& saved) {
 }
 
 AlltoAllExchange alltoall_exchange_from_env() {
-  const char* env = std::getenv("MEGATON_MOE_DIRECT_ALLTOALL");
-  const std::string value = env ? env : "0";
-  if (value == "0") return AlltoAllExchange::Regroup;
-  if (value == "1") return AlltoAllExchange::Direct;
-  if (value == "2") return AlltoAllExchange::DirectOverlap;
-  fail("environment variable MEGATON_MOE_DIRECT_ALLTOALL must be 0, 1 or 2 (got '{}')", value);
+  const char* env = std::getenv("MEGATON_MOE_ALLTOALL_EXCHANGE");
+  const std::string value = env ? env : "";
+  if (value.empty() || value == "auto") return AlltoAllExchange::Auto;
+  if (value == "regroup") return AlltoAllExchange::Regroup;
+  if (value == "pull") return AlltoAllExchange::Pull;
+  fail("environment variable MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got '{}')",
+       value);
 }
 
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,

@@ -53,13 +53,6 @@ class MoETokenDispatcher {
   // dexpert_in [R, H] (gradient of dispatch's result; with etp > 1 this rank's partial
   // sum) -> dx [T, H] (gradient of dispatch's x, without the router's part).
   virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
-  // dispatch_backward in two halves, so that the caller can compute between them (the
-  // experts' weight gradients while the exchange runs): start_dispatch_backward takes
-  // dexpert_in (not to be written until finish) and finish_dispatch_backward returns dx.
-  // Here, the whole of dispatch_backward runs in start; a dispatcher with an overlapped
-  // exchange overrides both. Throws InternalError on finish without a start.
-  virtual void start_dispatch_backward(const Tensor& dexpert_in);
-  virtual Tensor finish_dispatch_backward();
 
   // Rows of the last dispatch for each local expert [L] (host counts; kept copies only).
   virtual const std::vector<int64_t>& tokens_per_local_expert() const = 0;
@@ -76,9 +69,6 @@ class MoETokenDispatcher {
  protected:
   int64_t num_experts_, num_local_experts_, first_local_expert_;
   ModelParallel mp_;
-
- private:
-  Tensor pending_dx_;  // the default start_dispatch_backward's result
 };
 
 // Megatron's MoEAlltoAllTokenDispatcher: permute the local copies by global expert, exchange
@@ -88,6 +78,10 @@ class MoETokenDispatcher {
 // expert) by local expert. combine and the backward run the exact reverse (chunks ungrouped,
 // reduce-scatter over etp, the all-to-all back, unpermute weighted by probs). Dropped
 // copies (the last rows of the permuted order) are left out of every exchange.
+// With etp 1 the exchange may instead pull (mp.alltoall_exchange; by default where the EP
+// group has peer memory): each rank reads the chunks of its experts out of the other
+// ranks' permuted copies straight into expert order, and back (Comm::pull_rows), so there
+// is no regrouping copy.
 class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
@@ -95,10 +89,6 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   Tensor combine(const Tensor& expert_out) override;
   Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
-  // With mp.alltoall_exchange DirectOverlap (and etp 1) the exchange runs on the
-  // communication stream (Comm::all_to_allv_rows_async) between start and finish.
-  void start_dispatch_backward(const Tensor& dexpert_in) override;
-  Tensor finish_dispatch_backward() override;
   const std::vector<int64_t>& tokens_per_local_expert() const override {
     return saved_.tokens_per_local_expert;
   }
@@ -107,11 +97,12 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
 
   struct Saved {
     Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
-    // With a Direct exchange (etp 1, ep > 1) each chunk (EP member i, local expert l) goes
-    // straight where it belongs: permuted_runs[i] are the kept local copies' rows for member
-    // i's experts, grouped_runs[i] the expert-input rows of member i's copies, both in
-    // local-expert order. Empty otherwise.
-    dist::RowRuns permuted_runs, grouped_runs;
+    // When pulling (etp 1, ep > 1; empty otherwise), the transfers of each direction:
+    // to_experts_runs fill the expert input (chunk (EP member i, local expert l) from the
+    // kept copies of member i), from_experts_runs fill this rank's kept copies (chunk
+    // (member i, its local expert l) from member i's expert rows).
+    std::vector<dist::PullRun> to_experts_runs, from_experts_runs;
+    bool pull = false;  // whether this micro-batch's exchanges pull (the runs above)
     Tensor combined;           // expert output by copy [T k, H] (combine's, for its backward)
     // Per EP member: rows sent / received (kept copies; their sum sent: the kept copies).
     std::vector<int64_t> send_rows, recv_rows;
@@ -134,11 +125,12 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   // copies' rows (the first sum(send_rows)) uninitialised, the dropped copies' zero.
   Tensor local_copies_buffer(const Tensor& like) const;
 
+  // Whether the exchanges pull (mp.alltoall_exchange resolved at the first dispatch, when
+  // Auto asks the Comm collectively whether the EP group has peer memory).
+  bool pulls();
+
   Saved saved_;
-  // Between start_ and finish_dispatch_backward: the gradient of the permuted copies being
-  // received, and the exchange filling it.
-  Tensor pending_dpermuted_;
-  std::unique_ptr<dist::CommWork> pending_exchange_;
+  int pulls_ = -1;  // pulls(): -1 until resolved, then 0 or 1
 };
 
 // Megatron's MoEAllGatherTokenDispatcher: all-gather the tokens and their routing over the
@@ -177,10 +169,8 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
   Saved saved_;
 };
 
-// MEGATON_MOE_DIRECT_ALLTOALL: unset or "0" Regroup, "1" Direct, "2" DirectOverlap. Direct
-// and DirectOverlap are new and opt-in until they have been run at scale on GPUs (see
-// docs/performance.md: an 8-layer EP4 run with DirectOverlap did not finish). Throws
-// megaton::Error naming the variable for any other value.
+// MEGATON_MOE_ALLTOALL_EXCHANGE: unset, "" or "auto" Auto, "regroup" Regroup, "pull" Pull.
+// Throws megaton::Error naming the variable for any other value.
 AlltoAllExchange alltoall_exchange_from_env();
 
 // The dispatcher mp.dispatcher names, for a layer of num_experts experts (divisible by ep).

@@ -229,29 +229,77 @@ TEST_F(CommTest, AllToAllvRowsScattersRunsOnBothSides) {
           in.i32()[(send[j][r].first + k) * width] = v;
           in.i32()[(send[j][r].first + k) * width + 1] = -v;
         }
-    for (bool async : {false, true}) {
-      SCOPED_TRACE(async ? "async" : "blocking");
-      Tensor out = Tensor::empty({out_rows, width}, DType::I32);
-      out.fill(-1);
-      if (async)
-        comm().all_to_allv_rows_async(in, send, out, recv, *g)->wait();
-      else
-        comm().all_to_allv_rows(in, send, out, recv, *g);
-      int64_t checked = 0;
-      for (int j = 0; j < size; ++j)
-        for (int r = 0; r < runs; ++r) {
-          const dist::RowRun run = recv[j][r];
-          for (int64_t k = 0; k < run.count; ++k, ++checked) {
-            const int v = value(g->ranks[j], me, r, k);
-            EXPECT_EQ(out.i32()[(run.first + k) * width], v) << "member " << j << " run " << r;
-            EXPECT_EQ(out.i32()[(run.first + k) * width + 1], -v);
-          }
-          // The row after each run is in no run: left as it was.
-          EXPECT_EQ(out.i32()[(run.first + run.count) * width], -1);
+    Tensor out = Tensor::empty({out_rows, width}, DType::I32);
+    out.fill(-1);
+    comm().all_to_allv_rows(in, send, out, recv, *g);
+    int64_t checked = 0;
+    for (int j = 0; j < size; ++j)
+      for (int r = 0; r < runs; ++r) {
+        const dist::RowRun run = recv[j][r];
+        for (int64_t k = 0; k < run.count; ++k, ++checked) {
+          const int v = value(g->ranks[j], me, r, k);
+          EXPECT_EQ(out.i32()[(run.first + k) * width], v) << "member " << j << " run " << r;
+          EXPECT_EQ(out.i32()[(run.first + k) * width + 1], -v);
         }
-      EXPECT_EQ(checked + size * runs, out_rows);
+        // The row after each run is in no run: left as it was.
+        EXPECT_EQ(out.i32()[(run.first + run.count) * width], -1);
+      }
+    EXPECT_EQ(checked + size * runs, out_rows);
+  }
+}
+
+TEST_F(CommTest, PullRowsReadsTheRunsTheReceiverNames) {
+  for (const Group* g : {&grid.world(), &grid.tp(), &grid.etp()}) {
+    SCOPED_TRACE(g->describe());
+    const int size = g->size(), width = 2;
+    // World rank s holds 3 + s rows; row k is (s * 1000 + k, -(s * 1000 + k)).
+    auto value = [](int s, int64_t k) { return s * 1000 + int(k); };
+    Tensor in = Tensor::empty({3 + me, width}, DType::I32);
+    for (int64_t k = 0; k < in.dim(0); ++k) {
+      in.i32()[k * width] = value(me, k);
+      in.i32()[k * width + 1] = -value(me, k);
+    }
+    // From each member m (last member first): rows [(me + m) % 2, +1 + (me + m) % 2), an
+    // empty run, and its last row; each followed by one row no run writes.
+    std::vector<dist::PullRun> runs;
+    int64_t out_rows = 0;
+    for (int m = size - 1; m >= 0; --m) {
+      const int src = g->ranks[m], shift = (me + src) % 2;
+      runs.push_back({m, shift, out_rows, 1 + shift});
+      out_rows += 2 + shift;
+      runs.push_back({m, 1, out_rows, 0});
+      runs.push_back({m, 2 + src, out_rows, 1});
+      out_rows += 2;
+    }
+    Tensor out = Tensor::empty({out_rows, width}, DType::I32);
+    out.fill(-1);
+    EXPECT_FALSE(comm().peer_memory(*g));  // CPU ranks: the run lists are exchanged
+    comm().pull_rows(in, runs, out, *g);
+    std::vector<bool> written(size_t(out_rows), false);
+    for (const dist::PullRun& r : runs)
+      for (int64_t k = 0; k < r.count; ++k) {
+        const int v = value(g->ranks[r.member], r.src_first + k);
+        EXPECT_EQ(out.i32()[(r.dst_first + k) * width], v) << "member " << r.member;
+        EXPECT_EQ(out.i32()[(r.dst_first + k) * width + 1], -v);
+        written[size_t(r.dst_first + k)] = true;
+      }
+    for (int64_t row = 0; row < out_rows; ++row) {
+      if (!written[size_t(row)]) EXPECT_EQ(out.i32()[row * width], -1) << "row " << row;
     }
   }
+}
+
+TEST_F(CommTest, PullRowsRejectsRunsOutsideTheTensors) {
+  const Group& g = grid.world();
+  Tensor in = Tensor::zeros({4, 3}), out = Tensor::zeros({4, 3}), narrow = Tensor::zeros({4, 2});
+  const std::vector<dist::PullRun> none;
+  const std::vector<dist::PullRun> outside_group = {{g.size(), 0, 0, 1}};
+  const std::vector<dist::PullRun> outside_out = {{0, 0, 3, 2}};
+  const std::vector<dist::PullRun> outside_own = {{g.rank, 3, 0, 2}};
+  EXPECT_THROW(comm().pull_rows(in, none, narrow, g), InternalError);
+  EXPECT_THROW(comm().pull_rows(in, outside_group, out, g), InternalError);
+  EXPECT_THROW(comm().pull_rows(in, outside_out, out, g), InternalError);
+  EXPECT_THROW(comm().pull_rows(in, outside_own, out, g), InternalError);
 }
 
 TEST_F(CommTest, AllToAllvRowsRejectsMismatchedRuns) {

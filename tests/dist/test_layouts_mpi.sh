@@ -44,11 +44,11 @@ router_flags() {  # NAME
 
 # The model variant of the next runs: 4 layers and untied embeddings unless a layout's
 # variant says "LAYERS=n" and/or "TIED=1"; "ROUTER=name" adds router flags (above);
-# "QKN=1" adds --qk-layernorm; "A2A=n" runs with MEGATON_MOE_DIRECT_ALLTOALL=n;
+# "QKN=1" adds --qk-layernorm; "A2A=x" runs with MEGATON_MOE_ALLTOALL_EXCHANGE=x;
 # "MBS=n" sets the micro-batch size (the one-rank run of a DP layout whose global
 # micro-batches must be the reference's micro-batches: global_aux_loss).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=0
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto
   local setting
   for setting in $1; do
     case $setting in
@@ -76,7 +76,7 @@ run() {  # NAME NP FLAGS...
   local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
     --save "$dir/$name/save" --save-interval 3 --log-metrics-file "$dir/$name/metrics.jsonl")
   if [ "$np" -gt 1 ]; then cmd=("$mpirun" "$np_flag" "$np" "${mpi_flags[@]}" "${cmd[@]}"); fi
-  MEGATON_MOE_DIRECT_ALLTOALL=$A2A OMP_NUM_THREADS=1 "${cmd[@]}" >"$dir/$name/out" 2>&1 || {
+  MEGATON_MOE_ALLTOALL_EXCHANGE=$A2A OMP_NUM_THREADS=1 "${cmd[@]}" >"$dir/$name/out" 2>&1 || {
     echo "FAILED: $name exited with $?"; tail -5 "$dir/$name/out"; return 1; }
 }
 
@@ -150,10 +150,11 @@ layouts=(
   "ep2-allgather-capacity|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather|ROUTER=capacity"
   "ep2-alltoall-capacity-pad|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|ROUTER=capacity-pad"
   "ep2-allgather-capacity-pad|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather|ROUTER=capacity-pad"
-  # The all-to-all's chunks received straight into their expert groups, with the backward
-  # exchange overlapped (MEGATON_MOE_DIRECT_ALLTOALL=2) beside the overlapped DP reductions.
-  "dp2-ep2-alltoall-direct-overlap|4|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000|A2A=2"
-  "ep2-alltoall-capacity-direct|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|ROUTER=capacity A2A=1"
+  # The all-to-all's chunks pulled straight into their expert groups and back
+  # (MEGATON_MOE_ALLTOALL_EXCHANGE=pull), beside the overlapped DP reductions, and with
+  # dropped copies.
+  "dp2-ep2-alltoall-pull|4|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000|A2A=pull"
+  "ep2-alltoall-capacity-pull|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|ROUTER=capacity A2A=pull"
   # The sigmoid-gated shared expert: its gate weight is fed by each rank's sequence shard
   # under SP (gradient summed over TP) and by every row without it.
   "tp2-sp-shared-gate|2|--tensor-model-parallel-size 2 --sequence-parallel|ROUTER=gate"

@@ -43,7 +43,7 @@ struct Layout {
   float capacity_factor = 0.0f;  // token dropping when > 0
   bool pad = false;              // --moe-pad-expert-input-to-capacity
   const char* drop_policy = "probs";
-  AlltoAllExchange exchange = AlltoAllExchange::Regroup;
+  AlltoAllExchange exchange = AlltoAllExchange::Auto;  // CPU ranks: Regroup
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
@@ -293,19 +293,22 @@ INSTANTIATE_TEST_SUITE_P(
                false, 1.0f, false, "position"},
         Layout{"etp4_alltoall_capacity_pad", 1, 1, 4, TokenDispatcher::AllToAll, false, false, 0.5f,
                true},
-        // The all-to-all's chunks received straight into their expert groups (and the
-        // backward exchange overlapped), MEGATON_MOE_DIRECT_ALLTOALL=1 and 2; the skewed
-        // layout has empty runs, the capacity ones dropped copies.
-        Layout{"ep4_alltoall_skewed_direct", 1, 4, 1, TokenDispatcher::AllToAll, false, true, 0.0f,
-               false, "probs", AlltoAllExchange::Direct},
-        Layout{"ep2_alltoall_direct_overlap", 1, 2, 1, TokenDispatcher::AllToAll, false, false,
-               0.0f, false, "probs", AlltoAllExchange::DirectOverlap},
-        Layout{"tp2_sp_ep2_etp1_alltoall_direct_overlap", 2, 2, 1, TokenDispatcher::AllToAll, true,
-               false, 0.0f, false, "probs", AlltoAllExchange::DirectOverlap},
-        Layout{"ep4_alltoall_skewed_capacity_pad_direct", 1, 4, 1, TokenDispatcher::AllToAll, false,
-               true, 1.0f, true, "probs", AlltoAllExchange::Direct},
-        Layout{"ep2_alltoall_capacity_direct_overlap", 1, 2, 1, TokenDispatcher::AllToAll, false,
-               false, 0.5f, false, "probs", AlltoAllExchange::DirectOverlap}),
+        // The all-to-all's chunks pulled straight into their expert groups and back
+        // (MEGATON_MOE_ALLTOALL_EXCHANGE=pull; CPU ranks exchange the run lists first);
+        // the skewed layouts have empty runs, the capacity ones dropped copies.
+        Layout{"ep4_alltoall_skewed_pull", 1, 4, 1, TokenDispatcher::AllToAll, false, true, 0.0f,
+               false, "probs", AlltoAllExchange::Pull},
+        Layout{"ep2_alltoall_pull", 1, 2, 1, TokenDispatcher::AllToAll, false, false, 0.0f, false,
+               "probs", AlltoAllExchange::Pull},
+        Layout{"tp2_sp_ep2_etp1_alltoall_pull", 2, 2, 1, TokenDispatcher::AllToAll, true, false,
+               0.0f, false, "probs", AlltoAllExchange::Pull},
+        Layout{"ep4_alltoall_skewed_capacity_pad_pull", 1, 4, 1, TokenDispatcher::AllToAll, false,
+               true, 1.0f, true, "probs", AlltoAllExchange::Pull},
+        Layout{"ep2_alltoall_capacity_pull", 1, 2, 1, TokenDispatcher::AllToAll, false, false,
+               0.5f, false, "probs", AlltoAllExchange::Pull},
+        // Pull asked for where it cannot pull (experts split over etp): the regrouping path.
+        Layout{"ep2_etp2_alltoall_pull_falls_back", 1, 2, 2, TokenDispatcher::AllToAll, false,
+               false, 0.0f, false, "probs", AlltoAllExchange::Pull}),
     layout_name);
 
 }  // namespace

@@ -147,10 +147,10 @@ TEST_F(CliErrors, BadFlagValue) {
   expect_user_error("train --config " + config(kModel) + " --lr fast", "'lr'");
 }
 
-TEST_F(CliErrors, BadDirectAlltoAllSetting) {
+TEST_F(CliErrors, BadAlltoAllExchangeSetting) {
   expect_user_error("train --config " + config(std::string(kModel) + "num-experts: 4\n"),
-                    "MEGATON_MOE_DIRECT_ALLTOALL must be 0, 1 or 2 (got 'yes')",
-                    "MEGATON_MOE_DIRECT_ALLTOALL=yes");
+                    "MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got 'yes')",
+                    "MEGATON_MOE_ALLTOALL_EXCHANGE=yes");
 }
 
 TEST_F(CliErrors, MissingConfigFile) {

@@ -23,6 +23,7 @@
 // for an event recorded after the operation.
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -34,6 +35,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "dist/comm.h"
+#include "dist/cuda/peer_memory.h"
 #include "dist/mpi_util.h"
 #include "ops/profiler.h"
 
@@ -200,14 +202,59 @@ class NcclComm final : public Comm {
     });
   }
 
-  std::unique_ptr<CommWork> do_all_to_allv_rows_async(const Tensor& in, const RowRuns& send,
-                                                      Tensor& out, const RowRuns& recv,
-                                                      const Group& g) override {
-    const Tensor src = overlaps(in, out) ? in.clone() : in;
-    return run_async(g, "all_to_allv_rows", {src, out}, [&](ncclComm_t c, cudaStream_t s) {
-      return enqueue_row_runs(src, send, out, recv, c, s);
+  // Through peer memory (peer_memory.h): the input staged into this member's slot, a
+  // one-integer all-reduce so that every member's slot is written, then one copy kernel
+  // reading the runs out of the members' slots. Without peer memory, Comm's exchange of
+  // run lists and all_to_allv_rows.
+  void do_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
+                    const Group& g) override {
+    detail::PeerMemory* peers = peer_memory_of(g);
+    if (!peers) return Comm::do_pull_rows(in, runs, out, g);
+    const int n = g.size();
+    const size_t row_bytes = dtype_size(in.dtype()) * size_t(row_numel(in));
+    // Every member's input rows: the slot size, and the runs' bounds on other members.
+    std::vector<int64_t> rows(n);
+    const int64_t mine = in.dim(0);
+    MEGATON_MPI_CHECK(MPI_Allgather(&mine, 1, MPI_INT64_T, rows.data(), 1, MPI_INT64_T,
+                                    mpi_groups_.get(g)));
+    for (const PullRun& r : runs)
+      MEGATON_CHECK(r.src_first + r.count <= rows[r.member],
+                    "pull_rows on group {}: run of {} rows from row {} of member {}, whose "
+                    "input has {} rows",
+                    g.describe(), r.count, r.src_first, r.member, rows[r.member]);
+    cudaStream_t stream = ::megaton::cuda::stream();
+    peers->reserve(size_t(*std::max_element(rows.begin(), rows.end())) * row_bytes, stream);
+    int& next = next_slot_[g.ranks];
+    const int slot = next;
+    next ^= 1;
+    {
+      const ops::OpProfileScope profile_scope("pull_rows_stage");
+      if (in.nbytes() > 0)
+        MEGATON_CUDA_CHECK(cudaMemcpyAsync(peers->slot(g.rank, slot), in.raw(), in.nbytes(),
+                                           cudaMemcpyDeviceToDevice, stream));
+    }
+    if (!barrier_scratch_.defined())
+      barrier_scratch_ = Tensor::zeros({1}, DType::I32, Device::CUDA);
+    run(g, "pull_rows_sync", [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32, ncclMax,
+                           c, s);
     });
+    std::vector<detail::PeerCopy> copies;
+    copies.reserve(runs.size());
+    // Members read from member + 1, + 2, ... first, so they do not all start on one GPU.
+    for (int step = 1; step <= n; ++step) {
+      const int member = (g.rank + step) % n;
+      for (const PullRun& r : runs)
+        if (r.member == member && r.count > 0)
+          copies.push_back({peers->slot(member, slot) + size_t(r.src_first) * row_bytes,
+                            static_cast<char*>(out.raw()) + size_t(r.dst_first) * row_bytes,
+                            int64_t(size_t(r.count) * row_bytes)});
+    }
+    const ops::OpProfileScope profile_scope("pull_rows");
+    detail::copy_chunks(copies, stream);
   }
+
+  bool do_peer_memory(const Group& g) override { return peer_memory_of(g) != nullptr; }
 
   // One ncclSend per non-empty send run and one ncclRecv per non-empty receive run, in
   // list order, in one group: NCCL pairs the transfers between two ranks in the order
@@ -488,7 +535,21 @@ class NcclComm final : public Comm {
     return std::make_unique<NcclWork>(done, std::move(keep));
   }
 
+  // The group's peer memory, or null where it has none; set up on first use (collective).
+  detail::PeerMemory* peer_memory_of(const Group& g) {
+    auto it = peer_memory_.find(g.ranks);
+    if (it == peer_memory_.end()) {
+      MPI_Comm comm = mpi_groups_.get(g);
+      std::unique_ptr<detail::PeerMemory> made;
+      if (detail::PeerMemory::available(comm)) made = std::make_unique<detail::PeerMemory>(comm);
+      it = peer_memory_.emplace(g.ranks, std::move(made)).first;
+    }
+    return it->second.get();
+  }
+
   detail::MpiGroups mpi_groups_;
+  std::map<std::vector<int>, std::unique_ptr<detail::PeerMemory>> peer_memory_;
+  std::map<std::vector<int>, int> next_slot_;  // the slot of the group's next pull_rows
   std::map<std::vector<int>, Entry> comms_;
   std::map<std::vector<int>, Entry> async_comms_;
   cudaStream_t side_stream_ = nullptr;
