@@ -74,8 +74,10 @@ Storage::Storage(size_t n, Device dev) : bytes(n), device(dev) {
   }
   data = n ? host_cache().allocate(rounded_bytes(n)) : nullptr;
 }
+Storage::Storage(void* external, size_t n, Device dev)
+    : data(external), bytes(n), device(dev), owned(false) {}
 Storage::~Storage() {
-  if (!data) return;
+  if (!data || !owned) return;
 #ifdef MEGATON_WITH_CUDA
   if (device == Device::CUDA) {
     cuda::device_free(data, bytes);
@@ -116,6 +118,14 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   t.shape_ = shape;
   t.dtype_ = dtype;
   t.storage_ = std::make_shared<Storage>(numel_of(shape) * dtype_size(dtype), device);
+  return t;
+}
+Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype, Device device) {
+  MEGATON_CHECK(data != nullptr || numel_of(shape) == 0, "Tensor::borrow of a null pointer");
+  Tensor t;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(data, numel_of(shape) * dtype_size(dtype), device);
   return t;
 }
 Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {

@@ -21,7 +21,10 @@ struct Storage {
   void* data = nullptr;
   size_t bytes = 0;
   Device device = Device::CPU;
+  bool owned = true;  // false: memory someone else allocated and frees (Tensor::borrow)
   explicit Storage(size_t bytes, Device device);
+  // Memory owned elsewhere, not freed with this storage.
+  Storage(void* data, size_t bytes, Device device);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -38,6 +41,10 @@ class Tensor {
   // fp32 tensor holding `values` (numel must match shape).
   static Tensor from(const Shape& shape, const std::vector<float>& values);
   static Tensor from_i32(const Shape& shape, const std::vector<int32_t>& values);
+  // A tensor over memory that the caller owns (at least numel x dtype size bytes at data,
+  // on `device`), which must outlive every use of the tensor and its views; it is not
+  // freed with them (Comm::pull_input's peer-memory slots).
+  static Tensor borrow(void* data, const Shape& shape, DType dtype, Device device);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }

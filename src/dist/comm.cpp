@@ -307,6 +307,18 @@ bool Comm::peer_memory(const Group& g) {
 
 bool Comm::do_peer_memory(const Group&) { return false; }
 
+Tensor Comm::pull_input(const Shape& shape, DType dtype, const Group& g) {
+  check_member(g, "pull_input");
+  MEGATON_CHECK(!shape.empty() && shape[0] >= 0, "pull_input: shape {} has no rows",
+                shape_str(shape));
+  if (g.size() == 1) return Tensor::empty(shape, dtype, device());
+  return do_pull_input(shape, dtype, g);
+}
+
+Tensor Comm::do_pull_input(const Shape& shape, DType dtype, const Group&) {
+  return Tensor::empty(shape, dtype, device());
+}
+
 void Comm::do_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
                         const Group& g) {
   const int n = g.size();

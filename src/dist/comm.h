@@ -142,6 +142,12 @@ class Comm {
   // the others keep the rows it needs (Megatron's all-to-all + sort_chunks_by_idxs in one
   // step).
   void pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g);
+  // A new uninitialised tensor (shape[0] rows, which may differ between members) to fill
+  // and pass, whole or as its first rows, as the input of the next pull_rows on g. Through
+  // peer memory it is this member's slot for that pull, read in place (no staging copy),
+  // and valid only until that pull_rows returns; otherwise an ordinary tensor. Collective
+  // over g; no other pull_input or pull_rows on g may come between it and its pull_rows.
+  Tensor pull_input(const Shape& shape, DType dtype, const Group& g);
   // Whether pull_rows on g reads the other members' memory directly: GPUs of one node that
   // can map each other's memory (CUDA IPC). Collective over g the first time it is asked
   // for g; false for a group of one and for the CPU.
@@ -179,6 +185,8 @@ class Comm {
                             const Group& g);
   // Default: false (no peer memory).
   virtual bool do_peer_memory(const Group& g);
+  // Default: Tensor::empty on this Comm's device.
+  virtual Tensor do_pull_input(const Shape& shape, DType dtype, const Group& g);
   // send_t or recv_t may be undefined (a one-sided transfer); the peer is then ignored.
   virtual void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
                             const Group& g) = 0;

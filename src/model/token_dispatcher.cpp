@@ -112,6 +112,10 @@ MoETokenDispatcher::MoETokenDispatcher(int64_t num_experts, const ModelParallel&
                 "MoE token dispatcher: {} expert ranks but no Comm", expert_mp.size());
 }
 
+Tensor MoETokenDispatcher::new_expert_rows(const Shape& shape, DType dtype, Device device) {
+  return Tensor::empty(shape, dtype, device);
+}
+
 // ---- all-to-all ----
 
 MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp)
@@ -124,7 +128,10 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int ep_rank = mp_.ep_rank(), etp_rank = mp_.etp_rank();
   saved_.probs = probs;
-  Tensor permuted = empty_as(x, {tokens * k, hidden});
+  saved_.pull = ep > 1 && etp == 1 && pulls();
+  // When pulling, moe_permute writes straight into the buffer the other ranks read.
+  Tensor permuted = saved_.pull ? mp_.comm->pull_input({tokens * k, hidden}, x.dtype(), mp_.ep())
+                                : empty_as(x, {tokens * k, hidden});
   saved_.row_id_map = Tensor::empty({tokens * k}, DType::I32, x.device());
   // Group E holds the copies dropped by capacity (index E): sorted after every expert's,
   // neither counted nor sent.
@@ -165,7 +172,6 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
       }
   saved_.to_experts_runs.clear();
   saved_.from_experts_runs.clear();
-  saved_.pull = ep > 1 && etp == 1 && pulls();
   if (saved_.pull) {
     // Where member i keeps its kept copies of global expert e (sorted by expert):
     // copies_first[i E + e].
@@ -282,7 +288,7 @@ Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
 
 Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
   const int64_t tokens = saved_.probs.dim(0), k = saved_.probs.dim(1);
-  Tensor dcombined = empty_as(dout, {tokens * k, dout.dim(1)});
+  Tensor dcombined = new_expert_copies(dout, tokens * k);
   dprobs = Tensor::empty({tokens, k}, DType::F32, dout.device());
   ops::moe_unpermute_backward(dout, saved_.combined, saved_.row_id_map, saved_.probs, dcombined,
                               dprobs);
@@ -300,6 +306,17 @@ Tensor MoEAlltoAllTokenDispatcher::permute_backward(const Tensor& dpermuted) {
   ops::moe_permute_backward(dpermuted, saved_.row_id_map, int(k), dx);
   saved_ = {};  // the micro-batch's routing is used up
   return dx;
+}
+
+Tensor MoEAlltoAllTokenDispatcher::new_expert_rows(const Shape& shape, DType dtype,
+                                                   Device device) {
+  if (!saved_.pull) return Tensor::empty(shape, dtype, device);
+  return mp_.comm->pull_input(shape, dtype, mp_.ep());
+}
+
+Tensor MoEAlltoAllTokenDispatcher::new_expert_copies(const Tensor& like, int64_t copies) {
+  if (!saved_.pull) return empty_as(like, {copies, like.dim(1)});
+  return mp_.comm->pull_input({copies, like.dim(1)}, like.dtype(), mp_.ep());
 }
 
 bool MoEAlltoAllTokenDispatcher::pulls() {

@@ -284,7 +284,9 @@ TEST_F(CommTest, PullRowsReadsTheRunsTheReceiverNames) {
         written[size_t(r.dst_first + k)] = true;
       }
     for (int64_t row = 0; row < out_rows; ++row) {
-      if (!written[size_t(row)]) EXPECT_EQ(out.i32()[row * width], -1) << "row " << row;
+      if (!written[size_t(row)]) {
+        EXPECT_EQ(out.i32()[row * width], -1) << "row " << row;
+      }
     }
   }
 }

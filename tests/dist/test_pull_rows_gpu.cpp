@@ -2,7 +2,8 @@
 //   mpirun -np 2 test_pull_rows_gpu   (skips unless launched on 2 or more ranks)
 // Every rank checks every element it pulled against values it computes for any member,
 // over consecutive pulls (the two slots alternate), a pull that grows the buffers, rows of
-// 16-byte multiples (word copies) and of 12 bytes (byte copies), and untouched rows.
+// 16-byte multiples (word copies) and of 12 bytes (byte copies), inputs staged and inputs
+// written in place (pull_input), and untouched rows.
 #include <gtest/gtest.h>
 
 #include "common/mpi_testing.h"
@@ -49,7 +50,14 @@ TEST(PullRowsGpu, PeerMemoryPullsTheNamedRunsAcrossSlotsAndGrowth) {
       Tensor poison = Tensor::empty({out_rows, width}, DType::I32);
       poison.fill(-1);
       out.copy_from(poison);
-      comm->pull_rows(host_in.to(Device::CUDA), runs, out, g);
+      if (round % 2 == 1) {  // filled in place: pull_input's slot, its first rows handed over
+        Tensor in = comm->pull_input({rows_of(me) + 3, width}, DType::I32, g);
+        Tensor first = in.rows(0, rows_of(me));
+        first.copy_from(host_in);
+        comm->pull_rows(first, runs, out, g);
+      } else {  // staged into the slot
+        comm->pull_rows(host_in.to(Device::CUDA), runs, out, g);
+      }
       const Tensor got = out.to(Device::CPU);
       std::vector<bool> written(size_t(out_rows), false);
       int64_t bad = 0;
@@ -60,9 +68,10 @@ TEST(PullRowsGpu, PeerMemoryPullsTheNamedRunsAcrossSlotsAndGrowth) {
             bad += got.i32()[(r.dst_first + k) * width + c] !=
                    value(r.member, round, r.src_first + k, c);
         }
-      for (int64_t row = 0; row < out_rows; ++row)
-        if (!written[size_t(row)])
-          for (int64_t c = 0; c < width; ++c) bad += got.i32()[row * width + c] != -1;
+      for (int64_t row = 0; row < out_rows; ++row) {
+        if (written[size_t(row)]) continue;
+        for (int64_t c = 0; c < width; ++c) bad += got.i32()[row * width + c] != -1;
+      }
       EXPECT_EQ(bad, 0) << "elements differ at rank " << me;
     }
   }

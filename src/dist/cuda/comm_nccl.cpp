@@ -202,43 +202,44 @@ class NcclComm final : public Comm {
     });
   }
 
-  // Through peer memory (peer_memory.h): the input staged into this member's slot, a
-  // one-integer all-reduce so that every member's slot is written, then one copy kernel
-  // reading the runs out of the members' slots. Without peer memory, Comm's exchange of
-  // run lists and all_to_allv_rows.
+  // Through peer memory (peer_memory.h): the input in this member's slot (written there by
+  // its producer after pull_input, or staged now), a one-integer all-reduce so that every
+  // member's slot is written, then one copy kernel reading the runs out of the members'
+  // slots. Without peer memory, Comm's exchange of run lists and all_to_allv_rows.
   void do_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
                     const Group& g) override {
     detail::PeerMemory* peers = peer_memory_of(g);
     if (!peers) return Comm::do_pull_rows(in, runs, out, g);
-    const int n = g.size();
     const size_t row_bytes = dtype_size(in.dtype()) * size_t(row_numel(in));
-    // Every member's input rows: the slot size, and the runs' bounds on other members.
-    std::vector<int64_t> rows(n);
-    const int64_t mine = in.dim(0);
-    MEGATON_MPI_CHECK(MPI_Allgather(&mine, 1, MPI_INT64_T, rows.data(), 1, MPI_INT64_T,
-                                    mpi_groups_.get(g)));
-    for (const PullRun& r : runs)
-      MEGATON_CHECK(r.src_first + r.count <= rows[r.member],
-                    "pull_rows on group {}: run of {} rows from row {} of member {}, whose "
-                    "input has {} rows",
-                    g.describe(), r.count, r.src_first, r.member, rows[r.member]);
     cudaStream_t stream = ::megaton::cuda::stream();
-    peers->reserve(size_t(*std::max_element(rows.begin(), rows.end())) * row_bytes, stream);
-    int& next = next_slot_[g.ranks];
-    const int slot = next;
-    next ^= 1;
-    {
+    SlotUse use;
+    auto pending = pending_inputs_.find(g.ranks);
+    if (pending != pending_inputs_.end()) {  // in is (the first rows of) pull_input's tensor
+      use = std::move(pending->second);
+      pending_inputs_.erase(pending);
+      MEGATON_CHECK(byte_ptr(in) == peers->slot(g.rank, use.slot) &&
+                        in.nbytes() <= size_t(use.rows[g.rank]) * row_bytes,
+                    "pull_rows on group {}: the input is not the tensor pull_input gave",
+                    g.describe());
+    } else {
+      use = reserve_slot(*peers, in.dim(0), row_bytes, g);
       const ops::OpProfileScope profile_scope("pull_rows_stage");
       if (in.nbytes() > 0)
-        MEGATON_CUDA_CHECK(cudaMemcpyAsync(peers->slot(g.rank, slot), in.raw(), in.nbytes(),
+        MEGATON_CUDA_CHECK(cudaMemcpyAsync(peers->slot(g.rank, use.slot), in.raw(), in.nbytes(),
                                            cudaMemcpyDeviceToDevice, stream));
     }
+    for (const PullRun& r : runs)
+      MEGATON_CHECK(r.src_first + r.count <= use.rows[r.member],
+                    "pull_rows on group {}: run of {} rows from row {} of member {}, whose "
+                    "input has {} rows",
+                    g.describe(), r.count, r.src_first, r.member, use.rows[r.member]);
     if (!barrier_scratch_.defined())
       barrier_scratch_ = Tensor::zeros({1}, DType::I32, Device::CUDA);
     run(g, "pull_rows_sync", [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32, ncclMax,
                            c, s);
     });
+    const int n = g.size();
     std::vector<detail::PeerCopy> copies;
     copies.reserve(runs.size());
     // Members read from member + 1, + 2, ... first, so they do not all start on one GPU.
@@ -246,7 +247,7 @@ class NcclComm final : public Comm {
       const int member = (g.rank + step) % n;
       for (const PullRun& r : runs)
         if (r.member == member && r.count > 0)
-          copies.push_back({peers->slot(member, slot) + size_t(r.src_first) * row_bytes,
+          copies.push_back({peers->slot(member, use.slot) + size_t(r.src_first) * row_bytes,
                             static_cast<char*>(out.raw()) + size_t(r.dst_first) * row_bytes,
                             int64_t(size_t(r.count) * row_bytes)});
     }
@@ -254,6 +255,19 @@ class NcclComm final : public Comm {
     detail::copy_chunks(copies, stream);
   }
 
+  Tensor do_pull_input(const Shape& shape, DType dtype, const Group& g) override {
+    detail::PeerMemory* peers = peer_memory_of(g);
+    if (!peers) return Tensor::empty(shape, dtype, Device::CUDA);
+    MEGATON_CHECK(!pending_inputs_.count(g.ranks),
+                  "pull_input on group {}: the previous pull_input's pull_rows has not run",
+                  g.describe());
+    int64_t row_numel = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row_numel *= shape[d];
+    SlotUse use = reserve_slot(*peers, shape[0], dtype_size(dtype) * size_t(row_numel), g);
+    char* at = peers->slot(g.rank, use.slot);
+    pending_inputs_[g.ranks] = std::move(use);
+    return Tensor::borrow(at, shape, dtype, Device::CUDA);
+  }
   bool do_peer_memory(const Group& g) override { return peer_memory_of(g) != nullptr; }
 
   // One ncclSend per non-empty send run and one ncclRecv per non-empty receive run, in
@@ -535,6 +549,27 @@ class NcclComm final : public Comm {
     return std::make_unique<NcclWork>(done, std::move(keep));
   }
 
+  // The slot of one pull_rows and every member's input rows (the bounds of their runs).
+  struct SlotUse {
+    int slot = 0;
+    std::vector<int64_t> rows;
+  };
+
+  // Gathers every member's input rows, makes the slots hold the largest input and takes
+  // the group's next slot (collective over g).
+  SlotUse reserve_slot(detail::PeerMemory& peers, int64_t rows, size_t row_bytes, const Group& g) {
+    SlotUse use;
+    use.rows.resize(size_t(g.size()));
+    MEGATON_MPI_CHECK(MPI_Allgather(&rows, 1, MPI_INT64_T, use.rows.data(), 1, MPI_INT64_T,
+                                    mpi_groups_.get(g)));
+    peers.reserve(size_t(*std::max_element(use.rows.begin(), use.rows.end())) * row_bytes,
+                  ::megaton::cuda::stream());
+    int& next = next_slot_[g.ranks];
+    use.slot = next;
+    next ^= 1;
+    return use;
+  }
+
   // The group's peer memory, or null where it has none; set up on first use (collective).
   detail::PeerMemory* peer_memory_of(const Group& g) {
     auto it = peer_memory_.find(g.ranks);
@@ -550,6 +585,7 @@ class NcclComm final : public Comm {
   detail::MpiGroups mpi_groups_;
   std::map<std::vector<int>, std::unique_ptr<detail::PeerMemory>> peer_memory_;
   std::map<std::vector<int>, int> next_slot_;  // the slot of the group's next pull_rows
+  std::map<std::vector<int>, SlotUse> pending_inputs_;  // pull_input's, until its pull_rows
   std::map<std::vector<int>, Entry> comms_;
   std::map<std::vector<int>, Entry> async_comms_;
   cudaStream_t side_stream_ = nullptr;
