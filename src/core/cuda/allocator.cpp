@@ -92,6 +92,15 @@ void device_free(void* ptr, size_t bytes) {
   c.stats.allocated_bytes -= int64_t(size);
 }
 
+void count_external_device_memory(int64_t delta_bytes) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.stats.allocated_bytes += delta_bytes;
+  c.stats.reserved_bytes += delta_bytes;
+  if (c.stats.allocated_bytes > c.stats.peak_allocated_bytes)
+    c.stats.peak_allocated_bytes = c.stats.allocated_bytes;
+}
+
 DeviceMemoryStats device_memory_stats() {
   std::lock_guard<std::mutex> lock(cache().mutex);
   return cache().stats;

@@ -23,6 +23,10 @@ struct DeviceMemoryStats {
   int64_t num_cuda_mallocs = 0;      // cudaMalloc calls so far
 };
 DeviceMemoryStats device_memory_stats();
+// Counts device memory obtained outside this allocator (+bytes when allocated, -bytes when
+// freed: the peer-memory buffers of dist/cuda/peer_memory.h) in allocated, peak and
+// reserved bytes, so the logged peak memory includes it.
+void count_external_device_memory(int64_t delta_bytes);
 void reset_peak_device_memory();
 // Frees every cached (unused) block back to the driver.
 void empty_device_cache();

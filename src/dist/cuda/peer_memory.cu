@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "core/cuda/allocator.h"
 #include "core/cuda/cuda_check.h"
 #include "core/error.h"
 #include "dist/mpi_util.h"
@@ -146,7 +147,10 @@ void PeerMemory::release() {
   mapped_.clear();
   // The exporter frees only after every member has closed its mapping.
   MEGATON_MPI_CHECK(MPI_Barrier(comm_));
-  if (own_) MEGATON_CUDA_CHECK(cudaFree(own_));
+  if (own_) {
+    MEGATON_CUDA_CHECK(cudaFree(own_));
+    ::megaton::cuda::count_external_device_memory(-int64_t(2 * slot_bytes_));
+  }
   own_ = nullptr;
   slot_bytes_ = 0;
 }
@@ -164,6 +168,7 @@ void PeerMemory::reserve(size_t bytes, cudaStream_t stream) {
   void* own = nullptr;
   MEGATON_CUDA_CHECK(cudaMalloc(&own, 2 * slot_bytes_));
   own_ = static_cast<char*>(own);
+  ::megaton::cuda::count_external_device_memory(int64_t(2 * slot_bytes_));
   cudaIpcMemHandle_t handle{};
   MEGATON_CUDA_CHECK(cudaIpcGetMemHandle(&handle, own_));
   std::vector<cudaIpcMemHandle_t> handles(size_);
