@@ -62,12 +62,13 @@ int sm_count() {
   return count;
 }
 
-void launch(const CopyBatch& batch, int64_t largest_bytes, cudaStream_t stream) {
+void launch(const CopyBatch& batch, int64_t largest_bytes, int blocks_per_sm,
+            cudaStream_t stream) {
   if (batch.count == 0) return;
-  // About four blocks per SM over the whole batch, but no more than the largest copy needs.
+  // blocks_per_sm over the whole batch, but no more than the largest copy needs.
   const int64_t word = batch.wide ? 16 : 1;
   const int64_t needed = (largest_bytes / word + int64_t(kThreads) * 4 - 1) / (int64_t(kThreads) * 4);
-  const int64_t share = (4 * int64_t(sm_count()) + batch.count - 1) / batch.count;
+  const int64_t share = (int64_t(blocks_per_sm) * sm_count() + batch.count - 1) / batch.count;
   const dim3 grid(unsigned(std::max<int64_t>(1, std::min(needed, share))), unsigned(batch.count));
   copy_chunks_kernel<<<grid, kThreads, 0, stream>>>(batch);
   MEGATON_CUDA_CHECK(cudaGetLastError());
@@ -75,7 +76,7 @@ void launch(const CopyBatch& batch, int64_t largest_bytes, cudaStream_t stream) 
 
 }  // namespace
 
-void copy_chunks(std::span<const PeerCopy> copies, cudaStream_t stream) {
+void copy_chunks(std::span<const PeerCopy> copies, cudaStream_t stream, int blocks_per_sm) {
   CopyBatch batch;
   int64_t largest = 0;
   batch.wide = true;
@@ -87,12 +88,12 @@ void copy_chunks(std::span<const PeerCopy> copies, cudaStream_t stream) {
     batch.copy[batch.count++] = c;
     largest = std::max(largest, c.bytes);
     if (batch.count == kMaxCopies) {
-      launch(batch, largest, stream);
+      launch(batch, largest, blocks_per_sm, stream);
       batch.count = 0;
       largest = 0;
     }
   }
-  launch(batch, largest, stream);
+  launch(batch, largest, blocks_per_sm, stream);
 }
 
 bool PeerMemory::available(MPI_Comm comm) {

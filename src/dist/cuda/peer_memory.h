@@ -27,10 +27,11 @@ struct PeerCopy {
 };
 
 // Enqueues the copies on `stream` (kernels that read and write with the SMs, 16-byte words
-// when every copy's pointers and size allow, else bytes). Empty copies are skipped. The
-// destinations must not overlap each other or the sources. Throws InternalError on a
-// failed launch.
-void copy_chunks(std::span<const PeerCopy> copies, cudaStream_t stream);
+// when every copy's pointers and size allow, else bytes), about `blocks_per_sm` blocks of
+// 512 threads per SM over all copies (bench/bench_pull_rows_gpu.cpp compares settings).
+// Empty copies are skipped. The destinations must not overlap each other or the sources.
+// Throws InternalError on a failed launch.
+void copy_chunks(std::span<const PeerCopy> copies, cudaStream_t stream, int blocks_per_sm = 4);
 
 class PeerMemory {
  public:
