@@ -8,7 +8,9 @@ N = 8 is the issue's run; N = 4 runs the same layouts at half size.
 
 1. Scaling, the benchmark configurations of ../shared/bench/README.md on random tokens:
    - moe-64x-top8, EP N (data parallel N over the dense layers), all-to-all dispatcher,
-     distributed optimizer with overlapped grad reduce and param gather;
+     distributed optimizer with overlapped grad reduce and param gather; once with the
+     default token exchange (pull through peer memory on one node) and once with
+     MEGATON_MOE_ALLTOALL_EXCHANGE=regroup ("EP N alltoall regroup");
    - llama-1.3B, DP N + distributed optimizer + both overlaps; TP2 (+ SP) x DP N/2;
      PP2 x DP N/2 interleaved (2 model chunks per stage), each with the distributed
      optimizer.
@@ -23,7 +25,7 @@ N = 8 is the issue's run; N = 4 runs the same layouts at half size.
    iterations on one GPU and under each layout above (same global batch 16, micro-batch
    16 / N), lm loss per iteration against the one-GPU curve.
 """
-import argparse, json, os, subprocess, sys, tempfile
+import argparse, contextlib, json, os, subprocess, sys, tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_bench import CONFIGS, run_megaton  # noqa: E402
@@ -36,9 +38,12 @@ OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-pa
 def layouts(n, layers):
     """name -> (flags, dp) of the issue's layouts on n GPUs for a model of `layers` layers."""
     half = n // 2
+    ep = ["--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", "alltoall"]
     return {
-        f"EP{n} alltoall": (["--expert-model-parallel-size", str(n),
-                             "--moe-token-dispatcher-type", "alltoall"] + OVERLAP, n),
+        f"EP{n} alltoall": (ep + OVERLAP, n),
+        # The same with the tokens exchanged by NCCL all-to-all and regrouping copies
+        # (Megatron's way) instead of the default pull through peer memory (see env_of).
+        f"EP{n} alltoall regroup": (ep + OVERLAP, n),
         f"DP{n}": (OVERLAP, n),
         f"TP2 SP x DP{half}": (["--tensor-model-parallel-size", "2", "--sequence-parallel"]
                                + OVERLAP, half),
@@ -46,6 +51,23 @@ def layouts(n, layers):
                                          "--num-layers-per-virtual-pipeline-stage",
                                          str(layers // 4)] + OVERLAP, half),
     }
+
+
+@contextlib.contextmanager
+def env_of(name):
+    """The environment of layout `name` while its run is launched: MEGATON_MOE_ALLTOALL_EXCHANGE
+    =regroup for the "... regroup" layouts (mpirun forwards MEGATON_* variables)."""
+    key = "MEGATON_MOE_ALLTOALL_EXCHANGE"
+    before = os.environ.get(key)
+    if name.endswith(" regroup"):
+        os.environ[key] = "regroup"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def demo_curve(binary, name, launcher, flags, work, mbs):
@@ -84,7 +106,7 @@ def main():
         rows = ["| config | layout | GPUs | global batch | step ms | tokens/s per GPU | "
                 "scaling efficiency | peak GiB per GPU |", "|---|---|---|---|---|---|---|---|"]
         # config -> (layouts, micro-batches of the one-GPU reference per step)
-        plans = [("moe-64x-top8", [f"EP{n} alltoall"], n),
+        plans = [("moe-64x-top8", [f"EP{n} alltoall", f"EP{n} alltoall regroup"], n),
                  ("llama-1.3B", [f"DP{n}", f"TP2 SP x DP{n // 2}",
                                  f"PP2 x DP{n // 2} interleaved"], 2 * n)]
         for cname, names, ref_micro in plans:
@@ -104,8 +126,9 @@ def main():
             show_profile(profiles, f"{cname}, 1 GPU", one)
             for lname in names:
                 flags, dp = layouts(n, c["layers"])[lname]
-                r = run_megaton(a.megaton, c, a.iters, launcher=mpirun(n), extra=flags,
-                                world=n, dp=dp, micro_batches=gbs // (c["mbs"] * dp))
+                with env_of(lname):
+                    r = run_megaton(a.megaton, c, a.iters, launcher=mpirun(n), extra=flags,
+                                    world=n, dp=dp, micro_batches=gbs // (c["mbs"] * dp))
                 if "error" in r:
                     rows.append(f"| {cname} | {lname} | {n} | {gbs} | error: {r['error']} | | | |")
                 else:
@@ -131,7 +154,9 @@ def main():
             runs += [(name, mpirun(n), flags, 16 // n)
                      for name, (flags, _) in layouts(n, 4).items() if wanted(name)]
             for name, launcher, flags, mbs in runs:
-                got, err = demo_curve(a.megaton, name, launcher, flags, work, mbs)
+                with env_of(name):
+                    got, err = demo_curve(a.megaton, name, mpirun(n) if launcher else [], flags,
+                                          work, mbs)
                 if got is None:
                     lines.append(f"| {name} | error: {err} | | |")
                     continue
