@@ -12,30 +12,14 @@
 
 #include "core/cuda/cuda_check.h"
 #include "core/tensor.h"
+#include "cuda_timing.h"
 #include "ops/ops.h"
 
 using namespace megaton;
 
 namespace {
 
-double median_ms(const std::function<void()>& run) {
-  for (int i = 0; i < 5; ++i) run();
-  std::vector<float> times;
-  cudaEvent_t start, stop;
-  MEGATON_CUDA_CHECK(cudaEventCreate(&start));
-  MEGATON_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 20; ++i) {
-    MEGATON_CUDA_CHECK(cudaEventRecord(start, cuda::stream()));
-    run();
-    MEGATON_CUDA_CHECK(cudaEventRecord(stop, cuda::stream()));
-    MEGATON_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    MEGATON_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using bench::median_ms;
 
 Tensor random_bf16(Shape shape) {
   Tensor host = Tensor::empty(shape, DType::F32);
@@ -48,7 +32,7 @@ Tensor random_bf16(Shape shape) {
   return host.to(DType::BF16).to(Device::CUDA);
 }
 
-void bench_config(const char* name, int64_t tokens, int64_t hidden, int64_t ffn, int experts,
+[[maybe_unused]] void bench_config(const char* name, int64_t tokens, int64_t hidden, int64_t ffn, int experts,
                   int topk) {
   const int64_t rows = tokens * topk, per_expert = rows / experts;
   std::vector<int64_t> group_rows(experts, per_expert);

@@ -20,6 +20,7 @@
 #include <mpi.h>
 
 #include "core/cuda/cuda_check.h"
+#include "cuda_timing.h"
 #include "dist/comm.h"
 #include "dist/cuda/peer_memory.h"
 #include "dist/runtime.h"
@@ -30,24 +31,7 @@ namespace {
 
 using namespace megaton;
 
-double median_ms(const std::function<void()>& run) {
-  for (int i = 0; i < 5; ++i) run();
-  std::vector<float> times;
-  cudaEvent_t start, stop;
-  MEGATON_CUDA_CHECK(cudaEventCreate(&start));
-  MEGATON_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 20; ++i) {
-    MEGATON_CUDA_CHECK(cudaEventRecord(start, cuda::stream()));
-    run();
-    MEGATON_CUDA_CHECK(cudaEventRecord(stop, cuda::stream()));
-    MEGATON_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    MEGATON_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
+using bench::median_ms;
 
 int run(int argc, char** argv) {
   dist::init(&argc, &argv);
@@ -77,12 +61,10 @@ int run(int argc, char** argv) {
   std::vector<std::pair<std::string, double>> results;
 
   std::vector<int64_t> counts(size_t(n), rows / n * hidden);
-  results.push_back({"NCCL all_to_allv", median_ms([&] {
-                       comm->all_to_allv(input, counts, out, counts, g);
-                     })});
-  results.push_back({"pull_rows, staged input", median_ms([&] {
-                       comm->pull_rows(input, runs, out, g);
-                     })});
+  results.push_back(
+      {"NCCL all_to_allv", median_ms([&] { comm->all_to_allv(input, counts, out, counts, g); })});
+  results.push_back(
+      {"pull_rows, staged input", median_ms([&] { comm->pull_rows(input, runs, out, g); })});
   results.push_back({"pull_rows, input in place", median_ms([&] {
                        Tensor in = comm->pull_input({rows, hidden}, DType::BF16, g);
                        comm->pull_rows(in, runs, out, g);
@@ -106,15 +88,15 @@ int run(int argc, char** argv) {
                           int64_t(size_t(r.count) * row_bytes)});
   }
   for (int blocks_per_sm : {1, 2, 4, 8, 16})
-    results.push_back({fmt::format("copy kernel, {} blocks per SM", blocks_per_sm),
-                       median_ms([&] {
+    results.push_back({fmt::format("copy kernel, {} blocks per SM", blocks_per_sm), median_ms([&] {
                          dist::detail::copy_chunks(copies, cuda::stream(), blocks_per_sm);
                        })});
   MPI_Barrier(MPI_COMM_WORLD);
   if (me == 0) {
-    fmt::print("{} ranks, {} rows x {} bf16 per rank, {} chunks pulled per rank, {:.1f} MB to "
-               "or from other GPUs per rank\n",
-               n, rows, hidden, runs.size(), remote_gb * 1e3);
+    fmt::print(
+        "{} ranks, {} rows x {} bf16 per rank, {} chunks pulled per rank, {:.1f} MB to "
+        "or from other GPUs per rank\n",
+        n, rows, hidden, runs.size(), remote_gb * 1e3);
     for (const auto& [name, ms] : results)
       fmt::print("{:<36} {:8.3f} ms  {:7.1f} GB/s\n", name, ms, remote_gb / (ms / 1e3));
   }

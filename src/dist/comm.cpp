@@ -198,9 +198,8 @@ Shape with_rows(const Tensor& t, int64_t rows) {
 }
 }  // namespace
 
-bool Comm::check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
-                                  const RowRuns& recv, const Group& g) const {
-  const char* op = "all_to_allv_rows";
+void Comm::check_row_exchange(const Tensor& in, const Tensor& out, const Group& g,
+                              const char* op) const {
   check_member(g, op);
   check_tensor(in, op, "input");
   check_tensor(out, op, "output");
@@ -210,9 +209,15 @@ bool Comm::check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor&
                     std::equal(in.shape().begin() + 1, in.shape().end(), out.shape().begin() + 1),
                 "{}: rows of input {} and output {} differ", op, shape_str(in.shape()),
                 shape_str(out.shape()));
+}
+
+bool Comm::check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
+                                  const RowRuns& recv, const Group& g) const {
+  const char* op = "all_to_allv_rows";
+  check_row_exchange(in, out, g, op);
   MEGATON_CHECK(int(send.size()) == g.size() && int(recv.size()) == g.size(),
-                "{} on group {}: {} send and {} receive run lists for {} members", op,
-                g.describe(), send.size(), recv.size(), g.size());
+                "{} on group {}: {} send and {} receive run lists for {} members", op, g.describe(),
+                send.size(), recv.size(), g.size());
   auto check_runs = [&](const RowRuns& runs, int64_t rows, const char* what) {
     for (int m = 0; m < g.size(); ++m)
       for (const RowRun& r : runs[m])
@@ -237,11 +242,10 @@ bool Comm::check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor&
   return false;
 }
 
-void Comm::all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
-                            const RowRuns& recv, const Group& g) {
+void Comm::all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out, const RowRuns& recv,
+                            const Group& g) {
   if (check_all_to_allv_rows(in, send, out, recv, g)) do_all_to_allv_rows(in, send, out, recv, g);
 }
-
 
 void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
                                const RowRuns& recv, const Group& g) {
@@ -273,18 +277,9 @@ void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& ou
     }
 }
 
-void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
-                     const Group& g) {
+void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g) {
   const char* op = "pull_rows";
-  check_member(g, op);
-  check_tensor(in, op, "input");
-  check_tensor(out, op, "output");
-  MEGATON_CHECK(in.dtype() == out.dtype(), "{} of {} into {}", op, dtype_name(in.dtype()),
-                dtype_name(out.dtype()));
-  MEGATON_CHECK(in.shape().size() >= 1 && out.shape().size() == in.shape().size() &&
-                    std::equal(in.shape().begin() + 1, in.shape().end(), out.shape().begin() + 1),
-                "{}: rows of input {} and output {} differ", op, shape_str(in.shape()),
-                shape_str(out.shape()));
+  check_row_exchange(in, out, g, op);
   for (const PullRun& r : runs) {
     check_index(r.member, g, op, "run member");
     MEGATON_CHECK(r.count >= 0 && r.src_first >= 0 && r.dst_first >= 0 &&

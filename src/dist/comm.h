@@ -203,6 +203,10 @@ class Comm {
   bool check_all_reduce(Tensor& t, const Group& g, ReduceOp op) const;
   bool check_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) const;
   bool check_all_gather(const Tensor& in, Tensor& out, const Group& g) const;
+  // This rank is in g; in and out are defined tensors on this Comm's device, of one dtype,
+  // with rank >= 1 and the same row size (all_to_allv_rows, pull_rows).
+  void check_row_exchange(const Tensor& in, const Tensor& out, const Group& g,
+                          const char* op) const;
   bool check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
                               const RowRuns& recv, const Group& g) const;
   double timeout_s_;

@@ -156,7 +156,7 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   expert_bias_forward(s.fc1_out, &Expert::fc1_bias);
   // Unpadded, the expert output is handed to combine as it is: the dispatcher's buffer.
   Tensor expert_out = s.expert_capacity == 0
-                          ? dispatcher_->new_expert_rows({rows, hidden}, x.dtype(), x.device())
+                          ? dispatcher_->new_exchanged_rows({rows, hidden}, x.dtype(), x.device())
                           : empty_like(x, {rows, hidden});
   ops::grouped_gemm(expert_activation(), expert_weights(&Expert::fc2_weight), true, expert_out,
                     s.expert_rows);
@@ -197,10 +197,9 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
     ops::swiglu_backward(dact, s.fc1_out, dfc1);
   else
     ops::gelu_backward(dact, s.fc1_out, dfc1);
-  Tensor dexpert_in =
-      s.expert_capacity == 0
-          ? dispatcher_->new_expert_rows(s.expert_in.shape(), dy.dtype(), dy.device())
-          : empty_like(dy, s.expert_in.shape());
+  Tensor dexpert_in = s.expert_capacity == 0 ? dispatcher_->new_exchanged_rows(
+                                                   s.expert_in.shape(), dy.dtype(), dy.device())
+                                             : empty_like(dy, s.expert_in.shape());
   ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dexpert_in, s.expert_rows);
   std::vector<Tensor> fc1_grads = expert_grads(&Expert::fc1_weight);
   ops::grouped_gemm_wgrad(dfc1, s.expert_in, fc1_grads, s.expert_rows);

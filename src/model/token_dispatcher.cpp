@@ -112,7 +112,7 @@ MoETokenDispatcher::MoETokenDispatcher(int64_t num_experts, const ModelParallel&
                 "MoE token dispatcher: {} expert ranks but no Comm", expert_mp.size());
 }
 
-Tensor MoETokenDispatcher::new_expert_rows(const Shape& shape, DType dtype, Device device) {
+Tensor MoETokenDispatcher::new_exchanged_rows(const Shape& shape, DType dtype, Device device) {
   return Tensor::empty(shape, dtype, device);
 }
 
@@ -129,9 +129,9 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   const int ep_rank = mp_.ep_rank(), etp_rank = mp_.etp_rank();
   saved_.probs = probs;
   saved_.pull = ep > 1 && etp == 1 && pulls();
-  // When pulling, moe_permute writes straight into the buffer the other ranks read.
-  Tensor permuted = saved_.pull ? mp_.comm->pull_input({tokens * k, hidden}, x.dtype(), mp_.ep())
-                                : empty_as(x, {tokens * k, hidden});
+  // When pulling, moe_permute writes straight into the buffer the other ranks read (as do
+  // combine's and the backward's producers: new_exchanged_rows).
+  Tensor permuted = new_exchanged_rows({tokens * k, hidden}, x.dtype(), x.device());
   saved_.row_id_map = Tensor::empty({tokens * k}, DType::I32, x.device());
   // Group E holds the copies dropped by capacity (index E): sorted after every expert's,
   // neither counted nor sent.
@@ -288,7 +288,7 @@ Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
 
 Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
   const int64_t tokens = saved_.probs.dim(0), k = saved_.probs.dim(1);
-  Tensor dcombined = new_expert_copies(dout, tokens * k);
+  Tensor dcombined = new_exchanged_rows({tokens * k, dout.dim(1)}, dout.dtype(), dout.device());
   dprobs = Tensor::empty({tokens, k}, DType::F32, dout.device());
   ops::moe_unpermute_backward(dout, saved_.combined, saved_.row_id_map, saved_.probs, dcombined,
                               dprobs);
@@ -308,15 +308,10 @@ Tensor MoEAlltoAllTokenDispatcher::permute_backward(const Tensor& dpermuted) {
   return dx;
 }
 
-Tensor MoEAlltoAllTokenDispatcher::new_expert_rows(const Shape& shape, DType dtype,
-                                                   Device device) {
+Tensor MoEAlltoAllTokenDispatcher::new_exchanged_rows(const Shape& shape, DType dtype,
+                                                      Device device) {
   if (!saved_.pull) return Tensor::empty(shape, dtype, device);
   return mp_.comm->pull_input(shape, dtype, mp_.ep());
-}
-
-Tensor MoEAlltoAllTokenDispatcher::new_expert_copies(const Tensor& like, int64_t copies) {
-  if (!saved_.pull) return empty_as(like, {copies, like.dim(1)});
-  return mp_.comm->pull_input({copies, like.dim(1)}, like.dtype(), mp_.ep());
 }
 
 bool MoEAlltoAllTokenDispatcher::pulls() {
@@ -450,8 +445,9 @@ AlltoAllExchange alltoall_exchange_from_env() {
   if (value.empty() || value == "auto") return AlltoAllExchange::Auto;
   if (value == "regroup") return AlltoAllExchange::Regroup;
   if (value == "pull") return AlltoAllExchange::Pull;
-  fail("environment variable MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got '{}')",
-       value);
+  fail(
+      "environment variable MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got '{}')",
+      value);
 }
 
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,

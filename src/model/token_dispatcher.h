@@ -53,12 +53,12 @@ class MoETokenDispatcher {
   // dexpert_in [R, H] (gradient of dispatch's result; with etp > 1 this rank's partial
   // sum) -> dx [T, H] (gradient of dispatch's x, without the router's part).
   virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
-  // A new uninitialised [R, H] tensor (`shape`, `dtype`, on `device`) for the expert rows
-  // that the next call hands over: combine's expert_out or dispatch_backward's dexpert_in,
-  // whole and unchanged in size. A dispatcher whose exchange reads its input in place
-  // (Comm::pull_input) returns that buffer; here, Tensor::empty. Collective over the expert
-  // groups like the calls themselves.
-  virtual Tensor new_expert_rows(const Shape& shape, DType dtype, Device device);
+  // A new uninitialised tensor (`shape`, `dtype`, on `device`) for rows that the next
+  // exchange sends: from the MoE layer, combine's expert_out or dispatch_backward's
+  // dexpert_in [R, H], handed over whole and unchanged in size. A dispatcher whose exchange
+  // reads its input in place (Comm::pull_input) returns that buffer; here, Tensor::empty.
+  // Collective over the expert groups like the calls themselves.
+  virtual Tensor new_exchanged_rows(const Shape& shape, DType dtype, Device device);
 
   // Rows of the last dispatch for each local expert [L] (host counts; kept copies only).
   virtual const std::vector<int64_t>& tokens_per_local_expert() const = 0;
@@ -95,8 +95,9 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   Tensor combine(const Tensor& expert_out) override;
   Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
-  // When pulling: the slot of Comm::pull_input, which the exchange reads in place.
-  Tensor new_expert_rows(const Shape& shape, DType dtype, Device device) override;
+  // When pulling: the slot of Comm::pull_input, which the exchange reads in place (also
+  // used here for the rows that dispatch and combine_backward send).
+  Tensor new_exchanged_rows(const Shape& shape, DType dtype, Device device) override;
   const std::vector<int64_t>& tokens_per_local_expert() const override {
     return saved_.tokens_per_local_expert;
   }
@@ -111,10 +112,10 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
     // (member i, its local expert l) from member i's expert rows).
     std::vector<dist::PullRun> to_experts_runs, from_experts_runs;
     bool pull = false;  // whether this micro-batch's exchanges pull (the runs above)
-    Tensor combined;           // expert output by copy [T k, H] (combine's, for its backward)
+    Tensor combined;    // expert output by copy [T k, H] (combine's, for its backward)
     // Per EP member: rows sent / received (kept copies; their sum sent: the kept copies).
     std::vector<int64_t> send_rows, recv_rows;
-    std::vector<int64_t> etp_rows;              // per ETP member: rows after the all-to-all
+    std::vector<int64_t> etp_rows;  // per ETP member: rows after the all-to-all
     // Chunk (etp member t, ep member i, local expert l) has chunk_rows[(t ep + i) L + l] rows.
     std::vector<int64_t> chunk_rows;
     std::vector<int64_t> tokens_per_local_expert;  // [L]
@@ -133,9 +134,6 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   // copies' rows (the first sum(send_rows)) uninitialised, the dropped copies' zero.
   Tensor local_copies_buffer(const Tensor& like) const;
 
-  // A new [copies, H] tensor (like's dtype and device) for rows by local copy that the
-  // next exchange sends (combine_backward's): when pulling, Comm::pull_input's slot.
-  Tensor new_expert_copies(const Tensor& like, int64_t copies);
   // Whether the exchanges pull (mp.alltoall_exchange resolved at the first dispatch, when
   // Auto asks the Comm collectively whether the EP group has peer memory).
   bool pulls();

@@ -25,6 +25,16 @@ bool device_available() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
+int multiprocessor_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    MEGATON_CUDA_CHECK(cudaGetDevice(&device));
+    MEGATON_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  }();
+  return count;
+}
+
 namespace {
 size_t size_class(size_t n) {
   if (n <= (size_t(1) << 20)) return (n + 511) / 512 * 512;

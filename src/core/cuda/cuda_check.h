@@ -33,4 +33,8 @@ void synchronize();
 // Whether a CUDA device is usable by this process.
 bool device_available();
 
+// Streaming multiprocessors of the current device (read once; grid sizes of persistent
+// and grid-stride kernels).
+int multiprocessor_count();
+
 }  // namespace megaton::cuda

@@ -1,11 +1,10 @@
 // PeerMemory (CUDA IPC mappings between the GPUs of one node) and the chunk copy kernel.
-#include "dist/cuda/peer_memory.h"
-
 #include <algorithm>
 
 #include "core/cuda/allocator.h"
 #include "core/cuda/cuda_check.h"
 #include "core/error.h"
+#include "dist/cuda/peer_memory.h"
 #include "dist/mpi_util.h"
 
 namespace megaton::dist::detail {
@@ -52,23 +51,15 @@ __global__ void copy_chunks_kernel(const __grid_constant__ CopyBatch batch) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-int sm_count() {
-  static const int count = [] {
-    int device = 0, n = 0;
-    MEGATON_CUDA_CHECK(cudaGetDevice(&device));
-    MEGATON_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    return n;
-  }();
-  return count;
-}
-
-void launch(const CopyBatch& batch, int64_t largest_bytes, int blocks_per_sm,
-            cudaStream_t stream) {
+void launch(const CopyBatch& batch, int64_t largest_bytes, int blocks_per_sm, cudaStream_t stream) {
   if (batch.count == 0) return;
   // blocks_per_sm over the whole batch, but no more than the largest copy needs.
   const int64_t word = batch.wide ? 16 : 1;
-  const int64_t needed = (largest_bytes / word + int64_t(kThreads) * 4 - 1) / (int64_t(kThreads) * 4);
-  const int64_t share = (int64_t(blocks_per_sm) * sm_count() + batch.count - 1) / batch.count;
+  const int64_t needed =
+      (largest_bytes / word + int64_t(kThreads) * 4 - 1) / (int64_t(kThreads) * 4);
+  const int64_t share =
+      (int64_t(blocks_per_sm) * ::megaton::cuda::multiprocessor_count() + batch.count - 1) /
+      batch.count;
   const dim3 grid(unsigned(std::max<int64_t>(1, std::min(needed, share))), unsigned(batch.count));
   copy_chunks_kernel<<<grid, kThreads, 0, stream>>>(batch);
   MEGATON_CUDA_CHECK(cudaGetLastError());

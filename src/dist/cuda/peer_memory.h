@@ -61,8 +61,8 @@ class PeerMemory {
   MPI_Comm comm_;
   int rank_ = 0, size_ = 0;
   size_t slot_bytes_ = 0;
-  char* own_ = nullptr;          // this member's allocation (2 slots)
-  std::vector<char*> mapped_;    // every member's allocation as mapped here (own_ at rank_)
+  char* own_ = nullptr;        // this member's allocation (2 slots)
+  std::vector<char*> mapped_;  // every member's allocation as mapped here (own_ at rank_)
 };
 
 }  // namespace megaton::dist::detail

@@ -43,16 +43,6 @@ void upload(void* device_dst, const void* host_src, size_t bytes) {
   }
 }
 
-int sm_count() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    MEGATON_CUDA_CHECK(cudaGetDevice(&device));
-    MEGATON_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
-  }();
-  return count;
-}
-
 }  // namespace grouped_cutlass
 
 bool cutlass_grouped_gemm(const std::vector<GroupedProblem>& problems, DType ab, DType c,

@@ -33,9 +33,6 @@ namespace megaton::ops::cuda::grouped_cutlass {
 // drains; defined in grouped_gemm.cu).
 void upload(void* device_dst, const void* host_src, size_t bytes);
 
-// Multiprocessor count of the current device, queried once.
-int sm_count();
-
 // CUTLASS's row/column-major tags for our row-major operands: op(a) [m, k] is a [m, k]
 // row-major (RowMajor) or, when transposed, [k, m] row-major (ColumnMajor); op(b) [k, n]
 // is b [k, n] row-major (RowMajor: n contiguous) or, when transposed, [n, k]
@@ -146,7 +143,7 @@ struct GroupedGemm {
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(base + ptr_d_at);
     args.epilogue.dD = reinterpret_cast<StrideD*>(base + stride_d_at);
     args.hw_info.device_id = 0;
-    args.hw_info.sm_count = sm_count();
+    args.hw_info.sm_count = ::megaton::cuda::multiprocessor_count();
 
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
