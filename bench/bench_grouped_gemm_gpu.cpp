@@ -32,8 +32,8 @@ Tensor random_bf16(Shape shape) {
   return host.to(DType::BF16).to(Device::CUDA);
 }
 
-[[maybe_unused]] void bench_config(const char* name, int64_t tokens, int64_t hidden, int64_t ffn, int experts,
-                  int topk) {
+[[maybe_unused]] void bench_config(const char* name, int64_t tokens, int64_t hidden,
+                                   int64_t ffn, int experts, int topk) {
   const int64_t rows = tokens * topk, per_expert = rows / experts;
   std::vector<int64_t> group_rows(experts, per_expert);
   group_rows.back() += rows - per_expert * experts;
