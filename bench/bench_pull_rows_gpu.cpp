@@ -23,6 +23,7 @@
 #include "cuda_timing.h"
 #include "dist/comm.h"
 #include "dist/cuda/peer_memory.h"
+#include "ops/cuda/copy_chunks.h"
 #include "dist/runtime.h"
 #endif
 
@@ -77,7 +78,7 @@ int run(int argc, char** argv) {
                                      cudaMemcpyDeviceToDevice, cuda::stream()));
   MEGATON_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
   MPI_Barrier(MPI_COMM_WORLD);
-  std::vector<dist::detail::PeerCopy> copies;
+  std::vector<ops::cuda::ByteCopy> copies;
   const size_t row_bytes = size_t(hidden) * 2;
   for (int step = 1; step <= n; ++step) {
     const int m = (me + step) % n;
@@ -89,7 +90,7 @@ int run(int argc, char** argv) {
   }
   for (int blocks_per_sm : {1, 2, 4, 8, 16})
     results.push_back({fmt::format("copy kernel, {} blocks per SM", blocks_per_sm), median_ms([&] {
-                         dist::detail::copy_chunks(copies, cuda::stream(), blocks_per_sm);
+                         ops::cuda::copy_chunks(copies, cuda::stream(), blocks_per_sm);
                        })});
   MPI_Barrier(MPI_COMM_WORLD);
   if (me == 0) {

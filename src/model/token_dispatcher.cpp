@@ -8,7 +8,6 @@
 
 #include "core/error.h"
 #include "ops/ops.h"
-#include "ops/profiler.h"
 
 namespace megaton {
 
@@ -68,18 +67,8 @@ Tensor reduce_scatter_rows(dist::Comm& comm, const Tensor& x, const std::vector<
 // result holds chunks order[0], order[1], ... (Megatron's sort_chunks_by_idxs).
 Tensor reorder_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
                       const std::vector<int64_t>& order) {
-  std::vector<int64_t> start(chunk_rows.size() + 1, 0);
-  for (size_t c = 0; c < chunk_rows.size(); ++c) start[c + 1] = start[c] + chunk_rows[c];
-  MEGATON_CHECK(start.back() == src.dim(0), "reorder_chunks: {} rows, chunks of {}", src.dim(0),
-                start.back());
   Tensor out = Tensor::empty(src.shape(), src.dtype(), src.device());
-  const ops::OpProfileScope profile_scope("moe_reorder_chunks");  // MEGATON_OP_PROFILE=1
-  int64_t at = 0;
-  for (int64_t c : order) {
-    const int64_t n = chunk_rows[c];
-    if (n > 0) out.rows(at, n).copy_from(src.rows(start[c], n));
-    at += n;
-  }
+  ops::moe_sort_chunks(src, chunk_rows, order, out);
   return out;
 }
 

@@ -347,6 +347,17 @@ void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& gr
 void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
                                   int64_t capacity, Tensor& rows);
 
+// Chunks of rows put in a new order (Megatron's sort_chunks_by_idxs: the all-to-all
+// dispatcher regroups the chunks it received by local expert; ops/cpu/moe_permute.cpp,
+// CUDA: ops/cuda/copy_chunks.cu, one launch per 128 chunks). src [R, ...] holds C chunks of
+// consecutive rows, chunk c having chunk_rows[c] rows (host counts, R their sum); dst
+// (src's shape and dtype, on its device, not overlapping it) is overwritten with chunks
+// order[0], order[1], ... one after the other. order is a permutation of 0 .. C - 1. Any
+// dtype. InternalError on a shape, dtype or device mismatch, negative counts or counts
+// that do not sum to R, or an order that is not a permutation.
+void moe_sort_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
+                     const std::vector<int64_t>& order, Tensor& dst);
+
 // ---- AdamW (ops/cpu/adam.cpp) ----
 // Decoupled weight decay (Loshchilov & Hutter 2019; torch.optim.AdamW, Megatron's
 // default optimizer): p -= lr * wd * p; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;

@@ -10,8 +10,8 @@
 // the door function hands the op to its CUDA implementation and one recorded when that
 // returns: the op's kernels, copies and library calls, plus any gap between them while
 // the host was still launching. The blocking NCCL collectives (dist/cuda/comm_nccl.cpp)
-// and the MoE dispatcher's chunk regrouping are timed the same way under their own names
-// (all_to_allv, all_gather, moe_reorder_chunks, ...); the *_async collectives, on the
+// and the token exchange's peer copies are timed the same way under their own names
+// (all_to_allv, all_gather, pull_rows, ...); the *_async collectives, on the
 // communication stream, are not. Other work not dispatched through an op door (memsets,
 // Tensor copies, allocator frees) is not timed. A door reached inside another timed op counts
 // toward the outer op only, so the per-op times add up to no more than the stream's busy

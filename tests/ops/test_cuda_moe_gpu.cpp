@@ -368,6 +368,30 @@ TEST_F(CudaOpsMoeTest, PadRowsToCapacityRejectsBadInputs) {
   EXPECT_THROW(ops::moe_unpad_rows_from_capacity(padded, groups, 3, host_rows), InternalError);
 }
 
+TEST_F(CudaOpsMoeTest, SortChunksMatchesCpu) {
+  const uint64_t seed = testing::test_seed() + 670;
+  SCOPED_TRACE(seed_trace(seed));
+  std::mt19937_64 gen(seed);
+  // 64 chunks of 0-300 rows (an EP8 regrouping: 8 ranks x 8 local experts) and 300 chunks
+  // (more than one launch's 128); H = 2048 bf16 rows take the 16-byte path, H = 97 fp32
+  // rows (388 bytes) the byte path.
+  for (int64_t chunks : {int64_t(64), int64_t(300)})
+    for (auto [H, dtype] : {std::pair{int64_t(2048), DType::BF16}, std::pair{int64_t(97), DType::F32}}) {
+      std::uniform_int_distribution<int64_t> count(0, 300);
+      std::vector<int64_t> chunk_rows(static_cast<size_t>(chunks)), order(chunk_rows.size());
+      for (int64_t& n : chunk_rows) n = count(gen) % 5 == 0 ? 0 : count(gen);
+      std::iota(order.begin(), order.end(), int64_t(0));
+      std::shuffle(order.begin(), order.end(), gen);
+      const int64_t R = std::accumulate(chunk_rows.begin(), chunk_rows.end(), int64_t(0));
+      const Rounded src = as_dtype(randn({R, H}, seed + uint64_t(chunks + H)), dtype);
+      Tensor ref = Tensor::empty({R, H});
+      ops::moe_sort_chunks(src.ref, chunk_rows, order, ref);
+      Tensor got = poisoned_gpu({R, H}, dtype);
+      ops::moe_sort_chunks(src.device, chunk_rows, order, got);
+      EXPECT_TRUE(bitwise_equal(got, ref.to(dtype))) << chunks << " chunks, H " << H;
+    }
+}
+
 }  // namespace
 }  // namespace megaton
 

@@ -167,6 +167,35 @@ TEST(MoePermute, RejectsBadInputs) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Chunks put in a new order (the all-to-all dispatcher's regrouping)
+
+TEST(MoeSortChunks, HandWorkedExample) {
+  // Chunks of 2, 0, 1 and 2 rows (rows 0-1, none, 2, 3-4) in the order 3, 1, 0, 2.
+  Tensor src = Tensor::from({5, 2}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
+  Tensor dst = Tensor::empty({5, 2});
+  poison(dst);
+  ops::moe_sort_chunks(src, {2, 0, 1, 2}, {3, 1, 0, 2}, dst);
+  EXPECT_TRUE(allclose(dst, Tensor::from({5, 2}, {7, 8, 9, 10, 1, 2, 3, 4, 5, 6}), 0, 0));
+  // Any dtype: int32 rows of 3.
+  Tensor ids = Tensor::from_i32({3, 3}, {0, 1, 2, 10, 11, 12, 20, 21, 22});
+  Tensor sorted = Tensor::empty({3, 3}, DType::I32);
+  ops::moe_sort_chunks(ids, {1, 2}, {1, 0}, sorted);
+  const std::vector<int32_t> want = {10, 11, 12, 20, 21, 22, 0, 1, 2};
+  EXPECT_EQ(std::vector<int32_t>(sorted.i32(), sorted.i32() + 9), want);
+}
+
+TEST(MoeSortChunks, RejectsBadChunksAndOrders) {
+  Tensor src = randn({5, 2}, 7), dst = Tensor::empty({5, 2});
+  Tensor narrow = Tensor::empty({5, 3});
+  EXPECT_THROW(ops::moe_sort_chunks(src, {2, 3}, {1, 0}, narrow), InternalError);
+  EXPECT_THROW(ops::moe_sort_chunks(src, {2, 2}, {1, 0}, dst), InternalError);   // sums to 4
+  EXPECT_THROW(ops::moe_sort_chunks(src, {6, -1}, {1, 0}, dst), InternalError);  // negative
+  EXPECT_THROW(ops::moe_sort_chunks(src, {2, 3}, {1, 1}, dst), InternalError);   // repeated
+  EXPECT_THROW(ops::moe_sort_chunks(src, {2, 3}, {0, 2}, dst), InternalError);   // outside
+  EXPECT_THROW(ops::moe_sort_chunks(src, {2, 3}, {0}, dst), InternalError);      // too short
+}
+
+// ---------------------------------------------------------------------------------------
 // Padding to capacity (--moe-pad-expert-input-to-capacity)
 
 TEST(MoePadRows, HandWorkedExample) {

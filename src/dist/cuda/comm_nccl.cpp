@@ -37,6 +37,7 @@
 #include "dist/comm.h"
 #include "dist/cuda/peer_memory.h"
 #include "dist/mpi_util.h"
+#include "ops/cuda/copy_chunks.h"
 #include "ops/profiler.h"
 
 // MEGATON_NCCL_CHECK(ncclGetUniqueId(&id)): throws InternalError naming the call, the
@@ -240,7 +241,7 @@ class NcclComm final : public Comm {
                            c, s);
     });
     const int n = g.size();
-    std::vector<detail::PeerCopy> copies;
+    std::vector<ops::cuda::ByteCopy> copies;
     copies.reserve(runs.size());
     // Members read from member + 1, + 2, ... first, so they do not all start on one GPU.
     for (int step = 1; step <= n; ++step) {
@@ -252,7 +253,7 @@ class NcclComm final : public Comm {
                             int64_t(size_t(r.count) * row_bytes)});
     }
     const ops::OpProfileScope profile_scope("pull_rows");
-    detail::copy_chunks(copies, stream);
+    ops::cuda::copy_chunks(copies, stream);
   }
 
   Tensor do_pull_input(const Shape& shape, DType dtype, const Group& g) override {

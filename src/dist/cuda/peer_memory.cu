@@ -1,4 +1,4 @@
-// PeerMemory (CUDA IPC mappings between the GPUs of one node) and the chunk copy kernel.
+// PeerMemory: CUDA IPC mappings between the GPUs of one node.
 #include <algorithm>
 
 #include "core/cuda/allocator.h"
@@ -8,84 +8,6 @@
 #include "dist/mpi_util.h"
 
 namespace megaton::dist::detail {
-
-namespace {
-
-// Copies per launch: the batch travels as a kernel parameter (24 bytes a copy, under the
-// 4 KiB parameter limit).
-constexpr int kMaxCopies = 128;
-constexpr int kThreads = 512;
-
-struct CopyBatch {
-  PeerCopy copy[kMaxCopies];
-  int count = 0;
-  bool wide = false;  // every pointer and size a multiple of 16 bytes
-};
-
-// Block (x, y) copies part of batch.copy[y], grid-striding over its words. Four loads are
-// issued before their stores so that each thread keeps several NVLink reads in flight.
-template <typename Word>
-__device__ void copy_words(const PeerCopy& c) {
-  const Word* src = static_cast<const Word*>(c.src);
-  Word* dst = static_cast<Word*>(c.dst);
-  const int64_t n = c.bytes / int64_t(sizeof(Word));
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    const Word a = src[i], b = src[i + stride], d = src[i + 2 * stride], e = src[i + 3 * stride];
-    dst[i] = a;
-    dst[i + stride] = b;
-    dst[i + 2 * stride] = d;
-    dst[i + 3 * stride] = e;
-  }
-  for (; i < n; i += stride) dst[i] = src[i];
-}
-
-__global__ void copy_chunks_kernel(const __grid_constant__ CopyBatch batch) {
-  const PeerCopy& c = batch.copy[blockIdx.y];
-  if (batch.wide)
-    copy_words<int4>(c);
-  else
-    copy_words<unsigned char>(c);
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-void launch(const CopyBatch& batch, int64_t largest_bytes, int blocks_per_sm, cudaStream_t stream) {
-  if (batch.count == 0) return;
-  // blocks_per_sm over the whole batch, but no more than the largest copy needs.
-  const int64_t word = batch.wide ? 16 : 1;
-  const int64_t needed =
-      (largest_bytes / word + int64_t(kThreads) * 4 - 1) / (int64_t(kThreads) * 4);
-  const int64_t share =
-      (int64_t(blocks_per_sm) * ::megaton::cuda::multiprocessor_count() + batch.count - 1) /
-      batch.count;
-  const dim3 grid(unsigned(std::max<int64_t>(1, std::min(needed, share))), unsigned(batch.count));
-  copy_chunks_kernel<<<grid, kThreads, 0, stream>>>(batch);
-  MEGATON_CUDA_CHECK(cudaGetLastError());
-}
-
-}  // namespace
-
-void copy_chunks(std::span<const PeerCopy> copies, cudaStream_t stream, int blocks_per_sm) {
-  CopyBatch batch;
-  int64_t largest = 0;
-  batch.wide = true;
-  for (const PeerCopy& c : copies)
-    if (c.bytes > 0 && !(aligned16(c.src) && aligned16(c.dst) && c.bytes % 16 == 0))
-      batch.wide = false;
-  for (const PeerCopy& c : copies) {
-    if (c.bytes <= 0) continue;
-    batch.copy[batch.count++] = c;
-    largest = std::max(largest, c.bytes);
-    if (batch.count == kMaxCopies) {
-      launch(batch, largest, blocks_per_sm, stream);
-      batch.count = 0;
-      largest = 0;
-    }
-  }
-  launch(batch, largest, blocks_per_sm, stream);
-}
 
 bool PeerMemory::available(MPI_Comm comm) {
   int size = 0, rank = 0;

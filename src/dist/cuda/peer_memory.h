@@ -1,5 +1,5 @@
 // PeerMemory: buffers that the GPUs of one group on one node map into each other's address
-// space (CUDA IPC), and the copy kernel that reads them (Comm::pull_rows over NCCL).
+// space (CUDA IPC), read by Comm::pull_rows over NCCL with ops/cuda/copy_chunks.h.
 //
 // Each member owns one allocation of two equal slots; every member maps every other's.
 // A pull writes the caller's input into its slot s, waits for every member to have done
@@ -14,24 +14,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <span>
 #include <vector>
 
 namespace megaton::dist::detail {
-
-// One copy of `bytes` bytes from src (this GPU's memory or a mapped peer's) to dst.
-struct PeerCopy {
-  const void* src = nullptr;
-  void* dst = nullptr;
-  int64_t bytes = 0;
-};
-
-// Enqueues the copies on `stream` (kernels that read and write with the SMs, 16-byte words
-// when every copy's pointers and size allow, else bytes), about `blocks_per_sm` blocks of
-// 512 threads per SM over all copies (bench/bench_pull_rows_gpu.cpp compares settings).
-// Empty copies are skipped. The destinations must not overlap each other or the sources.
-// Throws InternalError on a failed launch.
-void copy_chunks(std::span<const PeerCopy> copies, cudaStream_t stream, int blocks_per_sm = 4);
 
 class PeerMemory {
  public:

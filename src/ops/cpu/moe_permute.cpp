@@ -7,7 +7,8 @@
 // written by one iteration and the loops parallelise without atomics.
 //
 // moe_pad_rows_to_capacity / moe_unpad_rows_from_capacity (--moe-pad-expert-input-to-capacity)
-// copy each expert's rows of the expert input into, or out of, a block of `capacity` rows.
+// copy each expert's rows of the expert input into, or out of, a block of `capacity` rows;
+// moe_sort_chunks puts chunks of rows in a new order (any dtype, byte copies).
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -247,6 +248,46 @@ void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_
     if (group_rows[g] > 0)
       std::memcpy(dst + start[g] * H, src + int64_t(g) * capacity * H,
                   sizeof(float) * group_rows[g] * H);
+}
+
+void moe_sort_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
+                     const std::vector<int64_t>& order, Tensor& dst) {
+  const char* op = "moe_sort_chunks";
+  MEGATON_CHECK(src.defined() && dst.defined() && src.ndim() >= 1, "{}: src and dst must be "
+                "allocated tensors with rows", op);
+  MEGATON_CHECK(src.shape() == dst.shape() && src.dtype() == dst.dtype() &&
+                    src.device() == dst.device(),
+                "{}: dst {} {} must match src {} {} (one device)", op, shape_str(dst.shape()),
+                dtype_name(dst.dtype()), shape_str(src.shape()), dtype_name(src.dtype()));
+  const size_t chunks = chunk_rows.size();
+  MEGATON_CHECK(order.size() == chunks, "{}: {} chunks, order of {}", op, chunks, order.size());
+  std::vector<int64_t> start(chunks + 1, 0);
+  for (size_t c = 0; c < chunks; ++c) {
+    MEGATON_CHECK(chunk_rows[c] >= 0, "{}: chunk {} has {} rows", op, c, chunk_rows[c]);
+    start[c + 1] = start[c] + chunk_rows[c];
+  }
+  MEGATON_CHECK(start.back() == src.dim(0), "{}: src has {} rows, the chunks sum to {}", op,
+                src.dim(0), start.back());
+  // Output chunk j: chunk order[j], its first row in src and its length.
+  std::vector<bool> seen(chunks, false);
+  std::vector<int64_t> src_first(chunks), rows(chunks);
+  for (size_t j = 0; j < chunks; ++j) {
+    const int64_t c = order[j];
+    MEGATON_CHECK(c >= 0 && c < int64_t(chunks) && !seen[size_t(c)],
+                  "{}: order is not a permutation of 0..{} (entry {} is {})", op, chunks - 1, j, c);
+    seen[size_t(c)] = true;
+    src_first[j] = start[size_t(c)];
+    rows[j] = chunk_rows[size_t(c)];
+  }
+  if (src.numel() == 0) return;
+  MEGATON_CUDA_DISPATCH(src, cuda::moe_sort_chunks(src, src_first, rows, dst));
+  const size_t row_bytes = src.nbytes() / size_t(src.dim(0));
+  const auto* from = static_cast<const char*>(src.raw());
+  auto* to = static_cast<char*>(dst.raw());
+  for (size_t j = 0, at = 0; j < chunks; at += size_t(rows[j]), ++j)
+    if (rows[j] > 0)
+      std::memcpy(to + at * row_bytes, from + size_t(src_first[j]) * row_bytes,
+                  size_t(rows[j]) * row_bytes);
 }
 
 }  // namespace megaton::ops

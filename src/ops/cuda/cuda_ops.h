@@ -119,6 +119,10 @@ void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& gr
                               int64_t capacity, Tensor& padded);
 void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
                                   int64_t capacity, Tensor& rows);
+// moe_sort_chunks with its arguments checked: output chunk j is rows[j] rows of src from
+// row src_first[j] (copy_chunks.cu).
+void moe_sort_chunks(const Tensor& src, const std::vector<int64_t>& src_first,
+                     const std::vector<int64_t>& rows, Tensor& dst);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step);
 // Multi-tensor ops (multi_tensor.cu): batches of up to 64 (adamw) or 160 tensors per
