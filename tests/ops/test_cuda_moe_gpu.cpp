@@ -71,50 +71,6 @@ Rounded as_dtype(const Tensor& f32, DType dtype) {
   return ::testing::AssertionSuccess();
 }
 
-// Router logits [T, E] with no near-ties (entries of a row at least 0.075 apart, so fp32
-// scores computed in a different order still rank the same): each row a random permutation
-// of 0.1 * e plus jitter in [0, 0.025). Expert `empty_expert` (when >= 0) gets -1e4 in
-// every row, so no token routes to it while k < E.
-Tensor separated_logits(int64_t T, int64_t E, uint64_t seed, int empty_expert = -1) {
-  Tensor t = Tensor::empty({T, E});
-  std::mt19937_64 gen(seed);
-  std::uniform_real_distribution<float> jitter(0.0f, 0.025f);
-  std::vector<int> perm(E);
-  for (int64_t r = 0; r < T; ++r) {
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), gen);
-    for (int64_t e = 0; e < E; ++e)
-      t.f32()[r * E + e] = e == empty_expert ? -1e4f : 0.1f * float(perm[e]) - 3.0f + jitter(gen);
-  }
-  return t;
-}
-
-// Logits drawn from {0, 1, 2}: many exact ties, which both devices must break toward the
-// lower expert index (equal inputs give equal fp32 scores on either device).
-Tensor tied_logits(int64_t T, int64_t E, uint64_t seed) {
-  Tensor t = Tensor::empty({T, E});
-  std::mt19937_64 gen(seed);
-  std::uniform_int_distribution<int> level(0, 2);
-  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = float(level(gen));
-  return t;
-}
-
-struct RouteCase {
-  int64_t T, E;
-  int k;
-};
-std::vector<RouteCase> route_cases() {
-  std::vector<RouteCase> cases;
-  for (int64_t T : {1, 37, 4096})
-    for (int64_t E : {4, 8, 64})
-      for (int k : {1, 2, 8})
-        if (k <= E) cases.push_back({T, E, k});
-  return cases;
-}
-std::string describe(const RouteCase& c) {
-  return "T " + std::to_string(c.T) + " E " + std::to_string(c.E) + " k " + std::to_string(c.k);
-}
-
 // ---------------------------------------------------------------------------------------
 // Softmax cross-entropy
 
