@@ -2,6 +2,8 @@
 // copy_from, fill, item, typed access checks.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -67,6 +69,22 @@ TEST(Tensor, RowsShareStorageAtTheRightOffset) {
   EXPECT_EQ(t.rows(4, 0).numel(), 0);
   EXPECT_THROW(t.rows(3, 2), InternalError);
   EXPECT_THROW(t.rows(-1, 1), InternalError);
+}
+
+TEST(Tensor, BorrowViewsMemoryItDoesNotOwn) {
+  std::vector<float> owned(12, 0.0f);
+  {
+    Tensor t = Tensor::borrow(owned.data(), {3, 4}, DType::F32, Device::CPU);
+    EXPECT_EQ(t.raw(), owned.data());
+    EXPECT_EQ(t.shape(), (Shape{3, 4}));
+    t.rows(1, 1).fill(5.0f);  // views write through to the caller's memory
+    Tensor copy = t.clone();  // a clone owns new storage
+    EXPECT_NE(copy.raw(), owned.data());
+  }
+  // The tensor and its views are gone; the memory is the caller's and still readable.
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(owned[size_t(i)], i >= 4 && i < 8 ? 5.0f : 0.0f) << i;
+  EXPECT_THROW(Tensor::borrow(nullptr, {2}, DType::F32, Device::CPU), InternalError);
+  EXPECT_TRUE(Tensor::borrow(nullptr, {0, 4}, DType::F32, Device::CPU).defined());
 }
 
 TEST(Tensor, CloneIsDeep) {
