@@ -1,12 +1,11 @@
-// Tensor basics: construction, views and rows sharing storage, clone, dtype conversions,
-// copy_from, fill, item, typed access checks.
+// Tensor basics: construction, views and rows sharing storage, borrowed memory, clone, dtype
+// conversions, copy_from, fill, item, typed access checks.
 #include <gtest/gtest.h>
-
-#include <vector>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "core/tensor.h"
 
