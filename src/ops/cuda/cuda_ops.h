@@ -64,6 +64,9 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
                         Tensor& dv, float dropout_p, uint64_t seed,
                         uint64_t stream);
+// Single-query attention over a KV cache, inference only (attention_kv_cache.cu).
+void attention_kv_cache(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
+                        int64_t first_position, Tensor& out);
 void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& losses,
                            Tensor& lse);
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
