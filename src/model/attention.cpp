@@ -108,6 +108,42 @@ Tensor SelfAttention::backward(const Tensor& dy) {
   return linear_qkv.backward(dqkv);
 }
 
+Tensor SelfAttention::forward_inference(const Tensor& x, int64_t first_position,
+                                        Tensor& key_cache, Tensor& value_cache) const {
+  MEGATON_CHECK(mp_.tp_size() == 1, "SelfAttention of layer {}: inference runs on one rank",
+                layer_);
+  const int64_t n = x.dim(0), np = cfg_.num_attention_heads, ng = cfg_.num_query_groups,
+                d = cfg_.kv_channels;
+  const Shape cache_shape{key_cache.dim(0), ng, d};
+  MEGATON_CHECK(key_cache.shape() == cache_shape && value_cache.shape() == cache_shape,
+                "SelfAttention of layer {}: caches {} and {}, expected {}", layer_,
+                shape_str(key_cache.shape()), shape_str(value_cache.shape()),
+                shape_str(cache_shape));
+  MEGATON_CHECK(first_position >= 0 && first_position + n <= key_cache.dim(0),
+                "SelfAttention of layer {}: positions [{}, {}) outside the cache's {}", layer_,
+                first_position, first_position + n, key_cache.dim(0));
+  const Tensor qkv = linear_qkv.forward_inference(x);
+  Tensor q = empty_like(qkv, {1, n, np, d}), k = empty_like(qkv, {1, n, ng, d}),
+         v = empty_like(qkv, {1, n, ng, d});
+  // The split alone: the fused RoPE of the training path rotates by the position within
+  // the micro-batch, here the positions start at first_position.
+  ops::qkv_split_rope(qkv, 1, ng, q, k, v, /*apply_rope=*/false, cfg_.rotary_base);
+  if (q_layernorm) {
+    q = q_layernorm->forward_inference(q.view({n * np, d})).view(q.shape());
+    k = k_layernorm->forward_inference(k.view({n * ng, d})).view(k.shape());
+  }
+  if (uses_rope(cfg_)) {
+    ops::rope_forward(q, q, cfg_.rotary_base, first_position);
+    ops::rope_forward(k, k, cfg_.rotary_base, first_position);
+  }
+  Tensor key_rows = key_cache.rows(first_position, n), value_rows = value_cache.rows(first_position, n);
+  key_rows.copy_from(k);
+  value_rows.copy_from(v);
+  Tensor out = empty_like(qkv, {n, np, d});
+  ops::attention_kv_cache(q.view({n, np, d}), key_cache, value_cache, first_position, out);
+  return linear_proj.forward_inference(out.view({n, np * d}));
+}
+
 SelfAttention::Activations SelfAttention::take_saved() {
   Activations out;
   out.attention = std::exchange(saved_, {});

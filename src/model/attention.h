@@ -28,6 +28,16 @@ class SelfAttention {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
+  // Inference with a KV cache (generation; one rank, no dropout, nothing saved): the n
+  // tokens of x [n, H] (compute dtype) sit at absolute positions first_position ..
+  // first_position + n - 1 (RoPE rotates by them). Their keys and values (after RoPE and
+  // the q/k norms) are written to rows [first_position, first_position + n) of key_cache
+  // and value_cache ([max_positions, num_query_groups, kv_channels], compute dtype; see
+  // InferenceContext), then every query attends to the cache rows at or before its own
+  // position (ops::attention_kv_cache). Returns [n, H]. InternalError under tensor
+  // parallelism or when the positions do not fit the cache.
+  Tensor forward_inference(const Tensor& x, int64_t first_position, Tensor& key_cache,
+                           Tensor& value_cache) const;
   void collect_params(std::vector<Param*>& out);
 
   // With qk_layernorm the norms save their inputs (q, k before the norm, [B*S*heads, d])

@@ -6,6 +6,7 @@
 #include <functional>
 #include <utility>
 
+#include "model/kv_cache.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -57,6 +58,24 @@ Tensor TransformerLayer::backward(const Tensor& dy) {
   ops::add_(dx, dh);
   saved_ = {};
   return dx;
+}
+
+Tensor TransformerLayer::forward_inference(const Tensor& x, int64_t first_position,
+                                           Tensor& key_cache, Tensor& value_cache) {
+  Tensor h = self_attention.forward_inference(input_layernorm.forward_inference(x),
+                                              first_position, key_cache, value_cache);
+  ops::add_(h, x);
+  const Tensor normed = pre_mlp_layernorm.forward_inference(h);
+  Tensor y;
+  if (moe) {
+    ForwardContext eval;
+    eval.training = false;  // no jitter, no aux losses, no token counts
+    y = moe->forward(normed, eval);
+  } else {
+    y = mlp->forward_inference(normed);
+  }
+  ops::add_(y, h);
+  return y;
 }
 
 TransformerLayer::Activations TransformerLayer::take_saved() {
@@ -343,6 +362,48 @@ Tensor GPTModel::logits(const Tensor& tokens) {
   Tensor out = empty_like(hidden, {hidden.dim(0), cfg_.padded_vocab_size});
   ops::gemm(hidden, false, out_w.weight, true, out);
   return out.dtype() == DType::F32 ? out.to(Device::CPU) : out.to(Device::CPU).to(DType::F32);
+}
+
+Tensor GPTModel::prefill(std::span<const int32_t> tokens, InferenceContext& context) {
+  context.sequence_len_offset = 0;
+  return forward_inference(tokens, context);
+}
+
+Tensor GPTModel::decode_step(int32_t token, InferenceContext& context) {
+  return forward_inference(std::span<const int32_t>(&token, 1), context);
+}
+
+Tensor GPTModel::forward_inference(std::span<const int32_t> tokens, InferenceContext& context) {
+  MEGATON_CHECK(chunk_.pre_process && chunk_.post_process && mp_.tp_size() == 1,
+                "GPTModel inference needs the whole model on one tensor-parallel rank");
+  const int64_t n = int64_t(tokens.size()), first = context.sequence_len_offset,
+                H = cfg_.hidden_size;
+  MEGATON_CHECK(n >= 1, "GPTModel inference: no tokens");
+  MEGATON_CHECK(context.key_value_memory_dict.size() == layers_.size(),
+                "GPTModel inference: the context has {} layers, the model {}",
+                context.key_value_memory_dict.size(), layers_.size());
+  MEGATON_CHECK(context.fits(n), "GPTModel inference: {} tokens at position {} exceed the cache's {}",
+                n, first, context.max_sequence_length);
+  MEGATON_CHECK(!position_embeddings.weight.defined() || first + n <= cfg_.max_position_embeddings,
+                "GPTModel inference: position {} exceeds max_position_embeddings {}", first + n - 1,
+                cfg_.max_position_embeddings);
+  const Tensor ids =
+      Tensor::from_i32({n}, std::vector<int32_t>(tokens.begin(), tokens.end())).to(cfg_.device);
+  Tensor x = empty_like(word_embeddings.weight, {n, H});
+  ops::embedding_forward(ids, word_embeddings.weight, x);
+  if (position_embeddings.weight.defined()) ops::add_(x, position_embeddings.weight.rows(first, n));
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    InferenceContext::LayerCache& cache = context.key_value_memory_dict[i];
+    x = layers_[i]->forward_inference(x, first, cache.key, cache.value);
+  }
+  context.sequence_len_offset = first + n;
+  // Only the last token's logits are wanted: the final norm is per row.
+  const Tensor hidden = final_layernorm.forward_inference(x.rows(n - 1, 1));
+  const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
+  Tensor out = empty_like(hidden, {1, cfg_.padded_vocab_size});
+  ops::gemm(hidden, false, out_w.weight, true, out);
+  const Tensor host = out.to(Device::CPU);
+  return (host.dtype() == DType::F32 ? host : host.to(DType::F32)).view({cfg_.padded_vocab_size});
 }
 
 void GPTModel::backward(const Tensor& dlosses, float aux_grad_scale) {

@@ -21,6 +21,13 @@ class TransformerLayer {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
+  // Inference with a KV cache (generation; one rank, no dropout): x [n, H], the tokens at
+  // positions first_position .. first_position + n - 1, -> [n, H]; the layer's keys and
+  // values go to key_cache / value_cache (SelfAttention::forward_inference). Dense layers
+  // save nothing; an MoE layer runs its evaluation forward (MoELayer::forward, training
+  // off), which keeps that forward's routing in its saved state as GPTModel::logits does.
+  Tensor forward_inference(const Tensor& x, int64_t first_position, Tensor& key_cache,
+                           Tensor& value_cache);
   void collect_params(std::vector<Param*>& out);
 
   struct Saved {
@@ -102,6 +109,7 @@ struct ParamHooks {
 };
 
 class ChunkActivations;
+class InferenceContext;
 
 // The GPT model (Megatron's GPTModel), whole or one pipeline model chunk. Parameter
 // names match Megatron core's local spec ("embedding.word_embeddings.weight",
@@ -173,6 +181,22 @@ class GPTModel {
   // Logits [B*S, padded_vocab] (fp32, on the host) for tokens [B, S] (no labels; used by
   // generation and tests). Whole model only.
   Tensor logits(const Tensor& tokens);
+  // Generation with a KV cache (model/kv_cache.h; Megatron's inference path with an
+  // inference context). Whole model on one rank (tp = pp = ep = 1), no dropout; the
+  // training state (saved activations, gradients) is not touched, except that MoE layers
+  // keep their last evaluation forward (TransformerLayer::forward_inference).
+  // prefill: empties `context`, runs tokens [n] (host ids in [0, padded_vocab)) at
+  // positions 0 .. n - 1 in one forward, recording every layer's keys and values, and
+  // returns the logits of the last token [padded_vocab] (fp32, host).
+  // decode_step: runs one token at position context.sequence_len_offset against the
+  // cached keys and values, appends its own, and returns its logits likewise.
+  // Both advance context.sequence_len_offset by the tokens run. InternalError when the
+  // model is a pipeline chunk or tensor-parallel, `context` was not made for this model's
+  // config, tokens is empty, or the tokens do not fit the cache (prefill: n >
+  // max_sequence_length; decode_step: the cache is full). The caller keeps positions within
+  // max_inference_positions(config()) (model/kv_cache.h).
+  Tensor prefill(std::span<const int32_t> tokens, InferenceContext& context);
+  Tensor decode_step(int32_t token, InferenceContext& context);
   // dlosses [B*S]: d(total loss)/d(per-token loss). aux_grad_scale scales the injected
   // MoE aux-loss gradient (1 / number of micro-batches). Accumulates main_grads.
   // Whole model only.
@@ -197,6 +221,9 @@ class GPTModel {
   Tensor embed(const Tensor& tokens, const ForwardContext& ctx);
   // embed, the layers and the final norm (whole model).
   Tensor forward_hidden(const Tensor& tokens, const ForwardContext& ctx);
+  // prefill / decode_step: tokens at positions context.sequence_len_offset onwards ->
+  // logits of the last one.
+  Tensor forward_inference(std::span<const int32_t> tokens, InferenceContext& context);
   // fn(local_row, position, n) for each run of n rows of this rank's local_rows token
   // rows whose positions are consecutive (learned position embeddings, SP-aware).
   void for_each_position_block(int64_t local_rows,

@@ -168,6 +168,15 @@ Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
   return dx;
 }
 
+Tensor Linear::forward_inference(const Tensor& x) const {
+  MEGATON_CHECK(mode_ == TensorParallelMode::None,
+                "Linear '{}': forward_inference runs on one tensor-parallel rank", weight.name);
+  Tensor y = empty_like(x, {x.dim(0), weight.weight.dim(0)});
+  ops::gemm(x, false, weight.weight, true, y);
+  if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
+  return y;
+}
+
 void Linear::collect_params(std::vector<Param*>& out) {
   out.push_back(&weight);
   if (bias.weight.defined()) out.push_back(&bias);
@@ -194,6 +203,19 @@ Tensor Norm::forward(const Tensor& x) {
   } else {
     s.mean = Tensor::empty({x.dim(0)}, DType::F32, x.device());
     ops::layernorm_forward(x, weight.weight, bias.weight, eps_, y, s.mean, s.rstd);
+  }
+  return y;
+}
+
+Tensor Norm::forward_inference(const Tensor& x) const {
+  Tensor y = empty_like(x, x.shape());
+  // The statistics are written but not kept.
+  Tensor rstd = Tensor::empty({x.dim(0)}, DType::F32, x.device());
+  if (kind_ == Normalization::RMSNorm) {
+    ops::rmsnorm_forward(x, weight.weight, eps_, y, rstd);
+  } else {
+    Tensor mean = Tensor::empty({x.dim(0)}, DType::F32, x.device());
+    ops::layernorm_forward(x, weight.weight, bias.weight, eps_, y, mean, rstd);
   }
   return y;
 }
@@ -250,6 +272,11 @@ Tensor MLP::backward(const Tensor& dy) {
   if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1);
   else ops::gelu_backward(dact, fc1_out, dfc1);
   return linear_fc1.backward(dfc1);
+}
+
+Tensor MLP::forward_inference(const Tensor& x) const {
+  const Tensor fc1_out = linear_fc1.forward_inference(x);
+  return linear_fc2.forward_inference(activation(fc1_out, linear_fc2.weight.weight.dim(1), swiglu_));
 }
 
 MLP::Activations MLP::take_saved() {

@@ -100,6 +100,10 @@ class Linear {
   Tensor backward(const Tensor& dy);
   // The same with the forward input given (forward was called with save_input = false).
   Tensor backward(const Tensor& dy, const Tensor& x);
+  // Inference (generation): y = x W^T + b for x [T, in] -> [T, out], saving nothing and
+  // leaving the training state untouched. One rank only (InternalError under tensor
+  // parallelism).
+  Tensor forward_inference(const Tensor& x) const;
   void collect_params(std::vector<Param*>& out);
 
   // What forward saved for backward.
@@ -128,6 +132,8 @@ class Norm {
        bool sequence_parallel = false);
   // x [T, H] -> [T, H]. Saves x and the statistics.
   Tensor forward(const Tensor& x);
+  // The same y for inference (generation), saving nothing.
+  Tensor forward_inference(const Tensor& x) const;
   // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
@@ -158,6 +164,8 @@ class MLP {
       const ModelParallel& mp = {});
   Tensor forward(const Tensor& x);
   Tensor backward(const Tensor& dy);
+  // x [T, H] -> [T, H] for inference (generation), saving nothing; one rank only.
+  Tensor forward_inference(const Tensor& x) const;
   void collect_params(std::vector<Param*>& out);
 
   struct Saved {

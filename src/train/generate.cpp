@@ -4,19 +4,28 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <span>
 #include <nlohmann/json.hpp>
 
 #include "core/rng.h"
+#include "model/kv_cache.h"
 #include "train/arguments.h"
 
 namespace megaton {
 
+void check_sampling_params(const SamplingParams& p) {
+  if (p.tokens_to_generate < 0)
+    fail("--tokens-to-generate must be >= 0 (got {})", p.tokens_to_generate);
+  if (!(std::isfinite(p.temperature) && p.temperature > 0))
+    fail("--temperature must be a finite number > 0 (got {})", p.temperature);
+  if (p.top_k < 0) fail("--top-k must be >= 0 (got {})", p.top_k);
+  if (!(p.top_p >= 0 && p.top_p <= 1)) fail("--top-p must be in [0, 1] (got {})", p.top_p);
+}
+
 int32_t sample_token(const float* logits, int64_t vocab_size, const SamplingParams& p,
                      float draw) {
   if (p.greedy) return int32_t(std::max_element(logits, logits + vocab_size) - logits);
-  if (!(p.temperature > 0)) fail("temperature must be > 0 (got {})", p.temperature);
-  if (p.top_k < 0) fail("top-k must be >= 0 (got {})", p.top_k);
-  if (!(p.top_p >= 0 && p.top_p <= 1)) fail("top-p must be in [0, 1] (got {})", p.top_p);
+  check_sampling_params(p);
   std::vector<int32_t> order(vocab_size);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -47,20 +56,82 @@ int32_t sample_token(const float* logits, int64_t vocab_size, const SamplingPara
 }
 
 std::vector<int32_t> generate_tokens(GPTModel& model, std::vector<int32_t> tokens,
-                                     int64_t vocab_size, int32_t eod, const SamplingParams& p) {
+                                     int64_t vocab_size, int32_t eod, const SamplingParams& p,
+                                     const TokenCallback& on_token) {
+  check_sampling_params(p);
   if (tokens.empty()) tokens.push_back(eod);
-  int64_t seq_length = model.config().seq_length;
+  if (p.tokens_to_generate == 0) return tokens;
+  const int64_t window = max_inference_positions(model.config());
+  // Tokens kept when the window slides: half, so a slide (one prefill of W/2 tokens)
+  // comes once every W/2 decode steps.
+  const int64_t keep = std::max<int64_t>(1, window / 2);
+  InferenceContext context(model.config(), window);
+  auto tail = [&](int64_t n) {
+    return std::span<const int32_t>(tokens.data() + tokens.size() - n, size_t(n));
+  };
+  Tensor logits = model.prefill(tail(std::min<int64_t>(int64_t(tokens.size()), window)), context);
   Philox rng(p.seed);
   for (int64_t step = 0; step < p.tokens_to_generate; ++step) {
-    int64_t n = std::min<int64_t>(int64_t(tokens.size()), seq_length);
-    std::vector<int32_t> context(tokens.end() - n, tokens.end());
-    Tensor logits = model.logits(Tensor::from_i32({1, n}, context));
-    const float* last = logits.f32() + (n - 1) * logits.dim(1);
-    int32_t next = sample_token(last, vocab_size, p, rng.uniform(0, uint64_t(step)));
+    const int32_t next = sample_token(logits.f32(), vocab_size, p, rng.uniform(0, uint64_t(step)));
     tokens.push_back(next);
-    if (next == eod) break;
+    if (on_token) on_token(next);
+    if (next == eod || step + 1 == p.tokens_to_generate) break;
+    if (context.fits(1)) logits = model.decode_step(next, context);
+    else logits = model.prefill(tail(keep), context);  // the window slides
   }
   return tokens;
+}
+
+std::string TextStreamer::text() const { return tokenizer_.decode(tokens_); }
+
+void TextStreamer::start(std::vector<int32_t> prompt) {
+  tokens_ = std::move(prompt);
+  printed_.clear();
+  print(text(), false);
+}
+
+void TextStreamer::push(int32_t token) {
+  if (token == tokenizer_.eod()) return;
+  tokens_.push_back(token);
+  print(text(), false);
+}
+
+void TextStreamer::finish() {
+  print(text(), true);
+  std::fputc('\n', out_);
+  std::fflush(out_);
+}
+
+// Length of the part of `text` no later token can change: without trailing U+FFFD
+// characters (bytes that may yet become a character) and without a trailing incomplete
+// UTF-8 sequence.
+static size_t stable_length(const std::string& text) {
+  static const std::string replacement = "\xEF\xBF\xBD";  // U+FFFD
+  size_t n = text.size();
+  while (n >= 3 && text.compare(n - 3, 3, replacement) == 0) n -= 3;
+  // The last lead byte within the last 3 bytes: is its sequence complete?
+  for (size_t back = 1; back <= 3 && back <= n; ++back) {
+    const unsigned char c = static_cast<unsigned char>(text[n - back]);
+    if ((c & 0xC0) == 0x80) continue;  // a continuation byte
+    const size_t length = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    return length > back ? n - back : n;
+  }
+  return n;
+}
+
+void TextStreamer::print(const std::string& text, bool final) {
+  if (text.compare(0, printed_.size(), printed_) != 0) {
+    if (!final) return;  // earlier text was rewritten: wait for the end
+    size_t common = 0;
+    while (common < printed_.size() && common < text.size() && printed_[common] == text[common])
+      ++common;
+    printed_.resize(common);
+  }
+  const size_t end = final ? text.size() : stable_length(text);
+  if (end <= printed_.size()) return;
+  std::fwrite(text.data() + printed_.size(), 1, end - printed_.size(), out_);
+  std::fflush(out_);
+  printed_.assign(text, 0, end);
 }
 
 void load_model_weights(const ckpt::LoadedCheckpoint& ck, const std::vector<Param*>& params) {
