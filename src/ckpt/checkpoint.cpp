@@ -1,7 +1,12 @@
 // Checkpoint save/load with atomic directory and tracker-file updates.
 #include "ckpt/checkpoint.h"
 
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -35,12 +40,74 @@ static void write_text_atomic(const fs::path& path, const std::string& text) {
   fs::rename(tmp, path);
 }
 
+// Whether an entry can be created in directory `dir`: permission bits do not tell for root,
+// nor for read-only or virtual file systems (/proc), so a probe directory is made and
+// removed. Returns the error, or 0.
+static int probe_create_in(const fs::path& dir) {
+  const fs::path probe = dir / fmt::format(".megaton-probe.tmp{}", getpid());
+  if (::mkdir(probe.c_str(), 0700) != 0) return errno;
+  ::rmdir(probe.c_str());
+  return 0;
+}
+
+void check_save_dir_writable(const std::string& save_dir) {
+  std::error_code ec;
+  fs::path path = fs::absolute(save_dir, ec);
+  if (ec) fail("save: cannot resolve '{}': {}", save_dir, ec.message());
+  if (fs::exists(path, ec)) {
+    if (!fs::is_directory(path, ec)) fail("save: '{}' exists and is not a directory", save_dir);
+    if (int err = probe_create_in(path))
+      fail("save: cannot write in directory '{}': {}", save_dir, std::strerror(err));
+    return;
+  }
+  // The nearest existing ancestor must be a directory we may create entries in.
+  fs::path ancestor = path.parent_path();
+  while (!fs::exists(ancestor, ec) && ancestor != ancestor.root_path()) ancestor = ancestor.parent_path();
+  if (!fs::is_directory(ancestor, ec))
+    fail("save: cannot create '{}': '{}' is not a directory", save_dir, ancestor.string());
+  if (int err = probe_create_in(ancestor))
+    fail("save: cannot create '{}' in '{}': {}", save_dir, ancestor.string(), std::strerror(err));
+}
+
+// The PID in a temporary name "<stem>.tmp<PID>", or -1 when `name` is not one.
+static pid_t temporary_owner(const std::string& name) {
+  const size_t at = name.rfind(".tmp");
+  if (at == std::string::npos || at + 4 == name.size()) return -1;
+  const std::string digits = name.substr(at + 4);
+  if (digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) return -1;
+  const std::string stem = name.substr(0, at);
+  const bool iteration_dir = stem.size() == 12 && stem.starts_with("iter_") &&
+                             stem.find_first_not_of("0123456789", 5) == std::string::npos;
+  if (!iteration_dir && stem != kTracker && stem != kMetadata) return -1;
+  return pid_t(std::stol(digits));
+}
+
+std::vector<std::string> remove_stale_partial_saves(const std::string& save_dir) {
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (const fs::directory_entry& entry : fs::directory_iterator(save_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const pid_t owner = temporary_owner(name);
+    if (owner <= 0 || owner == getpid()) continue;
+    // kill(pid, 0) fails with ESRCH only when no such process exists; EPERM means one
+    // does (another user's), so its files stay.
+    if (::kill(owner, 0) == 0 || errno != ESRCH) continue;
+    std::error_code remove_ec;
+    fs::remove_all(entry.path(), remove_ec);
+    if (!remove_ec) removed.push_back(name);
+  }
+  return removed;
+}
+
 void save_checkpoint(const std::string& save_dir, int64_t iteration,
                      const std::vector<std::pair<std::string, Tensor>>& tensors,
                      const std::string& metadata_json) {
   std::error_code ec;
   fs::create_directories(save_dir, ec);
   if (ec) fail("cannot create checkpoint directory '{}': {}", save_dir, ec.message());
+  for (const std::string& name : remove_stale_partial_saves(save_dir))
+    fmt::print(" removed '{}' in '{}', the partial save of a process no longer running\n", name,
+               save_dir);
   fs::path final_dir = fs::path(save_dir) / iteration_dir_name(iteration);
   fs::path tmp_dir = fs::path(save_dir) / (iteration_dir_name(iteration) + fmt::format(".tmp{}", getpid()));
   fs::remove_all(tmp_dir);
@@ -77,6 +144,14 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir) {
   ck.metadata_json.assign(std::istreambuf_iterator<char>(min), {});
   if (!nlohmann::json::accept(ck.metadata_json))
     fail("checkpoint metadata '{}' is not valid JSON", meta.string());
+  // The tracker, the directory name and the metadata must name one iteration: a copied or
+  // renamed directory would otherwise resume at the wrong step of the LR schedule and data.
+  const nlohmann::json parsed = nlohmann::json::parse(ck.metadata_json);
+  if (!parsed.is_object()) fail("checkpoint metadata '{}' is not a JSON object", meta.string());
+  if (parsed.contains("iteration") &&
+      (!parsed["iteration"].is_number_integer() || parsed["iteration"].get<int64_t>() != ck.iteration))
+    fail("checkpoint metadata '{}' says iteration {}, but its directory and '{}' say {}",
+         meta.string(), parsed["iteration"].dump(), tracker.string(), ck.iteration);
   ck.tensors = load_safetensors((dir / kTensors).string()).tensors;
   return ck;
 }

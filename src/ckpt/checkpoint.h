@@ -19,10 +19,23 @@ std::string iteration_dir_name(int64_t iteration);
 // args, RNG seed, a shape index), then updates latest_checkpointed_iteration.txt. The
 // iteration directory is written under a temporary name and renamed when complete, and
 // the tracker file is replaced atomically, so an interrupted save leaves the previous
-// checkpoint intact. An existing directory for the same iteration is replaced.
+// checkpoint intact. An existing directory for the same iteration is replaced. The
+// partial saves of dead processes are removed first (remove_stale_partial_saves).
 void save_checkpoint(const std::string& save_dir, int64_t iteration,
                      const std::vector<std::pair<std::string, Tensor>>& tensors,
                      const std::string& metadata_json);
+
+// Checks at start-up, before any training time is spent, that `save_dir` can be written:
+// it is a directory that exists and is writable, or the nearest existing ancestor is a
+// writable directory in which it can be created. Creates nothing. Throws megaton::Error
+// naming the flag and the path.
+void check_save_dir_writable(const std::string& save_dir);
+
+// Removes the temporary directories and files of saves whose process is gone
+// (iter_XXXXXXX.tmp<PID>, latest_checkpointed_iteration.txt.tmp<PID>, left by a killed
+// save: up to a checkpoint's size each) from `save_dir`. A PID still running on this host
+// keeps its files (it may be saving now). Returns the names removed.
+std::vector<std::string> remove_stale_partial_saves(const std::string& save_dir);
 
 struct LoadedCheckpoint {
   int64_t iteration = 0;

@@ -150,6 +150,7 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                 "GPTConfig padded for tensor-parallel size {}, the model runs {}",
                 cfg.tensor_model_parallel_size, mp_.tp_size());
   vocab_start_ = int64_t(mp_.tp_rank()) * (cfg.padded_vocab_size / mp_.tp_size());
+  if (word_embeddings.weight.defined()) word_embeddings.padded_vocab_rows = true;
   if (chunk_.num_layers < 0) chunk_.num_layers = cfg.num_layers - chunk_.first_layer;
   MEGATON_CHECK(chunk_.first_layer >= 0 && chunk_.first_layer + chunk_.num_layers <= cfg.num_layers,
                 "model chunk of layers [{}, {}) outside the model's {} layers", chunk_.first_layer,
@@ -186,6 +187,7 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                                       {cfg.padded_vocab_size, cfg.hidden_size},
                                       cfg.init_method_std, seed, Placement::of(cfg), 0,
                                       mp_.tp_rank(), mp_.tp_size());
+    output_layer.padded_vocab_rows = true;
     params_.push_back(&output_layer);
     tail_grads_.push_back(&output_layer);
   }

@@ -30,6 +30,11 @@ struct Param {
   int tp_split_dim = -1;
   bool swiglu_halves = false;
   Shape full_shape;
+  // Rows (dim 0 of full_shape) are the padded vocabulary: the word embeddings and the
+  // output layer. The padding depends on the tensor-parallel size (Megatron's
+  // _vocab_size_with_padding), so a checkpoint of another layout may hold more or fewer
+  // rows; loading pads or trims them (fit_padded_vocab_rows).
+  bool padded_vocab_rows = false;
   // Replicated over the tensor-parallel group but fed by this rank's sequence shard only
   // (norm weights and the router under --sequence-parallel), or by this rank's attention
   // heads only (--qk-layernorm's q_layernorm / k_layernorm, with or without SP): the

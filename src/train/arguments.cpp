@@ -7,10 +7,14 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/printable.h"
 #include "dist/comm.h"
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/cuda_check.h"
@@ -99,6 +103,11 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"adam-beta2", "AdamW beta2"},
       {"adam-eps", "AdamW epsilon"},
       {"clip-grad", "clip gradients to this global L2 norm (0: off)"},
+      {"check-for-nan-in-loss-and-grad",
+       "stop when the loss or the gradient norm is NaN or inf, naming the iteration and rank "
+       "(the default)", true},
+      {"no-check-for-nan-in-loss-and-grad",
+       "skip iterations whose gradient norm is NaN or inf instead of stopping", true},
       // data
       {"data-path", "one prefix, or weight prefix weight prefix ...", false, true},
       {"split", "train,valid,test proportions of documents"},
@@ -160,37 +169,77 @@ static const OptionSpec* find_spec(const std::string& name) {
 }
 
 RawOptions read_yaml_options(const std::string& path) {
-  if (!std::filesystem::is_regular_file(path)) fail("config file '{}' does not exist", path);
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(status))
+    fail("config file '{}' does not exist", printable(path));
+  if (std::filesystem::is_directory(status))
+    fail("config file '{}' is a directory, expected a YAML file", printable(path));
+  if (!std::filesystem::is_regular_file(status))
+    fail("config file '{}' is not a regular file", printable(path));
+  std::string text;
+  {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail("config file '{}' cannot be read", printable(path));
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // A YAML file is text: a NUL or a control byte means the path names something else (a
+  // checkpoint, a binary), whose bytes must not reach the terminal through the messages.
+  for (size_t i = 0; i < text.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c == 0 || (c < 0x20 && c != '\n' && c != '\r' && c != '\t') || c == 0x7f)
+      fail("config file '{}' is not a text file (byte 0x{:02x} at offset {})", printable(path), c, i);
+  }
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
-    fail("config file '{}' is not valid YAML: {}", path, e.what());
+    fail("config file '{}' is not valid YAML: {}", printable(path), printable(e.what(), 200));
   }
   RawOptions raw;
   if (root.IsNull()) return raw;
-  if (!root.IsMap()) fail("config file '{}' must be a mapping of option: value", path);
+  if (!root.IsMap()) fail("config file '{}' must be a mapping of option: value", printable(path));
   for (const auto& kv : root) {
-    std::string key = normalize_key(kv.first.as<std::string>());
+    if (!kv.first.IsScalar())
+      fail("config file '{}': keys must be option names (line {})", printable(path),
+           kv.first.Mark().line + 1);
+    const std::string& written = kv.first.Scalar();
+    std::string key = normalize_key(written);
     const OptionSpec* spec = find_spec(key);
-    if (!spec) fail("config file '{}': unknown key '{}'", path, kv.first.as<std::string>());
+    if (!spec) fail("config file '{}': unknown key '{}'", printable(path), printable(written));
+    // YAML leaves duplicate keys to the reader; yaml-cpp keeps both and the last would win
+    // silently. "num_layers" and "num-layers" are the same option.
+    if (raw.count(key))
+      fail("config file '{}': key '{}' is given twice (line {})", printable(path), key,
+           kv.first.Mark().line + 1);
     std::vector<std::string> values;
     if (kv.second.IsSequence()) {
-      if (!spec->multi_value) fail("config file '{}': key '{}' takes one value, not a list", path, key);
-      for (const auto& v : kv.second) values.push_back(v.as<std::string>());
+      if (!spec->multi_value) fail("config file '{}': key '{}' takes one value, not a list", printable(path), key);
+      for (const auto& v : kv.second) {
+        if (!v.IsScalar()) fail("config file '{}': key '{}' must be a list of scalars", printable(path), key);
+        values.push_back(v.Scalar());
+      }
     } else if (kv.second.IsScalar()) {
-      values.push_back(kv.second.as<std::string>());
+      values.push_back(kv.second.Scalar());
     } else if (kv.second.IsNull()) {
+      raw[key];  // an empty value: nothing set, but the key counts as given once
       continue;
     } else {
-      fail("config file '{}': key '{}' must be a scalar or a list", path, key);
+      fail("config file '{}': key '{}' must be a scalar or a list", printable(path), key);
     }
     raw[key] = values;
   }
+  // Keys written with an empty value set nothing.
+  for (auto it = raw.begin(); it != raw.end();) it = it->second.empty() ? raw.erase(it) : std::next(it);
   return raw;
 }
 
 namespace {
+// Every count and size a flag sets fits in 31 bits: products of a few of them (a tensor's
+// elements, tokens per batch) then stay exact in 64-bit arithmetic, and the memory check
+// (train/memory_check.h) refuses what cannot fit before anything is allocated.
+constexpr int64_t kMaxFlagInteger = std::numeric_limits<int32_t>::max();
+
 struct Reader {
   const RawOptions& raw;
   bool has(const std::string& k) const { return raw.count(k) > 0; }
@@ -199,29 +248,44 @@ struct Reader {
     if (v.size() != 1) fail("option '{}' takes exactly one value (got {})", k, v.size());
     return v[0];
   }
-  void get(const std::string& k, int64_t& out) const {
-    if (!has(k)) return;
+  int64_t integer(const std::string& k, int64_t max) const {
     const std::string& s = one(k);
+    int64_t out = 0;
     auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+    if (ec == std::errc::result_out_of_range || (ec == std::errc() && p == s.data() + s.size() &&
+                                                 (out > max || out < -max)))
+      fail("option '{}' must be at most {} in magnitude (got '{}')", k, max, printable(s));
     if (ec != std::errc() || p != s.data() + s.size())
-      fail("option '{}' expects an integer (got '{}')", k, s);
+      fail("option '{}' expects an integer (got '{}')", k, printable(s));
+    return out;
   }
-  void get(const std::string& k, uint64_t& out) const {
-    int64_t v = int64_t(out);
-    get(k, v);
+  void get(const std::string& k, int64_t& out) const {
+    if (has(k)) out = integer(k, kMaxFlagInteger);
+  }
+  void get(const std::string& k, uint64_t& out) const {  // the seed: any 63-bit value
+    if (!has(k)) return;
+    const int64_t v = integer(k, std::numeric_limits<int64_t>::max());
     if (v < 0) fail("option '{}' must be >= 0 (got {})", k, v);
     out = uint64_t(v);
   }
+  // Every float flag is a finite number: none means anything by nan or inf, and a NaN
+  // hyperparameter trains a model to NaN without any other error.
   void get(const std::string& k, double& out) const {
     if (!has(k)) return;
     const std::string& s = one(k);
     char* end = nullptr;
-    out = std::strtod(s.c_str(), &end);
-    if (s.empty() || *end != '\0') fail("option '{}' expects a number (got '{}')", k, s);
+    const double v = std::strtod(s.c_str(), &end);
+    if (s.empty() || *end != '\0' || std::isspace(static_cast<unsigned char>(s[0])))
+      fail("option '{}' expects a number (got '{}')", k, printable(s));
+    if (!std::isfinite(v))
+      fail("option '{}' must be a finite number (got '{}')", k, printable(s));
+    out = v;
   }
   void get(const std::string& k, float& out) const {
     double v = out;
     get(k, v);
+    if (std::fabs(v) > double(std::numeric_limits<float>::max()))
+      fail("option '{}' must be a finite 32-bit float (got '{}')", k, one(k));
     out = float(v);
   }
   void get(const std::string& k, bool& out) const {
@@ -230,12 +294,24 @@ struct Reader {
     std::transform(s.begin(), s.end(), s.begin(), ::tolower);
     if (s == "true" || s == "1" || s == "yes") out = true;
     else if (s == "false" || s == "0" || s == "no") out = false;
-    else fail("option '{}' expects true or false (got '{}')", k, s);
+    else fail("option '{}' expects true or false (got '{}')", k, printable(s));
   }
   void get(const std::string& k, std::string& out) const {
     if (has(k)) out = one(k);
   }
 };
+
+// Range checks of the values read (`key` names the flag). The bounds are Megatron's or
+// PyTorch's where they state one (Adam's betas in [0, 1), PyTorch's torch.optim.Adam).
+void check_at_least(const char* key, double v, double lo) {
+  if (!(v >= lo)) fail("option '{}' must be >= {} (got {})", key, lo, v);
+}
+void check_positive(const char* key, double v) {
+  if (!(v > 0)) fail("option '{}' must be > 0 (got {})", key, v);
+}
+void check_fraction(const char* key, double v) {  // [0, 1)
+  if (!(v >= 0 && v < 1)) fail("option '{}' must be in [0, 1) (got {})", key, v);
+}
 }  // namespace
 
 namespace {
@@ -335,6 +411,51 @@ std::vector<int> parse_layer_pattern(const std::string& text, const char* key) {
   return LayerPatternParser(text, key).parse();
 }
 
+namespace {
+// The ranges of the values parse_train_args reads (integers are already within
+// kMaxFlagInteger in magnitude and floats finite). Sizes that default when unset (0) must be
+// positive when given.
+void check_value_ranges(const Reader& r, const TrainArgs& a) {
+  const GPTConfig& m = a.model;
+  for (auto [key, value] : {std::pair{"ffn-hidden-size", m.ffn_hidden_size},
+                            {"num-query-groups", m.num_query_groups},
+                            {"kv-channels", m.kv_channels},
+                            {"max-position-embeddings", m.max_position_embeddings},
+                            {"moe-ffn-hidden-size", m.moe_ffn_hidden_size},
+                            {"moe-router-num-groups", m.moe_router_num_groups},
+                            {"moe-router-group-topk", m.moe_router_group_topk},
+                            {"vocab-size", a.vocab_size}})
+    if (r.has(key)) check_positive(key, double(value));
+  check_at_least("num-experts", double(m.num_experts), 0);
+  check_at_least("moe-router-topk", double(m.moe_router_topk), 1);
+  check_at_least("moe-layer-freq", double(m.moe_layer_freq), 1);
+  check_at_least("moe-shared-expert-intermediate-size", double(m.moe_shared_expert_intermediate_size), 0);
+  check_positive("norm-epsilon", m.norm_epsilon);
+  check_positive("rotary-base", m.rotary_base);
+  check_positive("init-method-std", m.init_method_std);
+  check_fraction("hidden-dropout", m.hidden_dropout);
+  check_fraction("attention-dropout", m.attention_dropout);
+  check_at_least("moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor, 0);
+  check_at_least("moe-aux-loss-coeff", m.moe_aux_loss_coeff, 0);
+  check_at_least("moe-z-loss-coeff", m.moe_z_loss_coeff, 0);
+  check_fraction("moe-input-jitter-eps", m.moe_input_jitter_eps);
+  check_at_least("moe-router-bias-update-rate", m.moe_router_bias_update_rate, 0);
+  check_at_least("moe-expert-capacity-factor", m.moe_expert_capacity_factor, 0);
+  check_at_least("lr", a.lr.lr, 0);
+  check_at_least("min-lr", a.lr.min_lr, 0);
+  check_at_least("lr-warmup-init", a.lr.lr_warmup_init, 0);
+  if (r.has("lr-wsd-decay-iters"))
+    check_at_least("lr-wsd-decay-iters", double(a.lr.lr_wsd_decay_iters), 0);
+  check_at_least("weight-decay", a.adam.weight_decay, 0);
+  check_fraction("adam-beta1", a.adam.adam_beta1);
+  check_fraction("adam-beta2", a.adam.adam_beta2);
+  // PyTorch allows eps = 0, but a parameter whose gradient is always zero (an unused
+  // padded vocabulary row) then divides 0 by 0.
+  check_positive("adam-eps", a.adam.adam_eps);
+  check_at_least("clip-grad", a.clip_grad, 0);
+}
+}  // namespace
+
 TrainArgs parse_train_args(const RawOptions& raw) {
   for (const auto& [k, v] : raw)
     if (!find_spec(k)) fail("unknown option '{}'", k);
@@ -388,7 +509,10 @@ TrainArgs parse_train_args(const RawOptions& raw) {
     for (const std::string& c : coeffs) {
       char* end = nullptr;
       const double v = std::strtod(c.c_str(), &end);
-      if (c.empty() || *end != '\0') fail("option 'moe-aux-loss-coeff' expects numbers (got '{}')", c);
+      if (c.empty() || *end != '\0')
+        fail("option 'moe-aux-loss-coeff' expects numbers (got '{}')", printable(c));
+      if (!std::isfinite(v) || v < 0 || v > double(std::numeric_limits<float>::max()))
+        fail("option 'moe-aux-loss-coeff' values must be finite and >= 0 (got '{}')", printable(c));
       m.moe_aux_loss_coeffs.push_back(float(v));
     }
     m.moe_aux_loss_coeff = m.moe_aux_loss_coeffs.empty() ? 0.0f : m.moe_aux_loss_coeffs[0];
@@ -431,6 +555,14 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("adam-beta2", a.adam.adam_beta2);
   r.get("adam-eps", a.adam.adam_eps);
   r.get("clip-grad", a.clip_grad);
+  r.get("check-for-nan-in-loss-and-grad", a.check_for_nan_in_loss_and_grad);
+  if (r.has("no-check-for-nan-in-loss-and-grad")) {
+    bool off = false;
+    r.get("no-check-for-nan-in-loss-and-grad", off);
+    if (off && r.has("check-for-nan-in-loss-and-grad") && a.check_for_nan_in_loss_and_grad)
+      fail("check-for-nan-in-loss-and-grad and no-check-for-nan-in-loss-and-grad contradict");
+    if (off) a.check_for_nan_in_loss_and_grad = false;
+  }
 
   if (r.has("data-path")) a.data_path = raw.at("data-path");
   r.get("split", a.split);
@@ -474,6 +606,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("ddp-bucket-size", p.ddp_bucket_size);
   r.get("moe-token-dispatcher-type", p.moe_token_dispatcher_type);
   r.get("distributed-timeout-minutes", p.distributed_timeout_minutes);
+  check_value_ranges(r, a);
   // Optional counts: 0 means "not set", so a value given must be positive.
   for (const char* key : {"expert-tensor-parallel-size", "num-layers-per-virtual-pipeline-stage",
                           "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
@@ -505,6 +638,8 @@ TrainArgs parse_train_args(const RawOptions& raw) {
     fail("option 'device' must be cpu or cuda (got '{}')", a.device);
   }
   if (a.micro_batch_size <= 0) fail("micro-batch-size must be positive (got {})", a.micro_batch_size);
+  if (r.has("global-batch-size") && a.global_batch_size <= 0)
+    fail("global-batch-size must be positive (got {})", a.global_batch_size);
   if (a.global_batch_size == 0) a.global_batch_size = a.micro_batch_size;
   if (a.global_batch_size % a.micro_batch_size != 0)
     fail("global-batch-size ({}) is not divisible by micro-batch-size ({})", a.global_batch_size,
@@ -513,6 +648,10 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   if (a.log_interval <= 0) fail("log-interval must be positive (got {})", a.log_interval);
   if (a.eval_interval < 0 || a.eval_iters < 0) fail("eval-interval and eval-iters must be >= 0");
   if (a.data_path.empty() && !a.mock_data) fail("data-path is required (or mock-data)");
+  if (!a.data_path.empty() && a.mock_data)
+    fail("mock-data trains on random tokens: it takes no data-path (got '{}')",
+         printable(a.data_path[0]));
+  if (a.exit_interval < 0) fail("exit-interval must be >= 0 (got {})", a.exit_interval);
   if (a.tokenizer_type.empty()) fail("tokenizer-type is required");
   if (!a.save.empty() && a.save_interval < 0) fail("save-interval must be >= 0");
   if (a.lr.lr_decay_iters == 0) a.lr.lr_decay_iters = a.train_iters;

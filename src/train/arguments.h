@@ -63,6 +63,11 @@ struct TrainArgs {
   bool log_num_zeros_in_grad = false;  // --log-num-zeros-in-grad
   bool moe_per_layer_logging = false;  // --moe-per-layer-logging
   float clip_grad = 1.0f;
+  // Megatron's --check-for-nan-in-loss-and-grad (on by default; off with
+  // --no-check-for-nan-in-loss-and-grad): a NaN or inf loss or gradient norm stops the run
+  // with the iteration and rank named. Off, such iterations are skipped (the update is not
+  // applied) and counted in the log line.
+  bool check_for_nan_in_loss_and_grad = true;
   uint64_t seed = 1234;
 
   // Checkpoints.

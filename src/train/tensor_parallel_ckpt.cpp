@@ -1,6 +1,7 @@
 // Assembling and slicing tensor-parallel checkpoint tensors.
 #include "train/tensor_parallel_ckpt.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -88,6 +89,33 @@ Tensor tensor_parallel_slice(const Tensor& full, const Param& p, const ModelPara
   const dist::Group& g = tp_group_of(p, mp);
   if (p.tp_split_dim < 0 || g.size() <= 1) return full;
   return shard_of(full, p.tp_split_dim, g.rank, g.size(), p.swiglu_halves);
+}
+
+Tensor fit_padded_vocab_rows(const Tensor& full, int64_t padded_vocab_size, int64_t vocab_size,
+                             const std::string& entry, const std::string& source) {
+  MEGATON_CHECK(full.ndim() >= 1 && padded_vocab_size >= vocab_size && vocab_size > 0,
+                "fit_padded_vocab_rows of {} {} to {} rows for a vocabulary of {}", entry,
+                shape_str(full.shape()), padded_vocab_size, vocab_size);
+  const int64_t rows = full.dim(0);
+  if (rows == padded_vocab_size) return full;
+  if (rows < vocab_size)
+    fail("checkpoint '{}': tensor '{}' has {} vocabulary rows, fewer than the tokenizer's {} "
+         "tokens (was it trained with another tokenizer?)", source, entry, rows, vocab_size);
+  const Tensor host = full.device() == Device::CPU ? full : full.to(Device::CPU);
+  Shape shape = host.shape();
+  shape[0] = padded_vocab_size;
+  Tensor out = Tensor::empty(shape, host.dtype());
+  const size_t row_bytes = size_t(host.numel() / std::max<int64_t>(rows, 1)) * dtype_size(host.dtype());
+  const auto* src = static_cast<const char*>(host.raw());
+  auto* dst = static_cast<char*>(out.raw());
+  const int64_t kept = std::min(rows, padded_vocab_size);
+  std::memcpy(dst, src, size_t(kept) * row_bytes);
+  const bool last_row_is_padding = rows > vocab_size;
+  for (int64_t r = kept; r < padded_vocab_size; ++r) {
+    if (last_row_is_padding) std::memcpy(dst + r * row_bytes, src + (rows - 1) * row_bytes, row_bytes);
+    else std::memset(dst + r * row_bytes, 0, row_bytes);
+  }
+  return out;
 }
 
 }  // namespace megaton

@@ -28,4 +28,21 @@ dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
 // This rank's slice of `full` for param p (the full tensor itself when p is not sliced).
 Tensor tensor_parallel_slice(const Tensor& full, const Param& p, const ModelParallel& mp);
 
+// A checkpoint tensor whose rows are a padded vocabulary (Param::padded_vocab_rows:
+// [checkpoint_rows, ...], any dtype, on the host) refitted to `padded_vocab_size` rows for a
+// vocabulary of `vocab_size` real tokens. The padding depends on the tensor-parallel size
+// (padded = vocab rounded up to make-vocab-size-divisible-by x TP), so a checkpoint
+// saved under one TP size holds another number of rows than the model under another.
+// Rows past padded_vocab_size are trimmed (they are padding: padded_vocab_size >=
+// vocab_size); missing rows are added as copies of the checkpoint's last row when that
+// row is itself padding, so the new rows start as the trained padding rows are (Megatron's
+// checkpoint converter, tools/checkpoint, pads by replicating the last row), and as zeros
+// when the checkpoint has no padding row (copying a real token's row would give its logit
+// to the padding). The same rule applied to the weights and to both Adam moments keeps
+// them consistent. Returns `full` itself when the rows already match.
+// Throws megaton::Error naming `entry` and `source` when the checkpoint has fewer rows
+// than the vocabulary (another tokenizer).
+Tensor fit_padded_vocab_rows(const Tensor& full, int64_t padded_vocab_size, int64_t vocab_size,
+                             const std::string& entry, const std::string& source);
+
 }  // namespace megaton

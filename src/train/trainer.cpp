@@ -2,6 +2,10 @@
 #include "train/trainer.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <chrono>
 #include <cmath>
@@ -40,8 +44,31 @@ int64_t peak_memory_bytes(Device device) {
   return int64_t(usage.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
+// Whether `path` can be appended to, without creating it: an existing regular file we may
+// write, or a new name in a writable directory. Throws megaton::Error naming `flag`.
+static void check_file_writable(const char* flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(path, ec)) {
+    if (!fs::is_regular_file(path, ec)) fail("{}: '{}' is not a regular file", flag, path);
+    if (::access(path.c_str(), W_OK) != 0)
+      fail("{}: '{}' is not writable: {}", flag, path, std::strerror(errno));
+    return;
+  }
+  fs::path parent = fs::absolute(path, ec).parent_path();
+  if (!fs::is_directory(parent, ec))
+    fail("{}: cannot create '{}': directory '{}' does not exist", flag, path, parent.string());
+  if (::access(parent.c_str(), W_OK | X_OK) != 0)
+    fail("{}: cannot create '{}' in '{}': {}", flag, path, parent.string(), std::strerror(errno));
+}
+
 Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(std::move(raw)) {
   ops::profile_check_environment();  // before anything is built or written
+  // Found now rather than at the first save, after the training time is spent. Rank 0
+  // writes the checkpoints.
+  if (!args_.save.empty() && dist::world_rank() == 0) ckpt::check_save_dir_writable(args_.save);
+  if (!args_.log_metrics_file.empty() && dist::world_rank() == 0)
+    check_file_writable("log-metrics-file", args_.log_metrics_file);
   tokenizer_ = data::make_tokenizer(args_.tokenizer_type, args_.tokenizer_model, args_.vocab_size);
   args_.model.vocab_size = tokenizer_->vocab_size();
   // The vocabulary padding depends on the tensor-parallel size (Megatron).
@@ -209,6 +236,7 @@ double Trainer::train_step(int64_t iteration) {
     // metrics, MoEStepBookkeeping).
     const std::vector<double> pipeline_sums =
         dist::sum_over(*comm_, grid_->pp(), {stage.loss_sum, stage.num_tokens});
+    local_loss_sum_ = stage.loss_sum;
     loss_sum = pipeline_sums[0];
     tokens_sum = pipeline_sums[1];
   }
@@ -226,6 +254,7 @@ double Trainer::train_step(int64_t iteration) {
     dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
     chunks_[0]->backward(dlosses, 1.0f / float(n_mb));
   }
+  if (!schedule_) local_loss_sum_ = loss_sum;
   // Megatron's finalize_model_grads order: the data-parallel reduction first (under
   // --overlap-grad-reduce mostly done during backward), then the sums over tensor-parallel
   // ranks (sequence-parallel params) and over the stages holding tied embeddings. Sums
@@ -426,6 +455,9 @@ TrainResult Trainer::train() {
     double grad_norm = optimizer_->grad_norm();
     // Before the update, as Megatron counts them; -1: not logged.
     const int64_t num_zeros = args_.log_num_zeros_in_grad ? optimizer_->num_zeros_in_grad() : -1;
+    // Before the update: the parameters stay those of the last finite step.
+    if (args_.check_for_nan_in_loss_and_grad && (!std::isfinite(loss) || !std::isfinite(grad_norm)))
+      stop_on_non_finite(loss, grad_norm);
     if (!std::isfinite(grad_norm)) {
       ++nan_iterations_;
       ++skipped_iterations_;
@@ -512,6 +544,32 @@ TrainResult Trainer::train() {
   return result;
 }
 
+void Trainer::stop_on_non_finite(double loss, double grad_norm) {
+  // Which ranks hold the non-finite values: the local loss (before the sums over ranks)
+  // and this rank's reduced gradients. Megatron checks each bucket before the
+  // data-parallel reduction; here the gradients are checked after it, so a NaN from one
+  // rank is reported by every rank of its data-parallel group.
+  double grad_sum_of_squares = 0;
+  for (auto& chunk : chunks_)
+    for (ParamAndGradBuffer& b : chunk->buffers()) grad_sum_of_squares += ops::sum_of_squares(b.grads());
+  const int64_t world = grid_->world_size(), rank = grid_->world_rank();
+  std::vector<double> flags(size_t(2 * world), 0.0);
+  flags[size_t(2 * rank)] = std::isfinite(local_loss_sum_) ? 0.0 : 1.0;
+  flags[size_t(2 * rank + 1)] = std::isfinite(grad_sum_of_squares) ? 0.0 : 1.0;
+  flags = dist::sum_over(*comm_, grid_->world(), flags);
+  const bool in_loss = !std::isfinite(loss);
+  const double value = in_loss ? loss : grad_norm;
+  std::string ranks;
+  for (int64_t r = 0; r < world; ++r)
+    if (flags[size_t(2 * r + (in_loss ? 0 : 1))] > 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  if (ranks.empty()) ranks = "none alone (it arose in the reduction over ranks)";
+  fail("iteration {}: found {} in the {} on rank{} {}; stopped before the update by "
+       "--check-for-nan-in-loss-and-grad (the parameters and checkpoints are those of the "
+       "last finite step; a smaller --lr or --clip-grad may help)",
+       iteration_, std::isnan(value) ? "NaN" : "Inf", in_loss ? "loss" : "gradient norm",
+       ranks.find(',') == std::string::npos ? "" : "s", ranks);
+}
+
 void Trainer::save(int64_t iteration) {
   ddp_->finish_param_sync();
   // Full tensors whatever the layout, gathered and written by world rank 0, so a
@@ -528,6 +586,11 @@ void Trainer::save(int64_t iteration) {
   for (auto& [name, t] : state) {
     if (name.starts_with("model.")) shapes[name] = t.shape();
     tensors.emplace_back(name, t.to(Device::CPU));
+    // A checkpoint of NaN or inf would become the one a resume starts from: refuse it, so
+    // the tracker keeps naming the last finite one.
+    if (t.dtype() == DType::F32 && !std::isfinite(ops::sum_of_squares(tensors.back().second)))
+      fail("not saving iteration {} to '{}': tensor '{}' holds NaN or Inf values (the "
+           "checkpoint the tracker names is unchanged)", iteration, args_.save, name);
   }
   nlohmann::json meta;
   meta["iteration"] = iteration;
@@ -544,6 +607,10 @@ void Trainer::save(int64_t iteration) {
                                 ? std::string()
                                 : std::filesystem::absolute(args_.tokenizer_model).string();
   meta["global_shapes"] = shapes;
+  // The vocabulary rows of the embedding and output layer: real tokens, then padding that
+  // depends on the tensor-parallel size (a load under another layout pads or trims it).
+  meta["vocab_size"] = args_.model.vocab_size;
+  meta["padded_vocab_size"] = args_.model.padded_vocab_size;
   ckpt::save_checkpoint(args_.save, iteration, tensors, meta.dump(1));
   fmt::print(" saved checkpoint from iteration {:7} to {}\n", iteration, args_.save);
   std::fflush(stdout);
@@ -552,18 +619,36 @@ void Trainer::save(int64_t iteration) {
 void Trainer::load() {
   ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(args_.load);
   const bool optimizer_state = !args_.finetune && !args_.no_load_optim;
+  auto meta = nlohmann::json::parse(ck.metadata_json);
+  // Checkpoints from before the vocabulary was recorded have no such field.
+  if (meta.contains("vocab_size") && (!meta["vocab_size"].is_number_integer() ||
+                                      meta["vocab_size"].get<int64_t>() != args_.model.vocab_size))
+    fail("checkpoint '{}' was trained with a vocabulary of {} tokens, the tokenizer has {} "
+         "(tokenizer-type / tokenizer-model / vocab-size)", ck.path, meta["vocab_size"].dump(),
+         args_.model.vocab_size);
   const std::map<std::string, const Param*> by_name = params_by_name();
-  std::map<std::string, Tensor> slices;  // this rank's tensor-parallel slices, by entry
+  // This rank's part of each entry: the vocabulary rows refitted to this layout's padding,
+  // then the tensor-parallel slice.
+  std::map<std::string, Tensor> parts;
   optimizer_->load_full_state(
       [&](const std::string& name) -> const Tensor* {
         auto it = ck.tensors.find(name);
         if (it == ck.tensors.end()) return nullptr;
         const Param* p = param_of_entry(name, by_name);
-        if (!p || p->tp_split_dim < 0) return &it->second;
-        if (it->second.shape() != p->full_shape) return &it->second;  // misshapen: reported
-        auto [slice, fresh] = slices.try_emplace(name);
-        if (fresh) slice->second = tensor_parallel_slice(it->second, *p, chunks_[0]->model_parallel());
-        return &slice->second;
+        if (!p) return &it->second;
+        auto [part, fresh] = parts.try_emplace(name);
+        if (!fresh) return &part->second;
+        Tensor full = it->second;
+        if (p->padded_vocab_rows)
+          full = fit_padded_vocab_rows(full, args_.model.padded_vocab_size, args_.model.vocab_size,
+                                       name, ck.path);
+        if (full.shape() != p->full_shape)
+          fail("checkpoint '{}': tensor '{}' is {} {}, the model expects {} {} (whole tensors, "
+               "before the tensor-parallel split)", ck.path, name, dtype_name(full.dtype()),
+               shape_str(full.shape()), dtype_name(DType::F32), shape_str(p->full_shape));
+        part->second = p->tp_split_dim < 0 ? full
+                                           : tensor_parallel_slice(full, *p, chunks_[0]->model_parallel());
+        return &part->second;
       },
       ck.path, optimizer_state);
   moe_->load_expert_bias(
@@ -572,7 +657,6 @@ void Trainer::load() {
         return it == ck.tensors.end() ? nullptr : &it->second;
       },
       ck.path);
-  auto meta = nlohmann::json::parse(ck.metadata_json);
   if (args_.finetune) {
     if (is_logging_rank())
       fmt::print(" loaded weights from {} (finetune: starting at iteration 0)\n", ck.path);

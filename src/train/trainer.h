@@ -65,6 +65,10 @@ class Trainer {
   void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
                   Tensor& tokens, Tensor& labels) const;
   void save(int64_t iteration);
+  // --check-for-nan-in-loss-and-grad: throws megaton::Error naming the iteration, what was
+  // non-finite (loss or gradient norm) and the ranks where it was found. Collective: the
+  // loss and the gradient norm are global values, so every rank calls it at once.
+  [[noreturn]] void stop_on_non_finite(double loss, double grad_norm);
   void load();
   // params_norm < 0, num_zeros < 0: not logged. moe: the interval's mean MoE metrics.
   void log_line(int64_t iteration, double ms_per_iter, double lr, double loss,
@@ -87,6 +91,9 @@ class Trainer {
   int64_t consumed_samples_ = 0;
   double floating_point_operations_so_far_ = 0;
   int64_t skipped_iterations_ = 0, nan_iterations_ = 0;
+  // This rank's sum of per-token losses in the last train_step (0 on ranks that compute
+  // no loss: pipeline stages before the last), to name the rank of a non-finite loss.
+  double local_loss_sum_ = 0;
 };
 
 // Peak memory in bytes: device memory held by tensors on the GPU (the caching
