@@ -16,12 +16,11 @@ compare="$here/../../tools/compare_runs.py"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 
-config=(--device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 127
+config=(--device cpu --mock-data --tokenizer-type NullTokenizer
   --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
   --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48
   --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
   --hidden-dropout 0 --attention-dropout 0
-  --make-vocab-size-divisible-by 64
   --seq-length 16 --global-batch-size 8 --lr 1e-3
   --lr-warmup-iters 1 --clip-grad 1.0 --log-params-norm --log-num-zeros-in-grad --eval-iters 0 --log-interval 1 --seed 1234)
 
@@ -46,12 +45,16 @@ router_flags() {  # NAME
 # variant says "LAYERS=n" and/or "TIED=1"; "ROUTER=name" adds router flags (above);
 # "QKN=1" adds --qk-layernorm; "A2A=x" runs with MEGATON_MOE_ALLTOALL_EXCHANGE=x;
 # "MBS=n" sets the micro-batch size (the one-rank run of a DP layout whose global
-# micro-batches must be the reference's micro-batches: global_aux_loss).
+# micro-batches must be the reference's micro-batches: global_aux_loss); "VOCAB=n" the
+# NullTokenizer's vocabulary (n tokens + eod) and "PAD=n" --make-vocab-size-divisible-by
+# (default 127 + eod padded by 64: 128 rows under TP 1 and 2 alike).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64
   local setting
   for setting in $1; do
     case $setting in
+      VOCAB=*) VOCAB=${setting#*=} ;;
+      PAD=*) PAD=${setting#*=} ;;
       A2A=*) A2A=${setting#*=} ;;
       LAYERS=*) LAYERS=${setting#*=} ;;
       QKN=*) QKN=${setting#*=} ;;
@@ -68,7 +71,8 @@ run() {  # NAME NP FLAGS...
   local name=$1 np=$2
   shift 2
   mkdir -p "$dir/$name"
-  local model=(--num-layers "$LAYERS" --micro-batch-size "$MBS")
+  local model=(--num-layers "$LAYERS" --micro-batch-size "$MBS" --vocab-size "$VOCAB"
+    --make-vocab-size-divisible-by "$PAD")
   [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
   [ "$QKN" = 0 ] || model+=(--qk-layernorm)
   # shellcheck disable=SC2207
@@ -223,4 +227,49 @@ for entry in "${resumes[@]}"; do
   reference_of "$variant" || { status=1; continue; }
   resume "$name" "$src_np" "$src_flags" "$dst_np" "$dst_flags" || status=1
 done
+# A vocabulary whose padding changes with the TP size (100 tokens + eod, Megatron's default
+# --make-vocab-size-divisible-by 128: 128 rows under TP 1, 256 under TP 2). A TP1
+# checkpoint passes through another layout without training (loaded, padded to 256 rows,
+# saved) and comes back (trimmed to 128 rows): the third step then equals the one-rank run's.
+vocab_hops=(
+  "vocab-tp1-tp2-tp1|2|--tensor-model-parallel-size 2"
+  "vocab-tp1-tp2-pp2-tp1|4|--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+  "vocab-tp1-tp2-sp-ep2-tp1|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  "vocab-tp1-tp2-dp2-distopt-tp1|4|--tensor-model-parallel-size 2 --use-distributed-optimizer"
+)
+vocab_hop() {  # NAME NP "FLAGS"
+  local name=$1
+  [ -e "$dir/vocab-first" ] || ITERS=2 run vocab-first 1 || return 1
+  # shellcheck disable=SC2086
+  ITERS=2 run "$name-hop" "$2" --load "$dir/vocab-first/save" $3 || return 1
+  run "$name" 1 --load "$dir/$name-hop/save" || return 1
+  if out=$(python3 "$compare" --resumed "$dir/$reference" "$dir/$name"); then
+    echo "ok: resume $name: $out"
+  else
+    echo "FAILED: resume $name differs from one rank:"; echo "$out"; return 1
+  fi
+}
+for entry in "${vocab_hops[@]}"; do
+  IFS='|' read -r name np flags <<<"$entry"
+  [[ -z "${LAYOUTS_ONLY:-}" || $name =~ $LAYOUTS_ONLY ]] || continue
+  use_variant "VOCAB=100 PAD=128"
+  reference_of "VOCAB=100 PAD=128" || { status=1; continue; }
+  vocab_hop "$name" "$np" "$flags" || status=1
+done
+# Training on the padded rows: TP2's step from the TP1 checkpoint (padded to 256 rows)
+# equals one rank's step from it with --make-vocab-size-divisible-by 256 (the same rows).
+if [[ -z "${LAYOUTS_ONLY:-}" || vocab-tp1-to-tp2-step =~ $LAYOUTS_ONLY ]]; then
+  use_variant "VOCAB=100 PAD=128"
+  if { [ -e "$dir/vocab-first" ] || ITERS=2 run vocab-first 1; } &&
+     run vocab-tp1-to-tp2-step 2 --load "$dir/vocab-first/save" --tensor-model-parallel-size 2 &&
+     use_variant "VOCAB=100 PAD=256" && run vocab-tp1-to-one-rank-pad256-step 1 --load "$dir/vocab-first/save"; then
+    if out=$(python3 "$compare" --resumed "$dir/vocab-tp1-to-one-rank-pad256-step" "$dir/vocab-tp1-to-tp2-step"); then
+      echo "ok: vocab-tp1-to-tp2-step equals one rank padded alike: $out"
+    else
+      echo "FAILED: vocab-tp1-to-tp2-step differs from one rank padded alike:"; echo "$out"; status=1
+    fi
+  else
+    status=1
+  fi
+fi
 exit $status

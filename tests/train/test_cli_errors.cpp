@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "ckpt/checkpoint.h"
 #include "data/preprocess.h"
 
 namespace fs = std::filesystem;
@@ -156,6 +158,166 @@ TEST_F(CliErrors, BadAlltoAllExchangeSetting) {
 TEST_F(CliErrors, MissingConfigFile) {
   expect_user_error("train --config " + (dir / "absent.yaml").string(),
                     (dir / "absent.yaml").string());
+}
+
+// A tiny model on random tokens (no data files): the flags of the runs below.
+const std::string kMock =
+    "train --device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
+    "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+    "--micro-batch-size 2 --eval-iters 0 --log-interval 1";
+
+// Class 3 of the reliability issue: non-finite hyperparameters are refused at parse time.
+TEST_F(CliErrors, NonFiniteFloatFlags) {
+  for (const char* flag : {"--weight-decay nan", "--lr inf", "--adam-eps -inf", "--clip-grad nan",
+                           "--init-method-std nan", "--moe-aux-loss-coeff nan"}) {
+    SCOPED_TRACE(flag);
+    expect_user_error(kMock + " --train-iters 3 " + flag, "must be");
+  }
+}
+
+// Class 4: values that used to reach internal checks ("internal error", exit 1).
+TEST_F(CliErrors, OutOfRangeValuesNameTheFlag) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--adam-beta1 1.5", "option 'adam-beta1' must be in [0, 1) (got 1.5)"},
+      {"--adam-beta2 -0.1", "option 'adam-beta2' must be in [0, 1)"},
+      {"--position-embedding-type rope --rotary-base 0", "option 'rotary-base' must be > 0"},
+      {"--ffn-hidden-size -5", "option 'ffn-hidden-size' must be > 0 (got -5)"},
+      {"--kv-channels -8", "option 'kv-channels' must be > 0"},
+      {"--global-batch-size -4", "global-batch-size must be positive (got -4)"},
+      {"--clip-grad -1", "option 'clip-grad' must be >= 0 (got -1)"},
+      {"--seed -3", "option 'seed' must be >= 0"},
+      {"--moe-router-topk-scaling-factor -1 --num-experts 4",
+       "option 'moe-router-topk-scaling-factor' must be >= 0"},
+      {"--num-query-groups 99999999999", "option 'num-query-groups' must be at most 2147483647"},
+      {"--exit-interval -1", "exit-interval must be >= 0"},
+  };
+  for (const auto& [flags, message] : cases) {
+    SCOPED_TRACE(flags);
+    expect_user_error(kMock + " --train-iters 3 " + flags, message);
+  }
+}
+
+// Class 5: silently accepted nonsense.
+TEST_F(CliErrors, DuplicateConfigKey) {
+  // The same option under both spellings counts as a duplicate too.
+  expect_user_error("train --config " + config(std::string(kModel) + "num_layers: 2\n"),
+                    "key 'num-layers' is given twice (line 4)");
+}
+
+TEST_F(CliErrors, MockDataWithDataPath) {
+  expect_user_error("train --config " + config(kModel) + " --mock-data",
+                    "mock-data trains on random tokens: it takes no data-path");
+}
+
+// Class 8: messages about the config file itself.
+TEST_F(CliErrors, ConfigIsADirectory) {
+  expect_user_error("train --config " + dir.string(), "is a directory, expected a YAML file");
+}
+
+TEST_F(CliErrors, BinaryConfigIsNamedNotEchoed) {
+  {
+    std::ofstream out(dir / "binary.yaml", std::ios::binary);
+    const char bytes[] = {'\x1b', '[', '2', 'J', '\0', '\x07', 'x', ':', ' ', '1', '\n'};
+    out.write(bytes, sizeof(bytes));
+  }
+  expect_user_error("train --config " + (dir / "binary.yaml").string(),
+                    "is not a text file (byte 0x1b at offset 0)");
+  for (char c : stderr_lines[0]) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "raw byte " << int(c);
+}
+
+// Class 6: an unwritable --save is found at start-up, before any iteration runs.
+TEST_F(CliErrors, UnwritableSaveFailsAtStartup) {
+  std::ofstream(dir / "a_file") << "x";
+  const std::string save = (dir / "a_file" / "ckpt").string();
+  fs::path out = dir / "stdout.txt";
+  int rc = run(kMock + " --train-iters 3 --save " + save + " > " + out.string());
+  EXPECT_EQ(rc, 2);
+  ASSERT_EQ(stderr_lines.size(), 1u);
+  EXPECT_NE(stderr_lines[0].find("a_file"), std::string::npos) << stderr_lines[0];
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(text.find("iteration"), std::string::npos) << "trained before failing: " << text;
+}
+
+// Reads every F32 tensor of the checkpoint `save` names and checks each is finite.
+::testing::AssertionResult checkpoint_is_finite(const fs::path& save, int64_t iteration) {
+  std::ifstream tracker(save / "latest_checkpointed_iteration.txt");
+  int64_t latest = -1;
+  tracker >> latest;
+  if (latest != iteration)
+    return ::testing::AssertionFailure() << "tracker names " << latest << ", expected " << iteration;
+  ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(save.string());
+  for (const auto& [name, t] : ck.tensors) {
+    if (t.dtype() != DType::F32) continue;
+    for (int64_t i = 0; i < t.numel(); ++i)
+      if (!std::isfinite(t.f32()[i]))
+        return ::testing::AssertionFailure() << name << "[" << i << "] = " << t.f32()[i];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Class 3: a diverging run (lr 1e30: Adam moves every weight by ~1e30, so the second
+// forward overflows) stops at the first non-finite loss, naming the iteration and rank,
+// and its last checkpoint (iteration 1) is finite.
+TEST_F(CliErrors, DivergingRunStopsAndItsLastCheckpointIsFinite) {
+  const fs::path save = dir / "save";
+  int rc = run(kMock + " --train-iters 3 --lr 1e30 --save-interval 1 --save " + save.string());
+  EXPECT_EQ(rc, 2);
+  ASSERT_EQ(stderr_lines.size(), 1u);
+  EXPECT_NE(stderr_lines[0].find("iteration 2: found NaN in the loss on rank 0"), std::string::npos)
+      << stderr_lines[0];
+  EXPECT_TRUE(checkpoint_is_finite(save, 1));
+  EXPECT_FALSE(fs::exists(save / "iter_0000002"));
+}
+
+// Without the check, a non-finite step is skipped and counted, and the run ends normally.
+TEST_F(CliErrors, NoCheckForNanSkipsTheStep) {
+  const fs::path save = dir / "save";
+  int rc = run(kMock + " --train-iters 3 --lr 1e30 --no-check-for-nan-in-loss-and-grad --save " + save.string());
+  EXPECT_EQ(rc, 0);
+  EXPECT_TRUE(checkpoint_is_finite(save, 3));
+}
+
+// Class 3: a save refuses parameters that are not finite, so the tracker never names such a
+// checkpoint. lr x weight decay = 3e39 overflows fp32 in AdamW's decoupled decay, making
+// every weight infinite after the first update while its loss was still finite.
+TEST_F(CliErrors, SaveRefusesNonFiniteParameters) {
+  const fs::path save = dir / "save";
+  int rc = run(kMock + " --train-iters 3 --lr 3e38 --weight-decay 10 --save-interval 1 --save " + save.string());
+  EXPECT_EQ(rc, 2);
+  ASSERT_EQ(stderr_lines.size(), 1u);
+  EXPECT_NE(stderr_lines[0].find("not saving iteration 1"), std::string::npos) << stderr_lines[0];
+  EXPECT_FALSE(fs::exists(save / "latest_checkpointed_iteration.txt"));
+  EXPECT_FALSE(fs::exists(save / "iter_0000001"));
+}
+
+// Class 5: checkpoint metadata whose iteration disagrees with its directory.
+TEST_F(CliErrors, CheckpointIterationDisagreesWithDirectory) {
+  const fs::path save = dir / "ck";
+  ASSERT_EQ(run(kMock + " --train-iters 1 --save " + save.string()), 0);
+  const fs::path meta = save / "iter_0000001" / "metadata.json";
+  std::ifstream in(meta);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  const size_t at = text.find("\"iteration\": 1");
+  ASSERT_NE(at, std::string::npos) << text.substr(0, 200);
+  text.replace(at, 14, "\"iteration\": 7");
+  std::ofstream(meta) << text;
+  expect_user_error(kMock + " --train-iters 3 --load " + save.string(), "says iteration 7, but its directory");
+}
+
+// Class 6: the partial saves of killed processes are removed by the next save; those of a
+// live process are kept.
+TEST_F(CliErrors, StalePartialSavesAreRemoved) {
+  const fs::path save = dir / "ck";
+  fs::create_directories(save / "iter_0000001.tmp999999999");  // no such PID (> pid_max)
+  std::ofstream(save / "iter_0000001.tmp999999999" / "model_optim_rng.safetensors") << "partial";
+  const std::string live = "iter_0000001.tmp" + std::to_string(::getpid());
+  fs::create_directories(save / live);
+  ASSERT_EQ(run(kMock + " --train-iters 1 --save " + save.string()), 0);
+  EXPECT_FALSE(fs::exists(save / "iter_0000001.tmp999999999"));
+  EXPECT_TRUE(fs::exists(save / live));
+  EXPECT_TRUE(fs::exists(save / "iter_0000001" / "metadata.json"));
 }
 
 }  // namespace
