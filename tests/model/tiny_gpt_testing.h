@@ -52,8 +52,10 @@ inline std::vector<TinyGptVariant> tiny_gpt_variants() {
 }
 
 // A finalize()d config: 2 layers, hidden 32, 4 heads of 8, vocabulary 100 (padded to 128).
+// init_method_std 0.2 by default: logits far from uniform and attention far from flat, so
+// greedy choices are clear and a wrong key or query shows.
 inline GPTConfig tiny_gpt_config(const TinyGptVariant& v, Device device = Device::CPU,
-                                 bool bf16 = false) {
+                                 bool bf16 = false, float init_method_std = 0.2f) {
   GPTConfig c;
   c.num_layers = 2;
   c.hidden_size = 32;
@@ -71,7 +73,7 @@ inline GPTConfig tiny_gpt_config(const TinyGptVariant& v, Device device = Device
   c.untie_embeddings_and_output_weights = v.untie;
   c.disable_bias_linear = !v.bias;
   c.hidden_dropout = c.attention_dropout = 0.1f;  // inference must not apply them
-  c.init_method_std = 0.2f;  // logits far from uniform, so greedy choices are clear
+  c.init_method_std = init_method_std;
   if (v.moe) {
     c.num_experts = 4;
     c.moe_ffn_hidden_size = 24;
@@ -85,15 +87,16 @@ inline GPTConfig tiny_gpt_config(const TinyGptVariant& v, Device device = Device
   return c;
 }
 
-// Adds N(0, 0.05^2) noise (drawn on the host from `seed`, so a CPU and a GPU model get the
-// same values) to every parameter: norm weights and biases start as constants, and a
-// test must not run on zeros. With round_bf16 the fp32 main params are rounded to bf16
+// Adds N(0, noise_std^2) noise (drawn on the host from `seed`, so a CPU and a GPU model
+// get the same values) to every parameter: norm weights and biases start as constants, and
+// a test must not run on zeros. With round_bf16 the fp32 main params are rounded to bf16
 // values, so a bf16 GPU model and an fp32 CPU model compute with the same weights.
-inline void randomize_params(GPTModel& model, uint64_t seed, bool round_bf16 = false) {
+inline void randomize_params(GPTModel& model, uint64_t seed, bool round_bf16 = false,
+                             float noise_std = 0.05f) {
   uint64_t stream = 0;
   for (Param* p : model.params()) {
     Tensor host = p->main_param.to(Device::CPU).clone();
-    const Tensor noise = randn(host.shape(), seed + 1000 * ++stream, 0.05f);
+    const Tensor noise = randn(host.shape(), seed + 1000 * ++stream, noise_std);
     ops::add_(host, noise);
     if (round_bf16) host = host.to(DType::BF16).to(DType::F32);
     p->main_param.copy_from(host);
