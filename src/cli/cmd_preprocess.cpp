@@ -1,6 +1,7 @@
 // `megaton preprocess`: documents -> tokenized .bin/.idx (Megatron tools/preprocess_data.py).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <thread>
@@ -49,7 +50,9 @@ void run_preprocess(const PreprocessFlags& flags) {
 
 void add_preprocess_command(CLI::App& app) {
   auto flags = std::make_shared<PreprocessFlags>();
-  flags->options.workers = std::max(1u, std::thread::hardware_concurrency());
+  // One thread per core, within the accepted range (kMaxPreprocessWorkers).
+  flags->options.workers = std::clamp(int(std::thread::hardware_concurrency()), 1,
+                                      data::kMaxPreprocessWorkers);
   CLI::App* cmd = app.add_subcommand(
       "preprocess", "Tokenize documents into <output-prefix>_<key>_document.bin/.idx");
   auto& o = flags->options;
@@ -64,7 +67,9 @@ void add_preprocess_command(CLI::App& app) {
                   "SentencePieceTokenizer, GPTSentencePieceTokenizer or ByteTokenizer")
       ->required();
   cmd->add_option("--tokenizer-model", o.tokenizer_model, "SentencePiece .model file");
-  cmd->add_option("--workers", o.workers, "Tokenizer threads (output does not depend on it)")
+  cmd->add_option("--workers", o.workers,
+                  fmt::format("Tokenizer threads, 1 to {} (output does not depend on it)",
+                              data::kMaxPreprocessWorkers))
       ->capture_default_str();
   cmd->add_flag("--append-eod,!--no-append-eod", o.append_eod,
                 "Append the tokenizer's eod token to every document (default on)");

@@ -4,9 +4,11 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/tensor.h"
 #include "dist/comm.h"
 #include "dist/runtime.h"
 
@@ -42,6 +44,14 @@ static int run(CLI::App& app, int argc, char** argv) {
     return 2;
   } catch (const megaton::Error& e) {
     std::fprintf(stderr, "%serror: %s\n", who.c_str(), e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    // An allocation outside the tensor allocator (a container, a library): the run needs
+    // more host memory than it can have, which the user fixes with smaller sizes.
+    const megaton::HostMemoryAvailable avail = megaton::host_memory_available();
+    std::fprintf(stderr, "%serror: out of host memory (std::bad_alloc): %s available (%s)\n",
+                 who.c_str(), megaton::human_bytes(double(avail.available())).c_str(),
+                 avail.binding_limit().c_str());
     return 2;
   } catch (const megaton::dist::CommError& e) {
     std::fprintf(stderr, "%scommunication error: %s\n", who.c_str(), e.what());

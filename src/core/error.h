@@ -15,6 +15,16 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Memory the run needs and the machine does not have: a host or device allocation that
+// failed or would exceed what is available, or a size check made before allocating
+// (train/memory_check.h). The user fixes it with smaller sizes (flags) or a bigger
+// machine, so it is an Error (exit 2); the message names the bytes requested and the
+// bytes available.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A broken internal invariant (a bug in Megaton, not in the input). Exit status 1.
 class InternalError : public std::logic_error {
  public:

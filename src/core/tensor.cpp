@@ -6,9 +6,18 @@
 #include "core/cuda/cuda_check.h"
 #endif
 
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
 #include <mutex>
+#include <new>
+#include <string_view>
 #include <unordered_map>
 
 namespace megaton {
@@ -20,11 +29,36 @@ std::string shape_str(const Shape& s) {
 }
 
 namespace {
+
+std::atomic<int> injected_allocation_failures{0};
+std::atomic<int> injected_cache_insert_failures{0};
+
+// Consumes one injected failure of `counter`; false when none is pending.
+bool take_injected_failure(std::atomic<int>& counter) {
+  int n = counter.load(std::memory_order_relaxed);
+  while (n > 0)
+    if (counter.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) return true;
+  return false;
+}
+
+int64_t saturating_int64(double bytes) {
+  return bytes >= 9.2e18 ? std::numeric_limits<int64_t>::max() : int64_t(bytes);
+}
+
+// "1.2 GB (1234567890 bytes)".
+std::string bytes_both(int64_t bytes) {
+  return fmt::format("{} ({} bytes)", human_bytes(double(bytes)), bytes);
+}
+
 // Caching host allocator: freed blocks are kept per exact (64-byte rounded) size and
 // handed out again. A training step allocates the same shapes every iteration, so after
 // the first step no allocation reaches the OS (no mmap/munmap, no page faults).
 class HostBlockCache {
  public:
+  // A block of `bytes` (a size class), from the cache or the OS. When the OS refuses, the
+  // cache is returned to it and the request retried once; a second refusal, or a request
+  // of kHostLargeAllocationBytes or more that exceeds host_memory_available(), throws
+  // OutOfMemoryError naming the bytes requested, held and available.
   void* allocate(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -32,21 +66,84 @@ class HostBlockCache {
       if (it != free_.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
+        cached_bytes_ -= int64_t(bytes);
+        allocated_bytes_ += int64_t(bytes);
         return p;
       }
     }
-    void* p = std::aligned_alloc(64, bytes);
-    MEGATON_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+    if (bytes >= kHostLargeAllocationBytes) refuse_if_unavailable(bytes);
+    void* p = os_allocate(bytes);
+    if (!p) {
+      empty();
+      p = os_allocate(bytes);
+    }
+    if (!p) throw OutOfMemoryError(out_of_memory_message(bytes, host_memory_available()));
+    allocated_bytes_ += int64_t(bytes);
     return p;
   }
-  void release(void* p, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_[bytes].push_back(p);
+
+  // Takes a block back for reuse. Never throws (it runs in ~Storage): when the cache's
+  // bookkeeping cannot grow, the block goes back to the OS instead.
+  void release(void* p, size_t bytes) noexcept {
+    allocated_bytes_ -= int64_t(bytes);
+    try {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (take_injected_failure(injected_cache_insert_failures)) throw std::bad_alloc();
+      free_[bytes].push_back(p);
+      cached_bytes_ += int64_t(bytes);
+      return;
+    } catch (...) {
+    }
+    std::free(p);
   }
 
+  // Frees every cached block.
+  void empty() noexcept {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [size, blocks] : free_) {
+      for (void* p : blocks) std::free(p);
+      cached_bytes_ -= int64_t(size * blocks.size());
+    }
+    free_.clear();
+  }
+
+  HostAllocatorStats stats() const { return {allocated_bytes_.load(), cached_bytes_.load()}; }
+
  private:
+  static void* os_allocate(size_t bytes) {
+    if (take_injected_failure(injected_allocation_failures)) return nullptr;
+    return std::aligned_alloc(64, bytes);
+  }
+
+  void refuse_if_unavailable(size_t bytes) {
+    HostMemoryAvailable avail = host_memory_available();
+    if (int64_t(bytes) <= avail.available()) return;
+    if (cached_bytes_.load() > 0) {  // cached blocks go back to the OS: look again
+      empty();
+      avail = host_memory_available();
+      if (int64_t(bytes) <= avail.available()) return;
+    }
+    throw OutOfMemoryError(out_of_memory_message(bytes, avail));
+  }
+
+  std::string out_of_memory_message(size_t bytes, const HostMemoryAvailable& avail) const {
+    const HostAllocatorStats s = stats();
+    const int64_t available = avail.available();
+    return fmt::format(
+        "out of host memory: a tensor of {} was requested; this process holds {} resident "
+        "({} in tensors, {} cached) and {} is available ({})",
+        bytes_both(int64_t(bytes)),
+        avail.resident_bytes >= 0 ? bytes_both(avail.resident_bytes) : std::string("?"),
+        human_bytes(double(s.allocated_bytes)), human_bytes(double(s.cached_bytes)),
+        available == std::numeric_limits<int64_t>::max() ? std::string("an unknown amount")
+                                                         : bytes_both(available),
+        avail.binding_limit());
+  }
+
   std::mutex mutex_;
   std::unordered_map<size_t, std::vector<void*>> free_;
+  std::atomic<int64_t> allocated_bytes_{0};
+  std::atomic<int64_t> cached_bytes_{0};
 };
 HostBlockCache& host_cache() {
   static HostBlockCache* cache = new HostBlockCache();  // never destroyed: outlives tensors
@@ -61,7 +158,146 @@ size_t rounded_bytes(size_t n) {
   size_t step = top / 8;
   return (n + step - 1) / step * step;
 }
+
+// ---- /proc and /sys readers for host_memory_available (-1: absent or unreadable) -----
+
+// The number after `key` in a "key value [kB]" file (/proc/meminfo, /proc/self/status,
+// memory.stat); `scale` multiplies it (1024 for kB).
+int64_t read_keyed_value(const std::string& path, std::string_view key, int64_t scale) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (line.size() <= key.size() || line.compare(0, key.size(), key) != 0) continue;
+    const char c = line[key.size()];
+    if (c != ' ' && c != ':' && c != '\t') continue;
+    const char* p = line.c_str() + key.size();
+    while (*p == ':' || *p == ' ' || *p == '\t') ++p;
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(p, &end, 10);
+    if (end == p) return -1;
+    return saturating_int64(double(v) * double(scale));
+  }
+  return -1;
+}
+
+// A file holding one number; -1 for "max", absent or unreadable.
+int64_t read_single_value(const std::string& path) {
+  std::ifstream in(path);
+  std::string word;
+  if (!(in >> word) || word == "max") return -1;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(word.c_str(), &end, 10);
+  if (end == word.c_str()) return -1;
+  return saturating_int64(double(v));
+}
+
+// What the memory cgroup of this process still lets it have: limit - usage + the page
+// cache charged to it (reclaimable, as MemAvailable counts it), the smallest over the
+// cgroup and its ancestors. -1 when there is no limit or no cgroup.
+int64_t cgroup_memory_available() {
+  std::ifstream in("/proc/self/cgroup");
+  std::string v1_path, v2_path;
+  for (std::string line; std::getline(in, line);) {
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    if (line.compare(0, a, "0") == 0 && controllers.empty()) v2_path = path;
+    std::string list = "," + controllers + ",";
+    if (list.find(",memory,") != std::string::npos) v1_path = path;
+  }
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  int64_t best = -1;
+  auto consider = [&best](int64_t limit, int64_t usage, int64_t cache) {
+    // Limits near 2^63 (cgroup v1's "unlimited") are no limit.
+    if (limit < 0 || usage < 0 || limit >= (int64_t(1) << 62)) return;
+    const int64_t left = std::max<int64_t>(0, limit - usage + std::max<int64_t>(cache, 0));
+    best = best < 0 ? left : std::min(best, left);
+  };
+  if (!v1_path.empty()) {
+    // cgroup v1: hierarchical_memory_limit already takes the ancestors' limits.
+    fs::path dir = fs::path("/sys/fs/cgroup/memory") / fs::path(v1_path).relative_path();
+    if (!fs::exists(dir / "memory.usage_in_bytes", ec)) dir = "/sys/fs/cgroup/memory";
+    const std::string stat = (dir / "memory.stat").string();
+    int64_t limit = read_keyed_value(stat, "hierarchical_memory_limit", 1);
+    if (limit < 0) limit = read_single_value((dir / "memory.limit_in_bytes").string());
+    consider(limit, read_single_value((dir / "memory.usage_in_bytes").string()),
+             read_keyed_value(stat, "total_cache", 1));
+  } else if (!v2_path.empty()) {
+    const fs::path root = "/sys/fs/cgroup";
+    fs::path dir = root / fs::path(v2_path).relative_path();
+    if (!fs::exists(dir / "memory.current", ec)) dir = root;
+    for (;;) {
+      consider(read_single_value((dir / "memory.max").string()),
+               read_single_value((dir / "memory.current").string()),
+               read_keyed_value((dir / "memory.stat").string(), "file", 1));
+      if (dir == root || !dir.has_parent_path() || dir.parent_path() == dir) break;
+      dir = dir.parent_path();
+    }
+  }
+  return best;
+}
+
 }  // namespace
+
+HostAllocatorStats host_allocator_stats() { return host_cache().stats(); }
+void empty_host_cache() { host_cache().empty(); }
+
+int64_t HostMemoryAvailable::physical() const {
+  int64_t ram = -1;
+  if (mem_available >= 0) ram = mem_available;
+  if (cgroup_available >= 0) ram = ram < 0 ? cgroup_available : std::min(ram, cgroup_available);
+  if (ram < 0) return std::numeric_limits<int64_t>::max();
+  return saturating_int64(double(ram) + double(std::max<int64_t>(swap_free, 0)));
+}
+
+int64_t HostMemoryAvailable::available() const {
+  const int64_t p = physical();
+  return address_space_left >= 0 ? std::min(p, address_space_left) : p;
+}
+
+std::string HostMemoryAvailable::binding_limit() const {
+  if (address_space_left >= 0 && address_space_left <= physical()) return "ulimit -v (address space)";
+  return physical_limit();
+}
+
+std::string HostMemoryAvailable::physical_limit() const {
+  if (cgroup_available >= 0 && (mem_available < 0 || cgroup_available < mem_available))
+    return swap_free > 0 ? "cgroup memory limit + SwapFree" : "cgroup memory limit";
+  if (mem_available >= 0) return swap_free > 0 ? "MemAvailable + SwapFree" : "MemAvailable";
+  return "no known limit";
+}
+
+HostMemoryAvailable host_memory_available() {
+  HostMemoryAvailable out;
+  out.mem_available = read_keyed_value("/proc/meminfo", "MemAvailable", 1024);
+  out.swap_free = read_keyed_value("/proc/meminfo", "SwapFree", 1024);
+  out.cgroup_available = cgroup_memory_available();
+  out.resident_bytes = read_keyed_value("/proc/self/status", "VmRSS", 1024);
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    const int64_t used = read_keyed_value("/proc/self/status", "VmSize", 1024);
+    const int64_t cap = saturating_int64(double(limit.rlim_cur));
+    out.address_space_left = std::max<int64_t>(0, cap - std::max<int64_t>(used, 0));
+  }
+  return out;
+}
+
+std::string human_bytes(double bytes) {
+  if (!(bytes >= 1000)) return fmt::format("{:.0f} bytes", bytes);
+  static const char* const units[] = {"KB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
+  int u = -1;
+  while (bytes >= 999.95 && u < 7) {
+    bytes /= 1000;
+    ++u;
+  }
+  if (bytes >= 999.95) return fmt::format("{:.3g} YB", bytes);  // beyond the units
+  return fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+namespace testing_hooks {
+void fail_next_host_allocations(int count) { injected_allocation_failures.store(count); }
+void fail_next_host_cache_inserts(int count) { injected_cache_insert_failures.store(count); }
+}  // namespace testing_hooks
 
 Storage::Storage(size_t n, Device dev) : bytes(n), device(dev) {
   if (dev == Device::CUDA) {
@@ -104,20 +340,40 @@ static void copy_bytes(void* dst, Device dst_device, const void* src, Device src
 #endif
 }
 
+[[noreturn]] static void throw_shape_too_large(const Shape& s) {
+  throw OutOfMemoryError(
+      fmt::format("tensor of shape {} needs more than 2^63 bytes", shape_str(s)));
+}
+
+// Elements of shape `s`; OutOfMemoryError when the count overflows int64 (such a tensor
+// could never be allocated).
 static int64_t numel_of(const Shape& s) {
   int64_t n = 1;
   for (int64_t d : s) {
     MEGATON_CHECK(d >= 0, "negative dimension in shape {}", shape_str(s));
-    n *= d;
+    if (__builtin_mul_overflow(n, d, &n)) {
+      // A zero later in the shape makes the tensor empty, not too large.
+      for (int64_t z : s)
+        if (z == 0) return 0;
+      throw_shape_too_large(s);
+    }
   }
   return n;
+}
+
+// Bytes of a tensor of `shape` and `dtype`; OutOfMemoryError beyond int64.
+static size_t bytes_of(const Shape& shape, DType dtype) {
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(numel_of(shape), int64_t(dtype_size(dtype)), &bytes))
+    throw_shape_too_large(shape);
+  return size_t(bytes);
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dtype;
-  t.storage_ = std::make_shared<Storage>(numel_of(shape) * dtype_size(dtype), device);
+  t.storage_ = std::make_shared<Storage>(bytes_of(shape, dtype), device);
   return t;
 }
 Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype, Device device) {
@@ -125,7 +381,7 @@ Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype, Device device
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dtype;
-  t.storage_ = std::make_shared<Storage>(data, numel_of(shape) * dtype_size(dtype), device);
+  t.storage_ = std::make_shared<Storage>(data, bytes_of(shape, dtype), device);
   return t;
 }
 Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {

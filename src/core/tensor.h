@@ -16,7 +16,10 @@ enum class Device : uint8_t { CPU, CUDA };
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);
 
-// Raw bytes owned by one allocation. CPU storage is 64-byte aligned.
+// Raw bytes owned by one allocation. CPU storage is 64-byte aligned. The constructor
+// throws OutOfMemoryError when the host or device cannot give `bytes` (naming the bytes
+// requested, held and available); the destructor never throws (a block that cannot be
+// cached is freed).
 struct Storage {
   void* data = nullptr;
   size_t bytes = 0;
@@ -30,12 +33,64 @@ struct Storage {
   Storage& operator=(const Storage&) = delete;
 };
 
+// ---- Host memory: the host allocator's holdings and what the machine has left ----------
+
+// Bytes held by the caching host allocator (sizes rounded to its size classes).
+struct HostAllocatorStats {
+  int64_t allocated_bytes = 0;  // in live CPU tensors
+  int64_t cached_bytes = 0;     // freed blocks kept for reuse
+};
+HostAllocatorStats host_allocator_stats();
+// Returns every cached (unused) host block to the OS.
+void empty_host_cache();
+
+// Host memory this process can still obtain, in bytes, from the limits Linux applies;
+// -1 where a limit is unknown or absent. Read from /proc and /sys at each call (about
+// 100 us): for size checks made before large allocations, not for the step.
+struct HostMemoryAvailable {
+  int64_t mem_available = -1;       // /proc/meminfo MemAvailable
+  int64_t swap_free = -1;           // /proc/meminfo SwapFree
+  int64_t cgroup_available = -1;    // cgroup memory limit - usage + its page cache
+  int64_t address_space_left = -1;  // RLIMIT_AS (ulimit -v) - this process's VmSize
+  int64_t resident_bytes = -1;      // this process's VmRSS (for messages)
+  // Memory that pages can still be backed by: min(MemAvailable, cgroup) + SwapFree
+  // (INT64_MAX when neither is known). Swap is added so that a check against this never
+  // refuses what the kernel would have granted.
+  int64_t physical() const;
+  // min(physical(), address_space_left): what one more allocation can get.
+  int64_t available() const;
+  // Which limit gives physical(): "MemAvailable", "cgroup memory limit" (each with
+  // " + SwapFree" when there is swap) or "no known limit".
+  std::string physical_limit() const;
+  // Which limit gives available(): physical_limit() or "ulimit -v (address space)".
+  std::string binding_limit() const;
+};
+HostMemoryAvailable host_memory_available();
+
+// Host requests of at least this many bytes are compared with host_memory_available()
+// before the allocator is called: Linux overcommits, so such a malloc can succeed and the
+// kernel kill the process later, when the pages are touched.
+inline constexpr size_t kHostLargeAllocationBytes = size_t(1) << 30;
+
+// Decimal units for messages: "512 bytes", "21.4 GB", "3.3 TB" (one decimal).
+std::string human_bytes(double bytes);
+
+namespace testing_hooks {
+// Fault injection for tests of the allocation and release paths. The next `count`
+// requests for a new host block fail as if the OS had no memory left (aligned_alloc
+// returning nullptr); the next `count` returns of a block to the host cache fail as if
+// the cache's bookkeeping could not allocate (std::bad_alloc inside ~Storage).
+void fail_next_host_allocations(int count);
+void fail_next_host_cache_inserts(int count);
+}  // namespace testing_hooks
+
 // Every tensor is row-major and contiguous. Views (reshape, rows along dim 0) share
 // storage and never copy. An empty (default) tensor has no storage and numel 0.
 class Tensor {
  public:
   Tensor() = default;
-  // Uninitialised storage.
+  // Uninitialised storage. Throws OutOfMemoryError when the memory cannot be had, or when
+  // the shape's element or byte count overflows int64 ("needs more than 2^63 bytes").
   static Tensor empty(const Shape& shape, DType dtype = DType::F32, Device device = Device::CPU);
   static Tensor zeros(const Shape& shape, DType dtype = DType::F32, Device device = Device::CPU);
   // fp32 tensor holding `values` (numel must match shape).

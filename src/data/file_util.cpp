@@ -88,20 +88,29 @@ void AtomicFile::write(const void* data, size_t bytes) {
   offset_ += bytes;
 }
 
-void AtomicFile::commit() {
-  MEGATON_CHECK(file_ != nullptr, "commit of {} twice", path_);
+void AtomicFile::close() {
+  MEGATON_CHECK(file_ != nullptr, "close of {} twice, or after commit or abandon", path_);
+  errno = 0;
   bool ok = std::fflush(file_) == 0;
   int e = errno;
   ok = (std::fclose(file_) == 0) && ok;
+  if (!e) e = errno;
   file_ = nullptr;
   if (!ok) {
     std::remove(temp_path_.c_str());
-    fail("{}: write failed: {}", path_, std::strerror(e ? e : errno));
+    temp_path_.clear();
+    fail("{}: write failed: {}", path_, std::strerror(e ? e : EIO));
   }
+}
+
+void AtomicFile::commit() {
+  MEGATON_CHECK(!committed_ && !temp_path_.empty(), "commit of {} twice, or after abandon", path_);
+  if (file_) close();
   if (std::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    e = errno;
+    const int e = errno;
     std::remove(temp_path_.c_str());
-    fail("{}: cannot rename {} into place: {}", path_, temp_path_, std::strerror(e));
+    const std::string temp = std::exchange(temp_path_, std::string());
+    fail("{}: cannot rename {} into place: {}", path_, temp, std::strerror(e));
   }
   committed_ = true;
 }

@@ -45,7 +45,12 @@ class AtomicFile {
   void write(const void* data, size_t bytes);
   // Bytes written so far.
   uint64_t offset() const { return offset_; }
-  // Flushes, closes and renames the temporary file to path().
+  // Flushes and closes the temporary file, keeping it for commit(): write errors (a full
+  // disk, ulimit -f) surface here, before anything is renamed. On failure the temporary
+  // file is removed and megaton::Error names path(). Optional before commit().
+  void close();
+  // Closes (unless close() ran) and renames the temporary file to path(). On failure the
+  // temporary file is removed and megaton::Error names path().
   void commit();
   // Closes and removes the temporary file (no-op after commit()).
   void abandon();

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <bit>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -103,6 +104,16 @@ int64_t convert_tokens(std::span<const int32_t> tokens, std::byte* out) {
   return -1;
 }
 
+// Decimal digits of v (fmt has no portable 128-bit formatting).
+std::string uint128_string(unsigned __int128 v) {
+  std::string digits;
+  do {
+    digits.insert(digits.begin(), char('0' + int(v % 10)));
+    v /= 10;
+  } while (v != 0);
+  return digits;
+}
+
 template <typename T>
 void read_tokens(const std::byte* src, int64_t n, int32_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(load<T>(src + i * sizeof(T)));
@@ -184,7 +195,12 @@ void IndexedDatasetBuilder::add_document(std::span<const int32_t> tokens,
 }
 
 void IndexedDatasetBuilder::finalize() {
-  MEGATON_CHECK(!finalized_, "finalize twice on {}", path_prefix_);
+  finish_writing();
+  publish();
+}
+
+void IndexedDatasetBuilder::finish_writing() {
+  MEGATON_CHECK(!finalized_ && !idx_, "finalize twice on {}", path_prefix_);
   const uint64_t num_seq = sequence_lengths_.size();
   std::vector<std::byte> idx;
   idx.reserve(kIndexHeaderBytes + num_seq * 12 + document_indices_.size() * 8);
@@ -206,12 +222,32 @@ void IndexedDatasetBuilder::finalize() {
   MEGATON_CHECK(static_cast<uint64_t>(pointer) == bin_->offset(), "bin holds {} bytes, index {}",
                 bin_->offset(), pointer);
 
-  AtomicFile idx_file(index_file_path(path_prefix_));
-  idx_file.write(idx.data(), idx.size());
+  auto idx_file = std::make_unique<AtomicFile>(index_file_path(path_prefix_));
+  idx_file->write(idx.data(), idx.size());
+  idx_file->close();
+  bin_->close();  // on failure both temporaries go: bin_ here, idx_file with its destructor
+  idx_ = std::move(idx_file);
+}
+
+void IndexedDatasetBuilder::publish() {
+  MEGATON_CHECK(idx_ && !finalized_, "publish of {} before finish_writing, or twice",
+                path_prefix_);
   // The .bin goes first: a reader that finds the new .idx also finds the new .bin.
   bin_->commit();
-  idx_file.commit();
+  try {
+    idx_->commit();
+  } catch (...) {
+    std::remove(data_file_path(path_prefix_).c_str());
+    throw;
+  }
   finalized_ = true;
+}
+
+void IndexedDatasetBuilder::unpublish() noexcept {
+  if (!finalized_) return;
+  std::remove(data_file_path(path_prefix_).c_str());
+  std::remove(index_file_path(path_prefix_).c_str());
+  finalized_ = false;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -237,14 +273,14 @@ IndexedDataset::IndexedDataset(const std::string& path_prefix) : path_prefix_(pa
     fail("{}: dtype {} is not an integer token type", idx_path, token_dtype_name(dtype_));
   uint64_t num_seq = load<uint64_t>(p + 18);
   uint64_t num_doc = load<uint64_t>(p + 26);
-  // Guard the size arithmetic against absurd counts before multiplying.
-  const uint64_t limit = size / 4;
-  uint64_t expected = kIndexHeaderBytes + num_seq * 12 + num_doc * 8;
-  if (num_seq > limit || num_doc > limit || expected != size)
+  // In 128 bits: 12 x 2^64 + 8 x 2^64 cannot wrap, so the message names the true size.
+  const unsigned __int128 expected = kIndexHeaderBytes + (unsigned __int128)num_seq * 12 +
+                                     (unsigned __int128)num_doc * 8;
+  if (expected != size)
     fail(
         "{}: {} sequences and {} document-index entries need {} bytes, file has {} "
         "(truncated or not an index)",
-        idx_path, num_seq, num_doc, num_seq > limit || num_doc > limit ? 0 : expected, size);
+        idx_path, num_seq, num_doc, uint128_string(expected), size);
   if (num_doc < 1) fail("{}: document index is empty, expected at least the leading 0", idx_path);
   num_sequences_ = static_cast<int64_t>(num_seq);
   num_doc_indices_ = static_cast<int64_t>(num_doc);

@@ -65,8 +65,20 @@ class IndexedDatasetBuilder {
   // One document made of sequence_lengths.size() sequences; the lengths (tokens) must
   // sum to tokens.size().
   void add_document(std::span<const int32_t> tokens, std::span<const int32_t> sequence_lengths);
-  // Writes the .idx and renames both files into place. Call once.
+  // Writes the .idx and renames both files into place (finish_writing, then publish).
+  // Call once. On failure nothing is left behind and megaton::Error names the file.
   void finalize();
+  // The first half of finalize(): writes the .idx under its temporary name and flushes
+  // and closes both temporary files, so that write errors (a full disk) surface before
+  // any output is renamed. On failure both temporary files are removed.
+  void finish_writing();
+  // The second half: renames the .bin, then the .idx, into place. If the .idx cannot be
+  // renamed, the new .bin is removed again (no mismatched pair is left) and
+  // megaton::Error names the file.
+  void publish();
+  // Removes the published .bin and .idx: undoes publish() when another output of the same
+  // run fails to publish (preprocess writes one dataset per json key, all or none).
+  void unpublish() noexcept;
 
   TokenDType dtype() const { return dtype_; }
   int64_t num_sequences() const { return static_cast<int64_t>(sequence_lengths_.size()); }
@@ -80,6 +92,7 @@ class IndexedDatasetBuilder {
   std::string path_prefix_;
   TokenDType dtype_;
   std::unique_ptr<AtomicFile> bin_;
+  std::unique_ptr<AtomicFile> idx_;  // from finish_writing() until publish()
   std::vector<int32_t> sequence_lengths_;
   std::vector<int64_t> document_indices_{0};
   std::vector<std::byte> buffer_;

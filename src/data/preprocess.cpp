@@ -75,7 +75,9 @@ void tokenize_chunk(Chunk& chunk, const Tokenizer& tokenizer, const PreprocessOp
 void validate(const PreprocessOptions& options) {
   if (options.inputs.empty()) fail("--input: at least one file, directory or glob required");
   if (options.output_prefix.empty()) fail("--output-prefix: required");
-  if (options.workers < 1) fail("--workers {}: expected >= 1", options.workers);
+  if (options.workers < 1 || options.workers > kMaxPreprocessWorkers)
+    fail("--workers {}: expected 1 to {} tokenizer threads (the maximum)", options.workers,
+         kMaxPreprocessWorkers);
   if (options.json_keys.empty()) fail("--json-keys: at least one key required");
   std::set<std::string> seen;
   for (const auto& key : options.json_keys) {
@@ -91,19 +93,22 @@ void validate(const PreprocessOptions& options) {
 // joins the workers, so an exception in the writer unwinds cleanly.
 class WorkerPool {
  public:
+  // Throws megaton::Error naming --workers when a thread cannot be started (the OS
+  // thread limit, memory), after stopping and joining the threads already started: a
+  // joinable std::thread must never be destroyed (std::terminate).
   WorkerPool(int workers, const Tokenizer& tokenizer, const PreprocessOptions& options) {
-    for (int i = 0; i < workers; ++i)
-      threads_.emplace_back([this, &tokenizer, &options] { work(tokenizer, options); });
-  }
-  ~WorkerPool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      closing_ = true;
-      todo_.clear();
+    try {
+      threads_.reserve(size_t(workers));
+      for (int i = 0; i < workers; ++i)
+        threads_.emplace_back([this, &tokenizer, &options] { work(tokenizer, options); });
+    } catch (const std::exception& e) {
+      const size_t started = threads_.size();
+      stop_and_join();
+      fail("--workers {}: could not start tokenizer thread {} ({}); try fewer workers",
+           workers, started + 1, e.what());
     }
-    work_ready_.notify_all();
-    for (auto& t : threads_) t.join();
   }
+  ~WorkerPool() { stop_and_join(); }
 
   void submit(std::unique_ptr<Chunk> chunk) {
     {
@@ -155,6 +160,17 @@ class WorkerPool {
     }
   }
 
+  void stop_and_join() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closing_ = true;
+      todo_.clear();
+    }
+    work_ready_.notify_all();
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+
   std::mutex mutex_;
   std::condition_variable work_ready_, done_ready_;
   std::deque<std::unique_ptr<Chunk>> todo_;
@@ -162,6 +178,31 @@ class WorkerPool {
   bool closing_ = false;
   std::vector<std::thread> threads_;
 };
+
+// "a.jsonl", "a.jsonl, b.jsonl", "a.jsonl, b.jsonl, c.jsonl and 7 more".
+std::string describe_files(const std::vector<std::string>& files) {
+  std::string out;
+  const size_t shown = std::min<size_t>(files.size(), 3);
+  for (size_t i = 0; i < shown; ++i) out += (i ? ", " : "") + files[i];
+  if (files.size() > shown) out += fmt::format(" and {} more", files.size() - shown);
+  return out;
+}
+
+// An input without tokens would write a dataset that training rejects later, far from
+// the cause: refuse it here, before anything is renamed into place.
+void check_not_empty(const PreprocessResult& result,
+                     const std::vector<std::unique_ptr<IndexedDatasetBuilder>>& builders,
+                     const PreprocessOptions& options) {
+  const std::string inputs = describe_files(result.input_files);
+  if (result.totals.documents == 0)
+    fail("--input {}: no documents found; nothing written", inputs);
+  for (size_t k = 0; k < builders.size(); ++k)
+    if (builders[k]->num_tokens() == 0)
+      fail("--input {}: {} documents, all empty{}; nothing written", inputs,
+           result.totals.documents,
+           options.json_keys.size() > 1 ? fmt::format(" under json key '{}'", options.json_keys[k])
+                                        : std::string());
+}
 
 }  // namespace
 
@@ -264,7 +305,17 @@ PreprocessResult preprocess(const PreprocessOptions& options, const Tokenizer& t
     }
     while (written < submitted) write_chunk(pool.take(written++));
   }
-  for (auto& builder : builders) builder->finalize();
+  check_not_empty(result, builders, options);
+  // All outputs are written and closed before the first is renamed into place, and a
+  // failed rename takes back the outputs already renamed: all of them, or none.
+  for (auto& builder : builders) builder->finish_writing();
+  size_t published = 0;
+  try {
+    for (; published < builders.size(); ++published) builders[published]->publish();
+  } catch (...) {
+    for (size_t k = 0; k < published; ++k) builders[k]->unpublish();
+    throw;
+  }
   totals.seconds = seconds_since_start();
   totals.done = true;
   if (on_progress) on_progress(totals);

@@ -10,6 +10,12 @@
 
 namespace megaton::data {
 
+// The most tokenizer threads --workers may ask for. Tokenizing is CPU-bound, so threads
+// beyond the cores only add memory (each keeps up to 4 chunks of up to 4 MiB in flight);
+// a fixed cap, rather than one derived from the cores, gives every machine the same
+// accepted range and keeps an absurd value from exhausting the thread limit.
+inline constexpr int kMaxPreprocessWorkers = 256;
+
 struct PreprocessOptions {
   // --input: files, directories or globs (expand_inputs), read in order.
   std::vector<std::string> inputs;
@@ -18,7 +24,8 @@ struct PreprocessOptions {
   // --tokenizer-type / --tokenizer-model (make_tokenizer).
   std::string tokenizer_type;
   std::string tokenizer_model;
-  // --workers: tokenizer threads (>= 1). The output does not depend on it.
+  // --workers: tokenizer threads, 1 to kMaxPreprocessWorkers. The output does not depend
+  // on it.
   int workers = 1;
   // --append-eod / --no-append-eod: append tokenizer.eod() to every non-empty document.
   bool append_eod = true;
@@ -48,8 +55,10 @@ struct PreprocessResult {
 // written in input order, so the files are identical for any number of workers.
 // on_progress (optional) is called from the calling thread about twice a second and
 // once at the end (done = true). Throws megaton::Error for bad options or inputs (naming
-// the flag or file:line); outputs are written under temporary names and renamed only
-// when complete, so on error nothing is left behind.
+// the flag or file:line), for threads that cannot be started, and for an input without
+// tokens (no documents, or only empty ones: for any json key) since an empty dataset
+// cannot be trained on. Outputs are written under temporary names and renamed only when
+// every output is complete, so on any error nothing is left behind.
 PreprocessResult preprocess(const PreprocessOptions& options,
                             const std::function<void(const PreprocessProgress&)>& on_progress = {});
 

@@ -31,6 +31,7 @@
 #include "data/mock_dataset.h"
 #include "train/flops.h"
 #include "train/generate.h"
+#include "train/memory_check.h"
 #include "train/pipeline_schedule.h"
 
 namespace megaton {
@@ -75,6 +76,10 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   args_.model.tensor_model_parallel_size = args_.parallel.tensor_model_parallel_size;
   args_.model.finalize();
   int64_t gbs = args_.global_batch_size;
+  // The parallel layout (checked again here for callers other than the CLI).
+  const int64_t world = dist::world_size();
+  const dist::ValidatedLayout layout = check_parallel_layout(args_, world);
+  check_memory_fits(args_, layout.sizes);  // before the datasets and the model are built
   std::array<int64_t, 3> num_samples = {args_.train_iters * gbs, args_.eval_iters * gbs,
                                         args_.eval_iters * gbs};
   if (args_.mock_data) {
@@ -85,9 +90,6 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   } else {
     build_datasets(num_samples);
   }
-  // The parallel layout (checked again here for callers other than the CLI).
-  const int64_t world = dist::world_size();
-  const dist::ValidatedLayout layout = check_parallel_layout(args_, world);
   const dist::ParallelSizes& sizes = layout.sizes;
   if (gbs % (args_.micro_batch_size * sizes.dp) != 0)
     fail("global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "

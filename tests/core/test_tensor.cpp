@@ -4,9 +4,12 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <limits>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 
 namespace megaton {
@@ -189,6 +192,88 @@ TEST(Tensor, ItemAndTypedAccess) {
   Tensor ids = Tensor::from_i32({2}, {3, -4});
   EXPECT_EQ(ids.item(1), -4.0f);
   EXPECT_THROW(ids.i64(), InternalError);
+}
+
+// ---- Allocation failures (the reliability issue, class 2) ----------------------------
+
+// "out of host memory ..." names the bytes requested and what is available, on one line.
+void expect_out_of_memory(const std::function<void()>& f, const std::string& requested) {
+  try {
+    f();
+    ADD_FAILURE() << "no OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+    EXPECT_NE(what.find(requested), std::string::npos) << what << " lacks " << requested;
+    EXPECT_NE(what.find("available"), std::string::npos) << what;
+  }
+}
+
+TEST(TensorAllocation, RefusedHostAllocationIsAnOutOfMemoryError) {
+  // The OS refuses twice (the request and its retry after the cache is emptied).
+  testing_hooks::fail_next_host_allocations(2);
+  expect_out_of_memory([] { Tensor::empty({1024, 1024}); }, "(4194304 bytes)");
+  // The retry after emptying the cache succeeds when the OS refuses only once.
+  testing_hooks::fail_next_host_allocations(1);
+  Tensor t = Tensor::empty({1000, 1000});
+  t.fill(1.5f);
+  EXPECT_EQ(t.item(999999), 1.5f);
+  testing_hooks::fail_next_host_allocations(0);
+}
+
+TEST(TensorAllocation, ShapesBeyondInt64AreRefusedBeforeAllocating) {
+  const int64_t big = int64_t(1) << 40;
+  try {
+    Tensor::empty({big, big});  // 2^80 elements
+    ADD_FAILURE() << "no OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("needs more than 2^63 bytes"), std::string::npos)
+        << e.what();
+  }
+  // 2^61 elements fit int64 but 2^63 bytes of fp32 do not.
+  EXPECT_THROW(Tensor::empty({int64_t(1) << 61}), OutOfMemoryError);
+  // A zero after an overflowing prefix makes the tensor empty, not too large.
+  EXPECT_EQ(Tensor::empty({big, big, 0}).numel(), 0);
+}
+
+TEST(TensorAllocation, LargeRequestBeyondAvailableMemoryFailsBeforeTheOs) {
+  const HostMemoryAvailable avail = host_memory_available();
+  if (avail.available() == std::numeric_limits<int64_t>::max())
+    GTEST_SKIP() << "this machine reports no memory limit";
+  // Twice what is available, rounded to whole floats: refused by the check, not by the
+  // kernel's OOM killer after overcommit.
+  const int64_t floats = avail.available() / 2 + 1;
+  expect_out_of_memory([&] { Tensor::empty({floats}); }, "out of host memory");
+}
+
+TEST(TensorAllocation, ReleaseThatCannotCacheFreesInsteadOfTerminating) {
+  // ~Storage runs during stack unwinding when a model's build fails; an exception from
+  // the cache's bookkeeping there would call std::terminate (SIGABRT).
+  const int64_t before = host_allocator_stats().allocated_bytes;
+  {
+    Tensor a = Tensor::empty({12345});
+    EXPECT_GT(host_allocator_stats().allocated_bytes, before);
+    testing_hooks::fail_next_host_cache_inserts(1);
+  }  // the release path takes the injected bad_alloc and frees the block to the OS
+  EXPECT_EQ(host_allocator_stats().allocated_bytes, before);
+  testing_hooks::fail_next_host_cache_inserts(0);
+  // An exception in flight while tensors are destroyed reaches its handler.
+  try {
+    Tensor b = Tensor::empty({777});
+    testing_hooks::fail_next_host_cache_inserts(1);
+    throw Error("unwinding");
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "unwinding");
+  }
+  testing_hooks::fail_next_host_cache_inserts(0);
+}
+
+TEST(TensorAllocation, HumanBytes) {
+  EXPECT_EQ(human_bytes(512), "512 bytes");
+  EXPECT_EQ(human_bytes(21.4e9), "21.4 GB");
+  EXPECT_EQ(human_bytes(3.2768e12), "3.3 TB");
+  EXPECT_EQ(human_bytes(999.96e3), "1.0 MB");
+  EXPECT_EQ(human_bytes(5e30), "5e+06 YB");
 }
 
 }  // namespace

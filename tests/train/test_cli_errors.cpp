@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -45,10 +47,12 @@ class CliErrors : public ::testing::Test {
 
   // Runs the binary; returns the exit status and fills stderr_lines.
   // env: "NAME=value ..." set for the binary only.
-  int run(const std::string& args, const std::string& env = "") {
+  // shell: commands run before the binary in the same shell ("ulimit -v 4194304;").
+  int run(const std::string& args, const std::string& env = "", const std::string& shell = "") {
     fs::path err = dir / "stderr.txt";
     std::string cmd = (env.empty() ? "" : "env " + env + " ") + std::string(MEGATON_BINARY) + " " +
                       args + " > /dev/null 2> " + err.string();
+    if (!shell.empty()) cmd = "bash -c '" + shell + " exec " + cmd + "'";
     int status = std::system(cmd.c_str());
     std::ifstream in(err);
     stderr_lines.clear();
@@ -318,6 +322,87 @@ TEST_F(CliErrors, StalePartialSavesAreRemoved) {
   EXPECT_FALSE(fs::exists(save / "iter_0000001.tmp999999999"));
   EXPECT_TRUE(fs::exists(save / live));
   EXPECT_TRUE(fs::exists(save / "iter_0000001" / "metadata.json"));
+}
+
+// ---- Class 2: memory and threads -----------------------------------------------------
+
+// A run whose sizes cannot fit fails in seconds, before allocating, with the flag and the
+// bytes needed against the bytes available; under `ulimit -v` the address space is the
+// limit named.
+TEST_F(CliErrors, MemoryBoundRunFailsInSecondsUnderUlimit) {
+  const auto start = std::chrono::steady_clock::now();
+  // 4 GiB of address space: room for the program and its libraries, not for 256 x 4096
+  // tokens of activations (about 7 GB).
+  const int rc = run("train --device cpu --mock-data --tokenizer-type NullTokenizer "
+                     "--vocab-size 100 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+                     "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 256 "
+                     "--train-iters 1 --eval-iters 0 --save " + (dir / "save").string(),
+                     "", "ulimit -v 4194304;");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(rc, 2);
+  ASSERT_EQ(stderr_lines.size(), 1u);
+  const std::string& line = stderr_lines[0];
+  EXPECT_NE(line.find("micro-batch-size 256 x seq-length 4096"), std::string::npos) << line;
+  EXPECT_NE(line.find(" bytes) of address space is available (ulimit -v"), std::string::npos)
+      << line;
+  EXPECT_LT(seconds, 20.0);
+  EXPECT_FALSE(fs::exists(dir / "save"));
+}
+
+// Without a ulimit: a model of petabytes is refused against the host's memory.
+TEST_F(CliErrors, ModelLargerThanTheHostIsRefusedBeforeAllocating) {
+  expect_user_error("train --device cpu --mock-data --tokenizer-type NullTokenizer "
+                    "--vocab-size 100 --num-layers 64 --hidden-size 1000000 "
+                    "--num-attention-heads 2 --seq-length 8 --train-iters 1 --eval-iters 0",
+                    "num-layers 64 x hidden-size 1000000 (ffn-hidden-size 4000000): the parameters");
+  EXPECT_NE(stderr_lines[0].find("of host memory is available"), std::string::npos)
+      << stderr_lines[0];
+}
+
+// preprocess --workers beyond the cap: one line, status 2, no temporary files.
+TEST_F(CliErrors, PreprocessWorkersAreBounded) {
+  const std::string args = "preprocess --input " + (dir / "corpus.jsonl").string() +
+                           " --output-prefix " + (dir / "out").string() +
+                           " --tokenizer-type ByteTokenizer --workers ";
+  for (const char* workers : {"1000000000", "0", "-3"}) {
+    SCOPED_TRACE(workers);
+    EXPECT_EQ(run(args + workers), 2);
+    ASSERT_EQ(stderr_lines.size(), 1u);
+    EXPECT_NE(stderr_lines[0].find("--workers"), std::string::npos) << stderr_lines[0];
+  }
+  for (const auto& entry : fs::directory_iterator(dir))
+    EXPECT_EQ(entry.path().filename().string().rfind("out", 0), std::string::npos)
+        << "left behind: " << entry.path();
+}
+
+// Class 5: an input without tokens writes nothing and says so.
+TEST_F(CliErrors, PreprocessOfAnEmptyInputIsRefused) {
+  std::ofstream(dir / "empty.jsonl") << "";
+  std::ofstream(dir / "blank.jsonl") << "{\"text\": \"\"}\n{\"text\": \"\"}\n";
+  for (const char* input : {"empty.jsonl", "blank.jsonl"}) {
+    SCOPED_TRACE(input);
+    EXPECT_EQ(run("preprocess --input " + (dir / input).string() + " --output-prefix " +
+                  (dir / "out").string() + " --tokenizer-type ByteTokenizer --no-append-eod"),
+              2);
+    ASSERT_EQ(stderr_lines.size(), 1u);
+    EXPECT_NE(stderr_lines[0].find("nothing written"), std::string::npos) << stderr_lines[0];
+  }
+  for (const auto& entry : fs::directory_iterator(dir))
+    EXPECT_EQ(entry.path().filename().string().rfind("out", 0), std::string::npos)
+        << "left behind: " << entry.path();
+}
+
+// Class 8: an .idx header whose counts overflow 64-bit size arithmetic names the true size.
+TEST_F(CliErrors, IndexWithAHugeCountNamesTheBytesNeeded) {
+  {
+    std::fstream f(prefix + ".idx", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(18);  // the sequence count, after magic (9), version (8) and dtype (1)
+    const uint64_t huge = uint64_t(1) << 62;
+    f.write(reinterpret_cast<const char*>(&huge), 8);
+  }
+  // 34 + 12 x 2^62 + 8 x 3 = 55340232221128654906 bytes (> 2^64).
+  expect_user_error("train --config " + config(kModel), "need 55340232221128654906 bytes");
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/cuda/cuda_check.h"
+#include "core/tensor.h"
 
 namespace megaton::cuda {
 
@@ -76,9 +77,23 @@ void* device_allocate(size_t bytes) {
     it->second.pop_back();
   } else {
     if (cudaMalloc(&p, size) != cudaSuccess) {
-      (void)cudaGetLastError();  // clear the sticky out-of-memory error
+      (void)cudaGetLastError();  // clear the out-of-memory error
       c.release_cached_locked();
       cudaError_t err = cudaMalloc(&p, size);
+      if (err == cudaErrorMemoryAllocation) {
+        (void)cudaGetLastError();
+        size_t free_bytes = 0, total_bytes = 0;
+        const bool known = cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
+        if (!known) (void)cudaGetLastError();
+        throw OutOfMemoryError(fmt::format(
+            "out of device memory: a tensor of {} ({} bytes) was requested; this process "
+            "holds {} ({} bytes) in tensors ({} reserved) and {} of the device's {} is free",
+            human_bytes(double(size)), size, human_bytes(double(c.stats.allocated_bytes)),
+            c.stats.allocated_bytes, human_bytes(double(c.stats.reserved_bytes)),
+            known ? fmt::format("{} ({} bytes)", human_bytes(double(free_bytes)), free_bytes)
+                  : std::string("an unknown amount"),
+            known ? human_bytes(double(total_bytes)) : std::string("?")));
+      }
       if (err != cudaSuccess)
         throw InternalError(fmt::format(
             "cudaMalloc of {} bytes failed: {} (allocated {} bytes, reserved {} bytes)", size,
@@ -93,13 +108,26 @@ void* device_allocate(size_t bytes) {
   return p;
 }
 
-void device_free(void* ptr, size_t bytes) {
+void device_free(void* ptr, size_t bytes) noexcept {
   if (!ptr) return;
   size_t size = size_class(bytes ? bytes : 1);
   Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.free_blocks[size].push_back(ptr);
-  c.stats.allocated_bytes -= int64_t(size);
+  try {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    c.stats.allocated_bytes -= int64_t(size);
+    try {
+      c.free_blocks[size].push_back(ptr);
+      return;
+    } catch (...) {
+    }
+    // The cache's bookkeeping could not grow (std::bad_alloc): the block goes back to the
+    // driver instead, after the work queued on it.
+    c.stats.reserved_bytes -= int64_t(size);
+  } catch (...) {
+    // The mutex could not be taken: the statistics stay as they are.
+  }
+  if (cudaStreamSynchronize(stream()) != cudaSuccess || cudaFree(ptr) != cudaSuccess)
+    (void)cudaGetLastError();  // a destructor cannot report it; the block is lost at worst
 }
 
 void count_external_device_memory(int64_t delta_bytes) {

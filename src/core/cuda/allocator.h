@@ -9,12 +9,14 @@ namespace megaton::cuda {
 // to size classes (512-byte multiples up to 1 MiB, then 8 classes per power of two) and
 // freed blocks are kept per class, so the steady-state training step, which repeats the
 // same shapes, never calls cudaMalloc. On cudaMalloc failure the cache is released to the
-// driver and the allocation retried once; a second failure throws InternalError with the
-// requested size and the allocator's statistics.
+// driver and the allocation retried once; a second out-of-memory failure throws
+// megaton::OutOfMemoryError naming the bytes requested, the bytes this process holds and
+// the device's free bytes (cudaMemGetInfo); any other CUDA error throws InternalError.
 void* device_allocate(size_t bytes);
 // Returns a block from device_allocate (with the same `bytes`) to the cache. Blocks are
-// used in stream order on the single compute stream, so reuse needs no event.
-void device_free(void* ptr, size_t bytes);
+// used in stream order on the single compute stream, so reuse needs no event. Never
+// throws (it runs in ~Storage): a block the cache cannot take is freed to the driver.
+void device_free(void* ptr, size_t bytes) noexcept;
 
 struct DeviceMemoryStats {
   int64_t allocated_bytes = 0;       // held by live tensors (rounded sizes)
