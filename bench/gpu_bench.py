@@ -1,8 +1,12 @@
 """Megaton vs the PyTorch reference on one GPU, in one run: tokens/s, model TFLOP/s, MFU,
-peak memory and the ratio, for the four configurations of ../shared/bench/README.md.
+peak memory and the ratio, for the configurations of ../shared/bench/README.md.
 
 Usage (on the GPU machine, from the repository root):
     python3 bench/gpu_bench.py --megaton BIN --torch-script PATH [--configs a,b] [--out FILE]
+        [--fp8 tensorwise,delayed,blockwise]
+With --fp8, each config also gets FP8 rows: Megaton per recipe (--fp8-format hybrid) and
+the reference's torchao float8 linears (--fp8 tensorwise; torchao must be importable),
+each row's last column its ratio to PyTorch bf16 and, for Megaton, to torchao FP8.
 Both sides train on random tokens, bf16 compute with fp32 master weights, AdamW, no
 dropout. Megaton's step time is the median of its logged interval means after warmup;
 PyTorch's is its own CUDA-event mean over 20 steps after 5 warmup steps. Model FLOPs use
@@ -11,21 +15,28 @@ the reference's PaLM convention for both (6 x active matmul params + 12 x L x h 
 import argparse, json, re, statistics, subprocess, sys
 
 CONFIGS = {  # name: layers, hidden, heads, ffn, experts, topk, expert ffn, seq, micro-batch
+    # (kv: query groups, 0 = heads; vocab: 0 = VOCAB)
     "gpt2-124M": dict(layers=12, hidden=768, heads=12, ffn=2048, experts=0, topk=0, mffn=0, seq=1024, mbs=16),
     "llama-1.3B": dict(layers=24, hidden=2048, heads=16, ffn=5632, experts=0, topk=0, mffn=0, seq=2048, mbs=4),
     "moe-8x-top2": dict(layers=12, hidden=1536, heads=12, ffn=0, experts=8, topk=2, mffn=4096, seq=2048, mbs=4),
     "moe-64x-top8": dict(layers=8, hidden=2048, heads=16, ffn=0, experts=64, topk=8, mffn=1024, seq=2048, mbs=4),
+    "llama3-8B-8L": dict(layers=8, hidden=4096, heads=32, kv=8, ffn=14336, experts=0, topk=0, mffn=0,
+                         seq=4096, mbs=2, vocab=128256),
 }
 VOCAB = 50304
 
+def vocab(c):
+    return c.get("vocab") or VOCAB
+
 def flops_per_token(c):
     h, hd = c["hidden"], c["hidden"] // c["heads"]
-    attn = 3 * c["heads"] * hd * h + c["heads"] * hd * h
+    kv = c.get("kv") or c["heads"]
+    attn = (c["heads"] + 2 * kv) * hd * h + c["heads"] * hd * h
     if c["experts"]:
         per_layer = attn + h * c["experts"] + c["topk"] * 3 * h * c["mffn"]
     else:
         per_layer = attn + 3 * h * c["ffn"]
-    n_active = c["layers"] * per_layer + VOCAB * h
+    n_active = c["layers"] * per_layer + vocab(c) * h
     return 6 * n_active + 12 * c["layers"] * h * c["seq"]
 
 def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_batches=1):
@@ -35,7 +46,7 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     tokens_per_s is for the whole job; tokens_per_s_per_gpu divides by world."""
     gbs = c["mbs"] * dp * micro_batches
     cmd = list(launcher) + [binary, "train", "--device", "cuda", "--bf16", "--mock-data",
-           "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab(c) - 1),
            "--num-layers", str(c["layers"]), "--hidden-size", str(c["hidden"]),
            "--num-attention-heads", str(c["heads"]), "--seq-length", str(c["seq"]),
            "--micro-batch-size", str(c["mbs"]), "--global-batch-size", str(gbs),
@@ -49,6 +60,8 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
                 "--moe-ffn-hidden-size", str(c["mffn"]), "--moe-aux-loss-coeff", "1e-2"]
     else:
         cmd += ["--ffn-hidden-size", str(c["ffn"])]
+    if c.get("kv"):
+        cmd += ["--group-query-attention", "--num-query-groups", str(c["kv"])]
     cmd += list(extra)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
@@ -66,10 +79,12 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
         r["op_profile"] = out.stdout[at:].strip()
     return r
 
-def run_torch(script, name, c):
+def run_torch(script, name, c, fp8="none"):
     cmd = [sys.executable, script, "--name", name, "--layers", str(c["layers"]),
            "--hidden", str(c["hidden"]), "--heads", str(c["heads"]), "--seq", str(c["seq"]),
-           "--mbs", str(c["mbs"])]
+           "--mbs", str(c["mbs"]), "--vocab", str(vocab(c)), "--fp8", fp8]
+    if c.get("kv"):
+        cmd += ["--kv-heads", str(c["kv"])]
     cmd += (["--experts", str(c["experts"]), "--topk", str(c["topk"]), "--moe-ffn", str(c["mffn"])]
             if c["experts"] else ["--ffn", str(c["ffn"])])
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -78,32 +93,43 @@ def run_torch(script, name, c):
         return dict(error=(out.stderr or "no output").strip().splitlines()[-1][:200])
     return json.loads(lines[-1])
 
+def row(name, impl, r, f, base=None, base2=None):
+    """One table row; base (and base2): results whose tokens/s the ratio column divides by."""
+    if "error" in r:
+        return f"| {name} | {impl} | error: {r['error']} | | | | |"
+    tps = r["tokens_per_s"]
+    ratios = [f"{tps / b['tokens_per_s']:.2f}" for b in (base, base2) if b and "error" not in b]
+    return (f"| {name} | {impl} | {tps:,.0f} | {f * tps / 1e12:.0f} | {f * tps / 989e12:.3f} | "
+            f"{r['peak_mem_gib']:.1f} | {' / '.join(ratios)} |")
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--megaton", required=True)
     p.add_argument("--torch-script", required=True)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--fp8", default="", help="Megaton FP8 recipes to add, comma-separated")
     p.add_argument("--out", default="")
     a = p.parse_args()
-    lines = ["| config | impl | tokens/s | model TFLOP/s | MFU (989) | peak GiB | Megaton / PyTorch |",
+    lines = ["| config | impl | tokens/s | model TFLOP/s | MFU (989) | peak GiB | ratio to PyTorch bf16 (/ torchao FP8) |",
              "|---|---|---|---|---|---|---|"]
     for name in a.configs.split(","):
         c = CONFIGS[name]
         f = flops_per_token(c)
         t = run_torch(a.torch_script, name, c)
         m = run_megaton(a.megaton, c, a.iters)
-        for impl, r in (("PyTorch", t), ("Megaton", m)):
-            if "error" in r:
-                lines.append(f"| {name} | {impl} | error: {r['error']} | | | | |")
-                continue
-            tps = r["tokens_per_s"]
-            ratio = ""
-            if impl == "Megaton" and "error" not in t:
-                ratio = f"{tps / t['tokens_per_s']:.2f}"
-            lines.append(f"| {name} | {impl} | {tps:,.0f} | {f * tps / 1e12:.0f} | "
-                         f"{f * tps / 989e12:.3f} | {r['peak_mem_gib']:.1f} | {ratio} |")
-        print(lines[-2] + "\n" + lines[-1], flush=True)
+        new = [row(name, "PyTorch bf16", t, f), row(name, "Megaton bf16", m, f, t)]
+        if a.fp8:
+            t8 = run_torch(a.torch_script, name, c, "tensorwise")
+            new.append(row(name, "PyTorch torchao FP8 tensorwise", t8, f, t))
+            for recipe in a.fp8.split(","):
+                m8 = run_megaton(a.megaton, c, a.iters,
+                                 extra=["--fp8-format", "hybrid", "--fp8-recipe", recipe])
+                new.append(row(name, f"Megaton FP8 {recipe}", m8, f, t, t8))
+                if "op_profile" in m8:
+                    print(m8["op_profile"], flush=True)
+        lines += new
+        print("\n".join(new), flush=True)
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -65,8 +65,10 @@ namespace {
 struct Fp8Format {
   std::array<float, 256> value{};
   float max_finite = 0;
-  Fp8Format(int exp_bits, int man_bits, bool ieee_specials) {
-    int bias = (1 << (exp_bits - 1)) - 1;
+  int man_bits = 0, bias = 0;
+  uint8_t max_code = 0;  // the code of max_finite
+  Fp8Format(int exp_bits, int man_bits_, bool ieee_specials) : man_bits(man_bits_) {
+    bias = (1 << (exp_bits - 1)) - 1;
     for (int code = 0; code < 256; ++code) {
       int sign = code >> 7, e = (code >> man_bits) & ((1 << exp_bits) - 1),
           m = code & ((1 << man_bits) - 1);
@@ -76,7 +78,10 @@ struct Fp8Format {
       if (ieee_specials && e == (1 << exp_bits) - 1) v = m == 0 ? INFINITY : NAN;
       if (!ieee_specials && e == (1 << exp_bits) - 1 && m == (1 << man_bits) - 1) v = NAN;
       value[code] = sign ? -v : v;
-      if (std::isfinite(v) && v > max_finite) max_finite = v;
+      if (std::isfinite(v) && v > max_finite) {
+        max_finite = v;
+        max_code = uint8_t(code);
+      }
     }
   }
   uint8_t encode(float f, uint8_t nan_code) const {
@@ -87,14 +92,24 @@ struct Fp8Format {
       if (std::isinf(f) && nan_code != 0x7F) return sign | 0x7C;  // e5m2 keeps inf
       a = max_finite;                                             // saturate
     }
-    int best = 0;
-    for (int code = 1; code < 128; ++code) {
-      float v = value[code];
-      if (!std::isfinite(v)) break;
-      float d = std::fabs(v - a), db = std::fabs(value[best] - a);
-      if (d < db || (d == db && (code & 1) == 0)) best = code;
+    if (a >= max_finite) return sign | max_code;
+    // Round to nearest even on the grid of a's binade: the quantum is 2^(e - man_bits) for
+    // normal values (e = a's exponent) and 2^(1 - bias - man_bits) below the smallest
+    // normal; a / quantum is exact (a power-of-two scaling) and nearbyint rounds it to
+    // even. Below max_finite the rounding never passes it (max_finite is on the grid).
+    const int min_exp = 1 - bias;
+    int e = a == 0.0f ? min_exp : std::max(std::ilogb(a), min_exp);
+    // a = steps x 2^(e - man_bits): steps in [2^man_bits, 2^(man_bits + 1)] for normal a,
+    // in [0, 2^man_bits] below the smallest normal (where e is clamped to min_exp).
+    int steps = int(std::nearbyint(std::ldexp(a, man_bits - e)));
+    if (steps >> (man_bits + 1)) {  // rounded up into the next binade
+      ++e;
+      steps >>= 1;
     }
-    return sign | uint8_t(best);
+    // With the hidden bit set the value is normal (exponent field e + bias); without it,
+    // subnormal (field 0).
+    const int exponent_field = (steps >> man_bits) ? e - min_exp + 1 : 0;
+    return sign | uint8_t((exponent_field << man_bits) | (steps & ((1 << man_bits) - 1)));
   }
 };
 const Fp8Format& e4m3() { static Fp8Format f(4, 3, false); return f; }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/fp8_config.h"
 
 namespace megaton {
 
@@ -86,6 +87,10 @@ struct GPTConfig {
   // grads and computes in bf16; it applies on the GPU (the CPU backend is the fp32
   // reference and ignores it).
   bool bf16 = false;
+  // --fp8-format and the other FP8 flags: the transformer layers' linear GEMMs in FP8
+  // (model/fp8.h). The output layer, router, attention, norms and the optimizer stay in
+  // bf16 / fp32, as in Transformer Engine.
+  Fp8Config fp8;
   Device device = Device::CPU;
   DType compute_dtype() const {
     return device == Device::CUDA && bf16 ? DType::BF16 : DType::F32;

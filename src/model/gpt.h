@@ -29,6 +29,9 @@ class TransformerLayer {
   Tensor forward_inference(const Tensor& x, int64_t first_position, Tensor& key_cache,
                            Tensor& value_cache);
   void collect_params(std::vector<Param*>& out);
+  // The linear layers that run in FP8 (QKV, projection, fc1, fc2, the shared expert's):
+  // empty for a bf16 layer.
+  std::vector<Linear*> fp8_linears();
 
   struct Saved {
     ForwardContext ctx;   // keys the hidden-dropout masks

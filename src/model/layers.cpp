@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "model/tensor_parallel.h"
+#include "ops/fp8.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -131,6 +132,7 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
 }
 
 Tensor Linear::forward(const Tensor& x, bool save_input) {
+  if (fp8_) return forward_fp8(x, save_input);
   saved_.x = save_input ? x : Tensor();
   // Column-parallel under SP: every rank's token rows (re-gathered in backward).
   const Tensor x_full = mode_ == TensorParallelMode::Column && mp_.sequence_parallel
@@ -147,12 +149,18 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
 }
 
 Tensor Linear::backward(const Tensor& dy) {
+  if (fp8_) return backward_fp8(dy, take_saved());
   MEGATON_CHECK(saved_.x.defined(), "Linear '{}': backward without a saved input", weight.name);
   const Saved saved = take_saved();
   return backward(dy, saved.x);
 }
 
 Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
+  if (fp8_) {
+    Saved saved = take_saved();
+    if (!fp8_wgrad_) saved.x = x;  // the bf16 weight gradient reads the given input
+    return backward_fp8(dy, saved);
+  }
   const bool sp = mp_.sequence_parallel;
   // The bias gradient from this rank's rows of dy (a partial sum under SP for Row).
   if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
@@ -161,6 +169,86 @@ Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
   ops::gemm(dy_full, false, weight.weight, false, dx);
   ops::gemm(dy_full, true, x_full, false, weight.main_grad, 1.0f, 1.0f);
+  if (mode_ == TensorParallelMode::Column) {
+    if (sp) dx = reduce_scatter_sequence(dx, mp_);
+    else all_reduce_tensor_parallel(dx, mp_);
+  }
+  return dx;
+}
+
+void Linear::enable_fp8(const Fp8Config& config) {
+  MEGATON_CHECK(config.enabled, "Linear '{}': enable_fp8 without an FP8 format", weight.name);
+  const Device device = weight.weight.device();
+  fp8_ = true;
+  fp8_wgrad_ = config.wgrad;
+  input_quantizer_ = Fp8Quantizer(config, Fp8Role::Input, device);
+  weight_quantizer_ = Fp8Quantizer(config, Fp8Role::Weight, device);
+  grad_quantizer_ = Fp8Quantizer(config, Fp8Role::GradOutput, device);
+}
+
+std::vector<std::pair<std::string, Tensor*>> Linear::fp8_state() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  if (!fp8_ || !input_quantizer_.initialized() || input_quantizer_.amax_history().dim(0) == 0)
+    return out;
+  std::string prefix = weight.name;
+  if (prefix.ends_with(".weight")) prefix.resize(prefix.size() - 7);
+  prefix += "._extra_state.fp8.";
+  for (auto [role, q] : {std::pair{"input", &input_quantizer_}, {"weight", &weight_quantizer_},
+                         {"grad_output", &grad_quantizer_}}) {
+    if (!q->delayed()) continue;
+    out.emplace_back(prefix + role + ".amax_history", &q->amax_history());
+    out.emplace_back(prefix + role + ".scale", &q->scale());
+  }
+  return out;
+}
+
+// The tensors whose amax differs between tensor-parallel ranks are reduced over the group
+// (Fp8Quantizer::quantize): the weight shards, the row-parallel input (input features
+// split) and the column-parallel output gradient (output features split). The others are
+// the same on every rank.
+Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
+  const bool sp = mp_.sequence_parallel;
+  const bool split = mode_ != TensorParallelMode::None;
+  const Tensor x_full = mode_ == TensorParallelMode::Column && sp ? gather_sequence(x, mp_) : x;
+  const Fp8Tensor xq = input_quantizer_.quantize(x_full, true, fp8_wgrad_, mp_,
+                                                 mode_ == TensorParallelMode::Row);
+  const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, true, mp_, split);
+  Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
+  ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y);
+  if (mode_ == TensorParallelMode::Row) {
+    if (sp) y = reduce_scatter_sequence(y, mp_);
+    else all_reduce_tensor_parallel(y, mp_);
+  }
+  if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
+  saved_ = {};
+  saved_.w_fp8 = {Tensor(), Tensor(), wq.data_t, wq.scale_inv_t};
+  if (fp8_wgrad_) saved_.x_fp8 = {Tensor(), Tensor(), xq.data_t, xq.scale_inv_t};
+  else if (save_input) saved_.x = x;
+  return y;
+}
+
+Tensor Linear::backward_fp8(const Tensor& dy, const Saved& saved) {
+  MEGATON_CHECK(saved.w_fp8.data_t.defined(), "Linear '{}': backward without a forward",
+                weight.name);
+  MEGATON_CHECK(fp8_wgrad_ ? saved.x_fp8.data_t.defined() : saved.x.defined(),
+                "Linear '{}': backward without a saved input", weight.name);
+  const bool sp = mp_.sequence_parallel;
+  if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
+  const Tensor dy_full = mode_ == TensorParallelMode::Row && sp ? gather_sequence(dy, mp_) : dy;
+  const Fp8Tensor dyq = grad_quantizer_.quantize(dy_full, true, fp8_wgrad_, mp_,
+                                                 mode_ == TensorParallelMode::Column);
+  // dx [T, in] = dy [T, out] @ W [out, in]: W^T [in, out] is the K-major operand.
+  Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
+  ops::fp8_gemm(dyq.data, dyq.scale_inv, saved.w_fp8.data_t, saved.w_fp8.scale_inv_t, dx);
+  if (fp8_wgrad_) {
+    // dW [out, in] += dy^T [out, T] @ x [T, in]: both operands K(token)-major.
+    ops::fp8_gemm(dyq.data_t, dyq.scale_inv_t, saved.x_fp8.data_t, saved.x_fp8.scale_inv_t,
+                  weight.main_grad, 1.0f, 1.0f);
+  } else {
+    const Tensor x_full =
+        mode_ == TensorParallelMode::Column && sp ? gather_sequence(saved.x, mp_) : saved.x;
+    ops::gemm(dy_full, true, x_full, false, weight.main_grad, 1.0f, 1.0f);
+  }
   if (mode_ == TensorParallelMode::Column) {
     if (sp) dx = reduce_scatter_sequence(dx, mp_);
     else all_reduce_tensor_parallel(dx, mp_);

@@ -14,6 +14,7 @@
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/param.h"
+#include "model/fp8.h"
 #include "model/parallel.h"
 
 namespace megaton {
@@ -106,9 +107,27 @@ class Linear {
   Tensor forward_inference(const Tensor& x) const;
   void collect_params(std::vector<Param*>& out);
 
+  // Runs the three GEMMs (forward, input gradient, weight gradient unless config.wgrad is
+  // off) in FP8 by config's recipe (model/fp8.h), as Transformer Engine's Linear: the input,
+  // the weight and the output gradient are quantized (e4m3; the gradient e5m2 under
+  // hybrid), the GEMMs accumulate in fp32, and the weight gradient still accumulates into
+  // the fp32 main_grad. Forward then saves the FP8 column-wise copies of the input and the
+  // weight instead of the input (whatever save_input says), and backward's x is not read.
+  // Every GEMM dimension (tokens, in / out features of this rank) must be a multiple of
+  // config.dimension_multiple() (InternalError otherwise; the trainer checks the flags).
+  void enable_fp8(const Fp8Config& config);
+  bool fp8() const { return fp8_; }
+  // The delayed recipe's state (checkpoints), by name: "<layer>._extra_state.fp8.<operand>.
+  // amax_history" [L, 1] and ".scale" [1], operand input, weight or grad_output (<layer>
+  // is the weight's name without ".weight"). Empty unless FP8 with the delayed recipe.
+  std::vector<std::pair<std::string, Tensor*>> fp8_state();
+
   // What forward saved for backward.
   struct Saved {
     Tensor x;  // the input [T, in] (this rank's rows under SP), undefined if not saved
+    // FP8 runs: the column-wise copies the backward GEMMs read.
+    Fp8Tensor x_fp8;  // x^T [in, T] (all of TP's rows under SP): the weight gradient's operand
+    Fp8Tensor w_fp8;  // W^T [in, out]: the input gradient's operand
   };
   // Moves the saved state out (the layer is left holding none) and back in.
   Saved take_saved() { return std::exchange(saved_, {}); }
@@ -117,9 +136,14 @@ class Linear {
   Param weight, bias;
 
  private:
+  Tensor forward_fp8(const Tensor& x, bool save_input);
+  Tensor backward_fp8(const Tensor& dy, const Saved& saved);
+
   TensorParallelMode mode_;
   ModelParallel mp_;
   Saved saved_;
+  bool fp8_ = false, fp8_wgrad_ = false;
+  Fp8Quantizer input_quantizer_, weight_quantizer_, grad_quantizer_;
 };
 
 // LayerNorm (weight and bias) or RMSNorm (weight only), per config.normalization.

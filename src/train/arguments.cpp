@@ -136,6 +136,20 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"finetune", "load weights only and start at iteration 0", true},
       {"device", "cpu or cuda (default: cuda when a GPU is visible)"},
       {"bf16", "bf16 compute with fp32 main params and grads (GPU; the CPU computes fp32)", true},
+      // FP8 (docs/fp8.md)
+      {"fp8-format", "e4m3 or hybrid (e4m3 forward, e5m2 gradients): the transformer layers' "
+                     "linear GEMMs in FP8 (default: off)"},
+      {"fp8-recipe", "delayed (default), tensorwise (per-tensor current scaling) or blockwise "
+                     "(1x128 / 128x128 blocks)"},
+      {"fp8-margin", "the delayed recipe's scales are divided by 2^margin (default 0)"},
+      {"fp8-amax-history-len", "amaxes kept per tensor by the delayed recipe (default 1)"},
+      {"fp8-amax-compute-algo", "max or most_recent (default): the delayed recipe's amax"},
+      {"no-fp8-wgrad", "weight-gradient GEMMs in bf16 in FP8 runs", true},
+      {"fp8-param-gather", "all-gather the FP8 copy of the weights (distributed optimizer)", true},
+      {"first-last-layers-bf16", "keep the first and last transformer layers in bf16", true},
+      {"num-layers-at-start-in-bf16", "layers kept in bf16 at the start (default 1)"},
+      {"num-layers-at-end-in-bf16", "layers kept in bf16 at the end (default 1)"},
+      {"moe-router-padding-for-fp8", "pad each expert's tokens to FP8 GEMM multiples", true},
       // parallelism (docs/parallelism.md)
       {"tensor-model-parallel-size", "tensor parallel ranks (tp)"},
       {"pipeline-model-parallel-size", "pipeline stages (pp)"},
@@ -456,6 +470,81 @@ void check_value_ranges(const Reader& r, const TrainArgs& a) {
 }
 }  // namespace
 
+namespace {
+// The FP8 flags (Megatron's arguments.py and TransformerConfig checks). Every --fp8-*
+// flag other than the format is refused without --fp8-format, rather than ignored.
+void parse_fp8_args(const Reader& r, GPTConfig& m) {
+  Fp8Config& f = m.fp8;
+  const char* dependents[] = {"fp8-recipe", "fp8-margin", "fp8-amax-history-len",
+                              "fp8-amax-compute-algo", "no-fp8-wgrad", "fp8-param-gather",
+                              "first-last-layers-bf16", "num-layers-at-start-in-bf16",
+                              "num-layers-at-end-in-bf16", "moe-router-padding-for-fp8"};
+  if (!r.has("fp8-format")) {
+    for (const char* key : dependents) {
+      if (!r.has(key)) continue;
+      bool on = true;  // a switch set to false asks for nothing
+      if (find_spec(key)->is_switch) r.get(key, on);
+      if (on) fail("option '{}' needs --fp8-format (e4m3 or hybrid)", key);
+    }
+    return;
+  }
+  std::string format;
+  r.get("fp8-format", format);
+  if (format == "e4m3") f.hybrid = false;
+  else if (format == "hybrid") f.hybrid = true;
+  else fail("option 'fp8-format' must be e4m3 or hybrid (got '{}')", printable(format));
+  f.enabled = true;
+  std::string recipe = "delayed";
+  r.get("fp8-recipe", recipe);
+  if (recipe == "delayed") f.recipe = Fp8Recipe::Delayed;
+  else if (recipe == "tensorwise") f.recipe = Fp8Recipe::Tensorwise;
+  else if (recipe == "blockwise") f.recipe = Fp8Recipe::Blockwise;
+  else if (recipe == "mxfp8" || recipe == "nvfp4")
+    fail("option 'fp8-recipe' {} needs Blackwell's block-scaled tensor cores; on Hopper use "
+         "delayed, tensorwise or blockwise", recipe);
+  else
+    fail("option 'fp8-recipe' must be delayed, tensorwise or blockwise (got '{}')",
+         printable(recipe));
+  r.get("fp8-margin", f.margin);
+  check_at_least("fp8-margin", double(f.margin), 0);
+  r.get("fp8-amax-history-len", f.amax_history_len);
+  check_at_least("fp8-amax-history-len", double(f.amax_history_len), 1);
+  if (f.amax_history_len > 1024)
+    fail("option 'fp8-amax-history-len' must be at most 1024 (got {})", f.amax_history_len);
+  std::string algo = "most_recent";
+  r.get("fp8-amax-compute-algo", algo);
+  if (algo == "max") f.amax_compute_max = true;
+  else if (algo != "most_recent")
+    fail("option 'fp8-amax-compute-algo' must be max or most_recent (got '{}')", printable(algo));
+  bool no_wgrad = false;
+  r.get("no-fp8-wgrad", no_wgrad);
+  f.wgrad = !no_wgrad;
+  r.get("first-last-layers-bf16", f.first_last_layers_bf16);
+  r.get("num-layers-at-start-in-bf16", f.num_layers_at_start_in_bf16);
+  r.get("num-layers-at-end-in-bf16", f.num_layers_at_end_in_bf16);
+  check_at_least("num-layers-at-start-in-bf16", double(f.num_layers_at_start_in_bf16), 0);
+  check_at_least("num-layers-at-end-in-bf16", double(f.num_layers_at_end_in_bf16), 0);
+  // Megatron's TransformerConfig: delayed scaling keeps amax histories across layers that
+  // the bf16 ones would leave stale ("Delayed scaling does not support first / last layer
+  // in BF16").
+  if (f.first_last_layers_bf16 && f.recipe == Fp8Recipe::Delayed)
+    fail("first-last-layers-bf16 needs --fp8-recipe tensorwise or blockwise (delayed scaling "
+         "does not support first / last layers in bf16, as in Megatron)");
+  if (f.first_last_layers_bf16 &&
+      f.num_layers_at_start_in_bf16 + f.num_layers_at_end_in_bf16 > m.num_layers)
+    fail("num-layers-at-start-in-bf16 ({}) + num-layers-at-end-in-bf16 ({}) exceed num-layers ({})",
+         f.num_layers_at_start_in_bf16, f.num_layers_at_end_in_bf16, m.num_layers);
+  bool param_gather = false, router_padding = false;
+  r.get("fp8-param-gather", param_gather);
+  r.get("moe-router-padding-for-fp8", router_padding);
+  // Not built yet (issue 16): refused by name rather than accepted and ignored.
+  if (param_gather) fail("fp8-param-gather is not available in Megaton yet (FP8 weights are "
+                         "quantized from the bf16 copy each step)");
+  if (router_padding) fail("moe-router-padding-for-fp8 is not available in Megaton yet (the "
+                           "routed experts' GEMMs run in bf16)");
+}
+}  // namespace
+
 TrainArgs parse_train_args(const RawOptions& raw) {
   for (const auto& [k, v] : raw)
     if (!find_spec(k)) fail("unknown option '{}'", k);
@@ -626,6 +715,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
     fail("overlap-param-gather needs overlap-grad-reduce");
 
   r.get("bf16", a.model.bf16);
+  parse_fp8_args(r, a.model);
   if (a.device.empty()) a.device = cuda_available() ? "cuda" : "cpu";
   if (a.device == "cuda") {
     if (!cuda_available())
@@ -659,6 +749,36 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   return a;
 }
 
+namespace {
+// Every dimension of an FP8 GEMM must be a multiple of 16 (cuBLASLt's FP8 kernels), and of
+// 128 along K under the blockwise recipe (its 1x128 blocks): tokens of a micro-batch,
+// hidden size, and this tensor-parallel rank's share of the attention and MLP widths.
+void check_fp8_dimensions(const TrainArgs& a, int64_t tp) {
+  const GPTConfig& m = a.model;
+  if (!m.fp8.enabled) return;
+  const int64_t multiple = m.fp8.dimension_multiple();
+  const int64_t groups = m.group_query_attention && m.num_query_groups > 0 ? m.num_query_groups
+                                                                           : m.num_attention_heads;
+  const int64_t kv = m.kv_channels > 0 ? m.kv_channels
+                                       : m.hidden_size / std::max<int64_t>(m.num_attention_heads, 1);
+  const int64_t ffn = m.ffn_hidden_size > 0 ? m.ffn_hidden_size : 4 * m.hidden_size;
+  const auto check = [&](const std::string& what, int64_t value) {
+    if (value % multiple != 0)
+      fail("{} ({}) must be divisible by {} for FP8 GEMMs{}", what, value, multiple,
+           m.fp8.recipe == Fp8Recipe::Blockwise ? " under --fp8-recipe blockwise" : "");
+  };
+  check("micro-batch-size x seq-length", a.micro_batch_size * m.seq_length);
+  check("hidden-size", m.hidden_size);
+  const std::string per_rank = tp > 1 ? fmt::format(" / tensor-model-parallel-size {}", tp) : "";
+  check("num-attention-heads x kv-channels" + per_rank, m.num_attention_heads * kv / tp);
+  check("num-query-groups x kv-channels" + per_rank, groups * kv / tp);
+  if (m.num_experts == 0 || m.moe_layer_freq > 1 || !m.moe_layer_pattern.empty())
+    check("ffn-hidden-size" + per_rank, ffn / tp);
+  if (m.num_experts > 0 && m.moe_shared_expert_intermediate_size > 0)
+    check("moe-shared-expert-intermediate-size" + per_rank, m.moe_shared_expert_intermediate_size / tp);
+}
+}  // namespace
+
 dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_size) {
   const ParallelArgs& p = a.parallel;
   const GPTConfig& m = a.model;
@@ -680,6 +800,7 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
                                                                          : m.num_attention_heads;
   r.num_experts = m.num_experts;
   dist::ValidatedLayout layout = dist::validate_layout(r);
+  check_fp8_dimensions(a, layout.sizes.tp);
   // The interleaved schedule's micro-batch groups (the trainer checks the batch split).
   const int64_t per_step = a.micro_batch_size * layout.sizes.dp;
   if (per_step > 0 && a.global_batch_size % per_step == 0)

@@ -572,6 +572,15 @@ void Trainer::stop_on_non_finite(double loss, double grad_norm) {
        ranks.find(',') == std::string::npos ? "" : "s", ranks);
 }
 
+std::vector<std::pair<std::string, Tensor*>> Trainer::fp8_state() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (auto& chunk : chunks_)
+    for (auto& layer : chunk->layers())
+      for (Linear* linear : layer->fp8_linears())
+        for (auto& entry : linear->fp8_state()) out.push_back(entry);
+  return out;
+}
+
 void Trainer::save(int64_t iteration) {
   ddp_->finish_param_sync();
   // Full tensors whatever the layout, gathered and written by world rank 0, so a
@@ -580,6 +589,8 @@ void Trainer::save(int64_t iteration) {
   dist::NamedTensors local =
       assemble_tensor_parallel(optimizer_->full_state(), by_name, chunks_[0]->model_parallel());
   for (auto& entry : moe_->expert_bias_state()) local.push_back(std::move(entry));
+  if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
+    for (auto& [name, t] : fp8_state()) local.emplace_back(name, *t);
   std::vector<std::pair<std::string, Tensor>> state =
       dist::gather_named_tensors(*comm_, grid_->world(), local);
   if (!is_logging_rank()) return;
@@ -659,6 +670,17 @@ void Trainer::load() {
         return it == ck.tensors.end() ? nullptr : &it->second;
       },
       ck.path);
+  // The delayed recipe's amax histories: a checkpoint without them (bf16, or another
+  // recipe) starts them afresh, as Transformer Engine does without its extra state.
+  for (auto& [name, t] : fp8_state()) {
+    auto it = ck.tensors.find(name);
+    if (it == ck.tensors.end() || args_.finetune) continue;
+    if (it->second.shape() != t->shape())
+      fail("checkpoint '{}': FP8 state '{}' is {}, this run expects {} "
+           "(--fp8-amax-history-len differs)", ck.path, name, shape_str(it->second.shape()),
+           shape_str(t->shape()));
+    t->copy_from(it->second);
+  }
   if (args_.finetune) {
     if (is_logging_rank())
       fmt::print(" loaded weights from {} (finetune: starting at iteration 0)\n", ck.path);

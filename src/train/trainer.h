@@ -65,6 +65,10 @@ class Trainer {
   void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
                   Tensor& tokens, Tensor& labels) const;
   void save(int64_t iteration);
+  // The FP8 delayed recipe's amax histories and scales of this rank's layers, by name
+  // (Linear::fp8_state). Every tensor-parallel rank holds the same values (the amaxes are
+  // reduced over the group); checkpoints keep data-parallel rank 0's.
+  std::vector<std::pair<std::string, Tensor*>> fp8_state();
   // --check-for-nan-in-loss-and-grad: throws megaton::Error naming the iteration, what was
   // non-finite (loss or gradient norm) and the ranks where it was found. Collective: the
   // loss and the gradient norm are global values, so every rank calls it at once.

@@ -405,5 +405,30 @@ TEST_F(CliErrors, IndexWithAHugeCountNamesTheBytesNeeded) {
   expect_user_error("train --config " + config(kModel), "need 55340232221128654906 bytes");
 }
 
+// ---- FP8 flags (issue 16) --------------------------------------------------------------
+
+TEST_F(CliErrors, Fp8BadRecipesAndDimensions) {
+  const std::string fp8 = kMock + " --train-iters 1 --fp8-format e4m3";
+  const std::pair<std::string, std::string> cases[] = {
+      {fp8 + " --fp8-recipe fast", "option 'fp8-recipe' must be delayed, tensorwise or blockwise"},
+      {fp8 + " --fp8-recipe mxfp8", "mxfp8 needs Blackwell's block-scaled tensor cores"},
+      {fp8 + " --fp8-recipe nvfp4", "nvfp4 needs Blackwell's block-scaled tensor cores"},
+      {kMock + " --train-iters 1 --fp8-format e5m2", "option 'fp8-format' must be e4m3 or hybrid"},
+      {kMock + " --train-iters 1 --fp8-recipe tensorwise", "option 'fp8-recipe' needs --fp8-format"},
+      // kMock: hidden 16, micro-batch 2 x seq 8 = 16 tokens; heads 2 x 8 = 16.
+      {fp8 + " --fp8-recipe blockwise", "micro-batch-size x seq-length (16) must be divisible by 128"},
+      {fp8 + " --ffn-hidden-size 40", "ffn-hidden-size (40) must be divisible by 16 for FP8 GEMMs"},
+      {fp8 + " --fp8-amax-compute-algo mean", "option 'fp8-amax-compute-algo' must be max or most_recent"},
+      {fp8 + " --fp8-margin -1", "option 'fp8-margin' must be >= 0"},
+      {fp8 + " --first-last-layers-bf16", "first-last-layers-bf16 needs --fp8-recipe tensorwise or blockwise"},
+      {fp8 + " --fp8-recipe tensorwise --first-last-layers-bf16 --num-layers-at-start-in-bf16 2",
+       "num-layers-at-start-in-bf16 (2) + num-layers-at-end-in-bf16 (1) exceed num-layers (2)"},
+  };
+  for (const auto& [flags, message] : cases) {
+    SCOPED_TRACE(flags);
+    expect_user_error(flags, message);
+  }
+}
+
 }  // namespace
 }  // namespace megaton

@@ -111,6 +111,67 @@ TEST_F(TrainTest, ResumeWithQkLayernormIsBitIdentical) {
   check_resume_is_bit_identical(options);
 }
 
+// FP8 (issue 16) on the CPU's exact emulation of each recipe: a dense model whose GEMM
+// dimensions take blockwise's 128 (hidden 128, 2 x 64 tokens, ffn 256) trains like fp32.
+// Tolerance: 2% of the final validation loss. FP8 rounds each GEMM operand to 3 mantissa
+// bits (e4m3) or 2 (e5m2 gradients); at lr 1e-3 the six FP8 runs end within 0.6% of fp32
+// (measured, docs/fp8.md), so 2% fails on a broken recipe, not on rounding. (At lr 3e-3
+// this tiny model is chaotic: two fp32 runs that differ only in the seed end 8% apart, and
+// no tolerance would tell FP8 error from that.)
+RawOptions tiny_fp8_dense(const fs::path& dir) {
+  return {{"num-layers", {"2"}},          {"hidden-size", {"128"}},
+          {"num-attention-heads", {"4"}}, {"seq-length", {"64"}},
+          {"ffn-hidden-size", {"256"}},   {"swiglu", {"true"}},
+          {"position-embedding-type", {"rope"}}, {"normalization", {"RMSNorm"}},
+          {"disable-bias-linear", {"true"}},
+          {"hidden-dropout", {"0.0"}},    {"attention-dropout", {"0.0"}},
+          {"micro-batch-size", {"2"}},    {"global-batch-size", {"2"}},
+          {"train-iters", {"40"}},        {"lr", {"1e-3"}},
+          {"lr-warmup-iters", {"4"}},     {"lr-decay-style", {"cosine"}},
+          {"eval-iters", {"2"}},          {"eval-interval", {"1000"}},
+          {"log-interval", {"1000"}},     {"split", {"90,10,0"}},
+          {"tokenizer-type", {"ByteTokenizer"}},
+          {"data-path", {(dir / "corpus_text_document").string()}}};
+}
+
+TEST_F(TrainTest, Fp8RecipesTrainLikeFp32) {
+  const TrainResult fp32 = run(tiny_fp8_dense(dir));
+  ASSERT_LT(fp32.last_valid_loss, 0.8 * fp32.first_valid_loss);
+  for (const char* recipe : {"delayed", "tensorwise", "blockwise"}) {
+    for (const char* format : {"e4m3", "hybrid"}) {
+      SCOPED_TRACE(std::string(recipe) + " " + format);
+      RawOptions raw = tiny_fp8_dense(dir);
+      raw["fp8-format"] = {format};
+      raw["fp8-recipe"] = {recipe};
+      const TrainResult fp8 = run(raw);
+      EXPECT_NEAR(fp8.last_valid_loss, fp32.last_valid_loss, 0.02 * fp32.last_valid_loss);
+      // The same initial weights: the first loss differs only by FP8 rounding.
+      EXPECT_NEAR(fp8.losses.front(), fp32.losses.front(), 0.01 * fp32.losses.front());
+      EXPECT_NE(fp8.losses.back(), fp32.losses.back());  // FP8 did run
+      std::printf("fp8 %s %s: final valid loss %.5f vs fp32 %.5f\n", recipe, format,
+                  fp8.last_valid_loss, fp32.last_valid_loss);
+    }
+  }
+}
+
+// Resume is bit-identical in each recipe: current and block scaling keep no state across
+// steps; the delayed recipe's amax histories and scales go through the checkpoint.
+TEST_F(TrainTest, Fp8ResumeIsBitIdentical) {
+  for (const char* recipe : {"delayed", "tensorwise", "blockwise"}) {
+    SCOPED_TRACE(recipe);
+    RawOptions raw = tiny_fp8_dense(dir);
+    raw["train-iters"] = {"6"};
+    raw["fp8-format"] = {"hybrid"};
+    raw["fp8-recipe"] = {recipe};
+    if (recipe == std::string("delayed")) {
+      raw["fp8-amax-history-len"] = {"4"};
+      raw["fp8-amax-compute-algo"] = {"max"};
+    }
+    fs::remove_all(dir / "ckpt");
+    check_resume_is_bit_identical(raw);
+  }
+}
+
 TEST_F(TrainTest, LossFallsAndModelSamples) {
   RawOptions raw = tiny_moe();
   raw["train-iters"] = {"40"};

@@ -14,6 +14,8 @@ namespace megaton::ops {
 // Router option types, defined in ops/ops.h.
 enum class RouterScoreFunction;
 struct RouterTopK;
+// The FP8 scale rule, defined in ops/fp8.h.
+struct Fp8ScaleRule;
 }  // namespace megaton::ops
 
 namespace megaton::ops::cuda {
@@ -142,5 +144,21 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float lr, float beta1, float beta2, float eps, int64_t step,
                         float grad_scale);
+// FP8 (ops/fp8.h). Quantization (fp8.cu) equals the CPU reference bit for bit: one
+// fused kernel reads x once and writes out, out_t and amax (per tensor), or out, out_t and
+// both scale_inv tensors (blockwise, 128 x 128 tiles of 256 threads); scale updates are
+// single-block kernels that never synchronize with the host. fp8_gemm (fp8_gemm.cpp) is
+// cuBLASLt with split accumulation, per-tensor or 1x128 / 128x128 block scales.
+void fp8_amax(const Tensor& x, Tensor& amax);
+void fp8_update_scale(const Tensor& amax, const Fp8ScaleRule& rule, Tensor& scale,
+                      Tensor& scale_inv);
+void fp8_delayed_scaling_update(Tensor& amax_history, const Fp8ScaleRule& rule, bool max_algo,
+                                Tensor& scale, Tensor& scale_inv);
+void fp8_quantize(const Tensor& x, const Tensor& scale, Tensor& out, Tensor& out_t, Tensor& amax);
+void fp8_quantize_blockwise(const Tensor& x, int64_t block_rows, const Fp8ScaleRule& rule,
+                            Tensor& out, Tensor& scale_inv, Tensor& out_t, Tensor& scale_inv_t);
+void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x);
+void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
+              const Tensor& b_scale_inv, Tensor& c, float alpha, float beta);
 
 }  // namespace megaton::ops::cuda

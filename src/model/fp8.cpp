@@ -1,0 +1,99 @@
+// FP8 recipes of the linear layers: the operand quantizers.
+#include "model/fp8.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "dist/comm.h"
+
+namespace megaton {
+
+const char* fp8_recipe_name(Fp8Recipe recipe) {
+  switch (recipe) {
+    case Fp8Recipe::Delayed: return "delayed";
+    case Fp8Recipe::Tensorwise: return "tensorwise";
+    case Fp8Recipe::Blockwise: return "blockwise";
+  }
+  return "?";
+}
+
+bool Fp8Config::layer_in_fp8(int64_t layer, int64_t num_layers) const {
+  if (!enabled) return false;
+  if (!first_last_layers_bf16) return true;
+  return layer >= num_layers_at_start_in_bf16 && layer < num_layers - num_layers_at_end_in_bf16;
+}
+
+Fp8Quantizer::Fp8Quantizer(const Fp8Config& config, Fp8Role role, Device device)
+    : recipe_(config.recipe), role_(role), amax_compute_max_(config.amax_compute_max) {
+  MEGATON_CHECK(config.enabled, "Fp8Quantizer without --fp8-format");
+  rule_.fp8 = role == Fp8Role::GradOutput ? config.gradient_dtype() : config.forward_dtype();
+  // The margin is the delayed recipe's: TE's current and block scaling have none.
+  rule_.margin = config.recipe == Fp8Recipe::Delayed ? float(config.margin) : 0.0f;
+  // Transformer Engine's Float8BlockScaling uses power-of-two scales for every operand;
+  // its per-tensor recipes do not.
+  rule_.power_of_2 = config.recipe == Fp8Recipe::Blockwise;
+  if (recipe_ == Fp8Recipe::Blockwise) return;  // the scales live with each quantized copy
+  const int64_t rows = recipe_ == Fp8Recipe::Delayed ? config.amax_history_len : 1;
+  amax_history_ = Tensor::zeros({rows, 1}, DType::F32, device);
+  one_ = Tensor::zeros({1}, DType::F32, device);
+  one_.fill(1.0f);
+  scale_ = Tensor::empty({1}, DType::F32, device);
+  scale_.copy_from(one_);
+  scale_inv_ = Tensor::empty({1}, DType::F32, device);
+  scale_inv_.copy_from(one_);
+}
+
+Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
+                                 const ModelParallel& mp, bool reduce_amax) {
+  MEGATON_CHECK(rowwise || columnwise, "Fp8Quantizer::quantize: nothing asked for");
+  const int64_t cols = x.dim(-1), rows = x.numel() / std::max<int64_t>(cols, 1);
+  const Tensor x2 = x.view({rows, cols});
+  const Device device = x.device();
+  Fp8Tensor out;
+  const DType fp8 = rule_.fp8;
+  // The quantize ops always write the row-wise copy; it is dropped when not asked for.
+  out.data = Tensor::empty({rows, cols}, fp8, device);
+  if (columnwise) out.data_t = Tensor::empty({cols, rows}, fp8, device);
+
+  if (recipe_ == Fp8Recipe::Blockwise) {
+    const int64_t block_rows = role_ == Fp8Role::Weight ? 128 : 1;
+    out.scale_inv =
+        Tensor::empty({(rows + block_rows - 1) / block_rows, (cols + 127) / 128}, DType::F32, device);
+    if (columnwise) {
+      out.scale_inv_t = block_rows == 128
+                            ? Tensor::empty({out.scale_inv.dim(1), out.scale_inv.dim(0)}, DType::F32, device)
+                            : Tensor::empty({cols, (rows + 127) / 128}, DType::F32, device);
+    }
+    ops::fp8_quantize_blockwise(x2, block_rows, rule_, out.data, out.scale_inv, out.data_t,
+                                out.scale_inv_t);
+    if (!rowwise) out.data = out.scale_inv = Tensor();
+    return out;
+  }
+
+  MEGATON_CHECK(initialized(), "Fp8Quantizer::quantize before construction");
+  const bool reduce = reduce_amax && mp.tp_size() > 1;
+  Tensor amax_slot = amax_history_.rows(0, 1).view({1});
+  Tensor no_amax;
+  if (recipe_ == Fp8Recipe::Delayed) {
+    // The amax recorded at the previous quantization, agreed over the group, becomes the
+    // scale of this one; the history then rolls and row 0 waits for this x's amax.
+    if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
+    ops::fp8_delayed_scaling_update(amax_history_, rule_, amax_compute_max_, scale_, scale_inv_);
+    ops::fp8_quantize(x2, scale_, out.data, out.data_t, amax_slot);
+  } else {  // tensorwise: this tensor's own amax
+    ops::fp8_amax(x2, amax_slot);
+    if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
+    scale_.copy_from(one_);  // an all-zero tensor keeps scale 1 (fp8_update_scale)
+    ops::fp8_update_scale(amax_slot, rule_, scale_, scale_inv_);
+    ops::fp8_quantize(x2, scale_, out.data, out.data_t, no_amax);
+  }
+  // The GEMM reads this step's factor after the next quantization may have changed
+  // scale_inv_ (the weight's copy is used again in backward): each copy keeps its own.
+  out.scale_inv = Tensor::empty({1}, DType::F32, device);
+  out.scale_inv.copy_from(scale_inv_);
+  out.scale_inv_t = out.scale_inv;
+  if (!rowwise) out.data = Tensor();
+  return out;
+}
+
+}  // namespace megaton

@@ -1,0 +1,66 @@
+// FP8 execution of the linear layers' GEMMs: Transformer Engine's recipes (per-tensor
+// delayed and current scaling, DeepSeek-V3 blockwise scaling) on top of ops/fp8.h.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/tensor.h"
+#include "model/fp8_config.h"
+#include "model/parallel.h"
+#include "ops/fp8.h"
+
+namespace megaton {
+
+// A quantized operand: its row-wise copy (the tensor as laid out) and/or its column-wise
+// copy (the transpose), each with the dequantization factors the FP8 GEMM reads
+// (ops::fp8_gemm). Per-tensor recipes share one scale_inv [1] between the two copies.
+struct Fp8Tensor {
+  Tensor data;         // [R, C] FP8, undefined when the row-wise copy was not asked for
+  Tensor scale_inv;    // F32: [1], or the blockwise [R / block_rows, C / 128]
+  Tensor data_t;       // [C, R] FP8, undefined when the column-wise copy was not asked for
+  Tensor scale_inv_t;  // F32: [1], or the blockwise scales of data_t
+  bool defined() const { return data.defined() || data_t.defined(); }
+};
+
+// What a GEMM operand is, which fixes its FP8 dtype and its blockwise block shape.
+enum class Fp8Role {
+  Input,       // a layer's input activation: e4m3, 1x128 blocks
+  Weight,      // e4m3, 128x128 blocks
+  GradOutput,  // the gradient of a layer's output: e5m2 under hybrid, 1x128 blocks
+};
+
+// One operand's quantization state across steps (each FP8 Linear has one per role):
+// delayed scaling's amax history and scale; current scaling's scale of this step.
+class Fp8Quantizer {
+ public:
+  Fp8Quantizer() = default;
+  Fp8Quantizer(const Fp8Config& config, Fp8Role role, Device device);
+
+  // Quantizes x [R, C] (F32 or BF16; higher ranks viewed as [numel / C, C]):
+  // rowwise -> data [R, C], columnwise -> data_t [C, R]. Under a per-tensor recipe with
+  // reduce_amax, the amax is the max over `mp`'s tensor-parallel group, so that a
+  // tensor-parallel shard gets the scale the one-rank run gives the whole tensor
+  // (Transformer Engine reduces amaxes over the same group). Delayed scaling first turns
+  // the amax recorded at this operand's previous quantization into its scale
+  // (ops::fp8_delayed_scaling_update), then records x's amax for the next one; the first
+  // quantization uses scale 1, as TE does.
+  Fp8Tensor quantize(const Tensor& x, bool rowwise, bool columnwise, const ModelParallel& mp,
+                     bool reduce_amax);
+
+  bool initialized() const { return scale_.defined(); }
+  bool delayed() const { return initialized() && recipe_ == Fp8Recipe::Delayed; }
+  // Delayed scaling state (checkpoints): amax history [L, 1], scale [1].
+  Tensor& amax_history() { return amax_history_; }
+  Tensor& scale() { return scale_; }
+
+ private:
+  Fp8Recipe recipe_ = Fp8Recipe::Delayed;
+  Fp8Role role_ = Fp8Role::Input;
+  ops::Fp8ScaleRule rule_;
+  bool amax_compute_max_ = false;
+  Tensor amax_history_;  // [L, 1] (delayed) or [1, 1] (tensorwise: this step's amax)
+  Tensor scale_, scale_inv_;
+  Tensor one_;  // [1] = 1: current scaling resets its scale to it
+};
+
+}  // namespace megaton
