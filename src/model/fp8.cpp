@@ -75,11 +75,12 @@ Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
   Tensor amax_slot = amax_history_.rows(0, 1).view({1});
   Tensor no_amax;
   if (recipe_ == Fp8Recipe::Delayed) {
-    // The amax recorded at the previous quantization, agreed over the group, becomes the
-    // scale of this one; the history then rolls and row 0 waits for this x's amax.
-    if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
+    // The amax recorded at the previous quantization becomes the scale of this one; the
+    // history then rolls and row 0 takes this x's amax, agreed over the group at once so
+    // that the state (checkpoints) is the whole tensor's on every rank.
     ops::fp8_delayed_scaling_update(amax_history_, rule_, amax_compute_max_, scale_, scale_inv_);
     ops::fp8_quantize(x2, scale_, out.data, out.data_t, amax_slot);
+    if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
   } else {  // tensorwise: this tensor's own amax
     ops::fp8_amax(x2, amax_slot);
     if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);

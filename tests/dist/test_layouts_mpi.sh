@@ -47,12 +47,15 @@ router_flags() {  # NAME
 # "MBS=n" sets the micro-batch size (the one-rank run of a DP layout whose global
 # micro-batches must be the reference's micro-batches: global_aux_loss); "VOCAB=n" the
 # NullTokenizer's vocabulary (n tokens + eod) and "PAD=n" --make-vocab-size-divisible-by
-# (default 127 + eod padded by 64: 128 rows under TP 1 and 2 alike).
+# (default 127 + eod padded by 64: 128 rows under TP 1 and 2 alike); "FP8=recipe" trains
+# the layers' linear GEMMs in FP8 (hybrid format), with --kv-channels 16 so that every FP8
+# GEMM dimension of a TP2 rank is a multiple of 16.
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8=""
   local setting
   for setting in $1; do
     case $setting in
+      FP8=*) FP8=${setting#*=} ;;
       VOCAB=*) VOCAB=${setting#*=} ;;
       PAD=*) PAD=${setting#*=} ;;
       A2A=*) A2A=${setting#*=} ;;
@@ -75,6 +78,7 @@ run() {  # NAME NP FLAGS...
     --make-vocab-size-divisible-by "$PAD")
   [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
   [ "$QKN" = 0 ] || model+=(--qk-layernorm)
+  [ -z "$FP8" ] || model+=(--fp8-format hybrid --fp8-recipe "$FP8" --kv-channels 16)
   # shellcheck disable=SC2207
   model+=($(router_flags "$ROUTER"))
   local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
@@ -168,6 +172,16 @@ layouts=(
   "tp2-qk-layernorm|2|--tensor-model-parallel-size 2|QKN=1"
   "tp2-sp-qk-layernorm|2|--tensor-model-parallel-size 2 --sequence-parallel|QKN=1"
   "pp2-qk-layernorm|2|--pipeline-model-parallel-size 2|QKN=1"
+  # FP8 (issue 16): the amaxes of TP-sharded operands are reduced over TP, so each TP rank
+  # quantizes as the one-rank run does; per-tensor current scaling keeps no state, so DP,
+  # EP and PP see the same scales too. The delayed recipe's history follows the sequence of
+  # micro-batches, which TP and PP keep and DP does not (as in Transformer Engine).
+  "tp2-fp8-tensorwise|2|--tensor-model-parallel-size 2|FP8=tensorwise"
+  "tp2-sp-fp8-tensorwise|2|--tensor-model-parallel-size 2 --sequence-parallel|FP8=tensorwise"
+  "tp2-sp-fp8-delayed|2|--tensor-model-parallel-size 2 --sequence-parallel|FP8=delayed"
+  "dp2-distributed-optimizer-fp8-tensorwise|2|--use-distributed-optimizer|FP8=tensorwise"
+  "ep2-alltoall-fp8-tensorwise|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|FP8=tensorwise"
+  "pp2-fp8-delayed|2|--pipeline-model-parallel-size 2|FP8=delayed"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -185,6 +199,8 @@ resumes=(
   # The replicated q/k norm weights are written once and loaded whole on every TP rank.
   "tp2-sp-to-one-rank-qk-layernorm|2|--tensor-model-parallel-size 2 --sequence-parallel|1||QKN=1"
   "one-rank-to-tp2-qk-layernorm|1||2|--tensor-model-parallel-size 2|QKN=1"
+  # The delayed recipe's amax histories and scales go through the checkpoint.
+  "tp2-pp2-fp8-delayed-to-one-rank|4|--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2|1||FP8=delayed"
 )
 for entry in "${layouts[@]}"; do
   IFS='|' read -r name np flags variant ref_variant <<<"$entry"
