@@ -181,6 +181,7 @@ void Linear::enable_fp8(const Fp8Config& config) {
   const Device device = weight.weight.device();
   fp8_ = true;
   fp8_wgrad_ = config.wgrad;
+  fp8_fast_forward_ = config.recipe != Fp8Recipe::Blockwise;
   input_quantizer_ = Fp8Quantizer(config, Fp8Role::Input, device);
   weight_quantizer_ = Fp8Quantizer(config, Fp8Role::Weight, device);
   grad_quantizer_ = Fp8Quantizer(config, Fp8Role::GradOutput, device);
@@ -214,7 +215,8 @@ Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
                                                  mode_ == TensorParallelMode::Row);
   const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, true, mp_, split);
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
-  ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y);
+  // Fast accumulation in the forward GEMM of the per-tensor recipes, as Transformer Engine.
+  ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y, 1.0f, 0.0f, fp8_fast_forward_);
   if (mode_ == TensorParallelMode::Row) {
     if (sp) y = reduce_scatter_sequence(y, mp_);
     else all_reduce_tensor_parallel(y, mp_);

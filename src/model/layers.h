@@ -142,7 +142,7 @@ class Linear {
   TensorParallelMode mode_;
   ModelParallel mp_;
   Saved saved_;
-  bool fp8_ = false, fp8_wgrad_ = false;
+  bool fp8_ = false, fp8_wgrad_ = false, fp8_fast_forward_ = false;
   Fp8Quantizer input_quantizer_, weight_quantizer_, grad_quantizer_;
 };
 

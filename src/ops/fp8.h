@@ -118,7 +118,13 @@ void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x);
 // GPU result differs from the CPU's by a few 1e-4 relative. M, N, K must be multiples of 16 (cuBLASLt FP8); blockwise: K a multiple of 128.
 // InternalError on a dtype, shape or device mismatch. CPU: dequantize, then the fp32
 // gemm.
+// fast_accumulation (per-tensor scales only; the CPU ignores it): the GPU keeps the
+// tensor cores' reduced-precision partial sums for the whole K loop instead of promoting
+// them to fp32 (cuBLASLt CUBLASLT_MATMUL_DESC_FAST_ACCUM). Faster, less exact: Transformer
+// Engine uses it for the forward GEMM of its per-tensor recipes (recipe.py:
+// fp8_gemm_fprop use_split_accumulator=False) and not for the two backward GEMMs.
 void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, Tensor& c, float alpha = 1.0f, float beta = 0.0f);
+              const Tensor& b_scale_inv, Tensor& c, float alpha = 1.0f, float beta = 0.0f,
+              bool fast_accumulation = false);
 
 }  // namespace megaton::ops

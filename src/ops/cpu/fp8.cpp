@@ -385,7 +385,8 @@ void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x) {
 }
 
 void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, Tensor& c, float alpha, float beta) {
+              const Tensor& b_scale_inv, Tensor& c, float alpha, float beta,
+              bool fast_accumulation) {
   const char* op = "fp8_gemm";
   check_fp8(a, op, "a");
   check_fp8(b, op, "b");
@@ -412,7 +413,11 @@ void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
                   op, m, k / kBlockCols, k, shape_str(a_scale_inv.shape()));
   }
   check_devices(op, {&a, &a_scale_inv, &b, &b_scale_inv, &c});
-  MEGATON_CUDA_DISPATCH(a, cuda::fp8_gemm(a, a_scale_inv, b, b_scale_inv, c, alpha, beta));
+  MEGATON_CHECK(!fast_accumulation || a_layout == 0,
+                "{}: fast accumulation is for per-tensor scales (cuBLASLt refuses it with block "
+                "scaling)", op);
+  MEGATON_CUDA_DISPATCH(
+      a, cuda::fp8_gemm(a, a_scale_inv, b, b_scale_inv, c, alpha, beta, fast_accumulation));
   require_cpu(op, {&a});
   Tensor a32 = Tensor::empty({m, k}), b32 = Tensor::empty({n, k});
   cpu::dequantize(a.data<uint8_t>(), a.dtype() == DType::F8E4M3, a_scale_inv.f32(), a_layout, m, k,

@@ -148,7 +148,8 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
 // fused kernel reads x once and writes out, out_t and amax (per tensor), or out, out_t and
 // both scale_inv tensors (blockwise, 128 x 128 tiles of 256 threads); scale updates are
 // single-block kernels that never synchronize with the host. fp8_gemm (fp8_gemm.cpp) is
-// cuBLASLt with split accumulation, per-tensor or 1x128 / 128x128 block scales.
+// cuBLASLt with split accumulation (fast accumulation on request, per-tensor only), per-tensor
+// or 1x128 / 128x128 block scales.
 void fp8_amax(const Tensor& x, Tensor& amax);
 void fp8_update_scale(const Tensor& amax, const Fp8ScaleRule& rule, Tensor& scale,
                       Tensor& scale_inv);
@@ -159,6 +160,6 @@ void fp8_quantize_blockwise(const Tensor& x, int64_t block_rows, const Fp8ScaleR
                             Tensor& out, Tensor& scale_inv, Tensor& out_t, Tensor& scale_inv_t);
 void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x);
 void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, Tensor& c, float alpha, float beta);
+              const Tensor& b_scale_inv, Tensor& c, float alpha, float beta, bool fast_accumulation);
 
 }  // namespace megaton::ops::cuda

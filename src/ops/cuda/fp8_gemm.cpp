@@ -13,12 +13,12 @@
 // Types (same table): E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3 (not E5M2 x E5M2), C and
 // D both BF16 or both F32, so beta = 1 accumulates into an F32 main grad in place.
 //
-// Accumulation: CUBLASLT_MATMUL_DESC_FAST_ACCUM = 0 (the default, set explicitly), i.e.
-// cuBLAS promotes the tensor cores' partial sums to fp32 ("split accumulator"). Transformer
-// Engine turns fast accumulation on for the forward GEMM of its per-tensor recipes
-// (recipe.py: fp8_gemm_fprop = MMParams(use_split_accumulator=False)) and off for dgrad,
-// wgrad and every GEMM of Float8BlockScaling, where cuBLAS requires it off; ops/fp8.h asks
-// for it off everywhere.
+// Accumulation: CUBLASLT_MATMUL_DESC_FAST_ACCUM = 0 unless the caller asks for fast
+// accumulation, i.e. cuBLAS promotes the tensor cores' partial sums to fp32 ("split
+// accumulator"). Transformer Engine turns fast accumulation on for the forward GEMM of its
+// per-tensor recipes (recipe.py: fp8_gemm_fprop = MMParams(use_split_accumulator=False))
+// and off for dgrad, wgrad and every GEMM of Float8BlockScaling, where cuBLAS requires it
+// off.
 //
 // Block scales (cuBLAS docs 3.1.4.5, "128-element 1D and 128x128 2D Block Scaling For FP8
 // Data Types", and 3.1.4.5.1 "Scaling factors layouts",
@@ -126,6 +126,7 @@ struct PlanKey {
   DType a, b, c;
   ScaleMode a_mode, b_mode;
   bool beta_zero;
+  bool fast_accumulation;
   uint32_t align_a, align_b, align_c;
   bool operator==(const PlanKey&) const = default;
 };
@@ -140,7 +141,8 @@ struct PlanKeyHash {
     mix(key.n);
     mix(key.k);
     mix(uint64_t(key.a) | uint64_t(key.b) << 8 | uint64_t(key.c) << 16 |
-        uint64_t(key.a_mode) << 24 | uint64_t(key.b_mode) << 32 | uint64_t(key.beta_zero) << 40);
+        uint64_t(key.a_mode) << 24 | uint64_t(key.b_mode) << 32 | uint64_t(key.beta_zero) << 40 |
+        uint64_t(key.fast_accumulation) << 41);
     mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_c) << 32);
     return h;
   }
@@ -179,7 +181,7 @@ Plan make_plan(const PlanKey& key, const void* a_scale, const void* b_scale) {
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MEGATON_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  const int8_t fast_accumulation = 0;
+  const int8_t fast_accumulation = key.fast_accumulation ? 1 : 0;
   MEGATON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
       plan.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accumulation, sizeof(fast_accumulation)));
   if (key.a_mode != ScaleMode::Tensor) {
@@ -270,7 +272,8 @@ ScaleMode scale_mode_of(const Tensor& scale_inv, int64_t rows) {
 }  // namespace
 
 void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
-              const Tensor& b_scale_inv, Tensor& c, float alpha, float beta) {
+              const Tensor& b_scale_inv, Tensor& c, float alpha, float beta,
+              bool fast_accumulation) {
   const Matrix ma = as_matrix(a), mb = as_matrix(b);
   const int64_t m = ma.rows, n = mb.rows, k = ma.cols;
   if (m == 0 || n == 0) return;
@@ -296,6 +299,7 @@ void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
               a_mode,
               b_mode,
               beta == 0.0f,
+              fast_accumulation,
               alignment_of(a.raw()),
               alignment_of(b.raw()),
               alignment_of(c.raw())};
