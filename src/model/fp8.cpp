@@ -94,6 +94,36 @@ Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
   out.scale_inv.copy_from(scale_inv_);
   out.scale_inv_t = out.scale_inv;
   if (!rowwise) out.data = Tensor();
+  if (!columnwise) {  // requantize_columnwise may need the scale later
+    out.scale = Tensor::empty({1}, DType::F32, device);
+    out.scale.copy_from(scale_);
+  }
+  return out;
+}
+
+Fp8Tensor Fp8Quantizer::requantize_columnwise(const Tensor& x, const Fp8Tensor& earlier) const {
+  const int64_t cols = x.dim(-1), rows = x.numel() / std::max<int64_t>(cols, 1);
+  const Tensor x2 = x.view({rows, cols});
+  const Device device = x.device();
+  Fp8Tensor out;
+  Tensor rowwise = Tensor::empty({rows, cols}, rule_.fp8, device);  // written, dropped
+  out.data_t = Tensor::empty({cols, rows}, rule_.fp8, device);
+  if (recipe_ == Fp8Recipe::Blockwise) {
+    const int64_t block_rows = role_ == Fp8Role::Weight ? 128 : 1;
+    Tensor scale_inv =
+        Tensor::empty({(rows + block_rows - 1) / block_rows, (cols + 127) / 128}, DType::F32, device);
+    out.scale_inv_t = block_rows == 128
+                          ? Tensor::empty({scale_inv.dim(1), scale_inv.dim(0)}, DType::F32, device)
+                          : Tensor::empty({cols, (rows + 127) / 128}, DType::F32, device);
+    ops::fp8_quantize_blockwise(x2, block_rows, rule_, rowwise, scale_inv, out.data_t,
+                                out.scale_inv_t);
+    return out;
+  }
+  MEGATON_CHECK(earlier.scale.defined() && earlier.scale_inv.defined(),
+                "Fp8Quantizer::requantize_columnwise: the earlier quantization kept no scale");
+  Tensor no_amax;
+  ops::fp8_quantize(x2, earlier.scale, rowwise, out.data_t, no_amax);
+  out.scale_inv_t = earlier.scale_inv;
   return out;
 }
 

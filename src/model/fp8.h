@@ -19,6 +19,7 @@ struct Fp8Tensor {
   Tensor scale_inv;    // F32: [1], or the blockwise [R / block_rows, C / 128]
   Tensor data_t;       // [C, R] FP8, undefined when the column-wise copy was not asked for
   Tensor scale_inv_t;  // F32: [1], or the blockwise scales of data_t
+  Tensor scale;        // F32 [1]: the per-tensor scale used (undefined for blockwise)
   bool defined() const { return data.defined() || data_t.defined(); }
 };
 
@@ -46,6 +47,11 @@ class Fp8Quantizer {
   // quantization uses scale 1, as TE does.
   Fp8Tensor quantize(const Tensor& x, bool rowwise, bool columnwise, const ModelParallel& mp,
                      bool reduce_amax);
+  // The column-wise copy of an x that an earlier quantize() saw (`earlier` is what it
+  // returned) and the caller did not keep: a recomputed activation. It equals the copy that
+  // quantize() would have written: the same scale (per-tensor recipes), the same blocks
+  // (blockwise, which has no state); the history is not touched.
+  Fp8Tensor requantize_columnwise(const Tensor& x, const Fp8Tensor& earlier) const;
 
   bool initialized() const { return scale_.defined(); }
   bool delayed() const { return initialized() && recipe_ == Fp8Recipe::Delayed; }

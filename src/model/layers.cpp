@@ -158,7 +158,14 @@ Tensor Linear::backward(const Tensor& dy) {
 Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
   if (fp8_) {
     Saved saved = take_saved();
-    if (!fp8_wgrad_) saved.x = x;  // the bf16 weight gradient reads the given input
+    if (!fp8_wgrad_) {
+      saved.x = x;  // the bf16 weight gradient reads the given input
+    } else if (!saved.x_fp8.data_t.defined()) {
+      // Forward kept only the scale: the column-wise copy of the recomputed input.
+      const Tensor x_full =
+          mode_ == TensorParallelMode::Column && mp_.sequence_parallel ? gather_sequence(x, mp_) : x;
+      saved.x_fp8 = input_quantizer_.requantize_columnwise(x_full, saved.x_fp8);
+    }
     return backward_fp8(dy, saved);
   }
   const bool sp = mp_.sequence_parallel;
@@ -211,7 +218,11 @@ Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
   const bool sp = mp_.sequence_parallel;
   const bool split = mode_ != TensorParallelMode::None;
   const Tensor x_full = mode_ == TensorParallelMode::Column && sp ? gather_sequence(x, mp_) : x;
-  const Fp8Tensor xq = input_quantizer_.quantize(x_full, true, fp8_wgrad_, mp_,
+  // An input the caller does not keep (recomputed for backward, as fc2's activation) gets
+  // its column-wise copy in backward (requantize_columnwise), not now: it would outlive
+  // the bf16 tensor the bf16 path leaves unsaved.
+  const bool keep_columnwise = fp8_wgrad_ && save_input;
+  const Fp8Tensor xq = input_quantizer_.quantize(x_full, true, keep_columnwise, mp_,
                                                  mode_ == TensorParallelMode::Row);
   const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, true, mp_, split);
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
@@ -223,8 +234,9 @@ Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
   }
   if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
   saved_ = {};
-  saved_.w_fp8 = {Tensor(), Tensor(), wq.data_t, wq.scale_inv_t};
-  if (fp8_wgrad_) saved_.x_fp8 = {Tensor(), Tensor(), xq.data_t, xq.scale_inv_t};
+  saved_.w_fp8 = {Tensor(), Tensor(), wq.data_t, wq.scale_inv_t, Tensor()};
+  if (keep_columnwise) saved_.x_fp8 = {Tensor(), Tensor(), xq.data_t, xq.scale_inv_t, Tensor()};
+  else if (fp8_wgrad_) saved_.x_fp8 = {Tensor(), xq.scale_inv, Tensor(), Tensor(), xq.scale};
   else if (save_input) saved_.x = x;
   return y;
 }

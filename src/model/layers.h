@@ -112,7 +112,8 @@ class Linear {
   // the weight and the output gradient are quantized (e4m3; the gradient e5m2 under
   // hybrid), the GEMMs accumulate in fp32, and the weight gradient still accumulates into
   // the fp32 main_grad. Forward then saves the FP8 column-wise copies of the input and the
-  // weight instead of the input (whatever save_input says), and backward's x is not read.
+  // weight instead of the input; with save_input false it keeps only the input's scale and
+  // backward(dy, x) quantizes the given (recomputed) x column-wise with it.
   // Every GEMM dimension (tokens, in / out features of this rank) must be a multiple of
   // config.dimension_multiple() (InternalError otherwise; the trainer checks the flags).
   void enable_fp8(const Fp8Config& config);
@@ -126,7 +127,9 @@ class Linear {
   struct Saved {
     Tensor x;  // the input [T, in] (this rank's rows under SP), undefined if not saved
     // FP8 runs: the column-wise copies the backward GEMMs read.
-    Fp8Tensor x_fp8;  // x^T [in, T] (all of TP's rows under SP): the weight gradient's operand
+    // x^T [in, T] (all of TP's rows under SP): the weight gradient's operand; only its
+    // scale when forward's caller did not keep x (backward requantizes the given x).
+    Fp8Tensor x_fp8;
     Fp8Tensor w_fp8;  // W^T [in, out]: the input gradient's operand
   };
   // Moves the saved state out (the layer is left holding none) and back in.

@@ -166,6 +166,32 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(fp8_recipe_name(info.param.recipe)) + (info.param.hybrid ? "Hybrid" : "E4M3");
     });
 
+// A caller that recomputes the input (forward with save_input false, backward given x)
+// gets the same outputs and gradients as one that lets the Linear keep it.
+TEST_P(Fp8LinearTest, RecomputedInputGivesTheSameGradients) {
+  const Case c = GetParam();
+  Fp8Config config;
+  config.enabled = true;
+  config.recipe = c.recipe;
+  config.hybrid = c.hybrid;
+  const Tensor x = randn({T, kIn}, testing::test_seed() + 3);
+  const Tensor dy = randn({T, kOut}, testing::test_seed() + 4, 0.01f);
+  std::vector<Tensor> results;
+  for (bool keep : {true, false}) {
+    Linear linear("l", kIn, kOut, false, 0.05f, testing::test_seed(), Placement{});
+    linear.enable_fp8(config);
+    linear.weight.main_grad = Tensor::zeros(linear.weight.weight.shape());
+    for (int step = 0; step < 2; ++step) {  // the second step uses the delayed history
+      Tensor y = linear.forward(x, keep);
+      Tensor dx = keep ? linear.backward(dy) : linear.backward(dy, x);
+      if (step == 1) results.insert(results.end(), {y, dx, linear.weight.main_grad.clone()});
+    }
+  }
+  for (int i = 0; i < 3; ++i)
+    for (int64_t j = 0; j < results[size_t(i)].numel(); ++j)
+      ASSERT_EQ(results[size_t(i)].f32()[j], results[size_t(i + 3)].f32()[j]) << "output " << i << " element " << j;
+}
+
 // Delayed scaling lags one quantization: the second forward scales x by fp8_max / the
 // first x's amax (history length 1, most_recent), whatever the second x holds.
 TEST(Fp8Linear, DelayedScalingUsesThePreviousAmax) {
