@@ -35,12 +35,12 @@ Fp8Quantizer::Fp8Quantizer(const Fp8Config& config, Fp8Role role, Device device)
   if (recipe_ == Fp8Recipe::Blockwise) return;  // the scales live with each quantized copy
   const int64_t rows = recipe_ == Fp8Recipe::Delayed ? config.amax_history_len : 1;
   amax_history_ = Tensor::zeros({rows, 1}, DType::F32, device);
-  one_ = Tensor::zeros({1}, DType::F32, device);
-  one_.fill(1.0f);
-  scale_ = Tensor::empty({1}, DType::F32, device);
-  scale_.copy_from(one_);
-  scale_inv_ = Tensor::empty({1}, DType::F32, device);
-  scale_inv_.copy_from(one_);
+  ones_ = Tensor::empty({2}, DType::F32, device);
+  ones_.fill(1.0f);
+  scales_ = Tensor::empty({2}, DType::F32, device);
+  scales_.copy_from(ones_);
+  scale_ = scales_.rows(0, 1);
+  scale_inv_ = scales_.rows(1, 1);
 }
 
 Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
@@ -74,30 +74,30 @@ Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
   const bool reduce = reduce_amax && mp.tp_size() > 1;
   Tensor amax_slot = amax_history_.rows(0, 1).view({1});
   Tensor no_amax;
+  // This quantization's {scale, scale_inv}, its own: the GEMM reads the factor after the
+  // next quantization may have changed the quantizer's (the weight's copy is used again in
+  // backward). One copy of two floats per quantization.
+  Tensor scales = Tensor::empty({2}, DType::F32, device);
+  Tensor scale = scales.rows(0, 1), scale_inv = scales.rows(1, 1);
   if (recipe_ == Fp8Recipe::Delayed) {
     // The amax recorded at the previous quantization becomes the scale of this one; the
     // history then rolls and row 0 takes this x's amax, agreed over the group at once so
     // that the state (checkpoints) is the whole tensor's on every rank.
     ops::fp8_delayed_scaling_update(amax_history_, rule_, amax_compute_max_, scale_, scale_inv_);
-    ops::fp8_quantize(x2, scale_, out.data, out.data_t, amax_slot);
+    scales.copy_from(scales_);
+    ops::fp8_quantize(x2, scale, out.data, out.data_t, amax_slot);
     if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
   } else {  // tensorwise: this tensor's own amax
     ops::fp8_amax(x2, amax_slot);
     if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
-    scale_.copy_from(one_);  // an all-zero tensor keeps scale 1 (fp8_update_scale)
-    ops::fp8_update_scale(amax_slot, rule_, scale_, scale_inv_);
-    ops::fp8_quantize(x2, scale_, out.data, out.data_t, no_amax);
+    scales.copy_from(ones_);  // an all-zero tensor keeps scale 1 (fp8_update_scale)
+    ops::fp8_update_scale(amax_slot, rule_, scale, scale_inv);
+    ops::fp8_quantize(x2, scale, out.data, out.data_t, no_amax);
   }
-  // The GEMM reads this step's factor after the next quantization may have changed
-  // scale_inv_ (the weight's copy is used again in backward): each copy keeps its own.
-  out.scale_inv = Tensor::empty({1}, DType::F32, device);
-  out.scale_inv.copy_from(scale_inv_);
-  out.scale_inv_t = out.scale_inv;
+  out.scale_inv = scale_inv;
+  out.scale_inv_t = scale_inv;
   if (!rowwise) out.data = Tensor();
-  if (!columnwise) {  // requantize_columnwise may need the scale later
-    out.scale = Tensor::empty({1}, DType::F32, device);
-    out.scale.copy_from(scale_);
-  }
+  if (!columnwise) out.scale = scale;  // requantize_columnwise may need it later
   return out;
 }
 

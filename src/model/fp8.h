@@ -55,9 +55,9 @@ class Fp8Quantizer {
 
   bool initialized() const { return scale_.defined(); }
   bool delayed() const { return initialized() && recipe_ == Fp8Recipe::Delayed; }
-  // Delayed scaling state (checkpoints): amax history [L, 1], scale [1].
+  // Delayed scaling state (checkpoints): amax history [L, 1], {scale, scale_inv} [2].
   Tensor& amax_history() { return amax_history_; }
-  Tensor& scale() { return scale_; }
+  Tensor& scales() { return scales_; }
 
  private:
   Fp8Recipe recipe_ = Fp8Recipe::Delayed;
@@ -65,8 +65,9 @@ class Fp8Quantizer {
   ops::Fp8ScaleRule rule_;
   bool amax_compute_max_ = false;
   Tensor amax_history_;  // [L, 1] (delayed) or [1, 1] (tensorwise: this step's amax)
-  Tensor scale_, scale_inv_;
-  Tensor one_;  // [1] = 1: current scaling resets its scale to it
+  Tensor scales_;            // [2]: the delayed recipe's {scale, scale_inv}
+  Tensor scale_, scale_inv_;  // its rows
+  Tensor ones_;               // [2] = {1, 1}: current scaling starts each scale from it
 };
 
 }  // namespace megaton

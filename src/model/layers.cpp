@@ -196,7 +196,7 @@ void Linear::enable_fp8(const Fp8Config& config) {
 
 std::vector<std::pair<std::string, Tensor*>> Linear::fp8_state() {
   std::vector<std::pair<std::string, Tensor*>> out;
-  if (!fp8_ || !input_quantizer_.initialized() || input_quantizer_.amax_history().dim(0) == 0)
+  if (!fp8_ || !input_quantizer_.delayed())
     return out;
   std::string prefix = weight.name;
   if (prefix.ends_with(".weight")) prefix.resize(prefix.size() - 7);
@@ -205,7 +205,7 @@ std::vector<std::pair<std::string, Tensor*>> Linear::fp8_state() {
                          {"grad_output", &grad_quantizer_}}) {
     if (!q->delayed()) continue;
     out.emplace_back(prefix + role + ".amax_history", &q->amax_history());
-    out.emplace_back(prefix + role + ".scale", &q->scale());
+    out.emplace_back(prefix + role + ".scales", &q->scales());
   }
   return out;
 }

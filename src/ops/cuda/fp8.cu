@@ -250,8 +250,19 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t m = 0;
   int64_t tail = 0;
   if constexpr (kVector) {
-    const int64_t packs = n / 8;
-    for (int64_t i = global_thread(); i < packs; i += grid_threads()) {
+    // Four 16-byte loads in flight per thread before any is reduced: one at a time left
+    // the loop latency-bound (2.5 TB/s on an H200 in the llama-1.3B step).
+    constexpr int kUnroll = 4;
+    const int64_t packs = n / 8, stride = grid_threads();
+    int64_t i = global_thread();
+    for (; i + (kUnroll - 1) * stride < packs; i += kUnroll * stride) {
+      Row8<T> rows[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) rows[u].load(x + 8 * (i + u * stride));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) m = max(m, abs_max_bits(rows[u]));
+    }
+    for (; i < packs; i += stride) {
       Row8<T> row;
       row.load(x + 8 * i);
       m = max(m, abs_max_bits(row));
