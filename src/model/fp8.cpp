@@ -39,8 +39,8 @@ Fp8Quantizer::Fp8Quantizer(const Fp8Config& config, Fp8Role role, Device device)
   ones_.fill(1.0f);
   scales_ = Tensor::empty({2}, DType::F32, device);
   scales_.copy_from(ones_);
-  scale_ = scales_.rows(0, 1);
-  scale_inv_ = scales_.rows(1, 1);
+  scale_inv_ = scales_.rows(0, 1);  // first: cuBLASLt reads it and wants it aligned
+  scale_ = scales_.rows(1, 1);
 }
 
 Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
@@ -74,11 +74,13 @@ Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
   const bool reduce = reduce_amax && mp.tp_size() > 1;
   Tensor amax_slot = amax_history_.rows(0, 1).view({1});
   Tensor no_amax;
-  // This quantization's {scale, scale_inv}, its own: the GEMM reads the factor after the
+  // This quantization's {scale_inv, scale}, its own: the GEMM reads the factor after the
   // next quantization may have changed the quantizer's (the weight's copy is used again in
-  // backward). One copy of two floats per quantization.
+  // backward). One copy of two floats per quantization. scale_inv comes first, at the
+  // allocation's start: cuBLASLt refuses a scale pointer 4 bytes into one ("not
+  // supported", measured on an H200).
   Tensor scales = Tensor::empty({2}, DType::F32, device);
-  Tensor scale = scales.rows(0, 1), scale_inv = scales.rows(1, 1);
+  Tensor scale_inv = scales.rows(0, 1), scale = scales.rows(1, 1);
   if (recipe_ == Fp8Recipe::Delayed) {
     // The amax recorded at the previous quantization becomes the scale of this one; the
     // history then rolls and row 0 takes this x's amax, agreed over the group at once so

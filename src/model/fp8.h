@@ -55,7 +55,7 @@ class Fp8Quantizer {
 
   bool initialized() const { return scale_.defined(); }
   bool delayed() const { return initialized() && recipe_ == Fp8Recipe::Delayed; }
-  // Delayed scaling state (checkpoints): amax history [L, 1], {scale, scale_inv} [2].
+  // Delayed scaling state (checkpoints): amax history [L, 1], {scale_inv, scale} [2].
   Tensor& amax_history() { return amax_history_; }
   Tensor& scales() { return scales_; }
 
@@ -65,7 +65,7 @@ class Fp8Quantizer {
   ops::Fp8ScaleRule rule_;
   bool amax_compute_max_ = false;
   Tensor amax_history_;  // [L, 1] (delayed) or [1, 1] (tensorwise: this step's amax)
-  Tensor scales_;            // [2]: the delayed recipe's {scale, scale_inv}
+  Tensor scales_;            // [2]: the delayed recipe's {scale_inv, scale}
   Tensor scale_, scale_inv_;  // its rows
   Tensor ones_;               // [2] = {1, 1}: current scaling starts each scale from it
 };

@@ -119,7 +119,7 @@ class Linear {
   void enable_fp8(const Fp8Config& config);
   bool fp8() const { return fp8_; }
   // The delayed recipe's state (checkpoints), by name: "<layer>._extra_state.fp8.<operand>.
-  // amax_history" [L, 1] and ".scales" [2] ({scale, scale_inv}), operand input, weight or
+  // amax_history" [L, 1] and ".scales" [2] ({scale_inv, scale}), operand input, weight or
   // grad_output (<layer> is the weight's name without ".weight"). Empty unless FP8 with the
   // delayed recipe.
   std::vector<std::pair<std::string, Tensor*>> fp8_state();
