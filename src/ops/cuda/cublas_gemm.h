@@ -36,6 +36,33 @@ cudaDataType_t cuda_dtype(DType dtype);
 // F32 x F32 -> F32, BF16 x BF16 -> BF16 or F32.
 bool supported_dtypes(DType ab, DType c);
 
+// The cuBLASLt handle and the workspace every cuBLASLt GEMM (gemm.cpp, fp8_gemm.cpp) passes
+// to cublasLtMatmul on the compute stream: 32 MiB covers Hopper's split-K and stream-K
+// choices for LLM training shapes (cuBLAS's own default for sm_90 is 32 MiB). Created on
+// first use, never destroyed.
+struct LtContext {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+LtContext& lt_context();
+
+// The largest power of two up to 256 that divides the address. cuBLASLt assumes 256-byte
+// aligned operands unless told otherwise, and a view (Tensor::rows, an expert's rows) can
+// start anywhere.
+uint32_t alignment_of(const void* p);
+
+// The heuristic's best algorithm for `desc` over the layouts a, b, c (= d), in cuBLAS's
+// roles, within lt_context()'s workspace; align_* are the operands' pointer alignments in
+// bytes (alignment_of). bf16_output: no split-K partial sums kept in BF16 (the sum over k
+// stays fp32 until the final rounding, as PyTorch does when BF16 reduced-precision
+// reductions are disallowed). Returns cublasLtMatmulAlgoGetHeuristic's status, with
+// *found false when it gave no usable algorithm; throws nothing.
+cublasStatus_t lt_heuristic(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                            cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, uint32_t align_a,
+                            uint32_t align_b, uint32_t align_c, bool bf16_output,
+                            cublasLtMatmulAlgo_t* algo, bool* found);
+
 // Row-major GEMM on the compute stream: c = alpha * op(a) @ op(b) + beta * c with
 // op(a) [m, k], op(b) [k, n], c [m, n]; lda, ldb, ldc are the row strides (elements) of a,
 // b and c as stored (a is [k, m] when trans_a). a and b have dtype `ab`, c has `c_dtype`

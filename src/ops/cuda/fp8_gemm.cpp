@@ -54,25 +54,11 @@ void fp8_gemm_scale_layout(const float* src, int64_t rows, int64_t blocks, bool 
 
 namespace {
 
-// As gemm.cpp: 32 MiB covers Hopper's split-K and stream-K choices (cuBLAS's own default
-// for sm_90). A second handle and workspace beside gemm.cpp's, which are private to it.
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 constexpr int64_t kBlock = 128;
 
-struct LtContext {
-  cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;
-};
-
-LtContext& lt_context() {
-  static LtContext* context = [] {
-    auto* c = new LtContext();  // never destroyed: no static teardown order to get wrong
-    MEGATON_CUBLAS_CHECK(cublasLtCreate(&c->handle));
-    c->workspace = ::megaton::cuda::device_allocate(kWorkspaceBytes);
-    return c;
-  }();
-  return *context;
-}
+using blas::alignment_of;
+using blas::lt_context;
+using blas::LtContext;
 
 enum class ScaleMode : uint8_t { Tensor, Vec128, Block128x128 };
 
@@ -111,13 +97,6 @@ cudaDataType_t fp8_cuda_dtype(DType dtype) {
   }
   MEGATON_CHECK(false, "fp8_gemm: {} is not an FP8 dtype", dtype_name(dtype));
   return CUDA_R_8F_E4M3;
-}
-
-uint32_t alignment_of(const void* p) {
-  auto address = reinterpret_cast<uintptr_t>(p);
-  uint32_t alignment = 256;
-  while (alignment > 1 && address % alignment != 0) alignment /= 2;
-  return alignment;
 }
 
 // Our roles (a, b), not cuBLAS's.
@@ -173,7 +152,6 @@ void set_scale_pointers(const Plan& plan, const void* a_scale, const void* b_sca
 }
 
 Plan make_plan(const PlanKey& key, const void* a_scale, const void* b_scale) {
-  LtContext& context = lt_context();
   Plan plan;
   MEGATON_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
@@ -200,41 +178,17 @@ Plan make_plan(const PlanKey& key, const void* a_scale, const void* b_scale) {
   MEGATON_CUBLAS_CHECK(
       cublasLtMatrixLayoutCreate(&plan.lt_c, blas::cuda_dtype(key.c), key.n, key.m, key.n));
 
-  cublasLtMatmulPreference_t preference = nullptr;
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
-  size_t workspace_bytes = kWorkspaceBytes;
-  MEGATON_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                           &workspace_bytes, sizeof(workspace_bytes)));
-  if (key.c == DType::BF16) {
-    // As gemm.cpp: no split-K partial sums kept in BF16.
-    uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
-  }
-  const uint32_t align_a = key.align_b, align_b = key.align_a, align_c = key.align_c;
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
+  // cuBLAS's A is our b.
+  bool found = false;
   const cublasStatus_t heuristic =
-      cublasLtMatmulAlgoGetHeuristic(context.handle, plan.desc, plan.lt_a, plan.lt_b, plan.lt_c,
-                                     plan.lt_c, preference, 1, &result, &found);
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
-  if (heuristic != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+      blas::lt_heuristic(plan.desc, plan.lt_a, plan.lt_b, plan.lt_c, key.align_b, key.align_a,
+                         key.align_c, key.c == DType::BF16, &plan.algo, &found);
+  if (!found)
     throw InternalError(fmt::format(
-        "{}:{}: fp8_gemm: cuBLASLt has no algorithm for {} (cublasLtMatmulAlgoGetHeuristic: {}, "
-        "{} found; alignments a {} b {} c {} bytes)",
-        __FILE__, __LINE__, describe(key), cublasLtGetStatusString(heuristic), found, key.align_a,
+        "{}:{}: fp8_gemm: cuBLASLt has no algorithm for {} (cublasLtMatmulAlgoGetHeuristic: {}; "
+        "alignments a {} b {} c {} bytes)",
+        __FILE__, __LINE__, describe(key), cublasLtGetStatusString(heuristic), key.align_a,
         key.align_b, key.align_c));
-  plan.algo = result.algo;
   return plan;
 }
 
@@ -333,7 +287,7 @@ void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
   set_scale_pointers(plan, a_scale, b_scale);
   MEGATON_CUBLAS_CHECK(cublasLtMatmul(context.handle, plan.desc, &alpha, b.raw(), plan.lt_a,
                                       a.raw(), plan.lt_b, &beta, c.raw(), plan.lt_c, c.raw(),
-                                      plan.lt_c, &plan.algo, context.workspace, kWorkspaceBytes,
+                                      plan.lt_c, &plan.algo, context.workspace, context.workspace_bytes,
                                       ::megaton::cuda::stream()));
 }
 

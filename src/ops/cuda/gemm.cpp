@@ -52,36 +52,59 @@ cublasHandle_t cublas_handle() {
   return handle;
 }
 
-namespace {
-
-// Split-K and stream-K algorithms want scratch; 32 MiB covers Hopper's choices for the
-// shapes of LLM training (cuBLAS's own default for sm_90 is 32 MiB).
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-
-struct LtContext {
-  cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;
-};
-
 LtContext& lt_context() {
   static LtContext* context = [] {
     auto* c = new LtContext();  // never destroyed, like the allocator: no teardown order
     MEGATON_CUBLAS_CHECK(cublasLtCreate(&c->handle));
-    c->workspace = ::megaton::cuda::device_allocate(kWorkspaceBytes);
+    c->workspace_bytes = size_t(32) << 20;
+    c->workspace = ::megaton::cuda::device_allocate(c->workspace_bytes);
     return c;
   }();
   return *context;
 }
 
-// The largest power of two up to 256 that divides the address. cuBLASLt assumes 256-byte
-// aligned operands unless told otherwise, and a view (Tensor::rows, an expert's rows) can
-// start anywhere.
 uint32_t alignment_of(const void* p) {
   auto address = reinterpret_cast<uintptr_t>(p);
   uint32_t alignment = 256;
   while (alignment > 1 && address % alignment != 0) alignment /= 2;
   return alignment;
 }
+
+cublasStatus_t lt_heuristic(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                            cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, uint32_t align_a,
+                            uint32_t align_b, uint32_t align_c, bool bf16_output,
+                            cublasLtMatmulAlgo_t* algo, bool* found) {
+  LtContext& context = lt_context();
+  cublasLtMatmulPreference_t preference = nullptr;
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+  size_t workspace_bytes = context.workspace_bytes;
+  MEGATON_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes, sizeof(workspace_bytes)));
+  if (bf16_output) {
+    uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+  }
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int count = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(context.handle, desc, a, b, c, c,
+                                                               preference, 1, &result, &count);
+  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
+  *found = status == CUBLAS_STATUS_SUCCESS && count > 0 && result.state == CUBLAS_STATUS_SUCCESS;
+  if (*found) *algo = result.algo;
+  return status;
+}
+
+namespace {
 
 struct PlanKey {
   int64_t m, n, k, lda, ldb, ldc;
@@ -121,7 +144,6 @@ struct Plan {
 };
 
 Plan make_plan(const PlanKey& key) {
-  LtContext& context = lt_context();
   Plan plan;
   MEGATON_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t op_a = key.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS A = our b
@@ -139,45 +161,18 @@ Plan make_plan(const PlanKey& key) {
                                                   key.trans_a ? key.k : key.m, key.lda));
   MEGATON_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.lt_c, c, key.n, key.m, key.ldc));
 
-  cublasLtMatmulPreference_t preference = nullptr;
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
-  size_t workspace_bytes = kWorkspaceBytes;
-  MEGATON_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                           &workspace_bytes, sizeof(workspace_bytes)));
-  if (key.c == DType::BF16) {
-    // No split-K partial sums kept in BF16 (in the output or in the workspace): the sum
-    // over k stays fp32 until the final rounding, as PyTorch does when BF16 reduced-
-    // precision reductions are disallowed.
-    uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-    MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
-  }
-  const uint32_t align_a = key.align_b, align_b = key.align_a, align_c = key.align_c;
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)));
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)));
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c)));
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof(align_c)));
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
+  // cuBLAS's A is our b.
+  bool found = false;
   const cublasStatus_t heuristic =
-      cublasLtMatmulAlgoGetHeuristic(context.handle, plan.desc, plan.lt_a, plan.lt_b, plan.lt_c,
-                                     plan.lt_c, preference, 1, &result, &found);
-  MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
+      lt_heuristic(plan.desc, plan.lt_a, plan.lt_b, plan.lt_c, key.align_b, key.align_a,
+                   key.align_c, key.c == DType::BF16, &plan.algo, &found);
   if (heuristic != CUBLAS_STATUS_SUCCESS && heuristic != CUBLAS_STATUS_NOT_SUPPORTED)
     throw InternalError(fmt::format(
         "{}:{}: cublasLtMatmulAlgoGetHeuristic failed: {} ({}) for m={} n={} k={}", __FILE__,
         __LINE__, cublasLtGetStatusString(heuristic), int(heuristic), key.m, key.n, key.k));
   // No cuBLASLt algorithm for this layout and alignment (NOT_SUPPORTED, or none found):
   // the classic cublasGemmEx accepts any leading dimension and alignment.
-  plan.use_gemm_ex =
-      heuristic != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS;
-  if (!plan.use_gemm_ex) plan.algo = result.algo;
+  plan.use_gemm_ex = !found;
   return plan;
 }
 
@@ -220,7 +215,7 @@ void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_
   LtContext& context = lt_context();
   MEGATON_CUBLAS_CHECK(cublasLtMatmul(
       context.handle, plan.desc, &alpha, b, plan.lt_a, a, plan.lt_b, &beta, c, plan.lt_c, c,
-      plan.lt_c, &plan.algo, context.workspace, kWorkspaceBytes, ::megaton::cuda::stream()));
+      plan.lt_c, &plan.algo, context.workspace, context.workspace_bytes, ::megaton::cuda::stream()));
 }
 
 void gemm_ex(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
