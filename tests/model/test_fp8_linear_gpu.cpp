@@ -15,17 +15,6 @@ namespace {
 
 using testing::randn;
 
-// ||a - b|| / ||b|| of two host F32 tensors.
-double rel_error(const Tensor& a, const Tensor& b) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const double d = double(a.f32()[i]) - b.f32()[i];
-    num += d * d;
-    den += double(b.f32()[i]) * b.f32()[i];
-  }
-  return std::sqrt(num / den);
-}
-
 struct Case {
   Fp8Recipe recipe;
   bool keep_input;  // false: forward(x, false) then backward(dy, x), as fc2 is called
@@ -67,9 +56,9 @@ TEST_P(Fp8LinearGpu, MatchesTheCpuEmulation) {
     const Tensor dw = testing::to_host_f32(gpu.weight.main_grad);
     ASSERT_TRUE(testing::all_finite(y, "y"));
     ASSERT_TRUE(testing::all_finite(dx, "dx"));
-    EXPECT_LT(rel_error(y, y_cpu), 5e-3);
-    EXPECT_LT(rel_error(dx, dx_cpu), 5e-3);
-    EXPECT_LT(rel_error(dw, cpu.weight.main_grad), 5e-3);
+    EXPECT_LT(testing::rel_error(y, y_cpu), 5e-3);
+    EXPECT_LT(testing::rel_error(dx, dx_cpu), 5e-3);
+    EXPECT_LT(testing::rel_error(dw, cpu.weight.main_grad), 5e-3);
   }
 }
 

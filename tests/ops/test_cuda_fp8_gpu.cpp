@@ -100,16 +100,6 @@ float max_abs_finite(const Tensor& t) {
   return m;
 }
 
-// ||a - b|| / ||b|| of two host F32 tensors.
-double rel_error(const Tensor& a, const Tensor& b) {
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const double d = double(a.f32()[i]) - b.f32()[i];
-    num += d * d;
-    den += double(b.f32()[i]) * b.f32()[i];
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
 
 const DType kInputs[] = {DType::F32, DType::BF16};
 const DType kFormats[] = {DType::F8E4M3, DType::F8E5M2};
@@ -515,7 +505,7 @@ void check_gemm(int64_t m, int64_t n, int64_t k, DType a_fp8, DType b_fp8, int64
       ops::fp8_gemm(a.q, a.scale_inv, b.q, b.scale_inv, c_cpu, alpha, beta);
       ops::fp8_gemm(a_gpu, a_s_gpu, b_gpu, b_s_gpu, c_gpu, alpha, beta);
       Tensor want = c_cpu.to(DType::F32), got = c_gpu.to(Device::CPU).to(DType::F32);
-      const double error = rel_error(got, want);
+      const double error = testing::rel_error(got, want);
       const bool bf16 = c_dtype == DType::BF16;
       // The measured error, for tightening the tolerance on a given GPU.
       std::printf(
