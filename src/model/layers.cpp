@@ -224,7 +224,10 @@ Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
   const bool keep_columnwise = fp8_wgrad_ && save_input;
   const Fp8Tensor xq = input_quantizer_.quantize(x_full, true, keep_columnwise, mp_,
                                                  mode_ == TensorParallelMode::Row);
-  const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, true, mp_, split);
+  // The weight's transposed copy (the input gradient's operand) is made in backward, from
+  // the same bf16 weight with this scale: kept from forward it would hold one byte per
+  // parameter through the whole forward and backward, which the bf16 step does not.
+  const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, false, mp_, split);
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
   // Fast accumulation in the forward GEMM of the per-tensor recipes, as Transformer Engine.
   ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y, 1.0f, 0.0f, fp8_fast_forward_);
@@ -234,7 +237,7 @@ Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
   }
   if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
   saved_ = {};
-  saved_.w_fp8 = {Tensor(), Tensor(), wq.data_t, wq.scale_inv_t, Tensor()};
+  saved_.w_fp8 = {Tensor(), wq.scale_inv, Tensor(), Tensor(), wq.scale};
   if (keep_columnwise) saved_.x_fp8 = {Tensor(), Tensor(), xq.data_t, xq.scale_inv_t, Tensor()};
   else if (fp8_wgrad_) saved_.x_fp8 = {Tensor(), xq.scale_inv, Tensor(), Tensor(), xq.scale};
   else if (save_input) saved_.x = x;
@@ -242,7 +245,7 @@ Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
 }
 
 Tensor Linear::backward_fp8(const Tensor& dy, const Saved& saved) {
-  MEGATON_CHECK(saved.w_fp8.data_t.defined(), "Linear '{}': backward without a forward",
+  MEGATON_CHECK(saved.w_fp8.scale_inv.defined(), "Linear '{}': backward without a forward",
                 weight.name);
   MEGATON_CHECK(fp8_wgrad_ ? saved.x_fp8.data_t.defined() : saved.x.defined(),
                 "Linear '{}': backward without a saved input", weight.name);
@@ -253,7 +256,8 @@ Tensor Linear::backward_fp8(const Tensor& dy, const Saved& saved) {
                                                  mode_ == TensorParallelMode::Column);
   // dx [T, in] = dy [T, out] @ W [out, in]: W^T [in, out] is the K-major operand.
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
-  ops::fp8_gemm(dyq.data, dyq.scale_inv, saved.w_fp8.data_t, saved.w_fp8.scale_inv_t, dx);
+  const Fp8Tensor wq_t = weight_quantizer_.requantize_columnwise(weight.weight, saved.w_fp8);
+  ops::fp8_gemm(dyq.data, dyq.scale_inv, wq_t.data_t, wq_t.scale_inv_t, dx);
   if (fp8_wgrad_) {
     // dW [out, in] += dy^T [out, T] @ x [T, in]: both operands K(token)-major.
     ops::fp8_gemm(dyq.data_t, dyq.scale_inv_t, saved.x_fp8.data_t, saved.x_fp8.scale_inv_t,

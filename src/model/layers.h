@@ -111,9 +111,10 @@ class Linear {
   // off) in FP8 by config's recipe (model/fp8.h), as Transformer Engine's Linear: the input,
   // the weight and the output gradient are quantized (e4m3; the gradient e5m2 under
   // hybrid), the GEMMs accumulate in fp32, and the weight gradient still accumulates into
-  // the fp32 main_grad. Forward then saves the FP8 column-wise copies of the input and the
-  // weight instead of the input; with save_input false it keeps only the input's scale and
-  // backward(dy, x) quantizes the given (recomputed) x column-wise with it.
+  // the fp32 main_grad. Forward then saves the FP8 column-wise copy of the input instead of
+  // the input (with save_input false only its scale: backward(dy, x) quantizes the given,
+  // recomputed x column-wise with it) and the weight's scale (backward quantizes W^T from
+  // the weight, which does not change between forward and backward).
   // Every GEMM dimension (tokens, in / out features of this rank) must be a multiple of
   // config.dimension_multiple() (InternalError otherwise; the trainer checks the flags).
   void enable_fp8(const Fp8Config& config);
@@ -131,7 +132,9 @@ class Linear {
     // x^T [in, T] (all of TP's rows under SP): the weight gradient's operand; only its
     // scale when forward's caller did not keep x (backward requantizes the given x).
     Fp8Tensor x_fp8;
-    Fp8Tensor w_fp8;  // W^T [in, out]: the input gradient's operand
+    // The weight's scale: backward requantizes W^T [in, out], the input gradient's
+    // operand, from the unchanged bf16 weight.
+    Fp8Tensor w_fp8;
   };
   // Moves the saved state out (the layer is left holding none) and back in.
   Saved take_saved() { return std::exchange(saved_, {}); }
