@@ -2,6 +2,7 @@
 #include "model/layers.h"
 
 #include <cmath>
+#include <functional>
 #include <cstring>
 
 #include "model/tensor_parallel.h"
@@ -132,14 +133,18 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
 }
 
 Tensor Linear::forward(const Tensor& x, bool save_input) {
-  if (fp8_) return forward_fp8(x, save_input);
-  saved_.x = save_input ? x : Tensor();
   // Column-parallel under SP: every rank's token rows (re-gathered in backward).
   const Tensor x_full = mode_ == TensorParallelMode::Column && mp_.sequence_parallel
                             ? gather_sequence(x, mp_)
                             : x;
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
-  ops::gemm(x_full, false, weight.weight, true, y);
+  saved_ = {};
+  if (fp8_) {
+    forward_gemm_fp8(x, x_full, save_input, y);
+  } else {
+    if (save_input) saved_.x = x;
+    ops::gemm(x_full, false, weight.weight, true, y);
+  }
   if (mode_ == TensorParallelMode::Row) {
     if (mp_.sequence_parallel) y = reduce_scatter_sequence(y, mp_);
     else all_reduce_tensor_parallel(y, mp_);
@@ -148,34 +153,34 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
   return y;
 }
 
-Tensor Linear::backward(const Tensor& dy) {
-  if (fp8_) return backward_fp8(dy, take_saved());
-  MEGATON_CHECK(saved_.x.defined(), "Linear '{}': backward without a saved input", weight.name);
-  const Saved saved = take_saved();
-  return backward(dy, saved.x);
-}
+Tensor Linear::backward(const Tensor& dy) { return backward_saved(dy, take_saved()); }
 
 Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
-  if (fp8_) {
-    Saved saved = take_saved();
-    if (!fp8_wgrad_) {
-      saved.x = x;  // the bf16 weight gradient reads the given input
-    } else if (!saved.x_fp8.data_t.defined()) {
-      // Forward kept only the scale: the column-wise copy of the recomputed input.
-      const Tensor x_full =
-          mode_ == TensorParallelMode::Column && mp_.sequence_parallel ? gather_sequence(x, mp_) : x;
-      saved.x_fp8 = input_quantizer_.requantize_columnwise(x_full, saved.x_fp8);
-    }
-    return backward_fp8(dy, saved);
-  }
+  Saved saved = take_saved();
+  // The given input serves wherever forward kept no FP8 column-wise copy of it: the bf16
+  // weight gradient, or the FP8 one after requantizing (backward_saved).
+  if (!saved.x_fp8.data_t.defined()) saved.x = x;
+  return backward_saved(dy, saved);
+}
+
+Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved) {
+  MEGATON_CHECK(saved.x.defined() || saved.x_fp8.data_t.defined(),
+                "Linear '{}': backward without a saved input", weight.name);
   const bool sp = mp_.sequence_parallel;
   // The bias gradient from this rank's rows of dy (a partial sum under SP for Row).
   if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
   const Tensor dy_full = mode_ == TensorParallelMode::Row && sp ? gather_sequence(dy, mp_) : dy;
-  const Tensor x_full = mode_ == TensorParallelMode::Column && sp ? gather_sequence(x, mp_) : x;
+  // The weight gradient's input: every rank's rows of x under SP for Column.
+  const auto x_full = [&] {
+    return mode_ == TensorParallelMode::Column && sp ? gather_sequence(saved.x, mp_) : saved.x;
+  };
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
-  ops::gemm(dy_full, false, weight.weight, false, dx);
-  ops::gemm(dy_full, true, x_full, false, weight.main_grad, 1.0f, 1.0f);
+  if (fp8_) {
+    backward_gemms_fp8(dy_full, saved, x_full, dx);
+  } else {
+    ops::gemm(dy_full, false, weight.weight, false, dx);
+    ops::gemm(dy_full, true, x_full(), false, weight.main_grad, 1.0f, 1.0f);
+  }
   if (mode_ == TensorParallelMode::Column) {
     if (sp) dx = reduce_scatter_sequence(dx, mp_);
     else all_reduce_tensor_parallel(dx, mp_);
@@ -214,10 +219,7 @@ std::vector<std::pair<std::string, Tensor*>> Linear::fp8_state() {
 // (Fp8Quantizer::quantize): the weight shards, the row-parallel input (input features
 // split) and the column-parallel output gradient (output features split). The others are
 // the same on every rank.
-Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
-  const bool sp = mp_.sequence_parallel;
-  const bool split = mode_ != TensorParallelMode::None;
-  const Tensor x_full = mode_ == TensorParallelMode::Column && sp ? gather_sequence(x, mp_) : x;
+void Linear::forward_gemm_fp8(const Tensor& x, const Tensor& x_full, bool save_input, Tensor& y) {
   // An input the caller does not keep (recomputed for backward, as fc2's activation) gets
   // its column-wise copy in backward (requantize_columnwise), not now: it would outlive
   // the bf16 tensor the bf16 path leaves unsaved.
@@ -227,51 +229,36 @@ Tensor Linear::forward_fp8(const Tensor& x, bool save_input) {
   // The weight's transposed copy (the input gradient's operand) is made in backward, from
   // the same bf16 weight with this scale: kept from forward it would hold one byte per
   // parameter through the whole forward and backward, which the bf16 step does not.
-  const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, false, mp_, split);
-  Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
+  const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, false, mp_,
+                                                  mode_ != TensorParallelMode::None);
   // Fast accumulation in the forward GEMM of the per-tensor recipes, as Transformer Engine.
   ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y, 1.0f, 0.0f, fp8_fast_forward_);
-  if (mode_ == TensorParallelMode::Row) {
-    if (sp) y = reduce_scatter_sequence(y, mp_);
-    else all_reduce_tensor_parallel(y, mp_);
-  }
-  if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
-  saved_ = {};
   saved_.w_fp8 = {Tensor(), wq.scale_inv, Tensor(), Tensor(), wq.scale};
   if (keep_columnwise) saved_.x_fp8 = {Tensor(), Tensor(), xq.data_t, xq.scale_inv_t, Tensor()};
   else if (fp8_wgrad_) saved_.x_fp8 = {Tensor(), xq.scale_inv, Tensor(), Tensor(), xq.scale};
-  else if (save_input) saved_.x = x;
-  return y;
+  if (!keep_columnwise && save_input) saved_.x = x;
 }
 
-Tensor Linear::backward_fp8(const Tensor& dy, const Saved& saved) {
+void Linear::backward_gemms_fp8(const Tensor& dy_full, const Saved& saved,
+                                const std::function<Tensor()>& x_full, Tensor& dx) {
   MEGATON_CHECK(saved.w_fp8.scale_inv.defined(), "Linear '{}': backward without a forward",
                 weight.name);
-  MEGATON_CHECK(fp8_wgrad_ ? saved.x_fp8.data_t.defined() : saved.x.defined(),
-                "Linear '{}': backward without a saved input", weight.name);
-  const bool sp = mp_.sequence_parallel;
-  if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
-  const Tensor dy_full = mode_ == TensorParallelMode::Row && sp ? gather_sequence(dy, mp_) : dy;
   const Fp8Tensor dyq = grad_quantizer_.quantize(dy_full, true, fp8_wgrad_, mp_,
                                                  mode_ == TensorParallelMode::Column);
   // dx [T, in] = dy [T, out] @ W [out, in]: W^T [in, out] is the K-major operand.
-  Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
   const Fp8Tensor wq_t = weight_quantizer_.requantize_columnwise(weight.weight, saved.w_fp8);
   ops::fp8_gemm(dyq.data, dyq.scale_inv, wq_t.data_t, wq_t.scale_inv_t, dx);
-  if (fp8_wgrad_) {
-    // dW [out, in] += dy^T [out, T] @ x [T, in]: both operands K(token)-major.
-    ops::fp8_gemm(dyq.data_t, dyq.scale_inv_t, saved.x_fp8.data_t, saved.x_fp8.scale_inv_t,
-                  weight.main_grad, 1.0f, 1.0f);
-  } else {
-    const Tensor x_full =
-        mode_ == TensorParallelMode::Column && sp ? gather_sequence(saved.x, mp_) : saved.x;
-    ops::gemm(dy_full, true, x_full, false, weight.main_grad, 1.0f, 1.0f);
+  if (!fp8_wgrad_) {
+    ops::gemm(dy_full, true, x_full(), false, weight.main_grad, 1.0f, 1.0f);
+    return;
   }
-  if (mode_ == TensorParallelMode::Column) {
-    if (sp) dx = reduce_scatter_sequence(dx, mp_);
-    else all_reduce_tensor_parallel(dx, mp_);
-  }
-  return dx;
+  // dW [out, in] += dy^T [out, T] @ x [T, in]: both operands K(token)-major. Forward kept
+  // x^T, or only its scale when the caller recomputes x (then given to backward).
+  const Fp8Tensor xq_t = saved.x_fp8.data_t.defined()
+                             ? saved.x_fp8
+                             : input_quantizer_.requantize_columnwise(x_full(), saved.x_fp8);
+  ops::fp8_gemm(dyq.data_t, dyq.scale_inv_t, xq_t.data_t, xq_t.scale_inv_t, weight.main_grad,
+                1.0f, 1.0f);
 }
 
 Tensor Linear::forward_inference(const Tensor& x) const {

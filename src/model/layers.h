@@ -7,6 +7,7 @@
 // parameters.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -143,8 +144,16 @@ class Linear {
   Param weight, bias;
 
  private:
-  Tensor forward_fp8(const Tensor& x, bool save_input);
-  Tensor backward_fp8(const Tensor& dy, const Saved& saved);
+  // backward after the saved state is settled (given input included).
+  Tensor backward_saved(const Tensor& dy, const Saved& saved);
+  // The FP8 forward GEMM y = x_full W^T (y [T, out] allocated by the caller), saving what
+  // the FP8 backward needs into saved_ (x: this rank's rows, kept only for a bf16 weight
+  // gradient).
+  void forward_gemm_fp8(const Tensor& x, const Tensor& x_full, bool save_input, Tensor& y);
+  // The FP8 input-gradient GEMM into dx and the weight gradient (FP8, or bf16 with
+  // --no-fp8-wgrad) into main_grad; x_full() gives the forward input's full rows.
+  void backward_gemms_fp8(const Tensor& dy_full, const Saved& saved,
+                          const std::function<Tensor()>& x_full, Tensor& dx);
 
   TensorParallelMode mode_;
   ModelParallel mp_;
