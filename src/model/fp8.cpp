@@ -43,32 +43,49 @@ Fp8Quantizer::Fp8Quantizer(const Fp8Config& config, Fp8Role role, Device device)
   scale_ = scales_.rows(1, 1);
 }
 
+namespace {
+// x viewed as [numel / C, C], C its last dimension (the quantize ops' 2-d view).
+Tensor rows_by_last_dim(const Tensor& x) {
+  const int64_t cols = x.dim(-1);
+  return x.view({x.numel() / std::max<int64_t>(cols, 1), cols});
+}
+}  // namespace
+
+Fp8Tensor Fp8Quantizer::quantize_blockwise(const Tensor& x2, bool columnwise) const {
+  const int64_t rows = x2.dim(0), cols = x2.dim(1);
+  const Device device = x2.device();
+  const int64_t block_rows = role_ == Fp8Role::Weight ? 128 : 1;
+  Fp8Tensor out;
+  // The op always writes the row-wise copy.
+  out.data = Tensor::empty({rows, cols}, rule_.fp8, device);
+  out.scale_inv =
+      Tensor::empty({(rows + block_rows - 1) / block_rows, (cols + 127) / 128}, DType::F32, device);
+  if (columnwise) {
+    out.data_t = Tensor::empty({cols, rows}, rule_.fp8, device);
+    out.scale_inv_t = block_rows == 128
+                          ? Tensor::empty({out.scale_inv.dim(1), out.scale_inv.dim(0)}, DType::F32, device)
+                          : Tensor::empty({cols, (rows + 127) / 128}, DType::F32, device);
+  }
+  ops::fp8_quantize_blockwise(x2, block_rows, rule_, out.data, out.scale_inv, out.data_t,
+                              out.scale_inv_t);
+  return out;
+}
+
 Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
                                  const ModelParallel& mp, bool reduce_amax) {
   MEGATON_CHECK(rowwise || columnwise, "Fp8Quantizer::quantize: nothing asked for");
-  const int64_t cols = x.dim(-1), rows = x.numel() / std::max<int64_t>(cols, 1);
-  const Tensor x2 = x.view({rows, cols});
+  const Tensor x2 = rows_by_last_dim(x);
+  const int64_t rows = x2.dim(0), cols = x2.dim(1);
   const Device device = x.device();
-  Fp8Tensor out;
-  const DType fp8 = rule_.fp8;
-  // The quantize ops always write the row-wise copy; it is dropped when not asked for.
-  out.data = Tensor::empty({rows, cols}, fp8, device);
-  if (columnwise) out.data_t = Tensor::empty({cols, rows}, fp8, device);
-
   if (recipe_ == Fp8Recipe::Blockwise) {
-    const int64_t block_rows = role_ == Fp8Role::Weight ? 128 : 1;
-    out.scale_inv =
-        Tensor::empty({(rows + block_rows - 1) / block_rows, (cols + 127) / 128}, DType::F32, device);
-    if (columnwise) {
-      out.scale_inv_t = block_rows == 128
-                            ? Tensor::empty({out.scale_inv.dim(1), out.scale_inv.dim(0)}, DType::F32, device)
-                            : Tensor::empty({cols, (rows + 127) / 128}, DType::F32, device);
-    }
-    ops::fp8_quantize_blockwise(x2, block_rows, rule_, out.data, out.scale_inv, out.data_t,
-                                out.scale_inv_t);
+    Fp8Tensor out = quantize_blockwise(x2, columnwise);
     if (!rowwise) out.data = out.scale_inv = Tensor();
     return out;
   }
+  Fp8Tensor out;
+  // The quantize op always writes the row-wise copy; it is dropped when not asked for.
+  out.data = Tensor::empty({rows, cols}, rule_.fp8, device);
+  if (columnwise) out.data_t = Tensor::empty({cols, rows}, rule_.fp8, device);
 
   MEGATON_CHECK(initialized(), "Fp8Quantizer::quantize before construction");
   const bool reduce = reduce_amax && mp.tp_size() > 1;
@@ -104,25 +121,18 @@ Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
 }
 
 Fp8Tensor Fp8Quantizer::requantize_columnwise(const Tensor& x, const Fp8Tensor& earlier) const {
-  const int64_t cols = x.dim(-1), rows = x.numel() / std::max<int64_t>(cols, 1);
-  const Tensor x2 = x.view({rows, cols});
-  const Device device = x.device();
-  Fp8Tensor out;
-  Tensor rowwise = Tensor::empty({rows, cols}, rule_.fp8, device);  // written, dropped
-  out.data_t = Tensor::empty({cols, rows}, rule_.fp8, device);
+  const Tensor x2 = rows_by_last_dim(x);
   if (recipe_ == Fp8Recipe::Blockwise) {
-    const int64_t block_rows = role_ == Fp8Role::Weight ? 128 : 1;
-    Tensor scale_inv =
-        Tensor::empty({(rows + block_rows - 1) / block_rows, (cols + 127) / 128}, DType::F32, device);
-    out.scale_inv_t = block_rows == 128
-                          ? Tensor::empty({scale_inv.dim(1), scale_inv.dim(0)}, DType::F32, device)
-                          : Tensor::empty({cols, (rows + 127) / 128}, DType::F32, device);
-    ops::fp8_quantize_blockwise(x2, block_rows, rule_, rowwise, scale_inv, out.data_t,
-                                out.scale_inv_t);
+    Fp8Tensor out = quantize_blockwise(x2, true);
+    out.data = out.scale_inv = Tensor();
     return out;
   }
   MEGATON_CHECK(earlier.scale.defined() && earlier.scale_inv.defined(),
                 "Fp8Quantizer::requantize_columnwise: the earlier quantization kept no scale");
+  const int64_t rows = x2.dim(0), cols = x2.dim(1);
+  Tensor rowwise = Tensor::empty({rows, cols}, rule_.fp8, x.device());  // written, dropped
+  Fp8Tensor out;
+  out.data_t = Tensor::empty({cols, rows}, rule_.fp8, x.device());
   Tensor no_amax;
   ops::fp8_quantize(x2, earlier.scale, rowwise, out.data_t, no_amax);
   out.scale_inv_t = earlier.scale_inv;

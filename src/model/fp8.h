@@ -60,6 +60,9 @@ class Fp8Quantizer {
   Tensor& scales() { return scales_; }
 
  private:
+  // The blockwise quantization of x2 [R, C] (both copies when columnwise), with its scales.
+  Fp8Tensor quantize_blockwise(const Tensor& x2, bool columnwise) const;
+
   Fp8Recipe recipe_ = Fp8Recipe::Delayed;
   Fp8Role role_ = Fp8Role::Input;
   ops::Fp8ScaleRule rule_;
