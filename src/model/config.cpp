@@ -143,4 +143,28 @@ void GPTConfig::finalize() {
   }
 }
 
+void GPTConfig::check_fp8_dimensions(int64_t tokens_per_micro_batch) const {
+  if (!fp8.enabled) return;
+  const int64_t multiple = fp8.dimension_multiple();
+  const int64_t tp = tensor_model_parallel_size;
+  const auto check = [&](const std::string& what, int64_t value) {
+    if (value % multiple != 0)
+      fail("{} ({}) must be divisible by {} for FP8 GEMMs{}", what, value, multiple,
+           fp8.recipe == Fp8Recipe::Blockwise ? " under --fp8-recipe blockwise" : "");
+  };
+  check("micro-batch-size x seq-length", tokens_per_micro_batch);
+  check("hidden-size", hidden_size);
+  const std::string per_rank = tp > 1 ? fmt::format(" / tensor-model-parallel-size {}", tp) : "";
+  check("num-attention-heads x kv-channels" + per_rank, query_projection_size() / tp);
+  check("num-query-groups x kv-channels" + per_rank, kv_projection_size() / tp);
+  // Dense layers (their fc1 / fc2 run in FP8); counted without a loop over num_layers.
+  const bool dense_layers =
+      num_experts == 0 ||
+      (moe_layer_pattern.empty() ? moe_layer_freq > 1
+                                 : std::count(moe_layer_pattern.begin(), moe_layer_pattern.end(), 0) > 0);
+  if (dense_layers) check("ffn-hidden-size" + per_rank, ffn_hidden_size / tp);
+  if (num_experts > 0 && moe_shared_expert_intermediate_size > 0)
+    check("moe-shared-expert-intermediate-size" + per_rank, moe_shared_expert_intermediate_size / tp);
+}
+
 }  // namespace megaton

@@ -117,6 +117,11 @@ struct GPTConfig {
   // consistency. Throws megaton::Error naming the offending keys, e.g. "hidden-size
   // (100) is not divisible by num-attention-heads (3)".
   void finalize();
+  // After finalize(), with --fp8-format: every FP8 GEMM dimension (the micro-batch's tokens,
+  // the hidden size, this tensor-parallel rank's attention and MLP widths) must be a
+  // multiple of fp8.dimension_multiple() (16; 128 for blockwise). megaton::Error naming the
+  // flags otherwise, e.g. "ffn-hidden-size (40) must be divisible by 16 for FP8 GEMMs".
+  void check_fp8_dimensions(int64_t tokens_per_micro_batch) const;
 };
 
 }  // namespace megaton

@@ -749,36 +749,6 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   return a;
 }
 
-namespace {
-// Every dimension of an FP8 GEMM must be a multiple of 16 (cuBLASLt's FP8 kernels), and of
-// 128 along K under the blockwise recipe (its 1x128 blocks): tokens of a micro-batch,
-// hidden size, and this tensor-parallel rank's share of the attention and MLP widths.
-void check_fp8_dimensions(const TrainArgs& a, int64_t tp) {
-  const GPTConfig& m = a.model;
-  if (!m.fp8.enabled) return;
-  const int64_t multiple = m.fp8.dimension_multiple();
-  const int64_t groups = m.group_query_attention && m.num_query_groups > 0 ? m.num_query_groups
-                                                                           : m.num_attention_heads;
-  const int64_t kv = m.kv_channels > 0 ? m.kv_channels
-                                       : m.hidden_size / std::max<int64_t>(m.num_attention_heads, 1);
-  const int64_t ffn = m.ffn_hidden_size > 0 ? m.ffn_hidden_size : 4 * m.hidden_size;
-  const auto check = [&](const std::string& what, int64_t value) {
-    if (value % multiple != 0)
-      fail("{} ({}) must be divisible by {} for FP8 GEMMs{}", what, value, multiple,
-           m.fp8.recipe == Fp8Recipe::Blockwise ? " under --fp8-recipe blockwise" : "");
-  };
-  check("micro-batch-size x seq-length", a.micro_batch_size * m.seq_length);
-  check("hidden-size", m.hidden_size);
-  const std::string per_rank = tp > 1 ? fmt::format(" / tensor-model-parallel-size {}", tp) : "";
-  check("num-attention-heads x kv-channels" + per_rank, m.num_attention_heads * kv / tp);
-  check("num-query-groups x kv-channels" + per_rank, groups * kv / tp);
-  if (m.num_experts == 0 || m.moe_layer_freq > 1 || !m.moe_layer_pattern.empty())
-    check("ffn-hidden-size" + per_rank, ffn / tp);
-  if (m.num_experts > 0 && m.moe_shared_expert_intermediate_size > 0)
-    check("moe-shared-expert-intermediate-size" + per_rank, m.moe_shared_expert_intermediate_size / tp);
-}
-}  // namespace
-
 dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_size) {
   const ParallelArgs& p = a.parallel;
   const GPTConfig& m = a.model;
@@ -800,7 +770,6 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
                                                                          : m.num_attention_heads;
   r.num_experts = m.num_experts;
   dist::ValidatedLayout layout = dist::validate_layout(r);
-  check_fp8_dimensions(a, layout.sizes.tp);
   // The interleaved schedule's micro-batch groups (the trainer checks the batch split).
   const int64_t per_step = a.micro_batch_size * layout.sizes.dp;
   if (per_step > 0 && a.global_batch_size % per_step == 0)

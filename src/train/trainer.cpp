@@ -75,6 +75,7 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   // The vocabulary padding depends on the tensor-parallel size (Megatron).
   args_.model.tensor_model_parallel_size = args_.parallel.tensor_model_parallel_size;
   args_.model.finalize();
+  args_.model.check_fp8_dimensions(args_.micro_batch_size * args_.model.seq_length);
   int64_t gbs = args_.global_batch_size;
   // The parallel layout (checked again here for callers other than the CLI).
   const int64_t world = dist::world_size();
