@@ -9,6 +9,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -45,10 +46,6 @@ int64_t saturating_int64(double bytes) {
   return bytes >= 9.2e18 ? std::numeric_limits<int64_t>::max() : int64_t(bytes);
 }
 
-// "1.2 GB (1234567890 bytes)".
-std::string bytes_both(int64_t bytes) {
-  return fmt::format("{} ({} bytes)", human_bytes(double(bytes)), bytes);
-}
 
 // Caching host allocator: freed blocks are kept per exact (64-byte rounded) size and
 // handed out again. A training step allocates the same shapes every iteration, so after
@@ -132,11 +129,11 @@ class HostBlockCache {
     return fmt::format(
         "out of host memory: a tensor of {} was requested; this process holds {} resident "
         "({} in tensors, {} cached) and {} is available ({})",
-        bytes_both(int64_t(bytes)),
-        avail.resident_bytes >= 0 ? bytes_both(avail.resident_bytes) : std::string("?"),
+        human_bytes_exact(double(bytes)),
+        avail.resident_bytes >= 0 ? human_bytes_exact(double(avail.resident_bytes)) : std::string("?"),
         human_bytes(double(s.allocated_bytes)), human_bytes(double(s.cached_bytes)),
         available == std::numeric_limits<int64_t>::max() ? std::string("an unknown amount")
-                                                         : bytes_both(available),
+                                                         : human_bytes_exact(double(available)),
         avail.binding_limit());
   }
 
@@ -292,6 +289,12 @@ std::string human_bytes(double bytes) {
   }
   if (bytes >= 999.95) return fmt::format("{:.3g} YB", bytes);  // beyond the units
   return fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+std::string human_bytes_exact(double bytes) {
+  if (std::isinf(bytes)) return "an unlimited amount";
+  if (bytes < 1e18) return fmt::format("{} ({:.0f} bytes)", human_bytes(bytes), bytes);
+  return fmt::format("{} ({:.3e} bytes)", human_bytes(bytes), bytes);
 }
 
 namespace testing_hooks {

@@ -74,6 +74,9 @@ inline constexpr size_t kHostLargeAllocationBytes = size_t(1) << 30;
 
 // Decimal units for messages: "512 bytes", "21.4 GB", "3.3 TB" (one decimal).
 std::string human_bytes(double bytes);
+// human_bytes with the exact count: "21.4 GB (21400000000 bytes)"; past 1e18 the count in
+// scientific notation (a double holds no more digits), "an unlimited amount" for +inf.
+std::string human_bytes_exact(double bytes);
 
 namespace testing_hooks {
 // Fault injection for tests of the allocation and release paths. The next `count`

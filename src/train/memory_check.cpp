@@ -17,14 +17,6 @@ namespace {
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
 
-// "3.3 TB (3276800000000 bytes)"; past what a double holds exactly, the count goes in
-// scientific notation rather than pretend to 19 digits.
-std::string bytes_both(double bytes) {
-  if (std::isinf(bytes)) return "an unlimited amount";
-  if (bytes < 1e18) return fmt::format("{} ({:.0f} bytes)", human_bytes(bytes), bytes);
-  return fmt::format("{} ({:.3e} bytes)", human_bytes(bytes), bytes);
-}
-
 // Per-layer parameter elements and activation bytes of the two kinds of layer.
 struct LayerTerms {
   double dense_params = 0;   // elements in the dense buffer (attention, router, shared expert)
@@ -253,11 +245,11 @@ struct Term {
     if (&t != dominant && t.bytes > 0)
       others += fmt::format("{}{} ({})", others.empty() ? "" : " and ", t.what, human_bytes(t.bytes));
   const std::string in_all =
-      others.empty() ? std::string() : fmt::format(", {} in all with {}", bytes_both(total), others);
+      others.empty() ? std::string() : fmt::format(", {} in all with {}", human_bytes_exact(total), others);
   throw OutOfMemoryError(fmt::format("{}: {} need at least {}{}; {} of {} is available ({})",
                                      *dominant->flags, dominant->what,
-                                     bytes_both(dominant->bytes), in_all,
-                                     bytes_both(available), memory, source));
+                                     human_bytes_exact(dominant->bytes), in_all,
+                                     human_bytes_exact(available), memory, source));
 }
 
 }  // namespace

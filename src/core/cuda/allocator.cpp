@@ -86,12 +86,11 @@ void* device_allocate(size_t bytes) {
         const bool known = cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
         if (!known) (void)cudaGetLastError();
         throw OutOfMemoryError(fmt::format(
-            "out of device memory: a tensor of {} ({} bytes) was requested; this process "
-            "holds {} ({} bytes) in tensors ({} reserved) and {} of the device's {} is free",
-            human_bytes(double(size)), size, human_bytes(double(c.stats.allocated_bytes)),
-            c.stats.allocated_bytes, human_bytes(double(c.stats.reserved_bytes)),
-            known ? fmt::format("{} ({} bytes)", human_bytes(double(free_bytes)), free_bytes)
-                  : std::string("an unknown amount"),
+            "out of device memory: a tensor of {} was requested; this process holds {} in "
+            "tensors ({} reserved) and {} of the device's {} is free",
+            human_bytes_exact(double(size)), human_bytes_exact(double(c.stats.allocated_bytes)),
+            human_bytes(double(c.stats.reserved_bytes)),
+            known ? human_bytes_exact(double(free_bytes)) : std::string("an unknown amount"),
             known ? human_bytes(double(total_bytes)) : std::string("?")));
       }
       if (err != cudaSuccess)
