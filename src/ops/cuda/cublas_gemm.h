@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "core/error.h"
 #include "core/tensor.h"
@@ -62,6 +63,11 @@ cublasStatus_t lt_heuristic(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                             cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, uint32_t align_a,
                             uint32_t align_b, uint32_t align_c, bool bf16_output,
                             cublasLtMatmulAlgo_t* algo, bool* found);
+
+// Mixes v into the hash h (boost's hash_combine): the plan caches' keys.
+inline void hash_combine(size_t& h, uint64_t v) {
+  h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+}
 
 // Row-major GEMM on the compute stream: c = alpha * op(a) @ op(b) + beta * c with
 // op(a) [m, k], op(b) [k, n], c [m, n]; lda, ldb, ldc are the row strides (elements) of a,

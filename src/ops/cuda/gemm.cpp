@@ -117,9 +117,7 @@ struct PlanKey {
 struct PlanKeyHash {
   size_t operator()(const PlanKey& key) const {
     size_t h = 0;
-    auto mix = [&h](uint64_t v) {
-      h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-    };
+    const auto mix = [&h](uint64_t v) { blas::hash_combine(h, v); };
     mix(key.m);
     mix(key.n);
     mix(key.k);
