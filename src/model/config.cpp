@@ -143,7 +143,7 @@ void GPTConfig::finalize() {
   }
 }
 
-void GPTConfig::check_fp8_dimensions(int64_t tokens_per_micro_batch) const {
+void GPTConfig::check_fp8_dimensions(int64_t tokens_per_micro_batch, int64_t etp) const {
   if (!fp8.enabled) return;
   const int64_t multiple = fp8.dimension_multiple();
   const int64_t tp = tensor_model_parallel_size;
@@ -165,6 +165,10 @@ void GPTConfig::check_fp8_dimensions(int64_t tokens_per_micro_batch) const {
   if (dense_layers) check("ffn-hidden-size" + per_rank, ffn_hidden_size / tp);
   if (num_experts > 0 && moe_shared_expert_intermediate_size > 0)
     check("moe-shared-expert-intermediate-size" + per_rank, moe_shared_expert_intermediate_size / tp);
+  if (num_experts > 0)
+    check("moe-ffn-hidden-size" +
+              (etp > 1 ? fmt::format(" / expert-tensor-parallel-size {}", etp) : std::string()),
+          moe_ffn_hidden_size / std::max<int64_t>(etp, 1));
 }
 
 }  // namespace megaton

@@ -121,7 +121,9 @@ struct GPTConfig {
   // the hidden size, this tensor-parallel rank's attention and MLP widths) must be a
   // multiple of fp8.dimension_multiple() (16; 128 for blockwise). megaton::Error naming the
   // flags otherwise, e.g. "ffn-hidden-size (40) must be divisible by 16 for FP8 GEMMs".
-  void check_fp8_dimensions(int64_t tokens_per_micro_batch) const;
+  // The MoE experts' widths per expert-tensor-parallel rank (etp: the resolved
+  // --expert-tensor-parallel-size) too; their token rows are padded, not checked.
+  void check_fp8_dimensions(int64_t tokens_per_micro_batch, int64_t etp) const;
 };
 
 }  // namespace megaton

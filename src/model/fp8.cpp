@@ -72,7 +72,7 @@ Fp8Tensor Fp8Quantizer::quantize_blockwise(const Tensor& x2, bool columnwise) co
 }
 
 Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
-                                 const ModelParallel& mp, bool reduce_amax) {
+                                 const Fp8AmaxGroup& reduce_over) {
   MEGATON_CHECK(rowwise || columnwise, "Fp8Quantizer::quantize: nothing asked for");
   const Tensor x2 = rows_by_last_dim(x);
   const int64_t rows = x2.dim(0), cols = x2.dim(1);
@@ -88,7 +88,7 @@ Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
   if (columnwise) out.data_t = Tensor::empty({cols, rows}, rule_.fp8, device);
 
   MEGATON_CHECK(initialized(), "Fp8Quantizer::quantize before construction");
-  const bool reduce = reduce_amax && mp.tp_size() > 1;
+  const bool reduce = reduce_over.active();
   Tensor amax_slot = amax_history_.rows(0, 1).view({1});
   Tensor no_amax;
   // This quantization's {scale_inv, scale}, its own: the GEMM reads the factor after the
@@ -105,10 +105,10 @@ Fp8Tensor Fp8Quantizer::quantize(const Tensor& x, bool rowwise, bool columnwise,
     ops::fp8_delayed_scaling_update(amax_history_, rule_, amax_compute_max_, scale_, scale_inv_);
     scales.copy_from(scales_);
     ops::fp8_quantize(x2, scale, out.data, out.data_t, amax_slot);
-    if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
+    if (reduce) reduce_over.comm->all_reduce(amax_slot, *reduce_over.group, dist::ReduceOp::Max);
   } else {  // tensorwise: this tensor's own amax
     ops::fp8_amax(x2, amax_slot);
-    if (reduce) mp.comm->all_reduce(amax_slot, mp.tp(), dist::ReduceOp::Max);
+    if (reduce) reduce_over.comm->all_reduce(amax_slot, *reduce_over.group, dist::ReduceOp::Max);
     scales.copy_from(ones_);  // an all-zero tensor keeps scale 1 (fp8_update_scale)
     ops::fp8_update_scale(amax_slot, rule_, scale, scale_inv);
     ops::fp8_quantize(x2, scale, out.data, out.data_t, no_amax);

@@ -5,8 +5,8 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "dist/comm.h"
 #include "model/fp8_config.h"
-#include "model/parallel.h"
 #include "ops/fp8.h"
 
 namespace megaton {
@@ -30,6 +30,15 @@ enum class Fp8Role {
   GradOutput,  // the gradient of a layer's output: e5m2 under hybrid, 1x128 blocks
 };
 
+// The ranks over which a sharded operand's amax is reduced (max) before its scale is
+// chosen: the tensor-parallel group of a TP-sharded weight, input or gradient, the
+// expert-tensor-parallel group of an expert's. Default (no comm): no reduction.
+struct Fp8AmaxGroup {
+  dist::Comm* comm = nullptr;
+  const dist::Group* group = nullptr;
+  bool active() const { return comm != nullptr && group != nullptr && group->size() > 1; }
+};
+
 // One operand's quantization state across steps (each FP8 Linear has one per role):
 // delayed scaling's amax history and scale; current scaling's scale of this step.
 class Fp8Quantizer {
@@ -38,15 +47,15 @@ class Fp8Quantizer {
   Fp8Quantizer(const Fp8Config& config, Fp8Role role, Device device);
 
   // Quantizes x [R, C] (F32 or BF16; higher ranks viewed as [numel / C, C]):
-  // rowwise -> data [R, C], columnwise -> data_t [C, R]. Under a per-tensor recipe with
-  // reduce_amax, the amax is the max over `mp`'s tensor-parallel group, so that a
-  // tensor-parallel shard gets the scale the one-rank run gives the whole tensor
-  // (Transformer Engine reduces amaxes over the same group). Delayed scaling first turns
+  // rowwise -> data [R, C], columnwise -> data_t [C, R]. Under a per-tensor recipe the
+  // amax is the max over `reduce_over` (when active), so that a tensor-parallel shard
+  // gets the scale the one-rank run gives the whole tensor (Transformer Engine reduces
+  // amaxes over the same group). Delayed scaling first turns
   // the amax recorded at this operand's previous quantization into its scale
   // (ops::fp8_delayed_scaling_update), then records x's amax for the next one; the first
   // quantization uses scale 1, as TE does.
-  Fp8Tensor quantize(const Tensor& x, bool rowwise, bool columnwise, const ModelParallel& mp,
-                     bool reduce_amax);
+  Fp8Tensor quantize(const Tensor& x, bool rowwise, bool columnwise,
+                     const Fp8AmaxGroup& reduce_over = {});
   // The column-wise copy of an x that an earlier quantize() saw (`earlier` is what it
   // returned) and the caller did not keep: a recomputed activation. It equals the copy that
   // quantize() would have written: the same scale (per-tensor recipes), the same blocks

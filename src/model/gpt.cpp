@@ -34,23 +34,26 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
                                 !cfg.disable_bias_linear, cfg.init_method_std, output_std, seed,
                                 Placement::of(cfg), mp);
   }
-  // FP8: the layer's linear GEMMs (QKV, projection, fc1, fc2, the shared expert's), unless
-  // --first-last-layers-bf16 keeps this layer in bf16. The routed experts' grouped GEMMs
-  // stay bf16 for now.
+  // FP8: the layer's linear GEMMs (QKV, projection, fc1, fc2, the shared expert's) and
+  // its routed experts', unless --first-last-layers-bf16 keeps this layer in bf16.
   if (cfg.fp8.layer_in_fp8(layer, cfg.num_layers)) {
-    std::vector<Linear*> linears = {&self_attention.linear_qkv, &self_attention.linear_proj};
-    MLP* dense = mlp ? mlp.get() : moe->shared_expert ? &moe->shared_expert->mlp : nullptr;
-    if (dense) linears.insert(linears.end(), {&dense->linear_fc1, &dense->linear_fc2});
-    for (Linear* linear : linears) linear->enable_fp8(cfg.fp8);
+    for (Linear* linear : linears()) linear->enable_fp8(cfg.fp8);
+    if (moe) moe->enable_fp8(cfg.fp8);
   }
 }
 
-std::vector<Linear*> TransformerLayer::fp8_linears() {
-  std::vector<Linear*> out;
+std::vector<Linear*> TransformerLayer::linears() {
+  std::vector<Linear*> out = {&self_attention.linear_qkv, &self_attention.linear_proj};
   MLP* dense = mlp ? mlp.get() : moe->shared_expert ? &moe->shared_expert->mlp : nullptr;
-  for (Linear* linear : {&self_attention.linear_qkv, &self_attention.linear_proj,
-                         dense ? &dense->linear_fc1 : nullptr, dense ? &dense->linear_fc2 : nullptr})
-    if (linear && linear->fp8()) out.push_back(linear);
+  if (dense) out.insert(out.end(), {&dense->linear_fc1, &dense->linear_fc2});
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor*>> TransformerLayer::fp8_state(bool experts) {
+  if (experts) return moe ? moe->fp8_state() : std::vector<std::pair<std::string, Tensor*>>{};
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (Linear* linear : linears())
+    for (auto& entry : linear->fp8_state()) out.push_back(entry);
   return out;
 }
 

@@ -29,9 +29,16 @@ class TransformerLayer {
   Tensor forward_inference(const Tensor& x, int64_t first_position, Tensor& key_cache,
                            Tensor& value_cache);
   void collect_params(std::vector<Param*>& out);
-  // The linear layers that run in FP8 (QKV, projection, fc1, fc2, the shared expert's):
-  // empty for a bf16 layer.
-  std::vector<Linear*> fp8_linears();
+  // The FP8 delayed recipe's state of this layer (checkpoints; Fp8LinearGemms::state):
+  // experts false: its linear layers' (QKV, projection, fc1, fc2, the shared expert's),
+  // the same on every data-parallel rank; true: its routed experts' (this
+  // expert-parallel rank's experts), the same on every expert-data-parallel rank. Empty
+  // for a bf16 layer or another recipe.
+  std::vector<std::pair<std::string, Tensor*>> fp8_state(bool experts);
+
+  // The layer's Linear layers: QKV, projection, and fc1, fc2 of its dense MLP or shared
+  // expert.
+  std::vector<Linear*> linears();
 
   struct Saved {
     ForwardContext ctx;   // keys the hidden-dropout masks

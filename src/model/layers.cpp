@@ -139,8 +139,10 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
                             : x;
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
   saved_ = {};
-  if (fp8_) {
-    forward_gemm_fp8(x, x_full, save_input, y);
+  if (fp8_.enabled()) {
+    saved_.fp8 = fp8_.forward(x_full, weight.weight, save_input, fp8_sharding(), y);
+    // A bf16 weight gradient (--no-fp8-wgrad) reads the input itself.
+    if (save_input && !saved_.fp8.x.data_t.defined()) saved_.x = x;
   } else {
     if (save_input) saved_.x = x;
     ops::gemm(x_full, false, weight.weight, true, y);
@@ -159,12 +161,12 @@ Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
   Saved saved = take_saved();
   // The given input serves wherever forward kept no FP8 column-wise copy of it: the bf16
   // weight gradient, or the FP8 one after requantizing (backward_saved).
-  if (!saved.x_fp8.data_t.defined()) saved.x = x;
+  if (!saved.fp8.x.data_t.defined()) saved.x = x;
   return backward_saved(dy, saved);
 }
 
 Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved) {
-  MEGATON_CHECK(saved.x.defined() || saved.x_fp8.data_t.defined(),
+  MEGATON_CHECK(saved.x.defined() || saved.fp8.x.data_t.defined(),
                 "Linear '{}': backward without a saved input", weight.name);
   const bool sp = mp_.sequence_parallel;
   // The bias gradient from this rank's rows of dy (a partial sum under SP for Row).
@@ -175,8 +177,8 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved) {
     return mode_ == TensorParallelMode::Column && sp ? gather_sequence(saved.x, mp_) : saved.x;
   };
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
-  if (fp8_) {
-    backward_gemms_fp8(dy_full, saved, x_full, dx);
+  if (fp8_.enabled()) {
+    fp8_.backward(dy_full, weight.weight, saved.fp8, x_full, fp8_sharding(), dx, weight.main_grad);
   } else {
     ops::gemm(dy_full, false, weight.weight, false, dx);
     ops::gemm(dy_full, true, x_full(), false, weight.main_grad, 1.0f, 1.0f);
@@ -190,75 +192,26 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved) {
 
 void Linear::enable_fp8(const Fp8Config& config) {
   MEGATON_CHECK(config.enabled, "Linear '{}': enable_fp8 without an FP8 format", weight.name);
-  const Device device = weight.weight.device();
-  fp8_ = true;
-  fp8_wgrad_ = config.wgrad;
-  fp8_fast_forward_ = config.recipe != Fp8Recipe::Blockwise;
-  input_quantizer_ = Fp8Quantizer(config, Fp8Role::Input, device);
-  weight_quantizer_ = Fp8Quantizer(config, Fp8Role::Weight, device);
-  grad_quantizer_ = Fp8Quantizer(config, Fp8Role::GradOutput, device);
+  fp8_ = Fp8LinearGemms(config, weight.weight.device());
 }
 
 std::vector<std::pair<std::string, Tensor*>> Linear::fp8_state() {
-  std::vector<std::pair<std::string, Tensor*>> out;
-  if (!fp8_ || !input_quantizer_.delayed())
-    return out;
   std::string prefix = weight.name;
   if (prefix.ends_with(".weight")) prefix.resize(prefix.size() - 7);
-  prefix += "._extra_state.fp8.";
-  for (auto [role, q] : {std::pair{"input", &input_quantizer_}, {"weight", &weight_quantizer_},
-                         {"grad_output", &grad_quantizer_}}) {
-    if (!q->delayed()) continue;
-    out.emplace_back(prefix + role + ".amax_history", &q->amax_history());
-    out.emplace_back(prefix + role + ".scales", &q->scales());
-  }
-  return out;
+  return fp8_.state(prefix);
 }
 
-// The tensors whose amax differs between tensor-parallel ranks are reduced over the group
-// (Fp8Quantizer::quantize): the weight shards, the row-parallel input (input features
-// split) and the column-parallel output gradient (output features split). The others are
-// the same on every rank.
-void Linear::forward_gemm_fp8(const Tensor& x, const Tensor& x_full, bool save_input, Tensor& y) {
-  // An input the caller does not keep (recomputed for backward, as fc2's activation) gets
-  // its column-wise copy in backward (requantize_columnwise), not now: it would outlive
-  // the bf16 tensor the bf16 path leaves unsaved.
-  const bool keep_columnwise = fp8_wgrad_ && save_input;
-  const Fp8Tensor xq = input_quantizer_.quantize(x_full, true, keep_columnwise, mp_,
-                                                 mode_ == TensorParallelMode::Row);
-  // The weight's transposed copy (the input gradient's operand) is made in backward, from
-  // the same bf16 weight with this scale: kept from forward it would hold one byte per
-  // parameter through the whole forward and backward, which the bf16 step does not.
-  const Fp8Tensor wq = weight_quantizer_.quantize(weight.weight, true, false, mp_,
-                                                  mode_ != TensorParallelMode::None);
-  // Fast accumulation in the forward GEMM of the per-tensor recipes, as Transformer Engine.
-  ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y, 1.0f, 0.0f, fp8_fast_forward_);
-  saved_.w_fp8 = {Tensor(), wq.scale_inv, Tensor(), Tensor(), wq.scale};
-  if (keep_columnwise) saved_.x_fp8 = {Tensor(), Tensor(), xq.data_t, xq.scale_inv_t, Tensor()};
-  else if (fp8_wgrad_) saved_.x_fp8 = {Tensor(), xq.scale_inv, Tensor(), Tensor(), xq.scale};
-  if (!keep_columnwise && save_input) saved_.x = x;
-}
-
-void Linear::backward_gemms_fp8(const Tensor& dy_full, const Saved& saved,
-                                const std::function<Tensor()>& x_full, Tensor& dx) {
-  MEGATON_CHECK(saved.w_fp8.scale_inv.defined(), "Linear '{}': backward without a forward",
-                weight.name);
-  const Fp8Tensor dyq = grad_quantizer_.quantize(dy_full, true, fp8_wgrad_, mp_,
-                                                 mode_ == TensorParallelMode::Column);
-  // dx [T, in] = dy [T, out] @ W [out, in]: W^T [in, out] is the K-major operand.
-  const Fp8Tensor wq_t = weight_quantizer_.requantize_columnwise(weight.weight, saved.w_fp8);
-  ops::fp8_gemm(dyq.data, dyq.scale_inv, wq_t.data_t, wq_t.scale_inv_t, dx);
-  if (!fp8_wgrad_) {
-    ops::gemm(dy_full, true, x_full(), false, weight.main_grad, 1.0f, 1.0f);
-    return;
-  }
-  // dW [out, in] += dy^T [out, T] @ x [T, in]: both operands K(token)-major. Forward kept
-  // x^T, or only its scale when the caller recomputes x (then given to backward).
-  const Fp8Tensor xq_t = saved.x_fp8.data_t.defined()
-                             ? saved.x_fp8
-                             : input_quantizer_.requantize_columnwise(x_full(), saved.x_fp8);
-  ops::fp8_gemm(dyq.data_t, dyq.scale_inv_t, xq_t.data_t, xq_t.scale_inv_t, weight.main_grad,
-                1.0f, 1.0f);
+// The weight shards, the row-parallel input (input features split) and the
+// column-parallel output gradient (output features split) differ between tensor-parallel
+// ranks; the others are the same on every rank.
+Fp8LinearGemms::Sharding Linear::fp8_sharding() const {
+  Fp8LinearGemms::Sharding s;
+  if (mp_.tp_size() <= 1) return s;
+  s.group = {mp_.comm, &mp_.tp()};
+  s.weight = mode_ != TensorParallelMode::None;
+  s.input = mode_ == TensorParallelMode::Row;
+  s.grad_output = mode_ == TensorParallelMode::Column;
+  return s;
 }
 
 Tensor Linear::forward_inference(const Tensor& x) const {

@@ -15,7 +15,7 @@
 #include "core/tensor.h"
 #include "model/config.h"
 #include "model/param.h"
-#include "model/fp8.h"
+#include "model/fp8_linear.h"
 #include "model/parallel.h"
 
 namespace megaton {
@@ -109,33 +109,23 @@ class Linear {
   void collect_params(std::vector<Param*>& out);
 
   // Runs the three GEMMs (forward, input gradient, weight gradient unless config.wgrad is
-  // off) in FP8 by config's recipe (model/fp8.h), as Transformer Engine's Linear: the input,
-  // the weight and the output gradient are quantized (e4m3; the gradient e5m2 under
-  // hybrid), the GEMMs accumulate in fp32, and the weight gradient still accumulates into
-  // the fp32 main_grad. Forward then saves the FP8 column-wise copy of the input instead of
-  // the input (with save_input false only its scale: backward(dy, x) quantizes the given,
-  // recomputed x column-wise with it) and the weight's scale (backward quantizes W^T from
-  // the weight, which does not change between forward and backward).
-  // Every GEMM dimension (tokens, in / out features of this rank) must be a multiple of
-  // config.dimension_multiple() (InternalError otherwise; the trainer checks the flags).
+  // off) in FP8 by config's recipe (model/fp8_linear.h), as Transformer Engine's Linear:
+  // forward then saves the FP8 column-wise copy of the input instead of the input (with
+  // save_input false only its scale: backward(dy, x) quantizes the given, recomputed x
+  // column-wise with it) and the weight's scale. Every GEMM dimension (tokens, in / out
+  // features of this rank) must be a multiple of config.dimension_multiple()
+  // (InternalError otherwise; the trainer checks the flags).
   void enable_fp8(const Fp8Config& config);
-  bool fp8() const { return fp8_; }
-  // The delayed recipe's state (checkpoints), by name: "<layer>._extra_state.fp8.<operand>.
-  // amax_history" [L, 1] and ".scales" [2] ({scale_inv, scale}), operand input, weight or
-  // grad_output (<layer> is the weight's name without ".weight"). Empty unless FP8 with the
-  // delayed recipe.
+  bool fp8() const { return fp8_.enabled(); }
+  // The delayed recipe's state (checkpoints): Fp8LinearGemms::state with <prefix> the
+  // weight's name without ".weight". Empty unless FP8 with the delayed recipe.
   std::vector<std::pair<std::string, Tensor*>> fp8_state();
 
   // What forward saved for backward.
   struct Saved {
     Tensor x;  // the input [T, in] (this rank's rows under SP), undefined if not saved
-    // FP8 runs: the column-wise copies the backward GEMMs read.
-    // x^T [in, T] (all of TP's rows under SP): the weight gradient's operand; only its
-    // scale when forward's caller did not keep x (backward requantizes the given x).
-    Fp8Tensor x_fp8;
-    // The weight's scale: backward requantizes W^T [in, out], the input gradient's
-    // operand, from the unchanged bf16 weight.
-    Fp8Tensor w_fp8;
+    // FP8 runs: x^T (all of TP's rows under SP) or its scale, and the weight's scale.
+    Fp8LinearGemms::Saved fp8;
   };
   // Moves the saved state out (the layer is left holding none) and back in.
   Saved take_saved() { return std::exchange(saved_, {}); }
@@ -146,20 +136,13 @@ class Linear {
  private:
   // backward after the saved state is settled (given input included).
   Tensor backward_saved(const Tensor& dy, const Saved& saved);
-  // The FP8 forward GEMM y = x_full W^T (y [T, out] allocated by the caller), saving what
-  // the FP8 backward needs into saved_ (x: this rank's rows, kept only for a bf16 weight
-  // gradient).
-  void forward_gemm_fp8(const Tensor& x, const Tensor& x_full, bool save_input, Tensor& y);
-  // The FP8 input-gradient GEMM into dx and the weight gradient (FP8, or bf16 with
-  // --no-fp8-wgrad) into main_grad; x_full() gives the forward input's full rows.
-  void backward_gemms_fp8(const Tensor& dy_full, const Saved& saved,
-                          const std::function<Tensor()>& x_full, Tensor& dx);
+  // The operands whose amax differs between tensor-parallel ranks (reduced over TP).
+  Fp8LinearGemms::Sharding fp8_sharding() const;
 
   TensorParallelMode mode_;
   ModelParallel mp_;
   Saved saved_;
-  bool fp8_ = false, fp8_wgrad_ = false, fp8_fast_forward_ = false;
-  Fp8Quantizer input_quantizer_, weight_quantizer_, grad_quantizer_;
+  Fp8LinearGemms fp8_;
 };
 
 // LayerNorm (weight and bias) or RMSNorm (weight only), per config.normalization.

@@ -88,23 +88,109 @@ void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias) {
   }
 }
 
-Tensor MoELayer::pad_to_capacity(const Tensor& rows) const {
+Tensor MoELayer::pad_expert_rows(const Tensor& rows) const {
   const Saved& s = saved_;
-  if (s.expert_capacity == 0) return rows;
-  const int64_t groups = int64_t(s.expert_rows.size());
-  Tensor padded = empty_like(rows, {groups * s.expert_capacity, rows.dim(1)});
-  ops::moe_pad_rows_to_capacity(rows, s.tokens_per_local_expert, s.expert_capacity, padded);
+  if (!s.padded) return rows;
+  int64_t total = 0;
+  for (int64_t n : s.expert_rows) total += n;
+  Tensor padded = empty_like(rows, {total, rows.dim(1)});
+  ops::moe_pad_rows(rows, s.tokens_per_local_expert, s.expert_rows, padded);
   return padded;
 }
 
-Tensor MoELayer::unpad_from_capacity(const Tensor& padded) const {
+Tensor MoELayer::unpad_expert_rows(const Tensor& padded) const {
   const Saved& s = saved_;
-  if (s.expert_capacity == 0) return padded;
+  if (!s.padded) return padded;
   int64_t routed = 0;
   for (int64_t n : s.tokens_per_local_expert) routed += n;
   Tensor rows = empty_like(padded, {routed, padded.dim(1)});
-  ops::moe_unpad_rows_from_capacity(padded, s.tokens_per_local_expert, s.expert_capacity, rows);
+  ops::moe_unpad_rows(padded, s.tokens_per_local_expert, s.expert_rows, rows);
   return rows;
+}
+
+void MoELayer::enable_fp8(const Fp8Config& config) {
+  MEGATON_CHECK(config.enabled, "MoE layer {}: enable_fp8 without an FP8 format", layer_);
+  fc1_fp8_.clear();
+  fc2_fp8_.clear();
+  for (const Expert& e : experts) {
+    fc1_fp8_.emplace_back(config, e.fc1_weight.weight.device());
+    fc2_fp8_.emplace_back(config, e.fc2_weight.weight.device());
+  }
+  fp8_rows_ = config.dimension_multiple();
+}
+
+std::vector<std::pair<std::string, Tensor*>> MoELayer::fp8_state() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  const auto layer_prefix = [](const Param& weight) {
+    return weight.name.substr(0, weight.name.size() - std::string(".weight").size());
+  };
+  for (size_t e = 0; e < fc1_fp8_.size(); ++e) {
+    for (auto& entry : fc1_fp8_[e].state(layer_prefix(experts[e].fc1_weight))) out.push_back(entry);
+    for (auto& entry : fc2_fp8_[e].state(layer_prefix(experts[e].fc2_weight))) out.push_back(entry);
+  }
+  return out;
+}
+
+Fp8LinearGemms::Sharding MoELayer::fp8_sharding(Param Expert::*fc) const {
+  Fp8LinearGemms::Sharding s;
+  if (mp_.etp_size() <= 1) return s;
+  s.group = {mp_.comm, &mp_.etp()};
+  s.weight = true;
+  // fc1 column-parallel: its output features (the output gradient) are split; fc2
+  // row-parallel: its input features.
+  s.grad_output = fc == &Expert::fc1_weight;
+  s.input = fc == &Expert::fc2_weight;
+  return s;
+}
+
+void MoELayer::experts_forward(Param Expert::*fc, const Tensor& in, bool keep_input, Tensor& out) {
+  Saved& s = saved_;
+  if (fc1_fp8_.empty()) {
+    ops::grouped_gemm(in, expert_weights(fc), true, out, s.expert_rows);
+    return;
+  }
+  std::vector<Fp8LinearGemms>& gemms = fc == &Expert::fc1_weight ? fc1_fp8_ : fc2_fp8_;
+  std::vector<Fp8LinearGemms::Saved>& kept = fc == &Expert::fc1_weight ? s.fc1_fp8 : s.fc2_fp8;
+  kept.assign(experts.size(), {});
+  const Fp8LinearGemms::Sharding sharding = fp8_sharding(fc);
+  int64_t start = 0;
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const int64_t n = s.expert_rows[e];
+    if (n > 0) {
+      Tensor y = out.rows(start, n);
+      kept[e] = gemms[e].forward(in.rows(start, n), (experts[e].*fc).weight, keep_input, sharding, y);
+    }
+    start += n;
+  }
+}
+
+void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
+                                const std::function<Tensor()>& in, Tensor& din) {
+  const Saved& s = saved_;
+  if (fc1_fp8_.empty()) {
+    ops::grouped_gemm(dout, expert_weights(fc), false, din, s.expert_rows);
+    std::vector<Tensor> grads = expert_grads(fc);
+    ops::grouped_gemm_wgrad(dout, in(), grads, s.expert_rows);
+    return;
+  }
+  std::vector<Fp8LinearGemms>& gemms = fc == &Expert::fc1_weight ? fc1_fp8_ : fc2_fp8_;
+  const std::vector<Fp8LinearGemms::Saved>& kept = fc == &Expert::fc1_weight ? s.fc1_fp8 : s.fc2_fp8;
+  const Fp8LinearGemms::Sharding sharding = fp8_sharding(fc);
+  Tensor whole_in;  // in(), evaluated once if any expert needs it
+  int64_t start = 0;
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const int64_t n = s.expert_rows[e];
+    if (n > 0) {
+      Tensor dx = din.rows(start, n);
+      const auto rows_in = [&] {
+        if (!whole_in.defined()) whole_in = in();
+        return whole_in.rows(start, n);
+      };
+      Param& w = experts[e].*fc;
+      gemms[e].backward(dout.rows(start, n), w.weight, kept[e], rows_in, sharding, dx, w.main_grad);
+    }
+    start += n;
+  }
 }
 
 Tensor MoELayer::expert_activation() const {
@@ -147,23 +233,28 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
                   "moe-pad-expert-input-to-capacity needs moe-expert-capacity-factor");
     s.expert_capacity = routing.capacity * mp_.group(dist::GroupKind::ExpertMP).size();
     s.expert_rows.assign(s.tokens_per_local_expert.size(), s.expert_capacity);
-    s.expert_in = pad_to_capacity(s.expert_in);
   }
+  if (fp8_rows_ > 0)  // FP8 GEMMs take row counts in multiples of fp8_rows_
+    for (int64_t& n : s.expert_rows) n = (n + fp8_rows_ - 1) / fp8_rows_ * fp8_rows_;
+  s.padded = s.expert_rows != s.tokens_per_local_expert;
+  s.expert_in = pad_expert_rows(s.expert_in);
   const int64_t rows = s.expert_in.dim(0);
   s.fc1_out = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
-  ops::grouped_gemm(s.expert_in, expert_weights(&Expert::fc1_weight), true, s.fc1_out,
-                    s.expert_rows);
+  // FP8 weight gradients read each expert's FP8 x^T kept here, not expert_in.
+  const bool fp8_keeps_input = !fc1_fp8_.empty() && cfg_.fp8.wgrad;
+  experts_forward(&Expert::fc1_weight, s.expert_in, fp8_keeps_input, s.fc1_out);
+  if (fp8_keeps_input) s.expert_in = Tensor();
   expert_bias_forward(s.fc1_out, &Expert::fc1_bias);
   // Unpadded, the expert output is handed to combine as it is: the dispatcher's buffer.
-  Tensor expert_out = s.expert_capacity == 0
+  Tensor expert_out = !s.padded
                           ? dispatcher_->new_exchanged_rows({rows, hidden}, x.dtype(), x.device())
                           : empty_like(x, {rows, hidden});
-  ops::grouped_gemm(expert_activation(), expert_weights(&Expert::fc2_weight), true, expert_out,
-                    s.expert_rows);
+  // fc2's input, the activation, is recomputed in backward: FP8 keeps only its scales.
+  experts_forward(&Expert::fc2_weight, expert_activation(), false, expert_out);
   // Row-parallel fc2: the partial outputs are summed over etp, the bias counted once.
   if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias);
 
-  Tensor out = dispatcher_->combine(unpad_from_capacity(expert_out));
+  Tensor out = dispatcher_->combine(unpad_expert_rows(expert_out));
   if (splits_rows()) out = gather_sequence(out, mp_);
   if (shared_expert) ops::add_(out, shared_expert->forward(x_in));
   return out;
@@ -180,15 +271,12 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   }
   Tensor dprobs;
   // The padding rows' output gradient is zero (a padding row is no copy's).
-  Tensor dexpert_out = pad_to_capacity(dispatcher_->combine_backward(dy, dprobs));
+  Tensor dexpert_out = pad_expert_rows(dispatcher_->combine_backward(dy, dprobs));
 
   // linear_fc2 of every local expert; its input, the activation, is recomputed (not kept).
-  Tensor act = expert_activation();
-  Tensor dact = empty_like(dy, act.shape());
-  ops::grouped_gemm(dexpert_out, expert_weights(&Expert::fc2_weight), false, dact, s.expert_rows);
-  std::vector<Tensor> fc2_grads = expert_grads(&Expert::fc2_weight);
-  ops::grouped_gemm_wgrad(dexpert_out, act, fc2_grads, s.expert_rows);
-  act = Tensor();
+  const int64_t rows = dexpert_out.dim(0);
+  Tensor dact = empty_like(dy, {rows, experts[0].fc2_weight.weight.dim(1)});
+  experts_backward(&Expert::fc2_weight, dexpert_out, [&] { return expert_activation(); }, dact);
   // dexpert_out is whole on every ETP rank: each computes the same fc2 bias gradient.
   expert_bias_backward(dexpert_out, &Expert::fc2_bias);
   // activation and linear_fc1.
@@ -197,15 +285,13 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
     ops::swiglu_backward(dact, s.fc1_out, dfc1);
   else
     ops::gelu_backward(dact, s.fc1_out, dfc1);
-  Tensor dexpert_in = s.expert_capacity == 0 ? dispatcher_->new_exchanged_rows(
-                                                   s.expert_in.shape(), dy.dtype(), dy.device())
-                                             : empty_like(dy, s.expert_in.shape());
-  ops::grouped_gemm(dfc1, expert_weights(&Expert::fc1_weight), false, dexpert_in, s.expert_rows);
-  std::vector<Tensor> fc1_grads = expert_grads(&Expert::fc1_weight);
-  ops::grouped_gemm_wgrad(dfc1, s.expert_in, fc1_grads, s.expert_rows);
+  const Shape in_shape = {rows, dy.dim(1)};
+  Tensor dexpert_in = !s.padded ? dispatcher_->new_exchanged_rows(in_shape, dy.dtype(), dy.device())
+                                : empty_like(dy, in_shape);
+  experts_backward(&Expert::fc1_weight, dfc1, [&] { return s.expert_in; }, dexpert_in);
   expert_bias_backward(dfc1, &Expert::fc1_bias);
   dfc1 = Tensor();
-  Tensor dx = dispatcher_->dispatch_backward(unpad_from_capacity(dexpert_in));
+  Tensor dx = dispatcher_->dispatch_backward(unpad_expert_rows(dexpert_in));
 
   // Router: the probabilities' and the injected losses' gradients, then the gating linear.
   router.backward(dprobs, aux_grad_scale, dx);

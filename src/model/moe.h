@@ -1,9 +1,13 @@
 // MoELayer: Megatron's top-k router, token permutation, grouped expert MLPs, weighted combine.
 #pragma once
 #include <any>
+#include <functional>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "model/fp8_linear.h"
 #include "model/layers.h"
 #include "model/parallel.h"
 #include "model/router.h"
@@ -22,7 +26,7 @@ namespace megaton {
 // Copies dropped by capacity reach no expert (token_dispatcher.h): the expert input holds
 // the kept copies only. --moe-pad-expert-input-to-capacity then pads each local expert's
 // input with zero rows to exactly capacity x (ranks of the expert-model-parallel group,
-// ep x etp) rows, the most its copies can number (ops::moe_pad_rows_to_capacity), and
+// ep x etp) rows, the most its copies can number (ops::moe_pad_rows), and
 // strips the padding from the expert output and, in backward, from the input gradient.
 // Megatron instead pads at the source rank with zero-probability copies, which are
 // exchanged; a zero-weight row adds nothing to the output nor to any gradient (its output
@@ -61,6 +65,14 @@ class MoELayer {
   Tensor backward(const Tensor& dy);
   void collect_params(std::vector<Param*>& out);
 
+  // Runs the local experts' fc1 and fc2 in FP8 by config's recipe (see above); the router
+  // and the shared expert's own switch stay as they are.
+  void enable_fp8(const Fp8Config& config);
+  // The experts' delayed-recipe state (checkpoints): Fp8LinearGemms::state of each local
+  // expert's "<prefix>.experts.local_experts.<e>.linear_fc1" / ".linear_fc2". Empty
+  // unless FP8 with the delayed recipe.
+  std::vector<std::pair<std::string, Tensor*>> fp8_state();
+
   // Scale of the aux-loss gradient for the next backward (set by the trainer).
   float aux_grad_scale = 1.0f;
   // Aux loss of the last forward (including its coefficient), 0 when disabled. Under
@@ -79,14 +91,19 @@ class MoELayer {
   // experts' copies).
   struct Saved {
     Tensor x;               // the layer's token rows [T, H] (defined between forward and backward)
-    Tensor expert_in;       // the dispatched copies [R, H] (padded: [L x expert_capacity, H])
+    // The dispatched copies [R, H] (padded: [sum(expert_rows), H]); undefined in FP8 runs
+    // with FP8 weight gradients, which keep each expert's FP8 x^T instead.
+    Tensor expert_in;
     Tensor fc1_out;         // [R, fc1 outputs / etp]; the activation is recomputed
     float aux_loss = 0.0f;  // last_aux_loss()
     std::vector<int64_t> tokens_per_local_expert;  // [local experts], host
     // Rows of expert_in per local expert (the GEMMs' groups): tokens_per_local_expert, or
-    // expert_capacity each when padded to capacity.
+    // padded: expert_capacity each, and in FP8 runs rounded up to the FP8 multiple.
     std::vector<int64_t> expert_rows;
-    int64_t expert_capacity = 0;  // rows per local expert when padded, else 0
+    int64_t expert_capacity = 0;  // rows per local expert when padded to capacity, else 0
+    bool padded = false;          // expert_rows differ from tokens_per_local_expert
+    // FP8 runs: what each local expert's fc1 / fc2 forward kept (x^T or its scale, W's scale).
+    std::vector<Fp8LinearGemms::Saved> fc1_fp8, fc2_fp8;
   };
   // The layer's saved state with its router's, token dispatcher's and shared expert's.
   struct Activations {
@@ -118,11 +135,20 @@ class MoELayer {
   Tensor expert_activation() const;
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
-  // --moe-pad-expert-input-to-capacity: rows [R, H] grouped by local expert -> [L x
-  // expert_capacity, H] with zero padding rows, and back (the padding dropped). Both return
-  // their argument when the last forward did not pad.
-  Tensor pad_to_capacity(const Tensor& rows) const;
-  Tensor unpad_from_capacity(const Tensor& padded) const;
+  // Rows [R, H] grouped by local expert -> [sum(expert_rows), H] with zero padding rows
+  // (to capacity, FP8 multiples), and back (the padding dropped). Both return their
+  // argument when the last forward did not pad.
+  Tensor pad_expert_rows(const Tensor& rows) const;
+  Tensor unpad_expert_rows(const Tensor& padded) const;
+  // out = in @ W_e^T for each local expert's rows (fc: &Expert::fc1_weight or fc2_weight):
+  // one grouped GEMM, or one FP8 GEMM per expert (keep_input: save each expert's FP8 x^T).
+  void experts_forward(Param Expert::*fc, const Tensor& in, bool keep_input, Tensor& out);
+  // din = dout @ W_e and W_e's main_grad += dout^T @ in for each local expert's rows.
+  // in() gives the forward input (fc1's kept copies, fc2's recomputed activation).
+  void experts_backward(Param Expert::*fc, const Tensor& dout, const std::function<Tensor()>& in,
+                        Tensor& din);
+  // The expert-tensor-parallel split of fc1 (column-parallel) or fc2 (row-parallel).
+  Fp8LinearGemms::Sharding fp8_sharding(Param Expert::*fc) const;
   // Without sequence parallelism under TP: the layer runs on block tp_rank of the rows.
   bool splits_rows() const;
 
@@ -132,6 +158,9 @@ class MoELayer {
   int64_t first_local_expert_ = 0;
   std::unique_ptr<MoETokenDispatcher> dispatcher_;
   Saved saved_;
+  // FP8: each local expert's fc1 / fc2 GEMMs (empty in bf16 runs); rows padded to fp8_rows_.
+  std::vector<Fp8LinearGemms> fc1_fp8_, fc2_fp8_;
+  int64_t fp8_rows_ = 0;
 };
 
 }  // namespace megaton

@@ -350,23 +350,26 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
                             const Tensor& row_id_map, const Tensor& probs,
                             Tensor& dexpert_out, Tensor& dprobs);
 
-// Expert inputs padded to a fixed number of rows per expert (Megatron's
-// --moe-pad-expert-input-to-capacity; ops/cpu/moe_permute.cpp, CUDA: one launch per 960
+// Expert inputs padded with zero rows, group by group: to a fixed number of rows per expert
+// (Megatron's --moe-pad-expert-input-to-capacity) or each expert's rows rounded up to a
+// multiple of the FP8 GEMMs' tile (ops/cpu/moe_permute.cpp, CUDA: one launch per 480
 // groups, moe_permute.cu). rows [R, H] holds G groups of consecutive rows, group g having
-// group_rows[g] rows (host counts, each in [0, capacity], R = their sum; empty groups
-// allowed); padded [G * capacity, H] is overwritten with group g's rows at
-// [g * capacity, g * capacity + group_rows[g]) in order and zeros in the rest of its
-// capacity rows. rows and padded: the same dtype (CPU: F32; GPU: F32 or BF16), on one
-// device, not aliasing; G = group_rows.size(). Its gradient is moe_unpad_rows_from_capacity.
-// InternalError on a shape, dtype or device mismatch, capacity < 0, a group above the
-// capacity, or (GPU) R above INT32_MAX.
-void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
-                              int64_t capacity, Tensor& padded);
+// group_rows[g] rows; padded [P, H] holds the same groups, group g having padded_rows[g]
+// rows. Both host counts of length G = group_rows.size(), 0 <= group_rows[g] <=
+// padded_rows[g] (empty groups and groups without padding allowed), R = sum(group_rows),
+// P = sum(padded_rows). padded is overwritten with group g's rows at [P_g, P_g +
+// group_rows[g]) in order, P_g = padded_rows[0] + ... + padded_rows[g - 1], and +0 in the
+// rest of its padded_rows[g] rows. rows and padded: the same dtype (CPU: F32; GPU: F32 or
+// BF16), on one device, not aliasing. Its gradient is moe_unpad_rows.
+// InternalError on a shape, dtype or device mismatch, counts of different lengths, a
+// negative count, a group above its padded rows, or (GPU) R or P above INT32_MAX.
+void moe_pad_rows(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                  const std::vector<int64_t>& padded_rows, Tensor& padded);
 // The reverse (and the gradient of the padding): rows [R, H] overwritten with group g's
-// first group_rows[g] rows of padded [G * capacity, H]; the padding rows are not read.
-// Same shapes, dtypes and errors as moe_pad_rows_to_capacity.
-void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
-                                  int64_t capacity, Tensor& rows);
+// first group_rows[g] rows of padded [P, H]; the padding rows are not read.
+// Same shapes, dtypes and errors as moe_pad_rows.
+void moe_unpad_rows(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                    const std::vector<int64_t>& padded_rows, Tensor& rows);
 
 // Chunks of rows put in a new order (Megatron's sort_chunks_by_idxs: the all-to-all
 // dispatcher regroups the chunks it received by local expert; ops/cpu/moe_permute.cpp,

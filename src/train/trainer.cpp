@@ -75,7 +75,10 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   // The vocabulary padding depends on the tensor-parallel size (Megatron).
   args_.model.tensor_model_parallel_size = args_.parallel.tensor_model_parallel_size;
   args_.model.finalize();
-  args_.model.check_fp8_dimensions(args_.micro_batch_size * args_.model.seq_length);
+  const int64_t etp = args_.parallel.expert_tensor_parallel_size > 0
+                          ? args_.parallel.expert_tensor_parallel_size
+                          : args_.parallel.tensor_model_parallel_size;
+  args_.model.check_fp8_dimensions(args_.micro_batch_size * args_.model.seq_length, etp);
   int64_t gbs = args_.global_batch_size;
   // The parallel layout (checked again here for callers other than the CLI).
   const int64_t world = dist::world_size();
@@ -573,12 +576,11 @@ void Trainer::stop_on_non_finite(double loss, double grad_norm) {
        ranks.find(',') == std::string::npos ? "" : "s", ranks);
 }
 
-std::vector<std::pair<std::string, Tensor*>> Trainer::fp8_state() {
+std::vector<std::pair<std::string, Tensor*>> Trainer::fp8_state(bool experts) {
   std::vector<std::pair<std::string, Tensor*>> out;
   for (auto& chunk : chunks_)
     for (auto& layer : chunk->layers())
-      for (Linear* linear : layer->fp8_linears())
-        for (auto& entry : linear->fp8_state()) out.push_back(entry);
+      for (auto& entry : layer->fp8_state(experts)) out.push_back(entry);
   return out;
 }
 
@@ -590,8 +592,12 @@ void Trainer::save(int64_t iteration) {
   dist::NamedTensors local =
       assemble_tensor_parallel(optimizer_->full_state(), by_name, chunks_[0]->model_parallel());
   for (auto& entry : moe_->expert_bias_state()) local.push_back(std::move(entry));
+  // The FP8 state once: dense layers' from data- and tensor-parallel rank 0, the experts'
+  // from expert-data- and expert-tensor-parallel rank 0 of each expert-parallel rank.
   if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
-    for (auto& [name, t] : fp8_state()) local.emplace_back(name, *t);
+    for (auto& [name, t] : fp8_state(false)) local.emplace_back(name, *t);
+  if (grid_->edp().rank == 0 && grid_->etp().rank == 0)
+    for (auto& [name, t] : fp8_state(true)) local.emplace_back(name, *t);
   std::vector<std::pair<std::string, Tensor>> state =
       dist::gather_named_tensors(*comm_, grid_->world(), local);
   if (!is_logging_rank()) return;
@@ -673,7 +679,9 @@ void Trainer::load() {
       ck.path);
   // The delayed recipe's amax histories: a checkpoint without them (bf16, or another
   // recipe) starts them afresh, as Transformer Engine does without its extra state.
-  for (auto& [name, t] : fp8_state()) {
+  std::vector<std::pair<std::string, Tensor*>> fp8_entries = fp8_state(false);
+  for (auto& entry : fp8_state(true)) fp8_entries.push_back(entry);
+  for (auto& [name, t] : fp8_entries) {
     auto it = ck.tensors.find(name);
     if (it == ck.tensors.end() || args_.finetune) continue;
     if (it->second.shape() != t->shape())

@@ -66,9 +66,10 @@ class Trainer {
                   Tensor& tokens, Tensor& labels) const;
   void save(int64_t iteration);
   // The FP8 delayed recipe's amax histories and scales of this rank's layers, by name
-  // (Linear::fp8_state). Every tensor-parallel rank holds the same values (the amaxes are
-  // reduced over the group); checkpoints keep data-parallel rank 0's.
-  std::vector<std::pair<std::string, Tensor*>> fp8_state();
+  // (TransformerLayer::fp8_state: the dense linears', or with `experts` the routed
+  // experts'). Every (expert-)tensor-parallel rank holds the same values (the amaxes are
+  // reduced over the group); checkpoints keep (expert-)data-parallel rank 0's.
+  std::vector<std::pair<std::string, Tensor*>> fp8_state(bool experts);
   // --check-for-nan-in-loss-and-grad: throws megaton::Error naming the iteration, what was
   // non-finite (loss or gradient norm) and the ranks where it was found. Collective: the
   // loss and the gradient norm are global values, so every rank calls it at once.

@@ -18,7 +18,7 @@ trap 'rm -rf "$dir"' EXIT
 
 config=(--device cpu --mock-data --tokenizer-type NullTokenizer
   --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
-  --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48
+  --num-experts 4 --moe-router-topk 2
   --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear
   --hidden-dropout 0 --attention-dropout 0
   --seq-length 16 --global-batch-size 8 --lr 1e-3
@@ -48,14 +48,16 @@ router_flags() {  # NAME
 # micro-batches must be the reference's micro-batches: global_aux_loss); "VOCAB=n" the
 # NullTokenizer's vocabulary (n tokens + eod) and "PAD=n" --make-vocab-size-divisible-by
 # (default 127 + eod padded by 64: 128 rows under TP 1 and 2 alike); "FP8=recipe" trains
-# the layers' linear GEMMs in FP8 (hybrid format), with --kv-channels 16 so that every FP8
-# GEMM dimension of a TP2 rank is a multiple of 16.
+# the layers' linear GEMMs and the experts' in FP8 (hybrid format), with --kv-channels 16
+# so that every FP8 GEMM dimension of a TP2 rank is a multiple of 16; "MFFN=n" sets
+# --moe-ffn-hidden-size (an ETP2 rank's FP8 expert width must be a multiple of 16).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8=""
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48
   local setting
   for setting in $1; do
     case $setting in
       FP8=*) FP8=${setting#*=} ;;
+      MFFN=*) MFFN=${setting#*=} ;;
       VOCAB=*) VOCAB=${setting#*=} ;;
       PAD=*) PAD=${setting#*=} ;;
       A2A=*) A2A=${setting#*=} ;;
@@ -75,7 +77,7 @@ run() {  # NAME NP FLAGS...
   shift 2
   mkdir -p "$dir/$name"
   local model=(--num-layers "$LAYERS" --micro-batch-size "$MBS" --vocab-size "$VOCAB"
-    --make-vocab-size-divisible-by "$PAD")
+    --make-vocab-size-divisible-by "$PAD" --moe-ffn-hidden-size "$MFFN")
   [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
   [ "$QKN" = 0 ] || model+=(--qk-layernorm)
   [ -z "$FP8" ] || model+=(--fp8-format hybrid --fp8-recipe "$FP8" --kv-channels 16)
@@ -180,7 +182,13 @@ layouts=(
   "tp2-sp-fp8-tensorwise|2|--tensor-model-parallel-size 2 --sequence-parallel|FP8=tensorwise"
   "tp2-sp-fp8-delayed|2|--tensor-model-parallel-size 2 --sequence-parallel|FP8=delayed"
   "dp2-distributed-optimizer-fp8-tensorwise|2|--use-distributed-optimizer|FP8=tensorwise"
+  # The experts' FP8 GEMMs: one quantizer per expert and operand, rows padded per expert;
+  # under ETP the sharded operands' amaxes are reduced over the ETP group.
   "ep2-alltoall-fp8-tensorwise|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|FP8=tensorwise"
+  "ep2-allgather-fp8-tensorwise|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather|FP8=tensorwise"
+  "ep2-etp2-alltoall-fp8-tensorwise|4|--expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --moe-token-dispatcher-type alltoall|FP8=tensorwise MFFN=64"
+  "tp2-sp-ep2-etp1-fp8-tensorwise|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|FP8=tensorwise"
+  "ep2-alltoall-fp8-tensorwise-capacity-pad|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|FP8=tensorwise ROUTER=capacity-pad"
   "pp2-fp8-delayed|2|--pipeline-model-parallel-size 2|FP8=delayed"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
@@ -201,6 +209,9 @@ resumes=(
   "one-rank-to-tp2-qk-layernorm|1||2|--tensor-model-parallel-size 2|QKN=1"
   # The delayed recipe's amax histories and scales go through the checkpoint.
   "tp2-pp2-fp8-delayed-to-one-rank|4|--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2|1||FP8=delayed"
+  # The experts' amax histories: each expert-parallel rank writes its own experts'.
+  # (DP 1: the delayed history follows the micro-batches, which DP splits.)
+  "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed"
 )
 for entry in "${layouts[@]}"; do
   IFS='|' read -r name np flags variant ref_variant <<<"$entry"

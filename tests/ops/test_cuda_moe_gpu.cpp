@@ -1,4 +1,4 @@
-// CUDA softmax cross-entropy, MoE permutation and padding to capacity against their CPU
+// CUDA softmax cross-entropy, MoE permutation and padding per group against their CPU
 // twins (the router: test_cuda_moe_router_gpu.cpp): the same (bf16-rounded where BF16 is
 // used) inputs on both devices, outputs poisoned before each CUDA op runs.
 #include <gtest/gtest.h>
@@ -262,38 +262,44 @@ TEST_F(CudaOpsMoeTest, PermuteAndUnpermuteMatchCpu) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Padding to capacity (--moe-pad-expert-input-to-capacity)
+// Padding per group (--moe-pad-expert-input-to-capacity; FP8 GEMM tiles)
 
 struct PadCase {
-  int64_t groups, capacity, H;
+  int64_t groups, max_rows, H;
+  int64_t tile;  // 0: every group padded to max_rows (a capacity); else rows rounded up to it
 };
 
 // Pad and unpad on both devices: pure copies and zeros, so bitwise equal.
 void check_pad_rows(const PadCase& c, DType dtype, uint64_t seed) {
-  SCOPED_TRACE("groups " + std::to_string(c.groups) + " capacity " + std::to_string(c.capacity) +
-               " H " + std::to_string(c.H) + " " + std::string(dtype_name(dtype)));
-  // Group sizes in [0, capacity], with a full and an empty group.
-  std::vector<int64_t> group_rows(c.groups);
+  SCOPED_TRACE("groups " + std::to_string(c.groups) + " max_rows " + std::to_string(c.max_rows) +
+               " H " + std::to_string(c.H) + " tile " + std::to_string(c.tile) + " " +
+               std::string(dtype_name(dtype)));
+  // Group sizes in [0, max_rows], with a full and an empty group and, rounded to a tile, a
+  // group that is an exact multiple of it (no padding); empty groups then have no padded rows.
+  std::vector<int64_t> group_rows(c.groups), padded_rows(c.groups);
   std::mt19937_64 gen(seed);
-  std::uniform_int_distribution<int64_t> count(0, c.capacity);
+  std::uniform_int_distribution<int64_t> count(0, c.max_rows);
   for (int64_t& n : group_rows) n = count(gen);
-  group_rows[0] = c.capacity;
+  group_rows[0] = c.max_rows;
   if (c.groups > 1) group_rows[1] = 0;
+  if (c.groups > 2 && c.tile > 0) group_rows[2] = c.tile * (c.max_rows / c.tile);
+  for (int64_t g = 0; g < c.groups; ++g)
+    padded_rows[g] = c.tile == 0 ? c.max_rows : (group_rows[g] + c.tile - 1) / c.tile * c.tile;
   const int64_t R = std::accumulate(group_rows.begin(), group_rows.end(), int64_t(0));
-  const int64_t padded_rows = c.groups * c.capacity;
+  const int64_t P = std::accumulate(padded_rows.begin(), padded_rows.end(), int64_t(0));
 
   const Rounded rows = as_dtype(randn({R, c.H}, seed + 1), dtype);
-  Tensor ref_padded = Tensor::empty({padded_rows, c.H});
-  ops::moe_pad_rows_to_capacity(rows.ref, group_rows, c.capacity, ref_padded);
-  Tensor padded = poisoned_gpu({padded_rows, c.H}, dtype);
-  ops::moe_pad_rows_to_capacity(rows.device, group_rows, c.capacity, padded);
+  Tensor ref_padded = Tensor::empty({P, c.H});
+  ops::moe_pad_rows(rows.ref, group_rows, padded_rows, ref_padded);
+  Tensor padded = poisoned_gpu({P, c.H}, dtype);
+  ops::moe_pad_rows(rows.device, group_rows, padded_rows, padded);
   EXPECT_TRUE(bitwise_equal(padded, ref_padded.to(dtype))) << "padded";
 
-  const Rounded grad = as_dtype(randn({padded_rows, c.H}, seed + 2), dtype);
+  const Rounded grad = as_dtype(randn({P, c.H}, seed + 2), dtype);
   Tensor ref_rows = Tensor::empty({R, c.H});
-  ops::moe_unpad_rows_from_capacity(grad.ref, group_rows, c.capacity, ref_rows);
+  ops::moe_unpad_rows(grad.ref, group_rows, padded_rows, ref_rows);
   Tensor unpadded = poisoned_gpu({R, c.H}, dtype);
-  ops::moe_unpad_rows_from_capacity(grad.device, group_rows, c.capacity, unpadded);
+  ops::moe_unpad_rows(grad.device, group_rows, padded_rows, unpadded);
   EXPECT_TRUE(bitwise_equal(unpadded, ref_rows.to(dtype))) << "unpadded";
 }
 
@@ -301,27 +307,46 @@ TEST_F(CudaOpsMoeTest, PadRowsToCapacityMatchesCpu) {
   const uint64_t seed = testing::test_seed() + 660;
   SCOPED_TRACE(seed_trace(seed));
   // H = 97: rows not a multiple of a 16-byte pack; 2000 groups: more than one launch's
-  // (960) groups; 256 x 40: DeepSeek-V3's experts on one rank.
+  // (480) groups; 256 x 40: DeepSeek-V3's experts on one rank.
   const std::vector<PadCase> cases = {
-      {1, 1, 64}, {4, 37, 97}, {8, 512, 256}, {2000, 3, 96}, {256, 40, 1024},
+      {1, 1, 64, 0}, {4, 37, 97, 0}, {8, 512, 256, 0}, {2000, 3, 96, 0}, {256, 40, 1024, 0},
   };
   for (DType dtype : {DType::F32, DType::BF16})
     for (size_t i = 0; i < cases.size(); ++i) check_pad_rows(cases[i], dtype, seed + 10 * i);
 }
 
-TEST_F(CudaOpsMoeTest, PadRowsToCapacityRejectsBadInputs) {
+TEST_F(CudaOpsMoeTest, PadRowsToTileMatchesCpu) {
+  const uint64_t seed = testing::test_seed() + 665;
+  SCOPED_TRACE(seed_trace(seed));
+  // Each group's rows rounded up to the FP8 GEMMs' 16 or 128 rows: unequal padding, empty
+  // groups with no padded rows, groups without padding; 1000 groups: more than one launch;
+  // 256 x 40: DeepSeek-V3's experts on one rank.
+  const std::vector<PadCase> cases = {
+      {3, 20, 97, 16},
+      {64, 300, 256, 128},
+      {1000, 40, 96, 16},
+      {256, 40, 1024, 16},
+  };
+  for (DType dtype : {DType::F32, DType::BF16})
+    for (size_t i = 0; i < cases.size(); ++i) check_pad_rows(cases[i], dtype, seed + 10 * i);
+}
+
+TEST_F(CudaOpsMoeTest, PadRowsRejectsBadInputs) {
   const Tensor rows = to_gpu(randn({5, 2}, 3));
   Tensor padded = poisoned_gpu({9, 2}, DType::F32);
-  const std::vector<int64_t> groups = {2, 0, 3};
-  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, padded));
+  const std::vector<int64_t> groups = {2, 0, 3}, capacity = {3, 3, 3};
+  EXPECT_NO_THROW(ops::moe_pad_rows(rows, groups, capacity, padded));
+  EXPECT_NO_THROW(ops::moe_pad_rows(rows, groups, {4, 2, 3}, padded));
   Tensor short_padded = poisoned_gpu({8, 2}, DType::F32);
   Tensor bf16_padded = poisoned_gpu({9, 2}, DType::BF16);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {2, 0, 2}, 3, padded), InternalError);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {4, 0, 1}, 3, padded), InternalError);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, short_padded), InternalError);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, bf16_padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, {2, 0, 2}, capacity, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, {4, 0, 1}, capacity, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, {3, 4, 2}, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, {3, 3}, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, capacity, short_padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, capacity, bf16_padded), InternalError);
   Tensor host_rows = Tensor::empty({5, 2});
-  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(padded, groups, 3, host_rows), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows(padded, groups, capacity, host_rows), InternalError);
 }
 
 TEST_F(CudaOpsMoeTest, SortChunksMatchesCpu) {

@@ -1,5 +1,5 @@
-// Tests of the MoE token permutation by expert and of the padding of expert inputs to
-// capacity (the router ops: test_ops_moe_router*.cpp).
+// Tests of the MoE token permutation by expert and of the padding of expert inputs per
+// group (the router ops: test_ops_moe_router*.cpp).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -196,26 +196,77 @@ TEST(MoeSortChunks, RejectsBadChunksAndOrders) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Padding to capacity (--moe-pad-expert-input-to-capacity)
+// Padding per group (--moe-pad-expert-input-to-capacity; FP8 GEMM tiles)
 
 TEST(MoePadRows, HandWorkedExample) {
   // Groups of 2, 0 and 3 rows padded to 3 rows each.
   Tensor rows = Tensor::from({5, 2}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10});
-  const std::vector<int64_t> groups = {2, 0, 3};
+  const std::vector<int64_t> groups = {2, 0, 3}, capacity = {3, 3, 3};
   Tensor padded = Tensor::empty({9, 2});
   poison(padded);
-  ops::moe_pad_rows_to_capacity(rows, groups, 3, padded);
+  ops::moe_pad_rows(rows, groups, capacity, padded);
   const std::vector<float> want = {1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 5, 6, 7, 8, 9, 10};
   EXPECT_TRUE(allclose(padded, Tensor::from({9, 2}, want), 0, 0));
   // Unpadding reads the groups' rows only: NaN padding rows do not reach the result.
   for (int64_t r : {2, 3, 4, 5}) padded.rows(r, 1).fill(NAN);
   Tensor back = Tensor::empty({5, 2});
   poison(back);
-  ops::moe_unpad_rows_from_capacity(padded, groups, 3, back);
+  ops::moe_unpad_rows(padded, groups, capacity, back);
   EXPECT_TRUE(allclose(back, rows, 0, 0));
 }
 
-TEST(MoePadRows, RoundTripsAndIsItsOwnAdjoint) {
+TEST(MoePadRows, HandWorkedUnequalPadding) {
+  // Groups of 2, 0, 3, 0 and 1 rows padded to 4, 2, 3 (none), 0 (none, empty) and 1 (none).
+  Tensor rows = Tensor::from({6, 2}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12});
+  const std::vector<int64_t> groups = {2, 0, 3, 0, 1}, padded_rows = {4, 2, 3, 0, 1};
+  Tensor padded = Tensor::empty({10, 2});
+  poison(padded);
+  ops::moe_pad_rows(rows, groups, padded_rows, padded);
+  // Group 0: 2 rows, 2 zero rows; group 1: 2 zero rows; group 2: 3 rows; group 4: 1 row.
+  const std::vector<float> want = {1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0, 5, 6, 7, 8, 9, 10, 11, 12};
+  EXPECT_TRUE(allclose(padded, Tensor::from({10, 2}, want), 0, 0));
+  for (int64_t r : {2, 3, 4, 5}) padded.rows(r, 1).fill(NAN);
+  Tensor back = Tensor::empty({6, 2});
+  poison(back);
+  ops::moe_unpad_rows(padded, groups, padded_rows, back);
+  EXPECT_TRUE(allclose(back, rows, 0, 0));
+}
+
+// Pads random rows of `groups` to `padded_rows`, checks every padded element (the group's
+// rows in order, then +0), the round trip, and that unpadding is the adjoint of padding.
+void check_round_trip(const std::vector<int64_t>& groups, const std::vector<int64_t>& padded_rows,
+                      int64_t H, uint64_t seed) {
+  const int64_t G = int64_t(groups.size());
+  const int64_t R = std::accumulate(groups.begin(), groups.end(), int64_t(0));
+  const int64_t P = std::accumulate(padded_rows.begin(), padded_rows.end(), int64_t(0));
+  Tensor rows = randn({R, H}, seed + 1);
+  Tensor padded = Tensor::empty({P, H});
+  poison(padded);
+  ops::moe_pad_rows(rows, groups, padded_rows, padded);
+  int64_t start = 0, padded_start = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < padded_rows[g]; ++i)
+      for (int64_t c = 0; c < H; ++c) {
+        const float got = padded.f32()[(padded_start + i) * H + c];
+        const float want = i < groups[g] ? rows.f32()[(start + i) * H + c] : 0.0f;
+        ASSERT_EQ(got, want) << "group " << g << " row " << i << " column " << c;
+        ASSERT_FALSE(std::signbit(got) && want == 0.0f) << "padding must be +0";
+      }
+    start += groups[g];
+    padded_start += padded_rows[g];
+  }
+  Tensor back = Tensor::empty({R, H});
+  poison(back);
+  ops::moe_unpad_rows(padded, groups, padded_rows, back);
+  EXPECT_TRUE(allclose(back, rows, 0, 0));
+  // <pad(x), w> = <x, unpad(w)>: unpadding is the gradient of padding (and the reverse).
+  Tensor w = randn({P, H}, seed + 2);
+  Tensor unpadded_w = Tensor::empty({R, H});
+  ops::moe_unpad_rows(w, groups, padded_rows, unpadded_w);
+  EXPECT_NEAR(dot(padded, w), dot(rows, unpadded_w), 1e-9 * double(P * H));
+}
+
+TEST(MoePadRows, ToCapacityRoundTripsAndIsItsOwnAdjoint) {
   const uint64_t seed = testing::test_seed() + 140;
   SCOPED_TRACE(seed_trace(seed));
   std::mt19937_64 gen(seed);
@@ -224,62 +275,75 @@ TEST(MoePadRows, RoundTripsAndIsItsOwnAdjoint) {
   std::vector<int64_t> groups = {0, capacity, 1};
   std::uniform_int_distribution<int64_t> count(0, capacity);
   for (int g = 0; g < 8; ++g) groups.push_back(count(gen));
-  const int64_t G = int64_t(groups.size());
-  const int64_t R = std::accumulate(groups.begin(), groups.end(), int64_t(0));
-  Tensor rows = randn({R, H}, seed + 1);
-  Tensor padded = Tensor::empty({G * capacity, H});
-  poison(padded);
-  ops::moe_pad_rows_to_capacity(rows, groups, capacity, padded);
-  int64_t start = 0;
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < capacity; ++i)
-      for (int64_t c = 0; c < H; ++c) {
-        const float got = padded.f32()[(g * capacity + i) * H + c];
-        const float want = i < groups[g] ? rows.f32()[(start + i) * H + c] : 0.0f;
-        ASSERT_EQ(got, want) << "group " << g << " row " << i << " column " << c;
-        ASSERT_FALSE(std::signbit(got) && want == 0.0f) << "padding must be +0";
-      }
-    start += groups[g];
-  }
-  Tensor back = Tensor::empty({R, H});
-  poison(back);
-  ops::moe_unpad_rows_from_capacity(padded, groups, capacity, back);
-  EXPECT_TRUE(allclose(back, rows, 0, 0));
-  // <pad(x), w> = <x, unpad(w)>: unpadding is the gradient of padding (and the reverse).
-  Tensor w = randn({G * capacity, H}, seed + 2);
-  Tensor unpadded_w = Tensor::empty({R, H});
-  ops::moe_unpad_rows_from_capacity(w, groups, capacity, unpadded_w);
-  EXPECT_NEAR(dot(padded, w), dot(rows, unpadded_w), 1e-9 * double(R * H));
+  check_round_trip(groups, std::vector<int64_t>(groups.size(), capacity), H, seed);
 }
 
-TEST(MoePadRows, ZeroCapacityAndNoGroups) {
+TEST(MoePadRows, UnequalPaddingRoundTripsAndIsItsOwnAdjoint) {
+  const uint64_t seed = testing::test_seed() + 150;
+  SCOPED_TRACE(seed_trace(seed));
+  std::mt19937_64 gen(seed);
+  const int64_t H = 5;
+  // Rows rounded up to a multiple of 16 (the FP8 GEMMs' padding): an empty group (no
+  // padded rows), exact multiples (no padding), and partial groups.
+  std::vector<int64_t> groups = {0, 16, 3, 32, 0, 17};
+  std::uniform_int_distribution<int64_t> count(0, 40);
+  for (int g = 0; g < 10; ++g) groups.push_back(count(gen));
+  std::vector<int64_t> to_16(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) to_16[g] = (groups[g] + 15) / 16 * 16;
+  check_round_trip(groups, to_16, H, seed);
+  // Any padding per group: empty groups with and without padded rows, groups without
+  // padding, groups with more padding than rows.
+  std::vector<int64_t> padded_rows(groups.size());
+  std::uniform_int_distribution<int64_t> extra(0, 5);
+  for (size_t g = 0; g < groups.size(); ++g) padded_rows[g] = groups[g] + extra(gen);
+  padded_rows[0] = 0;   // 0 rows, no padding
+  padded_rows[1] = 16;  // 16 rows, no padding
+  padded_rows[4] = 7;   // 0 rows, 7 zero rows
+  padded_rows[5] = 40;  // 17 rows, 23 zero rows
+  check_round_trip(groups, padded_rows, H, seed + 10);
+}
+
+TEST(MoePadRows, NoRowsAndNoGroups) {
   Tensor none = Tensor::empty({0, 3});
   Tensor padded = Tensor::empty({0, 3});
-  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(none, {0, 0}, 0, padded));
-  EXPECT_NO_THROW(ops::moe_unpad_rows_from_capacity(padded, {0, 0}, 0, none));
-  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(none, {}, 4, padded));
+  EXPECT_NO_THROW(ops::moe_pad_rows(none, {0, 0}, {0, 0}, padded));
+  EXPECT_NO_THROW(ops::moe_unpad_rows(padded, {0, 0}, {0, 0}, none));
+  EXPECT_NO_THROW(ops::moe_pad_rows(none, {}, {}, padded));
+  EXPECT_NO_THROW(ops::moe_unpad_rows(padded, {}, {}, none));
+  // Empty groups padded: zeros only.
+  Tensor zeros = Tensor::empty({3, 3});
+  poison(zeros);
+  ops::moe_pad_rows(none, {0, 0, 0}, {2, 0, 1}, zeros);
+  EXPECT_TRUE(allclose(zeros, Tensor::from({3, 3}, std::vector<float>(9, 0.0f)), 0, 0));
+  EXPECT_NO_THROW(ops::moe_unpad_rows(zeros, {0, 0, 0}, {2, 0, 1}, none));
 }
 
 TEST(MoePadRows, RejectsBadInputs) {
   Tensor rows = randn({5, 2}, 3);
   Tensor padded = Tensor::empty({9, 2});
-  const std::vector<int64_t> groups = {2, 0, 3};
-  EXPECT_NO_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, padded));
-  // A group above the capacity, counts not summing to the rows, a negative count or
-  // capacity, a wrong padded shape or dtype.
+  const std::vector<int64_t> groups = {2, 0, 3}, capacity = {3, 3, 3};
+  EXPECT_NO_THROW(ops::moe_pad_rows(rows, groups, capacity, padded));
+  EXPECT_NO_THROW(ops::moe_pad_rows(rows, groups, {4, 2, 3}, padded));
+  // A group above its padded rows, counts not summing to the rows, a negative count,
+  // counts of different lengths, a wrong padded shape or dtype.
   Tensor padded2 = Tensor::empty({6, 2});
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {5, 0}, 3, padded2), InternalError);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {2, 0, 2}, 3, padded), InternalError);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, {2, -1, 4}, 4, padded), InternalError);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, -3, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, {5, 0}, {3, 3}, padded2), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, {3, 4, 2}, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, {2, 0, 2}, capacity, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, {2, -1, 4}, {4, 1, 4}, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, {3, -3, 9}, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, {3, 3}, padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, {3, 3, 3, 0}, padded), InternalError);
   Tensor short_padded = Tensor::empty({8, 2}), wide_padded = Tensor::empty({9, 3});
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, short_padded), InternalError);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, wide_padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, capacity, short_padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, capacity, wide_padded), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, {3, 3, 4}, padded), InternalError);  // 10 rows
   Tensor int_padded = Tensor::empty({9, 2}, DType::I32);
-  EXPECT_THROW(ops::moe_pad_rows_to_capacity(rows, groups, 3, int_padded), InternalError);
-  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(padded, {2, 0, 2}, 3, rows), InternalError);
-  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(padded, {4, 0, 1}, 3, rows), InternalError);
-  EXPECT_THROW(ops::moe_unpad_rows_from_capacity(short_padded, groups, 3, rows), InternalError);
+  EXPECT_THROW(ops::moe_pad_rows(rows, groups, capacity, int_padded), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows(padded, {2, 0, 2}, capacity, rows), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows(padded, {4, 0, 1}, capacity, rows), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows(padded, groups, {3, 3}, rows), InternalError);
+  EXPECT_THROW(ops::moe_unpad_rows(short_padded, groups, capacity, rows), InternalError);
 }
 
 }  // namespace

@@ -6,8 +6,8 @@
 // row holds. The other ops invert that map once (copy -> row) so every output row is
 // written by one iteration and the loops parallelise without atomics.
 //
-// moe_pad_rows_to_capacity / moe_unpad_rows_from_capacity (--moe-pad-expert-input-to-capacity)
-// copy each expert's rows of the expert input into, or out of, a block of `capacity` rows;
+// moe_pad_rows / moe_unpad_rows copy each expert's rows of the expert input into, or out of,
+// its block of padded rows (a fixed capacity, or its rows rounded up to a GEMM tile);
 // moe_sort_chunks puts chunks of rows in a new order (any dtype, byte copies).
 #include <cstdint>
 #include <cstring>
@@ -192,61 +192,65 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out, const 
 
 namespace {
 
-// Door checks shared by the padding ops: rows [R, H] and padded [G * capacity, H] F32 CPU
-// tensors, R = sum(group_rows), each group in [0, capacity]. Returns each group's first row
-// in rows.
-std::vector<int64_t> check_padding(const Tensor& rows, const std::vector<int64_t>& group_rows,
-                                   int64_t capacity, const Tensor& padded) {
+// Door checks shared by the padding ops: rows [R, H] and padded [P, H] F32 CPU tensors,
+// R = sum(group_rows), P = sum(padded_rows), 0 <= group_rows[g] <= padded_rows[g].
+struct PadStarts {
+  std::vector<int64_t> row;     // group g's first row in rows
+  std::vector<int64_t> padded;  // group g's first row in padded
+};
+PadStarts check_padding(const char* op, const Tensor& rows, const std::vector<int64_t>& group_rows,
+                        const std::vector<int64_t>& padded_rows, const Tensor& padded) {
   check_f32_cpu(rows, "rows");
   check_f32_cpu(padded, "padded");
-  MEGATON_CHECK(rows.ndim() == 2, "moe_pad_rows_to_capacity: rows must be [R, H], got {}",
-                shape_str(rows.shape()));
-  MEGATON_CHECK(capacity >= 0, "moe_pad_rows_to_capacity: capacity {} must be >= 0", capacity);
-  const int64_t groups = int64_t(group_rows.size());
-  std::vector<int64_t> start(groups + 1, 0);
-  for (int64_t g = 0; g < groups; ++g) {
-    MEGATON_CHECK(group_rows[g] >= 0 && group_rows[g] <= capacity,
-                  "moe_pad_rows_to_capacity: group {} has {} rows, not in [0, capacity {}]", g,
-                  group_rows[g], capacity);
-    start[g + 1] = start[g] + group_rows[g];
+  MEGATON_CHECK(rows.ndim() == 2, "{}: rows must be [R, H], got {}", op, shape_str(rows.shape()));
+  MEGATON_CHECK(padded_rows.size() == group_rows.size(), "{}: {} padded row counts for {} groups",
+                op, padded_rows.size(), group_rows.size());
+  const size_t groups = group_rows.size();
+  PadStarts start{std::vector<int64_t>(groups + 1, 0), std::vector<int64_t>(groups + 1, 0)};
+  for (size_t g = 0; g < groups; ++g) {
+    MEGATON_CHECK(group_rows[g] >= 0 && group_rows[g] <= padded_rows[g],
+                  "{}: group {} has {} rows, not in [0, its padded rows {}]", op, g, group_rows[g],
+                  padded_rows[g]);
+    start.row[g + 1] = start.row[g] + group_rows[g];
+    start.padded[g + 1] = start.padded[g] + padded_rows[g];
   }
-  MEGATON_CHECK(start.back() == rows.dim(0),
-                "moe_pad_rows_to_capacity: rows has {} rows, the groups sum to {}", rows.dim(0),
-                start.back());
-  check_shape(padded, {groups * capacity, rows.dim(1)}, "padded");
+  MEGATON_CHECK(start.row.back() == rows.dim(0), "{}: rows has {} rows, the groups sum to {}", op,
+                rows.dim(0), start.row.back());
+  MEGATON_CHECK(padded.shape() == Shape({start.padded.back(), rows.dim(1)}),
+                "{}: padded has shape {}, expected [{}, {}]", op, shape_str(padded.shape()),
+                start.padded.back(), rows.dim(1));
   return start;
 }
 
 }  // namespace
 
-void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
-                              int64_t capacity, Tensor& padded) {
-  MEGATON_CUDA_DISPATCH(rows, cuda::moe_pad_rows_to_capacity(rows, group_rows, capacity, padded));
-  const std::vector<int64_t> start = check_padding(rows, group_rows, capacity, padded);
+void moe_pad_rows(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                  const std::vector<int64_t>& padded_rows, Tensor& padded) {
+  MEGATON_CUDA_DISPATCH(rows, cuda::moe_pad_rows(rows, group_rows, padded_rows, padded));
+  const PadStarts start = check_padding("moe_pad_rows", rows, group_rows, padded_rows, padded);
   const int64_t H = rows.dim(1);
   if (H == 0) return;
   const float* src = rows.f32();
   float* dst = padded.f32();
   for (size_t g = 0; g < group_rows.size(); ++g) {
-    float* group = dst + int64_t(g) * capacity * H;
-    const int64_t n = group_rows[g];
-    if (n > 0) std::memcpy(group, src + start[g] * H, sizeof(float) * n * H);
-    if (n < capacity) std::memset(group + n * H, 0, sizeof(float) * (capacity - n) * H);  // +0.0f
+    float* group = dst + start.padded[g] * H;
+    const int64_t n = group_rows[g], padded_n = padded_rows[g];
+    if (n > 0) std::memcpy(group, src + start.row[g] * H, sizeof(float) * n * H);
+    if (n < padded_n) std::memset(group + n * H, 0, sizeof(float) * (padded_n - n) * H);  // +0.0f
   }
 }
 
-void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
-                                  int64_t capacity, Tensor& rows) {
-  MEGATON_CUDA_DISPATCH(padded,
-                        cuda::moe_unpad_rows_from_capacity(padded, group_rows, capacity, rows));
-  const std::vector<int64_t> start = check_padding(rows, group_rows, capacity, padded);
+void moe_unpad_rows(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                    const std::vector<int64_t>& padded_rows, Tensor& rows) {
+  MEGATON_CUDA_DISPATCH(padded, cuda::moe_unpad_rows(padded, group_rows, padded_rows, rows));
+  const PadStarts start = check_padding("moe_unpad_rows", rows, group_rows, padded_rows, padded);
   const int64_t H = rows.dim(1);
   if (H == 0) return;
   const float* src = padded.f32();
   float* dst = rows.f32();
   for (size_t g = 0; g < group_rows.size(); ++g)
     if (group_rows[g] > 0)
-      std::memcpy(dst + start[g] * H, src + int64_t(g) * capacity * H,
+      std::memcpy(dst + start.row[g] * H, src + start.padded[g] * H,
                   sizeof(float) * group_rows[g] * H);
 }
 

@@ -120,10 +120,10 @@ void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Ten
 void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out,
                             const Tensor& row_id_map, const Tensor& probs,
                             Tensor& dexpert_out, Tensor& dprobs);
-void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
-                              int64_t capacity, Tensor& padded);
-void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
-                                  int64_t capacity, Tensor& rows);
+void moe_pad_rows(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                  const std::vector<int64_t>& padded_rows, Tensor& padded);
+void moe_unpad_rows(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                    const std::vector<int64_t>& padded_rows, Tensor& rows);
 // moe_sort_chunks with its arguments checked: output chunk j is rows[j] rows of src from
 // row src_first[j] (copy_chunks.cu).
 void moe_sort_chunks(const Tensor& src, const std::vector<int64_t>& src_first,

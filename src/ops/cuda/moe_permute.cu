@@ -9,8 +9,9 @@
 //
 // The other ops invert row_id_map (copy -> permuted row) and gather: each output row is
 // written by one warp, summing its inputs in j order, with no atomics. The padding ops
-// (--moe-pad-expert-input-to-capacity) move each expert's rows into or out of a block of
-// `capacity` rows, one warp per padded row, the groups' starts passed by value.
+// (a fixed capacity per expert, or each expert's rows rounded up to a GEMM tile) move each
+// expert's rows into or out of its block of padded rows, one warp per padded row, the
+// groups' starts passed by value.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -306,29 +307,45 @@ __global__ void unpermute_backward_kernel(const T* __restrict__ dout,
   if (lane == 0) dprobs[c] = dot;
 }
 
-// Groups of one padding launch (moe_pad_rows_to_capacity): their first rows in the
-// unpadded rows, passed by value as a __grid_constant__ parameter under the classic 4 KB
-// limit, so the host counts reach the kernel without a copy or a synchronization.
-constexpr int kMaxPadGroups = 960;
+// Groups of one padding launch (moe_pad_rows): their first rows in the unpadded rows and in
+// this launch's padded rows, passed by value as a __grid_constant__ parameter under the
+// classic 4 KB limit, so the host counts reach the kernel without a copy or a
+// synchronization.
+constexpr int kMaxPadGroups = 480;
 struct PadGroups {
-  int32_t start[kMaxPadGroups + 1];  // group g's rows: [start[g], start[g + 1]) of rows
+  int32_t row_start[kMaxPadGroups + 1];     // group g's rows: [row_start[g], row_start[g + 1])
+  int32_t padded_start[kMaxPadGroups + 1];  // its padded rows, from the launch's first
   int32_t groups;
 };
-static_assert(sizeof(PadGroups) + 4 * sizeof(int64_t) + 2 * sizeof(void*) <= 4096);
+static_assert(sizeof(PadGroups) + 2 * sizeof(int64_t) + 2 * sizeof(void*) <= 4096,
+              "PadGroups must fit the 4 KB kernel parameter limit");
 
-// Padded row p = g * capacity + i (of this launch's groups): rows[start[g] + i] when i is
-// below group g's rows (kUnpad: copied the other way), else zeros (padding only). One warp
-// per padded row.
+// Padded row p (of this launch) in group g, padded_start[g] <= p < padded_start[g + 1], is
+// rows[row_start[g] + i], i = p - padded_start[g], when i is below group g's rows (kUnpad:
+// copied the other way), else zeros (padding only). One warp per padded row; g by binary
+// search over the padded starts (uniform across the warp, so the parameter reads broadcast),
+// groups without padded rows never matching.
 template <typename T, int kN, bool kUnpad>
 __global__ void pad_rows_kernel(const __grid_constant__ PadGroups groups, T* __restrict__ rows,
-                                T* __restrict__ padded, int64_t capacity, int64_t H) {
+                                T* __restrict__ padded, int64_t padded_rows, int64_t H) {
   const int64_t p = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (p >= int64_t(groups.groups) * capacity) return;
-  const int64_t g = p / capacity, i = p % capacity;
-  const int64_t row = int64_t(groups.start[g]) + i;
+  if (p >= padded_rows) return;
+  // The last g in [0, groups) with padded_start[g] <= p: the first j in [1, groups] with
+  // padded_start[j] > p, less one.
+  int lo = 1, hi = groups.groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (groups.padded_start[mid] > p)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  const int g = lo - 1;
+  const int64_t i = p - groups.padded_start[g];
+  const int64_t row = int64_t(groups.row_start[g]) + i;
   auto* padded_row = reinterpret_cast<Pack<T, kN>*>(padded + p * H);
-  if (row < groups.start[g + 1]) {
+  if (row < groups.row_start[g + 1]) {
     auto* rows_row = reinterpret_cast<Pack<T, kN>*>(rows + row * H);
     for (int64_t n = lane; n < H / kN; n += 32) {
       if constexpr (kUnpad)
@@ -343,46 +360,56 @@ __global__ void pad_rows_kernel(const __grid_constant__ PadGroups groups, T* __r
 }
 
 // Both padding ops: door checks, then one launch per kMaxPadGroups groups.
-void pad_rows(const Tensor& rows, const std::vector<int64_t>& group_rows, int64_t capacity,
-              const Tensor& padded, bool unpad) {
-  const char* op = unpad ? "moe_unpad_rows_from_capacity" : "moe_pad_rows_to_capacity";
+void pad_rows(const Tensor& rows, const std::vector<int64_t>& group_rows,
+              const std::vector<int64_t>& padded_rows, const Tensor& padded, bool unpad) {
+  const char* op = unpad ? "moe_unpad_rows" : "moe_pad_rows";
   check_float(rows, "rows");
   check_dtype(padded, rows.dtype(), "padded");
   MEGATON_CHECK(rows.ndim() == 2, "{}: rows must be [R, H], got {}", op, shape_str(rows.shape()));
-  MEGATON_CHECK(capacity >= 0, "{}: capacity {} must be >= 0", op, capacity);
+  MEGATON_CHECK(padded_rows.size() == group_rows.size(), "{}: {} padded row counts for {} groups",
+                op, padded_rows.size(), group_rows.size());
   const int64_t num_groups = int64_t(group_rows.size()), H = rows.dim(1);
-  std::vector<int64_t> start(num_groups + 1, 0);
+  std::vector<int64_t> row_start(num_groups + 1, 0), padded_start(num_groups + 1, 0);
   for (int64_t g = 0; g < num_groups; ++g) {
-    MEGATON_CHECK(group_rows[g] >= 0 && group_rows[g] <= capacity,
-                  "{}: group {} has {} rows, not in [0, capacity {}]", op, g, group_rows[g],
-                  capacity);
-    start[g + 1] = start[g] + group_rows[g];
+    MEGATON_CHECK(group_rows[g] >= 0 && group_rows[g] <= padded_rows[g],
+                  "{}: group {} has {} rows, not in [0, its padded rows {}]", op, g, group_rows[g],
+                  padded_rows[g]);
+    row_start[g + 1] = row_start[g] + group_rows[g];
+    padded_start[g + 1] = padded_start[g] + padded_rows[g];
   }
-  MEGATON_CHECK(start.back() == rows.dim(0), "{}: rows has {} rows, the groups sum to {}", op,
-                rows.dim(0), start.back());
-  MEGATON_CHECK(start.back() <= INT32_MAX, "{}: {} rows overflow the int32 group starts", op,
-                start.back());
-  check_shape(padded, {num_groups * capacity, H}, "padded");
-  if (H == 0 || capacity == 0) return;
+  MEGATON_CHECK(row_start.back() == rows.dim(0), "{}: rows has {} rows, the groups sum to {}", op,
+                rows.dim(0), row_start.back());
+  MEGATON_CHECK(row_start.back() <= INT32_MAX && padded_start.back() <= INT32_MAX,
+                "{}: {} rows or {} padded rows overflow the int32 group starts", op,
+                row_start.back(), padded_start.back());
+  MEGATON_CHECK(padded.shape() == Shape({padded_start.back(), H}),
+                "{}: padded has shape {}, expected [{}, {}]", op, shape_str(padded.shape()),
+                padded_start.back(), H);
+  if (H == 0) return;
   const size_t elem = dtype_size(rows.dtype());
   for (int64_t first = 0; first < num_groups; first += kMaxPadGroups) {
     PadGroups launch;
     launch.groups = int32_t(std::min<int64_t>(kMaxPadGroups, num_groups - first));
-    for (int32_t g = 0; g <= launch.groups; ++g) launch.start[g] = int32_t(start[first + g]);
-    const int64_t padded_rows = int64_t(launch.groups) * capacity;
-    char* padded_at = static_cast<char*>(padded.raw()) + size_t(first * capacity * H) * elem;
+    for (int32_t g = 0; g <= launch.groups; ++g) {
+      launch.row_start[g] = int32_t(row_start[first + g]);
+      launch.padded_start[g] = int32_t(padded_start[first + g] - padded_start[first]);
+    }
+    const int64_t launch_padded_rows = launch.padded_start[launch.groups];
+    if (launch_padded_rows == 0) continue;
+    char* padded_at = static_cast<char*>(padded.raw()) + size_t(padded_start[first] * H) * elem;
     dispatch_rows(rows.dtype(), H, {rows.raw(), padded_at}, [&](auto tag, auto pack) {
       using T_ = decltype(tag);
       auto* rows_ptr = static_cast<T_*>(rows.raw());
       auto* padded_ptr = reinterpret_cast<T_*>(padded_at);
+      const unsigned blocks = row_blocks(launch_padded_rows);
       if (unpad)
         pad_rows_kernel<T_, decltype(pack)::value, true>
-            <<<row_blocks(padded_rows), kWarpsPerBlock * 32, 0, ::megaton::cuda::stream()>>>(
-                launch, rows_ptr, padded_ptr, capacity, H);
+            <<<blocks, kWarpsPerBlock * 32, 0, ::megaton::cuda::stream()>>>(
+                launch, rows_ptr, padded_ptr, launch_padded_rows, H);
       else
         pad_rows_kernel<T_, decltype(pack)::value, false>
-            <<<row_blocks(padded_rows), kWarpsPerBlock * 32, 0, ::megaton::cuda::stream()>>>(
-                launch, rows_ptr, padded_ptr, capacity, H);
+            <<<blocks, kWarpsPerBlock * 32, 0, ::megaton::cuda::stream()>>>(
+                launch, rows_ptr, padded_ptr, launch_padded_rows, H);
       MEGATON_CUDA_CHECK_LAUNCH();
     });
   }
@@ -531,14 +558,14 @@ void moe_unpermute_backward(const Tensor& dout, const Tensor& expert_out, const 
                 });
 }
 
-void moe_pad_rows_to_capacity(const Tensor& rows, const std::vector<int64_t>& group_rows,
-                              int64_t capacity, Tensor& padded) {
-  pad_rows(rows, group_rows, capacity, padded, false);
+void moe_pad_rows(const Tensor& rows, const std::vector<int64_t>& group_rows,
+                  const std::vector<int64_t>& padded_rows, Tensor& padded) {
+  pad_rows(rows, group_rows, padded_rows, padded, false);
 }
 
-void moe_unpad_rows_from_capacity(const Tensor& padded, const std::vector<int64_t>& group_rows,
-                                  int64_t capacity, Tensor& rows) {
-  pad_rows(rows, group_rows, capacity, padded, true);
+void moe_unpad_rows(const Tensor& padded, const std::vector<int64_t>& group_rows,
+                    const std::vector<int64_t>& padded_rows, Tensor& rows) {
+  pad_rows(rows, group_rows, padded_rows, padded, true);
 }
 
 }  // namespace megaton::ops::cuda
