@@ -30,6 +30,10 @@ struct Fp8Config {
   bool first_last_layers_bf16 = false;
   int64_t num_layers_at_start_in_bf16 = 1;
   int64_t num_layers_at_end_in_bf16 = 1;
+  // --fp8-param-gather (distributed optimizer, per-tensor recipes): the FP8 layers'
+  // weights are kept and all-gathered in FP8 (Param::fp8_param), quantized once per step
+  // after the update instead of from a bf16 copy at each use.
+  bool param_gather = false;
 
   DType forward_dtype() const { return DType::F8E4M3; }
   DType gradient_dtype() const { return hybrid ? DType::F8E5M2 : DType::F8E4M3; }

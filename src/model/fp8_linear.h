@@ -9,6 +9,7 @@
 #include "core/tensor.h"
 #include "model/fp8.h"
 #include "model/fp8_config.h"
+#include "model/param.h"
 
 namespace megaton {
 
@@ -21,11 +22,17 @@ namespace megaton {
 // under hybrid), scales by config's recipe (model/fp8.h). Every GEMM dimension (T, in,
 // out) must be a multiple of config.dimension_multiple() (ops::fp8_gemm raises
 // InternalError otherwise; the trainer checks the flags and the MoE layer pads).
+// With --fp8-param-gather the weight is already FP8 (Param::fp8_param: quantized after the
+// optimizer step, all-gathered in FP8): the GEMMs read it and its fp8_scales, and
+// backward transposes its bytes (ops::fp8_transpose) for W^T.
 class Fp8LinearGemms {
  public:
   Fp8LinearGemms() = default;
   Fp8LinearGemms(const Fp8Config& config, Device device);
   bool enabled() const { return enabled_; }
+  // Marks `weight` as kept in FP8 (Param::fp8_param, with its fp8_scales allocated) under
+  // --fp8-param-gather; nothing otherwise. Called before the ParamAndGradBuffers are built.
+  void adopt_weight(Param& weight) const;
 
   // Which operands are split over ranks (their amaxes reduced over `group`, so that a
   // shard gets the scale of the whole tensor): the weight shards of a tensor-parallel
@@ -47,14 +54,15 @@ class Fp8LinearGemms {
     bool defined() const { return w.scale_inv.defined(); }
   };
 
-  // y [T, out] (allocated by the caller, overwritten) = x W^T. keep_input: save x^T (FP8)
-  // for the weight gradient; false when the caller recomputes x for backward.
-  Saved forward(const Tensor& x, const Tensor& w, bool keep_input, const Sharding& sharding,
+  // y [T, out] (allocated by the caller, overwritten) = x W^T, W = weight.weight.
+  // keep_input: save x^T (FP8) for the weight gradient; false when the caller recomputes
+  // x for backward.
+  Saved forward(const Tensor& x, const Param& weight, bool keep_input, const Sharding& sharding,
                 Tensor& y);
   // dx [T, in] (allocated, overwritten) and main_grad [out, in] (fp32, accumulated) from dy
   // [T, out]. x() gives forward's input, called only when `saved` holds no x^T (a
   // recomputed input) or the weight gradient runs in bf16.
-  void backward(const Tensor& dy, const Tensor& w, const Saved& saved,
+  void backward(const Tensor& dy, const Param& weight, const Saved& saved,
                 const std::function<Tensor()>& x, const Sharding& sharding, Tensor& dx,
                 Tensor& main_grad);
 
@@ -64,7 +72,7 @@ class Fp8LinearGemms {
   std::vector<std::pair<std::string, Tensor*>> state(const std::string& prefix);
 
  private:
-  bool enabled_ = false, wgrad_ = false, fast_forward_ = false;
+  bool enabled_ = false, wgrad_ = false, fast_forward_ = false, param_gather_ = false;
   Fp8Quantizer input_, weight_, grad_;
 };
 

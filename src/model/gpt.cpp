@@ -215,9 +215,12 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   tail_forward_ = tail_grads_;
   if (chunk_.post_process && chunk_.pre_process && !cfg.untie_embeddings_and_output_weights)
     tail_forward_.push_back(&word_embeddings);
-  // Dense and expert params in two buffers: they are reduced over different groups.
-  std::vector<Param*> dense, expert;
-  for (Param* p : params_) (p->is_expert ? expert : dense).push_back(p);
+  // Dense and expert params in two buffers: they are reduced over different groups; the
+  // FP8 weights of --fp8-param-gather in two more (their weight buffers are FP8).
+  std::vector<Param*> dense, expert, dense_fp8, expert_fp8;
+  for (Param* p : params_)
+    (p->is_expert ? (p->fp8_param ? expert_fp8 : expert) : (p->fp8_param ? dense_fp8 : dense))
+        .push_back(p);
   // Embeddings tied across pipeline stages: sharded alike on both stages, so their
   // gradients can be summed over the stages after the data-parallel reduce-scatter
   // (Megatron's _does_param_require_new_bucket).
@@ -225,9 +228,11 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   if (word_embeddings.weight.defined() && chunk_.pre_process != chunk_.post_process &&
       dense_shards > 1)
     own_bucket.push_back(&word_embeddings);
-  buffers_.reserve(2);
+  buffers_.reserve(4);
   buffers_.emplace_back(dense, dense_shards, false, bucket_size, own_bucket);
+  if (!dense_fp8.empty()) buffers_.emplace_back(dense_fp8, dense_shards, false, bucket_size);
   if (!expert.empty()) buffers_.emplace_back(expert, expert_shards, true, bucket_size);
+  if (!expert_fp8.empty()) buffers_.emplace_back(expert_fp8, expert_shards, true, bucket_size);
 }
 
 int64_t GPTModel::num_parameters() const {

@@ -98,6 +98,8 @@ Param make_constant_param(const std::string& name, const Shape& shape, float val
 }
 
 void refresh_compute_weight(Param& p) {
+  // An FP8 weight (--fp8-param-gather) is requantized by the distributed optimizer.
+  MEGATON_CHECK(!p.fp8_param, "refresh_compute_weight on the FP8 weight '{}'", p.name);
   if (p.weight.raw() != p.main_param.raw()) ops::cast(p.main_param, p.weight);
 }
 
@@ -140,7 +142,7 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
   saved_ = {};
   if (fp8_.enabled()) {
-    saved_.fp8 = fp8_.forward(x_full, weight.weight, save_input, fp8_sharding(), y);
+    saved_.fp8 = fp8_.forward(x_full, weight, save_input, fp8_sharding(), y);
     // A bf16 weight gradient (--no-fp8-wgrad) reads the input itself.
     if (save_input && !saved_.fp8.x.data_t.defined()) saved_.x = x;
   } else {
@@ -178,7 +180,7 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved) {
   };
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
   if (fp8_.enabled()) {
-    fp8_.backward(dy_full, weight.weight, saved.fp8, x_full, fp8_sharding(), dx, weight.main_grad);
+    fp8_.backward(dy_full, weight, saved.fp8, x_full, fp8_sharding(), dx, weight.main_grad);
   } else {
     ops::gemm(dy_full, false, weight.weight, false, dx);
     ops::gemm(dy_full, true, x_full(), false, weight.main_grad, 1.0f, 1.0f);
@@ -193,6 +195,7 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved) {
 void Linear::enable_fp8(const Fp8Config& config) {
   MEGATON_CHECK(config.enabled, "Linear '{}': enable_fp8 without an FP8 format", weight.name);
   fp8_ = Fp8LinearGemms(config, weight.weight.device());
+  fp8_.adopt_weight(weight);
 }
 
 std::vector<std::pair<std::string, Tensor*>> Linear::fp8_state() {

@@ -112,9 +112,11 @@ void MoELayer::enable_fp8(const Fp8Config& config) {
   MEGATON_CHECK(config.enabled, "MoE layer {}: enable_fp8 without an FP8 format", layer_);
   fc1_fp8_.clear();
   fc2_fp8_.clear();
-  for (const Expert& e : experts) {
+  for (Expert& e : experts) {
     fc1_fp8_.emplace_back(config, e.fc1_weight.weight.device());
     fc2_fp8_.emplace_back(config, e.fc2_weight.weight.device());
+    fc1_fp8_.back().adopt_weight(e.fc1_weight);
+    fc2_fp8_.back().adopt_weight(e.fc2_weight);
   }
   fp8_rows_ = config.dimension_multiple();
 }
@@ -158,7 +160,7 @@ void MoELayer::experts_forward(Param Expert::*fc, const Tensor& in, bool keep_in
     const int64_t n = s.expert_rows[e];
     if (n > 0) {
       Tensor y = out.rows(start, n);
-      kept[e] = gemms[e].forward(in.rows(start, n), (experts[e].*fc).weight, keep_input, sharding, y);
+      kept[e] = gemms[e].forward(in.rows(start, n), experts[e].*fc, keep_input, sharding, y);
     }
     start += n;
   }
@@ -187,7 +189,7 @@ void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
         return whole_in.rows(start, n);
       };
       Param& w = experts[e].*fc;
-      gemms[e].backward(dout.rows(start, n), w.weight, kept[e], rows_in, sharding, dx, w.main_grad);
+      gemms[e].backward(dout.rows(start, n), w, kept[e], rows_in, sharding, dx, w.main_grad);
     }
     start += n;
   }

@@ -46,6 +46,14 @@ struct Param {
   // of the grad norm and of checkpoints, where the first stage's copy stands for both
   // (Megatron's `shared` attribute, param_is_not_shared).
   bool shared = false;
+  // --fp8-param-gather: the compute copy `weight` is FP8 (e4m3, a view into an FP8
+  // ParamAndGradBuffer), quantized from the fp32 main params after each optimizer step
+  // with one per-tensor scale (DistributedAdamW::quantize_fp8_weights) and all-gathered in
+  // FP8. fp8_scales [2] F32 = {scale_inv, scale} of that quantization (its own allocation:
+  // cuBLASLt reads scale_inv and wants it aligned). Set by the layer that runs the
+  // weight's GEMMs in FP8 (Fp8LinearGemms).
+  bool fp8_param = false;
+  Tensor fp8_scales;
 };
 
 }  // namespace megaton

@@ -19,7 +19,8 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
     : params_(std::move(params)), num_shards_(num_shards), is_expert_(is_expert) {
   MEGATON_CHECK(num_shards >= 1, "ParamAndGradBuffer: {} shards", num_shards);
   MEGATON_CHECK(!params_.empty(), "ParamAndGradBuffer: no params");
-  const DType dtype = params_[0]->weight.dtype();
+  const bool fp8 = params_[0]->fp8_param;
+  const DType dtype = fp8 ? DType::F8E4M3 : params_[0]->weight.dtype();
   const Device device = params_[0]->weight.device();
   offsets_.assign(params_.size(), 0);
   int64_t total = 0;
@@ -35,7 +36,9 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   // Reverse order: Megatron's _ParamAndGradBuffer iterates params[::-1].
   for (size_t k = params_.size(); k-- > 0;) {
     Param* p = params_[k];
-    MEGATON_CHECK(p->weight.dtype() == dtype && p->weight.device() == device,
+    MEGATON_CHECK(p->fp8_param == fp8, "ParamAndGradBuffer: param '{}' is {}an FP8 weight, "
+                  "the first is {}", p->name, p->fp8_param ? "" : "not ", fp8 ? "" : "not");
+    MEGATON_CHECK((fp8 || p->weight.dtype() == dtype) && p->weight.device() == device,
                   "ParamAndGradBuffer: param '{}' is {} on {}, the first {} on {}", p->name,
                   dtype_name(p->weight.dtype()), device_name(p->weight.device()), dtype_name(dtype),
                   device_name(device));
@@ -56,9 +59,15 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
     Param* p = params_[i];
     const bool main_is_weight = p->main_param.defined() && p->main_param.raw() == p->weight.raw();
     Tensor view = weights_.rows(offsets_[i], p->weight.numel()).view(p->weight.shape());
-    view.copy_from(p->weight);
-    p->weight = view;
-    if (main_is_weight) p->main_param = view;
+    if (fp8) {
+      // The fp32 values stay in main_param (an fp32 run's weight was its main param).
+      MEGATON_CHECK(p->main_param.defined(), "FP8 weight '{}' without an fp32 main param", p->name);
+      p->weight = view;
+    } else {
+      view.copy_from(p->weight);
+      p->weight = view;
+      if (main_is_weight) p->main_param = view;
+    }
     p->main_grad = grads_.rows(offsets_[i], p->weight.numel()).view(p->weight.shape());
   }
 }

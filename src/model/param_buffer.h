@@ -41,7 +41,11 @@ class ParamAndGradBuffer {
   // them alike). Buckets are padded to a multiple of 64 x num_shards.
   // p->weight and p->main_grad become views into the buffers (p->main_param too when it
   // is the weight, in fp32 runs). All params share one device and one compute dtype
-  // (InternalError otherwise). is_expert: the buffer of expert parameters (reduced over
+  // (InternalError otherwise). FP8 weights (--fp8-param-gather): when every param is
+  // Param::fp8_param, the weight buffer is F8E4M3 and left zero (the optimizer quantizes
+  // the main params into it: DistributedAdamW), and p->main_param keeps the fp32 values
+  // (in fp32 runs the former weight tensor); a mix of FP8 and other params is an
+  // InternalError. is_expert: the buffer of expert parameters (reduced over
   // the expert-data-parallel group), else of dense ones.
   ParamAndGradBuffer(std::vector<Param*> params, int64_t num_shards, bool is_expert,
                      int64_t bucket_size = 0, const std::vector<const Param*>& own_bucket = {});
@@ -49,6 +53,8 @@ class ParamAndGradBuffer {
   // The params in the order given to the constructor.
   const std::vector<Param*>& params() const { return params_; }
   bool is_expert() const { return is_expert_; }
+  // The weights are FP8 (--fp8-param-gather, Param::fp8_param).
+  bool fp8() const { return weights_.dtype() == DType::F8E4M3; }
   int64_t numel() const { return weights_.numel(); }
   int64_t num_shards() const { return num_shards_; }
   // Element offset of param i (constructor order) in the buffers.

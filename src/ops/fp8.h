@@ -95,6 +95,11 @@ void fp8_quantize(const Tensor& x, const Tensor& scale, Tensor& out, Tensor& out
 void fp8_quantize_blockwise(const Tensor& x, int64_t block_rows, const Fp8ScaleRule& rule,
                             Tensor& out, Tensor& scale_inv, Tensor& out_t, Tensor& scale_inv_t);
 
+// q_t [C, R] = q^T for q [R, C], both FP8 of one dtype on one device (bytes moved, no
+// rounding): the column-wise copy of an FP8 weight kept in FP8 (--fp8-param-gather), with
+// the same scale. InternalError on a shape, dtype or device mismatch.
+void fp8_transpose(const Tensor& q, Tensor& q_t);
+
 // x = q * scale_inv (dequantization), for tests and the CPU GEMM. q [R, C] FP8, x [R, C]
 // F32 or BF16 overwritten; scale_inv F32 [1] (per tensor) or the blockwise shape
 // [ceil(R / block_rows), ceil(C / 128)]: block_rows is 1 when scale_inv.dim(0) == R,

@@ -4,10 +4,12 @@
 
 #include <array>
 #include <cmath>
+#include <unordered_map>
 
 #include "core/error.h"
 #include "dist/host_reduce.h"
 #include "model/layers.h"
+#include "ops/fp8.h"
 #include "ops/ops.h"
 
 namespace megaton::optim {
@@ -48,7 +50,13 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
       sp.is_expert = p->is_expert;
       sp.weight = b.weights().rows(piece.buffer_offset, piece.numel);
       sp.main_grad = b.grads().rows(piece.buffer_offset, piece.numel);
-      if (p->main_param.raw() == p->weight.raw()) {
+      if (b.fp8()) {
+        // AdamW updates the fp32 piece only; quantize_fp8_weights writes the FP8 bytes.
+        sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
+        sp.main_param.copy_from(p->main_param.view({p->main_param.numel()})
+                                    .rows(piece.param_offset, piece.numel));
+        sp.weight = sp.main_param;
+      } else if (p->main_param.raw() == p->weight.raw()) {
         sp.main_param = sp.weight;  // fp32 run: the weight is the main param
       } else {
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
@@ -66,6 +74,49 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
       if (p->main_param.raw() != p->weight.raw()) p->main_param = Tensor();
   for (Param& sp : shard_params_) targets.push_back(&sp);
   adam_ = std::make_unique<AdamW>(targets, config);
+  quantize_fp8_weights();
+}
+
+void DistributedAdamW::quantize_fp8_weights() {
+  for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+    ParamAndGradBuffer& b = *buffers_[bi];
+    if (!b.fp8()) continue;
+    MEGATON_CHECK(distributed_, "FP8 weight buffers need the distributed optimizer");
+    const std::vector<Param*>& params = b.params();
+    const Device device = b.grads().device();
+    std::unordered_map<const Param*, int64_t> index;
+    for (size_t k = 0; k < params.size(); ++k) index[params[k]] = int64_t(k);
+    // This rank's piece of a weight is contiguous (a weight lies in one bucket, a shard is
+    // a contiguous range of it): its amax is the weight's partial amax here.
+    Tensor amax = Tensor::zeros({int64_t(params.size())}, DType::F32, device);
+    for (size_t i = 0; i < shard_params_.size(); ++i)
+      if (shard_buffer_[i] == bi) {
+        Tensor slot = amax.rows(index.at(shard_pieces_[i].param), 1);
+        ops::fp8_amax(shard_params_[i].main_param, slot);
+      }
+    comm_.all_reduce(amax, group_of(b), dist::ReduceOp::Max);
+    const dist::Group& tp = b.is_expert() ? grid_.etp() : grid_.tp();
+    if (tp.size() > 1) comm_.all_reduce(amax, tp, dist::ReduceOp::Max);
+    if (!ones_.defined()) {
+      ones_ = Tensor::empty({2}, DType::F32, device);
+      ones_.fill(1.0f);
+    }
+    const ops::Fp8ScaleRule rule;  // e4m3, no margin: current scaling of the weights
+    for (size_t k = 0; k < params.size(); ++k) {
+      Tensor& scales = params[k]->fp8_scales;
+      scales.copy_from(ones_);
+      Tensor scale = scales.rows(1, 1), scale_inv = scales.rows(0, 1);
+      ops::fp8_update_scale(amax.rows(int64_t(k), 1), rule, scale, scale_inv);
+    }
+    Tensor no_transpose, no_amax;
+    for (size_t i = 0; i < shard_params_.size(); ++i)
+      if (shard_buffer_[i] == bi) {
+        const BufferPiece& piece = shard_pieces_[i];
+        Tensor out = b.weights().rows(piece.buffer_offset, piece.numel).view({1, piece.numel});
+        ops::fp8_quantize(shard_params_[i].main_param.view({1, piece.numel}),
+                          piece.param->fp8_scales.rows(1, 1), out, no_transpose, no_amax);
+      }
+  }
 }
 
 bool DistributedAdamW::counts_in_norm(const Param& p) const {
@@ -116,6 +167,7 @@ double DistributedAdamW::params_norm() { return norm_over_model(true); }
 
 void DistributedAdamW::step(float lr, float grad_scale) {
   adam_->step(lr, grad_scale * grad_mean_scale());
+  quantize_fp8_weights();
 }
 
 std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
@@ -184,6 +236,7 @@ void DistributedAdamW::load_full_state(
   for (ParamAndGradBuffer& b : each_buffer())
     for (Param* p : b.params()) {
       const Tensor& full = get("model." + p->name, p->weight.shape());
+      if (b.fp8()) continue;  // quantized from the main params below
       if (p->main_param.defined()) {
         p->main_param.copy_from(full);
         refresh_compute_weight(*p);
@@ -205,7 +258,9 @@ void DistributedAdamW::load_full_state(
       return full.view({full.numel()}).rows(piece.param_offset, piece.numel);
     };
     Param& sp = shard_params_[i];
-    if (sp.main_param.raw() != sp.weight.raw())
+    // (An fp32 run's weight is its main param, loaded above; an FP8 weight's piece updates
+    // its own fp32 main param, sp.weight being that too.)
+    if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8())
       sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
     if (optimizer_state) {
       state[2 * i].second->copy_from(slice(get("optimizer." + p->name + ".exp_avg", p->weight.shape())));
@@ -213,6 +268,7 @@ void DistributedAdamW::load_full_state(
           slice(get("optimizer." + p->name + ".exp_avg_sq", p->weight.shape())));
     }
   }
+  quantize_fp8_weights();
 }
 
 }  // namespace megaton::optim

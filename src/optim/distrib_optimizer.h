@@ -45,8 +45,21 @@ class DistributedAdamW {
 
   // AdamW with learning rate lr, gradients times grad_scale (clipping), on the params or
   // (distributed) this rank's shard of every bucket; the other ranks' updated weights
-  // come with DistributedDataParallel::start_param_sync.
+  // come with DistributedDataParallel::start_param_sync. FP8 weights are then
+  // requantized (quantize_fp8_weights).
   void step(float lr, float grad_scale);
+
+  // --fp8-param-gather: writes this rank's shard of every FP8 weight buffer from the fp32
+  // main params, one per-tensor scale per weight as Transformer Engine's current scaling
+  // casts master weights to FP8: amax over the whole weight (this rank's pieces, then a
+  // max over the data-parallel group of the buffer and the (expert-)tensor-parallel
+  // group, so that every shard of a TP-split weight gets the one-rank run's scale), scale
+  // = 448 / amax (ops::fp8_update_scale; 1 for an all-zero weight) into
+  // Param::fp8_scales, then the e4m3 cast of the pieces. The FP8 bytes of the other
+  // ranks' shards come with DistributedDataParallel::start_param_sync. Called by the
+  // constructor, step and load_full_state. Collective over those groups; nothing without
+  // FP8 buffers.
+  void quantize_fp8_weights();
 
   // The factor from the reduced main_grads (sums over the data-parallel ranks) to the
   // gradient of the mean loss: 1 / dp_cp size. Applied inside grad_norm and step.
@@ -92,6 +105,7 @@ class DistributedAdamW {
   std::vector<Param> shard_params_;
   std::vector<BufferPiece> shard_pieces_;  // distributed: the piece of each shard param
   std::vector<size_t> shard_buffer_;       // distributed: its buffer index
+  Tensor ones_;  // F32 [2] = {1, 1}: each FP8 weight's scales start from it
   std::unique_ptr<AdamW> adam_;
 };
 

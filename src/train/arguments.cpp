@@ -534,14 +534,16 @@ void parse_fp8_args(const Reader& r, GPTConfig& m) {
       f.num_layers_at_start_in_bf16 + f.num_layers_at_end_in_bf16 > m.num_layers)
     fail("num-layers-at-start-in-bf16 ({}) + num-layers-at-end-in-bf16 ({}) exceed num-layers ({})",
          f.num_layers_at_start_in_bf16, f.num_layers_at_end_in_bf16, m.num_layers);
-  bool param_gather = false, router_padding = false;
-  r.get("fp8-param-gather", param_gather);
+  bool router_padding = false;
+  r.get("fp8-param-gather", f.param_gather);
   r.get("moe-router-padding-for-fp8", router_padding);
+  if (f.param_gather && f.recipe == Fp8Recipe::Blockwise)
+    fail("fp8-param-gather is not available with --fp8-recipe blockwise in Megaton (its "
+         "weights would need 128x128-block FP8 copies); use tensorwise or delayed");
   // Not built yet (issue 16): refused by name rather than accepted and ignored.
-  if (param_gather) fail("fp8-param-gather is not available in Megaton yet (FP8 weights are "
-                         "quantized from the bf16 copy each step)");
-  if (router_padding) fail("moe-router-padding-for-fp8 is not available in Megaton yet (the "
-                           "routed experts' GEMMs run in bf16)");
+  if (router_padding) fail("moe-router-padding-for-fp8 is not available in Megaton yet (each "
+                           "expert's rows are padded to the FP8 multiple inside the experts, "
+                           "as Megatron does without the flag)");
 }
 }  // namespace
 
@@ -716,6 +718,10 @@ TrainArgs parse_train_args(const RawOptions& raw) {
 
   r.get("bf16", a.model.bf16);
   parse_fp8_args(r, a.model);
+  // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.
+  if (a.model.fp8.param_gather && !p.use_distributed_optimizer)
+    fail("fp8-param-gather needs use-distributed-optimizer (the FP8 weights are what its "
+         "all-gather moves)");
   if (a.device.empty()) a.device = cuda_available() ? "cuda" : "cpu";
   if (a.device == "cuda") {
     if (!cuda_available())

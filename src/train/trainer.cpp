@@ -149,6 +149,12 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
                                                          args_.adam, distributed);
   if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
   if (!args_.load.empty()) load();
+  // --fp8-param-gather: each rank quantized its shard of the FP8 weights (at construction
+  // or load); the all-gather gives every rank all of them before the first forward.
+  if (args_.model.fp8.param_gather) {
+    ddp_->start_param_sync();
+    ddp_->finish_param_sync();
+  }
 }
 
 std::vector<GPTModel*> Trainer::chunk_pointers() const {

@@ -202,6 +202,11 @@ layouts=(
   # so this checks the run against one rank at rtol 5e-2, which a misrouted token, a wrong
   # expert's weight or a missing amax reduction exceeds.
   "ep2-alltoall-fp8-tensorwise-capacity-pad|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|FP8=tensorwise ROUTER=capacity-pad RTOL=5e-2"
+  # --fp8-param-gather: each rank quantizes its shard of the FP8 weights from the fp32 main
+  # params with the whole weight's scale (amax reduced over DP and TP) and all-gathers the
+  # bytes; on CPU ranks that equals quantizing the fp32 weight at each use (one rank).
+  "dp2-distributed-optimizer-fp8-param-gather|2|--use-distributed-optimizer --fp8-param-gather|FP8=tensorwise"
+  "tp2-dp2-distributed-optimizer-fp8-param-gather|4|--tensor-model-parallel-size 2 --use-distributed-optimizer --fp8-param-gather|FP8=tensorwise"
   "pp2-fp8-delayed|2|--pipeline-model-parallel-size 2|FP8=delayed"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
@@ -222,6 +227,7 @@ resumes=(
   "one-rank-to-tp2-qk-layernorm|1||2|--tensor-model-parallel-size 2|QKN=1"
   # The delayed recipe's amax histories and scales go through the checkpoint.
   "tp2-pp2-fp8-delayed-to-one-rank|4|--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2|1||FP8=delayed RTOL=2e-3"
+  "dp2-fp8-param-gather-to-one-rank|2|--use-distributed-optimizer --fp8-param-gather|1|--use-distributed-optimizer --fp8-param-gather|FP8=tensorwise"
   # The experts' amax histories: each expert-parallel rank writes its own experts'.
   # (DP 1: the delayed history follows the micro-batches, which DP splits.)
   "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed RTOL=1e-3"

@@ -376,6 +376,27 @@ TEST(CudaFp8, QuantizeBlockwiseMatchesCpu) {
 
 // ------------------------------------------------------------------- dequantization
 
+// The FP8 weights' transpose (--fp8-param-gather): bytes equal to the CPU's, for shapes
+// around the 64 x 64 tile and training widths.
+TEST(CudaFp8, TransposeMatchesCpu) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (const Shape& shape : kShapes) {
+    const int64_t rows = shape[0], cols = shape[1];
+    SCOPED_TRACE(shape_str(shape));
+    Tensor x = wide_values(shape, seed + 11);
+    Tensor q = Tensor::empty(shape, DType::F8E4M3), none;
+    Tensor scale = Tensor::from({1}, {ops::fp8_max(DType::F8E4M3) / max_abs_finite(x)});
+    ops::fp8_quantize(x, scale, q, none, none);
+    Tensor q_t = Tensor::empty({cols, rows}, DType::F8E4M3);
+    ops::fp8_transpose(q, q_t);
+    Tensor gpu_t = poisoned({cols, rows}, DType::F8E4M3);
+    ops::fp8_transpose(q.to(Device::CUDA), gpu_t);
+    EXPECT_TRUE(same_bits(gpu_t, q_t, "q_t"));
+  }
+}
+
 TEST(CudaFp8, DequantizeMatchesCpu) {
   MEGATON_SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed();

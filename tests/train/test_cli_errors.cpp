@@ -423,6 +423,11 @@ TEST_F(CliErrors, Fp8BadRecipesAndDimensions) {
       {fp8 + " --first-last-layers-bf16", "first-last-layers-bf16 needs --fp8-recipe tensorwise or blockwise"},
       {fp8 + " --fp8-recipe tensorwise --first-last-layers-bf16 --num-layers-at-start-in-bf16 2",
        "num-layers-at-start-in-bf16 (2) + num-layers-at-end-in-bf16 (1) exceed num-layers (2)"},
+      {fp8 + " --fp8-param-gather", "fp8-param-gather needs use-distributed-optimizer"},
+      {fp8 + " --fp8-recipe blockwise --fp8-param-gather --use-distributed-optimizer",
+       "fp8-param-gather is not available with --fp8-recipe blockwise"},
+      {fp8 + " --moe-router-padding-for-fp8", "moe-router-padding-for-fp8 is not available"},
+      {kMock + " --train-iters 1 --fp8-param-gather", "option 'fp8-param-gather' needs --fp8-format"},
   };
   for (const auto& [flags, message] : cases) {
     SCOPED_TRACE(flags);

@@ -195,6 +195,50 @@ TEST_F(TrainTest, Fp8ResumeIsBitIdentical) {
   }
 }
 
+// --fp8-param-gather quantizes each FP8 weight from the fp32 main params after the update
+// with the per-tensor scale of the whole weight; on the CPU the compute weights are those
+// fp32 values, which the tensorwise recipe would quantize with the same scale at each use:
+// the runs are bit-identical, dense and MoE (the experts' weights are FP8 too). The FP8
+// bytes also go through the distributed optimizer's all-gather (one rank here; the
+// layouts test runs DP2 and TP2 x DP2).
+TEST_F(TrainTest, Fp8ParamGatherEqualsQuantizingEachUse) {
+  for (bool moe : {false, true}) {
+    SCOPED_TRACE(moe ? "moe" : "dense");
+    RawOptions raw = moe ? tiny_fp8_moe(dir) : tiny_fp8_dense(dir);
+    raw["train-iters"] = {"6"};
+    raw["fp8-format"] = {"hybrid"};
+    raw["fp8-recipe"] = {"tensorwise"};
+    raw["use-distributed-optimizer"] = {"true"};
+    const TrainResult each_use = run(raw);
+    raw["fp8-param-gather"] = {"true"};
+    const TrainResult gathered = run(raw);
+    EXPECT_EQ(gathered.losses, each_use.losses);
+    // The FP8 weights' gradients sit in buffers of their own, so the grad norm's fp64 sum
+    // adds the same squares in another order.
+    ASSERT_EQ(gathered.grad_norms.size(), each_use.grad_norms.size());
+    for (size_t i = 0; i < each_use.grad_norms.size(); ++i)
+      EXPECT_NEAR(gathered.grad_norms[i], each_use.grad_norms[i], 1e-12 * each_use.grad_norms[i]);
+    EXPECT_EQ(gathered.last_valid_loss, each_use.last_valid_loss);
+  }
+}
+
+// With the delayed recipe the weights take current scaling (the optimizer's cast), the
+// activations and gradients keep their histories: it trains like fp32 (as above) and
+// resumes bit-identically (the FP8 weights are requantized from the loaded main params).
+TEST_F(TrainTest, Fp8ParamGatherDelayedTrainsAndResumes) {
+  RawOptions raw = tiny_fp8_moe(dir);
+  const TrainResult fp32 = run(raw);
+  raw["fp8-format"] = {"hybrid"};
+  raw["fp8-recipe"] = {"delayed"};
+  raw["use-distributed-optimizer"] = {"true"};
+  raw["fp8-param-gather"] = {"true"};
+  const TrainResult fp8 = run(raw);
+  EXPECT_NEAR(fp8.last_valid_loss, fp32.last_valid_loss, 0.02 * fp32.last_valid_loss);
+  raw["train-iters"] = {"6"};
+  fs::remove_all(dir / "ckpt");
+  check_resume_is_bit_identical(raw);
+}
+
 // With MoE layers: each expert's delayed-recipe state goes through the checkpoint.
 TEST_F(TrainTest, Fp8MoEResumeIsBitIdentical) {
   for (const char* recipe : {"delayed", "blockwise"}) {

@@ -368,6 +368,21 @@ void fp8_quantize_blockwise(const Tensor& x, int64_t block_rows, const Fp8ScaleR
                        scale_inv_t.f32());
 }
 
+void fp8_transpose(const Tensor& q, Tensor& q_t) {
+  const char* op = "fp8_transpose";
+  check_fp8(q, op, "q");
+  check_fp8(q_t, op, "q_t");
+  const Matrix mq = as_matrix(q, op, "q");
+  MEGATON_CHECK(q_t.dtype() == q.dtype() && q_t.ndim() == 2 && q_t.dim(0) == mq.cols &&
+                    q_t.dim(1) == mq.rows,
+                "{}: q_t {} {} must be [{}, {}] {} (q transposed)", op, dtype_name(q_t.dtype()),
+                shape_str(q_t.shape()), mq.cols, mq.rows, dtype_name(q.dtype()));
+  check_devices(op, {&q, &q_t});
+  if (q.numel() == 0) return;
+  MEGATON_CUDA_DISPATCH(q, cuda::fp8_transpose(q, q_t));
+  cpu::transpose(q.data<uint8_t>(), q_t.data<uint8_t>(), mq.rows, mq.cols);
+}
+
 void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x) {
   const char* op = "fp8_dequantize";
   check_fp8(q, op, "q");

@@ -159,6 +159,8 @@ void fp8_quantize(const Tensor& x, const Tensor& scale, Tensor& out, Tensor& out
 void fp8_quantize_blockwise(const Tensor& x, int64_t block_rows, const Fp8ScaleRule& rule,
                             Tensor& out, Tensor& scale_inv, Tensor& out_t, Tensor& scale_inv_t);
 void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x);
+// fp8_transpose.cu: a byte transpose through 64 x 64 shared-memory tiles.
+void fp8_transpose(const Tensor& q, Tensor& q_t);
 void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
               const Tensor& b_scale_inv, Tensor& c, float alpha, float beta, bool fast_accumulation);
 
