@@ -18,6 +18,7 @@
 // synchronizes with the host.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -131,5 +132,49 @@ void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x);
 void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
               const Tensor& b_scale_inv, Tensor& c, float alpha = 1.0f, float beta = 0.0f,
               bool fast_accumulation = false);
+
+// ---- multi-tensor and grouped FP8 (the MoE experts: one launch for all local experts) ----
+//
+// Transformer Engine's GroupedLinear quantizes each expert's operand with its own scale.
+// These ops do the per-tensor steps above for n tensors at once: entry i gives exactly the
+// result of the single-tensor op on entry i (bit for bit, on every backend), in one launch
+// per op on the GPU (ops/cuda/fp8_multi.cu) instead of n. The lists have equal lengths;
+// all tensors are on one device; an entry's x may have numel 0 (amax 0, nothing written).
+// InternalError on any mismatch the single-tensor op would refuse, or unequal lengths.
+
+// amax[i] (F32 [1], overwritten) = max |x[i]|, as fp8_amax.
+void fp8_amax_multi(const std::vector<Tensor>& x, const std::vector<Tensor>& amax);
+// As fp8_update_scale for each i (scale[i], scale_inv[i] F32 [1]; left unchanged where
+// amax[i] is 0 or not finite).
+void fp8_update_scale_multi(const std::vector<Tensor>& amax, const Fp8ScaleRule& rule,
+                            const std::vector<Tensor>& scale, const std::vector<Tensor>& scale_inv);
+// As fp8_delayed_scaling_update for each i (amax_history[i] [L, 1], one L for all).
+void fp8_delayed_scaling_update_multi(const std::vector<Tensor>& amax_history,
+                                      const Fp8ScaleRule& rule, bool max_algo,
+                                      const std::vector<Tensor>& scale,
+                                      const std::vector<Tensor>& scale_inv);
+// As fp8_quantize(x[i], scale[i], out[i], out_t[i], amax[i]) for each i. out_t[i] and
+// amax[i] may be undefined (that output skipped for that entry); x[i] F32 or BF16 (one
+// dtype for all), out[i] one FP8 dtype for all.
+void fp8_quantize_multi(const std::vector<Tensor>& x, const std::vector<Tensor>& scale,
+                        const std::vector<Tensor>& out, const std::vector<Tensor>& out_t,
+                        const std::vector<Tensor>& amax);
+
+// FP8 grouped GEMM, per-tensor scales (the experts' forward, input-gradient and
+// weight-gradient GEMMs, one launch for all groups): for each group g,
+//   c[g] [M_g, N_g] = alpha * deq(a[g]) [M_g, K_g] @ deq(b[g]) [N_g, K_g]^T + beta * c[g]
+// with deq(a[g]) = a[g] * a_scale_inv[g][0], deq(b[g]) = b[g] * b_scale_inv[g][0]
+// (F32 [1] tensors on the device, each 16-byte aligned). The rules of fp8_gemm per group:
+// the "TN" layout (a[g], b[g] row-major, K innermost), every a[g] one FP8 dtype and
+// every b[g] one (not both E5M2), every c[g] one dtype (F32 or BF16; not read when beta
+// is 0), M_g, N_g, K_g multiples of 16; a group with M_g, N_g or K_g 0 is skipped (c[g]
+// untouched, also when K_g is 0). Accumulation and fast_accumulation as fp8_gemm. CPU:
+// fp8_gemm per group (the reference). GPU: one CUTLASS Hopper grouped GEMM
+// (ops/cuda/grouped_gemm_fp8.cu) with one alpha per group on the device, no host
+// synchronization. InternalError on a mismatch.
+void fp8_grouped_gemm(const std::vector<Tensor>& a, const std::vector<Tensor>& a_scale_inv,
+                      const std::vector<Tensor>& b, const std::vector<Tensor>& b_scale_inv,
+                      const std::vector<Tensor>& c, float alpha = 1.0f, float beta = 0.0f,
+                      bool fast_accumulation = false);
 
 }  // namespace megaton::ops

@@ -163,5 +163,22 @@ void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x);
 void fp8_transpose(const Tensor& q, Tensor& q_t);
 void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
               const Tensor& b_scale_inv, Tensor& c, float alpha, float beta, bool fast_accumulation);
+// fp8_multi.cu: the multi-tensor FP8 ops (ops/fp8.h), one launch each for all entries.
+void fp8_amax_multi(const std::vector<Tensor>& x, const std::vector<Tensor>& amax);
+void fp8_update_scale_multi(const std::vector<Tensor>& amax, const Fp8ScaleRule& rule,
+                            const std::vector<Tensor>& scale, const std::vector<Tensor>& scale_inv);
+void fp8_delayed_scaling_update_multi(const std::vector<Tensor>& amax_history,
+                                      const Fp8ScaleRule& rule, bool max_algo,
+                                      const std::vector<Tensor>& scale,
+                                      const std::vector<Tensor>& scale_inv);
+void fp8_quantize_multi(const std::vector<Tensor>& x, const std::vector<Tensor>& scale,
+                        const std::vector<Tensor>& out, const std::vector<Tensor>& out_t,
+                        const std::vector<Tensor>& amax);
+// grouped_gemm_fp8.cu: the FP8 grouped GEMM (ops/fp8.h) as one CUTLASS Hopper grouped
+// GEMM; the door checks are done by the caller (ops/cpu/fp8_grouped.cpp).
+void fp8_grouped_gemm(const std::vector<Tensor>& a, const std::vector<Tensor>& a_scale_inv,
+                      const std::vector<Tensor>& b, const std::vector<Tensor>& b_scale_inv,
+                      const std::vector<Tensor>& c, float alpha, float beta,
+                      bool fast_accumulation);
 
 }  // namespace megaton::ops::cuda
