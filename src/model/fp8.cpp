@@ -139,4 +139,100 @@ Fp8Tensor Fp8Quantizer::requantize_columnwise(const Tensor& x, const Fp8Tensor& 
   return out;
 }
 
+std::vector<Fp8Tensor> Fp8Quantizer::quantize_multi(const std::vector<Fp8Quantizer*>& quantizers,
+                                                    const std::vector<Tensor>& x, bool rowwise,
+                                                    bool columnwise, const Fp8AmaxGroup& reduce_over) {
+  MEGATON_CHECK(quantizers.size() == x.size(), "Fp8Quantizer::quantize_multi: {} quantizers, {} tensors",
+                quantizers.size(), x.size());
+  std::vector<Fp8Tensor> out(x.size());
+  if (x.empty()) return out;
+  const Fp8Recipe recipe = quantizers[0]->recipe_;
+  if (recipe == Fp8Recipe::Blockwise) {  // no state and one launch per tensor already
+    for (size_t i = 0; i < x.size(); ++i)
+      out[i] = quantizers[i]->quantize(x[i], rowwise, columnwise, reduce_over);
+    return out;
+  }
+  MEGATON_CHECK(rowwise || columnwise, "Fp8Quantizer::quantize_multi: nothing asked for");
+  const size_t n = x.size();
+  const Device device = x[0].device();
+  const DType fp8 = quantizers[0]->rule_.fp8;
+  // Each quantization's own {scale_inv, scale} (see quantize): row i of one [n, 4] block,
+  // 16 bytes apart, as cuBLASLt and the grouped GEMM want the factors aligned.
+  Tensor scales = Tensor::empty({int64_t(n), 4}, DType::F32, device);
+  std::vector<Tensor> scale(n), scale_inv(n), amax(n), data(n), data_t(n), none(n);
+  for (size_t i = 0; i < n; ++i) {
+    Fp8Quantizer& q = *quantizers[i];
+    MEGATON_CHECK(q.initialized() && q.recipe_ == recipe && q.rule_.fp8 == fp8,
+                  "Fp8Quantizer::quantize_multi: quantizers of different recipes or formats");
+    MEGATON_CHECK(x[i].ndim() == 2 && x[i].numel() > 0, "Fp8Quantizer::quantize_multi: entry {} is {}",
+                  i, shape_str(x[i].shape()));
+    Tensor row = scales.rows(int64_t(i), 1).view({4});
+    scale_inv[i] = row.rows(0, 1);
+    scale[i] = row.rows(1, 1);
+    amax[i] = q.amax_history_.rows(0, 1).view({1});
+    data[i] = Tensor::empty(x[i].shape(), fp8, device);
+    if (columnwise) data_t[i] = Tensor::empty({x[i].dim(1), x[i].dim(0)}, fp8, device);
+  }
+  const auto reduce = [&] {
+    if (reduce_over.active())
+      for (Tensor& slot : amax) reduce_over.comm->all_reduce(slot, *reduce_over.group, dist::ReduceOp::Max);
+  };
+  if (recipe == Fp8Recipe::Delayed) {
+    // As quantize: last quantization's amax -> this one's scale; then this amax recorded.
+    std::vector<Tensor> histories(n), own_scale(n), own_scale_inv(n);
+    for (size_t i = 0; i < n; ++i) {
+      histories[i] = quantizers[i]->amax_history_;
+      own_scale[i] = quantizers[i]->scale_;
+      own_scale_inv[i] = quantizers[i]->scale_inv_;
+    }
+    ops::fp8_delayed_scaling_update_multi(histories, quantizers[0]->rule_,
+                                          quantizers[0]->amax_compute_max_, own_scale, own_scale_inv);
+    for (size_t i = 0; i < n; ++i)
+      scales.rows(int64_t(i), 1).view({4}).rows(0, 2).copy_from(quantizers[i]->scales_);
+    ops::fp8_quantize_multi(x, scale, data, data_t, amax);
+    reduce();
+  } else {  // tensorwise
+    ops::fp8_amax_multi(x, amax);
+    reduce();
+    scales.fill(1.0f);  // an all-zero tensor keeps scale 1 (fp8_update_scale)
+    ops::fp8_update_scale_multi(amax, quantizers[0]->rule_, scale, scale_inv);
+    ops::fp8_quantize_multi(x, scale, data, data_t, none);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    out[i].data = rowwise ? data[i] : Tensor();
+    out[i].data_t = data_t[i];
+    out[i].scale_inv = out[i].scale_inv_t = scale_inv[i];
+    if (!columnwise) out[i].scale = scale[i];  // requantize_columnwise may need it later
+  }
+  return out;
+}
+
+std::vector<Fp8Tensor> Fp8Quantizer::requantize_columnwise_multi(
+    const std::vector<const Fp8Quantizer*>& quantizers, const std::vector<Tensor>& x,
+    const std::vector<Fp8Tensor>& earlier) {
+  MEGATON_CHECK(quantizers.size() == x.size() && earlier.size() == x.size(),
+                "Fp8Quantizer::requantize_columnwise_multi: {} quantizers, {} tensors, {} earlier",
+                quantizers.size(), x.size(), earlier.size());
+  std::vector<Fp8Tensor> out(x.size());
+  if (x.empty()) return out;
+  if (quantizers[0]->recipe_ == Fp8Recipe::Blockwise) {
+    for (size_t i = 0; i < x.size(); ++i) out[i] = quantizers[i]->requantize_columnwise(x[i], earlier[i]);
+    return out;
+  }
+  const size_t n = x.size();
+  std::vector<Tensor> scale(n), rowwise(n), data_t(n), none(n);
+  for (size_t i = 0; i < n; ++i) {
+    MEGATON_CHECK(earlier[i].scale.defined() && earlier[i].scale_inv.defined(),
+                  "Fp8Quantizer::requantize_columnwise_multi: entry {} kept no scale", i);
+    const DType fp8 = quantizers[i]->rule_.fp8;
+    scale[i] = earlier[i].scale;
+    rowwise[i] = Tensor::empty(x[i].shape(), fp8, x[i].device());  // written, dropped
+    data_t[i] = Tensor::empty({x[i].dim(1), x[i].dim(0)}, fp8, x[i].device());
+    out[i].data_t = data_t[i];
+    out[i].scale_inv_t = earlier[i].scale_inv;
+  }
+  ops::fp8_quantize_multi(x, scale, rowwise, data_t, none);
+  return out;
+}
+
 }  // namespace megaton

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 #include "dist/comm.h"
@@ -61,6 +62,18 @@ class Fp8Quantizer {
   // quantize() would have written: the same scale (per-tensor recipes), the same blocks
   // (blockwise, which has no state); the history is not touched.
   Fp8Tensor requantize_columnwise(const Tensor& x, const Fp8Tensor& earlier) const;
+
+  // quantize(x[i], rowwise, columnwise, reduce_over) by quantizers[i] for every i (one
+  // recipe for all): the same results, with one launch per step for all entries under the
+  // per-tensor recipes (ops::fp8_*_multi: the MoE experts' operands); blockwise
+  // quantizes entry by entry. Every x[i] is 2-d with numel > 0.
+  static std::vector<Fp8Tensor> quantize_multi(const std::vector<Fp8Quantizer*>& quantizers,
+                                               const std::vector<Tensor>& x, bool rowwise,
+                                               bool columnwise, const Fp8AmaxGroup& reduce_over = {});
+  // requantize_columnwise(x[i], earlier[i]) by quantizers[i] for every i, likewise batched.
+  static std::vector<Fp8Tensor> requantize_columnwise_multi(
+      const std::vector<const Fp8Quantizer*>& quantizers, const std::vector<Tensor>& x,
+      const std::vector<Fp8Tensor>& earlier);
 
   bool initialized() const { return scale_.defined(); }
   bool delayed() const { return initialized() && recipe_ == Fp8Recipe::Delayed; }

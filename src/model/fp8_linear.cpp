@@ -90,6 +90,190 @@ void Fp8LinearGemms::backward(const Tensor& dy, const Param& weight, const Saved
                 1.0f);
 }
 
+Fp8GroupedLinearGemms::Fp8GroupedLinearGemms(const Fp8Config& config, Device device,
+                                             int64_t groups)
+    : per_tensor_(config.recipe != Fp8Recipe::Blockwise) {
+  for (int64_t g = 0; g < groups; ++g) gemms_.emplace_back(config, device);
+}
+
+void Fp8GroupedLinearGemms::adopt_weights(const std::vector<Param*>& weights) const {
+  MEGATON_CHECK(weights.size() == gemms_.size(), "Fp8GroupedLinearGemms: {} weights for {} groups",
+                weights.size(), gemms_.size());
+  for (size_t g = 0; g < gemms_.size(); ++g) gemms_[g].adopt_weight(*weights[g]);
+}
+
+namespace {
+// The groups with rows, and their row views.
+struct ActiveGroups {
+  std::vector<size_t> index;   // group numbers
+  std::vector<int64_t> start;  // first row
+  std::vector<int64_t> rows;
+};
+ActiveGroups active_groups(const std::vector<int64_t>& group_rows) {
+  ActiveGroups a;
+  int64_t start = 0;
+  for (size_t g = 0; g < group_rows.size(); ++g) {
+    if (group_rows[g] > 0) {
+      a.index.push_back(g);
+      a.start.push_back(start);
+      a.rows.push_back(group_rows[g]);
+    }
+    start += group_rows[g];
+  }
+  return a;
+}
+std::vector<Tensor> group_views(const Tensor& t, const ActiveGroups& a) {
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < a.index.size(); ++i) out.push_back(t.rows(a.start[i], a.rows[i]));
+  return out;
+}
+}  // namespace
+
+Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
+    const Tensor& x, const std::vector<int64_t>& group_rows, const std::vector<const Param*>& weights,
+    bool keep_input, const Fp8LinearGemms::Sharding& sharding, Tensor& y) {
+  MEGATON_CHECK(group_rows.size() == gemms_.size() && weights.size() == gemms_.size(),
+                "Fp8GroupedLinearGemms::forward: {} groups, {} row counts, {} weights",
+                gemms_.size(), group_rows.size(), weights.size());
+  Saved saved;
+  saved.groups.resize(gemms_.size());
+  const ActiveGroups a = active_groups(group_rows);
+  if (!per_tensor_) {
+    for (size_t i = 0; i < a.index.size(); ++i) {
+      Tensor y_g = y.rows(a.start[i], a.rows[i]);
+      saved.groups[a.index[i]] = gemms_[a.index[i]].forward(x.rows(a.start[i], a.rows[i]),
+                                                            *weights[a.index[i]], keep_input,
+                                                            sharding, y_g);
+    }
+    return saved;
+  }
+  if (a.index.empty()) return saved;
+  const Fp8AmaxGroup none;
+  const bool wgrad = gemms_[0].wgrad_;
+  const bool keep_columnwise = wgrad && keep_input;
+  std::vector<Fp8Quantizer*> inputs, weight_quantizers;
+  std::vector<Tensor> weight_values;
+  for (size_t g : a.index) {
+    inputs.push_back(&gemms_[g].input_);
+    weight_quantizers.push_back(&gemms_[g].weight_);
+    weight_values.push_back(weights[g]->weight);
+  }
+  const std::vector<Fp8Tensor> xq = Fp8Quantizer::quantize_multi(
+      inputs, group_views(x, a), true, keep_columnwise, sharding.input ? sharding.group : none);
+  std::vector<Fp8Tensor> wq;
+  if (weights[a.index[0]]->fp8_param) {
+    for (size_t g : a.index) wq.push_back(fp8_weight(*weights[g]));
+  } else {
+    wq = Fp8Quantizer::quantize_multi(weight_quantizers, weight_values, true, false,
+                                      sharding.weight ? sharding.group : none);
+  }
+  std::vector<Tensor> xa, xs, wa, ws;
+  for (size_t i = 0; i < a.index.size(); ++i) {
+    xa.push_back(xq[i].data);
+    xs.push_back(xq[i].scale_inv);
+    wa.push_back(wq[i].data);
+    ws.push_back(wq[i].scale_inv);
+  }
+  ops::fp8_grouped_gemm(xa, xs, wa, ws, group_views(y, a), 1.0f, 0.0f, gemms_[0].fast_forward_);
+  for (size_t i = 0; i < a.index.size(); ++i) {
+    Fp8LinearGemms::Saved& s = saved.groups[a.index[i]];
+    s.w = {Tensor(), wq[i].scale_inv, Tensor(), Tensor(), wq[i].scale};
+    if (keep_columnwise) s.x = {Tensor(), Tensor(), xq[i].data_t, xq[i].scale_inv_t, Tensor()};
+    else if (wgrad) s.x = {Tensor(), xq[i].scale_inv, Tensor(), Tensor(), xq[i].scale};
+  }
+  return saved;
+}
+
+void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t>& group_rows,
+                                     const std::vector<Param*>& weights, const Saved& saved,
+                                     const std::function<Tensor()>& x,
+                                     const Fp8LinearGemms::Sharding& sharding, Tensor& dx) {
+  MEGATON_CHECK(group_rows.size() == gemms_.size() && weights.size() == gemms_.size() &&
+                    saved.groups.size() == gemms_.size(),
+                "Fp8GroupedLinearGemms::backward: {} groups, {} row counts, {} weights, {} saved",
+                gemms_.size(), group_rows.size(), weights.size(), saved.groups.size());
+  const ActiveGroups a = active_groups(group_rows);
+  Tensor whole_x;  // x(), evaluated once when needed
+  const auto x_rows = [&](size_t i) {
+    if (!whole_x.defined()) whole_x = x();
+    return whole_x.rows(a.start[i], a.rows[i]);
+  };
+  if (!per_tensor_) {
+    for (size_t i = 0; i < a.index.size(); ++i) {
+      const size_t g = a.index[i];
+      Tensor dx_g = dx.rows(a.start[i], a.rows[i]);
+      gemms_[g].backward(dy.rows(a.start[i], a.rows[i]), *weights[g], saved.groups[g],
+                         [&] { return x_rows(i); }, sharding, dx_g, weights[g]->main_grad);
+    }
+    return;
+  }
+  if (a.index.empty()) return;
+  const Fp8AmaxGroup none;
+  const bool wgrad = gemms_[0].wgrad_;
+  std::vector<Fp8Quantizer*> grads;
+  std::vector<const Fp8Quantizer*> weight_quantizers, inputs;
+  std::vector<Tensor> weight_values;
+  std::vector<Fp8Tensor> w_saved, x_saved;
+  for (size_t g : a.index) {
+    MEGATON_CHECK(saved.groups[g].defined(), "Fp8GroupedLinearGemms::backward: group {} has no forward", g);
+    grads.push_back(&gemms_[g].grad_);
+    weight_quantizers.push_back(&gemms_[g].weight_);
+    inputs.push_back(&gemms_[g].input_);
+    weight_values.push_back(weights[g]->weight);
+    w_saved.push_back(saved.groups[g].w);
+    x_saved.push_back(saved.groups[g].x);
+  }
+  const std::vector<Fp8Tensor> dyq = Fp8Quantizer::quantize_multi(
+      grads, group_views(dy, a), true, wgrad, sharding.grad_output ? sharding.group : none);
+  // dx_g = dy_g @ W_g: W_g^T [in, out] is the K-major operand.
+  std::vector<Fp8Tensor> wq_t;
+  if (weights[a.index[0]]->fp8_param) {
+    for (size_t i = 0; i < a.index.size(); ++i) {
+      const Tensor& w = weight_values[i];
+      Fp8Tensor t;
+      t.data_t = Tensor::empty({w.dim(-1), w.numel() / w.dim(-1)}, w.dtype(), w.device());
+      ops::fp8_transpose(w, t.data_t);
+      t.scale_inv_t = w_saved[i].scale_inv;
+      wq_t.push_back(t);
+    }
+  } else {
+    wq_t = Fp8Quantizer::requantize_columnwise_multi(weight_quantizers, weight_values, w_saved);
+  }
+  std::vector<Tensor> da, ds, wa, ws;
+  for (size_t i = 0; i < a.index.size(); ++i) {
+    da.push_back(dyq[i].data);
+    ds.push_back(dyq[i].scale_inv);
+    wa.push_back(wq_t[i].data_t);
+    ws.push_back(wq_t[i].scale_inv_t);
+  }
+  ops::fp8_grouped_gemm(da, ds, wa, ws, group_views(dx, a));
+  if (!wgrad) {
+    for (size_t i = 0; i < a.index.size(); ++i)
+      ops::gemm(dy.rows(a.start[i], a.rows[i]), true, x_rows(i), false,
+                weights[a.index[i]]->main_grad, 1.0f, 1.0f);
+    return;
+  }
+  // dW_g += dy_g^T @ x_g: both operands K(token)-major. Forward kept x_g^T, or only its
+  // scale when the caller recomputes x.
+  std::vector<Fp8Tensor> xq_t;
+  if (x_saved[0].data_t.defined()) {
+    xq_t = x_saved;
+  } else {
+    std::vector<Tensor> xs;
+    for (size_t i = 0; i < a.index.size(); ++i) xs.push_back(x_rows(i));
+    xq_t = Fp8Quantizer::requantize_columnwise_multi(inputs, xs, x_saved);
+  }
+  std::vector<Tensor> ga, gs, xa, xsc, grads_out;
+  for (size_t i = 0; i < a.index.size(); ++i) {
+    ga.push_back(dyq[i].data_t);
+    gs.push_back(dyq[i].scale_inv_t);
+    xa.push_back(xq_t[i].data_t);
+    xsc.push_back(xq_t[i].scale_inv_t);
+    grads_out.push_back(weights[a.index[i]]->main_grad);
+  }
+  ops::fp8_grouped_gemm(ga, gs, xa, xsc, grads_out, 1.0f, 1.0f);
+}
+
 std::vector<std::pair<std::string, Tensor*>> Fp8LinearGemms::state(const std::string& prefix) {
   std::vector<std::pair<std::string, Tensor*>> out;
   if (!enabled_ || !input_.delayed()) return out;

@@ -72,8 +72,49 @@ class Fp8LinearGemms {
   std::vector<std::pair<std::string, Tensor*>> state(const std::string& prefix);
 
  private:
+  friend class Fp8GroupedLinearGemms;
   bool enabled_ = false, wgrad_ = false, fast_forward_ = false, param_gather_ = false;
   Fp8Quantizer input_, weight_, grad_;
+};
+
+// The same three GEMMs for G linear layers applied to consecutive row groups of one input
+// (the MoE experts, Transformer Engine's GroupedLinear): group g's rows
+// [r_g, r_g + group_rows[g]) of x go through W_g. Each group keeps its own quantizers
+// (an Fp8LinearGemms per group: the results equal G separate Fp8LinearGemms calls). Under
+// the per-tensor recipes each step runs once for all groups: ops::fp8_*_multi for the
+// quantization and ops::fp8_grouped_gemm for each GEMM; blockwise runs group by group
+// (cuBLASLt's block-scaled GEMM). group_rows are host counts, each a multiple of the
+// recipe's dimension_multiple() (the MoE layer pads); groups of 0 rows are skipped.
+class Fp8GroupedLinearGemms {
+ public:
+  Fp8GroupedLinearGemms() = default;
+  Fp8GroupedLinearGemms(const Fp8Config& config, Device device, int64_t groups);
+  bool enabled() const { return !gemms_.empty(); }
+  // Fp8LinearGemms::adopt_weight for each group's weight.
+  void adopt_weights(const std::vector<Param*>& weights) const;
+
+  struct Saved {
+    std::vector<Fp8LinearGemms::Saved> groups;  // one per group (empty ones for 0 rows)
+  };
+  // y [R, out] (allocated, overwritten) from x [R, in]; weights[g]: group g's [out, in].
+  Saved forward(const Tensor& x, const std::vector<int64_t>& group_rows,
+                const std::vector<const Param*>& weights, bool keep_input,
+                const Fp8LinearGemms::Sharding& sharding, Tensor& y);
+  // dx [R, in] (allocated, overwritten; its rows of empty groups untouched) and each
+  // weights[g]->main_grad (accumulated) from dy [R, out]; x() gives forward's input when
+  // `saved` holds no x^T.
+  void backward(const Tensor& dy, const std::vector<int64_t>& group_rows,
+                const std::vector<Param*>& weights, const Saved& saved,
+                const std::function<Tensor()>& x, const Fp8LinearGemms::Sharding& sharding,
+                Tensor& dx);
+  // Group g's delayed-recipe state (Fp8LinearGemms::state).
+  std::vector<std::pair<std::string, Tensor*>> state(size_t g, const std::string& prefix) {
+    return gemms_[g].state(prefix);
+  }
+
+ private:
+  std::vector<Fp8LinearGemms> gemms_;
+  bool per_tensor_ = true;  // not blockwise: the batched path
 };
 
 }  // namespace megaton

@@ -110,25 +110,29 @@ Tensor MoELayer::unpad_expert_rows(const Tensor& padded) const {
 
 void MoELayer::enable_fp8(const Fp8Config& config) {
   MEGATON_CHECK(config.enabled, "MoE layer {}: enable_fp8 without an FP8 format", layer_);
-  fc1_fp8_.clear();
-  fc2_fp8_.clear();
+  const Device device = experts[0].fc1_weight.weight.device();
+  const int64_t n = int64_t(experts.size());
+  fc1_fp8_ = Fp8GroupedLinearGemms(config, device, n);
+  fc2_fp8_ = Fp8GroupedLinearGemms(config, device, n);
+  std::vector<Param*> fc1, fc2;
   for (Expert& e : experts) {
-    fc1_fp8_.emplace_back(config, e.fc1_weight.weight.device());
-    fc2_fp8_.emplace_back(config, e.fc2_weight.weight.device());
-    fc1_fp8_.back().adopt_weight(e.fc1_weight);
-    fc2_fp8_.back().adopt_weight(e.fc2_weight);
+    fc1.push_back(&e.fc1_weight);
+    fc2.push_back(&e.fc2_weight);
   }
+  fc1_fp8_.adopt_weights(fc1);
+  fc2_fp8_.adopt_weights(fc2);
   fp8_rows_ = config.dimension_multiple();
 }
 
 std::vector<std::pair<std::string, Tensor*>> MoELayer::fp8_state() {
   std::vector<std::pair<std::string, Tensor*>> out;
+  if (!fc1_fp8_.enabled()) return out;
   const auto layer_prefix = [](const Param& weight) {
     return weight.name.substr(0, weight.name.size() - std::string(".weight").size());
   };
-  for (size_t e = 0; e < fc1_fp8_.size(); ++e) {
-    for (auto& entry : fc1_fp8_[e].state(layer_prefix(experts[e].fc1_weight))) out.push_back(entry);
-    for (auto& entry : fc2_fp8_[e].state(layer_prefix(experts[e].fc2_weight))) out.push_back(entry);
+  for (size_t e = 0; e < experts.size(); ++e) {
+    for (auto& entry : fc1_fp8_.state(e, layer_prefix(experts[e].fc1_weight))) out.push_back(entry);
+    for (auto& entry : fc2_fp8_.state(e, layer_prefix(experts[e].fc2_weight))) out.push_back(entry);
   }
   return out;
 }
@@ -147,62 +151,31 @@ Fp8LinearGemms::Sharding MoELayer::fp8_sharding(Param Expert::*fc) const {
 
 void MoELayer::experts_forward(Param Expert::*fc, const Tensor& in, bool keep_input, Tensor& out) {
   Saved& s = saved_;
-  if (fc1_fp8_.empty()) {
+  if (!fc1_fp8_.enabled()) {
     ops::grouped_gemm(in, expert_weights(fc), true, out, s.expert_rows);
     return;
   }
-  std::vector<Fp8LinearGemms>& gemms = fc == &Expert::fc1_weight ? fc1_fp8_ : fc2_fp8_;
-  std::vector<Fp8LinearGemms::Saved>& kept = fc == &Expert::fc1_weight ? s.fc1_fp8 : s.fc2_fp8;
-  kept.assign(experts.size(), {});
-  const Fp8LinearGemms::Sharding sharding = fp8_sharding(fc);
-  int64_t start = 0;
-  for (size_t e = 0; e < experts.size(); ++e) {
-    const int64_t n = s.expert_rows[e];
-    if (n > 0) {
-      Tensor y = out.rows(start, n);
-      kept[e] = gemms[e].forward(in.rows(start, n), experts[e].*fc, keep_input, sharding, y);
-    }
-    start += n;
-  }
+  const bool fc1 = fc == &Expert::fc1_weight;
+  std::vector<const Param*> weights;
+  for (const Expert& e : experts) weights.push_back(&(e.*fc));
+  (fc1 ? s.fc1_fp8 : s.fc2_fp8) = (fc1 ? fc1_fp8_ : fc2_fp8_)
+      .forward(in, s.expert_rows, weights, keep_input, fp8_sharding(fc), out);
 }
 
 void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
                                 const std::function<Tensor()>& in, Tensor& din) {
   const Saved& s = saved_;
-  if (fc1_fp8_.empty()) {
+  if (!fc1_fp8_.enabled()) {
     ops::grouped_gemm(dout, expert_weights(fc), false, din, s.expert_rows);
     std::vector<Tensor> grads = expert_grads(fc);
     ops::grouped_gemm_wgrad(dout, in(), grads, s.expert_rows);
     return;
   }
-  std::vector<Fp8LinearGemms>& gemms = fc == &Expert::fc1_weight ? fc1_fp8_ : fc2_fp8_;
-  const std::vector<Fp8LinearGemms::Saved>& kept = fc == &Expert::fc1_weight ? s.fc1_fp8 : s.fc2_fp8;
-  const Fp8LinearGemms::Sharding sharding = fp8_sharding(fc);
-  Tensor whole_in;  // in(), evaluated once if any expert needs it
-  int64_t start = 0;
-  for (size_t e = 0; e < experts.size(); ++e) {
-    const int64_t n = s.expert_rows[e];
-    if (n > 0) {
-      Tensor dx = din.rows(start, n);
-      const auto rows_in = [&] {
-        if (!whole_in.defined()) whole_in = in();
-        return whole_in.rows(start, n);
-      };
-      Param& w = experts[e].*fc;
-      gemms[e].backward(dout.rows(start, n), w, kept[e], rows_in, sharding, dx, w.main_grad);
-    }
-    start += n;
-  }
-}
-
-Tensor MoELayer::expert_activation() const {
-  const Tensor& fc1_out = saved_.fc1_out;
-  Tensor act = empty_like(fc1_out, {fc1_out.dim(0), experts[0].fc2_weight.weight.dim(1)});
-  if (cfg_.swiglu)
-    ops::swiglu_forward(fc1_out, act);
-  else
-    ops::gelu_forward(fc1_out, act);
-  return act;
+  const bool fc1 = fc == &Expert::fc1_weight;
+  std::vector<Param*> weights;
+  for (Expert& e : experts) weights.push_back(&(e.*fc));
+  (fc1 ? fc1_fp8_ : fc2_fp8_)
+      .backward(dout, s.expert_rows, weights, fc1 ? s.fc1_fp8 : s.fc2_fp8, in, fp8_sharding(fc), din);
 }
 
 Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
@@ -243,7 +216,7 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   const int64_t rows = s.expert_in.dim(0);
   s.fc1_out = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
   // FP8 weight gradients read each expert's FP8 x^T kept here, not expert_in.
-  const bool fp8_keeps_input = !fc1_fp8_.empty() && cfg_.fp8.wgrad;
+  const bool fp8_keeps_input = fc1_fp8_.enabled() && cfg_.fp8.wgrad;
   experts_forward(&Expert::fc1_weight, s.expert_in, fp8_keeps_input, s.fc1_out);
   if (fp8_keeps_input) s.expert_in = Tensor();
   expert_bias_forward(s.fc1_out, &Expert::fc1_bias);

@@ -31,6 +31,12 @@ namespace megaton {
 // Megatron instead pads at the source rank with zero-probability copies, which are
 // exchanged; a zero-weight row adds nothing to the output nor to any gradient (its output
 // gradient is 0), so the numbers are the same, but the communication is not padded here.
+// FP8 (enable_fp8): the experts' fc1 and fc2 GEMMs run in FP8 with a quantizer per expert
+// and operand (Transformer Engine's GroupedLinear: one scale per expert), as one grouped
+// FP8 GEMM for all experts (Fp8GroupedLinearGemms). Each expert's rows are first padded
+// with zero rows to a multiple of Fp8Config::dimension_multiple() (16, or 128 for
+// blockwise), as Megatron's Fp8Padding does: zero rows change no amax, no block scale of
+// the real rows, no output and no gradient, so the padding is invisible in the numbers.
 //
 // Parallelism (mp):
 // - expert parallel (ep): this rank builds experts ep_rank * E/ep .. + E/ep - 1 only; a
@@ -103,7 +109,7 @@ class MoELayer {
     int64_t expert_capacity = 0;  // rows per local expert when padded to capacity, else 0
     bool padded = false;          // expert_rows differ from tokens_per_local_expert
     // FP8 runs: what each local expert's fc1 / fc2 forward kept (x^T or its scale, W's scale).
-    std::vector<Fp8LinearGemms::Saved> fc1_fp8, fc2_fp8;
+    Fp8GroupedLinearGemms::Saved fc1_fp8, fc2_fp8;
   };
   // The layer's saved state with its router's, token dispatcher's and shared expert's.
   struct Activations {
@@ -141,7 +147,7 @@ class MoELayer {
   Tensor pad_expert_rows(const Tensor& rows) const;
   Tensor unpad_expert_rows(const Tensor& padded) const;
   // out = in @ W_e^T for each local expert's rows (fc: &Expert::fc1_weight or fc2_weight):
-  // one grouped GEMM, or one FP8 GEMM per expert (keep_input: save each expert's FP8 x^T).
+  // one grouped GEMM (bf16 or FP8; keep_input: FP8 saves each expert's x^T).
   void experts_forward(Param Expert::*fc, const Tensor& in, bool keep_input, Tensor& out);
   // din = dout @ W_e and W_e's main_grad += dout^T @ in for each local expert's rows.
   // in() gives the forward input (fc1's kept copies, fc2's recomputed activation).
@@ -158,8 +164,8 @@ class MoELayer {
   int64_t first_local_expert_ = 0;
   std::unique_ptr<MoETokenDispatcher> dispatcher_;
   Saved saved_;
-  // FP8: each local expert's fc1 / fc2 GEMMs (empty in bf16 runs); rows padded to fp8_rows_.
-  std::vector<Fp8LinearGemms> fc1_fp8_, fc2_fp8_;
+  // FP8: the local experts' fc1 / fc2 GEMMs (disabled in bf16 runs); rows padded to fp8_rows_.
+  Fp8GroupedLinearGemms fc1_fp8_, fc2_fp8_;
   int64_t fp8_rows_ = 0;
 };
 

@@ -19,15 +19,20 @@ class Fp8MoEGpu : public ::testing::TestWithParam<Fp8Recipe> {};
 
 // 256 tokens, hidden 256, 4 experts of width 256 (SwiGLU), top-2: about 128 copies per
 // expert, none a multiple of 16 in general, so every expert is padded. fp32 compute on both
-// devices: the quantized operands are the same bits and only the FP8 GEMMs' accumulation
-// differs (a few 1e-4, test_fp8_linear_gpu.cpp); 5e-3 fails on a wrong scale, a wrong
-// expert's rows or a padding row that leaks (O(1)).
+// devices: the layer's input is quantized to the same bits and a single FP8 GEMM differs
+// by its accumulation only (a few 1e-4, test_fp8_linear_gpu.cpp). But fc2's input (the
+// SwiGLU of fc1's output) and the input gradients are quantized from results that already
+// differ by that much, and an element that lands on the other side of an FP8 rounding
+// midpoint moves by a whole e4m3 / e5m2 step (6-25%): measured on an H100, y, dx and the
+// expert weight gradients differ by up to 7.9e-3. 2e-2 still fails on a wrong scale, a
+// wrong expert's rows or a padding row that leaks (O(1)).
 TEST_P(Fp8MoEGpu, MatchesTheCpuEmulation) {
   MEGATON_SKIP_WITHOUT_GPU();
   const Fp8Recipe recipe = GetParam();
   const uint64_t seed = testing::test_seed();
   SCOPED_TRACE(std::string(fp8_recipe_name(recipe)) + " " + testing::seed_trace(seed));
   constexpr int64_t kTokens = 256, kHidden = 256;
+  constexpr double kTolerance = 2e-2;
   GPTConfig cfg;
   cfg.num_layers = 1;
   cfg.hidden_size = kHidden;
@@ -68,12 +73,12 @@ TEST_P(Fp8MoEGpu, MatchesTheCpuEmulation) {
     const Tensor y = testing::to_host_f32(y_gpu), dx = testing::to_host_f32(dx_gpu);
     ASSERT_TRUE(testing::all_finite(y, "y"));
     ASSERT_TRUE(testing::all_finite(dx, "dx"));
-    EXPECT_LT(testing::rel_error(y, y_cpu), 5e-3);
-    EXPECT_LT(testing::rel_error(dx, dx_cpu), 5e-3);
+    EXPECT_LT(testing::rel_error(y, y_cpu), kTolerance);
+    EXPECT_LT(testing::rel_error(dx, dx_cpu), kTolerance);
     for (size_t i = 0; i < cpu_params.size(); ++i)
       EXPECT_LT(testing::rel_error(testing::to_host_f32(gpu_params[i]->main_grad),
                                    cpu_params[i]->main_grad),
-                5e-3)
+                kTolerance)
           << cpu_params[i]->name;
   }
 }
