@@ -178,6 +178,16 @@ void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
       .backward(dout, s.expert_rows, weights, fc1 ? s.fc1_fp8 : s.fc2_fp8, in, fp8_sharding(fc), din);
 }
 
+Tensor MoELayer::expert_activation() const {
+  const Tensor& fc1_out = saved_.fc1_out;
+  Tensor act = empty_like(fc1_out, {fc1_out.dim(0), experts[0].fc2_weight.weight.dim(1)});
+  if (cfg_.swiglu)
+    ops::swiglu_forward(fc1_out, act);
+  else
+    ops::gelu_forward(fc1_out, act);
+  return act;
+}
+
 Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   Tensor x = x_in;
   if (splits_rows()) {

@@ -179,10 +179,12 @@ TEST_F(TrainTest, Fp8MoERecipesTrainLikeFp32) {
 
 // Resume is bit-identical in each recipe: current and block scaling keep no state across
 // steps; the delayed recipe's amax histories and scales go through the checkpoint.
-TEST_F(TrainTest, Fp8ResumeIsBitIdentical) {
-  for (const char* recipe : {"delayed", "tensorwise", "blockwise"}) {
+void check_fp8_resume(const RawOptions& model, std::initializer_list<const char*> recipes,
+                      const fs::path& dir,
+                      const std::function<void(const RawOptions&)>& check_resume) {
+  for (const char* recipe : recipes) {
     SCOPED_TRACE(recipe);
-    RawOptions raw = tiny_fp8_dense(dir);
+    RawOptions raw = model;
     raw["train-iters"] = {"6"};
     raw["fp8-format"] = {"hybrid"};
     raw["fp8-recipe"] = {recipe};
@@ -191,8 +193,13 @@ TEST_F(TrainTest, Fp8ResumeIsBitIdentical) {
       raw["fp8-amax-compute-algo"] = {"max"};
     }
     fs::remove_all(dir / "ckpt");
-    check_resume_is_bit_identical(raw);
+    check_resume(raw);
   }
+}
+
+TEST_F(TrainTest, Fp8ResumeIsBitIdentical) {
+  check_fp8_resume(tiny_fp8_dense(dir), {"delayed", "tensorwise", "blockwise"}, dir,
+                   [&](const RawOptions& raw) { check_resume_is_bit_identical(raw); });
 }
 
 // --fp8-param-gather quantizes each FP8 weight from the fp32 main params after the update
@@ -241,19 +248,8 @@ TEST_F(TrainTest, Fp8ParamGatherDelayedTrainsAndResumes) {
 
 // With MoE layers: each expert's delayed-recipe state goes through the checkpoint.
 TEST_F(TrainTest, Fp8MoEResumeIsBitIdentical) {
-  for (const char* recipe : {"delayed", "blockwise"}) {
-    SCOPED_TRACE(recipe);
-    RawOptions raw = tiny_fp8_moe(dir);
-    raw["train-iters"] = {"6"};
-    raw["fp8-format"] = {"hybrid"};
-    raw["fp8-recipe"] = {recipe};
-    if (recipe == std::string("delayed")) {
-      raw["fp8-amax-history-len"] = {"4"};
-      raw["fp8-amax-compute-algo"] = {"max"};
-    }
-    fs::remove_all(dir / "ckpt");
-    check_resume_is_bit_identical(raw);
-  }
+  check_fp8_resume(tiny_fp8_moe(dir), {"delayed", "blockwise"}, dir,
+                   [&](const RawOptions& raw) { check_resume_is_bit_identical(raw); });
 }
 
 TEST_F(TrainTest, LossFallsAndModelSamples) {
