@@ -87,35 +87,35 @@ void DistributedAdamW::quantize_fp8_weights() {
     std::unordered_map<const Param*, int64_t> index;
     for (size_t k = 0; k < params.size(); ++k) index[params[k]] = int64_t(k);
     // This rank's piece of a weight is contiguous (a weight lies in one bucket, a shard is
-    // a contiguous range of it): its amax is the weight's partial amax here.
+    // a contiguous range of it): its amax is the weight's partial amax here. One launch
+    // per step for all pieces and weights (the multi-tensor FP8 ops).
     Tensor amax = Tensor::zeros({int64_t(params.size())}, DType::F32, device);
-    for (size_t i = 0; i < shard_params_.size(); ++i)
-      if (shard_buffer_[i] == bi) {
-        Tensor slot = amax.rows(index.at(shard_pieces_[i].param), 1);
-        ops::fp8_amax(shard_params_[i].main_param, slot);
-      }
+    std::vector<Tensor> main, amax_slots, out, piece_scale, no_transpose, no_amax;
+    for (size_t i = 0; i < shard_params_.size(); ++i) {
+      if (shard_buffer_[i] != bi) continue;
+      const BufferPiece& piece = shard_pieces_[i];
+      main.push_back(shard_params_[i].main_param.view({1, piece.numel}));
+      amax_slots.push_back(amax.rows(index.at(piece.param), 1));
+      out.push_back(b.weights().rows(piece.buffer_offset, piece.numel).view({1, piece.numel}));
+      piece_scale.push_back(piece.param->fp8_scales.rows(1, 1));
+    }
+    no_transpose.resize(main.size());
+    no_amax.resize(main.size());
+    if (!main.empty()) ops::fp8_amax_multi(main, amax_slots);
     comm_.all_reduce(amax, group_of(b), dist::ReduceOp::Max);
     const dist::Group& tp = b.is_expert() ? grid_.etp() : grid_.tp();
     if (tp.size() > 1) comm_.all_reduce(amax, tp, dist::ReduceOp::Max);
-    if (!ones_.defined()) {
-      ones_ = Tensor::empty({2}, DType::F32, device);
-      ones_.fill(1.0f);
-    }
-    const ops::Fp8ScaleRule rule;  // e4m3, no margin: current scaling of the weights
+    std::vector<Tensor> all_amax, scale, scale_inv;
     for (size_t k = 0; k < params.size(); ++k) {
-      Tensor& scales = params[k]->fp8_scales;
-      scales.copy_from(ones_);
-      Tensor scale = scales.rows(1, 1), scale_inv = scales.rows(0, 1);
-      ops::fp8_update_scale(amax.rows(int64_t(k), 1), rule, scale, scale_inv);
+      all_amax.push_back(amax.rows(int64_t(k), 1));
+      scale.push_back(params[k]->fp8_scales.rows(1, 1));
+      scale_inv.push_back(params[k]->fp8_scales.rows(0, 1));
     }
-    Tensor no_transpose, no_amax;
-    for (size_t i = 0; i < shard_params_.size(); ++i)
-      if (shard_buffer_[i] == bi) {
-        const BufferPiece& piece = shard_pieces_[i];
-        Tensor out = b.weights().rows(piece.buffer_offset, piece.numel).view({1, piece.numel});
-        ops::fp8_quantize(shard_params_[i].main_param.view({1, piece.numel}),
-                          piece.param->fp8_scales.rows(1, 1), out, no_transpose, no_amax);
-      }
+    // e4m3, no margin: current scaling of the weights. An all-zero weight keeps its last
+    // scale (1 at first): its FP8 bytes are zeros whatever the scale.
+    const ops::Fp8ScaleRule rule;
+    ops::fp8_update_scale_multi(all_amax, rule, scale, scale_inv);
+    if (!main.empty()) ops::fp8_quantize_multi(main, piece_scale, out, no_transpose, no_amax);
   }
 }
 

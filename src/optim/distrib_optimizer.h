@@ -54,7 +54,7 @@ class DistributedAdamW {
   // casts master weights to FP8: amax over the whole weight (this rank's pieces, then a
   // max over the data-parallel group of the buffer and the (expert-)tensor-parallel
   // group, so that every shard of a TP-split weight gets the one-rank run's scale), scale
-  // = 448 / amax (ops::fp8_update_scale; 1 for an all-zero weight) into
+  // = 448 / amax (ops::fp8_update_scale; an all-zero weight keeps its last) into
   // Param::fp8_scales, then the e4m3 cast of the pieces. The FP8 bytes of the other
   // ranks' shards come with DistributedDataParallel::start_param_sync. Called by the
   // constructor, step and load_full_state. Collective over those groups; nothing without
@@ -105,7 +105,6 @@ class DistributedAdamW {
   std::vector<Param> shard_params_;
   std::vector<BufferPiece> shard_pieces_;  // distributed: the piece of each shard param
   std::vector<size_t> shard_buffer_;       // distributed: its buffer index
-  Tensor ones_;  // F32 [2] = {1, 1}: each FP8 weight's scales start from it
   std::unique_ptr<AdamW> adam_;
 };
 
