@@ -14,14 +14,13 @@
 #ifdef MEGATON_WITH_CUDA
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/fp8_testing.h"
 #include "common/gpu_testing.h"
 #include "ops/fp8.h"
 #include "ops/ops.h"
@@ -30,7 +29,15 @@ namespace megaton {
 namespace {
 
 using ops::Fp8ScaleRule;
+using testing::insert_specials;
+using testing::kScaleRuleAmaxes;
+using testing::max_abs_finite;
+using testing::poisoned_device;
 using testing::randn;
+using testing::rule_name;
+using testing::same_bits;
+using testing::scale_rules;
+using testing::wide_values;
 
 #define SEED_TRACE(seed) SCOPED_TRACE("seed " + std::to_string(seed))
 
@@ -40,66 +47,6 @@ std::string case_name(const Shape& shape, DType x, DType fp8) {
   return shape_str(shape) + " " + std::string(dtype_name(x)) + " -> " +
          std::string(dtype_name(fp8));
 }
-
-// Byte-for-byte equality of a GPU tensor with a CPU tensor of the same dtype and numel.
-::testing::AssertionResult same_bits(const Tensor& gpu, const Tensor& cpu, const char* what) {
-  Tensor got = gpu.to(Device::CPU);
-  if (got.dtype() != cpu.dtype() || got.numel() != cpu.numel())
-    return ::testing::AssertionFailure()
-           << what << ": " << dtype_name(got.dtype()) << " " << shape_str(got.shape()) << " vs "
-           << dtype_name(cpu.dtype()) << " " << shape_str(cpu.shape());
-  const size_t size = dtype_size(got.dtype());
-  const auto* a = static_cast<const uint8_t*>(got.raw());
-  const auto* b = static_cast<const uint8_t*>(cpu.raw());
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    if (std::memcmp(a + i * size, b + i * size, size) == 0) continue;
-    uint32_t bits_a = 0, bits_b = 0;
-    std::memcpy(&bits_a, a + i * size, size);
-    std::memcpy(&bits_b, b + i * size, size);
-    char buffer[160];
-    std::snprintf(buffer, sizeof(buffer), "element %lld: GPU 0x%x (%g) vs CPU 0x%x (%g)",
-                  static_cast<long long>(i), bits_a, double(got.item(i)), bits_b,
-                  double(cpu.item(i)));
-    return ::testing::AssertionFailure() << what << " " << shape_str(cpu.shape()) << " " << buffer;
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// A GPU tensor filled with NaN (FP8: the code 0x7F).
-Tensor poisoned(const Shape& shape, DType dtype) {
-  Tensor t = Tensor::empty(shape, dtype, Device::CUDA);
-  t.fill(NAN);
-  return t;
-}
-
-// N(0, 1) values times 2^e, e uniform in [-binades / 2, binades / 2]: for a scale set from
-// the amax, most values land in FP8's normal range, many in its subnormals, some below
-// half its smallest subnormal (to +-0).
-Tensor wide_values(const Shape& shape, uint64_t seed, int binades = 24) {
-  Tensor t = randn(shape, seed);
-  std::mt19937_64 gen(seed ^ 0x9e3779b97f4a7c15ULL);
-  std::uniform_int_distribution<int> exponent(-binades / 2, binades / 2);
-  float* p = t.f32();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = std::ldexp(p[i], exponent(gen));
-  return t;
-}
-
-// Special values at spread-out positions (the elementwise path's NaN / inf / -0 cases).
-void insert_specials(Tensor& t) {
-  const float specials[] = {kNaN,   -kNaN,     INFINITY, -INFINITY,    -0.0f,   0.0f,
-                            1e30f,  -1e30f,    FLT_MIN,  -FLT_MIN / 4, FLT_MAX, 448.0f,
-                            464.0f, -57344.0f, 61440.0f, 1e-7f};
-  const int64_t n = t.numel(), count = sizeof(specials) / sizeof(specials[0]);
-  for (int64_t k = 0; k < count && k < n; ++k) t.f32()[(k * 7919) % n] = specials[k];
-}
-
-float max_abs_finite(const Tensor& t) {
-  float m = 0.0f;
-  for (int64_t i = 0; i < t.numel(); ++i)
-    if (std::isfinite(t.f32()[i])) m = std::max(m, std::fabs(t.f32()[i]));
-  return m;
-}
-
 
 const DType kInputs[] = {DType::F32, DType::BF16};
 const DType kFormats[] = {DType::F8E4M3, DType::F8E5M2};
@@ -137,42 +84,24 @@ TEST(CudaFp8, AmaxMatchesCpu) {
         Tensor x = values.to(dtype);
         Tensor want = Tensor::empty({1});
         ops::fp8_amax(x, want);
-        Tensor got = poisoned({1}, DType::F32);
+        Tensor got = poisoned_device({1}, DType::F32);
         ops::fp8_amax(x.to(Device::CUDA), got);
         EXPECT_TRUE(same_bits(got, want, "amax"));
       }
     }
   }
   // An empty tensor gives 0 (and the output is still overwritten).
-  Tensor got = poisoned({1}, DType::F32);
+  Tensor got = poisoned_device({1}, DType::F32);
   ops::fp8_amax(Tensor::empty({0, 16}, DType::BF16, Device::CUDA), got);
   EXPECT_EQ(got.item(0), 0.0f);
 }
 
 // -------------------------------------------------------------------- scale updates
 
-std::vector<Fp8ScaleRule> rules() {
-  std::vector<Fp8ScaleRule> out;
-  for (DType fp8 : kFormats)
-    for (float margin : {0.0f, 1.0f, 2.5f})
-      for (float eps : {0.0f, 1e-4f})
-        for (bool pow2 : {false, true}) out.push_back({fp8, margin, eps, pow2});
-  return out;
-}
-
-std::string rule_name(const Fp8ScaleRule& r) {
-  return std::string(dtype_name(r.fp8)) + " margin " + std::to_string(r.margin) + " eps " +
-         std::to_string(r.amax_epsilon) + (r.power_of_2 ? " pow2" : "");
-}
-
 TEST(CudaFp8, UpdateScaleMatchesCpu) {
   MEGATON_SKIP_WITHOUT_GPU();
-  // Ordinary amaxes, amaxes whose scale overflows (subnormal) or underflows, and the ones
-  // that keep the scale (0, negative, NaN, inf).
-  const float amaxes[] = {1.0f,  3.7f,    448.0f, 1e-3f, 1e-30f, 1e-38f,   1e-45f,
-                          3e38f, FLT_MAX, 0.0f,   -1.0f, kNaN,   INFINITY, 5e-5f};
-  for (const Fp8ScaleRule& rule : rules()) {
-    for (float amax_value : amaxes) {
+  for (const Fp8ScaleRule& rule : scale_rules({0.0f, 1.0f, 2.5f})) {
+    for (float amax_value : kScaleRuleAmaxes) {
       SCOPED_TRACE(rule_name(rule) + " amax " + std::to_string(amax_value));
       Tensor amax = Tensor::from({1}, {amax_value});
       Tensor scale = Tensor::from({1}, {0.75f}), scale_inv = Tensor::from({1}, {5.0f});
@@ -254,9 +183,9 @@ TEST(CudaFp8, QuantizeMatchesCpu) {
             Tensor amax = with_amax ? Tensor::empty({1}) : Tensor();
             ops::fp8_quantize(x, scale, out, out_t, amax);
 
-            Tensor out_gpu = poisoned(shape, fp8);
-            Tensor out_t_gpu = with_t ? poisoned({cols, rows}, fp8) : Tensor();
-            Tensor amax_gpu = with_amax ? poisoned({1}, DType::F32) : Tensor();
+            Tensor out_gpu = poisoned_device(shape, fp8);
+            Tensor out_t_gpu = with_t ? poisoned_device({cols, rows}, fp8) : Tensor();
+            Tensor amax_gpu = with_amax ? poisoned_device({1}, DType::F32) : Tensor();
             ops::fp8_quantize(x.to(Device::CUDA), scale.to(Device::CUDA), out_gpu, out_t_gpu,
                               amax_gpu);
             EXPECT_TRUE(same_bits(out_gpu, out, "out"));
@@ -287,13 +216,14 @@ TEST(CudaFp8, QuantizeUnalignedViewMatchesCpu) {
   Tensor out = Tensor::empty({256, 1000}, DType::F8E4M3);
   Tensor out_t = Tensor::empty({1000, 256}, DType::F8E4M3), amax = Tensor::empty({1});
   ops::fp8_quantize(x, scale, out, out_t, amax);
-  Tensor out_gpu = poisoned({256, 1000}, DType::F8E4M3);
-  Tensor out_t_gpu = poisoned({1000, 256}, DType::F8E4M3), amax_gpu = poisoned({1}, DType::F32);
+  Tensor out_gpu = poisoned_device({256, 1000}, DType::F8E4M3);
+  Tensor out_t_gpu = poisoned_device({1000, 256}, DType::F8E4M3),
+         amax_gpu = poisoned_device({1}, DType::F32);
   ops::fp8_quantize(x_gpu, scale.to(Device::CUDA), out_gpu, out_t_gpu, amax_gpu);
   EXPECT_TRUE(same_bits(out_gpu, out, "out"));
   EXPECT_TRUE(same_bits(out_t_gpu, out_t, "out_t"));
   EXPECT_TRUE(same_bits(amax_gpu, amax, "amax"));
-  Tensor none, out_only = poisoned({256, 1000}, DType::F8E4M3);
+  Tensor none, out_only = poisoned_device({256, 1000}, DType::F8E4M3);
   ops::fp8_quantize(x_gpu, scale.to(Device::CUDA), out_only, none, none);
   EXPECT_TRUE(same_bits(out_only, out, "out (no out_t)"));
 }
@@ -354,10 +284,10 @@ TEST(CudaFp8, QuantizeBlockwiseMatchesCpu) {
               Tensor scale_inv_t = with_t ? Tensor::empty(s_t_shape) : Tensor();
               ops::fp8_quantize_blockwise(x, block_rows, rule, out, scale_inv, out_t, scale_inv_t);
 
-              Tensor out_gpu = poisoned({rows, cols}, fp8);
-              Tensor scale_inv_gpu = poisoned(s_shape, DType::F32);
-              Tensor out_t_gpu = with_t ? poisoned({cols, rows}, fp8) : Tensor();
-              Tensor scale_inv_t_gpu = with_t ? poisoned(s_t_shape, DType::F32) : Tensor();
+              Tensor out_gpu = poisoned_device({rows, cols}, fp8);
+              Tensor scale_inv_gpu = poisoned_device(s_shape, DType::F32);
+              Tensor out_t_gpu = with_t ? poisoned_device({cols, rows}, fp8) : Tensor();
+              Tensor scale_inv_t_gpu = with_t ? poisoned_device(s_t_shape, DType::F32) : Tensor();
               ops::fp8_quantize_blockwise(x.to(Device::CUDA), block_rows, rule, out_gpu,
                                           scale_inv_gpu, out_t_gpu, scale_inv_t_gpu);
               EXPECT_TRUE(same_bits(out_gpu, out, "out"));
@@ -391,7 +321,7 @@ TEST(CudaFp8, TransposeMatchesCpu) {
     ops::fp8_quantize(x, scale, q, none, none);
     Tensor q_t = Tensor::empty({cols, rows}, DType::F8E4M3);
     ops::fp8_transpose(q, q_t);
-    Tensor gpu_t = poisoned({cols, rows}, DType::F8E4M3);
+    Tensor gpu_t = poisoned_device({cols, rows}, DType::F8E4M3);
     ops::fp8_transpose(q.to(Device::CUDA), gpu_t);
     EXPECT_TRUE(same_bits(gpu_t, q_t, "q_t"));
   }
@@ -422,7 +352,7 @@ TEST(CudaFp8, DequantizeMatchesCpu) {
                        shape_str(sc.shape()));
           Tensor want = Tensor::empty({rows, cols}, out_dtype);
           ops::fp8_dequantize(qc, sc, want);
-          Tensor got = poisoned({rows, cols}, out_dtype);
+          Tensor got = poisoned_device({rows, cols}, out_dtype);
           ops::fp8_dequantize(qc.to(Device::CUDA), sc.to(Device::CUDA), got);
           EXPECT_TRUE(same_bits(got, want, "x"));
         }
@@ -461,8 +391,9 @@ constexpr double kGemmProductSumRel = 2e-3, kGemmProductSumRelBf16 = 2e-3 + 1.0 
     const double d = std::fabs(double(got.f32()[i]) - want.f32()[i]);
     const double bound = rel * product_sum.f32()[i] + kGemmRtol * std::fabs(want.f32()[i]);
     if (!(d <= bound))
-      return ::testing::AssertionFailure() << "element " << i << ": " << got.f32()[i] << " vs reference "
-                                           << want.f32()[i] << " (bound " << bound << ")";
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << got.f32()[i] << " vs reference " << want.f32()[i]
+             << " (bound " << bound << ")";
   }
   return ::testing::AssertionSuccess();
 }

@@ -13,14 +13,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/fp8_testing.h"
 #include "common/gpu_testing.h"
 #include "ops/fp8.h"
 
@@ -28,6 +27,13 @@ namespace megaton {
 namespace {
 
 using ops::Fp8ScaleRule;
+using testing::insert_specials;
+using testing::kScaleRuleAmaxes;
+using testing::poisoned_device;
+using testing::rule_name;
+using testing::same_bits;
+using testing::scale_rules;
+using testing::wide_values;
 
 #define SEED_TRACE(seed) SCOPED_TRACE("seed " + std::to_string(seed))
 
@@ -36,63 +42,6 @@ const DType kInputs[] = {DType::F32, DType::BF16};
 const DType kFormats[] = {DType::F8E4M3, DType::F8E5M2};
 // Lists longer than this take more than one launch.
 constexpr int kEntriesPerLaunch = 64;
-
-// Byte-for-byte equality of a GPU tensor with a CPU tensor (both undefined passes).
-::testing::AssertionResult same_bits(const Tensor& gpu, const Tensor& cpu,
-                                     const std::string& what) {
-  if (gpu.defined() != cpu.defined())
-    return ::testing::AssertionFailure()
-           << what << ": defined " << gpu.defined() << " vs " << cpu.defined();
-  if (!gpu.defined()) return ::testing::AssertionSuccess();
-  Tensor got = gpu.to(Device::CPU);
-  if (got.dtype() != cpu.dtype() || got.shape() != cpu.shape())
-    return ::testing::AssertionFailure()
-           << what << ": " << dtype_name(got.dtype()) << " " << shape_str(got.shape()) << " vs "
-           << dtype_name(cpu.dtype()) << " " << shape_str(cpu.shape());
-  const size_t size = dtype_size(got.dtype());
-  const auto* a = static_cast<const uint8_t*>(got.raw());
-  const auto* b = static_cast<const uint8_t*>(cpu.raw());
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    if (std::memcmp(a + i * size, b + i * size, size) == 0) continue;
-    uint32_t bits_a = 0, bits_b = 0;
-    std::memcpy(&bits_a, a + i * size, size);
-    std::memcpy(&bits_b, b + i * size, size);
-    char buffer[160];
-    std::snprintf(buffer, sizeof(buffer), "element %lld: GPU 0x%x (%g) vs CPU 0x%x (%g)",
-                  static_cast<long long>(i), bits_a, double(got.item(i)), bits_b,
-                  double(cpu.item(i)));
-    return ::testing::AssertionFailure() << what << " " << shape_str(cpu.shape()) << " " << buffer;
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// A tensor filled with NaN (FP8: the code 0x7F) on `device`.
-Tensor poisoned(const Shape& shape, DType dtype, Device device = Device::CUDA) {
-  Tensor t = Tensor::empty(shape, dtype, device);
-  t.fill(NAN);
-  return t;
-}
-
-// N(0, 1) values times 2^e, e uniform in [-12, 12]: for a scale set from the amax, most
-// values land in FP8's normal range, many in its subnormals, some below half its smallest
-// subnormal (to +-0), some saturate.
-Tensor wide_values(const Shape& shape, uint64_t seed) {
-  Tensor t = testing::randn(shape, seed);
-  std::mt19937_64 gen(seed ^ 0x9e3779b97f4a7c15ULL);
-  std::uniform_int_distribution<int> exponent(-12, 12);
-  float* p = t.f32();
-  for (int64_t i = 0; i < t.numel(); ++i) p[i] = std::ldexp(p[i], exponent(gen));
-  return t;
-}
-
-// Special values at spread-out positions.
-void insert_specials(Tensor& t) {
-  const float specials[] = {kNaN,   -kNaN,     INFINITY, -INFINITY,    -0.0f,   0.0f,
-                            1e30f,  -1e30f,    FLT_MIN,  -FLT_MIN / 4, FLT_MAX, 448.0f,
-                            464.0f, -57344.0f, 61440.0f, 1e-7f};
-  const int64_t n = t.numel(), count = sizeof(specials) / sizeof(specials[0]);
-  for (int64_t k = 0; k < count && k < n; ++k) t.f32()[(k * 7919) % n] = specials[k];
-}
 
 std::vector<Tensor> to_cuda(const std::vector<Tensor>& list) {
   std::vector<Tensor> out;
@@ -130,9 +79,9 @@ void expect_quantize_multi_matches_cpu(const std::vector<Entry>& entries, DType 
     want_amax.push_back(a);
     x.push_back(e.x_gpu);
     scale.push_back(s.to(Device::CUDA));
-    out.push_back(poisoned(e.x_cpu.shape(), fp8));
-    out_t.push_back(e.with_t ? poisoned({cols, rows}, fp8) : Tensor());
-    amax.push_back(e.with_amax ? poisoned({1}, DType::F32) : Tensor());
+    out.push_back(poisoned_device(e.x_cpu.shape(), fp8));
+    out_t.push_back(e.with_t ? poisoned_device({cols, rows}, fp8) : Tensor());
+    amax.push_back(e.with_amax ? poisoned_device({1}, DType::F32) : Tensor());
   }
   ops::fp8_quantize_multi(x, scale, out, out_t, amax);
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -276,7 +225,7 @@ TEST(CudaFp8Multi, AmaxMatchesCpu) {
     for (size_t i = 0; i < x.size(); ++i) {
       want.push_back(Tensor::empty({1}));
       ops::fp8_amax(x[i], want.back());
-      amax.push_back(poisoned({1}, DType::F32));
+      amax.push_back(poisoned_device({1}, DType::F32));
     }
     ops::fp8_amax_multi(x_gpu, amax);
     for (size_t i = 0; i < x.size(); ++i)
@@ -292,32 +241,17 @@ TEST(CudaFp8Multi, AmaxMatchesCpu) {
 
 // -------------------------------------------------------------------- scale updates
 
-std::vector<Fp8ScaleRule> rules() {
-  std::vector<Fp8ScaleRule> out;
-  for (DType fp8 : kFormats)
-    for (float margin : {0.0f, 2.0f})
-      for (float eps : {0.0f, 1e-4f})
-        for (bool pow2 : {false, true}) out.push_back({fp8, margin, eps, pow2});
-  return out;
-}
-
-std::string rule_name(const Fp8ScaleRule& r) {
-  return std::string(dtype_name(r.fp8)) + " margin " + std::to_string(r.margin) + " eps " +
-         std::to_string(r.amax_epsilon) + (r.power_of_2 ? " pow2" : "");
-}
-
 TEST(CudaFp8Multi, UpdateScaleMatchesCpu) {
   MEGATON_SKIP_WITHOUT_GPU();
-  // Ordinary amaxes, amaxes whose scale overflows or underflows, and the ones that keep
-  // the scale (0, negative, NaN, inf); more entries than one launch.
-  const float amaxes[] = {1.0f,  3.7f,    448.0f, 1e-3f, 1e-30f, 1e-38f,   1e-45f,
-                          3e38f, FLT_MAX, 0.0f,   -1.0f, kNaN,   INFINITY, 5e-5f};
+  // Every kScaleRuleAmaxes value, rescaled on each pass; more entries than one launch.
+  const int kAmaxCount = int(std::size(kScaleRuleAmaxes));
   const int count = 2 * kEntriesPerLaunch + 7;
-  for (const Fp8ScaleRule& rule : rules()) {
+  for (const Fp8ScaleRule& rule : scale_rules({0.0f, 2.0f})) {
     SCOPED_TRACE(rule_name(rule));
     std::vector<Tensor> amax, scale, scale_inv, want_scale, want_scale_inv;
     for (int i = 0; i < count; ++i) {
-      Tensor a = Tensor::from({1}, {amaxes[i % 14] * (1.0f + float(i / 14) / 8)});
+      Tensor a = Tensor::from(
+          {1}, {kScaleRuleAmaxes[i % kAmaxCount] * (1.0f + float(i / kAmaxCount) / 8)});
       Tensor s = Tensor::from({1}, {0.75f + float(i)}), s_inv = Tensor::from({1}, {5.0f});
       amax.push_back(a.to(Device::CUDA));
       scale.push_back(s.to(Device::CUDA));

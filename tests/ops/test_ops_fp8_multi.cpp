@@ -4,13 +4,12 @@
 // whose out_t or amax is undefined, NaN / inf entries, mixed input dtypes for the amax),
 // and the door refuses what the single ops refuse, unequal lengths and non-uniform
 // dtypes / history lengths.
-#include <cfloat>
 #include <cmath>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "common/fp8_testing.h"
 #include "common/testing.h"
 #include "ops/fp8.h"
 
@@ -18,47 +17,13 @@ namespace megaton {
 namespace {
 
 using ops::Fp8ScaleRule;
-using testing::poison;
+using testing::poisoned;
+using testing::same_bits;
+using testing::wide_values;
 
 #define SEED_TRACE(seed) SCOPED_TRACE("seed " + std::to_string(seed))
 
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-// Byte equality of two tensors of one dtype and shape (undefined == undefined).
-::testing::AssertionResult same_bits(const Tensor& got, const Tensor& want,
-                                     const std::string& what) {
-  if (got.defined() != want.defined())
-    return ::testing::AssertionFailure()
-           << what << ": defined " << got.defined() << " vs " << want.defined();
-  if (!got.defined()) return ::testing::AssertionSuccess();
-  if (got.dtype() != want.dtype() || got.shape() != want.shape())
-    return ::testing::AssertionFailure()
-           << what << ": " << dtype_name(got.dtype()) << " " << shape_str(got.shape()) << " vs "
-           << dtype_name(want.dtype()) << " " << shape_str(want.shape());
-  const size_t size = dtype_size(got.dtype());
-  const auto* a = static_cast<const uint8_t*>(got.raw());
-  const auto* b = static_cast<const uint8_t*>(want.raw());
-  for (int64_t i = 0; i < got.numel(); ++i)
-    if (std::memcmp(a + i * size, b + i * size, size) != 0)
-      return ::testing::AssertionFailure()
-             << what << " element " << i << ": " << got.item(i) << " vs " << want.item(i);
-  return ::testing::AssertionSuccess();
-}
-
-// N(0, 1) times 2^U{-10..10}: the casts hit normals, subnormals and saturation.
-Tensor wide_values(const Shape& shape, uint64_t seed) {
-  Tensor t = testing::randn(shape, seed);
-  std::mt19937_64 gen(seed + 1);
-  std::uniform_int_distribution<int> exponent(-10, 10);
-  for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] = std::ldexp(t.f32()[i], exponent(gen));
-  return t;
-}
-
-Tensor poisoned(const Shape& shape, DType dtype) {
-  Tensor t = Tensor::empty(shape, dtype);
-  poison(t);
-  return t;
-}
 
 std::vector<Tensor> copies(const std::vector<Tensor>& list) {
   std::vector<Tensor> out;

@@ -33,11 +33,16 @@
 #include <initializer_list>
 #include <vector>
 
+#include "ops/cpu/fp8_checks.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
 namespace {
+
+using fp8_checks::check_input;
+using fp8_checks::check_rule;
+using fp8_checks::is_fp8;
 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kParallelMin = 1 << 15;
@@ -45,7 +50,6 @@ constexpr int64_t kParallelMin = 1 << 15;
 constexpr int64_t kBlockCols = 128;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-bool is_fp8(DType t) { return t == DType::F8E4M3 || t == DType::F8E5M2; }
 
 // [rows, cols] of a tensor of rank >= 1: leading dimensions merged (fp8.h's
 // "[numel / C, C] with C its last dimension").
@@ -62,11 +66,6 @@ Matrix as_matrix(const Tensor& t, const char* op, const char* name) {
   return {rows, t.dim(-1)};
 }
 
-void check_input(const Tensor& x, const char* op, const char* name) {
-  MEGATON_CHECK(x.defined(), "{}: {} is undefined", op, name);
-  MEGATON_CHECK(x.dtype() == DType::F32 || x.dtype() == DType::BF16,
-                "{}: {} must be F32 or BF16, got {}", op, name, dtype_name(x.dtype()));
-}
 void check_fp8(const Tensor& q, const char* op, const char* name) {
   MEGATON_CHECK(q.defined(), "{}: {} is undefined", op, name);
   MEGATON_CHECK(is_fp8(q.dtype()), "{}: {} must be F8E4M3 or F8E5M2, got {}", op, name,
@@ -76,14 +75,6 @@ void check_f32_shape(const Tensor& t, const Shape& shape, const char* op, const 
   MEGATON_CHECK(t.defined(), "{}: {} is undefined", op, name);
   MEGATON_CHECK(t.dtype() == DType::F32 && t.shape() == shape, "{}: {} must be F32 {}, got {} {}",
                 op, name, shape_str(shape), dtype_name(t.dtype()), shape_str(t.shape()));
-}
-void check_rule(const Fp8ScaleRule& rule, const char* op) {
-  MEGATON_CHECK(is_fp8(rule.fp8), "{}: rule.fp8 must be F8E4M3 or F8E5M2, got {}", op,
-                dtype_name(rule.fp8));
-  MEGATON_CHECK(std::isfinite(rule.margin) && rule.margin >= 0.0f,
-                "{}: rule.margin must be finite and >= 0, got {}", op, rule.margin);
-  MEGATON_CHECK(std::isfinite(rule.amax_epsilon) && rule.amax_epsilon >= 0.0f,
-                "{}: rule.amax_epsilon must be finite and >= 0, got {}", op, rule.amax_epsilon);
 }
 // All defined tensors on one device; in a CPU-only build, that device must be the CPU.
 void check_devices(const char* op, std::initializer_list<const Tensor*> tensors) {

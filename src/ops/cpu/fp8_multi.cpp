@@ -14,13 +14,17 @@
 #include <utility>
 #include <vector>
 
+#include "ops/cpu/fp8_checks.h"
 #include "ops/dispatch.h"
 #include "ops/fp8.h"
 
 namespace megaton::ops {
 namespace {
 
-bool is_fp8(DType t) { return t == DType::F8E4M3 || t == DType::F8E5M2; }
+using fp8_checks::check_input;
+// The single-tensor ops check the rule again on the CPU path; the GPU path has only this.
+using fp8_checks::check_rule;
+using fp8_checks::is_fp8;
 
 // "name[i]", for messages.
 std::string entry_name(const char* name, size_t i) { return fmt::format("{}[{}]", name, i); }
@@ -36,23 +40,6 @@ void check_f32_scalar(const Tensor& t, const char* op, const std::string& name) 
   MEGATON_CHECK(t.dtype() == DType::F32 && t.shape() == Shape({1}),
                 "{}: {} must be F32 [1], got {} {}", op, name, dtype_name(t.dtype()),
                 shape_str(t.shape()));
-}
-
-void check_input(const Tensor& x, const char* op, const std::string& name) {
-  MEGATON_CHECK(x.defined(), "{}: {} is undefined", op, name);
-  MEGATON_CHECK(x.dtype() == DType::F32 || x.dtype() == DType::BF16,
-                "{}: {} must be F32 or BF16, got {}", op, name, dtype_name(x.dtype()));
-}
-
-// As ops/cpu/fp8.cpp's check_rule (the single-tensor ops check it again on the CPU path;
-// the GPU path has only this one).
-void check_rule(const Fp8ScaleRule& rule, const char* op) {
-  MEGATON_CHECK(is_fp8(rule.fp8), "{}: rule.fp8 must be F8E4M3 or F8E5M2, got {}", op,
-                dtype_name(rule.fp8));
-  MEGATON_CHECK(std::isfinite(rule.margin) && rule.margin >= 0.0f,
-                "{}: rule.margin must be finite and >= 0, got {}", op, rule.margin);
-  MEGATON_CHECK(std::isfinite(rule.amax_epsilon) && rule.amax_epsilon >= 0.0f,
-                "{}: rule.amax_epsilon must be finite and >= 0, got {}", op, rule.amax_epsilon);
 }
 
 // Every defined tensor of the lists on `device`.
