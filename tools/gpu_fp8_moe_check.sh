@@ -1,5 +1,12 @@
 #!/bin/bash
-# One GPU session's checks for issue 16 (FP8 experts, multi-tensor quantization, grouped GEMM).
+# The GPU checks of the FP8 MoE experts (issue 16): the FP8 GPU tests, an op profile of
+# moe-8x-top2 in FP8 tensorwise, and bench/gpu_bench.py's moe-8x-top2 FP8 rows.
+# Prepare here (the device tool's carry): bash tools/gpu_bundle.sh gpu-bundle build/megaton
+#   build/test_cuda_fp8_gpu build/test_cuda_fp8_multi_gpu build/test_cuda_fp8_grouped_gpu
+#   build/test_fp8_linear_gpu build/test_fp8_moe_gpu build/test_cuda_moe_gpu;
+#   cp ../shared/bench/torch_gpt.py gpu-bundle/; mkdir -p gpu-carry;
+#   tar -cJf gpu-carry/bundle.tar.xz gpu-bundle; cp <torchao wheel> gpu-carry/
+# Run there, from the repository root with $OUT set: bash tools/gpu_fp8_moe_check.sh
 tar -xJf gpu-carry/bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/gpu-bundle/lib NCCL_NVLS_ENABLE=0
 B=gpu-bundle/bin

@@ -5,12 +5,12 @@
 #include <vector>
 
 #include "ops/dispatch.h"
+#include "ops/cpu/fp8_checks.h"
 #include "ops/fp8.h"
 
 namespace megaton::ops {
 namespace {
 
-bool is_fp8(DType t) { return t == DType::F8E4M3 || t == DType::F8E5M2; }
 const char* device_name(Device d) { return d == Device::CPU ? "CPU" : "CUDA"; }
 
 // Every entry of `list` defined, on `device`.
@@ -53,7 +53,7 @@ void fp8_grouped_gemm(const std::vector<Tensor>& a, const std::vector<Tensor>& a
     check_entries(*list, name, device);
   }
   const DType a_dtype = a[0].dtype(), b_dtype = b[0].dtype(), c_dtype = c[0].dtype();
-  MEGATON_CHECK(is_fp8(a_dtype) && is_fp8(b_dtype),
+  MEGATON_CHECK(fp8_checks::is_fp8(a_dtype) && fp8_checks::is_fp8(b_dtype),
                 "{}: a and b must be F8E4M3 or F8E5M2, got a[0] {}, b[0] {}", op,
                 dtype_name(a_dtype), dtype_name(b_dtype));
   MEGATON_CHECK(!(a_dtype == DType::F8E5M2 && b_dtype == DType::F8E5M2),
