@@ -3,6 +3,7 @@
 // step) gives exactly what G separate Fp8LinearGemms give on the same rows, in each
 // recipe, over two steps (the delayed recipe's second uses its history), with a group of
 // zero rows, with the input kept and recomputed.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -51,7 +52,7 @@ TEST_P(Fp8GroupedLinearTest, EqualsOneFp8LinearGemmsPerGroup) {
   const Placement cpu{Device::CPU, DType::F32};
   std::vector<Param> grouped_w, single_w;
   for (int64_t g = 0; g < groups; ++g) {
-    const std::string name = "e" + std::to_string(g) + ".weight";
+    const std::string name = fmt::format("e{}.weight", g);
     grouped_w.push_back(make_param(name, {kOut, kIn}, 0.05f, seed, cpu));
     single_w.push_back(make_param(name, {kOut, kIn}, 0.05f, seed, cpu));
     grouped_w.back().main_grad = Tensor::zeros({kOut, kIn});
