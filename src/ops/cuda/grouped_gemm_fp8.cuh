@@ -15,6 +15,7 @@
 // device array (the per-tensor scales folded in: alpha * a_scale_inv[g] * b_scale_inv[g],
 // computed by a one-block kernel, so the host never reads a scale).
 #pragma once
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -64,9 +65,15 @@ struct Fp8GroupedGemm {
   static constexpr int kAlignAB = 16;                         // 16 bytes of FP8
   static constexpr int kAlignD = 16 / int(sizeof(ElementD));  // 16 bytes
   // 128x128x128 tiles (FP8's 128-deep K tile: four 32-deep WGMMAs, the promotion
-  // interval), 2-CTA clusters sharing B by TMA multicast. 128x256 would hold 128 fp32
-  // accumulators per thread, doubled by the split accumulator's second copy: spills.
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  // interval), 2-CTA clusters sharing B by TMA multicast. 128x256 holds 128 fp32
+  // accumulators per thread: the fast-accumulation forward (BF16 out) takes it; the split
+  // accumulator's second copy would spill.
+  static constexpr bool kWide =
+      std::is_same_v<KernelSchedule,
+                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum> &&
+      std::is_same_v<ElementD, cutlass::bfloat16_t>;
+  using TileShape = std::conditional_t<kWide, cute::Shape<cute::_128, cute::_256, cute::_128>,
+                                       cute::Shape<cute::_128, cute::_128, cute::_128>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
