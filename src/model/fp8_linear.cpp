@@ -122,6 +122,20 @@ ActiveGroups active_groups(const std::vector<int64_t>& group_rows) {
   }
   return a;
 }
+// ops::fp8_grouped_gemm with a[i] and b[i] the row-wise copies (data, scale_inv) or, where
+// a_t / b_t, the column-wise ones (data_t, scale_inv_t) of the quantized operands.
+void grouped_fp8_gemm(const std::vector<Fp8Tensor>& a, bool a_t, const std::vector<Fp8Tensor>& b,
+                      bool b_t, const std::vector<Tensor>& c, float beta = 0.0f,
+                      bool fast_accumulation = false) {
+  std::vector<Tensor> ad, as, bd, bs;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ad.push_back(a_t ? a[i].data_t : a[i].data);
+    as.push_back(a_t ? a[i].scale_inv_t : a[i].scale_inv);
+    bd.push_back(b_t ? b[i].data_t : b[i].data);
+    bs.push_back(b_t ? b[i].scale_inv_t : b[i].scale_inv);
+  }
+  ops::fp8_grouped_gemm(ad, as, bd, bs, c, 1.0f, beta, fast_accumulation);
+}
 std::vector<Tensor> group_views(const Tensor& t, const ActiveGroups& a) {
   std::vector<Tensor> out;
   for (size_t i = 0; i < a.index.size(); ++i) out.push_back(t.rows(a.start[i], a.rows[i]));
@@ -167,14 +181,7 @@ Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
     wq = Fp8Quantizer::quantize_multi(weight_quantizers, weight_values, true, false,
                                       sharding.weight ? sharding.group : none);
   }
-  std::vector<Tensor> xa, xs, wa, ws;
-  for (size_t i = 0; i < a.index.size(); ++i) {
-    xa.push_back(xq[i].data);
-    xs.push_back(xq[i].scale_inv);
-    wa.push_back(wq[i].data);
-    ws.push_back(wq[i].scale_inv);
-  }
-  ops::fp8_grouped_gemm(xa, xs, wa, ws, group_views(y, a), 1.0f, 0.0f, gemms_[0].fast_forward_);
+  grouped_fp8_gemm(xq, false, wq, false, group_views(y, a), 0.0f, gemms_[0].fast_forward_);
   for (size_t i = 0; i < a.index.size(); ++i) {
     Fp8LinearGemms::Saved& s = saved.groups[a.index[i]];
     s.w = {Tensor(), wq[i].scale_inv, Tensor(), Tensor(), wq[i].scale};
@@ -239,14 +246,7 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
   } else {
     wq_t = Fp8Quantizer::requantize_columnwise_multi(weight_quantizers, weight_values, w_saved);
   }
-  std::vector<Tensor> da, ds, wa, ws;
-  for (size_t i = 0; i < a.index.size(); ++i) {
-    da.push_back(dyq[i].data);
-    ds.push_back(dyq[i].scale_inv);
-    wa.push_back(wq_t[i].data_t);
-    ws.push_back(wq_t[i].scale_inv_t);
-  }
-  ops::fp8_grouped_gemm(da, ds, wa, ws, group_views(dx, a));
+  grouped_fp8_gemm(dyq, false, wq_t, true, group_views(dx, a));
   if (!wgrad) {
     for (size_t i = 0; i < a.index.size(); ++i)
       ops::gemm(dy.rows(a.start[i], a.rows[i]), true, x_rows(i), false,
@@ -263,15 +263,9 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
     for (size_t i = 0; i < a.index.size(); ++i) xs.push_back(x_rows(i));
     xq_t = Fp8Quantizer::requantize_columnwise_multi(inputs, xs, x_saved);
   }
-  std::vector<Tensor> ga, gs, xa, xsc, grads_out;
-  for (size_t i = 0; i < a.index.size(); ++i) {
-    ga.push_back(dyq[i].data_t);
-    gs.push_back(dyq[i].scale_inv_t);
-    xa.push_back(xq_t[i].data_t);
-    xsc.push_back(xq_t[i].scale_inv_t);
-    grads_out.push_back(weights[a.index[i]]->main_grad);
-  }
-  ops::fp8_grouped_gemm(ga, gs, xa, xsc, grads_out, 1.0f, 1.0f);
+  std::vector<Tensor> grads_out;
+  for (size_t g : a.index) grads_out.push_back(weights[g]->main_grad);
+  grouped_fp8_gemm(dyq, true, xq_t, true, grads_out, 1.0f);
 }
 
 std::vector<std::pair<std::string, Tensor*>> Fp8LinearGemms::state(const std::string& prefix) {

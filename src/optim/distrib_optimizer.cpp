@@ -74,48 +74,54 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
       if (p->main_param.raw() != p->weight.raw()) p->main_param = Tensor();
   for (Param& sp : shard_params_) targets.push_back(&sp);
   adam_ = std::make_unique<AdamW>(targets, config);
+  plan_fp8_weight_casts();
   quantize_fp8_weights();
 }
 
-void DistributedAdamW::quantize_fp8_weights() {
+void DistributedAdamW::plan_fp8_weight_casts() {
   for (size_t bi = 0; bi < buffers_.size(); ++bi) {
     ParamAndGradBuffer& b = *buffers_[bi];
     if (!b.fp8()) continue;
     MEGATON_CHECK(distributed_, "FP8 weight buffers need the distributed optimizer");
     const std::vector<Param*>& params = b.params();
-    const Device device = b.grads().device();
+    Fp8WeightCast cast;
+    cast.buffer = &b;
+    cast.amax = Tensor::zeros({int64_t(params.size())}, DType::F32, b.grads().device());
     std::unordered_map<const Param*, int64_t> index;
-    for (size_t k = 0; k < params.size(); ++k) index[params[k]] = int64_t(k);
+    for (size_t k = 0; k < params.size(); ++k) {
+      index[params[k]] = int64_t(k);
+      cast.all_amax.push_back(cast.amax.rows(int64_t(k), 1));
+      cast.scale.push_back(params[k]->fp8_scales.rows(1, 1));
+      cast.scale_inv.push_back(params[k]->fp8_scales.rows(0, 1));
+    }
     // This rank's piece of a weight is contiguous (a weight lies in one bucket, a shard is
-    // a contiguous range of it): its amax is the weight's partial amax here. One launch
-    // per step for all pieces and weights (the multi-tensor FP8 ops).
-    Tensor amax = Tensor::zeros({int64_t(params.size())}, DType::F32, device);
-    std::vector<Tensor> main, amax_slots, out, piece_scale, no_transpose, no_amax;
+    // a contiguous range of it): its amax is the weight's partial amax here.
     for (size_t i = 0; i < shard_params_.size(); ++i) {
       if (shard_buffer_[i] != bi) continue;
       const BufferPiece& piece = shard_pieces_[i];
-      main.push_back(shard_params_[i].main_param.view({1, piece.numel}));
-      amax_slots.push_back(amax.rows(index.at(piece.param), 1));
-      out.push_back(b.weights().rows(piece.buffer_offset, piece.numel).view({1, piece.numel}));
-      piece_scale.push_back(piece.param->fp8_scales.rows(1, 1));
+      cast.main.push_back(shard_params_[i].main_param.view({1, piece.numel}));
+      cast.piece_amax.push_back(cast.amax.rows(index.at(piece.param), 1));
+      cast.out.push_back(b.weights().rows(piece.buffer_offset, piece.numel).view({1, piece.numel}));
+      cast.piece_scale.push_back(piece.param->fp8_scales.rows(1, 1));
     }
-    no_transpose.resize(main.size());
-    no_amax.resize(main.size());
-    if (!main.empty()) ops::fp8_amax_multi(main, amax_slots);
-    comm_.all_reduce(amax, group_of(b), dist::ReduceOp::Max);
-    const dist::Group& tp = b.is_expert() ? grid_.etp() : grid_.tp();
-    if (tp.size() > 1) comm_.all_reduce(amax, tp, dist::ReduceOp::Max);
-    std::vector<Tensor> all_amax, scale, scale_inv;
-    for (size_t k = 0; k < params.size(); ++k) {
-      all_amax.push_back(amax.rows(int64_t(k), 1));
-      scale.push_back(params[k]->fp8_scales.rows(1, 1));
-      scale_inv.push_back(params[k]->fp8_scales.rows(0, 1));
-    }
+    cast.none.resize(cast.main.size());
+    fp8_casts_.push_back(std::move(cast));
+  }
+}
+
+void DistributedAdamW::quantize_fp8_weights() {
+  // One launch per step for all pieces and weights of a buffer (the multi-tensor FP8 ops).
+  for (Fp8WeightCast& c : fp8_casts_) {
+    c.amax.zero();  // weights with no piece here count 0 in the max
+    if (!c.main.empty()) ops::fp8_amax_multi(c.main, c.piece_amax);
+    comm_.all_reduce(c.amax, group_of(*c.buffer), dist::ReduceOp::Max);
+    const dist::Group& tp = c.buffer->is_expert() ? grid_.etp() : grid_.tp();
+    if (tp.size() > 1) comm_.all_reduce(c.amax, tp, dist::ReduceOp::Max);
     // e4m3, no margin: current scaling of the weights. An all-zero weight keeps its last
     // scale (1 at first): its FP8 bytes are zeros whatever the scale.
     const ops::Fp8ScaleRule rule;
-    ops::fp8_update_scale_multi(all_amax, rule, scale, scale_inv);
-    if (!main.empty()) ops::fp8_quantize_multi(main, piece_scale, out, no_transpose, no_amax);
+    ops::fp8_update_scale_multi(c.all_amax, rule, c.scale, c.scale_inv);
+    if (!c.main.empty()) ops::fp8_quantize_multi(c.main, c.piece_scale, c.out, c.none, c.none);
   }
 }
 

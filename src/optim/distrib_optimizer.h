@@ -105,6 +105,17 @@ class DistributedAdamW {
   std::vector<Param> shard_params_;
   std::vector<BufferPiece> shard_pieces_;  // distributed: the piece of each shard param
   std::vector<size_t> shard_buffer_;       // distributed: its buffer index
+  // --fp8-param-gather: the operand lists of quantize_fp8_weights for each FP8 buffer,
+  // built once (plan_fp8_weight_casts): views that stay valid for the optimizer's life.
+  struct Fp8WeightCast {
+    ParamAndGradBuffer* buffer = nullptr;
+    Tensor amax;                               // [weights]: each weight's amax
+    std::vector<Tensor> all_amax, scale, scale_inv;  // per weight: amax slot, fp8_scales rows
+    std::vector<Tensor> main, piece_amax, out, piece_scale;  // per piece on this rank
+    std::vector<Tensor> none;                  // undefined, one per piece
+  };
+  void plan_fp8_weight_casts();
+  std::vector<Fp8WeightCast> fp8_casts_;
   std::unique_ptr<AdamW> adam_;
 };
 

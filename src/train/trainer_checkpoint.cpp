@@ -1,0 +1,150 @@
+// Trainer checkpoints: save (full tensors whatever the layout), load (under any layout),
+// and the FP8 delayed recipe's state that goes with them.
+#include "train/trainer.h"
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include "ckpt/checkpoint.h"
+#include "dist/gather.h"
+#include "model/tensor_parallel.h"
+#include "train/tensor_parallel_ckpt.h"
+#include "ops/ops.h"
+
+namespace megaton {
+
+std::vector<std::pair<std::string, Tensor*>> Trainer::fp8_state(bool experts) {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (auto& chunk : chunks_)
+    for (auto& layer : chunk->layers())
+      for (auto& entry : layer->fp8_state(experts)) out.push_back(entry);
+  return out;
+}
+
+void Trainer::save(int64_t iteration) {
+  ddp_->finish_param_sync();
+  // Full tensors whatever the layout, gathered and written by world rank 0, so a
+  // checkpoint loads under any other layout. Collective: every rank takes part.
+  const std::map<std::string, const Param*> by_name = params_by_name();
+  dist::NamedTensors local =
+      assemble_tensor_parallel(optimizer_->full_state(), by_name, chunks_[0]->model_parallel());
+  for (auto& entry : moe_->expert_bias_state()) local.push_back(std::move(entry));
+  // The FP8 state once: dense layers' from data- and tensor-parallel rank 0, the experts'
+  // from expert-data- and expert-tensor-parallel rank 0 of each expert-parallel rank.
+  if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
+    for (auto& [name, t] : fp8_state(false)) local.emplace_back(name, *t);
+  if (grid_->edp().rank == 0 && grid_->etp().rank == 0)
+    for (auto& [name, t] : fp8_state(true)) local.emplace_back(name, *t);
+  std::vector<std::pair<std::string, Tensor>> state =
+      dist::gather_named_tensors(*comm_, grid_->world(), local);
+  if (!is_logging_rank()) return;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  nlohmann::json shapes = nlohmann::json::object();
+  for (auto& [name, t] : state) {
+    if (name.starts_with("model.")) shapes[name] = t.shape();
+    tensors.emplace_back(name, t.to(Device::CPU));
+    // A checkpoint of NaN or inf would become the one a resume starts from: refuse it, so
+    // the tracker keeps naming the last finite one.
+    if (t.dtype() == DType::F32 && !std::isfinite(ops::sum_of_squares(tensors.back().second)))
+      fail("not saving iteration {} to '{}': tensor '{}' holds NaN or Inf values (the "
+           "checkpoint the tracker names is unchanged)", iteration, args_.save, name);
+  }
+  nlohmann::json meta;
+  meta["iteration"] = iteration;
+  meta["consumed_samples"] = consumed_samples_;
+  meta["optimizer_step"] = optimizer_->step_count();
+  meta["world_size"] = grid_->world_size();
+  meta["floating_point_operations_so_far"] = floating_point_operations_so_far_;
+  meta["skipped_iterations"] = skipped_iterations_;
+  meta["nan_iterations"] = nan_iterations_;
+  meta["rng_seed"] = args_.seed;
+  meta["args"] = nlohmann::json::parse(args_to_json(raw_));
+  meta["tokenizer_type"] = args_.tokenizer_type;
+  meta["tokenizer_model"] = args_.tokenizer_model.empty()
+                                ? std::string()
+                                : std::filesystem::absolute(args_.tokenizer_model).string();
+  meta["global_shapes"] = shapes;
+  // The vocabulary rows of the embedding and output layer: real tokens, then padding that
+  // depends on the tensor-parallel size (a load under another layout pads or trims it).
+  meta["vocab_size"] = args_.model.vocab_size;
+  meta["padded_vocab_size"] = args_.model.padded_vocab_size;
+  ckpt::save_checkpoint(args_.save, iteration, tensors, meta.dump(1));
+  fmt::print(" saved checkpoint from iteration {:7} to {}\n", iteration, args_.save);
+  std::fflush(stdout);
+}
+
+void Trainer::load() {
+  ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(args_.load);
+  const bool optimizer_state = !args_.finetune && !args_.no_load_optim;
+  auto meta = nlohmann::json::parse(ck.metadata_json);
+  // Checkpoints from before the vocabulary was recorded have no such field.
+  if (meta.contains("vocab_size") && (!meta["vocab_size"].is_number_integer() ||
+                                      meta["vocab_size"].get<int64_t>() != args_.model.vocab_size))
+    fail("checkpoint '{}' was trained with a vocabulary of {} tokens, the tokenizer has {} "
+         "(tokenizer-type / tokenizer-model / vocab-size)", ck.path, meta["vocab_size"].dump(),
+         args_.model.vocab_size);
+  const std::map<std::string, const Param*> by_name = params_by_name();
+  // This rank's part of each entry: the vocabulary rows refitted to this layout's padding,
+  // then the tensor-parallel slice.
+  std::map<std::string, Tensor> parts;
+  optimizer_->load_full_state(
+      [&](const std::string& name) -> const Tensor* {
+        auto it = ck.tensors.find(name);
+        if (it == ck.tensors.end()) return nullptr;
+        const Param* p = param_of_entry(name, by_name);
+        if (!p) return &it->second;
+        auto [part, fresh] = parts.try_emplace(name);
+        if (!fresh) return &part->second;
+        Tensor full = it->second;
+        if (p->padded_vocab_rows)
+          full = fit_padded_vocab_rows(full, args_.model.padded_vocab_size, args_.model.vocab_size,
+                                       name, ck.path);
+        if (full.shape() != p->full_shape)
+          fail("checkpoint '{}': tensor '{}' is {} {}, the model expects {} {} (whole tensors, "
+               "before the tensor-parallel split)", ck.path, name, dtype_name(full.dtype()),
+               shape_str(full.shape()), dtype_name(DType::F32), shape_str(p->full_shape));
+        part->second = p->tp_split_dim < 0 ? full
+                                           : tensor_parallel_slice(full, *p, chunks_[0]->model_parallel());
+        return &part->second;
+      },
+      ck.path, optimizer_state);
+  moe_->load_expert_bias(
+      [&](const std::string& name) -> const Tensor* {
+        auto it = ck.tensors.find(name);
+        return it == ck.tensors.end() ? nullptr : &it->second;
+      },
+      ck.path);
+  // The delayed recipe's amax histories: a checkpoint without them (bf16, or another
+  // recipe) starts them afresh, as Transformer Engine does without its extra state.
+  std::vector<std::pair<std::string, Tensor*>> fp8_entries = fp8_state(false);
+  for (auto& entry : fp8_state(true)) fp8_entries.push_back(entry);
+  for (auto& [name, t] : fp8_entries) {
+    auto it = ck.tensors.find(name);
+    if (it == ck.tensors.end() || args_.finetune) continue;
+    if (it->second.shape() != t->shape())
+      fail("checkpoint '{}': FP8 state '{}' is {}, this run expects {} "
+           "(--fp8-amax-history-len differs)", ck.path, name, shape_str(it->second.shape()),
+           shape_str(t->shape()));
+    t->copy_from(it->second);
+  }
+  if (args_.finetune) {
+    if (is_logging_rank())
+      fmt::print(" loaded weights from {} (finetune: starting at iteration 0)\n", ck.path);
+    return;
+  }
+  try {
+    iteration_ = meta.at("iteration").get<int64_t>();
+    consumed_samples_ = meta.at("consumed_samples").get<int64_t>();
+    floating_point_operations_so_far_ = meta.at("floating_point_operations_so_far").get<double>();
+    skipped_iterations_ = meta.value("skipped_iterations", int64_t(0));
+    nan_iterations_ = meta.value("nan_iterations", int64_t(0));
+    if (optimizer_state) optimizer_->set_step_count(meta.at("optimizer_step").get<int64_t>());
+    if (!args_.no_load_rng) args_.seed = meta.at("rng_seed").get<uint64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    fail("checkpoint metadata in '{}' is missing a field: {}", ck.path, e.what());
+  }
+  if (is_logging_rank()) fmt::print(" loaded checkpoint from {} at iteration {}\n", ck.path, iteration_);
+}
+
+}  // namespace megaton
