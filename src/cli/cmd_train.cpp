@@ -43,8 +43,10 @@ void add_train_command(CLI::App& app) {
     // An impossible layout fails here, on every rank alike, before anything is built.
     const int64_t world = dist::world_size();
     dist::ValidatedLayout layout = check_parallel_layout(args, world);
-    if (dist::world_rank() == 0)
+    if (dist::world_rank() == 0) {
       for (const std::string& w : layout.warnings) fmt::print(stderr, "warning: {}\n", w);
+      for (const std::string& n : args.no_effect) fmt::print(stderr, "no effect in Megaton: {}\n", n);
+    }
     Trainer trainer(args, raw);
     trainer.train();
   });

@@ -473,7 +473,7 @@ void check_value_ranges(const Reader& r, const TrainArgs& a) {
 namespace {
 // The FP8 flags (Megatron's arguments.py and TransformerConfig checks). Every --fp8-*
 // flag other than the format is refused without --fp8-format, rather than ignored.
-void parse_fp8_args(const Reader& r, GPTConfig& m) {
+void parse_fp8_args(const Reader& r, GPTConfig& m, std::vector<std::string>& no_effect) {
   Fp8Config& f = m.fp8;
   const char* dependents[] = {"fp8-recipe", "fp8-margin", "fp8-amax-history-len",
                               "fp8-amax-compute-algo", "no-fp8-wgrad", "fp8-param-gather",
@@ -540,10 +540,14 @@ void parse_fp8_args(const Reader& r, GPTConfig& m) {
   if (f.param_gather && f.recipe == Fp8Recipe::Blockwise)
     fail("fp8-param-gather is not available with --fp8-recipe blockwise in Megaton (its "
          "weights would need 128x128-block FP8 copies); use tensorwise or delayed");
-  // Not built yet (issue 16): refused by name rather than accepted and ignored.
-  if (router_padding) fail("moe-router-padding-for-fp8 is not available in Megaton yet (each "
-                           "expert's rows are padded to the FP8 multiple inside the experts, "
-                           "as Megatron does without the flag)");
+  // Megatron pads the routing map so that each expert receives a multiple of 16 tokens
+  // (extra copies of real tokens with probability 0), which spares its GroupedMLP the
+  // explicit Fp8Padding. Megaton's experts always pad each expert's rows to the FP8 GEMM
+  // multiple with zero rows (MoELayer, docs/fp8.md), so what the flag asks for already
+  // holds and it changes nothing.
+  if (router_padding)
+    no_effect.push_back("--moe-router-padding-for-fp8: the experts always pad each expert's "
+                        "rows to the FP8 GEMM multiple (16, 128 blockwise) with zero rows");
 }
 }  // namespace
 
@@ -717,7 +721,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
     fail("overlap-param-gather needs overlap-grad-reduce");
 
   r.get("bf16", a.model.bf16);
-  parse_fp8_args(r, a.model);
+  parse_fp8_args(r, a.model, a.no_effect);
   // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.
   if (a.model.fp8.param_gather && !p.use_distributed_optimizer)
     fail("fp8-param-gather needs use-distributed-optimizer (the FP8 weights are what its "

@@ -42,6 +42,10 @@ struct TrainArgs {
   optim::AdamWConfig adam;
   optim::LRScheduleConfig lr;
 
+  // Megatron flags given that change nothing in Megaton, one line each ("--flag: why"),
+  // for rank 0 to print once at start as "no effect in Megaton: ...".
+  std::vector<std::string> no_effect;
+
   // Data and tokenizer.
   std::vector<std::string> data_path;  // one prefix, or "w1 p1 w2 p2 ..."
   std::string split = "969,30,1";

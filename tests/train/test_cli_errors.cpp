@@ -426,13 +426,27 @@ TEST_F(CliErrors, Fp8BadRecipesAndDimensions) {
       {fp8 + " --fp8-param-gather", "fp8-param-gather needs use-distributed-optimizer"},
       {fp8 + " --fp8-recipe blockwise --fp8-param-gather --use-distributed-optimizer",
        "fp8-param-gather is not available with --fp8-recipe blockwise"},
-      {fp8 + " --moe-router-padding-for-fp8", "moe-router-padding-for-fp8 is not available"},
+      {kMock + " --train-iters 1 --moe-router-padding-for-fp8",
+       "option 'moe-router-padding-for-fp8' needs --fp8-format"},
       {kMock + " --train-iters 1 --fp8-param-gather", "option 'fp8-param-gather' needs --fp8-format"},
   };
   for (const auto& [flags, message] : cases) {
     SCOPED_TRACE(flags);
     expect_user_error(flags, message);
   }
+}
+
+// Megatron's --moe-router-padding-for-fp8 is accepted: Megaton's experts always pad each
+// expert's rows to the FP8 multiple, so the run trains and says once that the flag changes
+// nothing.
+TEST_F(CliErrors, RouterPaddingForFp8IsAcceptedWithANotice) {
+  const std::string moe = kMock + " --train-iters 1 --num-experts 2 --moe-router-topk 2 "
+                                  "--fp8-format hybrid --fp8-recipe tensorwise";
+  EXPECT_EQ(run(moe + " --moe-router-padding-for-fp8"), 0);
+  int notices = 0;
+  for (const std::string& line : stderr_lines)
+    if (line.rfind("no effect in Megaton: --moe-router-padding-for-fp8:", 0) == 0) ++notices;
+  EXPECT_EQ(notices, 1);
 }
 
 }  // namespace
