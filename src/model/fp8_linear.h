@@ -61,7 +61,7 @@ class Fp8LinearGemms {
                 Tensor& y);
   // dx [T, in] (allocated, overwritten) and main_grad [out, in] (fp32, accumulated) from dy
   // [T, out]. x() gives forward's input, called only when `saved` holds no x^T (a
-  // recomputed input) or the weight gradient runs in bf16.
+  // recomputed input) or the weight gradient runs in bf16, and after dx is written.
   void backward(const Tensor& dy, const Param& weight, const Saved& saved,
                 const std::function<Tensor()>& x, const Sharding& sharding, Tensor& dx,
                 Tensor& main_grad);
@@ -102,7 +102,8 @@ class Fp8GroupedLinearGemms {
                 const Fp8LinearGemms::Sharding& sharding, Tensor& y);
   // dx [R, in] (allocated, overwritten; its rows of empty groups untouched) and each
   // weights[g]->main_grad (accumulated) from dy [R, out]; x() gives forward's input when
-  // `saved` holds no x^T.
+  // `saved` holds no x^T: after dx is complete under the per-tensor recipes, after the
+  // first group's rows of dx under blockwise (which runs group by group).
   void backward(const Tensor& dy, const std::vector<int64_t>& group_rows,
                 const std::vector<Param*>& weights, const Saved& saved,
                 const std::function<Tensor()>& x, const Fp8LinearGemms::Sharding& sharding,

@@ -62,8 +62,7 @@ Tensor TransformerLayer::forward(const Tensor& x, int64_t batch, int64_t seq,
   saved_.ctx = ctx;
   saved_.dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
   Tensor h = dropout(self_attention.forward(input_layernorm.forward(x), batch, seq, ctx), 1);
-  ops::add_(h, x);
-  Tensor normed = pre_mlp_layernorm.forward(h);
+  const Tensor normed = pre_mlp_layernorm.forward_add(h, x);  // h += x, then the norm
   Tensor y = dropout(moe ? moe->forward(normed, ctx) : mlp->forward(normed), 2);
   ops::add_(y, h);
   return y;
@@ -73,10 +72,9 @@ Tensor TransformerLayer::backward(const Tensor& dy) {
   // dh = dy + d(mlp branch)
   Tensor dm = dropout_grad(dy, 2);
   Tensor dnormed = moe ? moe->backward(dm) : mlp->backward(dm);
-  Tensor dh = pre_mlp_layernorm.backward(dnormed);
-  ops::add_(dh, dy);
-  Tensor dx = input_layernorm.backward(self_attention.backward(dropout_grad(dh, 1)));
-  ops::add_(dx, dh);
+  // The residual gradients are added inside the norms' backward passes.
+  Tensor dh = pre_mlp_layernorm.backward(dnormed, dy);
+  Tensor dx = input_layernorm.backward(self_attention.backward(dropout_grad(dh, 1)), dh);
   saved_ = {};
   return dx;
 }

@@ -167,18 +167,29 @@ Tensor Linear::backward(const Tensor& dy, const Tensor& x) {
   return backward_saved(dy, saved);
 }
 
-Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved) {
-  MEGATON_CHECK(saved.x.defined() || saved.fp8.x.data_t.defined(),
+Tensor Linear::backward(const Tensor& dy,
+                        const std::function<Tensor(const Tensor& dx)>& make_input) {
+  MEGATON_CHECK(mode_ != TensorParallelMode::Column || mp_.tp_size() == 1,
+                "Linear '{}': an input made from dx needs the complete dx (column-parallel "
+                "under tensor parallelism has a partial one)", weight.name);
+  return backward_saved(dy, take_saved(), make_input);
+}
+
+Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved,
+                              const std::function<Tensor(const Tensor& dx)>& make_input) {
+  MEGATON_CHECK(saved.x.defined() || saved.fp8.x.data_t.defined() || make_input,
                 "Linear '{}': backward without a saved input", weight.name);
   const bool sp = mp_.sequence_parallel;
   // The bias gradient from this rank's rows of dy (a partial sum under SP for Row).
   if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
   const Tensor dy_full = mode_ == TensorParallelMode::Row && sp ? gather_sequence(dy, mp_) : dy;
-  // The weight gradient's input: every rank's rows of x under SP for Column.
-  const auto x_full = [&] {
-    return mode_ == TensorParallelMode::Column && sp ? gather_sequence(saved.x, mp_) : saved.x;
-  };
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
+  // The weight gradient's input, asked for after dx is written: every rank's rows of x
+  // under SP for Column.
+  const auto x_full = [&] {
+    const Tensor x = saved.x.defined() ? saved.x : make_input(dx);
+    return mode_ == TensorParallelMode::Column && sp ? gather_sequence(x, mp_) : x;
+  };
   if (fp8_.enabled()) {
     fp8_.backward(dy_full, weight, saved.fp8, x_full, fp8_sharding(), dx, weight.main_grad);
   } else {
@@ -269,15 +280,31 @@ Tensor Norm::forward_inference(const Tensor& x) const {
   return y;
 }
 
-Tensor Norm::backward(const Tensor& dy) {
+Tensor Norm::forward_add(Tensor& x, const Tensor& residual) {
+  Saved& s = saved_;
+  Tensor y = empty_like(x, x.shape());
+  s.rstd = Tensor::empty({x.dim(0)}, DType::F32, x.device());
+  if (kind_ == Normalization::RMSNorm) {
+    s.mean = Tensor();
+    ops::add_rmsnorm_forward(x, residual, weight.weight, eps_, x, y, s.rstd);
+  } else {
+    s.mean = Tensor::empty({x.dim(0)}, DType::F32, x.device());
+    ops::add_layernorm_forward(x, residual, weight.weight, bias.weight, eps_, x, y, s.mean,
+                               s.rstd);
+  }
+  s.x = x;
+  return y;
+}
+
+Tensor Norm::backward(const Tensor& dy, const Tensor& dresidual) {
   MEGATON_CHECK(saved_.x.defined(), "Norm '{}': backward without a saved input", weight.name);
   const Saved s = take_saved();
   Tensor dx = empty_like(dy, dy.shape());
   if (kind_ == Normalization::RMSNorm)
-    ops::rmsnorm_backward(dy, s.x, weight.weight, s.rstd, dx, weight.main_grad);
+    ops::rmsnorm_backward(dy, s.x, weight.weight, s.rstd, dx, weight.main_grad, dresidual);
   else
     ops::layernorm_backward(dy, s.x, weight.weight, s.mean, s.rstd, dx, weight.main_grad,
-                            bias.main_grad);
+                            bias.main_grad, dresidual);
   return dx;
 }
 
@@ -296,8 +323,10 @@ MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bo
       swiglu_(swiglu) {}
 
 // The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward
-// recomputes it from fc1's output, trading one cheap elementwise pass for ffn x T
-// activations per layer (as Megatron's activation recompute for the MLP activation).
+// recomputes it from fc1's output, saving ffn x T activations per layer (as Megatron's
+// activation recompute for the MLP activation). The recompute costs no pass of its own:
+// the activation's backward, which reads fc1's output anyway, writes it (fc2's weight
+// gradient is computed after its input gradient for this).
 static Tensor activation(const Tensor& fc1_out, int64_t ffn, bool swiglu) {
   Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
   if (swiglu) ops::swiglu_forward(fc1_out, act);
@@ -315,11 +344,19 @@ Tensor MLP::backward(const Tensor& dy) {
   MEGATON_CHECK(saved_.fc1_out.defined(), "MLP '{}': backward without a forward",
                 linear_fc1.weight.name);
   const Tensor fc1_out = std::exchange(saved_, {}).fc1_out;
-  int64_t ffn = linear_fc2.weight.weight.dim(1);
-  Tensor dact = linear_fc2.backward(dy, activation(fc1_out, ffn, swiglu_));
-  Tensor dfc1 = empty_like(dact, fc1_out.shape());
-  if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1);
-  else ops::gelu_backward(dact, fc1_out, dfc1);
+  Tensor dfc1 = empty_like(dy, fc1_out.shape());
+  bool done = false;  // whether fc2 asked for its input (the activation's backward ran)
+  const Tensor dact = linear_fc2.backward(dy, [&](const Tensor& dact) {
+    Tensor act = empty_like(dact, dact.shape());
+    if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1, &act);
+    else ops::gelu_backward(dact, fc1_out, dfc1, &act);
+    done = true;
+    return act;
+  });
+  if (!done) {
+    if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1);
+    else ops::gelu_backward(dact, fc1_out, dfc1);
+  }
   return linear_fc1.backward(dfc1);
 }
 

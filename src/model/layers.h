@@ -102,6 +102,12 @@ class Linear {
   Tensor backward(const Tensor& dy);
   // The same with the forward input given (forward was called with save_input = false).
   Tensor backward(const Tensor& dy, const Tensor& x);
+  // The same with the forward input made on demand, after the input-gradient GEMM and
+  // before the weight-gradient one: make_input(dx) gets dx (this rank's input gradient,
+  // complete) and returns x. The MLP recomputes its activation this way, in the pass of
+  // the activation's backward that reads dx. Not for a column-parallel linear under
+  // tensor parallelism, whose dx is only a partial sum at that point (InternalError).
+  Tensor backward(const Tensor& dy, const std::function<Tensor(const Tensor& dx)>& make_input);
   // Inference (generation): y = x W^T + b for x [T, in] -> [T, out], saving nothing and
   // leaving the training state untouched. One rank only (InternalError under tensor
   // parallelism).
@@ -135,7 +141,9 @@ class Linear {
 
  private:
   // backward after the saved state is settled (given input included).
-  Tensor backward_saved(const Tensor& dy, const Saved& saved);
+  // make_input: as in backward(dy, make_input), used when saved holds no input.
+  Tensor backward_saved(const Tensor& dy, const Saved& saved,
+                        const std::function<Tensor(const Tensor& dx)>& make_input = {});
   // The operands whose amax differs between tensor-parallel ranks (reduced over TP).
   Fp8LinearGemms::Sharding fp8_sharding() const;
 
@@ -155,10 +163,16 @@ class Norm {
        bool sequence_parallel = false);
   // x [T, H] -> [T, H]. Saves x and the statistics.
   Tensor forward(const Tensor& x);
+  // The pre-norm residual add fused with this norm (ops::add_rmsnorm_forward): x +=
+  // residual in x's buffer, then returns the norm of the new x (saved as the input).
+  // x, residual [T, H] of one dtype.
+  Tensor forward_add(Tensor& x, const Tensor& residual);
   // The same y for inference (generation), saving nothing.
   Tensor forward_inference(const Tensor& x) const;
-  // InternalError when nothing was saved.
-  Tensor backward(const Tensor& dy);
+  // InternalError when nothing was saved. dresidual (optional, dy's shape): the gradient
+  // reaching the input through the residual connection, added to the result in the same
+  // pass.
+  Tensor backward(const Tensor& dy, const Tensor& dresidual = Tensor());
   void collect_params(std::vector<Param*>& out);
 
   struct Saved {

@@ -150,7 +150,9 @@ class MoELayer {
   // one grouped GEMM (bf16 or FP8; keep_input: FP8 saves each expert's x^T).
   void experts_forward(Param Expert::*fc, const Tensor& in, bool keep_input, Tensor& out);
   // din = dout @ W_e and W_e's main_grad += dout^T @ in for each local expert's rows.
-  // in() gives the forward input (fc1's kept copies, fc2's recomputed activation).
+  // in() gives the forward input (fc1's kept copies, fc2's recomputed activation); it is
+  // called after din is complete, except under the blockwise FP8 recipe (after the first
+  // expert's part of din).
   void experts_backward(Param Expert::*fc, const Tensor& dout, const std::function<Tensor()>& in,
                         Tensor& din);
   // The expert-tensor-parallel split of fc1 (column-parallel) or fc2 (row-parallel).

@@ -65,26 +65,44 @@ void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable);
 // y = x * rstd * weight, rstd = 1 / sqrt(mean(x^2) + eps).
 // x, y [T, H]; weight [H]; rstd [T] (saved for backward).
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd);
-// dx overwritten [T, H]; dweight [H] accumulates.
+// dx overwritten [T, H]; dweight [H] accumulates. dresidual (optional, [T, H] like dy): the
+// gradient that reaches the norm's input through the residual connection, added to dx in
+// the same pass (dx = norm backward + dresidual, as add_ after the unfused op; dx may be
+// dresidual's buffer, not dy's or x's).
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                      const Tensor& rstd, Tensor& dx, Tensor& dweight);
+                      const Tensor& rstd, Tensor& dx, Tensor& dweight,
+                      const Tensor& dresidual = Tensor());
 // LayerNorm: y = (x - mean) * rstd * weight + bias; bias may be undefined (no bias).
 // mean, rstd [T] saved for backward.
 void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        Tensor& y, Tensor& mean, Tensor& rstd);
-// dx overwritten; dweight, dbias accumulate (dbias may be undefined).
+// dx overwritten; dweight, dbias accumulate (dbias may be undefined); dresidual as in
+// rmsnorm_backward.
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                         const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dweight,
-                        Tensor& dbias);
+                        Tensor& dbias, const Tensor& dresidual = Tensor());
+// The pre-norm residual add fused with the norm that follows it (apex's fused add +
+// RMSNorm, vLLM's fused_add_rms_norm): sum = x + residual, rounded to x's dtype, then
+// y = norm(sum) exactly as rmsnorm_forward / layernorm_forward of that sum. One pass reads
+// x and residual and writes sum and y. x, residual, sum, y [T, H] of one dtype; sum may be
+// x's or residual's buffer. The norm's backward then takes sum as its x.
+void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                         float eps, Tensor& sum, Tensor& y, Tensor& rstd);
+void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                           const Tensor& bias, float eps, Tensor& sum, Tensor& y, Tensor& mean,
+                           Tensor& rstd);
 
 // ---- activations (ops/cpu/activation.cpp) ----
 // SwiGLU as Megatron packs it: x [T, 2F] = [gate | up], y [T, F] = silu(gate) * up.
 void swiglu_forward(const Tensor& x, Tensor& y);
-// dx [T, 2F] overwritten.
-void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+// dx [T, 2F] overwritten. y (optional, [T, F]): also writes the forward output
+// silu(gate) * up, the same bits as swiglu_forward, in the same pass. The MLP recomputes
+// its activation this way instead of keeping it (fc2's weight gradient takes it after).
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y = nullptr);
 // GeLU, exact erf form (torch.nn.functional.gelu, Megatron's default activation).
 void gelu_forward(const Tensor& x, Tensor& y);
-void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+// y (optional, x's shape): also writes gelu_forward's output, as swiglu_backward's y.
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y = nullptr);
 // Sigmoid row gate (Megatron's SharedExpertMLP with --moe-shared-expert-gate, whose
 // output is MLP(x) * sigmoid(x gate_weight^T)): y[t, :] = x[t, :] * sigmoid(logits[t]).
 // x, y [T, H] one float dtype (fp32 on the CPU); logits fp32 with T elements ([T] or

@@ -213,6 +213,85 @@ TEST(CudaNorm, LayerNormForwardBackwardMatchCpu) {
   }
 }
 
+// The residual add fused into the norm: forward (sum and y) and backward (dx with the
+// residual gradient added) against the CPU's add-then-norm, and the in-place use of the
+// model (sum written over x, dx over dresidual) equal to the out-of-place run bit for bit.
+TEST(CudaNorm, FusedResidualAddMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (bool layernorm : {false, true}) {
+    for (auto [rows, cols] : kShapes) {
+      for (NormDtypes dt : kNormDtypes) {
+        SCOPED_TRACE(std::string(layernorm ? "LayerNorm " : "RMSNorm ") +
+                     shape_trace(rows, cols, dt.act) + " weight " +
+                     std::string(dtype_name(dt.weight)));
+        Tensor x = randn_bf16_values({rows, cols}, seed + 1);
+        Tensor res = randn_bf16_values({rows, cols}, seed + 2, 2.0f);
+        Tensor w = randn_bf16_values({cols}, seed + 3, 0.5f, 1.0f);
+        Tensor b = randn_bf16_values({cols}, seed + 4);
+        Tensor dy = randn_bf16_values({rows, cols}, seed + 5);
+        Tensor dres = randn_bf16_values({rows, cols}, seed + 6);
+        // The reference norms the sum as the GPU stores it (rounded to the run's dtype).
+        Tensor sum_ref = x.clone();
+        ops::add_(sum_ref, res);
+        Tensor sum_in = sum_ref.to(dt.act).to(DType::F32);
+        Tensor y_ref = Tensor::empty({rows, cols}), mean_ref = Tensor::empty({rows});
+        Tensor rstd_ref = Tensor::empty({rows}), dx_ref = Tensor::empty({rows, cols});
+        Tensor dw_ref = Tensor::zeros({cols}), db_ref = Tensor::zeros({cols});
+        if (layernorm) {
+          ops::layernorm_forward(sum_in, w, b, kEps, y_ref, mean_ref, rstd_ref);
+          ops::layernorm_backward(dy, sum_in, w, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref, dres);
+        } else {
+          ops::rmsnorm_forward(sum_in, w, kEps, y_ref, rstd_ref);
+          ops::rmsnorm_backward(dy, sum_in, w, rstd_ref, dx_ref, dw_ref, dres);
+        }
+
+        Tensor xg = on_gpu(x, dt.act), resg = on_gpu(res, dt.act), wg = on_gpu(w, dt.weight);
+        Tensor bg = on_gpu(b, dt.weight);
+        Tensor sumg = poisoned_gpu({rows, cols}, dt.act), yg = poisoned_gpu({rows, cols}, dt.act);
+        Tensor meang = poisoned_gpu({rows}, DType::F32), rstdg = poisoned_gpu({rows}, DType::F32);
+        if (layernorm)
+          ops::add_layernorm_forward(xg, resg, wg, bg, kEps, sumg, yg, meang, rstdg);
+        else
+          ops::add_rmsnorm_forward(xg, resg, wg, kEps, sumg, yg, rstdg);
+        expect_output_close(sumg, sum_ref, dt.act, "sum");
+        expect_output_close(yg, y_ref, dt.act, "y");
+        expect_stat_close(rstdg, rstd_ref, "rstd");
+        if (layernorm) expect_stat_close(meang, mean_ref, "mean");
+
+        Tensor dyg = on_gpu(dy, dt.act), dresg = on_gpu(dres, dt.act);
+        Tensor dxg = poisoned_gpu({rows, cols}, dt.act);
+        Tensor dwg = Tensor::zeros({cols}).to(Device::CUDA), dbg = Tensor::zeros({cols}).to(Device::CUDA);
+        if (layernorm)
+          ops::layernorm_backward(dyg, sumg, wg, meang, rstdg, dxg, dwg, dbg, dresg);
+        else
+          ops::rmsnorm_backward(dyg, sumg, wg, rstdg, dxg, dwg, dresg);
+        expect_output_close(dxg, dx_ref, dt.act, "dx");
+        expect_main_grad_close(dwg, dw_ref, "dweight");
+        if (layernorm) expect_main_grad_close(dbg, db_ref, "dbias");
+
+        // In place, as the model calls them: the same bits.
+        Tensor sum_in_place = xg.clone(), y2 = poisoned_gpu({rows, cols}, dt.act);
+        Tensor mean2 = poisoned_gpu({rows}, DType::F32), rstd2 = poisoned_gpu({rows}, DType::F32);
+        if (layernorm)
+          ops::add_layernorm_forward(sum_in_place, resg, wg, bg, kEps, sum_in_place, y2, mean2, rstd2);
+        else
+          ops::add_rmsnorm_forward(sum_in_place, resg, wg, kEps, sum_in_place, y2, rstd2);
+        EXPECT_TRUE(bitwise_equal(sum_in_place, sumg)) << "in-place sum differs";
+        EXPECT_TRUE(bitwise_equal(y2, yg)) << "in-place y differs";
+        Tensor dx_in_place = dresg.clone();
+        Tensor dw2 = Tensor::zeros({cols}).to(Device::CUDA), db2 = Tensor::zeros({cols}).to(Device::CUDA);
+        if (layernorm)
+          ops::layernorm_backward(dyg, sumg, wg, meang, rstdg, dx_in_place, dw2, db2, dx_in_place);
+        else
+          ops::rmsnorm_backward(dyg, sumg, wg, rstdg, dx_in_place, dw2, dx_in_place);
+        EXPECT_TRUE(bitwise_equal(dx_in_place, dxg)) << "in-place dx differs";
+      }
+    }
+  }
+}
+
 TEST(CudaNorm, DoorChecks) {
   SKIP_WITHOUT_GPU();
   Tensor x = Tensor::zeros({4, 8}, DType::BF16, Device::CUDA);
@@ -253,6 +332,11 @@ TEST(CudaActivation, SwigluForwardBackwardMatchCpu) {
       ops::swiglu_backward(dyg, xg, dxg);
       expect_output_close(yg, y_ref, dtype, "y");
       expect_output_close(dxg, dx_ref, dtype, "dx");
+      // The backward that also writes the forward output: the forward's bits, the same dx.
+      Tensor y2 = poisoned_gpu({rows, ffn}, dtype), dx2 = poisoned_gpu({rows, 2 * ffn}, dtype);
+      ops::swiglu_backward(dyg, xg, dx2, &y2);
+      EXPECT_TRUE(bitwise_equal(y2, yg)) << "recomputed y differs from swiglu_forward's";
+      EXPECT_TRUE(bitwise_equal(dx2, dxg)) << "dx differs when y is written";
     }
   }
 }
@@ -276,6 +360,10 @@ TEST(CudaActivation, GeluForwardBackwardMatchCpu) {
       ops::gelu_backward(dyg, xg, dxg);
       expect_output_close(yg, y_ref, dtype, "y");
       expect_output_close(dxg, dx_ref, dtype, "dx");
+      Tensor y2 = poisoned_gpu({rows, cols}, dtype), dx2 = poisoned_gpu({rows, cols}, dtype);
+      ops::gelu_backward(dyg, xg, dx2, &y2);
+      EXPECT_TRUE(bitwise_equal(y2, yg)) << "recomputed y differs from gelu_forward's";
+      EXPECT_TRUE(bitwise_equal(dx2, dxg)) << "dx differs when y is written";
     }
   }
 }

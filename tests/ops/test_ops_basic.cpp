@@ -462,6 +462,61 @@ TEST(Norm, DoorChecks) {
                InternalError);  // dx aliases dy
 }
 
+// The fused residual add + norm is, on the CPU, the add followed by the norm: same bits.
+// sum may be x's buffer (the model writes it in place), and dx may be dresidual's.
+TEST(Norm, FusedResidualAddEqualsAddThenNorm) {
+  const uint64_t seed = testing::test_seed();
+  for (bool layernorm : {false, true}) {
+    SCOPED_TRACE(layernorm ? "LayerNorm" : "RMSNorm");
+    const int64_t rows = 6, cols = 40;
+    Tensor x = randn({rows, cols}, seed + 1), res = randn({rows, cols}, seed + 2, 3.0f);
+    Tensor w = randn({cols}, seed + 3), b = randn({cols}, seed + 4);
+    Tensor dy = randn({rows, cols}, seed + 5), dres = randn({rows, cols}, seed + 6);
+
+    // Unfused: sum = x + res, norm(sum); dx = norm backward, then += dres.
+    Tensor sum_ref = x.clone();
+    ops::add_(sum_ref, res);
+    Tensor y_ref = Tensor::empty({rows, cols}), mean_ref = Tensor::empty({rows});
+    Tensor rstd_ref = Tensor::empty({rows});
+    Tensor dx_ref = Tensor::empty({rows, cols}), dw_ref = Tensor::zeros({cols});
+    Tensor db_ref = Tensor::zeros({cols});
+    if (layernorm) {
+      ops::layernorm_forward(sum_ref, w, b, 1e-5f, y_ref, mean_ref, rstd_ref);
+      ops::layernorm_backward(dy, sum_ref, w, mean_ref, rstd_ref, dx_ref, dw_ref, db_ref);
+    } else {
+      ops::rmsnorm_forward(sum_ref, w, 1e-5f, y_ref, rstd_ref);
+      ops::rmsnorm_backward(dy, sum_ref, w, rstd_ref, dx_ref, dw_ref);
+    }
+    ops::add_(dx_ref, dres);
+
+    // Fused, in place: sum into x's buffer, dx into dres's.
+    Tensor sum = x.clone(), y = Tensor::empty({rows, cols}), mean = Tensor::empty({rows});
+    Tensor rstd = Tensor::empty({rows});
+    poison(y);
+    poison(mean);
+    poison(rstd);
+    Tensor dx = dres.clone(), dw = Tensor::zeros({cols}), db = Tensor::zeros({cols});
+    if (layernorm) {
+      ops::add_layernorm_forward(sum, res, w, b, 1e-5f, sum, y, mean, rstd);
+      ops::layernorm_backward(dy, sum, w, mean, rstd, dx, dw, db, dx);
+      EXPECT_EQ(mean.to_vector(), mean_ref.to_vector());
+      EXPECT_EQ(db.to_vector(), db_ref.to_vector());
+    } else {
+      ops::add_rmsnorm_forward(sum, res, w, 1e-5f, sum, y, rstd);
+      ops::rmsnorm_backward(dy, sum, w, rstd, dx, dw, dx);
+    }
+    EXPECT_EQ(sum.to_vector(), sum_ref.to_vector());
+    EXPECT_EQ(y.to_vector(), y_ref.to_vector());
+    EXPECT_EQ(rstd.to_vector(), rstd_ref.to_vector());
+    EXPECT_EQ(dx.to_vector(), dx_ref.to_vector());
+    EXPECT_EQ(dw.to_vector(), dw_ref.to_vector());
+
+    Tensor short_res = Tensor::zeros({rows - 1, cols});
+    EXPECT_THROW(ops::add_rmsnorm_forward(x, short_res, w, 1e-5f, sum, y, rstd), InternalError);
+    EXPECT_THROW(ops::rmsnorm_backward(dy, sum, w, rstd, dx_ref, dw, short_res), InternalError);
+  }
+}
+
 // ------------------------------------------------------------------------ activations
 
 double silu(double g) { return g / (1.0 + std::exp(-g)); }
@@ -497,6 +552,15 @@ TEST(SwiGLU, BackwardMatchesFiniteDifferences) {
   Tensor dx = Tensor::empty({rows, 2 * ffn});
   poison(dx);
   ops::swiglu_backward(w, x, dx);
+  // The backward that also writes the forward output: the same dx and swiglu_forward's y.
+  Tensor dx2 = Tensor::empty({rows, 2 * ffn}), y2 = Tensor::empty({rows, ffn});
+  poison(dx2);
+  poison(y2);
+  Tensor y_fwd = Tensor::empty({rows, ffn});
+  ops::swiglu_forward(x, y_fwd);
+  ops::swiglu_backward(w, x, dx2, &y2);
+  EXPECT_EQ(dx2.to_vector(), dx.to_vector());
+  EXPECT_EQ(y2.to_vector(), y_fwd.to_vector());
   EXPECT_TRUE(allclose(dx, fd, kFdAtol, kFdRtol));
   Tensor y_bad = Tensor::zeros({rows, 2 * ffn});
   EXPECT_THROW(ops::swiglu_forward(x, y_bad), InternalError);

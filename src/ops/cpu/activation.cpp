@@ -136,14 +136,20 @@ void swiglu_forward(const Tensor& x, Tensor& y) {
   cpu::swiglu_forward(x.f32(), y.f32(), rows, ffn);
 }
 
-void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
-  MEGATON_CUDA_DISPATCH(dy, cuda::swiglu_backward(dy, x, dx));
+// The CPU twin of the fused recompute is the unfused pair: forward, then backward.
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::swiglu_backward(dy, x, dx, y));
   const char* op = "swiglu_backward";
   check_f32(dy, op, "dy");
   check_f32(x, op, "x");
   check_f32(dx, op, "dx");
   auto [rows, ffn] = swiglu_shape(x, dy, op, "dy");
   check_same_shape(dx, x, op, "dx", "x");
+  if (y) {
+    check_f32(*y, op, "y");
+    check_same_shape(*y, dy, op, "y", "dy");
+    cpu::swiglu_forward(x.f32(), y->f32(), rows, ffn);
+  }
   cpu::swiglu_backward(dy.f32(), x.f32(), dx.f32(), rows, ffn);
 }
 
@@ -156,14 +162,19 @@ void gelu_forward(const Tensor& x, Tensor& y) {
   cpu::gelu_forward(x.f32(), y.f32(), x.numel());
 }
 
-void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
-  MEGATON_CUDA_DISPATCH(dy, cuda::gelu_backward(dy, x, dx));
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::gelu_backward(dy, x, dx, y));
   const char* op = "gelu_backward";
   check_f32(dy, op, "dy");
   check_f32(x, op, "x");
   check_f32(dx, op, "dx");
   check_same_shape(dy, x, op, "dy", "x");
   check_same_shape(dx, x, op, "dx", "x");
+  if (y) {
+    check_f32(*y, op, "y");
+    check_same_shape(*y, x, op, "y", "x");
+    cpu::gelu_forward(x.f32(), y->f32(), x.numel());
+  }
   cpu::gelu_backward(dy.f32(), x.f32(), dx.f32(), x.numel());
 }
 

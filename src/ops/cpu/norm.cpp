@@ -93,7 +93,7 @@ void rmsnorm_forward(const float* x, const float* weight, float eps, float* y, f
 // y = x r w with r = (mean(x^2) + eps)^(-1/2), dr/dx_i = -r^3 x_i / H, so with g = dy * w:
 // dx_i = r (g_i - x_i r^2 mean_j(g_j x_j)).
 void rmsnorm_backward(const float* dy, const float* x, const float* weight, const float* rstd,
-                      float* dx, float* dweight, int64_t rows, int64_t cols) {
+                      const float* dres, float* dx, float* dweight, int64_t rows, int64_t cols) {
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
   for (int64_t t = 0; t < rows; ++t) {
     const float* dyr = dy + t * cols;
@@ -102,7 +102,11 @@ void rmsnorm_backward(const float* dy, const float* x, const float* weight, cons
     for (int64_t j = 0; j < cols; ++j) gx += double(dyr[j]) * weight[j] * xr[j];
     double c = r * r * gx / double(cols);
     float* dxr = dx + t * cols;
-    for (int64_t j = 0; j < cols; ++j) dxr[j] = float(r * (double(dyr[j]) * weight[j] - xr[j] * c));
+    const float* dresr = dres ? dres + t * cols : nullptr;
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = float(r * (double(dyr[j]) * weight[j] - xr[j] * c));
+      dxr[j] = dresr ? v + dresr[j] : v;  // as add_ after the unfused op
+    }
   }
   weight_grads(dy, x, nullptr, rstd, dweight, nullptr, rows, cols);
 }
@@ -127,8 +131,8 @@ void layernorm_forward(const float* x, const float* weight, const float* bias, f
 
 // xhat = (x - mean) r, g = dy * w: dx = r (g - mean(g) - xhat mean(g xhat)).
 void layernorm_backward(const float* dy, const float* x, const float* weight, const float* mean,
-                        const float* rstd, float* dx, float* dweight, float* dbias, int64_t rows,
-                        int64_t cols) {
+                        const float* rstd, const float* dres, float* dx, float* dweight,
+                        float* dbias, int64_t rows, int64_t cols) {
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
   for (int64_t t = 0; t < rows; ++t) {
     const float* dyr = dy + t * cols;
@@ -141,15 +145,30 @@ void layernorm_backward(const float* dy, const float* x, const float* weight, co
     }
     double g_mean = g_sum / double(cols), gx_mean = gx_sum / double(cols);
     float* dxr = dx + t * cols;
+    const float* dresr = dres ? dres + t * cols : nullptr;
     for (int64_t j = 0; j < cols; ++j) {
       double g = double(dyr[j]) * weight[j], xhat = (xr[j] - mu) * r;
-      dxr[j] = float(r * (g - g_mean - xhat * gx_mean));
+      float v = float(r * (g - g_mean - xhat * gx_mean));
+      dxr[j] = dresr ? v + dresr[j] : v;
     }
   }
   weight_grads(dy, x, mean, rstd, dweight, dbias, rows, cols);
 }
 
+// sum = x + residual (sum may be x or residual).
+void add(const float* x, const float* residual, float* sum, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) sum[i] = x[i] + residual[i];
+}
+
 }  // namespace cpu
+
+// dresidual, when given: x's shape, F32; dx may be its buffer.
+const float* residual_grad(const Tensor& dresidual, const Tensor& x, const char* op) {
+  if (!dresidual.defined()) return nullptr;
+  check_same_shape(dresidual, x, op, "dresidual");
+  return dresidual.f32();
+}
 }  // namespace
 
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd) {
@@ -163,8 +182,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                      Tensor& dx, Tensor& dweight) {
-  MEGATON_CUDA_DISPATCH(dy, cuda::rmsnorm_backward(dy, x, weight, rstd, dx, dweight));
+                      Tensor& dx, Tensor& dweight, const Tensor& dresidual) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::rmsnorm_backward(dy, x, weight, rstd, dx, dweight, dresidual));
   const char* op = "rmsnorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_same_shape(dy, x, op, "dy");
@@ -173,8 +192,9 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, c
   check_same_shape(dx, x, op, "dx");
   check_vector(dweight, cols, op, "dweight");
   check_not_aliased(dx, dy, x, op);
-  cpu::rmsnorm_backward(dy.f32(), x.f32(), weight.f32(), rstd.f32(), dx.f32(), dweight.f32(), rows,
-                        cols);
+  const float* dres = residual_grad(dresidual, x, op);
+  cpu::rmsnorm_backward(dy.f32(), x.f32(), weight.f32(), rstd.f32(), dres, dx.f32(), dweight.f32(),
+                        rows, cols);
 }
 
 void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
@@ -192,8 +212,10 @@ void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias
 }
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                        const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor& dbias) {
-  MEGATON_CUDA_DISPATCH(dy, cuda::layernorm_backward(dy, x, weight, mean, rstd, dx, dweight, dbias));
+                        const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor& dbias,
+                        const Tensor& dresidual) {
+  MEGATON_CUDA_DISPATCH(
+      dy, cuda::layernorm_backward(dy, x, weight, mean, rstd, dx, dweight, dbias, dresidual));
   const char* op = "layernorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_same_shape(dy, x, op, "dy");
@@ -204,8 +226,33 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
   check_vector(dweight, cols, op, "dweight");
   if (dbias.defined()) check_vector(dbias, cols, op, "dbias");
   check_not_aliased(dx, dy, x, op);
-  cpu::layernorm_backward(dy.f32(), x.f32(), weight.f32(), mean.f32(), rstd.f32(), dx.f32(),
+  const float* dres = residual_grad(dresidual, x, op);
+  cpu::layernorm_backward(dy.f32(), x.f32(), weight.f32(), mean.f32(), rstd.f32(), dres, dx.f32(),
                           dweight.f32(), dbias.defined() ? dbias.f32() : nullptr, rows, cols);
+}
+
+void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                         Tensor& sum, Tensor& y, Tensor& rstd) {
+  MEGATON_CUDA_DISPATCH(x, cuda::add_rmsnorm_forward(x, residual, weight, eps, sum, y, rstd));
+  const char* op = "add_rmsnorm_forward";
+  rows_cols(x, op);
+  check_same_shape(residual, x, op, "residual");
+  check_same_shape(sum, x, op, "sum");
+  cpu::add(x.f32(), residual.f32(), sum.f32(), x.numel());
+  rmsnorm_forward(sum, weight, eps, y, rstd);
+}
+
+void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                           const Tensor& bias, float eps, Tensor& sum, Tensor& y, Tensor& mean,
+                           Tensor& rstd) {
+  MEGATON_CUDA_DISPATCH(
+      x, cuda::add_layernorm_forward(x, residual, weight, bias, eps, sum, y, mean, rstd));
+  const char* op = "add_layernorm_forward";
+  rows_cols(x, op);
+  check_same_shape(residual, x, op, "residual");
+  check_same_shape(sum, x, op, "sum");
+  cpu::add(x.f32(), residual.f32(), sum.f32(), x.numel());
+  layernorm_forward(sum, weight, bias, eps, y, mean, rstd);
 }
 
 }  // namespace megaton::ops

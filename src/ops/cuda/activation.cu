@@ -68,26 +68,30 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ x, T* __restrict__ y
   }
 }
 
-// d silu(g)/dg = s (1 + g (1 - s)), s = sigmoid(g).
+// d silu(g)/dg = s (1 + g (1 - s)), s = sigmoid(g). y (may be null): the forward output,
+// computed as swiglu_forward_kernel does, for the same bits.
 template <typename T, int N>
 __global__ void swiglu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                       T* __restrict__ dx, int64_t rows, int64_t ffn) {
+                                       T* __restrict__ dx, T* __restrict__ y, int64_t rows,
+                                       int64_t ffn) {
   const int64_t packs_per_row = ffn / N, packs = rows * packs_per_row;
   for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < packs;
        p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = p / packs_per_row, j = (p - t * packs_per_row) * N;
     const int64_t gate_at = t * 2 * ffn + j;
     Pack<T, N> gp = load_pack<N>(x + gate_at), up = load_pack<N>(x + gate_at + ffn);
-    Pack<T, N> dyp = load_pack<N>(dy + t * ffn + j), dgp, dup;
+    Pack<T, N> dyp = load_pack<N>(dy + t * ffn + j), dgp, dup, yp;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       float g = to_float(gp.v[k]), u = to_float(up.v[k]), d = to_float(dyp.v[k]);
       float s = sigmoid(g);
       dgp.v[k] = from_float<T>(d * u * s * (1.0f + g * (1.0f - s)));
       dup.v[k] = from_float<T>(d * g * s);
+      yp.v[k] = from_float<T>(g * s * u);
     }
     store_pack<N>(dx + gate_at, dgp);
     store_pack<N>(dx + gate_at + ffn, dup);
+    if (y != nullptr) store_pack<N>(y + t * ffn + j, yp);
   }
 }
 
@@ -106,21 +110,25 @@ __global__ void gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, 
   }
 }
 
-// gelu'(x) = Phi(x) + x phi(x), phi the standard normal density.
+// gelu'(x) = Phi(x) + x phi(x), phi the standard normal density. y (may be null): the
+// forward output, computed as gelu_forward_kernel does.
 template <typename T, int N>
 __global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                     T* __restrict__ dx, int64_t n) {
+                                     T* __restrict__ dx, T* __restrict__ y, int64_t n) {
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N; i < n;
        i += int64_t(gridDim.x) * blockDim.x * N) {
-    Pack<T, N> xp = load_pack<N>(x + i), dyp = load_pack<N>(dy + i), dxp;
+    Pack<T, N> xp = load_pack<N>(x + i), dyp = load_pack<N>(dy + i), dxp, yp;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       float v = to_float(xp.v[k]);
-      float cdf = 0.5f * (1.0f + erff(v * kInvSqrt2));
+      float e = erff(v * kInvSqrt2);
+      float cdf = 0.5f * (1.0f + e);
       float pdf = kInvSqrt2Pi * expf(-0.5f * v * v);
       dxp.v[k] = from_float<T>(to_float(dyp.v[k]) * (cdf + v * pdf));
+      yp.v[k] = from_float<T>(0.5f * v * (1.0f + e));
     }
     store_pack<N>(dx + i, dxp);
+    if (y != nullptr) store_pack<N>(y + i, yp);
   }
 }
 
@@ -200,13 +208,17 @@ void swiglu_forward(const Tensor& x, Tensor& y) {
   });
 }
 
-void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
   const char* op = "swiglu_backward";
   detail::check_float(x, op, "x");
   check_pair(dy, "dy", x, "x", op);
   check_pair(dx, "dx", x, "x", op);
   auto [rows, ffn] = swiglu_shape(x, dy, op, "dy");
   detail::check_same_shape(dx, x, op, "dx", "x");
+  if (y) {
+    check_pair(*y, "y", x, "x", op);
+    detail::check_same_shape(*y, dy, op, "y", "dy");
+  }
   if (rows * ffn == 0) return;
   detail::dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -214,14 +226,15 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
     const T* dyp = static_cast<const T*>(dy.raw());
     const T* xp = static_cast<const T*>(x.raw());
     T* dxp = static_cast<T*>(dx.raw());
-    if (ffn % kN == 0 && packs_aligned<T>({dyp, xp, dxp})) {
+    T* yp = y ? static_cast<T*>(y->raw()) : nullptr;
+    if (ffn % kN == 0 && packs_aligned<T>({dyp, xp, dxp}) && (!yp || packs_aligned<T>({yp}))) {
       swiglu_backward_kernel<T, kN>
-          <<<grid_for(rows * ffn / kN, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp,
-                                                                                   rows, ffn);
+          <<<grid_for(rows * ffn / kN, kThreads), kThreads, 0, compute_stream()>>>(
+              dyp, xp, dxp, yp, rows, ffn);
     } else {
       swiglu_backward_kernel<T, 1>
-          <<<grid_for(rows * ffn, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, rows,
-                                                                              ffn);
+          <<<grid_for(rows * ffn, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, yp,
+                                                                              rows, ffn);
     }
     MEGATON_CUDA_CHECK_LAUNCH();
   });
@@ -250,13 +263,17 @@ void gelu_forward(const Tensor& x, Tensor& y) {
   });
 }
 
-void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
   const char* op = "gelu_backward";
   detail::check_float(x, op, "x");
   check_pair(dy, "dy", x, "x", op);
   check_pair(dx, "dx", x, "x", op);
   detail::check_same_shape(dy, x, op, "dy", "x");
   detail::check_same_shape(dx, x, op, "dx", "x");
+  if (y) {
+    check_pair(*y, "y", x, "x", op);
+    detail::check_same_shape(*y, x, op, "y", "x");
+  }
   const int64_t n = x.numel();
   if (n == 0) return;
   detail::dispatch_float(x.dtype(), [&](auto tag) {
@@ -265,12 +282,13 @@ void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx) {
     const T* dyp = static_cast<const T*>(dy.raw());
     const T* xp = static_cast<const T*>(x.raw());
     T* dxp = static_cast<T*>(dx.raw());
-    if (n % kN == 0 && packs_aligned<T>({dyp, xp, dxp})) {
+    T* yp = y ? static_cast<T*>(y->raw()) : nullptr;
+    if (n % kN == 0 && packs_aligned<T>({dyp, xp, dxp}) && (!yp || packs_aligned<T>({yp}))) {
       gelu_backward_kernel<T, kN>
-          <<<grid_for(n / kN, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, n);
+          <<<grid_for(n / kN, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, yp, n);
     } else {
       gelu_backward_kernel<T, 1>
-          <<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, n);
+          <<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, yp, n);
     }
     MEGATON_CUDA_CHECK_LAUNCH();
   });

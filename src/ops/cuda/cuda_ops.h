@@ -37,16 +37,21 @@ void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
 void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable);
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                      const Tensor& rstd, Tensor& dx, Tensor& dweight);
+                      const Tensor& rstd, Tensor& dx, Tensor& dweight, const Tensor& dresidual);
 void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        Tensor& y, Tensor& mean, Tensor& rstd);
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                         const Tensor& mean, const Tensor& rstd, Tensor& dx, Tensor& dweight,
-                        Tensor& dbias);
+                        Tensor& dbias, const Tensor& dresidual);
+void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                         float eps, Tensor& sum, Tensor& y, Tensor& rstd);
+void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                           const Tensor& bias, float eps, Tensor& sum, Tensor& y, Tensor& mean,
+                           Tensor& rstd);
 void swiglu_forward(const Tensor& x, Tensor& y);
-void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y);
 void gelu_forward(const Tensor& x, Tensor& y);
-void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx);
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y);
 void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y);
 void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logits, Tensor& dx,
                            Tensor& dlogits);

@@ -11,6 +11,7 @@
 // column sums to an F32 scratch [chunks, H], the second adds the chunks in order into
 // dweight/dbias. No float atomics, so repeated runs give identical bits.
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 
 #include "ops/cuda/cuda_ops.h"
@@ -85,16 +86,32 @@ int row_threads(int64_t cols, int pack) {
 // y = (x - mean) * rstd * weight + bias; RMSNorm (kLayerNorm false): mean = 0, no bias,
 // rstd from mean(x^2). LayerNorm's variance takes a second pass over the (cached) row
 // instead of E[x^2] - mean^2, which cancels badly for rows with a large mean.
-template <bool kLayerNorm, typename T, typename W, int N>
-__global__ void norm_forward_kernel(const T* __restrict__ x, const W* __restrict__ weight,
-                                    const W* __restrict__ bias, float eps, T* __restrict__ y,
-                                    float* __restrict__ mean, float* __restrict__ rstd,
-                                    int64_t cols) {
+//
+// kAdd (add_rmsnorm_forward / add_layernorm_forward): a first pass writes
+// sum = x + residual, rounded to T, and the norm then runs on sum. Each thread reads back
+// only the packs it wrote (the same begin/stride in every pass), so sum may be x's or
+// residual's buffer (no __restrict__ on those three).
+template <bool kLayerNorm, bool kAdd, typename T, typename W, int N>
+__global__ void norm_forward_kernel(const T* x, const T* residual, T* sum,
+                                    const W* __restrict__ weight, const W* __restrict__ bias,
+                                    float eps, T* __restrict__ y, float* __restrict__ mean,
+                                    float* __restrict__ rstd, int64_t cols) {
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
   T* yr = y + row * cols;
   const int64_t begin = int64_t(threadIdx.x) * N, stride = int64_t(blockDim.x) * N;
   const float inv_cols = 1.0f / float(cols);
+  if constexpr (kAdd) {
+    const T* rr = residual + row * cols;
+    T* sr = sum + row * cols;
+    for (int64_t j = begin; j < cols; j += stride) {
+      Pack<T, N> xp = load_pack<N>(xr + j), rp = load_pack<N>(rr + j), sp;
+#pragma unroll
+      for (int k = 0; k < N; ++k) sp.v[k] = from_float<T>(to_float(xp.v[k]) + to_float(rp.v[k]));
+      store_pack<N>(sr + j, sp);
+    }
+    xr = sr;
+  }
 
   float mu = 0.0f;
   if constexpr (kLayerNorm) {
@@ -140,16 +157,19 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, const W* __restrict
 // With xhat = (x - mean) r and g = dy * w:
 //   LayerNorm dx = r (g - mean(g) - xhat mean(g xhat)),
 //   RMSNorm   dx = r (g - xhat mean(g xhat))   (mean = 0; see ops/cpu/norm.cpp).
+// dres (may be null): the residual gradient added to dx (dx may be dres's buffer: each
+// element is read before the same thread writes it, so neither is __restrict__).
 template <bool kLayerNorm, typename T, typename W, int N>
 __global__ void norm_backward_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                         const W* __restrict__ weight,
                                         const float* __restrict__ mean,
-                                        const float* __restrict__ rstd, T* __restrict__ dx,
+                                        const float* __restrict__ rstd, const T* dres, T* dx,
                                         int64_t cols) {
   const int64_t row = blockIdx.x;
   const T* dyr = dy + row * cols;
   const T* xr = x + row * cols;
   T* dxr = dx + row * cols;
+  const T* dresr = dres != nullptr ? dres + row * cols : nullptr;
   const int64_t begin = int64_t(threadIdx.x) * N, stride = int64_t(blockDim.x) * N;
   const float inv_cols = 1.0f / float(cols);
   const float mu = kLayerNorm ? mean[row] : 0.0f;
@@ -174,12 +194,15 @@ __global__ void norm_backward_dx_kernel(const T* __restrict__ dy, const T* __res
     Pack<T, N> dyp = load_pack<N>(dyr + j);
     Pack<T, N> xp = load_pack<N>(xr + j);
     Pack<W, N> wp = load_pack<N>(weight + j);
-    Pack<T, N> dxp;
+    Pack<T, N> dxp, drp;
+    if (dresr != nullptr) drp = load_pack<N>(dresr + j);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       float g = to_float(dyp.v[k]) * to_float(wp.v[k]);
       float xhat = (to_float(xp.v[k]) - mu) * r;
-      dxp.v[k] = from_float<T>(r * (g - g_mean - xhat * gx_mean));
+      float v = r * (g - g_mean - xhat * gx_mean);
+      if (dresr != nullptr) v += to_float(drp.v[k]);
+      dxp.v[k] = from_float<T>(v);
     }
     store_pack<N>(dxr + j, dxp);
   }
@@ -243,9 +266,11 @@ __global__ void norm_weight_grad_finalize_kernel(const float* __restrict__ dweig
 
 // ---- launchers ----
 
+// residual and sum: defined for the fused add (kAdd), else undefined.
 template <bool kLayerNorm>
-void launch_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, Tensor& y,
-                    Tensor* mean, Tensor& rstd, int64_t rows, int64_t cols) {
+void launch_forward(const Tensor& x, const Tensor& residual, Tensor* sum, const Tensor& weight,
+                    const Tensor& bias, float eps, Tensor& y, Tensor* mean, Tensor& rstd,
+                    int64_t rows, int64_t cols) {
   if (rows == 0) return;
   MEGATON_CHECK(cols > 0, "norm forward: rows of zero width");
   detail::dispatch_float(x.dtype(), [&](auto x_tag) {
@@ -254,20 +279,30 @@ void launch_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, f
       using W = decltype(w_tag);
       constexpr int kN = kPackElems<T>;
       const T* xp = static_cast<const T*>(x.raw());
+      const T* rp = sum ? static_cast<const T*>(residual.raw()) : nullptr;
+      T* sp = sum ? static_cast<T*>(sum->raw()) : nullptr;
       const W* wp = static_cast<const W*>(weight.raw());
       const W* bp = bias.defined() ? static_cast<const W*>(bias.raw()) : nullptr;
       T* yp = static_cast<T*>(y.raw());
       float* mp = mean ? mean->f32() : nullptr;
       bool vec = cols % kN == 0 && pack_aligned<kN>(xp) && pack_aligned<kN>(yp) &&
-                 pack_aligned<kN>(wp) && (bp == nullptr || pack_aligned<kN>(bp));
-      if (vec) {
-        norm_forward_kernel<kLayerNorm, T, W, kN>
-            <<<unsigned(rows), row_threads(cols, kN), 0, compute_stream()>>>(xp, wp, bp, eps, yp,
-                                                                             mp, rstd.f32(), cols);
+                 pack_aligned<kN>(wp) && (bp == nullptr || pack_aligned<kN>(bp)) &&
+                 (sp == nullptr || (pack_aligned<kN>(rp) && pack_aligned<kN>(sp)));
+      auto launch = [&](auto add_tag, auto n_tag) {
+        constexpr bool kAdd = decltype(add_tag)::value;
+        constexpr int kPack = decltype(n_tag)::value;
+        norm_forward_kernel<kLayerNorm, kAdd, T, W, kPack>
+            <<<unsigned(rows), row_threads(cols, kPack), 0, compute_stream()>>>(
+                xp, rp, sp, wp, bp, eps, yp, mp, rstd.f32(), cols);
+      };
+      using One = std::integral_constant<int, 1>;
+      using Vec = std::integral_constant<int, kN>;
+      if (sp) {
+        if (vec) launch(std::true_type{}, Vec{});
+        else launch(std::true_type{}, One{});
       } else {
-        norm_forward_kernel<kLayerNorm, T, W, 1>
-            <<<unsigned(rows), row_threads(cols, 1), 0, compute_stream()>>>(xp, wp, bp, eps, yp, mp,
-                                                                            rstd.f32(), cols);
+        if (vec) launch(std::false_type{}, Vec{});
+        else launch(std::false_type{}, One{});
       }
       MEGATON_CUDA_CHECK_LAUNCH();
     });
@@ -276,8 +311,8 @@ void launch_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, f
 
 template <bool kLayerNorm>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor* mean,
-                     const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor* dbias, int64_t rows,
-                     int64_t cols) {
+                     const Tensor& rstd, const Tensor& dresidual, Tensor& dx, Tensor& dweight,
+                     Tensor* dbias, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return;
   const float* mp = mean ? mean->f32() : nullptr;
   detail::dispatch_float(x.dtype(), [&](auto x_tag) {
@@ -291,16 +326,18 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, co
       constexpr int kN = kPackElems<T>;
       const W* wp = static_cast<const W*>(weight.raw());
       T* dxp = static_cast<T*>(dx.raw());
+      const T* drp = dresidual.defined() ? static_cast<const T*>(dresidual.raw()) : nullptr;
       bool vec = cols % kN == 0 && pack_aligned<kN>(dyp) && pack_aligned<kN>(xp) &&
-                 pack_aligned<kN>(dxp) && pack_aligned<kN>(wp);
+                 pack_aligned<kN>(dxp) && pack_aligned<kN>(wp) &&
+                 (drp == nullptr || pack_aligned<kN>(drp));
       if (vec) {
         norm_backward_dx_kernel<kLayerNorm, T, W, kN>
-            <<<unsigned(rows), row_threads(cols, kN), 0, compute_stream()>>>(dyp, xp, wp, mp,
-                                                                             rstd.f32(), dxp, cols);
+            <<<unsigned(rows), row_threads(cols, kN), 0, compute_stream()>>>(
+                dyp, xp, wp, mp, rstd.f32(), drp, dxp, cols);
       } else {
         norm_backward_dx_kernel<kLayerNorm, T, W, 1>
-            <<<unsigned(rows), row_threads(cols, 1), 0, compute_stream()>>>(dyp, xp, wp, mp,
-                                                                            rstd.f32(), dxp, cols);
+            <<<unsigned(rows), row_threads(cols, 1), 0, compute_stream()>>>(
+                dyp, xp, wp, mp, rstd.f32(), drp, dxp, cols);
       }
       MEGATON_CUDA_CHECK_LAUNCH();
     });
@@ -332,17 +369,34 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, co
 
 }  // namespace
 
+// dresidual, when defined: like x; dx may be its buffer.
+static void check_residual_grad(const Tensor& dresidual, const Tensor& x, const char* op) {
+  if (dresidual.defined()) check_like_x(dresidual, x, op, "dresidual");
+}
+
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd) {
   const char* op = "rmsnorm_forward";
   auto [rows, cols] = rows_cols(x, op);
   check_param(weight, cols, op, "weight");
   check_like_x(y, x, op, "y");
   check_f32_vector(rstd, rows, op, "rstd");
-  launch_forward<false>(x, weight, Tensor(), eps, y, nullptr, rstd, rows, cols);
+  launch_forward<false>(x, Tensor(), nullptr, weight, Tensor(), eps, y, nullptr, rstd, rows, cols);
+}
+
+void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight, float eps,
+                         Tensor& sum, Tensor& y, Tensor& rstd) {
+  const char* op = "add_rmsnorm_forward";
+  auto [rows, cols] = rows_cols(x, op);
+  check_like_x(residual, x, op, "residual");
+  check_like_x(sum, x, op, "sum");
+  check_param(weight, cols, op, "weight");
+  check_like_x(y, x, op, "y");
+  check_f32_vector(rstd, rows, op, "rstd");
+  launch_forward<false>(x, residual, &sum, weight, Tensor(), eps, y, nullptr, rstd, rows, cols);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                      Tensor& dx, Tensor& dweight) {
+                      Tensor& dx, Tensor& dweight, const Tensor& dresidual) {
   const char* op = "rmsnorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_like_x(dy, x, op, "dy");
@@ -351,26 +405,48 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, c
   check_like_x(dx, x, op, "dx");
   check_f32_vector(dweight, cols, op, "dweight");
   check_not_aliased(dx, dy, x, op);
-  launch_backward<false>(dy, x, weight, nullptr, rstd, dx, dweight, nullptr, rows, cols);
+  check_residual_grad(dresidual, x, op);
+  launch_backward<false>(dy, x, weight, nullptr, rstd, dresidual, dx, dweight, nullptr, rows,
+                         cols);
+}
+
+static void check_layernorm_params(const Tensor& weight, const Tensor& bias, int64_t cols,
+                                   const char* op) {
+  check_param(weight, cols, op, "weight");
+  if (bias.defined()) {
+    check_param(bias, cols, op, "bias");
+    detail::check_same_dtype(bias, weight, op, "bias", "weight");
+  }
 }
 
 void layernorm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                        Tensor& y, Tensor& mean, Tensor& rstd) {
   const char* op = "layernorm_forward";
   auto [rows, cols] = rows_cols(x, op);
-  check_param(weight, cols, op, "weight");
-  if (bias.defined()) {
-    check_param(bias, cols, op, "bias");
-    detail::check_same_dtype(bias, weight, op, "bias", "weight");
-  }
+  check_layernorm_params(weight, bias, cols, op);
   check_like_x(y, x, op, "y");
   check_f32_vector(mean, rows, op, "mean");
   check_f32_vector(rstd, rows, op, "rstd");
-  launch_forward<true>(x, weight, bias, eps, y, &mean, rstd, rows, cols);
+  launch_forward<true>(x, Tensor(), nullptr, weight, bias, eps, y, &mean, rstd, rows, cols);
+}
+
+void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor& weight,
+                           const Tensor& bias, float eps, Tensor& sum, Tensor& y, Tensor& mean,
+                           Tensor& rstd) {
+  const char* op = "add_layernorm_forward";
+  auto [rows, cols] = rows_cols(x, op);
+  check_like_x(residual, x, op, "residual");
+  check_like_x(sum, x, op, "sum");
+  check_layernorm_params(weight, bias, cols, op);
+  check_like_x(y, x, op, "y");
+  check_f32_vector(mean, rows, op, "mean");
+  check_f32_vector(rstd, rows, op, "rstd");
+  launch_forward<true>(x, residual, &sum, weight, bias, eps, y, &mean, rstd, rows, cols);
 }
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                        const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor& dbias) {
+                        const Tensor& rstd, Tensor& dx, Tensor& dweight, Tensor& dbias,
+                        const Tensor& dresidual) {
   const char* op = "layernorm_backward";
   auto [rows, cols] = rows_cols(x, op);
   check_like_x(dy, x, op, "dy");
@@ -381,8 +457,9 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
   check_f32_vector(dweight, cols, op, "dweight");
   if (dbias.defined()) check_f32_vector(dbias, cols, op, "dbias");
   check_not_aliased(dx, dy, x, op);
-  launch_backward<true>(dy, x, weight, &mean, rstd, dx, dweight, dbias.defined() ? &dbias : nullptr,
-                        rows, cols);
+  check_residual_grad(dresidual, x, op);
+  launch_backward<true>(dy, x, weight, &mean, rstd, dresidual, dx, dweight,
+                        dbias.defined() ? &dbias : nullptr, rows, cols);
 }
 
 }  // namespace megaton::ops::cuda
