@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -128,6 +129,8 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"log-metrics-file", "Megaton: append one JSON line per iteration (iteration, lm_loss, "
                            "grad_norm, load_balancing_loss, lr) in full precision to this file"},
       {"seed", "random seed"},
+      {"deterministic-mode", "bitwise-reproducible GPU runs (deterministic embedding and "
+                             "attention backward; NCCL_ALGO Ring unless set), slower", true},
       {"save", "checkpoint directory to write"},
       {"save-interval", "save every this many iterations"},
       {"load", "checkpoint directory to resume from"},
@@ -677,6 +680,18 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("log-params-norm", a.log_params_norm);
   r.get("log-num-zeros-in-grad", a.log_num_zeros_in_grad);
   r.get("seed", a.seed);
+  r.get("deterministic-mode", a.deterministic_mode);
+  // Megatron asks for NCCL_ALGO to be one of these in deterministic mode (its all-reduce
+  // order otherwise depends on the algorithm NCCL picks); Megaton sets Ring when it is
+  // unset (cmd_train), and refuses the others.
+  if (a.deterministic_mode) {
+    if (const char* algo = std::getenv("NCCL_ALGO")) {
+      const std::string v = algo;
+      if (v != "Tree" && v != "Ring" && v != "CollnetDirect" && v != "CollnetChain" && v != "^NVLS")
+        fail("deterministic-mode needs NCCL_ALGO unset or one of Tree, Ring, CollnetDirect, "
+             "CollnetChain, ^NVLS (got '{}')", printable(v));
+    }
+  }
   r.get("save", a.save);
   r.get("save-interval", a.save_interval);
   r.get("load", a.load);

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <cstdlib>
 
 #include <chrono>
 #include <cmath>
@@ -25,6 +26,7 @@
 #include "model/token_dispatcher.h"
 #include "train/tensor_parallel_ckpt.h"
 #include "ops/ops.h"
+#include "ops/determinism.h"
 #include "ops/profiler.h"
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
@@ -65,6 +67,9 @@ static void check_file_writable(const char* flag, const std::string& path) {
 
 Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(std::move(raw)) {
   ops::profile_check_environment();  // before anything is built or written
+  // Process-wide, and before any NCCL communicator is made (arguments.h).
+  ops::set_deterministic(args_.deterministic_mode);
+  if (args_.deterministic_mode) ::setenv("NCCL_ALGO", "Ring", /*overwrite=*/0);
   // Found now rather than at the first save, after the training time is spent. Rank 0
   // writes the checkpoints.
   if (!args_.save.empty() && dist::world_rank() == 0) ckpt::check_save_dir_writable(args_.save);

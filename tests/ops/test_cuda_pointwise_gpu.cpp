@@ -13,6 +13,7 @@
 
 #include "common/testing.h"
 #include "core/cuda/cuda_check.h"
+#include "ops/determinism.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -492,6 +493,45 @@ TEST(CudaEmbedding, ForwardBackwardMatchCpu) {
       Tensor dtableg = dtable0.to(Device::CUDA);
       ops::embedding_backward(on_gpu(dout, dtype), idsg, dtableg);
       expect_main_grad_close(dtableg, dtable_ref, "dtable");
+    }
+  }
+}
+
+// --deterministic-mode's embedding backward (ops/determinism.h): the CPU's sums, and the
+// same bits on every run even though ids repeat hundreds of times (the atomic version's
+// order of additions varies); the vocab-range version skips the ids of other shards.
+TEST(CudaEmbedding, DeterministicBackwardRepeatsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  struct Restore {
+    ~Restore() { ops::set_deterministic(false); }
+  } restore;
+  ops::set_deterministic(true);
+  const int64_t vocab = 50;
+  for (auto [tokens, hidden] : kShapes) {
+    for (DType dtype : {DType::F32, DType::BF16}) {
+      SCOPED_TRACE(shape_trace(tokens, hidden, dtype) + " (tokens, hidden)");
+      Tensor ids = randint({tokens}, int32_t(vocab), seed + 1);
+      Tensor dout = randn_bf16_values({tokens, hidden}, seed + 3);
+      Tensor dtable0 = randn({vocab, hidden}, seed + 4);
+      Tensor ref = dtable0.clone();
+      ops::embedding_backward(dout, ids, ref);
+      Tensor idsg = ids.to(Device::CUDA), doutg = on_gpu(dout, dtype);
+      Tensor first = dtable0.to(Device::CUDA);
+      ops::embedding_backward(doutg, idsg, first);
+      expect_main_grad_close(first, ref, "dtable");
+      for (int rep = 0; rep < 3; ++rep) {
+        Tensor again = dtable0.to(Device::CUDA);
+        ops::embedding_backward(doutg, idsg, again);
+        EXPECT_TRUE(bitwise_equal(again, first)) << "run " << rep + 2 << " differs";
+      }
+      // A shard of rows [20, 40): the other ids add nothing.
+      Tensor shard0 = randn({20, hidden}, seed + 5), shard_ref = shard0.clone();
+      ops::embedding_backward_vocab_range(dout, ids, 20, shard_ref);
+      Tensor shard = shard0.to(Device::CUDA);
+      ops::embedding_backward_vocab_range(doutg, idsg, 20, shard);
+      expect_main_grad_close(shard, shard_ref, "dtable shard");
     }
   }
 }

@@ -436,6 +436,14 @@ TEST_F(CliErrors, Fp8BadRecipesAndDimensions) {
   }
 }
 
+// --deterministic-mode takes NCCL_ALGO from the environment when set (Megatron's list),
+// else sets Ring; any other algorithm is refused.
+TEST_F(CliErrors, DeterministicModeRefusesAnOtherNcclAlgorithm) {
+  expect_user_error(kMock + " --train-iters 1 --deterministic-mode",
+                    "deterministic-mode needs NCCL_ALGO unset or one of", "NCCL_ALGO=NVLS");
+  EXPECT_EQ(run(kMock + " --train-iters 1 --deterministic-mode", "NCCL_ALGO=Tree"), 0);
+}
+
 // Megatron's --moe-router-padding-for-fp8 is accepted: Megaton's experts always pad each
 // expert's rows to the FP8 multiple, so the run trains and says once that the flag changes
 // nothing.

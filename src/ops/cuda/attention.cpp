@@ -23,8 +23,9 @@
 //     same mask from the same (seed, stream), which is all training needs; a CPU forward
 //     with a GPU backward (or the reverse) under dropout is not supported;
 //   - determinism: the forward is bitwise reproducible; the backward is not guaranteed to
-//     be (cuDNN accumulates dq in fp32 with atomics unless set_deterministic_algorithm,
-//     which is left off: it is slower and not offered on every GPU/cuDNN pair).
+//     be (cuDNN accumulates dq in fp32 with atomics) unless ops::deterministic()
+//     (--deterministic-mode), which builds it with set_deterministic_algorithm: slower,
+//     and an error naming the shape where this cuDNN has no such engine.
 //
 // Dropout seed. cuDNN's Philox takes a 64-bit seed and a 64-bit offset (a position in the
 // counter sequence). Mapping our `stream` to the offset would make stream s+1 a shifted
@@ -65,6 +66,7 @@
 #include "core/cuda/cuda_check.h"
 #include "core/rng.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/determinism.h"
 
 // MEGATON_CUDNN_CHECK(cudnnSetStream(...)): throws InternalError naming the call, the file
 // and line, and cuDNN's status string.
@@ -210,19 +212,21 @@ struct SdpaGraph {
   int64_t workspace_bytes = 0;
 };
 
-// (B, S, Hq, Hkv, D, dtype, dropout_p bits, backward)
-using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, bool>;
+// (B, S, Hq, Hkv, D, dtype, dropout_p bits, backward, deterministic)
+using GraphKey =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, bool, bool>;
 
 GraphKey make_key(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
   uint32_t p_bits;
   std::memcpy(&p_bits, &dropout_p, sizeof(p_bits));
-  return {d.B, d.S, d.Hq, d.Hkv, d.D, int(dtype), p_bits, backward};
+  return {d.B, d.S, d.Hq, d.Hkv, d.D, int(dtype), p_bits, backward, backward && deterministic()};
 }
 
 std::string describe(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
-  return fmt::format("attention {} B={} S={} Hq={} Hkv={} D={} {} dropout_p={}",
-                     backward ? "backward" : "forward", d.B, d.S, d.Hq, d.Hkv, d.D,
-                     dtype_name(dtype), dropout_p);
+  return fmt::format("attention {}{} B={} S={} Hq={} Hkv={} D={} {} dropout_p={}",
+                     backward ? "backward" : "forward",
+                     backward && deterministic() ? " (deterministic)" : "", d.B, d.S, d.Hq,
+                     d.Hkv, d.D, dtype_name(dtype), dropout_p);
 }
 
 // A [B, S, heads, D] tensor in cuDNN's [B, H, S, D] dim order.
@@ -310,6 +314,7 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
                         .set_name("attention_backward")
                         .set_causal_mask(true)
                         .set_attn_scale(1.0f / std::sqrt(float(d.D)));
+  if (deterministic()) attributes.set_deterministic_algorithm(true);
   if (dropout_p > 0.0f) {
     g->seed = scalar_int64_tensor(graph, "dropout_seed");
     g->offset = scalar_int64_tensor(graph, "dropout_offset");

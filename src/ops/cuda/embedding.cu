@@ -11,14 +11,20 @@
 //
 // The backwards accumulate with fp32 atomicAdd, so when an id repeats within the batch the
 // order of its additions, and hence the last bits of dtable, can change from run to run.
-// A deterministic version would sort (token, id) pairs by id and reduce each segment in
-// token order.
+// Under ops::deterministic() (--deterministic-mode) they instead sort the tokens by id
+// (cub's stable radix sort of (row, token) pairs) and give each id one block, which sums
+// its tokens' rows in token order and adds the sum to dtable once: the same bits on every
+// run.
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
 
+#include <cub/device/device_radix_sort.cuh>
+
+#include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/pointwise_util.cuh"
+#include "ops/determinism.h"
 
 namespace megaton::ops::cuda {
 namespace {
@@ -125,6 +131,81 @@ void forward(const char* op, const Tensor& ids, const Tensor& table, int64_t voc
   });
 }
 
+// The deterministic backward's keys: row = ids[t] - vocab_start for the ids of this table
+// (or shard), `vocab` (sorted last, skipped) for the others; token[t] = t.
+__global__ void embedding_sort_keys_kernel(const int32_t* __restrict__ ids,
+                                           int32_t* __restrict__ rows,
+                                           int32_t* __restrict__ tokens, int64_t n,
+                                           int64_t vocab_start, int64_t vocab) {
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = int64_t(ids[t]) - vocab_start;
+    rows[t] = row >= 0 && row < vocab ? int32_t(row) : int32_t(vocab);
+    tokens[t] = int32_t(t);
+  }
+}
+
+// One block per sorted position i that starts a run of equal rows (the other blocks
+// return): dtable[row] += the sum, in token order, of the run's dout rows (fp32).
+template <typename T, int N>
+__global__ void embedding_backward_sorted_kernel(const T* __restrict__ dout,
+                                                 const int32_t* __restrict__ rows,
+                                                 const int32_t* __restrict__ tokens,
+                                                 float* __restrict__ dtable, int64_t n,
+                                                 int64_t hidden, int64_t vocab) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const int32_t row = rows[i];
+    if (row >= vocab || (i > 0 && rows[i - 1] == row)) continue;
+    int64_t end = i + 1;
+    while (end < n && rows[end] == row) ++end;
+    float* dst = dtable + int64_t(row) * hidden;
+    for (int64_t j = int64_t(threadIdx.x) * N; j < hidden; j += int64_t(blockDim.x) * N) {
+      float acc[N] = {};
+      for (int64_t r = i; r < end; ++r) {
+        const Pack<T, N> p = load_pack<N>(dout + int64_t(tokens[r]) * hidden + j);
+#pragma unroll
+        for (int k = 0; k < N; ++k) acc[k] += detail::to_float(p.v[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) dst[j + k] += acc[k];
+    }
+  }
+}
+
+template <typename T, int N>
+void backward_sorted(const T* dout, const Tensor& ids, float* dtable, int64_t tokens,
+                     int64_t hidden, int64_t vocab_start, int64_t vocab) {
+  MEGATON_CHECK(tokens < (int64_t(1) << 31) && vocab < (int64_t(1) << 31) - 1,
+                "embedding backward (deterministic): {} tokens or {} rows exceed int32", tokens,
+                vocab);
+  const int n = int(tokens);
+  Tensor keys = Tensor::empty({4, tokens}, DType::I32, Device::CUDA);
+  int32_t* rows_in = keys.i32();
+  int32_t* tokens_in = rows_in + tokens;
+  int32_t* rows_out = tokens_in + tokens;
+  int32_t* tokens_out = rows_out + tokens;
+  const unsigned grid = unsigned(std::min<int64_t>((tokens + 255) / 256, kMaxBlocks));
+  embedding_sort_keys_kernel<<<grid, 256, 0, compute_stream()>>>(ids.i32(), rows_in, tokens_in,
+                                                                 tokens, vocab_start, vocab);
+  MEGATON_CUDA_CHECK_LAUNCH();
+  // Keys span [0, vocab]: sort only the bits that can be set.
+  int end_bit = 1;
+  while ((int64_t(1) << end_bit) <= vocab) ++end_bit;
+  size_t temp_bytes = 0;
+  MEGATON_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, rows_in, rows_out,
+                                                     tokens_in, tokens_out, n, 0, end_bit,
+                                                     compute_stream()));
+  Tensor temp = Tensor::empty({int64_t(std::max<size_t>(temp_bytes, 8) + 7) / 8}, DType::I64,
+                              Device::CUDA);
+  MEGATON_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.raw(), temp_bytes, rows_in, rows_out,
+                                                     tokens_in, tokens_out, n, 0, end_bit,
+                                                     compute_stream()));
+  embedding_backward_sorted_kernel<T, N>
+      <<<blocks_for(tokens), threads_for(hidden, N), 0, compute_stream()>>>(
+          dout, rows_out, tokens_out, dtable, tokens, hidden, vocab);
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
 template <bool kVocabRange>
 void backward(const char* op, const Tensor& dout, const Tensor& ids, int64_t vocab_start,
               Tensor& dtable) {
@@ -139,7 +220,13 @@ void backward(const char* op, const Tensor& dout, const Tensor& ids, int64_t voc
     constexpr int kN = 4;
     const T* dp = static_cast<const T*>(dout.raw());
     float* tablep = dtable.f32();
-    if (hidden % kN == 0 && pack_aligned<kN>(dp) && pack_aligned<kN>(tablep)) {
+    const bool vec = hidden % kN == 0 && pack_aligned<kN>(dp) && pack_aligned<kN>(tablep);
+    if (deterministic()) {
+      if (vec) backward_sorted<T, kN>(dp, ids, tablep, tokens, hidden, vocab_start, vocab);
+      else backward_sorted<T, 1>(dp, ids, tablep, tokens, hidden, vocab_start, vocab);
+      return;
+    }
+    if (vec) {
       embedding_backward_kernel<T, kN, kVocabRange>
           <<<blocks_for(tokens), threads_for(hidden, kN), 0, compute_stream()>>>(
               dp, ids.i32(), tablep, tokens, hidden, vocab_start, vocab);

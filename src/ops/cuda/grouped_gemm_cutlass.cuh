@@ -33,33 +33,50 @@ namespace megaton::ops::cuda::grouped_cutlass {
 // drains; defined in grouped_gemm.cu).
 void upload(void* device_dst, const void* host_src, size_t bytes);
 
+// Kernel shapes (CUTLASS 4.2 Hopper ptr-array schedules).
+// Cooperative128x256: two consumer warp groups share one 128x256x64 tile, 2-CTA clusters:
+// the cooperative shape CUTLASS's profiler favours for bf16 on H100 at these sizes.
+struct Cooperative128x256 {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+// Pingpong128x128: each consumer warp group owns a 128x128x64 tile, and one's epilogue
+// runs while the other's main loop does: for outputs whose epilogue is heavy (the fp32
+// weight gradient, read and written with beta = 1) relative to a short K.
+struct Pingpong128x128 {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 // CUTLASS's row/column-major tags for our row-major operands: op(a) [m, k] is a [m, k]
 // row-major (RowMajor) or, when transposed, [k, m] row-major (ColumnMajor); op(b) [k, n]
 // is b [k, n] row-major (RowMajor: n contiguous) or, when transposed, [n, k]
 // (ColumnMajor: k contiguous).
-template <class LayoutA, class LayoutB, class ElementD>
+template <class LayoutA, class LayoutB, class ElementD, class Config = Cooperative128x256>
 struct GroupedGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using ElementAB = cutlass::bfloat16_t;
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 8;                       // 16 bytes of bf16
   static constexpr int kAlignD = 16 / int(sizeof(ElementD));  // 16 bytes
-  // 128x256x64 tiles, 2-CTA clusters: the cooperative shape CUTLASS's profiler favours for
-  // bf16 on H100 at these sizes (two consumer warp groups share a 128-row tile).
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using TileShape = typename Config::TileShape;
+  using ClusterShape = typename Config::ClusterShape;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutC*,
-      kAlignD, ElementD, LayoutC*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      kAlignD, ElementD, LayoutC*, kAlignD, typename Config::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB,
       ElementAB, LayoutB*, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Config::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -168,7 +185,9 @@ struct GroupedGemm {
 bool run_fprop(const std::vector<GroupedProblem>& problems, float beta);
 // dgrad  c [rows, k] = dy [rows, n] @ w[g] (w [n, k]), BF16 out;
 bool run_dgrad(const std::vector<GroupedProblem>& problems, float beta);
-// wgrad  c[g] [m, n] += a [rows_g, m]^T @ b [rows_g, n], F32 out (main_grad).
+// wgrad  c[g] [m, n] += a [rows_g, m]^T @ b [rows_g, n], F32 out (main_grad);
+// run_wgrad_pingpong: the same with Pingpong128x128 (grouped_gemm_cutlass_wgrad_pingpong.cu).
 bool run_wgrad(const std::vector<GroupedProblem>& problems, float beta);
+bool run_wgrad_pingpong(const std::vector<GroupedProblem>& problems, float beta);
 
 }  // namespace megaton::ops::cuda::grouped_cutlass

@@ -1,0 +1,53 @@
+#!/bin/bash
+# The GPU checks of issue 17's step work: the GPU tests of the changed ops and layers, op
+# profiles of the step before and after (an older binary carried as gpu-bundle/bin/megaton-old),
+# the grouped GEMM alone under each weight-gradient schedule, and bench/gpu_bench.py.
+# Prepare here (the device tool's carry):
+#   bash tools/gpu_bundle.sh gpu-bundle build/megaton build/test_cuda_pointwise_gpu \
+#     build/test_train_gpu build/test_fp8_linear_gpu build/test_fp8_moe_gpu \
+#     build/test_cuda_moe_gpu build/bench_grouped_gemm_gpu
+#   cp <old megaton> gpu-bundle/bin/megaton-old; cp ../shared/bench/torch_gpt.py gpu-bundle/
+#   mkdir -p gpu-carry; tar -cJf gpu-carry/bundle.tar.xz gpu-bundle
+# Run there, from the repository root with $OUT set:
+#   bash tools/gpu_step_check.sh tests|dense|moe
+set -u
+[ -d gpu-bundle ] || tar -xJf gpu-carry/bundle.tar.xz
+export LD_LIBRARY_PATH=$PWD/gpu-bundle/lib NCCL_NVLS_ENABLE=0
+B=gpu-bundle/bin
+nvidia-smi --query-gpu=name --format=csv,noheader
+LLAMA="train --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 --num-layers 24 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 4 --global-batch-size 4 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --train-iters 12 --log-interval 4 --eval-iters 0 --lr 1e-4 --lr-warmup-iters 1"
+MOE="train --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 --num-layers 12 --hidden-size 1536 --num-attention-heads 12 --seq-length 2048 --micro-batch-size 4 --global-batch-size 4 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --train-iters 12 --log-interval 4 --eval-iters 0 --lr 1e-4 --lr-warmup-iters 1 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 4096 --moe-aux-loss-coeff 1e-2"
+profile() {  # name binary args...
+  local name=$1 bin=$2; shift 2
+  MEGATON_OP_PROFILE=1 timeout 90 $bin "$@" > $OUT/prof_$name.txt 2>&1
+  echo "== $name rc=$?"; grep -E "iteration +12" $OUT/prof_$name.txt | head -1
+  sed -n '/op profile/,$p' $OUT/prof_$name.txt | head -22
+}
+case "${1:-tests}" in
+tests)
+  for t in test_cuda_pointwise_gpu test_train_gpu test_fp8_linear_gpu test_fp8_moe_gpu test_cuda_moe_gpu; do
+    echo "== $t"; timeout 200 $B/$t > $OUT/$t.txt 2>&1; echo "rc=$?"
+    grep -E "^\[  (PASSED|FAILED)|FAILED  \]" $OUT/$t.txt | head -8
+  done
+  timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/test_cuda_pointwise_gpu \
+    --gtest_filter='*Fused*:*Swiglu*:*Gelu*' > $OUT/sanitizer.txt 2>&1
+  echo "sanitizer rc=$?"; tail -2 $OUT/sanitizer.txt
+  $B/bench_grouped_gemm_gpu > $OUT/grouped_coop.txt 2>&1; cat $OUT/grouped_coop.txt | tail -20
+  MEGATON_GROUPED_WGRAD=pingpong $B/bench_grouped_gemm_gpu > $OUT/grouped_pingpong.txt 2>&1
+  echo "== pingpong"; tail -20 $OUT/grouped_pingpong.txt
+  profile llama_old $B/megaton-old $LLAMA
+  profile llama_new $B/megaton $LLAMA
+  ;;
+dense)
+  timeout 560 python3 bench/gpu_bench.py --megaton $B/megaton --torch-script gpu-bundle/torch_gpt.py \
+    --configs gpt2-124M,llama-1.3B --iters 20 > $OUT/bench_dense.txt 2>&1
+  tail -12 $OUT/bench_dense.txt
+  ;;
+moe)
+  profile moe_old $B/megaton-old $MOE
+  profile moe_new $B/megaton $MOE
+  MEGATON_GROUPED_WGRAD=${WGRAD:-cooperative} timeout 420 python3 bench/gpu_bench.py --megaton $B/megaton \
+    --torch-script gpu-bundle/torch_gpt.py --configs moe-8x-top2,moe-64x-top8 --iters 20 > $OUT/bench_moe.txt 2>&1
+  tail -12 $OUT/bench_moe.txt
+  ;;
+esac
