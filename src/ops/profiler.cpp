@@ -16,6 +16,7 @@
 #include "core/error.h"
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/host_sync.h"
 #endif
 
 namespace megaton::ops {
@@ -68,6 +69,9 @@ struct ProfileState {
   std::unordered_map<const char*, OpTotal> totals;
   int64_t open_scopes = 0;     // timed and nested scopes alive
   std::string deferred_error;  // the first failure in a destructor, thrown by the next flush
+  // Host synchronisations (core/cuda/host_sync.h) at the last profile_reset, and the
+  // profiler's own since then (its flushes), which the report leaves out.
+  uint64_t syncs_at_reset = 0, own_syncs = 0;
 };
 
 // Never destroyed: the events must outlive every scope, and destroying them after the
@@ -114,6 +118,7 @@ void drain_pending(bool count, const char* caller) {
   } return_to_pool{s, pending};
   if (!deferred_error.empty()) throw InternalError(deferred_error);
   ::megaton::cuda::synchronize();
+  ++s.own_syncs;
   if (!count) return;
   for (const PendingPair& p : pending) {
     float ms = 0.0f;
@@ -168,9 +173,14 @@ void profile_discard() { drain_pending(false, "profile_discard"); }
 
 void profile_reset() {
   drain_pending(false, "profile_reset");
-  state().totals.clear();
+  ProfileState& s = state();
+  s.totals.clear();
+  s.syncs_at_reset = ::megaton::cuda::host_synchronizations();
+  s.own_syncs = 0;
 }
 
+// After the table: the host synchronizations since the last profile_reset per iteration,
+// the profiler's own flushes left out (core/cuda/host_sync.h).
 std::string profile_report(int64_t iterations) {
   MEGATON_CHECK(iterations > 0, "profile_report: iterations {} must be > 0", iterations);
   std::map<std::string_view, OpTotal> by_name;
@@ -202,6 +212,10 @@ std::string profile_report(int64_t iterations) {
   };
   for (const auto& [op, total] : rows) add_row(op, total);
   add_row("total", sum);
+  const ProfileState& s = state();
+  const uint64_t syncs =
+      ::megaton::cuda::host_synchronizations() - s.syncs_at_reset - s.own_syncs;
+  table += fmt::format(" host synchronizations per iteration: {:.1f}\n", double(syncs) / per);
   return table;
 }
 

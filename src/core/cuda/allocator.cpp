@@ -1,6 +1,8 @@
 // Caching device allocator and the compute stream.
 #include "core/cuda/allocator.h"
+#include "core/cuda/host_sync.h"
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -19,7 +21,18 @@ cudaStream_t stream() {
   return s;
 }
 
-void synchronize() { MEGATON_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+namespace {
+std::atomic<uint64_t> g_host_synchronizations{0};
+}  // namespace
+
+void synchronize() {
+  g_host_synchronizations.fetch_add(1, std::memory_order_relaxed);
+  MEGATON_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+uint64_t host_synchronizations() {
+  return g_host_synchronizations.load(std::memory_order_relaxed);
+}
 
 bool device_available() {
   int count = 0;
