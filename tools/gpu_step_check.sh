@@ -5,10 +5,11 @@
 # Prepare here (the device tool's carry):
 #   bash tools/gpu_bundle.sh gpu-bundle build/megaton build/test_cuda_pointwise_gpu \
 #     build/test_train_gpu build/test_fp8_linear_gpu build/test_fp8_moe_gpu \
-#     build/test_cuda_moe_gpu build/bench_grouped_gemm_gpu
+#     build/test_cuda_moe_gpu build/bench_grouped_gemm_gpu build/test_host_sync_gpu
 #   cp <old megaton> gpu-bundle/bin/megaton-old; cp ../shared/bench/torch_gpt.py gpu-bundle/
 #   mkdir -p gpu-carry; tar -cJf gpu-carry/bundle.tar.xz gpu-bundle
-# Run there, from the repository root with $OUT set:
+# (carry gpu-carry and data/, which test_train_gpu reads). Run there, from the repository
+# root with $OUT set:
 #   bash tools/gpu_step_check.sh tests|dense|moe
 set -u
 [ -d gpu-bundle ] || tar -xJf gpu-carry/bundle.tar.xz
@@ -22,10 +23,11 @@ profile() {  # name binary args...
   MEGATON_OP_PROFILE=1 timeout 90 $bin "$@" > $OUT/prof_$name.txt 2>&1
   echo "== $name rc=$?"; grep -E "iteration +12" $OUT/prof_$name.txt | head -1
   sed -n '/op profile/,$p' $OUT/prof_$name.txt | head -22
+  grep "host synchronizations" $OUT/prof_$name.txt
 }
 case "${1:-tests}" in
 tests)
-  for t in test_cuda_pointwise_gpu test_train_gpu test_fp8_linear_gpu test_fp8_moe_gpu test_cuda_moe_gpu; do
+  for t in test_host_sync_gpu test_cuda_pointwise_gpu test_train_gpu test_fp8_linear_gpu test_fp8_moe_gpu test_cuda_moe_gpu; do
     echo "== $t"; timeout 200 $B/$t > $OUT/$t.txt 2>&1; echo "rc=$?"
     grep -E "^\[  (PASSED|FAILED)|FAILED  \]" $OUT/$t.txt | head -8
   done
