@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU checks of issue 17's step work: the GPU tests of the changed ops and layers, op
 # profiles of the step before and after (an older binary carried as gpu-bundle/bin/megaton-old),
-# the grouped GEMM alone under each weight-gradient schedule, and bench/gpu_bench.py.
+# the grouped GEMM alone, and bench/gpu_bench.py.
 # Prepare here (the device tool's carry):
 #   bash tools/gpu_bundle.sh gpu-bundle build/megaton build/test_cuda_pointwise_gpu \
 #     build/test_train_gpu build/test_fp8_linear_gpu build/test_fp8_moe_gpu \
@@ -10,7 +10,7 @@
 #   mkdir -p gpu-carry; tar -cJf gpu-carry/bundle.tar.xz gpu-bundle
 # (carry gpu-carry and data/, which test_train_gpu reads). Run there, from the repository
 # root with $OUT set:
-#   bash tools/gpu_step_check.sh tests|dense|moe
+#   bash tools/gpu_step_check.sh tests|dense|moe|extra|fp8
 set -u
 [ -d gpu-bundle ] || tar -xJf gpu-carry/bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/gpu-bundle/lib NCCL_NVLS_ENABLE=0
@@ -34,9 +34,7 @@ tests)
   timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/test_cuda_pointwise_gpu \
     --gtest_filter='*Fused*:*Swiglu*:*Gelu*' > $OUT/sanitizer.txt 2>&1
   echo "sanitizer rc=$?"; tail -2 $OUT/sanitizer.txt
-  $B/bench_grouped_gemm_gpu > $OUT/grouped_coop.txt 2>&1; cat $OUT/grouped_coop.txt | tail -20
-  MEGATON_GROUPED_WGRAD=pingpong $B/bench_grouped_gemm_gpu > $OUT/grouped_pingpong.txt 2>&1
-  echo "== pingpong"; tail -20 $OUT/grouped_pingpong.txt
+  $B/bench_grouped_gemm_gpu > $OUT/grouped.txt 2>&1; tail -14 $OUT/grouped.txt
   profile llama_old $B/megaton-old $LLAMA
   profile llama_new $B/megaton $LLAMA
   ;;
@@ -48,8 +46,27 @@ dense)
 moe)
   profile moe_old $B/megaton-old $MOE
   profile moe_new $B/megaton $MOE
-  MEGATON_GROUPED_WGRAD=${WGRAD:-cooperative} timeout 420 python3 bench/gpu_bench.py --megaton $B/megaton \
+  timeout 420 python3 bench/gpu_bench.py --megaton $B/megaton \
     --torch-script gpu-bundle/torch_gpt.py --configs moe-8x-top2,moe-64x-top8 --iters 20 > $OUT/bench_moe.txt 2>&1
   tail -12 $OUT/bench_moe.txt
+  ;;
+extra)  # the grouped GEMM, gpt2-124M's profile, and the cost of --deterministic-mode
+  $B/bench_grouped_gemm_gpu > $OUT/grouped.txt 2>&1; tail -14 $OUT/grouped.txt
+  GPT2="train --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 --num-layers 12 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 2048 --seq-length 1024 --micro-batch-size 16 --global-batch-size 16 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --train-iters 12 --log-interval 4 --eval-iters 0 --lr 1e-4 --lr-warmup-iters 1"
+  profile gpt2 $B/megaton $GPT2
+  profile moe_pingpong $B/megaton $MOE
+  for cfg in LLAMA MOE; do
+    for det in "" "--deterministic-mode"; do
+      echo "== $cfg $det"
+      timeout 120 $B/megaton ${!cfg} --train-iters 20 --log-interval 5 $det 2>&1 | grep -oE "iteration +[0-9]+/ +20 \| consumed samples: +[0-9]+ \| elapsed time per iteration \(ms\): [0-9.]+" | tail -3
+    done
+  done
+  ;;
+fp8)  # FP8 rows (torchao carried as a wheel in gpu-carry/)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site gpu-carry/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site
+  timeout 560 python3 bench/gpu_bench.py --megaton $B/megaton --torch-script gpu-bundle/torch_gpt.py \
+    --configs ${CONFIGS:-llama-1.3B,moe-8x-top2} --iters 20 --fp8 tensorwise > $OUT/bench_fp8.txt 2>&1
+  tail -12 $OUT/bench_fp8.txt
   ;;
 esac

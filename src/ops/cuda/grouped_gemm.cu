@@ -9,8 +9,6 @@
 // shape, not fast. Empty groups are dropped before either kernel sees them.
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <string_view>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cublas_gemm.h"
@@ -47,17 +45,6 @@ void upload(void* device_dst, const void* host_src, size_t bytes) {
 
 }  // namespace grouped_cutlass
 
-// The weight-gradient kernel's schedule: MEGATON_GROUPED_WGRAD=pingpong or cooperative
-// (default), read once; a measurement switch (docs/performance.md) until one schedule is
-// shown better on every benchmark shape.
-static bool wgrad_pingpong() {
-  static const bool pingpong = [] {
-    const char* v = std::getenv("MEGATON_GROUPED_WGRAD");
-    return v != nullptr && std::string_view(v) == "pingpong";
-  }();
-  return pingpong;
-}
-
 bool cutlass_grouped_gemm(const std::vector<GroupedProblem>& problems, DType ab, DType c,
                           float beta) {
   if (ab != DType::BF16 || problems.empty()) return false;
@@ -73,9 +60,7 @@ bool cutlass_grouped_gemm(const std::vector<GroupedProblem>& problems, DType ab,
   }
   if (!trans_a && trans_b && c == DType::BF16) return grouped_cutlass::run_fprop(problems, beta);
   if (!trans_a && !trans_b && c == DType::BF16) return grouped_cutlass::run_dgrad(problems, beta);
-  if (trans_a && !trans_b && c == DType::F32)
-    return wgrad_pingpong() ? grouped_cutlass::run_wgrad_pingpong(problems, beta)
-                            : grouped_cutlass::run_wgrad(problems, beta);
+  if (trans_a && !trans_b && c == DType::F32) return grouped_cutlass::run_wgrad(problems, beta);
   return false;
 }
 

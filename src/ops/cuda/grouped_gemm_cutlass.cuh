@@ -43,8 +43,9 @@ struct Cooperative128x256 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 // Pingpong128x128: each consumer warp group owns a 128x128x64 tile, and one's epilogue
-// runs while the other's main loop does: for outputs whose epilogue is heavy (the fp32
-// weight gradient, read and written with beta = 1) relative to a short K.
+// runs while the other's main loop does: for outputs whose epilogue is heavy relative to
+// a short K, as the fp32 weight gradient (read and written with beta = 1), where it is the
+// faster schedule (grouped_gemm_cutlass_wgrad.cu).
 struct Pingpong128x128 {
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
@@ -185,9 +186,7 @@ struct GroupedGemm {
 bool run_fprop(const std::vector<GroupedProblem>& problems, float beta);
 // dgrad  c [rows, k] = dy [rows, n] @ w[g] (w [n, k]), BF16 out;
 bool run_dgrad(const std::vector<GroupedProblem>& problems, float beta);
-// wgrad  c[g] [m, n] += a [rows_g, m]^T @ b [rows_g, n], F32 out (main_grad);
-// run_wgrad_pingpong: the same with Pingpong128x128 (grouped_gemm_cutlass_wgrad_pingpong.cu).
+// wgrad  c[g] [m, n] += a [rows_g, m]^T @ b [rows_g, n], F32 out (main_grad), Pingpong128x128.
 bool run_wgrad(const std::vector<GroupedProblem>& problems, float beta);
-bool run_wgrad_pingpong(const std::vector<GroupedProblem>& problems, float beta);
 
 }  // namespace megaton::ops::cuda::grouped_cutlass
