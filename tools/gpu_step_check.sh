@@ -58,7 +58,8 @@ extra)  # the grouped GEMM, gpt2-124M's profile, and the cost of --deterministic
   for cfg in LLAMA MOE; do
     for det in "" "--deterministic-mode"; do
       echo "== $cfg $det"
-      timeout 120 $B/megaton ${!cfg} --train-iters 20 --log-interval 5 $det 2>&1 | grep -oE "iteration +[0-9]+/ +20 \| consumed samples: +[0-9]+ \| elapsed time per iteration \(ms\): [0-9.]+" | tail -3
+      timeout 150 $B/megaton ${!cfg/--train-iters 12/--train-iters 20} $det > $OUT/det_${cfg}${det:+_det}.txt 2>&1
+      echo "rc=$?"; grep -oE "iteration +[0-9]+/ +20 .{0,60}elapsed time per iteration \(ms\): [0-9.]+" $OUT/det_${cfg}${det:+_det}.txt | tail -3
     done
   done
   ;;
