@@ -344,19 +344,18 @@ Tensor MLP::backward(const Tensor& dy) {
   MEGATON_CHECK(saved_.fc1_out.defined(), "MLP '{}': backward without a forward",
                 linear_fc1.weight.name);
   const Tensor fc1_out = std::exchange(saved_, {}).fc1_out;
-  Tensor dfc1 = empty_like(dy, fc1_out.shape());
-  bool done = false;  // whether fc2 asked for its input (the activation's backward ran)
+  Tensor dfc1;  // written by the activation's backward, inside fc2's backward or after it
+  const auto activation_backward = [&](const Tensor& dact, Tensor* act) {
+    dfc1 = empty_like(dact, fc1_out.shape());
+    if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1, act);
+    else ops::gelu_backward(dact, fc1_out, dfc1, act);
+  };
   const Tensor dact = linear_fc2.backward(dy, [&](const Tensor& dact) {
     Tensor act = empty_like(dact, dact.shape());
-    if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1, &act);
-    else ops::gelu_backward(dact, fc1_out, dfc1, &act);
-    done = true;
+    activation_backward(dact, &act);
     return act;
   });
-  if (!done) {
-    if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1);
-    else ops::gelu_backward(dact, fc1_out, dfc1);
-  }
+  if (!dfc1.defined()) activation_backward(dact, nullptr);  // fc2 did not ask for its input
   return linear_fc1.backward(dfc1);
 }
 

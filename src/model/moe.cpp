@@ -264,26 +264,25 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   // writes it in the same pass; otherwise it is recomputed on its own.
   const int64_t rows = dexpert_out.dim(0);
   Tensor dact = empty_like(dy, {rows, experts[0].fc2_weight.weight.dim(1)});
-  Tensor dfc1 = empty_like(dy, s.fc1_out.shape());
+  Tensor dfc1;  // written by the activation's backward, inside fc2's backward or after it
   const bool input_after_dgrad = !fc1_fp8_.enabled() || cfg_.fp8.recipe != Fp8Recipe::Blockwise;
   const auto activation_backward = [&](Tensor* act) {
+    dfc1 = empty_like(dy, s.fc1_out.shape());
     if (cfg_.swiglu)
       ops::swiglu_backward(dact, s.fc1_out, dfc1, act);
     else
       ops::gelu_backward(dact, s.fc1_out, dfc1, act);
   };
-  bool done = false;
   experts_backward(&Expert::fc2_weight, dexpert_out, [&] {
     if (!input_after_dgrad) return expert_activation();
     Tensor act = empty_like(dact, dact.shape());
     activation_backward(&act);
-    done = true;
     return act;
   }, dact);
   // dexpert_out is whole on every ETP rank: each computes the same fc2 bias gradient.
   expert_bias_backward(dexpert_out, &Expert::fc2_bias);
   // activation (unless done above) and linear_fc1.
-  if (!done) activation_backward(nullptr);
+  if (!dfc1.defined()) activation_backward(nullptr);
   const Shape in_shape = {rows, dy.dim(1)};
   Tensor dexpert_in = !s.padded ? dispatcher_->new_exchanged_rows(in_shape, dy.dtype(), dy.device())
                                 : empty_like(dy, in_shape);

@@ -521,6 +521,17 @@ TEST(CudaEmbedding, DeterministicBackwardRepeatsBitForBit) {
       Tensor first = dtable0.to(Device::CUDA);
       ops::embedding_backward(doutg, idsg, first);
       expect_main_grad_close(first, ref, "dtable");
+      if (dtype == DType::F32) {
+        // The sorted path's exact bits: per id, an fp32 sum of its rows in token order from
+        // zero, added to dtable once (the atomic path's order would differ).
+        Tensor sums = Tensor::zeros({vocab, hidden});
+        for (int64_t t = 0; t < tokens; ++t)
+          for (int64_t j = 0; j < hidden; ++j)
+            sums.f32()[ids.i32()[t] * hidden + j] += dout.f32()[t * hidden + j];
+        Tensor exact = dtable0.clone();
+        for (int64_t i = 0; i < vocab * hidden; ++i) exact.f32()[i] += sums.f32()[i];
+        EXPECT_TRUE(bitwise_equal(first, exact)) << "not the in-order sums of the sorted path";
+      }
       for (int rep = 0; rep < 3; ++rep) {
         Tensor again = dtable0.to(Device::CUDA);
         ops::embedding_backward(doutg, idsg, again);

@@ -511,6 +511,21 @@ TEST(Norm, FusedResidualAddEqualsAddThenNorm) {
     EXPECT_EQ(dx.to_vector(), dx_ref.to_vector());
     EXPECT_EQ(dw.to_vector(), dw_ref.to_vector());
 
+    // sum may also be residual's buffer.
+    Tensor sum2 = res.clone();
+    Tensor y2 = Tensor::empty({rows, cols}), mean2 = Tensor::empty({rows}), rstd2 = Tensor::empty({rows});
+    if (layernorm) ops::add_layernorm_forward(x, sum2, w, b, 1e-5f, sum2, y2, mean2, rstd2);
+    else ops::add_rmsnorm_forward(x, sum2, w, 1e-5f, sum2, y2, rstd2);
+    EXPECT_EQ(sum2.to_vector(), sum_ref.to_vector());
+    EXPECT_EQ(y2.to_vector(), y_ref.to_vector());
+    // Partial overlaps are refused before anything is written: sum one row into x, y over x.
+    Tensor big = Tensor::zeros({rows + 1, cols});
+    Tensor xs = big.rows(0, rows), shifted = big.rows(1, rows);
+    EXPECT_THROW(ops::add_rmsnorm_forward(xs, res, w, 1e-5f, shifted, y2, rstd2), InternalError);
+    EXPECT_THROW(ops::add_rmsnorm_forward(x, res, w, 1e-5f, sum2, sum2, rstd2), InternalError);
+    EXPECT_EQ(big.to_vector(), Tensor::zeros({rows + 1, cols}).to_vector());
+    EXPECT_THROW(ops::rmsnorm_backward(dy, sum, w, rstd, shifted, dw, xs), InternalError);
+
     Tensor short_res = Tensor::zeros({rows - 1, cols});
     EXPECT_THROW(ops::add_rmsnorm_forward(x, short_res, w, 1e-5f, sum, y, rstd), InternalError);
     EXPECT_THROW(ops::rmsnorm_backward(dy, sum, w, rstd, dx_ref, dw, short_res), InternalError);

@@ -84,8 +84,10 @@ TEST(TrainGpu, DeterministicModeRepeatsBitForBit) {
     TrainArgs args = parse_train_args(raw);
     return Trainer(args, raw).train();
   };
+  struct Restore {  // process-wide: leave the other tests as they were, also on a throw
+    ~Restore() { ops::set_deterministic(false); }
+  } restore;
   const TrainResult a = run("a"), b = run("b");
-  ops::set_deterministic(false);  // process-wide: leave the other tests as they were
   ASSERT_EQ(a.losses.size(), 20u);
   EXPECT_EQ(a.losses, b.losses);
   EXPECT_EQ(a.grad_norms, b.grad_norms);

@@ -2,6 +2,7 @@
 // row reductions are accumulated in fp64; outputs are stored in fp32.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <utility>
 
 #include "ops/dispatch.h"
@@ -163,10 +164,31 @@ void add(const float* x, const float* residual, float* sum, int64_t n) {
 
 }  // namespace cpu
 
-// dresidual, when given: x's shape, F32; dx may be its buffer.
-const float* residual_grad(const Tensor& dresidual, const Tensor& x, const char* op) {
+// Whether the byte ranges of a and b overlap.
+bool overlaps(const Tensor& a, const Tensor& b) {
+  const char* pa = static_cast<const char*>(a.raw());
+  const char* pb = static_cast<const char*>(b.raw());
+  return a.nbytes() > 0 && b.nbytes() > 0 && pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+// The fused add's buffers: sum may be exactly x or residual (each element is read before
+// it is written) but no other overlap; y shares memory with none of them.
+void check_fused_aliasing(const Tensor& x, const Tensor& residual, const Tensor& sum,
+                          const Tensor& y, const char* op) {
+  for (const Tensor* t : {&x, &residual})
+    MEGATON_CHECK(sum.raw() == t->raw() || !overlaps(sum, *t),
+                  "{}: sum must be x's or residual's buffer or apart from both", op);
+  for (const Tensor* t : {&x, &residual, &sum})
+    MEGATON_CHECK(!overlaps(y, *t), "{}: y must not share memory with x, residual or sum", op);
+}
+
+// dresidual, when given: x's shape, F32; dx may be its buffer, not part of it.
+const float* residual_grad(const Tensor& dresidual, const Tensor& x, const Tensor& dx,
+                           const char* op) {
   if (!dresidual.defined()) return nullptr;
   check_same_shape(dresidual, x, op, "dresidual");
+  MEGATON_CHECK(dx.raw() == dresidual.raw() || !overlaps(dx, dresidual),
+                "{}: dx must be dresidual's buffer or apart from it", op);
   return dresidual.f32();
 }
 }  // namespace
@@ -192,7 +214,7 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, c
   check_same_shape(dx, x, op, "dx");
   check_vector(dweight, cols, op, "dweight");
   check_not_aliased(dx, dy, x, op);
-  const float* dres = residual_grad(dresidual, x, op);
+  const float* dres = residual_grad(dresidual, x, dx, op);
   cpu::rmsnorm_backward(dy.f32(), x.f32(), weight.f32(), rstd.f32(), dres, dx.f32(), dweight.f32(),
                         rows, cols);
 }
@@ -226,7 +248,7 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
   check_vector(dweight, cols, op, "dweight");
   if (dbias.defined()) check_vector(dbias, cols, op, "dbias");
   check_not_aliased(dx, dy, x, op);
-  const float* dres = residual_grad(dresidual, x, op);
+  const float* dres = residual_grad(dresidual, x, dx, op);
   cpu::layernorm_backward(dy.f32(), x.f32(), weight.f32(), mean.f32(), rstd.f32(), dres, dx.f32(),
                           dweight.f32(), dbias.defined() ? dbias.f32() : nullptr, rows, cols);
 }
@@ -235,10 +257,14 @@ void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& 
                          Tensor& sum, Tensor& y, Tensor& rstd) {
   MEGATON_CUDA_DISPATCH(x, cuda::add_rmsnorm_forward(x, residual, weight, eps, sum, y, rstd));
   const char* op = "add_rmsnorm_forward";
-  rows_cols(x, op);
+  auto [rows, cols] = rows_cols(x, op);
   check_same_shape(residual, x, op, "residual");
   check_same_shape(sum, x, op, "sum");
-  cpu::add(x.f32(), residual.f32(), sum.f32(), x.numel());
+  check_vector(weight, cols, op, "weight");
+  check_same_shape(y, x, op, "y");
+  check_vector(rstd, rows, op, "rstd");
+  check_fused_aliasing(x, residual, sum, y, op);
+  cpu::add(x.f32(), residual.f32(), sum.f32(), x.numel());  // checked: nothing is half-done
   rmsnorm_forward(sum, weight, eps, y, rstd);
 }
 
@@ -248,9 +274,15 @@ void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor
   MEGATON_CUDA_DISPATCH(
       x, cuda::add_layernorm_forward(x, residual, weight, bias, eps, sum, y, mean, rstd));
   const char* op = "add_layernorm_forward";
-  rows_cols(x, op);
+  auto [rows, cols] = rows_cols(x, op);
   check_same_shape(residual, x, op, "residual");
   check_same_shape(sum, x, op, "sum");
+  check_vector(weight, cols, op, "weight");
+  if (bias.defined()) check_vector(bias, cols, op, "bias");
+  check_same_shape(y, x, op, "y");
+  check_vector(mean, rows, op, "mean");
+  check_vector(rstd, rows, op, "rstd");
+  check_fused_aliasing(x, residual, sum, y, op);
   cpu::add(x.f32(), residual.f32(), sum.f32(), x.numel());
   layernorm_forward(sum, weight, bias, eps, y, mean, rstd);
 }

@@ -11,6 +11,7 @@
 // column sums to an F32 scratch [chunks, H], the second adds the chunks in order into
 // dweight/dbias. No float atomics, so repeated runs give identical bits.
 #include <algorithm>
+#include <initializer_list>
 #include <type_traits>
 #include <utility>
 
@@ -369,9 +370,32 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, co
 
 }  // namespace
 
-// dresidual, when defined: like x; dx may be its buffer.
-static void check_residual_grad(const Tensor& dresidual, const Tensor& x, const char* op) {
-  if (dresidual.defined()) check_like_x(dresidual, x, op, "dresidual");
+// Whether the byte ranges of a and b overlap.
+static bool overlaps(const Tensor& a, const Tensor& b) {
+  const char* pa = static_cast<const char*>(a.raw());
+  const char* pb = static_cast<const char*>(b.raw());
+  return a.nbytes() > 0 && b.nbytes() > 0 && pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+// dresidual, when defined: like x; dx may be its buffer (each element is read by the
+// thread that then writes it), not part of it (another block's rows).
+static void check_residual_grad(const Tensor& dresidual, const Tensor& x, const Tensor& dx,
+                                const char* op) {
+  if (!dresidual.defined()) return;
+  check_like_x(dresidual, x, op, "dresidual");
+  MEGATON_CHECK(dx.raw() == dresidual.raw() || !overlaps(dx, dresidual),
+                "{}: dx must be dresidual's buffer or apart from it", op);
+}
+
+// The fused add's buffers (kAdd): sum may be exactly x or residual, no other overlap; y
+// shares memory with none of them.
+static void check_fused_aliasing(const Tensor& x, const Tensor& residual, const Tensor& sum,
+                                 const Tensor& y, const char* op) {
+  for (const Tensor* t : {&x, &residual})
+    MEGATON_CHECK(sum.raw() == t->raw() || !overlaps(sum, *t),
+                  "{}: sum must be x's or residual's buffer or apart from both", op);
+  for (const Tensor* t : {&x, &residual, &sum})
+    MEGATON_CHECK(!overlaps(y, *t), "{}: y must not share memory with x, residual or sum", op);
 }
 
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd) {
@@ -392,6 +416,7 @@ void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& 
   check_param(weight, cols, op, "weight");
   check_like_x(y, x, op, "y");
   check_f32_vector(rstd, rows, op, "rstd");
+  check_fused_aliasing(x, residual, sum, y, op);
   launch_forward<false>(x, residual, &sum, weight, Tensor(), eps, y, nullptr, rstd, rows, cols);
 }
 
@@ -405,7 +430,7 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, c
   check_like_x(dx, x, op, "dx");
   check_f32_vector(dweight, cols, op, "dweight");
   check_not_aliased(dx, dy, x, op);
-  check_residual_grad(dresidual, x, op);
+  check_residual_grad(dresidual, x, dx, op);
   launch_backward<false>(dy, x, weight, nullptr, rstd, dresidual, dx, dweight, nullptr, rows,
                          cols);
 }
@@ -441,6 +466,7 @@ void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor
   check_like_x(y, x, op, "y");
   check_f32_vector(mean, rows, op, "mean");
   check_f32_vector(rstd, rows, op, "rstd");
+  check_fused_aliasing(x, residual, sum, y, op);
   launch_forward<true>(x, residual, &sum, weight, bias, eps, y, &mean, rstd, rows, cols);
 }
 
@@ -457,7 +483,7 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
   check_f32_vector(dweight, cols, op, "dweight");
   if (dbias.defined()) check_f32_vector(dbias, cols, op, "dbias");
   check_not_aliased(dx, dy, x, op);
-  check_residual_grad(dresidual, x, op);
+  check_residual_grad(dresidual, x, dx, op);
   launch_backward<true>(dy, x, weight, &mean, rstd, dresidual, dx, dweight,
                         dbias.defined() ? &dbias : nullptr, rows, cols);
 }
