@@ -2,10 +2,10 @@
 // row reductions are accumulated in fp64; outputs are stored in fp32.
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
 #include <utility>
 
 #include "ops/dispatch.h"
+#include "ops/norm_checks.h"
 #include "ops/ops.h"
 
 namespace megaton::ops {
@@ -164,31 +164,12 @@ void add(const float* x, const float* residual, float* sum, int64_t n) {
 
 }  // namespace cpu
 
-// Whether the byte ranges of a and b overlap.
-bool overlaps(const Tensor& a, const Tensor& b) {
-  const char* pa = static_cast<const char*>(a.raw());
-  const char* pb = static_cast<const char*>(b.raw());
-  return a.nbytes() > 0 && b.nbytes() > 0 && pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
-
-// The fused add's buffers: sum may be exactly x or residual (each element is read before
-// it is written) but no other overlap; y shares memory with none of them.
-void check_fused_aliasing(const Tensor& x, const Tensor& residual, const Tensor& sum,
-                          const Tensor& y, const char* op) {
-  for (const Tensor* t : {&x, &residual})
-    MEGATON_CHECK(sum.raw() == t->raw() || !overlaps(sum, *t),
-                  "{}: sum must be x's or residual's buffer or apart from both", op);
-  for (const Tensor* t : {&x, &residual, &sum})
-    MEGATON_CHECK(!overlaps(y, *t), "{}: y must not share memory with x, residual or sum", op);
-}
-
 // dresidual, when given: x's shape, F32; dx may be its buffer, not part of it.
 const float* residual_grad(const Tensor& dresidual, const Tensor& x, const Tensor& dx,
                            const char* op) {
   if (!dresidual.defined()) return nullptr;
   check_same_shape(dresidual, x, op, "dresidual");
-  MEGATON_CHECK(dx.raw() == dresidual.raw() || !overlaps(dx, dresidual),
-                "{}: dx must be dresidual's buffer or apart from it", op);
+  detail::check_residual_grad_aliasing(dx, dresidual, op);
   return dresidual.f32();
 }
 }  // namespace
@@ -263,7 +244,7 @@ void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& 
   check_vector(weight, cols, op, "weight");
   check_same_shape(y, x, op, "y");
   check_vector(rstd, rows, op, "rstd");
-  check_fused_aliasing(x, residual, sum, y, op);
+  detail::check_fused_add_aliasing(x, residual, sum, y, op);
   cpu::add(x.f32(), residual.f32(), sum.f32(), x.numel());  // checked: nothing is half-done
   rmsnorm_forward(sum, weight, eps, y, rstd);
 }
@@ -282,7 +263,7 @@ void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor
   check_same_shape(y, x, op, "y");
   check_vector(mean, rows, op, "mean");
   check_vector(rstd, rows, op, "rstd");
-  check_fused_aliasing(x, residual, sum, y, op);
+  detail::check_fused_add_aliasing(x, residual, sum, y, op);
   cpu::add(x.f32(), residual.f32(), sum.f32(), x.numel());
   layernorm_forward(sum, weight, bias, eps, y, mean, rstd);
 }

@@ -11,12 +11,12 @@
 // column sums to an F32 scratch [chunks, H], the second adds the chunks in order into
 // dweight/dbias. No float atomics, so repeated runs give identical bits.
 #include <algorithm>
-#include <initializer_list>
 #include <type_traits>
 #include <utility>
 
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/pointwise_util.cuh"
+#include "ops/norm_checks.h"
 
 namespace megaton::ops::cuda {
 namespace {
@@ -370,32 +370,13 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, co
 
 }  // namespace
 
-// Whether the byte ranges of a and b overlap.
-static bool overlaps(const Tensor& a, const Tensor& b) {
-  const char* pa = static_cast<const char*>(a.raw());
-  const char* pb = static_cast<const char*>(b.raw());
-  return a.nbytes() > 0 && b.nbytes() > 0 && pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
-
 // dresidual, when defined: like x; dx may be its buffer (each element is read by the
 // thread that then writes it), not part of it (another block's rows).
 static void check_residual_grad(const Tensor& dresidual, const Tensor& x, const Tensor& dx,
                                 const char* op) {
   if (!dresidual.defined()) return;
   check_like_x(dresidual, x, op, "dresidual");
-  MEGATON_CHECK(dx.raw() == dresidual.raw() || !overlaps(dx, dresidual),
-                "{}: dx must be dresidual's buffer or apart from it", op);
-}
-
-// The fused add's buffers (kAdd): sum may be exactly x or residual, no other overlap; y
-// shares memory with none of them.
-static void check_fused_aliasing(const Tensor& x, const Tensor& residual, const Tensor& sum,
-                                 const Tensor& y, const char* op) {
-  for (const Tensor* t : {&x, &residual})
-    MEGATON_CHECK(sum.raw() == t->raw() || !overlaps(sum, *t),
-                  "{}: sum must be x's or residual's buffer or apart from both", op);
-  for (const Tensor* t : {&x, &residual, &sum})
-    MEGATON_CHECK(!overlaps(y, *t), "{}: y must not share memory with x, residual or sum", op);
+  ::megaton::ops::detail::check_residual_grad_aliasing(dx, dresidual, op);
 }
 
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd) {
@@ -416,7 +397,7 @@ void add_rmsnorm_forward(const Tensor& x, const Tensor& residual, const Tensor& 
   check_param(weight, cols, op, "weight");
   check_like_x(y, x, op, "y");
   check_f32_vector(rstd, rows, op, "rstd");
-  check_fused_aliasing(x, residual, sum, y, op);
+  ::megaton::ops::detail::check_fused_add_aliasing(x, residual, sum, y, op);
   launch_forward<false>(x, residual, &sum, weight, Tensor(), eps, y, nullptr, rstd, rows, cols);
 }
 
@@ -466,7 +447,7 @@ void add_layernorm_forward(const Tensor& x, const Tensor& residual, const Tensor
   check_like_x(y, x, op, "y");
   check_f32_vector(mean, rows, op, "mean");
   check_f32_vector(rstd, rows, op, "rstd");
-  check_fused_aliasing(x, residual, sum, y, op);
+  ::megaton::ops::detail::check_fused_add_aliasing(x, residual, sum, y, op);
   launch_forward<true>(x, residual, &sum, weight, bias, eps, y, &mean, rstd, rows, cols);
 }
 
