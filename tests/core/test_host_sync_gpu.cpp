@@ -2,6 +2,7 @@
 // a copy to host memory waits for the stream (one count), device copies and memsets do not.
 #include <gtest/gtest.h>
 
+#ifdef MEGATON_WITH_CUDA
 #include "core/cuda/cuda_check.h"
 #include "core/cuda/host_sync.h"
 #include "core/tensor.h"
@@ -23,3 +24,9 @@ TEST(HostSync, CountsHostWaitsOnly) {
 
 }  // namespace
 }  // namespace megaton
+
+#else  // !MEGATON_WITH_CUDA
+
+TEST(HostSync, NeedsCudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif
