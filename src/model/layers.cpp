@@ -322,46 +322,49 @@ MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bo
                  TensorParallelMode::Row, mp),
       swiglu_(swiglu) {}
 
-// The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward
-// recomputes it from fc1's output, saving ffn x T activations per layer (as Megatron's
-// activation recompute for the MLP activation). The recompute costs no pass of its own:
-// the activation's backward, which reads fc1's output anyway, writes it (fc2's weight
-// gradient is computed after its input gradient for this).
-static Tensor activation(const Tensor& fc1_out, int64_t ffn, bool swiglu) {
+Tensor mlp_activation(const Tensor& fc1_out, bool swiglu) {
+  const int64_t ffn = swiglu ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
   Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
   if (swiglu) ops::swiglu_forward(fc1_out, act);
   else ops::gelu_forward(fc1_out, act);
   return act;
 }
 
+Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool swiglu,
+                               Tensor* act) {
+  Tensor dfc1 = empty_like(dact, fc1_out.shape());
+  if (swiglu) ops::swiglu_backward(dact, fc1_out, dfc1, act);
+  else ops::gelu_backward(dact, fc1_out, dfc1, act);
+  return dfc1;
+}
+
+// The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward
+// recomputes it from fc1's output, saving ffn x T activations per layer (as Megatron's
+// activation recompute for the MLP activation). The recompute costs no pass of its own:
+// the activation's backward, which reads fc1's output anyway, writes it (fc2's weight
+// gradient is computed after its input gradient for this).
 Tensor MLP::forward(const Tensor& x) {
   saved_.fc1_out = linear_fc1.forward(x);
-  int64_t ffn = linear_fc2.weight.weight.dim(1);
-  return linear_fc2.forward(activation(saved_.fc1_out, ffn, swiglu_), /*save_input=*/false);
+  return linear_fc2.forward(mlp_activation(saved_.fc1_out, swiglu_), /*save_input=*/false);
 }
 
 Tensor MLP::backward(const Tensor& dy) {
   MEGATON_CHECK(saved_.fc1_out.defined(), "MLP '{}': backward without a forward",
                 linear_fc1.weight.name);
   const Tensor fc1_out = std::exchange(saved_, {}).fc1_out;
-  Tensor dfc1;  // written by the activation's backward, inside fc2's backward or after it
-  const auto activation_backward = [&](const Tensor& dact, Tensor* act) {
-    dfc1 = empty_like(dact, fc1_out.shape());
-    if (swiglu_) ops::swiglu_backward(dact, fc1_out, dfc1, act);
-    else ops::gelu_backward(dact, fc1_out, dfc1, act);
-  };
+  Tensor dfc1;  // the activation's backward, inside fc2's backward or after it
   const Tensor dact = linear_fc2.backward(dy, [&](const Tensor& dact) {
     Tensor act = empty_like(dact, dact.shape());
-    activation_backward(dact, &act);
+    dfc1 = mlp_activation_backward(dact, fc1_out, swiglu_, &act);
     return act;
   });
-  if (!dfc1.defined()) activation_backward(dact, nullptr);  // fc2 did not ask for its input
+  if (!dfc1.defined()) dfc1 = mlp_activation_backward(dact, fc1_out, swiglu_);  // not asked
   return linear_fc1.backward(dfc1);
 }
 
 Tensor MLP::forward_inference(const Tensor& x) const {
   const Tensor fc1_out = linear_fc1.forward_inference(x);
-  return linear_fc2.forward_inference(activation(fc1_out, linear_fc2.weight.weight.dim(1), swiglu_));
+  return linear_fc2.forward_inference(mlp_activation(fc1_out, swiglu_));
 }
 
 MLP::Activations MLP::take_saved() {

@@ -190,6 +190,16 @@ class Norm {
   Saved saved_;
 };
 
+// The MLP activation of fc1's output, shared by MLP and the MoE experts: SwiGLU on
+// [gate | up] ([T, 2F] -> [T, F]) or GeLU ([T, F] -> [T, F]), in fc1_out's dtype.
+Tensor mlp_activation(const Tensor& fc1_out, bool swiglu);
+// Its backward: d fc1_out from dact [T, F]. act (optional, [T, F], allocated by the
+// caller) receives the activation again in the same pass, the bits of mlp_activation:
+// how the MLP and the experts recompute their activation for fc2's weight gradient
+// instead of keeping it.
+Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool swiglu,
+                               Tensor* act = nullptr);
+
 // Megatron's MLP: linear_fc1 -> SwiGLU or GeLU -> linear_fc2. With SwiGLU, fc1 produces
 // [gate | up] (2 * ffn outputs). fc2 is initialised with output_std (Megatron's
 // scaled_init_method: init_method_std / sqrt(2 * num_layers)).

@@ -178,16 +178,6 @@ void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
       .backward(dout, s.expert_rows, weights, fc1 ? s.fc1_fp8 : s.fc2_fp8, in, fp8_sharding(fc), din);
 }
 
-Tensor MoELayer::expert_activation() const {
-  const Tensor& fc1_out = saved_.fc1_out;
-  Tensor act = empty_like(fc1_out, {fc1_out.dim(0), experts[0].fc2_weight.weight.dim(1)});
-  if (cfg_.swiglu)
-    ops::swiglu_forward(fc1_out, act);
-  else
-    ops::gelu_forward(fc1_out, act);
-  return act;
-}
-
 Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   Tensor x = x_in;
   if (splits_rows()) {
@@ -235,7 +225,7 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
                           ? dispatcher_->new_exchanged_rows({rows, hidden}, x.dtype(), x.device())
                           : empty_like(x, {rows, hidden});
   // fc2's input, the activation, is recomputed in backward: FP8 keeps only its scales.
-  experts_forward(&Expert::fc2_weight, expert_activation(), false, expert_out);
+  experts_forward(&Expert::fc2_weight, mlp_activation(s.fc1_out, cfg_.swiglu), false, expert_out);
   // Row-parallel fc2: the partial outputs are summed over etp, the bias counted once.
   if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias);
 
@@ -264,25 +254,18 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   // writes it in the same pass; otherwise it is recomputed on its own.
   const int64_t rows = dexpert_out.dim(0);
   Tensor dact = empty_like(dy, {rows, experts[0].fc2_weight.weight.dim(1)});
-  Tensor dfc1;  // written by the activation's backward, inside fc2's backward or after it
+  Tensor dfc1;  // the activation's backward, inside fc2's backward or after it
   const bool input_after_dgrad = !fc1_fp8_.enabled() || cfg_.fp8.recipe != Fp8Recipe::Blockwise;
-  const auto activation_backward = [&](Tensor* act) {
-    dfc1 = empty_like(dy, s.fc1_out.shape());
-    if (cfg_.swiglu)
-      ops::swiglu_backward(dact, s.fc1_out, dfc1, act);
-    else
-      ops::gelu_backward(dact, s.fc1_out, dfc1, act);
-  };
   experts_backward(&Expert::fc2_weight, dexpert_out, [&] {
-    if (!input_after_dgrad) return expert_activation();
+    if (!input_after_dgrad) return mlp_activation(s.fc1_out, cfg_.swiglu);
     Tensor act = empty_like(dact, dact.shape());
-    activation_backward(&act);
+    dfc1 = mlp_activation_backward(dact, s.fc1_out, cfg_.swiglu, &act);
     return act;
   }, dact);
   // dexpert_out is whole on every ETP rank: each computes the same fc2 bias gradient.
   expert_bias_backward(dexpert_out, &Expert::fc2_bias);
   // activation (unless done above) and linear_fc1.
-  if (!dfc1.defined()) activation_backward(nullptr);
+  if (!dfc1.defined()) dfc1 = mlp_activation_backward(dact, s.fc1_out, cfg_.swiglu);
   const Shape in_shape = {rows, dy.dim(1)};
   Tensor dexpert_in = !s.padded ? dispatcher_->new_exchanged_rows(in_shape, dy.dtype(), dy.device())
                                 : empty_like(dy, in_shape);

@@ -136,9 +136,6 @@ class MoELayer {
   // Adds (forward) or reduces (backward) each expert's bias on its rows.
   void expert_bias_forward(Tensor& y, Param Expert::*bias);
   void expert_bias_backward(const Tensor& dy, Param Expert::*bias);
-  // SwiGLU/GeLU of the saved fc1_out ([rows, ffn / etp]); computed in forward and again in
-  // backward instead of being kept (saves rows x ffn activations per layer).
-  Tensor expert_activation() const;
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
   // Rows [R, H] grouped by local expert -> [sum(expert_rows), H] with zero padding rows

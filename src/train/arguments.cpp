@@ -682,8 +682,8 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("seed", a.seed);
   r.get("deterministic-mode", a.deterministic_mode);
   // Megatron asks for NCCL_ALGO to be one of these in deterministic mode (its all-reduce
-  // order otherwise depends on the algorithm NCCL picks); Megaton sets Ring when it is
-  // unset (cmd_train), and refuses the others.
+  // order otherwise depends on the algorithm NCCL picks); the Trainer sets Ring when it is
+  // unset, and the others are refused here.
   if (a.deterministic_mode) {
     if (const char* algo = std::getenv("NCCL_ALGO")) {
       const std::string v = algo;
