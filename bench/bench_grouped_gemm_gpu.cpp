@@ -2,6 +2,9 @@
 // (../shared/bench/README.md: moe-8x-top2, moe-64x-top8; tokens = seq x micro-batch,
 // spread evenly over the experts): forward (fc1, fc2), data gradient and weight gradient
 // (BF16 x BF16 -> fp32 main_grad), timed with CUDA events, median of 20 after 5 warm-up runs.
+// Each case runs twice: with the tokens per expert on the host (std::vector group_rows: a
+// grid sized to the tiles) and on the device (Tensor group_rows: a setup kernel and the
+// persistent grid of one CTA per SM; "device / host" is its time over the host-count one).
 // Prints TFLOP/s per case; built only with the CUDA backend.
 #include <cuda_runtime.h>
 #include <fmt/core.h>
@@ -37,6 +40,9 @@ Tensor random_bf16(Shape shape) {
   const int64_t rows = tokens * topk, per_expert = rows / experts;
   std::vector<int64_t> group_rows(experts, per_expert);
   group_rows.back() += rows - per_expert * experts;
+  Tensor counts = Tensor::empty({experts}, DType::I64);
+  std::copy(group_rows.begin(), group_rows.end(), counts.i64());
+  counts = counts.to(Device::CUDA);
   const int64_t fc1_out = 2 * ffn;  // SwiGLU: gate and up
   Tensor x = random_bf16({rows, hidden}), h = random_bf16({rows, fc1_out});
   Tensor act = random_bf16({rows, ffn}), y = random_bf16({rows, hidden});
@@ -50,21 +56,32 @@ Tensor random_bf16(Shape shape) {
   struct Case {
     const char* what;
     double flops;
-    std::function<void()> run;
+    std::function<void()> host_counts, device_counts;
   };
   const double fc1_flops = 2.0 * rows * hidden * fc1_out, fc2_flops = 2.0 * rows * ffn * hidden;
   std::vector<Case> cases = {
-      {"fc1 forward", fc1_flops, [&] { ops::grouped_gemm(x, w1, true, h, group_rows); }},
-      {"fc2 forward", fc2_flops, [&] { ops::grouped_gemm(act, w2, true, y, group_rows); }},
-      {"fc2 dgrad", fc2_flops, [&] { ops::grouped_gemm(y, w2, false, act, group_rows); }},
-      {"fc1 dgrad", fc1_flops, [&] { ops::grouped_gemm(h, w1, false, x, group_rows); }},
-      {"fc2 wgrad", fc2_flops, [&] { ops::grouped_gemm_wgrad(y, act, g2, group_rows); }},
-      {"fc1 wgrad", fc1_flops, [&] { ops::grouped_gemm_wgrad(h, x, g1, group_rows); }},
+      {"fc1 forward", fc1_flops, [&] { ops::grouped_gemm(x, w1, true, h, group_rows); },
+       [&] { ops::grouped_gemm(x, w1, true, h, counts); }},
+      {"fc2 forward", fc2_flops, [&] { ops::grouped_gemm(act, w2, true, y, group_rows); },
+       [&] { ops::grouped_gemm(act, w2, true, y, counts); }},
+      {"fc2 dgrad", fc2_flops, [&] { ops::grouped_gemm(y, w2, false, act, group_rows); },
+       [&] { ops::grouped_gemm(y, w2, false, act, counts); }},
+      {"fc1 dgrad", fc1_flops, [&] { ops::grouped_gemm(h, w1, false, x, group_rows); },
+       [&] { ops::grouped_gemm(h, w1, false, x, counts); }},
+      {"fc2 wgrad", fc2_flops, [&] { ops::grouped_gemm_wgrad(y, act, g2, group_rows); },
+       [&] { ops::grouped_gemm_wgrad(y, act, g2, counts); }},
+      {"fc1 wgrad", fc1_flops, [&] { ops::grouped_gemm_wgrad(h, x, g1, group_rows); },
+       [&] { ops::grouped_gemm_wgrad(h, x, g1, counts); }},
   };
   for (const Case& c : cases) {
-    const double ms = median_ms(c.run);
-    fmt::print("{:<14} {:<12} {:>9.3f} ms {:>7.1f} TFLOP/s\n", name, c.what, ms,
-               c.flops / (ms * 1e-3) / 1e12);
+    const double host_ms = median_ms(c.host_counts), device_ms = median_ms(c.device_counts);
+    for (bool device : {false, true}) {
+      const double ms = device ? device_ms : host_ms;
+      fmt::print("{:<14} {:<12} {:<7} {:>9.3f} ms {:>7.1f} TFLOP/s", name, c.what,
+                 device ? "device" : "host", ms, c.flops / (ms * 1e-3) / 1e12);
+      if (device) fmt::print(" {:>6.3f}", device_ms / host_ms);
+      fmt::print("\n");
+    }
   }
 }
 
@@ -72,7 +89,8 @@ Tensor random_bf16(Shape shape) {
 
 int main() {
 #ifdef MEGATON_WITH_CUDA
-  fmt::print("{:<14} {:<12} {:>12} {:>15}\n", "config", "GEMM", "median", "rate");
+  fmt::print("{:<14} {:<12} {:<7} {:>12} {:>15} {:>6}\n", "config", "GEMM", "counts", "median",
+             "rate", "device / host");
   bench_config("moe-8x-top2", 2048 * 4, 1536, 4096, 8, 2);
   bench_config("moe-64x-top8", 2048 * 4, 2048, 1024, 64, 8);
 #else

@@ -327,7 +327,10 @@ Storage::~Storage() {
 }
 
 // Copies `bytes` between any two storages (host or device), in stream order; waits for
-// the copy when the destination is host memory so the caller can read it at once.
+// the copy when the destination is host memory so the caller can read it at once, and
+// when a large host source must stay unchanged until the copy has read it. Small host
+// sources (up to cuda::kUploadMaxBytes: token batches, routing counts, scalars) travel
+// as kernel parameters and need no wait.
 static void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device,
                        size_t bytes) {
   if (bytes == 0) return;
@@ -336,6 +339,10 @@ static void copy_bytes(void* dst, Device dst_device, const void* src, Device src
     return;
   }
 #ifdef MEGATON_WITH_CUDA
+  if (src_device == Device::CPU && dst_device == Device::CUDA && bytes <= cuda::kUploadMaxBytes) {
+    cuda::upload(dst, src, bytes);
+    return;
+  }
   MEGATON_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda::stream()));
   if (dst_device == Device::CPU || src_device == Device::CPU) cuda::synchronize();
 #else

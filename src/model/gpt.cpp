@@ -330,19 +330,27 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
     x = layers_[i]->forward(x, saved_.batch, saved_.seq, ctx);
   }
   ChunkOutput out;
-  for (auto& layer : layers_)
-    if (layer->moe) out.loss.aux_loss += layer->moe->last_aux_loss();
+  for (auto& layer : layers_) {
+    if (!layer->moe) continue;
+    if (!out.loss.aux_losses.defined())
+      out.loss.aux_losses = Tensor::zeros({1}, DType::F32, cfg_.device);
+    ops::add_(out.loss.aux_losses, layer->moe->last_aux_loss_tensor());
+  }
   if (!chunk_.post_process) {
     out.hidden = x;
     return out;
   }
   MEGATON_CHECK(in.labels.defined() && in.labels.numel() == in.batch * in.seq,
                 "forward_chunk: labels must be [{}, {}]", in.batch, in.seq);
-  const double aux_loss = out.loss.aux_loss;
+  Tensor aux_losses = out.loss.aux_losses;
   before_forward(tail_forward_);
   out.loss = output_loss(final_layernorm.forward(x), in.labels);
-  out.loss.aux_loss = aux_loss;
+  out.loss.aux_losses = aux_losses;
   return out;
+}
+
+double MicroBatchLoss::aux_loss() const {
+  return aux_losses.defined() ? double(aux_losses.to(Device::CPU).f32()[0]) : 0.0;
 }
 
 MicroBatchLoss GPTModel::output_loss(const Tensor& hidden, const Tensor& labels) {

@@ -74,8 +74,13 @@ class TransformerLayer {
 
 // Loss of one micro-batch: per-token losses and the router losses of this forward.
 struct MicroBatchLoss {
-  Tensor losses;          // [B*S] cross entropy per token (fp32)
-  double aux_loss = 0;    // sum over MoE layers of the aux loss (with its coefficient)
+  Tensor losses;  // [B*S] cross entropy per token (fp32)
+  // The sum over MoE layers of the aux loss (with its coefficient): [1] fp32 on the
+  // model's device, written by the routers' kernels (no host synchronization); undefined
+  // without MoE layers.
+  Tensor aux_losses;
+  // aux_losses read to the host, 0 when undefined (on the GPU a host synchronization).
+  double aux_loss() const;
 };
 
 // The part of the model a GPTModel holds: all of it (the default), or one model chunk of
@@ -103,7 +108,7 @@ struct ChunkInput {
 struct ChunkOutput {
   Tensor hidden;        // [T, H] like ChunkInput::hidden, for the next chunk; undefined
                         // for a post_process chunk
-  MicroBatchLoss loss;  // losses: post_process chunks only (else undefined); aux_loss:
+  MicroBatchLoss loss;  // losses: post_process chunks only (else undefined); aux_losses:
                         // the sum over this chunk's MoE layers
 };
 

@@ -49,6 +49,18 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
       param->is_expert = true;
     experts.push_back(std::move(ex));
   }
+  // The per-expert counts stay on the device where nothing needs them on the host: one
+  // expert rank, no capacity (no dropped copies, no padding to capacity) and no expert
+  // biases (added per expert's rows); enable_fp8 turns it off (FP8 pads each expert).
+  dispatcher_->set_device_counts(mp.group(dist::GroupKind::ExpertMP).size() == 1 &&
+                                 cfg.moe_expert_capacity_factor <= 0 &&
+                                 !cfg.moe_pad_expert_input_to_capacity && cfg.disable_bias_linear);
+}
+
+std::vector<int64_t> MoELayer::last_tokens_per_local_expert() const {
+  if (!saved_.expert_counts.defined()) return saved_.tokens_per_local_expert;
+  const Tensor host = saved_.expert_counts.to(Device::CPU);
+  return std::vector<int64_t>(host.i64(), host.i64() + host.numel());
 }
 
 bool MoELayer::splits_rows() const { return mp_.tp_size() > 1 && !mp_.sequence_parallel; }
@@ -122,6 +134,7 @@ void MoELayer::enable_fp8(const Fp8Config& config) {
   fc1_fp8_.adopt_weights(fc1);
   fc2_fp8_.adopt_weights(fc2);
   fp8_rows_ = config.dimension_multiple();
+  dispatcher_->set_device_counts(false);  // the FP8 padding is sized on the host
 }
 
 std::vector<std::pair<std::string, Tensor*>> MoELayer::fp8_state() {
@@ -151,6 +164,10 @@ Fp8LinearGemms::Sharding MoELayer::fp8_sharding(Param Expert::*fc) const {
 
 void MoELayer::experts_forward(Param Expert::*fc, const Tensor& in, bool keep_input, Tensor& out) {
   Saved& s = saved_;
+  if (s.expert_counts.defined()) {
+    ops::grouped_gemm(in, expert_weights(fc), true, out, s.expert_counts);
+    return;
+  }
   if (!fc1_fp8_.enabled()) {
     ops::grouped_gemm(in, expert_weights(fc), true, out, s.expert_rows);
     return;
@@ -165,6 +182,12 @@ void MoELayer::experts_forward(Param Expert::*fc, const Tensor& in, bool keep_in
 void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
                                 const std::function<Tensor()>& in, Tensor& din) {
   const Saved& s = saved_;
+  if (s.expert_counts.defined()) {
+    ops::grouped_gemm(dout, expert_weights(fc), false, din, s.expert_counts);
+    std::vector<Tensor> grads = expert_grads(fc);
+    ops::grouped_gemm_wgrad(dout, in(), grads, s.expert_counts);
+    return;
+  }
   if (!fc1_fp8_.enabled()) {
     ops::grouped_gemm(dout, expert_weights(fc), false, din, s.expert_rows);
     std::vector<Tensor> grads = expert_grads(fc);
@@ -194,12 +217,13 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   // sequence parallelism, or split here without it).
   const TopKRouter::Output routing =
       router.forward(x, ctx, mp_.tp_size() > 1 ? int64_t(mp_.tp_rank()) * tokens : 0);
-  s.aux_loss = float(router.last_loss());
+  s.aux_loss = router.last_loss_tensor();
 
   // The kept copies routed to this rank's experts, grouped by local expert; padded to a
   // fixed size per expert: each rank of the expert-model-parallel group sends an expert at
   // most `capacity` copies (all ranks have the same token count, hence capacity).
   s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices);
+  s.expert_counts = dispatcher_->tokens_per_local_expert_device();
   s.tokens_per_local_expert = dispatcher_->tokens_per_local_expert();
   s.expert_rows = s.tokens_per_local_expert;
   s.expert_capacity = 0;
@@ -281,6 +305,7 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   Saved reported;
   reported.aux_loss = s.aux_loss;
   reported.tokens_per_local_expert = std::move(saved_.tokens_per_local_expert);
+  reported.expert_counts = std::move(saved_.expert_counts);
   saved_ = std::move(reported);
   if (splits_rows()) dx = gather_sequence(dx, mp_);
   if (shared_expert) ops::add_(dx, shared_expert->backward(dy_in));

@@ -83,15 +83,19 @@ class MoELayer {
   float aux_grad_scale = 1.0f;
   // Aux loss of the last forward (including its coefficient), 0 when disabled. Under
   // tensor parallelism this rank's share (see above). Kept after backward; moved out and
-  // back with the rest of the forward's state by take_saved / restore_saved.
-  float last_aux_loss() const { return saved_.aux_loss; }
+  // back with the rest of the forward's state by take_saved / restore_saved. The tensor
+  // ([1] fp32 on the layer's device) is written by kernels: reading it (last_aux_loss) is
+  // a host synchronization on the GPU.
+  const Tensor& last_aux_loss_tensor() const { return saved_.aux_loss; }
+  float last_aux_loss() const {
+    return saved_.aux_loss.defined() ? saved_.aux_loss.to(Device::CPU).f32()[0] : 0.0f;
+  }
   // The global layer number (router random streams, logs, checkpoint names).
   int64_t layer_number() const { return layer_; }
   // Rows the last forward gave each local expert (all ranks' kept copies routed to it,
-  // without the padding to capacity; host), likewise.
-  const std::vector<int64_t>& last_tokens_per_local_expert() const {
-    return saved_.tokens_per_local_expert;
-  }
+  // without the padding to capacity), likewise; read from the device when the counts
+  // stayed there (a host synchronization).
+  std::vector<int64_t> last_tokens_per_local_expert() const;
 
   // What forward saved for backward (T: this rank's token rows, R: rows of the local
   // experts' copies).
@@ -101,8 +105,13 @@ class MoELayer {
     // with FP8 weight gradients, which keep each expert's FP8 x^T instead.
     Tensor expert_in;
     Tensor fc1_out;         // [R, fc1 outputs / etp]; the activation is recomputed
-    float aux_loss = 0.0f;  // last_aux_loss()
-    std::vector<int64_t> tokens_per_local_expert;  // [local experts], host
+    Tensor aux_loss;        // last_aux_loss_tensor()
+    // [local experts], host; empty when the counts stayed on the device (expert_counts).
+    std::vector<int64_t> tokens_per_local_expert;
+    // [local experts] int64 on the device when the dispatcher kept the counts there (one
+    // expert rank, nothing dropped or padded, no expert biases, bf16): the grouped GEMMs
+    // read them, and expert_rows is empty. Undefined otherwise.
+    Tensor expert_counts;
     // Rows of expert_in per local expert (the GEMMs' groups): tokens_per_local_expert, or
     // padded: expert_capacity each, and in FP8 runs rounded up to the FP8 multiple.
     std::vector<int64_t> expert_rows;

@@ -35,6 +35,7 @@ TopKRouter::TopKRouter(const std::string& prefix, const GPTConfig& cfg, uint64_t
   if (cfg.moe_router_enable_expert_bias)
     expert_bias = Tensor::zeros({num_experts_}, DType::F32, cfg.device);
   tokens_per_expert_ = Tensor::zeros({num_experts_}, DType::F32, cfg.device);
+  metric_sums_ = Tensor::zeros({kMetricSlots}, DType::F32, cfg.device);
 }
 
 ops::RouterTopK TopKRouter::topk_options(bool training) const {
@@ -65,10 +66,34 @@ void TopKRouter::start_step() {
   tokens_per_expert_.zero();
   global_tokens_per_expert_ = Tensor();
   global_micro_batches_ = 0;
-  metrics_ = Metrics();
+  metric_sums_.zero();
+  routed_ = 0;
 }
 
-double TopKRouter::aux_loss_forward(const std::string& type, float coeff, int64_t first_row) {
+double TopKRouter::last_loss() const {
+  if (!last_loss_.defined()) return 0.0;
+  return double(last_loss_.to(Device::CPU).f32()[0]);
+}
+
+TopKRouter::Metrics TopKRouter::metrics() const {
+  const Tensor sums = metric_sums_.to(Device::CPU);
+  Metrics m;
+  m.aux_loss = sums.f32()[kAuxSlot];
+  m.seq_aux_loss = sums.f32()[kSeqAuxSlot];
+  m.global_aux_loss = sums.f32()[kGlobalAuxSlot];
+  m.z_loss = sums.f32()[kZSlot];
+  m.routed = routed_;
+  return m;
+}
+
+void TopKRouter::add_loss(const Tensor& value, double loss_scale, int metric_slot,
+                          double metric_scale) {
+  ops::add_(last_loss_, value, float(loss_scale));
+  Tensor slot = metric_sums_.rows(metric_slot, 1);
+  ops::add_(slot, value, float(metric_scale));
+}
+
+void TopKRouter::aux_loss_forward(const std::string& type, float coeff, int64_t first_row) {
   const Tensor& logits = saved_.logits;
   const int64_t rows = logits.dim(0), E = num_experts_;
   const Device dev = logits.device();
@@ -107,15 +132,17 @@ double TopKRouter::aux_loss_forward(const std::string& type, float coeff, int64_
   // (switch_load_balancing_loss_func; seq_aux_loss averages over the sequences).
   const double factor = double(coeff) * double(E) / (double(topk_) * tokens * tokens) /
                         double(type == "seq_aux_loss" ? groups : 1);
-  Tensor sums_host = score_sums.to(Device::CPU), counts_host = counts.to(Device::CPU);
-  double dot = 0;
-  for (int64_t i = 0; i < groups * E; ++i)
-    dot += double(sums_host.f32()[i]) * double(counts_host.f32()[i]);
+  // The loss stays on the device (no host synchronization): loss = factor x dot, logged
+  // divided by its coefficient.
+  Tensor dot = Tensor::empty({1}, DType::F32, dev);
+  ops::dot(score_sums, counts, dot);
+  const int slot = type == "aux_loss" ? kAuxSlot : type == "seq_aux_loss" ? kSeqAuxSlot
+                                                                           : kGlobalAuxSlot;
+  add_loss(dot, factor, slot, factor / double(coeff));
   term.coeffs = counts;
   ops::scale_(term.coeffs, float(factor));
   term.rows_per_group = group_rows;
   saved_.aux.push_back(std::move(term));
-  return factor * dot;
 }
 
 TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext& ctx,
@@ -167,30 +194,26 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
   } else if (ctx.training) {
     ops::moe_tokens_per_expert(out.indices, E, tokens_per_expert_);
   }
-  last_loss_ = 0;
+  last_loss_ = Tensor::zeros({1}, DType::F32, dev);
   if (!ctx.training) return out;
-  metrics_.routed += double(rows * topk_);
+  routed_ += double(rows * topk_);
   const auto& types = cfg_.moe_router_load_balancing_type;
   for (size_t i = 0; i < types.size(); ++i) {
     const float coeff = cfg_.moe_loss_coeff(types[i]);  // also for configs not finalize()d
     if (coeff == 0.0f || types[i] == "none" || types[i] == "sinkhorn") continue;
-    const double loss = aux_loss_forward(types[i], coeff, first_row);
-    last_loss_ += loss;
-    const double logged = loss / double(coeff);
-    if (types[i] == "aux_loss") metrics_.aux_loss += logged;
-    else if (types[i] == "seq_aux_loss") metrics_.seq_aux_loss += logged;
-    else metrics_.global_aux_loss += logged;
+    aux_loss_forward(types[i], coeff, first_row);
   }
   if (cfg_.moe_z_loss_coeff > 0) {
-    // z_loss_func: coeff / (TP x CP) x mean over rows of logsumexp(logits)^2.
+    // z_loss_func: coeff / (TP x CP) x mean over rows of logsumexp(logits)^2, logged
+    // divided by coeff / (TP x CP).
     saved_.lse = Tensor::empty({rows}, DType::F32, dev);
     ops::moe_router_logsumexp(logits, saved_.lse);
     const double tp_cp = double(mp_.tp_cp().size());
-    const double sum_sq = ops::multi_tensor_sum_of_squares({saved_.lse});
-    const double z = double(cfg_.moe_z_loss_coeff) / tp_cp * sum_sq / double(rows);
+    Tensor sum_sq = Tensor::empty({1}, DType::F32, dev);
+    ops::dot(saved_.lse, saved_.lse, sum_sq);
+    add_loss(sum_sq, double(cfg_.moe_z_loss_coeff) / tp_cp / double(rows), kZSlot,
+             1.0 / double(rows));
     saved_.z_scale = float(2.0 * double(cfg_.moe_z_loss_coeff) / (tp_cp * double(rows)));
-    last_loss_ += z;
-    metrics_.z_loss += z / (double(cfg_.moe_z_loss_coeff) / tp_cp);
   }
   return out;
 }
@@ -231,19 +254,11 @@ void TopKRouter::backward(const Tensor& dprobs, float aux_grad_scale, Tensor& dx
 
 void TopKRouter::update_expert_bias(const Tensor& counts) {
   if (!expert_bias.defined()) return;
-  Tensor c = counts.to(Device::CPU);
-  Tensor bias = expert_bias.to(Device::CPU);
-  MEGATON_CHECK(c.numel() == num_experts_ && c.dtype() == DType::F32,
+  MEGATON_CHECK(counts.numel() == num_experts_ && counts.dtype() == DType::F32,
                 "update_expert_bias: counts must be [{}] fp32", num_experts_);
-  float total = 0;
-  for (int64_t e = 0; e < num_experts_; ++e) total += c.f32()[e];
-  const float mean = total / float(num_experts_);
-  const float rate = cfg_.moe_router_bias_update_rate;
-  for (int64_t e = 0; e < num_experts_; ++e) {
-    const float d = mean - c.f32()[e];
-    bias.f32()[e] += rate * float((d > 0) - (d < 0));
-  }
-  expert_bias.copy_from(bias.to(expert_bias.device()));
+  const Tensor c = counts.device() == expert_bias.device() ? counts : counts.to(expert_bias.device());
+  ops::moe_expert_bias_update(c.view({num_experts_}), cfg_.moe_router_bias_update_rate,
+                              expert_bias);
 }
 
 }  // namespace megaton

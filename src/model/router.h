@@ -68,21 +68,31 @@ class TopKRouter {
 
   void collect_params(std::vector<Param*>& out) { out.push_back(&weight); }
   // Sum of this forward's injected losses with their coefficients (the MoE aux loss of a
-  // micro-batch; this rank's share under TP x CP).
-  double last_loss() const { return last_loss_; }
+  // micro-batch; this rank's share under TP x CP): a [1] fp32 tensor on the model's
+  // device, written by forward's kernels (no host synchronization), or undefined before
+  // the first forward. last_loss() reads it to the host (a synchronization on the GPU).
+  const Tensor& last_loss_tensor() const { return last_loss_; }
+  double last_loss() const;
 
   // Per-step state, reset by start_step (after each optimizer step):
   //   tokens_per_expert [E] fp32: routed rows of this step's training forwards (local);
-  //   metrics: sums over the step's micro-batches of each loss divided by its coefficient.
+  //   metric_sums [kMetricSlots] fp32 on the model's device: sums over the step's
+  //   micro-batches of each loss divided by its coefficient, in the slots below;
+  //   metrics(): the same on the host with the routed copies (reads the device).
+  static constexpr int kAuxSlot = 0, kSeqAuxSlot = 1, kGlobalAuxSlot = 2, kZSlot = 3,
+                       kMetricSlots = 4;
   struct Metrics {
     double aux_loss = 0, seq_aux_loss = 0, global_aux_loss = 0, z_loss = 0;
     double routed = 0;  // routed copies (rows x k) of the step's training forwards
   };
   const Tensor& tokens_per_expert() const { return tokens_per_expert_; }
-  const Metrics& metrics() const { return metrics_; }
+  const Tensor& metric_sums() const { return metric_sums_; }
+  double routed_copies() const { return routed_; }
+  Metrics metrics() const;
   void start_step();
-  // bias += rate * sign(mean(counts) - counts) (Megatron's get_updated_expert_bias);
-  // counts [E] fp32: tokens per expert summed over TP x DP x CP (host or device).
+  // bias += rate * sign(mean(counts) - counts) (Megatron's get_updated_expert_bias,
+  // ops::moe_expert_bias_update); counts [E] fp32: tokens per expert summed over
+  // TP x DP x CP (host or device; on the bias's device no host synchronization).
   void update_expert_bias(const Tensor& counts);
 
   Param weight;        // [E, H]
@@ -90,8 +100,11 @@ class TopKRouter {
 
  private:
   ops::RouterTopK topk_options(bool training) const;
-  // Adds one load-balancing loss's statistics; returns the loss (with coefficient).
-  double aux_loss_forward(const std::string& type, float coeff, int64_t first_row);
+  // Adds one load-balancing loss's statistics and its value (last_loss_, metric_sums_).
+  void aux_loss_forward(const std::string& type, float coeff, int64_t first_row);
+  // last_loss_ += loss_scale x value, metric_sums_[metric_slot] += metric_scale x value
+  // (value: [1] fp32 on the device).
+  void add_loss(const Tensor& value, double loss_scale, int metric_slot, double metric_scale);
 
   const GPTConfig& cfg_;
   ModelParallel mp_;
@@ -102,8 +115,9 @@ class TopKRouter {
   Tensor tokens_per_expert_;
   Tensor global_tokens_per_expert_;  // [E] fp32, summed over the step's micro-batches
   int64_t global_micro_batches_ = 0;
-  Metrics metrics_;
-  double last_loss_ = 0;
+  Tensor metric_sums_;  // [kMetricSlots] fp32
+  double routed_ = 0;
+  Tensor last_loss_;  // [1] fp32
 
   // Saved by forward for backward (one micro-batch): moved out and back by the pipeline
   // schedules (take_saved / restore_saved).

@@ -105,6 +105,13 @@ Tensor MoETokenDispatcher::new_exchanged_rows(const Shape& shape, DType dtype, D
   return Tensor::empty(shape, dtype, device);
 }
 
+void MoETokenDispatcher::set_device_counts(bool on) {
+  MEGATON_CHECK(!on || mp_.group(dist::GroupKind::ExpertMP).size() == 1,
+                "MoE token dispatcher: device counts need one expert rank, the group has {}",
+                mp_.group(dist::GroupKind::ExpertMP).size());
+  device_counts_ = on;
+}
+
 // ---- all-to-all ----
 
 MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp)
@@ -127,6 +134,18 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   Tensor counts = Tensor::empty({E + 1}, DType::I64, x.device());
   ops::moe_permute(x, indices, int(E + 1), permuted, saved_.row_id_map, counts);
   const Tensor expert_counts = counts.rows(0, E);
+  if (device_counts_) {
+    // One expert rank, nothing dropped: every copy is kept and stays where moe_permute
+    // put it; the counts stay on the device.
+    saved_.device_counts = expert_counts;
+    saved_.send_rows = saved_.recv_rows = saved_.etp_rows = {tokens * k};
+    saved_.chunk_rows.clear();
+    saved_.tokens_per_local_expert.clear();
+    saved_.to_experts_runs.clear();
+    saved_.from_experts_runs.clear();
+    return permuted;
+  }
+  saved_.device_counts = Tensor();
 
   // Every member's copies per global expert: counts_all[m * E + e], member m = etp rank +
   // etp * ep rank of the expert-model-parallel group (Megatron gathers the same matrix
@@ -368,6 +387,14 @@ Tensor MoEAllGatherTokenDispatcher::dispatch(const Tensor& x, const Tensor& prob
   saved_.row_id_map = Tensor::empty({rows}, DType::I32, x.device());
   Tensor counts = Tensor::empty({num_experts_ + 1}, DType::I64, x.device());
   ops::moe_permute(x_all, indices_all, int(num_experts_ + 1), permuted, saved_.row_id_map, counts);
+  if (device_counts_) {  // one expert rank, nothing dropped: all copies, counts on the device
+    saved_.device_counts = counts.rows(0, num_experts_);
+    saved_.first_row = 0;
+    saved_.local_rows = rows;
+    saved_.tokens_per_local_expert.clear();
+    return permuted;
+  }
+  saved_.device_counts = Tensor();
   const std::vector<int64_t> host = host_i64(counts);
   saved_.first_row = std::accumulate(host.begin(), host.begin() + first_local_expert_, int64_t(0));
   saved_.tokens_per_local_expert.assign(host.begin() + first_local_expert_,

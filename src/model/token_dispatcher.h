@@ -61,7 +61,18 @@ class MoETokenDispatcher {
   virtual Tensor new_exchanged_rows(const Shape& shape, DType dtype, Device device);
 
   // Rows of the last dispatch for each local expert [L] (host counts; kept copies only).
+  // Empty when the counts stay on the device (below).
   virtual const std::vector<int64_t>& tokens_per_local_expert() const = 0;
+  // Device counts: with one rank in the expert-model-parallel group (ep x etp = 1) and no
+  // copy dropped by capacity (no index E), dispatch can leave the counts where
+  // moe_permute writes them, on the device, with no host synchronization: the expert
+  // input is then all T k copies, and tokens_per_local_expert_device() [L] int64 holds
+  // the rows per local expert (tokens_per_local_expert() is empty). The MoE layer turns
+  // it on when its experts take device counts (MoELayer). InternalError when asked with
+  // more than one expert rank.
+  void set_device_counts(bool on);
+  bool device_counts() const { return device_counts_; }
+  virtual const Tensor& tokens_per_local_expert_device() const = 0;
   int64_t num_local_experts() const { return num_local_experts_; }
   // Global index of local expert 0.
   int64_t first_local_expert() const { return first_local_expert_; }
@@ -75,6 +86,7 @@ class MoETokenDispatcher {
  protected:
   int64_t num_experts_, num_local_experts_, first_local_expert_;
   ModelParallel mp_;
+  bool device_counts_ = false;
 };
 
 // Megatron's MoEAlltoAllTokenDispatcher: permute the local copies by global expert, exchange
@@ -101,11 +113,13 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   const std::vector<int64_t>& tokens_per_local_expert() const override {
     return saved_.tokens_per_local_expert;
   }
+  const Tensor& tokens_per_local_expert_device() const override { return saved_.device_counts; }
   std::any take_saved() override;
   void restore_saved(std::any&& saved) override;
 
   struct Saved {
     Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
+    Tensor device_counts;      // [L] int64 on the device (device counts only)
     // When pulling (etp 1, ep > 1; empty otherwise), the transfers of each direction:
     // to_experts_runs fill the expert input (chunk (EP member i, local expert l) from the
     // kept copies of member i), from_experts_runs fill this rank's kept copies (chunk
@@ -157,11 +171,13 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
   const std::vector<int64_t>& tokens_per_local_expert() const override {
     return saved_.tokens_per_local_expert;
   }
+  const Tensor& tokens_per_local_expert_device() const override { return saved_.device_counts; }
   std::any take_saved() override;
   void restore_saved(std::any&& saved) override;
 
   struct Saved {
     int64_t tokens = 0;  // T of this rank
+    Tensor device_counts;  // [L] int64 on the device (device counts only)
     // The local experts' copies are rows [first_row, first_row + local_rows) of the
     // gathered copies sorted by expert.
     int64_t first_row = 0, local_rows = 0;

@@ -37,6 +37,34 @@ void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, T
 void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c,
                         const std::vector<int64_t>& group_rows, float beta = 1.0f);
 
+// The same two ops with the per-group row counts in a tensor on a's device (the MoE
+// layer's tokens per expert), so that on the GPU the counts never reach the host: no host
+// synchronization, the kernels read them.
+//   group_rows: I64 [G], on a's device. Group g owns rows [r_g, r_g + n_g) of the row-cut
+//   operands, r_g the sum of the earlier counts. Those operands have R rows, R >= the sum
+//   of the counts; rows past the last group are neither read nor written. A count that
+//   would run past R is cut at R (later groups are then empty).
+//   CUDA: the counts are read by the kernels only (a setup kernel turns them into the
+//   groups' shapes and row pointers for the grouped GEMM, whose grid is sized without
+//   them), so they cannot be checked there: a negative count counts as 0. CPU: the same
+//   cut at R; a negative count is an InternalError naming the group and the value.
+// Everything that does not need the counts is checked at the door (InternalError):
+// group_rows I64, 1-d, with one count per group, on a's device; every b[g] / c[g] (empty
+// groups' included: which groups are empty is not known there) of the shape and dtype the
+// host-count op requires; the row-cut operands 2-d with R rows each.
+
+// c[rows_g] = a[rows_g] @ op(b[g]) + beta * c[rows_g] for every group.
+// a [R, K]; b[g] [N, K] if trans_b else [K, N]; c [R, N]; G = b.size(). CPU: all F32.
+// CUDA: a and every b[g] F32 or BF16 alike; c F32, or BF16 when a is.
+void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, Tensor& c,
+                  const Tensor& group_rows, float beta = 0.0f);
+// Accumulates the per-group weight gradient: c[g] += a[rows_g]^T @ b[rows_g] for every
+// group; an empty group leaves c[g] as it is (beta is always 1).
+// a [R, M], b [R, N]; c[g] [M, N]; G = c.size(). CPU: all F32. CUDA: a and b F32 or BF16
+// alike; every c[g] F32 (fp32 main grads), or every c[g] BF16 when a is.
+void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c,
+                        const Tensor& group_rows);
+
 // ---- elementwise and reductions (ops/cpu/reduce.cpp) ----
 // dst = src converted to dst's dtype (same numel; e.g. fp32 main params -> bf16 weights),
 // round-to-nearest-even.
@@ -53,6 +81,19 @@ void bias_backward(const Tensor& dy, Tensor& dbias);
 double sum_of_squares(const Tensor& x);
 // sum of all elements, fp64 accumulation.
 double sum(const Tensor& x);
+// out[0] = sum_i a[i] * b[i] over all elements, accumulated in fp64 in a fixed order and
+// stored as fp32. a, b: F32, the same number of elements (any shapes; a and b may be the
+// same tensor: the sum of squares); out: a 1-element F32 tensor on their device,
+// overwritten. Unlike sum / sum_of_squares the result stays where the operands are: on the
+// GPU it is a device value, with no host synchronization (the MoE router keeps its
+// load-balancing statistics on the device until the log line this way). InternalError on
+// other dtypes, sizes or devices.
+void dot(const Tensor& a, const Tensor& b, Tensor& out);
+// out[0] = sum of all elements of x (F32, any shape), accumulated in fp64 in a fixed order
+// and stored as fp32 in out (a 1-element F32 tensor on x's device, overwritten): sum(x)
+// whose result stays on the device (no host synchronization on the GPU; the trainer's
+// loss sums). InternalError on other dtypes, sizes or devices.
+void sum(const Tensor& x, Tensor& out);
 
 // ---- embedding (ops/cpu/embedding.cpp) ----
 // out[t, :] = table[ids[t], :]. ids [T] int32 in [0, V); table [V, H]; out [T, H].
@@ -315,6 +356,13 @@ void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, T
 // (tokens per expert; an index outside [0, num_experts) is an InternalError).
 void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& counts);
 
+// The expert-bias update after an optimizer step (Megatron's get_updated_expert_bias,
+// moe_utils.py): bias[e] += rate * sign(mean(counts) - counts[e]), the mean over the
+// experts summed in fp32 in expert order. counts [E] fp32 (tokens per expert of the step,
+// summed over TP x DP x CP), bias [E] fp32, on one device; on the GPU one kernel, no host
+// synchronization. InternalError on other dtypes or shapes.
+void moe_expert_bias_update(const Tensor& counts, float rate, Tensor& bias);
+
 // Token dropping with a per-expert capacity (Megatron's apply_router_token_dropping,
 // --moe-expert-capacity-factor, --moe-token-drop-policy; ops/cpu/moe_router_capacity.cpp).
 // probs [T, k] fp32 (finite; Megatron's are >= 0) and indices [T, k] int32
@@ -422,6 +470,11 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
 // GPU result differs from adding per-tensor sum_of_squares only in the fp64 summation
 // order (rounding far below fp32 resolution).
 double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors);
+// The same sum left where the tensors are: out is a 1-element I64 tensor on their device
+// holding the fp64 bits of the result (Megaton has no F64 dtype), overwritten; the same
+// bits as the host-returning version. On the GPU no host synchronization. An empty list
+// needs `out` on the intended device (it writes +0.0).
+void multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors, Tensor& out);
 
 // Number of elements exactly equal to 0 (+0.0f or -0.0f) over every tensor of the list:
 // the fp32 main grads' zero count behind Megatron's --log-num-zeros-in-grad
@@ -463,5 +516,47 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float lr, float beta1, float beta2, float eps, int64_t step,
                         float grad_scale);
+
+// ---- AdamW steps decided on the device (ops/cpu/adam_control.cpp) ----
+// A training step whose clipping coefficient, skip on a non-finite gradient norm and
+// Adam step count never leave the device, so the host need not wait for the gradients
+// before it queues the update (Apex/TE fused optimizers' noop flag, torch's
+// _foreach ops with a found_inf tensor). fp64 scalars are I64 tensors holding the bits.
+
+// What adamw_step_control writes for multi_tensor_adamw (control, F32 [kAdamControlSize]).
+constexpr int64_t kAdamControlSize = 5;
+constexpr int64_t kAdamStepSize = 0;   // float(lr / (1 - beta1^step))
+constexpr int64_t kAdamInvSqrtBc2 = 1; // float(1 / sqrt(1 - beta2^step))
+constexpr int64_t kAdamGradScale = 2;  // float(clip coefficient) * grad_scale_factor
+constexpr int64_t kAdamSkip = 3;       // 1: no update this step, 0: update
+constexpr int64_t kAdamStep = 4;       // the step count (exact below 2^24 steps)
+// The scalar prologue of a step, one thread on the GPU:
+//   sum_sq_parts  I64 [n]: fp64 squared sums (one per rank), added in index order (the
+//                 order of dist::sum_over, so the norm has its bits);
+//   grad_norm   = sqrt(sum) * norm_scale (fp64), written to grad_norm_out (I64 [1]);
+//   loss          F32 [1] or undefined: a non-finite value stops the run when check_nan;
+//   state         I64 [2] = {Adam step count, stopped}: stopped becomes 1 (and stays 1)
+//                 when check_nan and the norm or the loss is not finite, the step count
+//                 grows by one for every step that updates;
+//   skip        = stopped or the norm not finite; otherwise the step updates with
+//                 clip = max_norm / (grad_norm + 1e-6) when max_norm > 0 and that is < 1,
+//                 else 1 (optim::clip_coefficient), grad_scale = float(clip) *
+//                 grad_scale_factor, and the bias corrections of the new step count.
+// These are exactly the host path's values (clip_coefficient, then AdamW::step and
+// multi_tensor_adamw's fp64 bias corrections), so the two paths update to the same bits.
+// Tensors on one device; InternalError on dtypes, shapes or betas outside [0, 1).
+void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double max_norm,
+                        float grad_scale_factor, const Tensor& loss, bool check_nan, float lr,
+                        float beta1, float beta2, Tensor& state, Tensor& control,
+                        Tensor& grad_norm_out);
+// multi_tensor_adamw with step, step size, bias correction and gradient scale read from
+// control (adamw_step_control's, on the params' device): when control[kAdamSkip] is
+// nonzero nothing is written; otherwise every tensor gets the update multi_tensor_adamw
+// would give with that step and grad_scale (the same bits). lr is still needed on the
+// host for the weight decay factors. The other arguments and checks as above.
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, const Tensor& control);
 
 }  // namespace megaton::ops

@@ -29,35 +29,46 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
     exp_avg_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
     exp_avg_sq_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
   }
+  state_ = Tensor::zeros({2}, DType::I64, params_.empty() ? Device::CPU : params_[0]->weight.device());
 }
 
-void AdamW::step(float lr, float grad_scale) {
-  ++step_count_;
-  // The lists are rebuilt on every call (handles only, no copies of data): the trainer may
-  // have reassigned a Param's tensors since the last step.
-  const size_t n = params_.size();
-  std::vector<Tensor> masters, grads, copies;
-  std::vector<float> weight_decays;
-  masters.reserve(n);
-  grads.reserve(n);
-  copies.reserve(n);
-  weight_decays.reserve(n);
+AdamW::Lists AdamW::lists() const {
+  // Rebuilt on every step (handles only, no copies of data): the trainer may have
+  // reassigned a Param's tensors since the last step.
+  Lists out;
   for (Param* p : params_) {
     const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
-    masters.push_back(master);
-    grads.push_back(p->main_grad);
+    out.masters.push_back(master);
+    out.grads.push_back(p->main_grad);
     // The compute copy (bf16 in a bf16 run) follows the updated fp32 master.
-    copies.push_back(master.raw() != p->weight.raw() ? p->weight : Tensor());
-    weight_decays.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
+    out.copies.push_back(master.raw() != p->weight.raw() ? p->weight : Tensor());
+    out.weight_decays.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
   }
-  ops::multi_tensor_adamw(masters, grads, exp_avg_, exp_avg_sq_, copies, weight_decays, lr,
-                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step_count_,
+  return out;
+}
+
+void AdamW::step(float lr, const Tensor& control) {
+  Lists l = lists();
+  ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays, lr,
+                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, control);
+}
+
+int64_t AdamW::step_count() const { return state_.to(Device::CPU).i64()[0]; }
+
+void AdamW::step(float lr, float grad_scale) {
+  const int64_t step = step_count() + 1;
+  set_step_count(step);
+  Lists l = lists();
+  ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays, lr,
+                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step,
                           grad_scale);
 }
 
 void AdamW::set_step_count(int64_t count) {
   MEGATON_CHECK(count >= 0, "optimizer step count {}", count);
-  step_count_ = count;
+  Tensor host = state_.to(Device::CPU);
+  host.i64()[0] = count;
+  state_.copy_from(host);
 }
 
 std::vector<std::pair<std::string, Tensor*>> AdamW::state_tensors() {

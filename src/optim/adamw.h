@@ -38,10 +38,19 @@ class AdamW {
   // the first call uses bias-correction step 1. Does not zero main_grad (the trainer does).
   // A non-finite grad_scale throws InternalError.
   void step(float lr, float grad_scale = 1.0f);
+  // The same update with the step decided on the device: control is
+  // ops::adamw_step_control's (made from device_state()), which holds the step count,
+  // the clipping scale and whether to skip (then nothing changes). No host
+  // synchronization on the GPU.
+  void step(float lr, const Tensor& control);
 
-  // Number of step() calls so far (restored from a checkpoint with set_step_count).
-  int64_t step_count() const { return step_count_; }
+  // Number of updates so far (restored from a checkpoint with set_step_count). Kept on
+  // the params' device with the stopped flag (device_state): reading it is a host
+  // synchronization on the GPU.
+  int64_t step_count() const;
   void set_step_count(int64_t count);
+  // I64 [2] {step count, stopped} on the params' device, ops::adamw_step_control's state.
+  Tensor& device_state() { return state_; }
 
   // Optimizer state for checkpointing, in parameter order: for each param
   // "<name>.exp_avg" then "<name>.exp_avg_sq", fp32, the weight's shape. The pointers stay
@@ -56,7 +65,13 @@ class AdamW {
   AdamWConfig config_;
   std::vector<Tensor> exp_avg_;
   std::vector<Tensor> exp_avg_sq_;
-  int64_t step_count_ = 0;
+  Tensor state_;  // I64 [2]: step count, stopped
+  // The lists multi_tensor_adamw takes, from the params as they are now.
+  struct Lists {
+    std::vector<Tensor> masters, grads, copies;
+    std::vector<float> weight_decays;
+  };
+  Lists lists() const;
 };
 
 }  // namespace megaton::optim

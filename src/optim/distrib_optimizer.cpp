@@ -176,6 +176,30 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   quantize_fp8_weights();
 }
 
+DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(float lr, double max_norm,
+                                                              const Tensor& loss, bool check_nan) {
+  const Device device = adam_->device_state().device();
+  Tensor mine = Tensor::empty({1}, DType::I64, device);
+  ops::multi_tensor_sum_of_squares(counted_tensors(false), mine);
+  Tensor parts = mine;
+  if (grid_.world().size() > 1) {
+    parts = Tensor::empty({grid_.world().size()}, DType::I64, device);
+    comm_.all_gather(mine, parts, grid_.world());
+  }
+  DeviceStep out;
+  out.local_sum_sq = mine;
+  out.grad_norm = Tensor::empty({1}, DType::I64, device);
+  out.control = Tensor::empty({ops::kAdamControlSize}, DType::F32, device);
+  const AdamWConfig& c = adam_->config();
+  ops::adamw_step_control(parts, double(grad_mean_scale()), max_norm, grad_mean_scale(), loss,
+                          check_nan, lr, c.adam_beta1, c.adam_beta2, adam_->device_state(),
+                          out.control, out.grad_norm);
+  adam_->step(lr, out.control);
+  out.state = adam_->device_state().clone();
+  quantize_fp8_weights();
+  return out;
+}
+
 std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   std::vector<std::pair<std::string, Tensor>> model_out, optim_out;
   auto state = adam_->state_tensors();  // exp_avg, exp_avg_sq of each AdamW param in order

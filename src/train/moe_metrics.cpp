@@ -26,44 +26,54 @@ void MoEStepBookkeeping::start_step() {
   for (Entry& e : routers_) e.router->start_step();
 }
 
-MoEStepMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
-  MoEStepMetrics out;
-  if (!active()) return out;
+namespace {
+// Values per layer in the step's device record: the router's metric slots, then the
+// routed copies.
+constexpr int64_t kValues = TopKRouter::kMetricSlots + 1;
+static_assert(TopKRouter::kAuxSlot == 0 && TopKRouter::kSeqAuxSlot == 1 &&
+              TopKRouter::kGlobalAuxSlot == 2 && TopKRouter::kZSlot == 3);
+}  // namespace
+
+PendingMoEMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
+  PendingMoEMetrics pending;
+  pending.num_micro_batches = num_micro_batches;
+  if (!active()) return pending;
   const int64_t E = cfg_.num_experts, L = cfg_.num_layers;
-  // Tokens per expert of this rank's layers, summed over TP x DP x CP in one collective.
-  std::vector<double> counts(size_t(L * E), 0.0);
+  const Device device = comm_.device();
+  // Per layer [aux, seq, global, z, routed copies] then the tokens per expert [L, E],
+  // summed over the world (the losses divided by their coefficients; scaled by read()).
+  // The routed copies are host counts: they travel in the small upload of the zeros.
+  Tensor host = Tensor::zeros({L * kValues + L * E}, DType::F32);
+  for (const Entry& e : routers_) host.f32()[e.layer * kValues + kValues - 1] = float(e.router->routed_copies());
+  pending.values = host.to(device);
   if (!routers_.empty()) {
-    Tensor all = Tensor::empty({int64_t(routers_.size()), E}, DType::F32,
-                               routers_[0].router->tokens_per_expert().device());
+    // Tokens per expert of this rank's layers, summed over TP x DP x CP in one collective.
+    Tensor all = Tensor::empty({int64_t(routers_.size()), E}, DType::F32, device);
     for (size_t i = 0; i < routers_.size(); ++i)
       all.rows(int64_t(i), 1).view({E}).copy_from(routers_[i].router->tokens_per_expert());
     comm_.all_reduce(all, grid_.tp_dp_cp());
-    for (size_t i = 0; i < routers_.size(); ++i) routers_[i].router->update_expert_bias(all.rows(int64_t(i), 1).view({E}));
-    // Logged from one rank per stage so the world sum below counts each layer once.
-    if (grid_.tp_dp_cp().rank == 0) {
-      Tensor host = all.to(Device::CPU);
-      for (size_t i = 0; i < routers_.size(); ++i)
-        for (int64_t e = 0; e < E; ++e)
-          counts[size_t(routers_[i].layer * E + e)] = host.f32()[int64_t(i) * E + e];
+    for (size_t i = 0; i < routers_.size(); ++i)
+      routers_[i].router->update_expert_bias(all.rows(int64_t(i), 1).view({E}));
+    for (size_t i = 0; i < routers_.size(); ++i) {
+      const int64_t layer = routers_[i].layer;
+      pending.values.rows(layer * kValues, TopKRouter::kMetricSlots)
+          .copy_from(routers_[i].router->metric_sums());
+      // Logged from one rank per stage so the world sum counts each layer once.
+      if (grid_.tp_dp_cp().rank == 0)
+        pending.values.rows(L * kValues + layer * E, E).copy_from(all.rows(int64_t(i), 1).view({E}));
     }
   }
-  // Per layer [aux, seq, global, z, routed copies] summed over the world, then scaled
-  // (see MoELayerMetrics).
-  constexpr int64_t kValues = 5;
-  std::vector<double> losses(size_t(L * kValues), 0.0);
-  for (const Entry& e : routers_) {
-    const TopKRouter::Metrics& m = e.router->metrics();
-    double* v = &losses[size_t(e.layer * kValues)];
-    v[0] = m.aux_loss;
-    v[1] = m.seq_aux_loss;
-    v[2] = m.global_aux_loss;
-    v[3] = m.z_loss;
-    v[4] = m.routed;
-  }
-  std::vector<double> both = losses;
-  both.insert(both.end(), counts.begin(), counts.end());
-  both = dist::sum_over(comm_, grid_.world(), both);
-  const double dp = double(grid_.dp().size()), mbs = double(num_micro_batches);
+  comm_.all_reduce(pending.values, grid_.world());
+  return pending;
+}
+
+MoEStepMetrics MoEStepBookkeeping::read(const PendingMoEMetrics& pending) const {
+  MoEStepMetrics out;
+  if (!active() || !pending.values.defined()) return out;
+  const int64_t E = cfg_.num_experts, L = cfg_.num_layers;
+  const Tensor values = pending.values.to(Device::CPU);
+  std::vector<double> both(values.f32(), values.f32() + values.numel());
+  const double dp = double(grid_.dp().size()), mbs = double(pending.num_micro_batches);
   const double tp_dp_cp = double(grid_.tp_dp_cp().size());
   auto enabled = [&](const char* type) { return cfg_.moe_loss_coeff(type) != 0.0f; };
   for (int64_t l = 0; l < L; ++l) {

@@ -31,6 +31,15 @@ struct MoEStepMetrics {
   MoELayerMetrics mean;                 // averaged over the MoE layers (imbalance: mean too)
 };
 
+// A step's MoE metrics as the device holds them until a log line reads them
+// (MoEStepBookkeeping::read): values [L * 5 + L * E] fp32 on the Comm's device, per layer
+// the sums of the four losses divided by their coefficients and the routed copies, then
+// the tokens per expert; summed over the world. Undefined without MoE layers.
+struct PendingMoEMetrics {
+  Tensor values;
+  int64_t num_micro_batches = 0;
+};
+
 class MoEStepBookkeeping {
  public:
   // chunks: this rank's model chunks (their MoE layers' routers).
@@ -41,9 +50,12 @@ class MoEStepBookkeeping {
   void start_step();
   // After the step's backwards (and its optimizer step): sums tokens per expert over
   // TP x DP x CP, updates the expert biases (when enabled), and returns the step's
-  // metrics on every rank. num_micro_batches: this rank's micro-batches per step.
+  // metrics, reduced over the world, still on the device: all of it runs in stream order
+  // with no host synchronization. num_micro_batches: this rank's micro-batches per step.
   // Collective over the world.
-  MoEStepMetrics finish_step(int64_t num_micro_batches);
+  PendingMoEMetrics finish_step(int64_t num_micro_batches);
+  // The step's metrics on the host (reads the device: a synchronization). Any rank.
+  MoEStepMetrics read(const PendingMoEMetrics& pending) const;
 
   // Expert-bias checkpoint entries ("model.<prefix>.router.expert_bias", fp32) of the layers
   // this rank writes (data- and tensor-parallel rank 0 of each stage); none without bias.

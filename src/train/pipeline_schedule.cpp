@@ -196,7 +196,11 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
                       "pipeline: chunk {} still holds micro-batch {} at the forward of {}",
                       op.chunk, holds[op.chunk], op.micro_batch);
         ChunkOutput out = model.forward_chunk(in, mbs.context(op.micro_batch));
-        losses.aux_loss_sum += out.loss.aux_loss;
+        if (out.loss.aux_losses.defined()) {
+          if (!losses.aux_losses.defined())
+            losses.aux_losses = Tensor::zeros({1}, DType::F32, out.loss.aux_losses.device());
+          ops::add_(losses.aux_losses, out.loss.aux_losses);
+        }
         if (part.post_process) {
           losses.loss_sum += ops::sum(out.loss.losses);
           losses.num_tokens += double(out.loss.losses.numel());

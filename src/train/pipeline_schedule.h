@@ -110,7 +110,13 @@ struct PipelineMicroBatches {
 struct PipelineLosses {
   double loss_sum = 0;      // sum of per-token losses (last stage only, else 0)
   double num_tokens = 0;    // tokens those losses cover (last stage only, else 0)
-  double aux_loss_sum = 0;  // sum over micro-batches of this rank's MoE layers' aux losses
+  // Sum over micro-batches of this rank's MoE layers' aux losses: [1] fp32 on the model's
+  // device (no host synchronization), undefined without MoE layers; aux_loss_sum() reads
+  // it (0 when undefined).
+  Tensor aux_losses;
+  double aux_loss_sum() const {
+    return aux_losses.defined() ? double(aux_losses.to(Device::CPU).f32()[0]) : 0.0;
+  }
 };
 
 // Megatron's pipelined forward_backward_func over this rank's model chunks.

@@ -8,11 +8,13 @@
 #include <cstring>
 #include <cstdlib>
 
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "ckpt/checkpoint.h"
@@ -233,13 +235,17 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
   }
 }
 
-double Trainer::train_step(int64_t iteration) {
+Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   for (auto& chunk : chunks_) chunk->zero_grad();
   ddp_->start_grad_sync_step();
   moe_->start_step();
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   const int64_t dp = grid_->dp().size();
-  double loss_sum = 0, tokens_sum = 0;
+  const Device device = args_.model.device;
+  // The summed per-token losses stay on the device (one sum per micro-batch added in).
+  Tensor loss_sum = Tensor::zeros({1}, DType::F32, device);
+  Tensor mb_sum = Tensor::empty({1}, DType::F32, device);
+  double tokens_sum = 0;
   if (schedule_) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     const PipelineLosses stage = schedule_->forward_backward(
@@ -251,11 +257,10 @@ double Trainer::train_step(int64_t iteration) {
         /*forward_only=*/false);
     // The LM loss exists on the last stage (the MoE losses are logged from the routers'
     // metrics, MoEStepBookkeeping).
-    const std::vector<double> pipeline_sums =
-        dist::sum_over(*comm_, grid_->pp(), {stage.loss_sum, stage.num_tokens});
-    local_loss_sum_ = stage.loss_sum;
-    loss_sum = pipeline_sums[0];
-    tokens_sum = pipeline_sums[1];
+    // (The schedule sums on the host; its value travels in a small upload.)
+    loss_sum = Tensor::from({1}, {float(stage.loss_sum)}).to(device);
+    // The last stage's tokens, known on every stage (micro-batches are all alike).
+    tokens_sum = double(n_mb * mbs * args_.model.seq_length);
   }
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     Tensor tokens, labels;
@@ -264,14 +269,18 @@ double Trainer::train_step(int64_t iteration) {
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
     MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
     int64_t T = out.losses.numel();
-    loss_sum += ops::sum(out.losses);
+    ops::sum(out.losses, mb_sum);
+    ops::add_(loss_sum, mb_sum);
     tokens_sum += double(T);
     // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
     Tensor dlosses = Tensor::empty({T});
     dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
     chunks_[0]->backward(dlosses, 1.0f / float(n_mb));
   }
-  if (!schedule_) local_loss_sum_ = loss_sum;
+  local_loss_sum_ = loss_sum.clone();
+  // The LM loss exists on the last stage; summed over the pipeline there (before the
+  // data-parallel sums below), on the device.
+  if (schedule_) comm_->all_reduce(loss_sum, grid_->pp());
   // Megatron's finalize_model_grads order: the data-parallel reduction first (under
   // --overlap-grad-reduce mostly done during backward), then the sums over tensor-parallel
   // ranks (sequence-parallel params) and over the stages holding tied embeddings. Sums
@@ -285,11 +294,10 @@ double Trainer::train_step(int64_t iteration) {
   all_reduce_embedding_grads(chunk_pointers(), *grid_, *comm_);
   // The LM losses are whole on every tensor-parallel rank (counted on TP rank 0) and
   // averaged over data parallel.
-  const bool lm_counted = grid_->tp().rank == 0;
-  const std::vector<double> sums =
-      dist::sum_over(*comm_, grid_->tp_dp_cp(),
-                     {lm_counted ? loss_sum : 0.0, lm_counted ? tokens_sum : 0.0});
-  return sums[0] / sums[1];
+  // Every data- and context-parallel rank has as many tokens as this one.
+  if (grid_->tp().rank != 0) loss_sum.zero();
+  comm_->all_reduce(loss_sum, grid_->tp_dp_cp());
+  return {loss_sum, tokens_sum * double(grid_->tp_dp_cp().size() / grid_->tp().size())};
 }
 
 double Trainer::evaluate() {
@@ -419,8 +427,8 @@ static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
   scale(sum.mean);
 }
 
-void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double loss,
-                       const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
+void Trainer::log_line(int64_t iteration, int64_t consumed_samples, double ms_per_iter, double lr,
+                       double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
                        double params_norm) {
   int64_t tokens = args_.global_batch_size * args_.model.seq_length;
   double flops = num_floating_point_operations(args_.model, tokens);
@@ -428,7 +436,7 @@ void Trainer::log_line(int64_t iteration, double ms_per_iter, double lr, double 
       " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): "
       "{:.1f} | tokens per second: {:.1f} | throughput per GPU (TFLOP/s/GPU): {:.3f} | "
       "learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} | ",
-      iteration, args_.train_iters, consumed_samples_, ms_per_iter,
+      iteration, args_.train_iters, consumed_samples, ms_per_iter,
       double(tokens) / (ms_per_iter / 1000.0),
       throughput_per_gpu_tflops(flops, ms_per_iter, grid_->world_size()), lr,
       args_.global_batch_size, loss);
@@ -455,9 +463,17 @@ TrainResult Trainer::train() {
     if (result.first_valid_loss >= 0 && is_logging_rank())
       print_eval("at iteration 0", result.first_valid_loss);
   }
-  double interval_loss = 0, interval_ms = 0;
-  MoEStepMetrics interval_moe;  // sums over the log interval
-  int64_t interval_iters = 0;
+  LogInterval interval;
+  interval.last_done = std::chrono::steady_clock::now();
+  // The last queued step whose values the host has not read yet. It is read after the
+  // next step has been queued (the GPU then still has that step's work), and at once
+  // before anything that must see it: an evaluation, a checkpoint, the end.
+  std::optional<PendingStep> pending;
+  auto read_pending = [&] {
+    if (!pending) return;
+    finish_step(*pending, interval, result);
+    pending.reset();
+  };
   bool saved_last = false;
   // Op profile: iterations of this run, those counted after warmup, and their elapsed ms.
   const bool op_profile = ops::profile_enabled();
@@ -466,82 +482,66 @@ TrainResult Trainer::train() {
   if (op_profile) ops::profile_discard();  // the evaluation at iteration 0, a checkpoint load
   while (iteration_ < args_.train_iters) {
     auto start = std::chrono::steady_clock::now();
-    double lr = optim::learning_rate(args_.lr, iteration_);
+    PendingStep step;
+    step.lr = optim::learning_rate(args_.lr, iteration_);
     ++iteration_;
-    double loss = train_step(iteration_);
-    double grad_norm = optimizer_->grad_norm();
-    // Before the update, as Megatron counts them; -1: not logged.
-    const int64_t num_zeros = args_.log_num_zeros_in_grad ? optimizer_->num_zeros_in_grad() : -1;
-    // Before the update: the parameters stay those of the last finite step.
-    if (args_.check_for_nan_in_loss_and_grad && (!std::isfinite(loss) || !std::isfinite(grad_norm)))
-      stop_on_non_finite(loss, grad_norm);
-    if (!std::isfinite(grad_norm)) {
-      ++nan_iterations_;
-      ++skipped_iterations_;
-    } else {
-      // Clipping folded into the update (the gradients are not rescaled in place): the
-      // logged grad_norm is the one before clipping, as in Megatron.
-      const double clip_coeff =
-          args_.clip_grad > 0 ? optim::clip_coefficient(args_.clip_grad, grad_norm) : 1.0;
-      optimizer_->step(float(lr), float(clip_coeff));
-      ddp_->start_param_sync();
-    }
+    step.iteration = iteration_;
+    StepLoss loss = train_step(iteration_);
+    step.tokens = loss.tokens;
+    // Before the update, as Megatron counts them; -1: not logged (a host synchronization).
+    step.num_zeros = args_.log_num_zeros_in_grad ? optimizer_->num_zeros_in_grad() : -1;
+    // The norm, the clipping (folded into the update; the gradients are not rescaled in
+    // place, and the logged norm is the one before clipping, as in Megatron), the skip of
+    // a non-finite step and, under --check-for-nan-in-loss-and-grad, the stop before its
+    // update are all decided on the device.
+    const optim::DistributedAdamW::DeviceStep update = optimizer_->step_on_device(
+        float(step.lr), double(args_.clip_grad), loss.sum, args_.check_for_nan_in_loss_and_grad);
+    ddp_->start_param_sync();  // the unchanged weights again after a skipped step
     // Expert biases (updated whether or not the step was skipped, as Megatron's
     // finalize_model_grads does) and the routers' metrics.
-    const MoEStepMetrics moe_metrics = moe_->finish_step(local_micro_batches());
+    step.moe = moe_->finish_step(local_micro_batches());
+    step.values = std::make_unique<Readback>(std::vector<Tensor>{
+        loss.sum, local_loss_sum_, update.grad_norm, update.local_sum_sq, update.control,
+        update.state});
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
     // it (without, the optimizer's kernels may still run when the next iteration starts).
     if (op_profile) ops::profile_flush();
     consumed_samples_ += args_.global_batch_size;
+    step.consumed_samples = consumed_samples_;
     floating_point_operations_so_far_ += num_floating_point_operations(
         args_.model, args_.global_batch_size * args_.model.seq_length);
-    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-                    .count();
-    // After the update, as Megatron logs it; -1: not logged.
-    const double params_norm = args_.log_params_norm ? optimizer_->params_norm() : -1.0;
-    result.losses.push_back(loss);
-    result.grad_norms.push_back(grad_norm);
-    if (!args_.log_metrics_file.empty() && is_logging_rank()) {
-      nlohmann::json line = {{"iteration", iteration_}, {"lm_loss", loss},
-                             {"grad_norm", grad_norm}, {"lr", lr}};
-      if (moe_->active()) add_moe_metrics(line, moe_metrics, args_.moe_per_layer_logging);
-      if (params_norm >= 0) line["params_norm"] = params_norm;
-      if (num_zeros >= 0) line["num_zeros"] = num_zeros;
-      std::ofstream out(args_.log_metrics_file, std::ios::app);
-      out << line.dump() << "\n";
-      if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
+    // After the update, as Megatron logs it; -1: not logged (a host synchronization).
+    step.params_norm = args_.log_params_norm ? optimizer_->params_norm() : -1.0;
+    // The previous step, now that this one is queued.
+    read_pending();
+    pending = std::move(step);
+    if (op_profile) {
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      if (++profile_run_iters == kOpProfileWarmupIterations) {
+        ops::profile_reset();
+      } else if (profile_run_iters > kOpProfileWarmupIterations) {
+        ++profile_counted_iters;
+        profile_wall_ms += ms;
+      }
     }
-    interval_loss += loss;
-    accumulate_moe_metrics(interval_moe, moe_metrics);
-    interval_ms += ms;
-    ++interval_iters;
-    if (op_profile && ++profile_run_iters == kOpProfileWarmupIterations) {
-      ops::profile_reset();
-    } else if (op_profile && profile_run_iters > kOpProfileWarmupIterations) {
-      ++profile_counted_iters;
-      profile_wall_ms += ms;
-    }
-    if ((iteration_ % args_.log_interval == 0 || iteration_ == args_.train_iters) &&
-        is_logging_rank()) {
-      scale_moe_metrics(interval_moe, 1.0 / double(interval_iters));
-      log_line(iteration_, interval_ms / interval_iters, lr, interval_loss / interval_iters,
-               interval_moe, grad_norm, num_zeros, params_norm);
-      interval_moe = MoEStepMetrics();
-      interval_loss = interval_ms = 0;
-      interval_iters = 0;
-    }
-    if (args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0 &&
-        iteration_ < args_.train_iters) {
+    const bool evaluate_now = args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0 &&
+                              iteration_ < args_.train_iters;
+    const bool save_now =
+        !args_.save.empty() && args_.save_interval > 0 && iteration_ % args_.save_interval == 0;
+    const bool exit_now = args_.exit_interval > 0 && iteration_ % args_.exit_interval == 0;
+    if (evaluate_now || save_now || exit_now) read_pending();
+    if (evaluate_now) {
       double v = evaluate();
       if (op_profile) ops::profile_discard();  // evaluation is not part of a step
       if (v >= 0 && is_logging_rank()) print_eval(fmt::format("at iteration {}", iteration_), v);
     }
     saved_last = false;
-    if (!args_.save.empty() && args_.save_interval > 0 && iteration_ % args_.save_interval == 0) {
+    if (save_now) {
       save(iteration_);
       saved_last = true;
     }
-    if (args_.exit_interval > 0 && iteration_ % args_.exit_interval == 0) {
+    if (exit_now) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
       ddp_->finish_param_sync();
       if (op_profile && is_logging_rank()) print_op_profile(profile_counted_iters, profile_wall_ms);
@@ -550,6 +550,7 @@ TrainResult Trainer::train() {
       return result;
     }
   }
+  read_pending();
   if (!args_.save.empty() && !saved_last) save(iteration_);
   ddp_->finish_param_sync();
   if (op_profile && is_logging_rank()) print_op_profile(profile_counted_iters, profile_wall_ms);
@@ -561,18 +562,68 @@ TrainResult Trainer::train() {
   return result;
 }
 
-void Trainer::stop_on_non_finite(double loss, double grad_norm) {
+void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult& result) {
+  Readback& values = *step.values;
+  values.wait();
+  // The step's time: from when the previous step's values were read to when this one's
+  // were (the GPU's pace in the steady state, where the host waits for it).
+  const auto now = std::chrono::steady_clock::now();
+  const double ms = std::chrono::duration<double, std::milli>(now - interval.last_done).count();
+  interval.last_done = now;
+  const double loss = double(values.tensor(0).f32()[0]) / step.tokens;
+  const double local_loss_sum = values.tensor(1).f32()[0];
+  const double grad_norm = std::bit_cast<double>(values.tensor(2).i64()[0]);
+  const double local_grad_sum_sq = std::bit_cast<double>(values.tensor(3).i64()[0]);
+  const bool skipped = values.tensor(4).f32()[ops::kAdamSkip] != 0.0f;
+  const bool stopped = values.tensor(5).i64()[1] != 0;
+  // The device skipped this step's update (and every later one) when it stopped.
+  if (stopped) stop_on_non_finite(step.iteration, loss, grad_norm, local_loss_sum, local_grad_sum_sq);
+  if (skipped) {
+    ++nan_iterations_;
+    ++skipped_iterations_;
+  }
+  result.losses.push_back(loss);
+  result.grad_norms.push_back(grad_norm);
+  if (!args_.log_metrics_file.empty() && is_logging_rank()) {
+    nlohmann::json line = {{"iteration", step.iteration}, {"lm_loss", loss},
+                           {"grad_norm", grad_norm}, {"lr", step.lr}};
+    if (moe_->active()) add_moe_metrics(line, moe_->read(step.moe), args_.moe_per_layer_logging);
+    if (step.params_norm >= 0) line["params_norm"] = step.params_norm;
+    if (step.num_zeros >= 0) line["num_zeros"] = step.num_zeros;
+    std::ofstream out(args_.log_metrics_file, std::ios::app);
+    out << line.dump() << "\n";
+    if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
+  }
+  interval.loss += loss;
+  if (moe_->active()) interval.moe.push_back(std::move(step.moe));
+  interval.ms += ms;
+  ++interval.iterations;
+  const bool log_now =
+      step.iteration % args_.log_interval == 0 || step.iteration == args_.train_iters;
+  if (!log_now) return;
+  if (is_logging_rank()) {
+    MoEStepMetrics moe_mean;
+    for (const PendingMoEMetrics& m : interval.moe) accumulate_moe_metrics(moe_mean, moe_->read(m));
+    scale_moe_metrics(moe_mean, 1.0 / double(interval.iterations));
+    log_line(step.iteration, step.consumed_samples, interval.ms / double(interval.iterations),
+             step.lr, interval.loss / double(interval.iterations), moe_mean, grad_norm,
+             step.num_zeros, step.params_norm);
+  }
+  interval.moe.clear();
+  interval.loss = interval.ms = 0;
+  interval.iterations = 0;
+}
+
+void Trainer::stop_on_non_finite(int64_t iteration, double loss, double grad_norm,
+                                 double local_loss_sum, double local_grad_sum_sq) {
   // Which ranks hold the non-finite values: the local loss (before the sums over ranks)
-  // and this rank's reduced gradients. Megatron checks each bucket before the
+  // and this rank's share of the reduced gradients. Megatron checks each bucket before the
   // data-parallel reduction; here the gradients are checked after it, so a NaN from one
   // rank is reported by every rank of its data-parallel group.
-  double grad_sum_of_squares = 0;
-  for (auto& chunk : chunks_)
-    for (ParamAndGradBuffer& b : chunk->buffers()) grad_sum_of_squares += ops::sum_of_squares(b.grads());
   const int64_t world = grid_->world_size(), rank = grid_->world_rank();
   std::vector<double> flags(size_t(2 * world), 0.0);
-  flags[size_t(2 * rank)] = std::isfinite(local_loss_sum_) ? 0.0 : 1.0;
-  flags[size_t(2 * rank + 1)] = std::isfinite(grad_sum_of_squares) ? 0.0 : 1.0;
+  flags[size_t(2 * rank)] = std::isfinite(local_loss_sum) ? 0.0 : 1.0;
+  flags[size_t(2 * rank + 1)] = std::isfinite(local_grad_sum_sq) ? 0.0 : 1.0;
   flags = dist::sum_over(*comm_, grid_->world(), flags);
   const bool in_loss = !std::isfinite(loss);
   const double value = in_loss ? loss : grad_norm;
@@ -583,7 +634,7 @@ void Trainer::stop_on_non_finite(double loss, double grad_norm) {
   fail("iteration {}: found {} in the {} on rank{} {}; stopped before the update by "
        "--check-for-nan-in-loss-and-grad (the parameters and checkpoints are those of the "
        "last finite step; a smaller --lr or --clip-grad may help)",
-       iteration_, std::isnan(value) ? "NaN" : "Inf", in_loss ? "loss" : "gradient norm",
+       iteration, std::isnan(value) ? "NaN" : "Inf", in_loss ? "loss" : "gradient norm",
        ranks.find(',') == std::string::npos ? "" : "s", ranks);
 }
 

@@ -1,11 +1,13 @@
 // Trainer: the training loop (data -> forward/backward -> clip -> AdamW -> log/eval/save).
 #pragma once
 #include <array>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
 #include <vector>
 
+#include "core/readback.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
 #include "data/tokenizer.h"
@@ -52,8 +54,37 @@ class Trainer {
   PipelineMicroBatches pipeline_micro_batches(const data::SampleSource& source,
                                               int64_t batch_start,
                                               std::function<ForwardContext(int64_t)> context) const;
-  // One step's forwards and backwards and the gradient reduction; returns the lm loss.
-  double train_step(int64_t iteration);
+  // One step's forwards and backwards and the gradient reduction. Returns the LM loss
+  // summed over the step's tokens on every rank ([1] fp32 on the model's device, reduced
+  // there: no host synchronization except the pipeline schedule's per-micro-batch sums)
+  // and the number of those tokens; local_loss_sum_ gets this rank's own sum.
+  struct StepLoss {
+    Tensor sum;
+    double tokens = 0;
+  };
+  StepLoss train_step(int64_t iteration);
+  // A step whose values are still on the device (queued, maybe not run yet): the trainer
+  // reads them after it has queued the next step, so the GPU never waits for the host in
+  // the steady state (train()).
+  struct PendingStep {
+    int64_t iteration = 0, consumed_samples = 0;
+    double lr = 0, tokens = 0;
+    // loss sum, local loss sum, grad norm, local squared sum, control, state
+    std::unique_ptr<Readback> values;
+    PendingMoEMetrics moe;
+    int64_t num_zeros = -1;
+    double params_norm = -1;
+  };
+  // What the host does with a step's values once they are read: the non-finite check
+  // (stop_on_non_finite) and the skipped-iteration counts, the result, the metrics file,
+  // the log interval and its log line. `interval` carries the log interval's sums.
+  struct LogInterval {
+    double loss = 0, ms = 0;
+    int64_t iterations = 0;
+    std::vector<PendingMoEMetrics> moe;  // read by the log line
+    std::chrono::steady_clock::time_point last_done;  // when the previous step was read
+  };
+  void finish_step(PendingStep& step, LogInterval& interval, TrainResult& result);
   // Micro-batches per step on this data-parallel rank.
   int64_t local_micro_batches() const;
   // First sample of local micro-batch `mb` of the global batch starting at `batch_start`:
@@ -73,11 +104,13 @@ class Trainer {
   // --check-for-nan-in-loss-and-grad: throws megaton::Error naming the iteration, what was
   // non-finite (loss or gradient norm) and the ranks where it was found. Collective: the
   // loss and the gradient norm are global values, so every rank calls it at once.
-  [[noreturn]] void stop_on_non_finite(double loss, double grad_norm);
+  // local_loss_sum, local_grad_sum_sq: this rank's values of the step.
+  [[noreturn]] void stop_on_non_finite(int64_t iteration, double loss, double grad_norm,
+                                       double local_loss_sum, double local_grad_sum_sq);
   void load();
   // params_norm < 0, num_zeros < 0: not logged. moe: the interval's mean MoE metrics.
-  void log_line(int64_t iteration, double ms_per_iter, double lr, double loss,
-                const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
+  void log_line(int64_t iteration, int64_t consumed_samples, double ms_per_iter, double lr,
+                double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
                 double params_norm);
 
   TrainArgs args_;
@@ -97,8 +130,9 @@ class Trainer {
   double floating_point_operations_so_far_ = 0;
   int64_t skipped_iterations_ = 0, nan_iterations_ = 0;
   // This rank's sum of per-token losses in the last train_step (0 on ranks that compute
-  // no loss: pipeline stages before the last), to name the rank of a non-finite loss.
-  double local_loss_sum_ = 0;
+  // no loss: pipeline stages before the last), to name the rank of a non-finite loss:
+  // [1] fp32 on the model's device.
+  Tensor local_loss_sum_;
 };
 
 // Peak memory in bytes: device memory held by tensors on the GPU (the caching

@@ -35,7 +35,7 @@ GPTConfig base_config() {
 double objective(GPTModel& model, const Tensor& tokens, const Tensor& labels, const Tensor& w) {
   ForwardContext ctx{false, 1, 0, 0};
   MicroBatchLoss out = model.forward(tokens, labels, ctx);
-  return testing::dot(w, out.losses) + out.aux_loss;
+  return testing::dot(w, out.losses) + out.aux_loss();
 }
 
 // Every MoE layer's routing of the last forward: the chosen experts of each token (and

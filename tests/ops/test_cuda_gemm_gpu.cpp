@@ -1,4 +1,5 @@
-// CUDA GEMM ops (cuBLASLt gemm, grouped_gemm, grouped_gemm_wgrad) against the CPU ops.
+// CUDA GEMM ops (cuBLASLt gemm, grouped_gemm, grouped_gemm_wgrad, the latter two with host
+// or device counts) against the CPU ops.
 // Inputs are rounded to BF16 first, so the F32 CPU op sees exactly the values the GPU
 // sees in either dtype; outputs the GPU overwrites are poisoned with NaN first.
 #include <gtest/gtest.h>
@@ -7,6 +8,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -376,6 +379,237 @@ TEST(CudaGroupedGemmWgrad, RejectsBadShapes) {
   EXPECT_THROW(ops::grouped_gemm_wgrad(a, b, c, {3, 5}, 1.0f), InternalError);  // c[1] shape
   c[1] = Tensor::zeros({4, 6}, DType::BF16, Device::CUDA);
   EXPECT_THROW(ops::grouped_gemm_wgrad(a, b, c, {3, 5}, 1.0f), InternalError);  // mixed c
+}
+
+// ---------------------------------------------- grouped GEMMs with the counts on the GPU
+//
+// ops::grouped_gemm / grouped_gemm_wgrad with `const Tensor& group_rows` on the device.
+// Against the host-count GPU op over the first sum(cut counts) rows, bit for bit: both
+// forms run the same kernel (CUTLASS's grouped GEMM, or the CUDA-core fallback, chosen by
+// the same dtype and alignment rules) on the same groups; each output tile is computed by
+// one CTA with the same k order in either (no split-K in either kernel), so only the grid
+// and the scheduling differ, not the arithmetic. Against the CPU op within the GEMM
+// tolerances. Rows past the groups are poisoned in the inputs (never read) and hold
+// sentinel values in the output (never written).
+
+// The counts as the ops take them on the GPU: negative as 0, each cut at the rows left of R.
+std::vector<int64_t> cut_at(const std::vector<int64_t>& counts, int64_t rows) {
+  std::vector<int64_t> cut;
+  int64_t start = 0;
+  for (int64_t n : counts) {
+    cut.push_back(std::min(std::max<int64_t>(n, 0), rows - start));
+    start += cut.back();
+  }
+  return cut;
+}
+
+Tensor device_counts(const std::vector<int64_t>& counts) {
+  Tensor t = Tensor::empty({int64_t(counts.size())}, DType::I64);
+  for (size_t g = 0; g < counts.size(); ++g) t.i64()[g] = counts[g];
+  return t.to(Device::CUDA);
+}
+
+// Bit-for-bit equality of two GPU tensors of one dtype.
+::testing::AssertionResult same_bits(const Tensor& got, const Tensor& want) {
+  if (got.numel() != want.numel() || got.dtype() != want.dtype())
+    return ::testing::AssertionFailure() << "numel or dtype differ";
+  if (got.numel() == 0) return ::testing::AssertionSuccess();
+  Tensor g = got.to(Device::CPU), w = want.to(Device::CPU);
+  const size_t size = dtype_size(got.dtype());
+  const auto* gb = static_cast<const unsigned char*>(g.raw());
+  const auto* wb = static_cast<const unsigned char*>(w.raw());
+  for (int64_t i = 0; i < got.numel(); ++i)
+    if (std::memcmp(gb + i * size, wb + i * size, size) != 0)
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << g.item(i) << " vs " << w.item(i);
+  return ::testing::AssertionSuccess();
+}
+
+// NaN in rows [from, end) of a GPU tensor.
+void poison_rows_from(Tensor& t, int64_t from) {
+  if (from >= t.dim(0)) return;
+  Tensor past = t.rows(from, t.dim(0) - from);
+  poison(past);
+}
+
+void check_grouped_gemm_device_counts(int64_t k, int64_t n, DType ab, DType c_dtype, bool trans_b,
+                                      float beta, const std::vector<int64_t>& counts, int64_t rows,
+                                      uint64_t seed) {
+  SCOPED_TRACE(fmt::format("k={} n={} a/b {} c {} trans_b={} beta={} counts {} R={}", k, n,
+                           name(ab), name(c_dtype), trans_b, beta, fmt::join(counts, ","), rows));
+  const std::vector<int64_t> cut = cut_at(counts, rows);
+  int64_t used = 0;
+  for (int64_t r : cut) used += r;
+  Tensor a = bf16_exact({rows, k}, seed);
+  std::vector<Tensor> b, db;
+  for (size_t g = 0; g < counts.size(); ++g) {
+    b.push_back(bf16_exact(trans_b ? Shape{n, k} : Shape{k, n}, seed + 1 + g));
+    db.push_back(on_gpu(b.back(), ab));
+  }
+  Tensor c0 = bf16_exact({rows, n}, seed + 50);
+  Tensor ref = c0.rows(0, used).clone();
+  ops::grouped_gemm(a.rows(0, used), b, trans_b, ref, cut, beta);
+
+  Tensor da = on_gpu(a, ab);
+  poison_rows_from(da, used);
+  // The host-count GPU op over the used rows.
+  Tensor dc_host = on_gpu(c0, c_dtype).rows(0, used);
+  if (beta == 0.0f) poison(dc_host);
+  ops::grouped_gemm(da.rows(0, used), db, trans_b, dc_host, cut, beta);
+  // The device-count op over all R rows.
+  Tensor dc = on_gpu(c0, c_dtype);
+  if (beta == 0.0f && used > 0) {
+    Tensor head = dc.rows(0, used);
+    poison(head);
+  }
+  ops::grouped_gemm(da, db, trans_b, dc, device_counts(counts), beta);
+
+  EXPECT_TRUE(same_bits(dc.rows(0, used), dc_host));
+  if (used > 0) expect_gemm_close(on_host(dc.rows(0, used)), ref, ab, c_dtype, k);
+  if (used < rows) {  // the sentinel rows, as they were
+    EXPECT_TRUE(same_bits(dc.rows(used, rows - used), on_gpu(c0, c_dtype).rows(used, rows - used)));
+  }
+}
+
+// Empty groups first, in the middle and last, with rows past them; R = sum; a count past R
+// (cut, and the groups after it empty); a negative count (as 0); no group with rows.
+struct CountCase {
+  std::vector<int64_t> counts;
+  int64_t rows;
+};
+const std::vector<CountCase> kCountCases = {
+    {{0, 5, 0, 17, 3, 0}, 32}, {{5, 17, 3}, 25}, {{5, 40, 9}, 30}, {{4, -3, 6}, 12}, {{0, 0}, 6}};
+
+TEST(CudaGroupedGemmDeviceCounts, CutlassFpropAndDgrad) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  // (64, 48): aligned rows, so the CUTLASS kernel. trans_b: fprop; no trans_b: dgrad.
+  for (const CountCase& t : kCountCases)
+    for (bool trans_b : {true, false})
+      for (float beta : {0.0f, 0.5f})
+        check_grouped_gemm_device_counts(64, 48, DType::BF16, DType::BF16, trans_b, beta, t.counts,
+                                         t.rows, seed);
+  // Several 128 x 256 tiles per group, partial edge tiles, R past the groups.
+  for (bool trans_b : {true, false})
+    check_grouped_gemm_device_counts(512, 392, DType::BF16, DType::BF16, trans_b, 0.0f,
+                                     {200, 0, 513, 64, 1}, 900, seed + 10);
+}
+
+TEST(CudaGroupedGemmDeviceCounts, FallbackKernel) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  struct Types {
+    DType ab, c;
+  };
+  // F32 operands (any shape), and BF16 with odd rows (33, 17): the CUDA-core kernel.
+  for (const CountCase& t : kCountCases)
+    for (bool trans_b : {false, true}) {
+      check_grouped_gemm_device_counts(64, 48, DType::F32, DType::F32, trans_b, 0.5f, t.counts,
+                                       t.rows, seed);
+      check_grouped_gemm_device_counts(33, 17, DType::BF16, DType::BF16, trans_b, 0.0f, t.counts,
+                                       t.rows, seed + 1);
+      check_grouped_gemm_device_counts(33, 17, DType::BF16, DType::F32, trans_b, 0.5f, t.counts,
+                                       t.rows, seed + 2);
+    }
+}
+
+// k == 0: c[rows_g] = beta * c[rows_g] for the groups' rows only (the fallback kernel with no
+// k step), the rows past them untouched. The host-count op scales c with another kernel
+// (zero / scale_), equal bit for bit all the same: 0 and 0.5 * x are exact in either.
+TEST(CudaGroupedGemmDeviceCounts, EmptyInnerDimension) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (DType ab : {DType::F32, DType::BF16})
+    for (float beta : {0.0f, 0.5f})
+      check_grouped_gemm_device_counts(0, 16, ab, ab, false, beta, {3, 0, 4}, 10, seed);
+}
+
+void check_grouped_wgrad_device_counts(int64_t m, int64_t n, DType ab, DType c_dtype,
+                                       const std::vector<int64_t>& counts, int64_t rows,
+                                       uint64_t seed) {
+  SCOPED_TRACE(fmt::format("m={} n={} a/b {} c {} counts {} R={}", m, n, name(ab), name(c_dtype),
+                           fmt::join(counts, ","), rows));
+  const std::vector<int64_t> cut = cut_at(counts, rows);
+  int64_t used = 0;
+  for (int64_t r : cut) used += r;
+  Tensor a = bf16_exact({rows, m}, seed), b = bf16_exact({rows, n}, seed + 1);
+  std::vector<Tensor> c0, ref, dc_host, dc;
+  for (size_t g = 0; g < counts.size(); ++g) {
+    c0.push_back(bf16_exact({m, n}, seed + 2 + g));
+    ref.push_back(c0.back().clone());
+    dc_host.push_back(on_gpu(c0.back(), c_dtype));
+    dc.push_back(on_gpu(c0.back(), c_dtype));
+  }
+  ops::grouped_gemm_wgrad(a.rows(0, used), b.rows(0, used), ref, cut, 1.0f);
+  Tensor da = on_gpu(a, ab), db = on_gpu(b, ab);
+  poison_rows_from(da, used);
+  poison_rows_from(db, used);
+  ops::grouped_gemm_wgrad(da.rows(0, used), db.rows(0, used), dc_host, cut, 1.0f);
+  ops::grouped_gemm_wgrad(da, db, dc, device_counts(counts));
+  for (size_t g = 0; g < counts.size(); ++g) {
+    SCOPED_TRACE(fmt::format("group {} ({} rows)", g, cut[g]));
+    EXPECT_TRUE(same_bits(dc[g], dc_host[g]));
+    if (cut[g] == 0) {  // accumulates nothing: c[g] as it was
+      EXPECT_TRUE(same_bits(dc[g], on_gpu(c0[g], c_dtype)));
+    } else {
+      expect_gemm_close(on_host(dc[g]), ref[g], ab, c_dtype, cut[g]);
+    }
+  }
+}
+
+TEST(CudaGroupedGemmDeviceCounts, WgradCutlassIntoF32) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (const CountCase& t : kCountCases)
+    check_grouped_wgrad_device_counts(64, 48, DType::BF16, DType::F32, t.counts, t.rows, seed);
+  check_grouped_wgrad_device_counts(392, 512, DType::BF16, DType::F32, {200, 0, 513, 64, 1}, 900,
+                                    seed + 10);
+}
+
+TEST(CudaGroupedGemmDeviceCounts, WgradFallbackKernel) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  for (const CountCase& t : kCountCases) {
+    check_grouped_wgrad_device_counts(64, 48, DType::F32, DType::F32, t.counts, t.rows, seed);
+    check_grouped_wgrad_device_counts(33, 17, DType::BF16, DType::F32, t.counts, t.rows, seed + 1);
+    check_grouped_wgrad_device_counts(64, 48, DType::BF16, DType::BF16, t.counts, t.rows, seed + 2);
+  }
+}
+
+TEST(CudaGroupedGemmDeviceCounts, RejectsBadCountsAndShapes) {
+  SKIP_WITHOUT_GPU();
+  Tensor a = Tensor::zeros({8, 8}, DType::BF16, Device::CUDA);
+  Tensor c = Tensor::zeros({8, 16}, DType::BF16, Device::CUDA);
+  std::vector<Tensor> b = {Tensor::zeros({8, 16}, DType::BF16, Device::CUDA),
+                           Tensor::zeros({8, 16}, DType::BF16, Device::CUDA)};
+  Tensor counts = device_counts({3, 4});
+  EXPECT_NO_THROW(ops::grouped_gemm(a, b, false, c, counts));
+  // Counts on the host, of another dtype, or not one per group.
+  Tensor host_counts = counts.to(Device::CPU);
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, c, host_counts), InternalError);
+  Tensor i32_counts = Tensor::from_i32({2}, {3, 4}).to(Device::CUDA);
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, c, i32_counts), InternalError);
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, c, device_counts({3, 4, 1})), InternalError);
+  // Every weight is checked (which group is empty is not known): b[1] of the wrong shape.
+  std::vector<Tensor> bad_b = {b[0], Tensor::zeros({16, 8}, DType::BF16, Device::CUDA)};
+  EXPECT_THROW(ops::grouped_gemm(a, bad_b, false, c, device_counts({7, 0})), InternalError);
+  Tensor short_c = Tensor::zeros({7, 16}, DType::BF16, Device::CUDA);
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, short_c, counts), InternalError);
+  // wgrad: c[1] of the wrong shape, mixed c dtypes, counts on the host.
+  Tensor wb = Tensor::zeros({8, 16}, DType::BF16, Device::CUDA);
+  std::vector<Tensor> grads = {Tensor::zeros({8, 16}, DType::F32, Device::CUDA),
+                               Tensor::zeros({16, 8}, DType::F32, Device::CUDA)};
+  EXPECT_THROW(ops::grouped_gemm_wgrad(a, wb, grads, counts), InternalError);
+  grads[1] = Tensor::zeros({8, 16}, DType::BF16, Device::CUDA);
+  EXPECT_THROW(ops::grouped_gemm_wgrad(a, wb, grads, counts), InternalError);
+  grads[1] = Tensor::zeros({8, 16}, DType::F32, Device::CUDA);
+  EXPECT_NO_THROW(ops::grouped_gemm_wgrad(a, wb, grads, counts));
+  EXPECT_THROW(ops::grouped_gemm_wgrad(a, wb, grads, host_counts), InternalError);
 }
 
 }  // namespace

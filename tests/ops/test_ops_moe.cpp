@@ -1,7 +1,9 @@
-// Tests of the MoE token permutation by expert and of the padding of expert inputs per
-// group (the router ops: test_ops_moe_router*.cpp).
+// Tests of the MoE token permutation by expert, of the padding of expert inputs per
+// group, and of the experts' grouped GEMMs with the tokens per expert in a tensor (the
+// router ops: test_ops_moe_router*.cpp; the GPU grouped GEMMs: test_cuda_gemm_gpu.cpp).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -344,6 +346,155 @@ TEST(MoePadRows, RejectsBadInputs) {
   EXPECT_THROW(ops::moe_unpad_rows(padded, {4, 0, 1}, capacity, rows), InternalError);
   EXPECT_THROW(ops::moe_unpad_rows(padded, groups, {3, 3}, rows), InternalError);
   EXPECT_THROW(ops::moe_unpad_rows(short_padded, groups, capacity, rows), InternalError);
+}
+
+// ---------------------------------------------------------------------------------------
+// Grouped GEMMs with the counts in a tensor (ops::grouped_gemm / grouped_gemm_wgrad with
+// `const Tensor& group_rows`): the same math as the host-vector ops, over the first
+// sum(counts) rows of R.
+
+Tensor counts_tensor(const std::vector<int64_t>& counts) {
+  Tensor t = Tensor::empty({int64_t(counts.size())}, DType::I64);
+  for (size_t g = 0; g < counts.size(); ++g) t.i64()[g] = counts[g];
+  return t;
+}
+
+// Bit-for-bit equality of two F32 tensors (NaN included, so an unwritten poisoned output
+// fails only if the other side was written).
+::testing::AssertionResult same_bits(const Tensor& got, const Tensor& want) {
+  if (got.numel() != want.numel())
+    return ::testing::AssertionFailure() << "numel " << got.numel() << " vs " << want.numel();
+  for (int64_t i = 0; i < got.numel(); ++i)
+    if (std::memcmp(got.f32() + i, want.f32() + i, sizeof(float)) != 0)
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << got.f32()[i] << " vs " << want.f32()[i];
+  return ::testing::AssertionSuccess();
+}
+
+// The counts as the ops take them: each cut at the rows left of R.
+std::vector<int64_t> cut_at(const std::vector<int64_t>& counts, int64_t rows) {
+  std::vector<int64_t> cut;
+  int64_t start = 0;
+  for (int64_t n : counts) {
+    cut.push_back(std::min(n, rows - start));
+    start += cut.back();
+  }
+  return cut;
+}
+
+int64_t sum_of(const std::vector<int64_t>& counts) {
+  return std::accumulate(counts.begin(), counts.end(), int64_t(0));
+}
+
+// grouped_gemm with tensor counts over R rows against the vector op over the first
+// sum(cut counts) rows; rows past them poisoned in a (must not be read) and holding
+// sentinel values in c (must not be written).
+void check_grouped_gemm_counts(const std::vector<int64_t>& counts, int64_t rows, bool trans_b,
+                               float beta, uint64_t seed) {
+  SCOPED_TRACE(seed_trace(seed) + " rows " + std::to_string(rows) + " trans_b " +
+               std::to_string(trans_b) + " beta " + std::to_string(beta));
+  const int64_t k = 7, n = 5;
+  const std::vector<int64_t> cut = cut_at(counts, rows);
+  const int64_t used = sum_of(cut);
+  Tensor a = randn({rows, k}, seed);
+  if (used < rows) {
+    Tensor past = a.rows(used, rows - used);
+    poison(past);
+  }
+  std::vector<Tensor> b;
+  for (size_t g = 0; g < counts.size(); ++g)
+    b.push_back(randn(trans_b ? Shape{n, k} : Shape{k, n}, seed + 1 + g));
+  Tensor c0 = randn({rows, n}, seed + 100);
+  Tensor want = c0.clone(), got = c0.clone();
+  if (beta == 0.0f && used > 0) {  // beta == 0 overwrites: every group row must be written
+    Tensor head = got.rows(0, used);
+    poison(head);
+  }
+  Tensor want_head = want.rows(0, used);
+  ops::grouped_gemm(a.rows(0, used), b, trans_b, want_head, cut, beta);
+  ops::grouped_gemm(a, b, trans_b, got, counts_tensor(counts), beta);
+  EXPECT_TRUE(same_bits(got, want));  // the rows past `used` included: still c0
+  EXPECT_TRUE(same_bits(got.rows(used, rows - used), c0.rows(used, rows - used)));
+}
+
+TEST(GroupedGemmTensorCounts, MatchesVectorCountsBitForBit) {
+  const uint64_t seed = testing::test_seed();
+  for (bool trans_b : {false, true})
+    for (float beta : {0.0f, 0.5f}) {
+      // Empty groups first, in the middle and last; 6 rows past the groups.
+      check_grouped_gemm_counts({0, 3, 0, 4, 2, 0}, 15, trans_b, beta, seed);
+      // R = sum: every row in a group.
+      check_grouped_gemm_counts({4, 1, 3}, 8, trans_b, beta, seed + 10);
+      // Counts past R: the second group cut at R, the third empty.
+      check_grouped_gemm_counts({3, 9, 4}, 8, trans_b, beta, seed + 20);
+      // No group has rows: c untouched.
+      check_grouped_gemm_counts({0, 0}, 3, trans_b, beta, seed + 30);
+    }
+}
+
+void check_grouped_wgrad_counts(const std::vector<int64_t>& counts, int64_t rows, uint64_t seed) {
+  SCOPED_TRACE(seed_trace(seed) + " rows " + std::to_string(rows));
+  const int64_t m = 6, n = 4;
+  const std::vector<int64_t> cut = cut_at(counts, rows);
+  const int64_t used = sum_of(cut);
+  Tensor a = randn({rows, m}, seed), b = randn({rows, n}, seed + 1);
+  if (used < rows) {
+    Tensor a_past = a.rows(used, rows - used), b_past = b.rows(used, rows - used);
+    poison(a_past);
+    poison(b_past);
+  }
+  std::vector<Tensor> c0, want, got;
+  for (size_t g = 0; g < counts.size(); ++g) {
+    c0.push_back(randn({m, n}, seed + 2 + g));
+    want.push_back(c0.back().clone());
+    got.push_back(c0.back().clone());
+  }
+  ops::grouped_gemm_wgrad(a.rows(0, used), b.rows(0, used), want, cut, 1.0f);
+  ops::grouped_gemm_wgrad(a, b, got, counts_tensor(counts));
+  for (size_t g = 0; g < counts.size(); ++g) {
+    SCOPED_TRACE("group " + std::to_string(g));
+    EXPECT_TRUE(same_bits(got[g], want[g]));
+    if (cut[g] == 0) {
+      EXPECT_TRUE(same_bits(got[g], c0[g]));  // accumulates nothing
+    }
+  }
+}
+
+TEST(GroupedGemmTensorCounts, WgradMatchesVectorCountsBitForBit) {
+  const uint64_t seed = testing::test_seed();
+  check_grouped_wgrad_counts({0, 3, 0, 4, 2, 0}, 15, seed);
+  check_grouped_wgrad_counts({4, 1, 3}, 8, seed + 10);
+  check_grouped_wgrad_counts({3, 9, 4}, 8, seed + 20);
+  check_grouped_wgrad_counts({0, 0, 0}, 5, seed + 30);
+}
+
+TEST(GroupedGemmTensorCounts, RejectsBadCounts) {
+  Tensor a = randn({8, 4}, 1), c = Tensor::empty({8, 6});
+  std::vector<Tensor> b = {randn({4, 6}, 2), randn({4, 6}, 3)};
+  Tensor wa = randn({8, 4}, 4), wb = randn({8, 6}, 5);
+  std::vector<Tensor> grads = {Tensor::zeros({4, 6}), Tensor::zeros({4, 6})};
+  // A negative count: refused, naming the group and the value.
+  try {
+    ops::grouped_gemm(a, b, false, c, counts_tensor({3, -2}));
+    ADD_FAILURE() << "a negative count was accepted";
+  } catch (const InternalError& e) {
+    EXPECT_NE(std::string(e.what()).find("group_rows[1] = -2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(ops::grouped_gemm_wgrad(wa, wb, grads, counts_tensor({-1, 2})), InternalError);
+  // Not one count per group, not I64, not 1-d.
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, c, counts_tensor({3, 4, 1})), InternalError);
+  EXPECT_THROW(ops::grouped_gemm_wgrad(wa, wb, grads, counts_tensor({3})), InternalError);
+  Tensor i32_counts = Tensor::from_i32({2}, {3, 4});
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, c, i32_counts), InternalError);
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, c, counts_tensor({3, 4}).view({1, 2})),
+               InternalError);
+  // A weight of the wrong shape, even for a group with no rows; c with other rows than a.
+  std::vector<Tensor> bad_b = {randn({4, 6}, 2), randn({6, 4}, 3)};
+  EXPECT_THROW(ops::grouped_gemm(a, bad_b, false, c, counts_tensor({3, 0})), InternalError);
+  Tensor short_c = Tensor::empty({7, 6});
+  EXPECT_THROW(ops::grouped_gemm(a, b, false, short_c, counts_tensor({3, 4})), InternalError);
+  std::vector<Tensor> bad_grads = {Tensor::zeros({4, 6}), Tensor::zeros({6, 4})};
+  EXPECT_THROW(ops::grouped_gemm_wgrad(wa, wb, bad_grads, counts_tensor({3, 0})), InternalError);
 }
 
 }  // namespace

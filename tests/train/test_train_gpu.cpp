@@ -2,7 +2,8 @@
 // grads) and its loss curve over 50 iterations matches the CPU (fp32) run within bf16
 // tolerance (needs data/ from tools/prepare_fortunes.sh, run from the repository root);
 // the MoE expert bias stays fp32 through a bf16 run and a checkpoint round trip;
-// --deterministic-mode repeats a run bit for bit.
+// --deterministic-mode repeats a run bit for bit; the steady-state step makes no host
+// synchronization.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "ckpt/safetensors.h"
+#include "core/cuda/host_sync.h"
 #include "core/dtype.h"
 #include "ops/determinism.h"
 #include "train/trainer.h"
@@ -58,6 +60,42 @@ TEST(TrainGpu, DemoLossCurveMatchesCpu) {
               "relative difference %.2e\n",
               gpu.losses[0], cpu.losses[0], gpu.losses[49], cpu.losses[49], worst);
   EXPECT_LT(gpu.losses[49], gpu.losses[0] - 1.0);
+}
+
+// The steady-state step on one GPU makes no host synchronization: the MoE layers' token
+// counts (the grouped GEMMs read them on the device), the router's losses and the expert
+// bias update, the loss sums, the gradient norm, the clipping and the skip of a
+// non-finite step all stay on the device, and the trainer reads each step's values
+// after it has queued the next (core/readback.h). Two runs of the demo MoE config (with
+// the expert bias on) that differ only by four steady-state iterations make the same
+// number of synchronizations: start-up, the first step, the one log line at the end and
+// the end itself are common to both.
+TEST(TrainGpu, SteadyStateStepHasNoHostSynchronization) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA GPU";
+  if (!std::filesystem::exists("data/fortunes_text_document.idx"))
+    GTEST_SKIP() << "data/ missing: run tools/prepare_fortunes.sh from the repository root";
+  auto synchronizations = [](int iterations) {
+    RawOptions raw = read_yaml_options("configs/demo-moe.yaml");
+    raw["train-iters"] = {std::to_string(iterations)};
+    raw["lr-warmup-iters"] = {"2"};
+    raw["eval-iters"] = {"0"};
+    raw["log-interval"] = {"1000"};  // one log line, at the last iteration
+    raw["moe-router-enable-expert-bias"] = {"true"};
+    raw["moe-router-score-function"] = {"sigmoid"};
+    raw.erase("save-interval");
+    raw["device"] = {"cuda"};
+    raw["bf16"] = {"true"};
+    TrainArgs args = parse_train_args(raw);
+    Trainer trainer(args, raw);
+    const uint64_t before = cuda::host_synchronizations();
+    TrainResult result = trainer.train();
+    EXPECT_EQ(result.losses.size(), size_t(iterations));
+    return cuda::host_synchronizations() - before;
+  };
+  const uint64_t six = synchronizations(6), ten = synchronizations(10);
+  std::printf("host synchronizations: 6 iterations %llu, 10 iterations %llu\n",
+              (unsigned long long)six, (unsigned long long)ten);
+  EXPECT_EQ(ten, six) << "the four extra steady-state steps synchronized with the host";
 }
 
 // Megatron's --deterministic-mode: two GPU runs of the demo MoE config (embedding and

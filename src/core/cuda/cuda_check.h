@@ -30,6 +30,15 @@ cudaStream_t stream();
 // Blocks until everything queued on stream() has finished.
 void synchronize();
 
+// Copies `bytes` of host memory to device memory in stream order without waiting for the
+// stream: the bytes travel as kernel parameters (kUploadChunk per launch), so the host
+// buffer may be reused or freed as soon as the call returns (a pageable cudaMemcpyAsync
+// may instead wait for the stream to drain). For small copies (Tensor's host-to-device
+// copies up to kUploadMaxBytes, the grouped GEMMs' argument blocks).
+constexpr size_t kUploadChunk = 16384;
+constexpr size_t kUploadMaxBytes = 64 * 1024;
+void upload(void* device_dst, const void* host_src, size_t bytes);
+
 // Whether a CUDA device is usable by this process.
 bool device_available();
 

@@ -234,4 +234,21 @@ void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& c
   for (int64_t e = 0; e < num_experts; ++e) counts.f32()[e] += float(tally[e]);
 }
 
+void moe_expert_bias_update(const Tensor& counts, float rate, Tensor& bias) {
+  MEGATON_CUDA_DISPATCH(counts, cuda::moe_expert_bias_update(counts, rate, bias));
+  constexpr const char* op = "moe_expert_bias_update";
+  check_tensor(counts, DType::F32, op, "counts");
+  MEGATON_CHECK(counts.ndim() == 1, "{}: counts must be [E], got {}", op, shape_str(counts.shape()));
+  const int64_t E = counts.numel();
+  check_tensor(bias, DType::F32, op, "bias");
+  check_shape(bias, {E}, op, "bias");
+  float total = 0;
+  for (int64_t e = 0; e < E; ++e) total += counts.f32()[e];
+  const float mean = total / float(E);
+  for (int64_t e = 0; e < E; ++e) {
+    const float d = mean - counts.f32()[e];
+    bias.f32()[e] += rate * float((d > 0) - (d < 0));
+  }
+}
+
 }  // namespace megaton::ops

@@ -38,6 +38,13 @@ double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
   return total;
 }
 
+void multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors, Tensor& out) {
+  MEGATON_CHECK(out.defined() && out.dtype() == DType::I64 && out.numel() == 1,
+                "multi_tensor_sum_of_squares: out must be I64 [1] (fp64 bits)");
+  MEGATON_CUDA_DISPATCH(out, cuda::multi_tensor_sum_of_squares(tensors, out));
+  out.i64()[0] = std::bit_cast<int64_t>(multi_tensor_sum_of_squares(tensors));
+}
+
 int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors) {
   if (tensors.empty()) return 0;
   MEGATON_CUDA_DISPATCH(tensors[0], cuda::multi_tensor_count_zeros(tensors));

@@ -1,5 +1,5 @@
 // Elementwise updates and reductions on the CPU: add_, scale_, bias_add_, bias_backward,
-// sum_of_squares, sum.
+// sum_of_squares, sum, dot.
 #include <algorithm>
 #include <vector>
 
@@ -135,6 +135,30 @@ double sum(const Tensor& x) {
   check_f32(x, "sum", "x");
   require_cpu("sum", {&x});
   return cpu::chunked_sum(x.f32(), x.numel(), [](float v) { return double(v); });
+}
+
+void sum(const Tensor& x, Tensor& out) {
+  MEGATON_CUDA_DISPATCH(x, cuda::sum(x, out));
+  check_f32(x, "sum", "x");
+  check_f32(out, "sum", "out");
+  require_cpu("sum", {&x, &out});
+  MEGATON_CHECK(out.numel() == 1, "sum: out has {} elements (want 1)", out.numel());
+  out.f32()[0] = float(cpu::chunked_sum(x.f32(), x.numel(), [](float v) { return double(v); }));
+}
+
+void dot(const Tensor& a, const Tensor& b, Tensor& out) {
+  MEGATON_CUDA_DISPATCH(a, cuda::dot(a, b, out));
+  check_f32(a, "dot", "a");
+  check_f32(b, "dot", "b");
+  check_f32(out, "dot", "out");
+  require_cpu("dot", {&a, &b, &out});
+  MEGATON_CHECK(a.numel() == b.numel() && out.numel() == 1,
+                "dot: a has {} elements, b {}, out {} (want equal, equal, 1)", a.numel(),
+                b.numel(), out.numel());
+  double acc = 0.0;
+  const float *pa = a.f32(), *pb = b.f32();
+  for (int64_t i = 0; i < a.numel(); ++i) acc += double(pa[i]) * double(pb[i]);
+  out.f32()[0] = float(acc);
 }
 
 }  // namespace megaton::ops

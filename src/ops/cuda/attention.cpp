@@ -188,10 +188,8 @@ int64_t* dropout_seed_offset(uint64_t seed, uint64_t stream) {
   int64_t host_words[2];
   std::memcpy(&host_words[0], &cudnn_seed, sizeof(int64_t));
   host_words[1] = 0;  // offset: streams are separated through the seed, see the file comment
-  // From pageable memory: the runtime stages host_words before returning, so the stack
-  // array may go out of scope right after.
-  MEGATON_CUDA_CHECK(cudaMemcpyAsync(device_words, host_words, sizeof(host_words),
-                                     cudaMemcpyHostToDevice, ::megaton::cuda::stream()));
+  // As kernel parameters: in stream order, and the stack array may go out of scope at once.
+  ::megaton::cuda::upload(device_words, host_words, sizeof(host_words));
   return device_words;
 }
 

@@ -26,6 +26,10 @@ void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, T
                   const std::vector<int64_t>& group_rows, float beta);
 void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c,
                         const std::vector<int64_t>& group_rows, float beta);
+void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, Tensor& c,
+                  const Tensor& group_rows, float beta);
+void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c,
+                        const Tensor& group_rows);
 void cast(const Tensor& src, Tensor& dst);
 void add_(Tensor& y, const Tensor& x, float alpha);
 void scale_(Tensor& x, float s);
@@ -33,6 +37,8 @@ void bias_add_(Tensor& y, const Tensor& bias);
 void bias_backward(const Tensor& dy, Tensor& dbias);
 double sum_of_squares(const Tensor& x);
 double sum(const Tensor& x);
+void dot(const Tensor& a, const Tensor& b, Tensor& out);
+void sum(const Tensor& x, Tensor& out);
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
 void embedding_backward(const Tensor& dout, const Tensor& ids, Tensor& dtable);
 void rmsnorm_forward(const Tensor& x, const Tensor& weight, float eps, Tensor& y, Tensor& rstd);
@@ -109,6 +115,7 @@ void moe_aux_loss_statistics_backward(const Tensor& coeffs, const Tensor& logits
 void moe_router_logsumexp(const Tensor& logits, Tensor& lse);
 void moe_z_loss_backward(float scale, const Tensor& logits, const Tensor& lse, Tensor& dlogits);
 void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& counts);
+void moe_expert_bias_update(const Tensor& counts, float rate, Tensor& bias);
 // Token dropping by expert capacity (moe_router_capacity.cu).
 void moe_capacity_drop(const Tensor& probs, const Tensor& indices, int64_t num_experts,
                        int64_t capacity, bool by_position, Tensor& keep, Tensor& kept_counts);
@@ -149,6 +156,15 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float lr, float beta1, float beta2, float eps, int64_t step,
                         float grad_scale);
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, const Tensor& control);
+void multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors, Tensor& out);
+void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double max_norm,
+                        float grad_scale_factor, const Tensor& loss, bool check_nan, float lr,
+                        float beta1, float beta2, Tensor& state, Tensor& control,
+                        Tensor& grad_norm_out);
 // FP8 (ops/fp8.h). Quantization (fp8.cu) equals the CPU reference bit for bit: one
 // fused kernel reads x once and writes out, out_t and amax (per tensor), or out, out_t and
 // both scale_inv tensors (blockwise, 128 x 128 tiles of 256 threads); scale updates are

@@ -3,8 +3,12 @@
 
 namespace megaton::ops::cuda::grouped_cutlass {
 
+using Dgrad = GroupedGemm<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t>;
+
 bool run_dgrad(const std::vector<GroupedProblem>& problems, float beta) {
-  return GroupedGemm<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t>::run(problems, beta);
+  return Dgrad::run(problems, beta);
 }
+
+bool run_dgrad(const GroupedRowsProblem& problem, float beta) { return Dgrad::run(problem, beta); }
 
 }  // namespace megaton::ops::cuda::grouped_cutlass

@@ -3,8 +3,12 @@
 
 namespace megaton::ops::cuda::grouped_cutlass {
 
+using Fprop = GroupedGemm<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t>;
+
 bool run_fprop(const std::vector<GroupedProblem>& problems, float beta) {
-  return GroupedGemm<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t>::run(problems, beta);
+  return Fprop::run(problems, beta);
 }
+
+bool run_fprop(const GroupedRowsProblem& problem, float beta) { return Fprop::run(problem, beta); }
 
 }  // namespace megaton::ops::cuda::grouped_cutlass

@@ -6,9 +6,13 @@
 
 namespace megaton::ops::cuda::grouped_cutlass {
 
+using Wgrad =
+    GroupedGemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, Pingpong128x128>;
+
 bool run_wgrad(const std::vector<GroupedProblem>& problems, float beta) {
-  return GroupedGemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float,
-                     Pingpong128x128>::run(problems, beta);
+  return Wgrad::run(problems, beta);
 }
+
+bool run_wgrad(const GroupedRowsProblem& problem, float beta) { return Wgrad::run(problem, beta); }
 
 }  // namespace megaton::ops::cuda::grouped_cutlass

@@ -402,6 +402,38 @@ void moe_tokens_per_expert(const Tensor& indices, int64_t num_experts, Tensor& c
   MEGATON_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+// One block: the mean summed in expert order by one thread (as the CPU twin), then each
+// thread updates its experts.
+__global__ void expert_bias_update_kernel(const float* counts, int64_t num_experts, float rate,
+                                          float* bias) {
+  __shared__ float mean;
+  if (threadIdx.x == 0) {
+    float total = 0;
+    for (int64_t e = 0; e < num_experts; ++e) total += counts[e];
+    mean = total / float(num_experts);
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    const float d = mean - counts[e];
+    bias[e] += rate * float((d > 0) - (d < 0));
+  }
+}
+}  // namespace
+
+void moe_expert_bias_update(const Tensor& counts, float rate, Tensor& bias) {
+  constexpr const char* op = "moe_expert_bias_update";
+  check_dtype(counts, DType::F32, op, "counts");
+  MEGATON_CHECK(counts.ndim() == 1, "{}: counts must be [E], got {}", op, shape_str(counts.shape()));
+  const int64_t E = counts.numel();
+  check_dtype(bias, DType::F32, op, "bias");
+  check_shape(bias, {E}, op, "bias");
+  if (E == 0) return;
+  expert_bias_update_kernel<<<1, 256, 0, ::megaton::cuda::stream()>>>(counts.f32(), E, rate,
+                                                                     bias.f32());
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
 void fill_normal(Tensor& t, uint64_t seed, uint64_t stream) {
   check_dtype(t, DType::F32, "fill_normal", "t");
   const int64_t n = t.numel();

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/cuda/cuda_check.h"
+#include "ops/adam_control_math.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/pointwise_util.cuh"
 
@@ -309,7 +310,7 @@ struct AdamWLaunch {
   uint8_t copy_vectorized[kAdamWTensors];
   int32_t num_tensors;
 };
-static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) <= kMaxKernelParamBytes);
+static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) + sizeof(float*) <= kMaxKernelParamBytes);
 
 // One AdamW element update (ops.h adamw_step's formula) from the gradient as stored.
 // ops::adamw_step on the GPU (adam.cu) calls this kernel too, so single- and multi-tensor
@@ -372,7 +373,16 @@ __device__ void adamw_chunk(float* param, const float* grad, float* exp_avg, flo
 }
 
 __global__ void __launch_bounds__(kThreads)
-    adamw_chunks(const __grid_constant__ AdamWLaunch launch, const AdamWConstants c) {
+    adamw_chunks(const __grid_constant__ AdamWLaunch launch, const AdamWConstants host_constants,
+                 const float* control) {
+  // With a control tensor (adamw_step_control's), the step's scalars come from the device.
+  AdamWConstants c = host_constants;
+  if (control != nullptr) {
+    if (control[kAdamSkip] != 0.0f) return;
+    c.step_size = control[kAdamStepSize];
+    c.inv_sqrt_bc2 = control[kAdamInvSqrtBc2];
+    c.grad_scale = control[kAdamGradScale];
+  }
   const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
   const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kElementwiseChunk;
   const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
@@ -396,18 +406,21 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
+namespace {
+// multi_tensor_sum_of_squares into result (fp64, device memory).
+void sum_of_squares_to(const std::vector<Tensor>& tensors, double* result) {
   constexpr const char* kOp = "multi_tensor_sum_of_squares";
   for (size_t i = 0; i < tensors.size(); ++i) check_listed(tensors[i], kOp, "tensors", i, true);
   int64_t total_blocks = 0;
   for (const Tensor& t : tensors) total_blocks += (t.numel() + kReduceChunk - 1) / kReduceChunk;
-  if (total_blocks == 0) return 0.0;
-  // fp64 scratch: [result | one partial per block of every launch] (no F64 dtype; I64 has
-  // the size).
-  Tensor scratch = Tensor::empty({total_blocks + 1}, DType::I64, Device::CUDA);
-  auto* result = static_cast<double*>(scratch.raw());
-  double* partials = result + 1;
   cudaStream_t stream = compute_stream();
+  if (total_blocks == 0) {
+    MEGATON_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(double), stream));  // +0.0
+    return;
+  }
+  // fp64 scratch: one partial per block of every launch (no F64 dtype; I64 has the size).
+  Tensor scratch = Tensor::empty({total_blocks}, DType::I64, Device::CUDA);
+  double* partials = static_cast<double*>(scratch.raw());
   for_each_list_launch(tensors, kReduceChunk, kOp,
                        [&](const ListLaunch& meta, uint32_t blocks, const LaunchBatch& batch) {
                          sum_of_squares_partials<<<blocks, kThreads, 0, stream>>>(
@@ -416,11 +429,24 @@ double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
                        });
   sum_of_squares_finish<<<1, kThreads, 0, stream>>>(partials, total_blocks, result);
   MEGATON_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+double multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors) {
+  Tensor out = Tensor::empty({1}, DType::I64, Device::CUDA);
+  sum_of_squares_to(tensors, static_cast<double*>(out.raw()));
   double host = 0.0;
-  MEGATON_CUDA_CHECK(
-      cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  MEGATON_CUDA_CHECK(cudaMemcpyAsync(&host, out.raw(), sizeof(double), cudaMemcpyDeviceToHost,
+                                     compute_stream()));
   ::megaton::cuda::synchronize();
   return host;
+}
+
+void multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors, Tensor& out) {
+  MEGATON_CHECK(out.defined() && out.dtype() == DType::I64 && out.numel() == 1 &&
+                    out.device() == Device::CUDA,
+                "multi_tensor_sum_of_squares: out must be I64 [1] (fp64 bits) on the GPU");
+  sum_of_squares_to(tensors, static_cast<double*>(out.raw()));
 }
 
 int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors) {
@@ -457,11 +483,14 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {
                        });
 }
 
-void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
-                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, int64_t step,
-                        float grad_scale) {
+namespace {
+// multi_tensor_adamw's checks and launches; control: null (the scalars below) or
+// adamw_step_control's device tensor.
+void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                  std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                  float lr, float beta1, float beta2, float eps, int64_t step, float grad_scale,
+                  const float* control) {
   constexpr const char* kOp = "multi_tensor_adamw";
   const size_t n = params.size();
   MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
@@ -493,8 +522,9 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
     }
   }
   // The single-tensor op (adam.cu) calls this function, so both get these bits.
-  const double bias_correction1 = 1.0 - std::pow(double(beta1), double(step));
-  const double bias_correction2 = 1.0 - std::pow(double(beta2), double(step));
+  // By squaring, not pow: adamw_step_control computes the same bits on the device.
+  const double bias_correction1 = 1.0 - power_by_squaring(double(beta1), step);
+  const double bias_correction2 = 1.0 - power_by_squaring(double(beta2), step);
   const float step_size = float(lr / bias_correction1);
   const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bias_correction2));
   const AdamWConstants constants{beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale};
@@ -521,9 +551,31 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
       }
     }
     meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
-    adamw_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(meta, constants);
+    adamw_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(meta, constants, control);
     MEGATON_CUDA_CHECK_LAUNCH();
   }
+}
+}  // namespace
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale) {
+  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
+               eps, step, grad_scale, nullptr);
+}
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, const Tensor& control) {
+  MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
+                    control.numel() == kAdamControlSize && control.device() == Device::CUDA,
+                "multi_tensor_adamw: control must be F32 [{}] on the GPU", kAdamControlSize);
+  // Step 1 and scale 1 pass the host checks; the kernels take the device's values.
+  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
+               eps, 1, 1.0f, control.f32());
 }
 
 }  // namespace megaton::ops::cuda

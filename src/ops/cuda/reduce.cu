@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
@@ -149,6 +150,22 @@ __global__ void finish_sum(const double* partials, int64_t count, double* result
 
 constexpr int64_t kMaxSumBlocks = 1024;
 
+// dot, pass 1: block b writes the fp64 sum of a[i] * b[i] over its grid-stride share.
+__global__ void partial_dots(const float* a, const float* b, int64_t n, double* partials) {
+  double acc = 0.0;
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) acc += double(a[i]) * double(b[i]);
+  double total = block_sum(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+// dot and sum(x, out), pass 2, one block: out[0] = the sum of the partials, rounded to fp32.
+__global__ void finish_dot(const double* partials, int64_t count, float* out) {
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kThreads) acc += partials[i];
+  double total = block_sum(acc);
+  if (threadIdx.x == 0) out[0] = float(total);
+}
+
 template <bool kSquare>
 double reduce_all(const Tensor& x, const char* op) {
   check_float(x, op, "x");
@@ -284,5 +301,44 @@ void bias_backward(const Tensor& dy, Tensor& dbias) {
 double sum_of_squares(const Tensor& x) { return reduce_all<true>(x, "sum_of_squares"); }
 
 double sum(const Tensor& x) { return reduce_all<false>(x, "sum"); }
+
+void sum(const Tensor& x, Tensor& out) {
+  check_float(x, "sum", "x");
+  check_float(out, "sum", "out");
+  MEGATON_CHECK(x.dtype() == DType::F32 && out.dtype() == DType::F32 && out.numel() == 1,
+                "sum: x {} and out {} [{}] (want F32, F32 with 1 element)", dtype_name(x.dtype()),
+                dtype_name(out.dtype()), out.numel());
+  const int64_t n = x.numel();
+  const int64_t blocks = std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxSumBlocks);
+  Tensor partials = Tensor::empty({blocks}, DType::I64, Device::CUDA);  // fp64, 8 bytes each
+  auto* p = static_cast<double*>(partials.raw());
+  cudaStream_t stream = ::megaton::cuda::stream();
+  partial_sums<float, false>
+      <<<unsigned(blocks), kThreads, 0, stream>>>(static_cast<const float*>(x.raw()), n, p);
+  MEGATON_CUDA_CHECK_LAUNCH();
+  finish_dot<<<1, kThreads, 0, stream>>>(p, blocks, static_cast<float*>(out.raw()));
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
+void dot(const Tensor& a, const Tensor& b, Tensor& out) {
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&a, "a"}, {&b, "b"}, {&out, "out"}}) {
+    check_float(*t, "dot", name);
+    MEGATON_CHECK(t->dtype() == DType::F32, "dot: {} must be F32, got {}", name,
+                  dtype_name(t->dtype()));
+  }
+  MEGATON_CHECK(a.numel() == b.numel() && out.numel() == 1,
+                "dot: a has {} elements, b {}, out {} (want equal, equal, 1)", a.numel(),
+                b.numel(), out.numel());
+  const int64_t n = a.numel();
+  const int64_t blocks = std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, kMaxSumBlocks);
+  Tensor partials = Tensor::empty({blocks}, DType::I64, Device::CUDA);  // fp64, 8 bytes each
+  auto* p = static_cast<double*>(partials.raw());
+  cudaStream_t stream = ::megaton::cuda::stream();
+  partial_dots<<<unsigned(blocks), kThreads, 0, stream>>>(static_cast<const float*>(a.raw()),
+                                                          static_cast<const float*>(b.raw()), n, p);
+  MEGATON_CUDA_CHECK_LAUNCH();
+  finish_dot<<<1, kThreads, 0, stream>>>(p, blocks, static_cast<float*>(out.raw()));
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
 
 }  // namespace megaton::ops::cuda
