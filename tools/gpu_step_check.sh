@@ -10,7 +10,7 @@
 #   mkdir -p gpu-carry; tar -cJf gpu-carry/bundle.tar.xz gpu-bundle
 # (carry gpu-carry and data/, which test_train_gpu reads). Run there, from the repository
 # root with $OUT set:
-#   bash tools/gpu_step_check.sh tests|dense|moe|extra|fp8
+#   bash tools/gpu_step_check.sh nosync|tests|dense|moe|extra|fp8
 set -u
 [ -d gpu-bundle ] || tar -xJf gpu-carry/bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/gpu-bundle/lib NCCL_NVLS_ENABLE=0
@@ -26,6 +26,24 @@ profile() {  # name binary args...
   grep "host synchronizations" $OUT/prof_$name.txt
 }
 case "${1:-tests}" in
+nosync)  # issue 17, second session: device-counted grouped GEMMs, the device-decided step
+  for t in test_host_sync_gpu "test_cuda_gemm_gpu --gtest_filter=CudaGroupedGemm*" \
+      test_adam_control_gpu test_cuda_multi_tensor_gpu test_cuda_reduce_gpu test_cuda_moe_gpu \
+      test_cuda_moe_router_gpu test_fp8_moe_gpu test_train_gpu; do
+    name=${t%% *}
+    echo "== $t"; timeout 240 $B/$t > $OUT/$name.txt 2>&1; echo "rc=$?"
+    grep -E "^\[  (PASSED|FAILED)|FAILED  \]|host synchronizations:" $OUT/$name.txt | head -8
+  done
+  timeout 120 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/test_cuda_gemm_gpu \
+    --gtest_filter='CudaGroupedGemmDeviceCounts*' > $OUT/sanitizer_gemm.txt 2>&1
+  echo "sanitizer gemm rc=$?"; tail -2 $OUT/sanitizer_gemm.txt
+  timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/test_adam_control_gpu \
+    > $OUT/sanitizer_adam.txt 2>&1
+  echo "sanitizer adam rc=$?"; tail -2 $OUT/sanitizer_adam.txt
+  timeout 60 $B/bench_grouped_gemm_gpu > $OUT/grouped.txt 2>&1; tail -24 $OUT/grouped.txt
+  profile moe_new $B/megaton $MOE
+  profile llama_new $B/megaton $LLAMA
+  ;;
 tests)
   for t in test_host_sync_gpu test_cuda_pointwise_gpu test_train_gpu test_fp8_linear_gpu test_fp8_moe_gpu test_cuda_moe_gpu; do
     echo "== $t"; timeout 200 $B/$t > $OUT/$t.txt 2>&1; echo "rc=$?"

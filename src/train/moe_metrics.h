@@ -32,7 +32,8 @@ struct MoEStepMetrics {
 };
 
 // A step's MoE metrics as the device holds them until a log line reads them
-// (MoEStepBookkeeping::read): values [L * 5 + L * E] fp32 on the Comm's device, per layer
+// (MoEStepBookkeeping::read): values [L * 5 + L * E] fp32 on the Comm's device (or a host
+// copy of them), per layer
 // the sums of the four losses divided by their coefficients and the routed copies, then
 // the tokens per expert; summed over the world. Undefined without MoE layers.
 struct PendingMoEMetrics {
@@ -54,7 +55,8 @@ class MoEStepBookkeeping {
   // with no host synchronization. num_micro_batches: this rank's micro-batches per step.
   // Collective over the world.
   PendingMoEMetrics finish_step(int64_t num_micro_batches);
-  // The step's metrics on the host (reads the device: a synchronization). Any rank.
+  // The step's metrics on the host (values on the device: read, a synchronization; on
+  // the host, as the trainer's Readback leaves them: none). Any rank.
   MoEStepMetrics read(const PendingMoEMetrics& pending) const;
 
   // Expert-bias checkpoint entries ("model.<prefix>.router.expert_bias", fp32) of the layers

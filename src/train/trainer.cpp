@@ -500,9 +500,10 @@ TrainResult Trainer::train() {
     // Expert biases (updated whether or not the step was skipped, as Megatron's
     // finalize_model_grads does) and the routers' metrics.
     step.moe = moe_->finish_step(local_micro_batches());
-    step.values = std::make_unique<Readback>(std::vector<Tensor>{
-        loss.sum, local_loss_sum_, update.grad_norm, update.local_sum_sq, update.control,
-        update.state});
+    std::vector<Tensor> read = {loss.sum,       local_loss_sum_, update.grad_norm,
+                                update.local_sum_sq, update.control, update.state};
+    if (step.moe.values.defined()) read.push_back(step.moe.values);  // the log line's
+    step.values = std::make_unique<Readback>(read);
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
     // it (without, the optimizer's kernels may still run when the next iteration starts).
     if (op_profile) ops::profile_flush();
@@ -515,6 +516,9 @@ TrainResult Trainer::train() {
     // The previous step, now that this one is queued.
     read_pending();
     pending = std::move(step);
+    // The profiler has waited for the step (profile_flush): read it now, so the elapsed
+    // times stay those of the step they are logged for.
+    if (op_profile) read_pending();
     if (op_profile) {
       const double ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -541,6 +545,8 @@ TrainResult Trainer::train() {
       save(iteration_);
       saved_last = true;
     }
+    // The next step's time starts now, not at the read before the evaluation or save.
+    if (evaluate_now || save_now) interval.last_done = std::chrono::steady_clock::now();
     if (exit_now) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
       ddp_->finish_param_sync();
@@ -576,6 +582,8 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   const double local_grad_sum_sq = std::bit_cast<double>(values.tensor(3).i64()[0]);
   const bool skipped = values.tensor(4).f32()[ops::kAdamSkip] != 0.0f;
   const bool stopped = values.tensor(5).i64()[1] != 0;
+  // The MoE metrics on the host now, so the log line reads them without waiting.
+  if (step.moe.values.defined()) step.moe.values = values.tensor(6);
   // The device skipped this step's update (and every later one) when it stopped.
   if (stopped) stop_on_non_finite(step.iteration, loss, grad_norm, local_loss_sum, local_grad_sum_sq);
   if (skipped) {

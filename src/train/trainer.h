@@ -69,7 +69,8 @@ class Trainer {
   struct PendingStep {
     int64_t iteration = 0, consumed_samples = 0;
     double lr = 0, tokens = 0;
-    // loss sum, local loss sum, grad norm, local squared sum, control, state
+    // loss sum, local loss sum, grad norm, local squared sum, control, state, and the MoE
+    // metrics (moe.values) when the model has MoE layers
     std::unique_ptr<Readback> values;
     PendingMoEMetrics moe;
     int64_t num_zeros = -1;

@@ -32,7 +32,7 @@ TEST(HostSync, SmallUploadsDoNotWaitLargeOnesDo) {
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
   // Just at the limit and one float past it, with distinct values in every 4 KB.
   const int64_t small = int64_t(cuda::kUploadMaxBytes / sizeof(float)), large = small + 1;
-  std::vector<float> values(size_t(large));
+  std::vector<float> values(static_cast<size_t>(large));
   for (size_t i = 0; i < values.size(); ++i) values[i] = float(i % 100003) * 0.5f;
   const Tensor host_small = Tensor::from({small}, std::vector<float>(values.begin(), values.end() - 1));
   const Tensor host_large = Tensor::from({large}, values);

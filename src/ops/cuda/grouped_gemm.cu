@@ -26,26 +26,8 @@ namespace megaton::ops::cuda {
 
 namespace grouped_cutlass {
 
-namespace {
-constexpr size_t kUploadChunk = 4096;
-struct UploadChunk {
-  unsigned char bytes[kUploadChunk];
-};
-__global__ void upload_kernel(UploadChunk chunk, unsigned char* dst, size_t bytes) {
-  for (size_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = chunk.bytes[i];
-}
-}  // namespace
-
 void upload(void* device_dst, const void* host_src, size_t bytes) {
-  auto* dst = static_cast<unsigned char*>(device_dst);
-  const auto* src = static_cast<const unsigned char*>(host_src);
-  for (size_t at = 0; at < bytes; at += kUploadChunk) {
-    const size_t n = std::min(kUploadChunk, bytes - at);
-    UploadChunk chunk;
-    std::memcpy(chunk.bytes, src + at, n);
-    upload_kernel<<<1, 256, 0, ::megaton::cuda::stream()>>>(chunk, dst + at, n);
-    MEGATON_CUDA_CHECK_LAUNCH();
-  }
+  ::megaton::cuda::upload(device_dst, host_src, bytes);
 }
 
 }  // namespace grouped_cutlass
