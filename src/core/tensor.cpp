@@ -327,10 +327,9 @@ Storage::~Storage() {
 }
 
 // Copies `bytes` between any two storages (host or device), in stream order; waits for
-// the copy when the destination is host memory so the caller can read it at once, and
-// when a large host source must stay unchanged until the copy has read it. Small host
-// sources (up to cuda::kUploadMaxBytes: token batches, routing counts, scalars) travel
-// as kernel parameters and need no wait.
+// the copy when the destination is host memory so the caller can read it at once. Host
+// sources go through cuda::upload, which never waits: the host buffer may change as soon
+// as this returns.
 static void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device,
                        size_t bytes) {
   if (bytes == 0) return;
@@ -339,7 +338,7 @@ static void copy_bytes(void* dst, Device dst_device, const void* src, Device src
     return;
   }
 #ifdef MEGATON_WITH_CUDA
-  if (src_device == Device::CPU && dst_device == Device::CUDA && bytes <= cuda::kUploadMaxBytes) {
+  if (src_device == Device::CPU && dst_device == Device::CUDA) {
     cuda::upload(dst, src, bytes);
     return;
   }
@@ -521,9 +520,12 @@ Tensor Tensor::to(DType dtype) const {
 
 void Tensor::fill(float value) {
   if (device() != Device::CPU) {
-    Tensor host = empty(shape_, dtype_, Device::CPU);
-    host.fill(value);
-    copy_from(host);
+#ifdef MEGATON_WITH_CUDA
+    // One element converted on the host, written everywhere by a kernel.
+    Tensor one = Tensor::empty({1}, dtype_);
+    one.fill(value);
+    cuda::fill(raw(), one.raw(), dtype_size(dtype_), numel());
+#endif
     return;
   }
   if (dtype_ == DType::F32) {

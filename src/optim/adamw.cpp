@@ -9,7 +9,7 @@
 
 namespace megaton::optim {
 
-AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
+AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device)
     : params_(std::move(params)), config_(config) {
   std::set<std::string> names;
   exp_avg_.reserve(params_.size());
@@ -29,7 +29,8 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config)
     exp_avg_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
     exp_avg_sq_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
   }
-  state_ = Tensor::zeros({2}, DType::I64, params_.empty() ? Device::CPU : params_[0]->weight.device());
+  state_ = Tensor::zeros({2}, DType::I64,
+                         params_.empty() ? state_device : params_[0]->weight.device());
 }
 
 AdamW::Lists AdamW::lists() const {

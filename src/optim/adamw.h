@@ -27,7 +27,10 @@ class AdamW {
   // `params` are not owned and must outlive the optimizer. Each needs a defined fp32
   // weight and a main_grad of the same shape, and a unique name (state keys derive from
   // it); otherwise InternalError (a bug in the model code, not a user mistake).
-  explicit AdamW(std::vector<Param*> params, AdamWConfig config = {});
+  // state_device: where the step count lives (device_state); the params' device when
+  // there are params, else this one (a rank whose shard holds no parameter).
+  explicit AdamW(std::vector<Param*> params, AdamWConfig config = {},
+                 Device state_device = Device::CPU);
 
   // One update of every main_param (the weight itself when main_param is undefined) from
   // its main_grad times `grad_scale` with learning rate `lr` (from the LR schedule); the

@@ -26,7 +26,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
   if (!distributed_) {
     for (ParamAndGradBuffer& b : each_buffer())
       for (Param* p : b.params()) targets.push_back(p);
-    adam_ = std::make_unique<AdamW>(targets, config);
+    adam_ = std::make_unique<AdamW>(targets, config, comm.device());
     return;
   }
   // One AdamW param per piece of a model param inside this rank's shard of each buffer.
@@ -73,7 +73,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
     for (Param* p : b.params())
       if (p->main_param.raw() != p->weight.raw()) p->main_param = Tensor();
   for (Param& sp : shard_params_) targets.push_back(&sp);
-  adam_ = std::make_unique<AdamW>(targets, config);
+  adam_ = std::make_unique<AdamW>(targets, config, comm.device());
   plan_fp8_weight_casts();
   quantize_fp8_weights();
 }

@@ -625,9 +625,11 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
 void Trainer::stop_on_non_finite(int64_t iteration, double loss, double grad_norm,
                                  double local_loss_sum, double local_grad_sum_sq) {
   // Which ranks hold the non-finite values: the local loss (before the sums over ranks)
-  // and this rank's share of the reduced gradients. Megatron checks each bucket before the
-  // data-parallel reduction; here the gradients are checked after it, so a NaN from one
-  // rank is reported by every rank of its data-parallel group.
+  // and this rank's counted share of the reduced gradients (the squared sum the norm
+  // adds: under the distributed optimizer only the shard's owner names it). Megatron checks
+  // each bucket before the data-parallel reduction; here the gradients are checked after
+  // it. The step's values are read once the next step is queued: the device has skipped
+  // both updates, but the next step's expert-bias update (finish_step) has run.
   const int64_t world = grid_->world_size(), rank = grid_->world_rank();
   std::vector<double> flags(size_t(2 * world), 0.0);
   flags[size_t(2 * rank)] = std::isfinite(local_loss_sum) ? 0.0 : 1.0;

@@ -103,7 +103,9 @@ class Trainer {
   // reduced over the group); checkpoints keep (expert-)data-parallel rank 0's.
   std::vector<std::pair<std::string, Tensor*>> fp8_state(bool experts);
   // --check-for-nan-in-loss-and-grad: throws megaton::Error naming the iteration, what was
-  // non-finite (loss or gradient norm) and the ranks where it was found. Collective: the
+  // non-finite (loss or gradient norm) and the ranks where it was found. The parameters
+  // are those of the last finite step (the device stopped updating them); the MoE expert
+  // biases may have been updated once more, by the step queued after it. Collective: the
   // loss and the gradient norm are global values, so every rank calls it at once.
   // local_loss_sum, local_grad_sum_sq: this rank's values of the step.
   [[noreturn]] void stop_on_non_finite(int64_t iteration, double loss, double grad_norm,

@@ -31,13 +31,17 @@ cudaStream_t stream();
 void synchronize();
 
 // Copies `bytes` of host memory to device memory in stream order without waiting for the
-// stream: the bytes travel as kernel parameters (kUploadChunk per launch), so the host
-// buffer may be reused or freed as soon as the call returns (a pageable cudaMemcpyAsync
-// may instead wait for the stream to drain). For small copies (Tensor's host-to-device
-// copies up to kUploadMaxBytes, the grouped GEMMs' argument blocks).
+// stream, so the host buffer may be reused or freed as soon as the call returns (a
+// pageable cudaMemcpyAsync may instead wait for the stream to drain). Up to
+// kUploadMaxBytes the bytes travel as kernel parameters (kUploadChunk per launch); larger
+// copies go through a pinned staging block, reused once its copy has completed (an
+// event), with an asynchronous cudaMemcpyAsync. Every host-to-device Tensor copy uses it.
 constexpr size_t kUploadChunk = 16384;
 constexpr size_t kUploadMaxBytes = 64 * 1024;
 void upload(void* device_dst, const void* host_src, size_t bytes);
+// Writes `count` copies of the element at `value` (element_bytes: 1, 2, 4 or 8; host
+// memory) to device memory, in stream order (Tensor::fill on the GPU).
+void fill(void* device_dst, const void* value, size_t element_bytes, int64_t count);
 
 // Whether a CUDA device is usable by this process.
 bool device_available();

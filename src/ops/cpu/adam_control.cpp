@@ -22,10 +22,7 @@ void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double ma
                         float grad_scale_factor, const Tensor& loss, bool check_nan, float lr,
                         float beta1, float beta2, Tensor& state, Tensor& control,
                         Tensor& grad_norm_out) {
-  MEGATON_CUDA_DISPATCH(sum_sq_parts,
-                        cuda::adamw_step_control(sum_sq_parts, norm_scale, max_norm,
-                                                 grad_scale_factor, loss, check_nan, lr, beta1,
-                                                 beta2, state, control, grad_norm_out));
+  // Checked here for both devices (the CUDA door checks nothing again).
   MEGATON_CHECK(sum_sq_parts.defined() && sum_sq_parts.dtype() == DType::I64,
                 "adamw_step_control: sum_sq_parts must be I64 (fp64 bits)");
   check_tensor(state, DType::I64, 2, "state");
@@ -34,9 +31,15 @@ void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double ma
   if (loss.defined()) check_tensor(loss, DType::F32, 1, "loss");
   MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
                 "adamw_step_control: betas ({}, {}) must be in [0, 1)", beta1, beta2);
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&sum_sq_parts, &loss, &state, &control, &grad_norm_out})
-    MEGATON_CHECK(!t->defined() || t->device() == Device::CPU,
+  const std::initializer_list<const Tensor*> all = {&sum_sq_parts, &loss, &state, &control,
+                                                    &grad_norm_out};
+  for (const Tensor* t : all)
+    MEGATON_CHECK(!t->defined() || t->device() == sum_sq_parts.device(),
                   "adamw_step_control: tensors on different devices");
+  MEGATON_CUDA_DISPATCH(sum_sq_parts,
+                        cuda::adamw_step_control(sum_sq_parts, norm_scale, max_norm,
+                                                 grad_scale_factor, loss, check_nan, lr, beta1,
+                                                 beta2, state, control, grad_norm_out));
   double sum = 0.0;
   for (int64_t i = 0; i < sum_sq_parts.numel(); ++i)
     sum += std::bit_cast<double>(sum_sq_parts.i64()[i]);
