@@ -10,7 +10,7 @@
 #   mkdir -p gpu-carry; tar -cJf gpu-carry/bundle.tar.xz gpu-bundle
 # (carry gpu-carry and data/, which test_train_gpu reads). Run there, from the repository
 # root with $OUT set:
-#   bash tools/gpu_step_check.sh nosync|tests|dense|moe|extra|fp8
+#   bash tools/gpu_step_check.sh nosync|qknorm|tests|dense|moe|extra|fp8
 set -u
 [ -d gpu-bundle ] || tar -xJf gpu-carry/bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/gpu-bundle/lib NCCL_NVLS_ENABLE=0
@@ -43,6 +43,25 @@ nosync)  # issue 17, second session: device-counted grouped GEMMs, the device-de
   timeout 60 $B/bench_grouped_gemm_gpu > $OUT/grouped.txt 2>&1; tail -24 $OUT/grouped.txt
   profile moe_new $B/megaton $MOE
   profile llama_new $B/megaton $LLAMA
+  ;;
+qknorm)  # the fused QK layernorm, the uploads, the MoE device counts in the layer
+  for t in test_host_sync_gpu test_moe_device_counts_gpu test_cuda_qkv_norm_gpu test_kv_cache_gpu \
+      test_adam_control_gpu test_train_gpu; do
+    echo "== $t"; timeout 240 $B/$t > $OUT/$t.txt 2>&1; echo "rc=$?"
+    grep -E "^\[  (PASSED|FAILED)|FAILED  \]|host synchronizations:" $OUT/$t.txt | head -8
+  done
+  for t in "test_cuda_qkv_norm_gpu --gtest_filter=*np16_ng8_d128*:*d72*:*Deterministic*" \
+      test_moe_device_counts_gpu; do
+    name=${t%% *}
+    timeout 150 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/$t > $OUT/sanitizer_$name.txt 2>&1
+    echo "sanitizer $name rc=$?"; tail -1 $OUT/sanitizer_$name.txt
+  done
+  for qk in "" "--qk-layernorm"; do
+    echo "== llama $qk"
+    timeout 120 $B/megaton ${LLAMA/--train-iters 12/--train-iters 20} $qk > $OUT/llama${qk:+_qk}.txt 2>&1
+    echo "rc=$?"; grep -oE "iteration +[0-9]+/ +20 .{0,60}elapsed time per iteration \(ms\): [0-9.]+" $OUT/llama${qk:+_qk}.txt | tail -3
+  done
+  profile llama_qk $B/megaton $LLAMA --qk-layernorm
   ;;
 tests)
   for t in test_host_sync_gpu test_cuda_pointwise_gpu test_train_gpu test_fp8_linear_gpu test_fp8_moe_gpu test_cuda_moe_gpu; do

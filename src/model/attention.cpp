@@ -41,10 +41,17 @@ SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, in
   }
 }
 
-// q_layernorm / k_layernorm on x [B, S, heads, d]: one row of d per head -> a new
-// [B, S, heads, d] (the norm saves x).
-static Tensor norm_heads(Norm& norm, const Tensor& x) {
-  return norm.forward(x.view({x.numel() / x.dim(3), x.dim(3)})).view(x.shape());
+ops::QkNorm SelfAttention::qk_norm() const {
+  // The Norm objects were built from these two config values.
+  ops::QkNorm norm;
+  norm.type = cfg_.normalization == Normalization::LayerNorm ? ops::QkNormType::LayerNorm
+                                                             : ops::QkNormType::RMSNorm;
+  norm.eps = cfg_.norm_epsilon;
+  norm.q_weight = q_layernorm->weight.weight;
+  norm.k_weight = k_layernorm->weight.weight;
+  norm.q_bias = q_layernorm->bias.weight;  // undefined for RMSNorm
+  norm.k_bias = k_layernorm->bias.weight;
+  return norm;
 }
 
 Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
@@ -61,15 +68,20 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
     // Megatron's grouped [T, ng, np/ng + 2, d] rows -> q, k, v, with RoPE on q and k.
     ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, uses_rope(cfg_), cfg_.rotary_base);
   } else {
-    // Split, normalise each head, then RoPE (Megatron: q_layernorm / k_layernorm before
-    // apply_rotary_pos_emb). The norms keep the split q and k for backward.
-    ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, /*apply_rope=*/false, cfg_.rotary_base);
-    s.q = norm_heads(*q_layernorm, s.q);
-    s.k = norm_heads(*k_layernorm, s.k);
-    if (uses_rope(cfg_)) {
-      ops::rope_forward(s.q, s.q, cfg_.rotary_base);
-      ops::rope_forward(s.k, s.k, cfg_.rotary_base);
+    // Split, normalise each query and key head, then RoPE (Megatron: q_layernorm /
+    // k_layernorm before apply_rotary_pos_emb), in one pass. It keeps the split q and k and
+    // the norms' statistics for backward.
+    ops::QkNormSaved& n = s.qk_norm;
+    n.q_input = empty_like(qkv, s.q.shape());
+    n.k_input = empty_like(qkv, s.k.shape());
+    n.q_rstd = Tensor::empty({batch * seq * np}, DType::F32, qkv.device());
+    n.k_rstd = Tensor::empty({batch * seq * ng}, DType::F32, qkv.device());
+    if (cfg_.normalization == Normalization::LayerNorm) {
+      n.q_mean = Tensor::empty({batch * seq * np}, DType::F32, qkv.device());
+      n.k_mean = Tensor::empty({batch * seq * ng}, DType::F32, qkv.device());
     }
+    ops::qkv_split_norm_rope(qkv, batch, ng, qk_norm(), uses_rope(cfg_), cfg_.rotary_base, s.q, s.k,
+                             s.v, n);
   }
   s.out = empty_like(qkv, {batch, seq, np, d});
   s.lse = Tensor::empty({batch, np, seq}, DType::F32, qkv.device());
@@ -83,7 +95,7 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
 Tensor SelfAttention::backward(const Tensor& dy) {
   MEGATON_CHECK(saved_.q.defined(), "SelfAttention of layer {}: backward without a forward",
                 layer_);
-  const Saved s = std::exchange(saved_, {});
+  Saved s = std::exchange(saved_, {});
   // This rank's heads and query groups (all of them without tensor parallelism).
   const int64_t np = cfg_.num_attention_heads / mp_.tp_size(),
                 ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
@@ -96,14 +108,14 @@ Tensor SelfAttention::backward(const Tensor& dy) {
   if (!q_layernorm) {
     ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv);
   } else {
-    if (uses_rope(cfg_)) {
-      ops::rope_backward(dq, dq, cfg_.rotary_base);
-      ops::rope_backward(dk, dk, cfg_.rotary_base);
-    }
-    const Tensor dq_split = q_layernorm->backward(dq.view({dq.numel() / d, d})).view(dq.shape());
-    const Tensor dk_split = k_layernorm->backward(dk.view({dk.numel() / d, d})).view(dk.shape());
-    ops::qkv_pack_rope_backward(dq_split, dk_split, dv, ng, /*apply_rope=*/false, cfg_.rotary_base,
-                                dqkv);
+    // Inverse RoPE, the norms' backward and the pack in one pass; the norms' weight (and
+    // bias) gradients accumulate into their main grads, which the trainer reduces over
+    // tensor parallelism after backward (Param::sequence_parallel, set by Norm).
+    ops::QkNormGrads grads{q_layernorm->weight.main_grad, k_layernorm->weight.main_grad,
+                           q_layernorm->bias.main_grad, k_layernorm->bias.main_grad};
+    ops::qkv_pack_norm_rope_backward(dq, dk, dv, s.qk_norm, ng, qk_norm(), uses_rope(cfg_),
+                                     cfg_.rotary_base, dqkv, grads);
+    s.qk_norm = {};  // freed before linear_qkv's backward, as the unfused norms' inputs were
   }
   return linear_qkv.backward(dqkv);
 }
@@ -149,10 +161,6 @@ SelfAttention::Activations SelfAttention::take_saved() {
   out.attention = std::exchange(saved_, {});
   out.linear_qkv = linear_qkv.take_saved();
   out.linear_proj = linear_proj.take_saved();
-  if (q_layernorm) {
-    out.q_layernorm = q_layernorm->take_saved();
-    out.k_layernorm = k_layernorm->take_saved();
-  }
   return out;
 }
 
@@ -160,10 +168,6 @@ void SelfAttention::restore_saved(Activations&& saved) {
   saved_ = std::move(saved.attention);
   linear_qkv.restore_saved(std::move(saved.linear_qkv));
   linear_proj.restore_saved(std::move(saved.linear_proj));
-  if (q_layernorm) {
-    q_layernorm->restore_saved(std::move(saved.q_layernorm));
-    k_layernorm->restore_saved(std::move(saved.k_layernorm));
-  }
 }
 
 void SelfAttention::collect_params(std::vector<Param*>& out) {

@@ -4,6 +4,7 @@
 
 #include "model/layers.h"
 #include "model/parallel.h"
+#include "ops/ops.h"
 
 namespace megaton {
 
@@ -18,7 +19,10 @@ namespace megaton {
 // SelfAttention and Hugging Face Qwen3 do. Their weights are replicated on the
 // tensor-parallel ranks, which normalise different heads: they are marked
 // Param::sequence_parallel, so their gradients are summed over TP after backward
-// (Megatron's finalize_model_grads all-reduces q/k_layernorm grads likewise).
+// (Megatron's finalize_model_grads all-reduces q/k_layernorm grads likewise). Training runs
+// the split, the two norms and RoPE as one op each way (ops::qkv_split_norm_rope and
+// ops::qkv_pack_norm_rope_backward, reading the norms' weights and accumulating into their
+// main_grad); inference runs the Norm objects and RoPE one after the other.
 class SelfAttention {
  public:
   SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed,
@@ -40,20 +44,21 @@ class SelfAttention {
                            Tensor& value_cache) const;
   void collect_params(std::vector<Param*>& out);
 
-  // With qk_layernorm the norms save their inputs (q, k before the norm, [B*S*heads, d])
-  // and statistics in their own Norm::Saved.
   struct Saved {
     Tensor q, k, v;                 // [B, S, heads, d] after RoPE (this rank's heads, groups)
     Tensor out;                     // attention output [B, S, np, d]
     Tensor lse;                     // log-sum-exp of the scores [B, np, S] fp32
     float dropout_p = 0;            // attention dropout of this forward
     uint64_t seed = 0, stream = 0;  // its mask's Philox key and stream
+    // With qk_layernorm: q and k as split, before the norms ([B, S, np | ng, d], compute
+    // dtype) and the norms' per-head statistics (fp32 [B*S*np | ng]), what the unfused
+    // norms kept. Empty without qk_layernorm.
+    ops::QkNormSaved qk_norm;
   };
-  // The attention's saved state with its linears' and q/k norms'.
+  // The attention's saved state with its linears'.
   struct Activations {
     Saved attention;
     Linear::Saved linear_qkv, linear_proj;
-    Norm::Saved q_layernorm, k_layernorm;  // empty without qk_layernorm
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
@@ -62,6 +67,9 @@ class SelfAttention {
   std::unique_ptr<Norm> q_layernorm, k_layernorm;  // null without qk_layernorm
 
  private:
+  // The q/k norms' parameters as the fused ops take them (qk_layernorm only).
+  ops::QkNorm qk_norm() const;
+
   const GPTConfig& cfg_;
   ModelParallel mp_;
   int64_t layer_;

@@ -195,6 +195,100 @@ void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
                             Tensor& dqkv);
 
+// ---- fused QKV split + q/k norm + RoPE (ops/cpu/qkv_norm.cpp) ----
+// --qk-layernorm (Megatron-LM SelfAttention's q_layernorm / k_layernorm, Hugging Face
+// Qwen3's q_norm / k_norm): between the split and RoPE, every query head and every key
+// head (one row of d = kv_channels values) is normalized on its own, the query heads with
+// one weight [d] (and bias [d]) shared by all of them, the key heads with another.
+// These two ops are the unfused sequence
+//   qkv_split_rope(apply_rope = false); rmsnorm_forward / layernorm_forward on q viewed as
+//   [B*S*np, d] and on k viewed as [B*S*ng, d]; rope_forward on q and k (when apply_rope)
+// and its gradient
+//   rope_backward on dq, dk; rmsnorm_backward / layernorm_backward; qkv_pack_rope_backward
+// in one pass each way (CUDA: one kernel forward; one kernel plus the weight-gradient
+// reduction backward). Layout, batch, positions and RoPE as qkv_split_rope (np, ng, d,
+// qpg = np / ng; position s within each sequence). Norm row r of q is query head h of
+// token t = b * S + s at r = t * np + h; of k, key head g at r = t * ng + g.
+//
+// Numbers: the CPU ops give the composed CPU ops' values (the same expressions: norm
+// statistics and norm arithmetic in fp64 as rmsnorm_forward / layernorm_forward, RoPE in
+// fp32 as rope_forward). On the GPU everything is fp32 and, unlike the unfused bf16 path,
+// the normalized head is rotated before its single rounding to the output dtype (the
+// unfused path rounds it to bf16 between the norm and RoPE); the backward likewise keeps
+// the un-rotated gradient in fp32 between the inverse RoPE and the norm backward.
+
+enum class QkNormType { LayerNorm, RMSNorm };
+
+// The parameters of q_layernorm and k_layernorm.
+//   type, eps: the norm (as rmsnorm_forward / layernorm_forward; config.normalization and
+//     norm_epsilon).
+//   q_weight, k_weight [d]; q_bias, k_bias [d] LayerNorm only, both defined or both
+//     undefined (no bias); they must be undefined for RMSNorm. CPU: F32. GPU: F32 or BF16,
+//     the four of one dtype, independent of the activations' dtype.
+struct QkNorm {
+  QkNormType type = QkNormType::RMSNorm;
+  float eps = 1e-5f;
+  Tensor q_weight, k_weight;
+  Tensor q_bias, k_bias;
+};
+
+// What the forward writes for the backward (allocated by the caller, overwritten).
+//   q_input [B, S, np, d], k_input [B, S, ng, d]: the split query and key heads before
+//     the norm, in qkv's dtype (the norms' backward needs x; the caller does not keep qkv,
+//     and these two are (np + ng) d of its (np + 2 ng) d values per token).
+//   q_rstd F32 [B*S*np], k_rstd F32 [B*S*ng]: 1 / sqrt(mean(x^2) + eps) (RMSNorm) or
+//     1 / sqrt(var(x) + eps) (LayerNorm, biased variance) of each row.
+//   q_mean F32 [B*S*np], k_mean F32 [B*S*ng]: each row's mean, LayerNorm only (not read or
+//     written for RMSNorm: may be undefined then).
+struct QkNormSaved {
+  Tensor q_input, k_input;
+  Tensor q_mean, q_rstd;
+  Tensor k_mean, k_rstd;
+};
+
+// The parameter gradients the backward accumulates (+=) into: F32 [d] each (fp32 main
+// grads). q_bias, k_bias: LayerNorm with bias only, both defined or both undefined
+// (undefined: the bias gradients are not computed); undefined when the norm has no bias.
+struct QkNormGrads {
+  Tensor q_weight, k_weight;
+  Tensor q_bias, k_bias;
+};
+
+// Splits qkv [B*S, ng * (qpg + 2) * d] into
+//   q [B, S, np, d] = rope(norm_q(query head)), k [B, S, ng, d] = rope(norm_k(key head)),
+//   v [B, S, ng, d] = the value heads (neither normalized nor rotated),
+// rope only when apply_rope (then rotary_base > 0 and d even), and fills saved (q_input,
+// k_input: the heads as split; statistics: see QkNormSaved). batch = B; S = rows / B.
+// q, k, v and saved.q_input / k_input: qkv's dtype (F32 on the CPU; F32 or BF16 on the
+// GPU); none may share memory with qkv. GPU: d <= 512.
+// InternalError on a shape, dtype or device mismatch (any tensor above, or a norm
+// parameter), batch not matching q, num_query_groups not dividing np, a bias on RMSNorm,
+// a missing mean for LayerNorm, an output overlapping qkv, or the GPU's d limit.
+void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
+                         const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
+                         Tensor& k, Tensor& v, QkNormSaved& saved);
+// The gradient of qkv_split_norm_rope. From dq [B, S, np, d], dk, dv [B, S, ng, d] (the
+// gradients of its q, k, v) and saved (its QkNormSaved, unchanged since), for every query
+// and key head: the inverse RoPE (when apply_rope), then the norm's backward
+// (rmsnorm_backward / layernorm_backward of that row); packs the results and dv into dqkv
+// [B*S, ng * (qpg + 2) * d] in the grouped layout (overwritten: every element), and
+// accumulates the norms' parameter gradients over all B*S*np query rows and B*S*ng key
+// rows into grads (+=):
+//   weight[j] += sum_rows dy_row[j] * xhat_row[j], bias[j] += sum_rows dy_row[j],
+// dy_row the un-rotated gradient of the row, xhat_row = (x_row - mean) * rstd (mean 0 for
+// RMSNorm). The sums are deterministic: the CPU adds the rows in order in fp64 (as
+// rmsnorm_backward); the GPU writes per-block partial sums (blocks of consecutive tokens,
+// a function of the shape only) and a second kernel adds them in block order; no atomics,
+// so repeated runs give the same bits.
+// dq, dk, dv, dqkv: one dtype, as the forward's q, k, v; dqkv shares memory with no input;
+// dq, dk, dv and saved are not modified. norm, num_query_groups, apply_rope and
+// rotary_base: the forward's. InternalError as the forward, and on a grads tensor that is
+// not F32 [d] or a bias gradient without a bias.
+void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                 const QkNormSaved& saved, int64_t num_query_groups,
+                                 const QkNorm& norm, bool apply_rope, float rotary_base,
+                                 Tensor& dqkv, QkNormGrads& grads);
+
 // ---- causal self-attention with GQA (ops/cpu/attention.cpp) ----
 // q [B, S, Hq, D], k, v [B, S, Hkv, D], Hq % Hkv == 0 (query head h reads kv head
 // h / (Hq / Hkv)). scores = q k^T / sqrt(D), causal mask, softmax, dropout with

@@ -16,6 +16,10 @@ enum class RouterScoreFunction;
 struct RouterTopK;
 // The FP8 scale rule, defined in ops/fp8.h.
 struct Fp8ScaleRule;
+// The fused q/k norm's parameters, saved tensors and gradients, defined in ops/ops.h.
+struct QkNorm;
+struct QkNormSaved;
+struct QkNormGrads;
 }  // namespace megaton::ops
 
 namespace megaton::ops::cuda {
@@ -70,6 +74,13 @@ void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, 
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
                             Tensor& dqkv);
+void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
+                         const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
+                         Tensor& k, Tensor& v, QkNormSaved& saved);
+void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                 const QkNormSaved& saved, int64_t num_query_groups,
+                                 const QkNorm& norm, bool apply_rope, float rotary_base,
+                                 Tensor& dqkv, QkNormGrads& grads);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        Tensor& lse, float dropout_p, uint64_t seed,
                        uint64_t stream);
