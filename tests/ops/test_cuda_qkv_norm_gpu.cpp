@@ -218,8 +218,14 @@ void check_against_cpu(const QkvCase& c, DType dtype, DType param_dtype, const N
   cuda::synchronize();
   const Tensor dqkv = to_host_f32(dqkv_d);
   ASSERT_TRUE(all_finite(dqkv, "dqkv"));
-  EXPECT_TRUE(allclose(dqkv, dqkv_ref, tol.atol, tol.rtol));
-  EXPECT_LE(rel_error(dqkv, dqkv_ref), dtype == DType::F32 ? 1e-5 : 1e-2);
+  // A LayerNorm over one element has the constant output bias: its exact input gradient is
+  // 0, what the GPU leaves of the cancellation dy w - mean(dy w) is multiplied by
+  // rstd = 1 / sqrt(eps). Measured on an H200: 1.2e-5 where the CPU has 0 (d = 1, fp32);
+  // that case gets an absolute tolerance scaled by rstd, the others the usual one.
+  const bool degenerate = c.D == 1 && form.type == ops::QkNormType::LayerNorm;
+  const double dx_atol = degenerate ? tol.atol / std::sqrt(double(norms.host.eps)) : tol.atol;
+  EXPECT_TRUE(allclose(dqkv, dqkv_ref, dx_atol, tol.rtol));
+  if (!degenerate) EXPECT_LE(rel_error(dqkv, dqkv_ref), dtype == DType::F32 ? 1e-5 : 1e-2);
   EXPECT_TRUE(grads_match(grads_to_host(grads_d), grads_ref, false));
 }
 
