@@ -6,6 +6,7 @@
 
 #include "ops/dispatch.h"
 #include "ops/ops.h"
+#include "ops/qkv_checks.h"
 #include "ops/cpu/rope_tables.h"
 
 namespace megaton::ops {
@@ -13,14 +14,6 @@ namespace {
 
 // Below this many elements the loop runs on the calling thread (as in rope.cpp).
 constexpr int64_t kParallelMin = int64_t(1) << 15;
-
-// Sizes of one call: q [B, S, heads, D], k, v [B, S, groups, D], packed [B*S, row].
-struct QkvShape {
-  int64_t batch, seq, heads, groups, head_dim;
-  int64_t tokens() const { return batch * seq; }
-  int64_t heads_per_group() const { return heads / groups; }
-  int64_t row() const { return (heads + 2 * groups) * head_dim; }
-};
 
 // Door checks shared by both directions. `grad` prefixes the names in messages ("" for
 // the forward's qkv, q, k, v; "d" for the backward's).
@@ -34,21 +27,8 @@ QkvShape check_qkv_args(const char* op, const char* grad, const Tensor& packed, 
     MEGATON_CHECK(t->dtype() == DType::F32, "{}: {}qkv, {}q, {}k, {}v must be F32, got {}", op,
                   grad, grad, grad, grad, dtype_name(t->dtype()));
   }
-  MEGATON_CHECK(q.ndim() == 4, "{}: {}q must be [B, S, heads, D], got {}", op, grad,
-                shape_str(q.shape()));
-  const QkvShape sh{q.dim(0), q.dim(1), q.dim(2), num_query_groups, q.dim(3)};
-  MEGATON_CHECK(sh.groups > 0 && sh.heads % sh.groups == 0,
-                "{}: num_query_groups {} must divide the {} query heads", op, sh.groups, sh.heads);
-  const Shape kv_shape{sh.batch, sh.seq, sh.groups, sh.head_dim};
-  MEGATON_CHECK(k.shape() == kv_shape && v.shape() == kv_shape, "{}: {}k {} and {}v {} must be {}",
-                op, grad, shape_str(k.shape()), grad, shape_str(v.shape()), shape_str(kv_shape));
-  const Shape packed_shape{sh.tokens(), sh.row()};
-  MEGATON_CHECK(packed.shape() == packed_shape, "{}: {}qkv {} must be [B*S, (np + 2 ng) d] = {}",
-                op, grad, shape_str(packed.shape()), shape_str(packed_shape));
-  if (apply_rope) {
-    MEGATON_CHECK(sh.head_dim % 2 == 0, "{}: head dim {} must be even for RoPE", op, sh.head_dim);
-    MEGATON_CHECK(rotary_base > 0.0f, "{}: rotary_base {} must be positive", op, rotary_base);
-  }
+  const QkvShape sh = check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope,
+                                      rotary_base);
   return sh;
 }
 

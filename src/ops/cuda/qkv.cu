@@ -18,6 +18,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/qkv_checks.h"
 #include "ops/cuda/pointwise_util.cuh"
 
 namespace megaton::ops::cuda {
@@ -155,28 +156,15 @@ QkvDims check_qkv_args(const char* op, const char* grad, const Tensor& packed, c
   detail::check_same_dtype(k, q, op, k_name.c_str(), q_name.c_str());
   detail::check_same_dtype(v, q, op, v_name.c_str(), q_name.c_str());
   detail::check_same_dtype(packed, q, op, qkv_name.c_str(), q_name.c_str());
-  MEGATON_CHECK(q.ndim() == 4, "{}: {}q must be [B, S, heads, D], got {}", op, grad,
-                shape_str(q.shape()));
-  const int64_t B = q.dim(0), S = q.dim(1), heads = q.dim(2), D = q.dim(3);
-  const int64_t groups = num_query_groups;
-  MEGATON_CHECK(groups > 0 && heads % groups == 0,
-                "{}: num_query_groups {} must divide the {} query heads", op, groups, heads);
-  const Shape kv_shape{B, S, groups, D};
-  MEGATON_CHECK(k.shape() == kv_shape && v.shape() == kv_shape, "{}: {}k {} and {}v {} must be {}",
-                op, grad, shape_str(k.shape()), grad, shape_str(v.shape()), shape_str(kv_shape));
-  const Shape packed_shape{B * S, (heads + 2 * groups) * D};
-  MEGATON_CHECK(packed.shape() == packed_shape, "{}: {}qkv {} must be [B*S, (np + 2 ng) d] = {}",
-                op, grad, shape_str(packed.shape()), shape_str(packed_shape));
-  MEGATON_CHECK((heads + 2 * groups) * D <= INT32_MAX, "{}: {} values per token exceed int32", op,
-                (heads + 2 * groups) * D);
-  MEGATON_CHECK(B * S <= INT32_MAX, "{}: B * S {} exceeds the grid limit", op, B * S);
-  if (apply_rope) {
-    MEGATON_CHECK(D % 2 == 0, "{}: head dim {} must be even for RoPE", op, D);
-    MEGATON_CHECK(D / 2 <= kMaxHalfDim, "{}: head dim {} exceeds the {} supported with RoPE", op, D,
-                  2 * kMaxHalfDim);
-    MEGATON_CHECK(rotary_base > 0.0f, "{}: rotary_base {} must be positive", op, rotary_base);
-  }
-  return QkvDims{S, int(heads), int(groups), int(heads / groups), int(D)};
+  const QkvShape sh =
+      check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope, rotary_base);
+  MEGATON_CHECK(sh.row() <= INT32_MAX, "{}: {} values per token exceed int32", op, sh.row());
+  MEGATON_CHECK(sh.tokens() <= INT32_MAX, "{}: B * S {} exceeds the grid limit", op, sh.tokens());
+  if (apply_rope)
+    MEGATON_CHECK(sh.head_dim / 2 <= kMaxHalfDim, "{}: head dim {} exceeds the {} supported with RoPE",
+                  op, sh.head_dim, 2 * kMaxHalfDim);
+  return QkvDims{sh.seq, int(sh.heads), int(sh.groups), int(sh.heads_per_group()),
+                 int(sh.head_dim)};
 }
 
 // Launches qkv_kernel<T, N, kPack> with N = 16 bytes of T when every access can be an

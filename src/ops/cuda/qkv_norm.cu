@@ -32,6 +32,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/qkv_checks.h"
 #include "ops/cuda/pointwise_util.cuh"
 #include "ops/norm_checks.h"
 #include "ops/ops.h"
@@ -419,27 +420,15 @@ QkvDims check_args(const char* op, const char* grad, const Tensor& packed, const
   detail::check_same_dtype(k, q, op, k_name.c_str(), q_name.c_str());
   detail::check_same_dtype(v, q, op, v_name.c_str(), q_name.c_str());
   detail::check_same_dtype(packed, q, op, qkv_name.c_str(), q_name.c_str());
-  MEGATON_CHECK(q.ndim() == 4, "{}: {}q must be [B, S, heads, D], got {}", op, grad,
-                shape_str(q.shape()));
-  const int64_t B = q.dim(0), S = q.dim(1), heads = q.dim(2), D = q.dim(3);
-  const int64_t groups = num_query_groups;
-  MEGATON_CHECK(groups > 0 && heads % groups == 0,
-                "{}: num_query_groups {} must divide the {} query heads", op, groups, heads);
+  const QkvShape sh =
+      check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope, rotary_base);
+  const int64_t B = sh.batch, S = sh.seq, heads = sh.heads, D = sh.head_dim, groups = sh.groups;
   const Shape kv_shape{B, S, groups, D};
-  MEGATON_CHECK(k.shape() == kv_shape && v.shape() == kv_shape, "{}: {}k {} and {}v {} must be {}",
-                op, grad, shape_str(k.shape()), grad, shape_str(v.shape()), shape_str(kv_shape));
-  const Shape packed_shape{B * S, (heads + 2 * groups) * D};
-  MEGATON_CHECK(packed.shape() == packed_shape, "{}: {}qkv {} must be [B*S, (np + 2 ng) d] = {}",
-                op, grad, shape_str(packed.shape()), shape_str(packed_shape));
   MEGATON_CHECK(D >= 1 && D <= kMaxHeadDim, "{}: head dim {} outside the supported 1..{}", op, D,
                 kMaxHeadDim);
   MEGATON_CHECK((heads + 2 * groups) <= INT32_MAX / kMaxHeadDim, "{}: {} heads per token", op,
                 heads + 2 * groups);
   MEGATON_CHECK(B * S <= INT32_MAX, "{}: B * S {} exceeds the grid limit", op, B * S);
-  if (apply_rope) {
-    MEGATON_CHECK(D % 2 == 0, "{}: head dim {} must be even for RoPE", op, D);
-    MEGATON_CHECK(rotary_base > 0.0f, "{}: rotary_base {} must be positive", op, rotary_base);
-  }
   check_norm(norm, D, op);
   detail::check_float(saved.q_input, op, "q_input");
   detail::check_shape(saved.q_input, q.shape(), op, "q_input");
