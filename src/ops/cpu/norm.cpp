@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "ops/cpu/norm_weight_grads.h"
 #include "ops/dispatch.h"
 #include "ops/norm_checks.h"
 #include "ops/ops.h"
@@ -48,32 +49,6 @@ void check_vector(const Tensor& t, int64_t n, const char* op, const char* name) 
                 shape_str(t.shape()), n);
 }
 
-// dweight[j] += sum_t dy[t, j] * xhat[t, j] and dbias[j] += sum_t dy[t, j], with
-// xhat = (x - mean) * rstd (mean == nullptr: RMSNorm, no centring). Threads own column
-// blocks and sum tokens in order, so the result does not depend on the thread count.
-void weight_grads(const float* dy, const float* x, const float* mean, const float* rstd,
-                  float* dweight, float* dbias, int64_t rows, int64_t cols) {
-  constexpr int64_t kBlock = 32;
-  int64_t blocks = (cols + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    int64_t j0 = blk * kBlock, j1 = std::min(cols, j0 + kBlock);
-    double dw[kBlock] = {}, db[kBlock] = {};
-    for (int64_t t = 0; t < rows; ++t) {
-      const float* dyr = dy + t * cols;
-      const float* xr = x + t * cols;
-      double mu = mean ? mean[t] : 0.0, r = rstd[t];
-      for (int64_t j = j0; j < j1; ++j) {
-        dw[j - j0] += double(dyr[j]) * ((xr[j] - mu) * r);
-        db[j - j0] += dyr[j];
-      }
-    }
-    for (int64_t j = j0; j < j1; ++j) {
-      dweight[j] += float(dw[j - j0]);
-      if (dbias) dbias[j] += float(db[j - j0]);
-    }
-  }
-}
 
 namespace cpu {
 
@@ -109,7 +84,7 @@ void rmsnorm_backward(const float* dy, const float* x, const float* weight, cons
       dxr[j] = dresr ? v + dresr[j] : v;  // as add_ after the unfused op
     }
   }
-  weight_grads(dy, x, nullptr, rstd, dweight, nullptr, rows, cols);
+  norm_math::weight_grads(dy, x, nullptr, rstd, dweight, nullptr, rows, cols);
 }
 
 void layernorm_forward(const float* x, const float* weight, const float* bias, float eps, float* y,
@@ -153,7 +128,7 @@ void layernorm_backward(const float* dy, const float* x, const float* weight, co
       dxr[j] = dresr ? v + dresr[j] : v;
     }
   }
-  weight_grads(dy, x, mean, rstd, dweight, dbias, rows, cols);
+  norm_math::weight_grads(dy, x, mean, rstd, dweight, dbias, rows, cols);
 }
 
 // sum = x + residual (sum may be x or residual).

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops/cpu/rope_tables.h"
+#include "ops/cpu/norm_weight_grads.h"
 #include "ops/dispatch.h"
 #include "ops/norm_checks.h"
 #include "ops/ops.h"
@@ -139,31 +140,6 @@ void norm_row_backward(const float* dy, const float* x, const float* weight, con
   }
 }
 
-// norm.cpp's weight_grads: dweight[j] += sum_t dy[t, j] * xhat[t, j], dbias[j] +=
-// sum_t dy[t, j] (dbias may be null), rows added in order in fp64 per column.
-void weight_grads(const float* dy, const float* x, const float* mean, const float* rstd,
-                  float* dweight, float* dbias, int64_t rows, int64_t cols) {
-  constexpr int64_t kBlock = 32;
-  int64_t blocks = (cols + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    int64_t j0 = blk * kBlock, j1 = std::min(cols, j0 + kBlock);
-    double dw[kBlock] = {}, db[kBlock] = {};
-    for (int64_t t = 0; t < rows; ++t) {
-      const float* dyr = dy + t * cols;
-      const float* xr = x + t * cols;
-      double mu = mean ? mean[t] : 0.0, r = rstd[t];
-      for (int64_t j = j0; j < j1; ++j) {
-        dw[j - j0] += double(dyr[j]) * ((xr[j] - mu) * r);
-        db[j - j0] += dyr[j];
-      }
-    }
-    for (int64_t j = j0; j < j1; ++j) {
-      dweight[j] += float(dw[j - j0]);
-      if (dbias) dbias[j] += float(db[j - j0]);
-    }
-  }
-}
 
 // One head of D values rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,
 // -1 backward) when cos_s is non-null, else copied.
@@ -323,9 +299,9 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
 
   float* dbias[2] = {grads.q_bias.defined() ? grads.q_bias.f32() : nullptr,
                      grads.k_bias.defined() ? grads.k_bias.f32() : nullptr};
-  weight_grads(dy[0], x[0], mean[0], rstd[0], grads.q_weight.f32(), dbias[0],
+  norm_math::weight_grads(dy[0], x[0], mean[0], rstd[0], grads.q_weight.f32(), dbias[0],
                sh.tokens() * sh.heads, D);
-  weight_grads(dy[1], x[1], mean[1], rstd[1], grads.k_weight.f32(), dbias[1],
+  norm_math::weight_grads(dy[1], x[1], mean[1], rstd[1], grads.k_weight.f32(), dbias[1],
                sh.tokens() * sh.groups, D);
 }
 
