@@ -33,22 +33,6 @@ QkvShape check_qkv_args(const char* op, const char* grad, const Tensor& packed, 
 }
 
 
-// One head of D values, rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,
-// -1 backward) when cos_s is non-null, else copied.
-void move_head(const float* in, float* out, int64_t D, const float* cos_s, const float* sin_s,
-               float sign) {
-  if (!cos_s) {
-    std::memcpy(out, in, D * sizeof(float));
-    return;
-  }
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    float x1 = in[i], x2 = in[i + half];
-    float si = sign * sin_s[i];
-    out[i] = x1 * cos_s[i] - x2 * si;
-    out[i + half] = x2 * cos_s[i] + x1 * si;
-  }
-}
 
 // Walks the grouped layout: for every token and every head of its packed row, calls
 // move(packed_offset, part, part_offset, cos_s, sin_s), where part is 0, 1, 2 for q, k, v,
@@ -90,7 +74,7 @@ void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, 
   for_each_head(
       sh, apply_rope, rotary_base,
       [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
-        move_head(src + packed, dst[part] + separate, D, cos_s, sin_s, 1.0f);
+        cpu::rope_move_head(src + packed, dst[part] + separate, D, cos_s, sin_s, 1.0f);
       });
 }
 
@@ -107,7 +91,7 @@ void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv
   for_each_head(
       sh, apply_rope, rotary_base,
       [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
-        move_head(src[part] + separate, dst + packed, D, cos_s, sin_s, -1.0f);
+        cpu::rope_move_head(src[part] + separate, dst + packed, D, cos_s, sin_s, -1.0f);
       });
 }
 

@@ -141,22 +141,6 @@ void norm_row_backward(const float* dy, const float* x, const float* weight, con
 }
 
 
-// One head of D values rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,
-// -1 backward) when cos_s is non-null, else copied.
-void rotate_head(const float* in, float* out, int64_t D, const float* cos_s, const float* sin_s,
-                 float sign) {
-  if (!cos_s) {
-    std::memcpy(out, in, D * sizeof(float));
-    return;
-  }
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    float x1 = in[i], x2 = in[i + half];
-    float si = sign * sin_s[i];
-    out[i] = x1 * cos_s[i] - x2 * si;
-    out[i + half] = x2 * cos_s[i] + x1 * si;
-  }
-}
 
 // A head of the packed row: part 0 q, 1 k, 2 v; separate = its element offset in q, k or
 // v (offset / D is its norm row for q and k).
@@ -231,8 +215,9 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
     norm_row_forward(x, weight[p], bias[p], norm.eps, y, mean[p] ? mean[p] + row : nullptr,
                      rstd[p] + row, D);
     const int64_t s = t % sh.seq;
-    rotate_head(y, out[p] + h.separate, D, apply_rope ? cos_table.data() + s * half : nullptr,
-                apply_rope ? sin_table.data() + s * half : nullptr, 1.0f);
+    cpu::rope_move_head(y, out[p] + h.separate, D,
+                        apply_rope ? cos_table.data() + s * half : nullptr,
+                        apply_rope ? sin_table.data() + s * half : nullptr, 1.0f);
   });
 }
 
@@ -272,8 +257,8 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
     for_each_head(sh, [&](int64_t t, const Head& h, float*) {
       if (h.part == 2) return;
       const int64_t s = t % sh.seq;
-      rotate_head(dy[h.part] + h.separate, rows[h.part] + h.separate, D,
-                  cos_table.data() + s * half, sin_table.data() + s * half, -1.0f);
+      cpu::rope_move_head(dy[h.part] + h.separate, rows[h.part] + h.separate, D,
+                          cos_table.data() + s * half, sin_table.data() + s * half, -1.0f);
     });
     dy[0] = dq_rows.data();
     dy[1] = dk_rows.data();

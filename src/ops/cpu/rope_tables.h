@@ -2,6 +2,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace megaton::ops::cpu {
@@ -29,6 +30,24 @@ inline void rope_tables(int64_t S, int64_t D, float base, int64_t position_offse
       cos_table[s * half + i] = float(std::cos(double(angle)));
       sin_table[s * half + i] = float(std::sin(double(angle)));
     }
+  }
+}
+
+// One head of D values rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,
+// -1 backward) with one position's cos_s / sin_s [D / 2], or copied when cos_s is null:
+// the fused QKV ops' per-head move (qkv.cpp, qkv_norm.cpp).
+inline void rope_move_head(const float* in, float* out, int64_t D, const float* cos_s,
+                           const float* sin_s, float sign) {
+  if (!cos_s) {
+    std::memcpy(out, in, D * sizeof(float));
+    return;
+  }
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    float x1 = in[i], x2 = in[i + half];
+    float si = sign * sin_s[i];
+    out[i] = x1 * cos_s[i] - x2 * si;
+    out[i + half] = x2 * cos_s[i] + x1 * si;
   }
 }
 
