@@ -109,8 +109,11 @@ def main():
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--fp8", default="", help="Megaton FP8 recipes to add, comma-separated")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="add Megaton rows with --cuda-graph-impl full_iteration")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    graph = ["--cuda-graph-impl", "full_iteration"]
     lines = ["| config | impl | tokens/s | model TFLOP/s | MFU (989) | peak GiB | ratio to PyTorch bf16 (/ torchao FP8) |",
              "|---|---|---|---|---|---|---|"]
     for name in a.configs.split(","):
@@ -119,6 +122,8 @@ def main():
         t = run_torch(a.torch_script, name, c)
         m = run_megaton(a.megaton, c, a.iters)
         new = [row(name, "PyTorch bf16", t, f), row(name, "Megaton bf16", m, f, t)]
+        if a.cuda_graph:
+            new.append(row(name, "Megaton bf16 + CUDA graph", run_megaton(a.megaton, c, a.iters, extra=graph), f, t))
         if a.fp8:
             t8 = run_torch(a.torch_script, name, c, "tensorwise")
             new.append(row(name, "PyTorch torchao FP8 tensorwise", t8, f, t))
@@ -126,6 +131,10 @@ def main():
                 m8 = run_megaton(a.megaton, c, a.iters,
                                  extra=["--fp8-format", "hybrid", "--fp8-recipe", recipe])
                 new.append(row(name, f"Megaton FP8 {recipe}", m8, f, t, t8))
+                if a.cuda_graph:
+                    m8g = run_megaton(a.megaton, c, a.iters, extra=["--fp8-format", "hybrid",
+                                                                    "--fp8-recipe", recipe] + graph)
+                    new.append(row(name, f"Megaton FP8 {recipe} + CUDA graph", m8g, f, t, t8))
                 if "op_profile" in m8:
                     print(m8["op_profile"], flush=True)
         lines += new

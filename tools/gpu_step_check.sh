@@ -10,7 +10,8 @@
 #   mkdir -p gpu-carry; tar -cJf gpu-carry/bundle.tar.xz gpu-bundle
 # (carry gpu-carry and data/, which test_train_gpu reads). Run there, from the repository
 # root with $OUT set:
-#   bash tools/gpu_step_check.sh nosync|qknorm|tests|dense|moe|extra|fp8
+#   bash tools/gpu_step_check.sh nosync|qknorm|graph|tests|dense|moe|extra|fp8
+# (BENCH_FLAGS, e.g. --cuda-graph, is passed to bench/gpu_bench.py.)
 set -u
 [ -d gpu-bundle ] || tar -xJf gpu-carry/bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/gpu-bundle/lib NCCL_NVLS_ENABLE=0
@@ -25,7 +26,26 @@ profile() {  # name binary args...
   sed -n '/op profile/,$p' $OUT/prof_$name.txt | head -22
   grep "host synchronizations" $OUT/prof_$name.txt
 }
+GPT2="train --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 --num-layers 12 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 2048 --seq-length 1024 --micro-batch-size 16 --global-batch-size 16 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --train-iters 12 --log-interval 4 --eval-iters 0 --lr 1e-4 --lr-warmup-iters 1"
 case "${1:-tests}" in
+graph)  # issue 17, third session: --cuda-graph-impl full_iteration
+  for t in test_cuda_graph_gpu test_cuda_graph_train_gpu test_adam_control_gpu test_host_sync_gpu \
+      test_cuda_multi_tensor_gpu test_train_gpu; do
+    echo "== $t"; timeout 240 $B/$t > $OUT/$t.txt 2>&1; echo "rc=$?"
+    grep -E "^\[  (PASSED|FAILED)|FAILED  \]|host synchronizations|graph nodes" $OUT/$t.txt | head -8
+  done
+  timeout 120 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/test_cuda_graph_gpu \
+    > $OUT/sanitizer_graph.txt 2>&1
+  echo "sanitizer graph rc=$?"; tail -2 $OUT/sanitizer_graph.txt
+  for cfg in GPT2 LLAMA MOE; do
+    for g in "" "--cuda-graph-impl full_iteration"; do
+      name=${cfg}${g:+_graph}
+      timeout 150 $B/megaton ${!cfg/--train-iters 12/--train-iters 24} $g > $OUT/run_$name.txt 2>&1
+      echo "== $name rc=$?"; grep -E "cuda graph:" $OUT/run_$name.txt
+      grep -oE "iteration +[0-9]+/ +24 .{0,60}elapsed time per iteration \(ms\): [0-9.]+|peak memory \(MB\): [0-9.]+" $OUT/run_$name.txt | tail -4
+    done
+  done
+  ;;
 nosync)  # issue 17, second session: device-counted grouped GEMMs, the device-decided step
   for t in test_host_sync_gpu "test_cuda_gemm_gpu --gtest_filter=CudaGroupedGemm*" \
       test_adam_control_gpu test_cuda_multi_tensor_gpu test_cuda_reduce_gpu test_cuda_moe_gpu \
@@ -77,19 +97,18 @@ tests)
   ;;
 dense)
   timeout 560 python3 bench/gpu_bench.py --megaton $B/megaton --torch-script gpu-bundle/torch_gpt.py \
-    --configs gpt2-124M,llama-1.3B --iters 20 > $OUT/bench_dense.txt 2>&1
+    --configs gpt2-124M,llama-1.3B --iters 20 ${BENCH_FLAGS:-} > $OUT/bench_dense.txt 2>&1
   tail -12 $OUT/bench_dense.txt
   ;;
 moe)
   profile moe_old $B/megaton-old $MOE
   profile moe_new $B/megaton $MOE
   timeout 420 python3 bench/gpu_bench.py --megaton $B/megaton \
-    --torch-script gpu-bundle/torch_gpt.py --configs moe-8x-top2,moe-64x-top8 --iters 20 > $OUT/bench_moe.txt 2>&1
+    --torch-script gpu-bundle/torch_gpt.py --configs moe-8x-top2,moe-64x-top8 --iters 20 ${BENCH_FLAGS:-} > $OUT/bench_moe.txt 2>&1
   tail -12 $OUT/bench_moe.txt
   ;;
 extra)  # the grouped GEMM, gpt2-124M's profile, and the cost of --deterministic-mode
   $B/bench_grouped_gemm_gpu > $OUT/grouped.txt 2>&1; tail -14 $OUT/grouped.txt
-  GPT2="train --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 --num-layers 12 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 2048 --seq-length 1024 --micro-batch-size 16 --global-batch-size 16 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --train-iters 12 --log-interval 4 --eval-iters 0 --lr 1e-4 --lr-warmup-iters 1"
   profile gpt2 $B/megaton $GPT2
   profile moe_pingpong $B/megaton $MOE
   for cfg in LLAMA MOE; do
@@ -104,7 +123,7 @@ fp8)  # FP8 rows (torchao carried as a wheel in gpu-carry/)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site gpu-carry/*.whl >/dev/null 2>&1
   export PYTHONPATH=/tmp/site
   timeout 560 python3 bench/gpu_bench.py --megaton $B/megaton --torch-script gpu-bundle/torch_gpt.py \
-    --configs ${CONFIGS:-llama-1.3B,moe-8x-top2} --iters 20 --fp8 tensorwise > $OUT/bench_fp8.txt 2>&1
+    --configs ${CONFIGS:-llama-1.3B,moe-8x-top2} --iters 20 --fp8 tensorwise ${BENCH_FLAGS:-} > $OUT/bench_fp8.txt 2>&1
   tail -12 $OUT/bench_fp8.txt
   ;;
 esac

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/graph.h"
 #endif
 
 namespace megaton {
@@ -75,6 +76,8 @@ Readback::Readback(const std::vector<Tensor>& tensors) : impl_(std::make_unique<
     return;
   }
 #ifdef MEGATON_WITH_CUDA
+  // A captured copy would run at every replay into a block the pool has handed on.
+  MEGATON_CHECK(!cuda::capturing(), "Readback inside a CUDA graph capture");
   size_t bytes = 0;
   for (const Tensor& t : tensors) {
     impl_->offsets.push_back(bytes);

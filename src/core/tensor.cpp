@@ -4,6 +4,7 @@
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/allocator.h"
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/graph.h"
 #endif
 
 #include <sys/resource.h>
@@ -342,6 +343,9 @@ static void copy_bytes(void* dst, Device dst_device, const void* src, Device src
     cuda::upload(dst, src, bytes);
     return;
   }
+  // A copy to the host waits for it; inside a CUDA graph capture synchronize() refuses
+  // that before the copy is queued.
+  if (dst_device == Device::CPU && cuda::capturing()) cuda::synchronize();
   MEGATON_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda::stream()));
   if (dst_device == Device::CPU || src_device == Device::CPU) cuda::synchronize();
 #else

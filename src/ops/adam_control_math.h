@@ -38,6 +38,7 @@ MEGATON_HOST_DEVICE inline void adam_control_math(double sum, double norm_scale,
   *grad_norm = norm;
   const bool finite = std::isfinite(norm);
   if (check_nan && (!finite || (loss != nullptr && !std::isfinite(*loss)))) state[1] = 1;
+  control[kAdamLr] = lr;
   const bool skip = state[1] != 0 || !finite;
   control[kAdamSkip] = skip ? 1.0f : 0.0f;
   if (skip) return;

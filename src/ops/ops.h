@@ -618,17 +618,20 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
 // _foreach ops with a found_inf tensor). fp64 scalars are I64 tensors holding the bits.
 
 // What adamw_step_control writes for multi_tensor_adamw (control, F32 [kAdamControlSize]).
-constexpr int64_t kAdamControlSize = 5;
+constexpr int64_t kAdamControlSize = 6;
 constexpr int64_t kAdamStepSize = 0;   // float(lr / (1 - beta1^step))
 constexpr int64_t kAdamInvSqrtBc2 = 1; // float(1 / sqrt(1 - beta2^step))
 constexpr int64_t kAdamGradScale = 2;  // float(clip coefficient) * grad_scale_factor
 constexpr int64_t kAdamSkip = 3;       // 1: no update this step, 0: update
 constexpr int64_t kAdamStep = 4;       // the step count (exact below 2^24 steps)
+constexpr int64_t kAdamLr = 5;         // the learning rate (lr[0]), written even when skipping
 // The scalar prologue of a step, one thread on the GPU:
 //   sum_sq_parts  I64 [n]: fp64 squared sums (one per rank), added in index order (the
 //                 order of dist::sum_over, so the norm has its bits);
 //   grad_norm   = sqrt(sum) * norm_scale (fp64), written to grad_norm_out (I64 [1]);
 //   loss          F32 [1] or undefined: a non-finite value stops the run when check_nan;
+//   lr            F32 [1]: the step's learning rate, read on the device (so a captured
+//                 CUDA graph takes each step's value; copied to control[kAdamLr]);
 //   state         I64 [2] = {Adam step count, stopped}: stopped becomes 1 (and stays 1)
 //                 when check_nan and the norm or the loss is not finite, the step count
 //                 grows by one for every step that updates;
@@ -640,17 +643,18 @@ constexpr int64_t kAdamStep = 4;       // the step count (exact below 2^24 steps
 // multi_tensor_adamw's fp64 bias corrections), so the two paths update to the same bits.
 // Tensors on one device; InternalError on dtypes, shapes or betas outside [0, 1).
 void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double max_norm,
-                        float grad_scale_factor, const Tensor& loss, bool check_nan, float lr,
-                        float beta1, float beta2, Tensor& state, Tensor& control,
-                        Tensor& grad_norm_out);
-// multi_tensor_adamw with step, step size, bias correction and gradient scale read from
-// control (adamw_step_control's, on the params' device): when control[kAdamSkip] is
-// nonzero nothing is written; otherwise every tensor gets the update multi_tensor_adamw
-// would give with that step and grad_scale (the same bits). lr is still needed on the
-// host for the weight decay factors. The other arguments and checks as above.
+                        float grad_scale_factor, const Tensor& loss, bool check_nan,
+                        const Tensor& lr, float beta1, float beta2, Tensor& state,
+                        Tensor& control, Tensor& grad_norm_out);
+// multi_tensor_adamw with step, learning rate, step size, bias correction and gradient
+// scale read from control (adamw_step_control's, on the params' device): when
+// control[kAdamSkip] is nonzero nothing is written; otherwise every tensor gets the update
+// multi_tensor_adamw would give with that step, lr and grad_scale (the same bits: on the
+// GPU both compute the weight-decay factor 1 - lr * wd in fp64 in the kernel). The other
+// arguments and checks as above.
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, const Tensor& control);
+                        float beta1, float beta2, float eps, const Tensor& control);
 
 }  // namespace megaton::ops

@@ -48,9 +48,9 @@ AdamW::Lists AdamW::lists() const {
   return out;
 }
 
-void AdamW::step(float lr, const Tensor& control) {
+void AdamW::step(const Tensor& control) {
   Lists l = lists();
-  ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays, lr,
+  ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays,
                           config_.adam_beta1, config_.adam_beta2, config_.adam_eps, control);
 }
 

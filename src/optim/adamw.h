@@ -43,9 +43,9 @@ class AdamW {
   void step(float lr, float grad_scale = 1.0f);
   // The same update with the step decided on the device: control is
   // ops::adamw_step_control's (made from device_state()), which holds the step count,
-  // the clipping scale and whether to skip (then nothing changes). No host
-  // synchronization on the GPU.
-  void step(float lr, const Tensor& control);
+  // the learning rate, the clipping scale and whether to skip (then nothing changes). No
+  // host synchronization on the GPU, and no host value that changes from step to step.
+  void step(const Tensor& control);
 
   // Number of updates so far (restored from a checkpoint with set_step_count). Kept on
   // the params' device with the stopped flag (device_state): reading it is a host

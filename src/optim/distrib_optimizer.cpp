@@ -176,7 +176,7 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   quantize_fp8_weights();
 }
 
-DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(float lr, double max_norm,
+DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(const Tensor& lr, double max_norm,
                                                               const Tensor& loss, bool check_nan) {
   const Device device = adam_->device_state().device();
   Tensor mine = Tensor::empty({1}, DType::I64, device);
@@ -194,7 +194,7 @@ DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(float lr, double m
   ops::adamw_step_control(parts, double(grad_mean_scale()), max_norm, grad_mean_scale(), loss,
                           check_nan, lr, c.adam_beta1, c.adam_beta2, adam_->device_state(),
                           out.control, out.grad_norm);
-  adam_->step(lr, out.control);
+  adam_->step(out.control);
   out.state = adam_->device_state().clone();
   quantize_fp8_weights();
   return out;

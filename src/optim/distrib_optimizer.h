@@ -53,8 +53,10 @@ class DistributedAdamW {
   // steady state): the gradient norm counted as grad_norm() counts it, then
   // ops::adamw_step_control (clipping by max_norm, 0 for none; a non-finite norm skips
   // the update; under check_nan a non-finite norm or `loss` stops every later update
-  // too), then the AdamW update as step() would do it and the FP8 weights. loss: the
-  // step's summed LM loss, F32 [1] on the model's device, or undefined. Multi-rank, the
+  // too), then the AdamW update as step() would do it and the FP8 weights. lr: the
+  // step's learning rate, F32 [1] on the model's device (read there, so a CUDA graph of the
+  // step takes each step's value). loss: the step's summed LM loss, F32 [1] on the model's
+  // device, or undefined. Multi-rank, the
   // per-rank squared sums travel in one all-gather and are added in rank order, as
   // grad_norm() adds them. Returns the step's record, on the device: grad_norm (I64 [1],
   // fp64 bits), control (F32 [ops::kAdamControlSize], whether it skipped at kAdamSkip)
@@ -63,7 +65,8 @@ class DistributedAdamW {
   struct DeviceStep {
     Tensor grad_norm, control, state, local_sum_sq;
   };
-  DeviceStep step_on_device(float lr, double max_norm, const Tensor& loss, bool check_nan);
+  DeviceStep step_on_device(const Tensor& lr, double max_norm, const Tensor& loss,
+                            bool check_nan);
 
   // --fp8-param-gather: writes this rank's shard of every FP8 weight buffer from the fp32
   // main params, one per-tensor scale per weight as Transformer Engine's current scaling

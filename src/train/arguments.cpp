@@ -131,6 +131,14 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"seed", "random seed"},
       {"deterministic-mode", "bitwise-reproducible GPU runs (deterministic embedding and "
                              "attention backward; NCCL_ALGO Ring unless set), slower", true},
+      // CUDA graphs (train/step_graph.h, docs/cuda.md)
+      {"cuda-graph-impl", "none (default) or full_iteration: capture the whole training step "
+                          "once and replay it (local and transformer_engine are refused)"},
+      {"cuda-graph-warmup-steps", "steps run without a graph before the capture (default 3)"},
+      {"cuda-graph-modules", "per-layer capture regions of --cuda-graph-impl local (refused; "
+                             "must be empty with full_iteration)", false, true},
+      {"cuda-graph-scope", "deprecated name of cuda-graph-modules ('full_iteration' selects "
+                           "--cuda-graph-impl full_iteration, as in Megatron)", false, true},
       {"save", "checkpoint directory to write"},
       {"save-interval", "save every this many iterations"},
       {"load", "checkpoint directory to resume from"},
@@ -476,6 +484,54 @@ void check_value_ranges(const Reader& r, const TrainArgs& a) {
 namespace {
 // The FP8 flags (Megatron's arguments.py and TransformerConfig checks). Every --fp8-*
 // flag other than the format is refused without --fp8-format, rather than ignored.
+// --cuda-graph-impl and its options, with Megatron's rules (arguments.py): the old
+// --cuda-graph-scope is --cuda-graph-modules, except its value full_iteration, which selects
+// the implementation; modules are empty with full_iteration; warmup steps are positive.
+void parse_cuda_graph_args(const Reader& r, const RawOptions& raw, TrainArgs& a) {
+  r.get("cuda-graph-impl", a.cuda_graph_impl);
+  if (r.has("cuda-graph-modules") && r.has("cuda-graph-scope"))
+    fail("cuda-graph-scope and cuda-graph-modules cannot be used together (cuda-graph-scope is "
+         "the deprecated name)");
+  for (const char* key : {"cuda-graph-modules", "cuda-graph-scope"}) {
+    if (!r.has(key)) continue;
+    for (const std::string& v : raw.at(key)) {
+      if (std::string(key) == "cuda-graph-scope" && v == "full_iteration") {
+        if (a.cuda_graph_impl != "none" && a.cuda_graph_impl != "local" &&
+            a.cuda_graph_impl != "full_iteration")
+          fail("cuda-graph-scope full_iteration cannot be combined with cuda-graph-impl {}",
+               printable(a.cuda_graph_impl));
+        a.cuda_graph_impl = "full_iteration";
+        continue;
+      }
+      if (v != "attn" && v != "mlp" && v != "moe" && v != "moe_router" && v != "moe_preprocess" &&
+          v != "mamba" && v != "full")
+        fail("{}: '{}' is not one of attn, mlp, moe, moe_router, moe_preprocess, mamba", key,
+             printable(v));
+      if (v != "full") a.cuda_graph_modules.push_back(v);  // "full": the whole layer (empty)
+    }
+  }
+  r.get("cuda-graph-warmup-steps", a.cuda_graph_warmup_steps);
+  const std::string& impl = a.cuda_graph_impl;
+  if (impl != "none" && impl != "local" && impl != "transformer_engine" && impl != "full_iteration")
+    fail("cuda-graph-impl must be none, local, transformer_engine or full_iteration (got '{}')",
+         printable(impl));
+  if (impl == "transformer_engine")
+    fail("cuda-graph-impl transformer_engine captures Transformer Engine's layers, which Megaton "
+         "does not use: use cuda-graph-impl full_iteration");
+  if (impl == "local")
+    fail("cuda-graph-impl local (per-layer CUDA graphs) is not built in Megaton: use "
+         "cuda-graph-impl full_iteration, which captures the whole step");
+  if (impl == "full_iteration" && !a.cuda_graph_modules.empty())
+    fail("cuda-graph-modules must be empty with cuda-graph-impl full_iteration (it captures the "
+         "whole step)");
+  // Megatron: the modules have no effect with impl none.
+  if (impl == "none" && !a.cuda_graph_modules.empty())
+    a.no_effect.push_back("--cuda-graph-modules: no CUDA graphs are captured (cuda-graph-impl "
+                          "none)");
+  if (a.cuda_graph_warmup_steps <= 0)
+    fail("cuda-graph-warmup-steps must be positive (got {})", a.cuda_graph_warmup_steps);
+}
+
 void parse_fp8_args(const Reader& r, GPTConfig& m, std::vector<std::string>& no_effect) {
   Fp8Config& f = m.fp8;
   const char* dependents[] = {"fp8-recipe", "fp8-margin", "fp8-amax-history-len",
@@ -692,6 +748,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
              "CollnetChain, ^NVLS (got '{}')", printable(v));
     }
   }
+  parse_cuda_graph_args(r, raw, a);
   r.get("save", a.save);
   r.get("save-interval", a.save_interval);
   r.get("load", a.load);

@@ -77,6 +77,11 @@ struct TrainArgs {
   // (ops/determinism.h) and NCCL_ALGO is Ring unless set, so two runs on the same GPUs
   // give the same bits.
   bool deterministic_mode = false;
+  // --cuda-graph-impl (none or full_iteration; train/step_graph.h), its warmup steps, and
+  // --cuda-graph-modules (kept for the messages: only local, refused, takes them).
+  std::string cuda_graph_impl = "none";
+  int64_t cuda_graph_warmup_steps = 3;
+  std::vector<std::string> cuda_graph_modules;
 
   // Checkpoints.
   std::string save;

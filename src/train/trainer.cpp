@@ -91,6 +91,7 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   const int64_t world = dist::world_size();
   const dist::ValidatedLayout layout = check_parallel_layout(args_, world);
   check_memory_fits(args_, layout.sizes);  // before the datasets and the model are built
+  check_full_iteration_graph(args_, world);
   std::array<int64_t, 3> num_samples = {args_.train_iters * gbs, args_.eval_iters * gbs,
                                         args_.eval_iters * gbs};
   if (args_.mock_data) {
@@ -155,6 +156,9 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
                                                          args_.adam, distributed);
   if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
+  lr_ = Tensor::zeros({1}, DType::F32, args_.model.device);
+  if (args_.cuda_graph_impl == "full_iteration")
+    step_graph_ = std::make_unique<FullIterationGraph>(args_.cuda_graph_warmup_steps);
   if (!args_.load.empty()) load();
   // --fp8-param-gather: each rank quantized its shard of the FP8 weights (at construction
   // or load); the all-gather gives every rank all of them before the first forward.
@@ -263,17 +267,15 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     tokens_sum = double(n_mb * mbs * args_.model.seq_length);
   }
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
-    Tensor tokens, labels;
-    load_batch(*datasets_[0], micro_batch_start(consumed_samples_, mb), mbs, tokens, labels);
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
-    MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
+    MicroBatchLoss out = chunks_[0]->forward(batch_tokens_[size_t(mb)], batch_labels_[size_t(mb)], ctx);
     int64_t T = out.losses.numel();
     ops::sum(out.losses, mb_sum);
     ops::add_(loss_sum, mb_sum);
     tokens_sum += double(T);
     // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
-    Tensor dlosses = Tensor::empty({T});
+    Tensor dlosses = Tensor::empty({T}, DType::F32, device);
     dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
     chunks_[0]->backward(dlosses, 1.0f / float(n_mb));
   }
@@ -298,6 +300,42 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   if (grid_->tp().rank != 0) loss_sum.zero();
   comm_->all_reduce(loss_sum, grid_->tp_dp_cp());
   return {loss_sum, tokens_sum * double(grid_->tp_dp_cp().size() / grid_->tp().size())};
+}
+
+void Trainer::stage_step_inputs(double lr) {
+  lr_.copy_from(Tensor::from({1}, {float(lr)}));
+  if (schedule_) return;  // the pipeline schedule loads its micro-batches itself
+  const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
+  if (batch_tokens_.empty()) {
+    for (int64_t mb = 0; mb < n_mb; ++mb) {
+      batch_tokens_.push_back(Tensor::empty({mbs, args_.model.seq_length}, DType::I32, args_.model.device));
+      batch_labels_.push_back(Tensor::empty({mbs, args_.model.seq_length}, DType::I32, args_.model.device));
+    }
+  }
+  for (int64_t mb = 0; mb < n_mb; ++mb) {
+    Tensor tokens, labels;
+    load_batch(*datasets_[0], micro_batch_start(consumed_samples_, mb), mbs, tokens, labels);
+    batch_tokens_[size_t(mb)].copy_from(tokens);
+    batch_labels_[size_t(mb)].copy_from(labels);
+  }
+}
+
+Trainer::StepOutputs Trainer::run_step(int64_t iteration) {
+  StepOutputs out;
+  out.loss = train_step(iteration);
+  // Before the update, as Megatron counts them; -1: not logged (a host synchronization).
+  out.num_zeros = args_.log_num_zeros_in_grad ? optimizer_->num_zeros_in_grad() : -1;
+  // The norm, the clipping (folded into the update; the gradients are not rescaled in
+  // place, and the logged norm is the one before clipping, as in Megatron), the skip of
+  // a non-finite step and, under --check-for-nan-in-loss-and-grad, the stop before its
+  // update are all decided on the device.
+  out.update = optimizer_->step_on_device(lr_, double(args_.clip_grad), out.loss.sum,
+                                          args_.check_for_nan_in_loss_and_grad);
+  ddp_->start_param_sync();  // the unchanged weights again after a skipped step
+  // Expert biases (updated whether or not the step was skipped, as Megatron's
+  // finalize_model_grads does) and the routers' metrics.
+  out.moe = moe_->finish_step(local_micro_batches());
+  return out;
 }
 
 double Trainer::evaluate() {
@@ -486,22 +524,32 @@ TrainResult Trainer::train() {
     step.lr = optim::learning_rate(args_.lr, iteration_);
     ++iteration_;
     step.iteration = iteration_;
-    StepLoss loss = train_step(iteration_);
-    step.tokens = loss.tokens;
-    // Before the update, as Megatron counts them; -1: not logged (a host synchronization).
-    step.num_zeros = args_.log_num_zeros_in_grad ? optimizer_->num_zeros_in_grad() : -1;
-    // The norm, the clipping (folded into the update; the gradients are not rescaled in
-    // place, and the logged norm is the one before clipping, as in Megatron), the skip of
-    // a non-finite step and, under --check-for-nan-in-loss-and-grad, the stop before its
-    // update are all decided on the device.
-    const optim::DistributedAdamW::DeviceStep update = optimizer_->step_on_device(
-        float(step.lr), double(args_.clip_grad), loss.sum, args_.check_for_nan_in_loss_and_grad);
-    ddp_->start_param_sync();  // the unchanged weights again after a skipped step
-    // Expert biases (updated whether or not the step was skipped, as Megatron's
-    // finalize_model_grads does) and the routers' metrics.
-    step.moe = moe_->finish_step(local_micro_batches());
-    std::vector<Tensor> read = {loss.sum,       local_loss_sum_, update.grad_norm,
-                                update.local_sum_sq, update.control, update.state};
+    stage_step_inputs(step.lr);
+    // Eagerly, or (--cuda-graph-impl full_iteration, after its warmup) as the replay of the
+    // captured step, which rewrites the step_outputs_ of its capture.
+    auto body = [this] { step_outputs_ = run_step(iteration_); };
+    if (step_graph_) {
+      const bool was_captured = step_graph_->captured();
+      step_graph_->run(body);
+      if (!was_captured && step_graph_->captured()) {
+        result.cuda_graph_iteration = iteration_;
+        result.cuda_graph_nodes = step_graph_->num_nodes();
+        if (is_logging_rank())
+          fmt::print(" cuda graph: the training step captured at iteration {} ({} nodes, {} in "
+                     "its memory pool); later steps replay it\n",
+                     iteration_, step_graph_->num_nodes(),
+                     human_bytes(double(step_graph_->pool_bytes())));
+      }
+    } else {
+      body();
+    }
+    const StepOutputs& out = step_outputs_;
+    const optim::DistributedAdamW::DeviceStep& update = out.update;
+    step.tokens = out.loss.tokens;
+    step.num_zeros = out.num_zeros;
+    step.moe = out.moe;
+    std::vector<Tensor> read = {out.loss.sum,        local_loss_sum_, update.grad_norm,
+                                update.local_sum_sq, update.control,  update.state};
     if (step.moe.values.defined()) read.push_back(step.moe.values);  // the log line's
     step.values = std::make_unique<Readback>(read);
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers

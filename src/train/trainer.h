@@ -19,6 +19,7 @@
 #include "train/arguments.h"
 #include "train/moe_metrics.h"
 #include "train/pipeline_schedule.h"
+#include "train/step_graph.h"
 
 namespace megaton {
 
@@ -29,6 +30,9 @@ struct TrainResult {
   double first_valid_loss = -1;     // before training (fresh runs), -1 when not evaluated
   double last_valid_loss = -1;      // after training
   int64_t final_iteration = 0;
+  // --cuda-graph-impl full_iteration: the iteration whose step was captured and the nodes
+  // of the graph (0 when none was captured).
+  int64_t cuda_graph_iteration = 0, cuda_graph_nodes = 0;
 };
 
 class Trainer {
@@ -63,6 +67,21 @@ class Trainer {
     double tokens = 0;
   };
   StepLoss train_step(int64_t iteration);
+  // The step's inputs that change from step to step, written to device memory before the
+  // step runs, so a captured step (FullIterationGraph) reads each step's values: the
+  // learning rate (lr_) and, without a pipeline, the micro-batches' tokens and labels
+  // (batch_tokens_, batch_labels_, from consumed_samples_).
+  void stage_step_inputs(double lr);
+  // One whole step on the device: train_step, the number of zero gradients (eager runs
+  // only), the optimizer (step_on_device), the parameter all-gather's start and the MoE
+  // bookkeeping. What the host reads of it afterwards, all on the device.
+  struct StepOutputs {
+    StepLoss loss;
+    optim::DistributedAdamW::DeviceStep update;
+    PendingMoEMetrics moe;
+    int64_t num_zeros = -1;
+  };
+  StepOutputs run_step(int64_t iteration);
   // A step whose values are still on the device (queued, maybe not run yet): the trainer
   // reads them after it has queued the next step, so the GPU never waits for the host in
   // the steady state (train()).
@@ -136,6 +155,13 @@ class Trainer {
   // no loss: pipeline stages before the last), to name the rank of a non-finite loss:
   // [1] fp32 on the model's device.
   Tensor local_loss_sum_;
+  // stage_step_inputs's device buffers: F32 [1]; [micro_batch_size, seq_length] I32 each.
+  Tensor lr_;
+  std::vector<Tensor> batch_tokens_, batch_labels_;
+  // --cuda-graph-impl full_iteration (null otherwise) and the outputs of the captured step,
+  // which its replays rewrite.
+  std::unique_ptr<FullIterationGraph> step_graph_;
+  StepOutputs step_outputs_;
 };
 
 // Peak memory in bytes: device memory held by tensors on the GPU (the caching

@@ -57,12 +57,14 @@ TEST(AdamControl, UpdatesLikeTheHostPath) {
     ops::multi_tensor_adamw(host.params, host.grads, host.m, host.v, host.copies, host.decays, lr,
                             b1, b2, eps, step, scale);
     ops::adamw_step_control(sum_sq_of(device.grads), double(mean_scale), max_norm, mean_scale,
-                            Tensor(), true, lr, b1, b2, state, control, norm_bits);
+                            Tensor(), true, Tensor::from({1}, {lr}), b1, b2, state, control,
+                            norm_bits);
     EXPECT_EQ(std::bit_cast<double>(norm_bits.i64()[0]), norm);
     EXPECT_EQ(control.f32()[ops::kAdamGradScale], scale);
+    EXPECT_EQ(control.f32()[ops::kAdamLr], lr);
     EXPECT_EQ(control.f32()[ops::kAdamSkip], 0.0f);
     ops::multi_tensor_adamw(device.params, device.grads, device.m, device.v, device.copies,
-                            device.decays, lr, b1, b2, eps, control);
+                            device.decays, b1, b2, eps, control);
     EXPECT_EQ(state.i64()[0], step);
     for (size_t i = 0; i < host.params.size(); ++i) {
       EXPECT_TRUE(testing::allclose(device.params[i], host.params[i], 0, 0)) << "step " << step;
@@ -80,10 +82,10 @@ TEST(AdamControl, NonFiniteNormSkipsAndCheckNanStops) {
   Tensor nan_parts = Tensor::empty({1}, DType::I64);
   nan_parts.i64()[0] = std::bit_cast<int64_t>(std::numeric_limits<double>::quiet_NaN());
   auto step = [&](const Tensor& parts, const Tensor& loss, bool check_nan) {
-    ops::adamw_step_control(parts, 1.0, 1.0, 1.0f, loss, check_nan, 1e-3f, 0.9f, 0.999f, state,
-                            control, norm_bits);
-    ops::multi_tensor_adamw(l.params, l.grads, l.m, l.v, l.copies, l.decays, 1e-3f, 0.9f, 0.999f,
-                            1e-8f, control);
+    ops::adamw_step_control(parts, 1.0, 1.0, 1.0f, loss, check_nan, Tensor::from({1}, {1e-3f}),
+                            0.9f, 0.999f, state, control, norm_bits);
+    ops::multi_tensor_adamw(l.params, l.grads, l.m, l.v, l.copies, l.decays, 0.9f, 0.999f, 1e-8f,
+                            control);
   };
   // Without the check: skipped, not counted, not stopped; the next finite step updates
   // with step count 1.

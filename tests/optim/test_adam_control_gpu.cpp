@@ -58,13 +58,14 @@ TEST(AdamControlGpu, UpdatesLikeTheHostPathAndTheCpuScalars) {
     const float scale = float(optim::clip_coefficient(max_norm, norm)) * mean_scale;
     ops::multi_tensor_adamw(host.params, host.grads, host.m, host.v, host.copies, host.decays, lr,
                             b1, b2, eps, step, scale);
-    ops::adamw_step_control(parts, double(mean_scale), max_norm, mean_scale, Tensor(), true, lr,
-                            b1, b2, state, control, norm_bits);
+    const Tensor lr_host = Tensor::from({1}, {lr});
+    ops::adamw_step_control(parts, double(mean_scale), max_norm, mean_scale, Tensor(), true,
+                            lr_host.to(Device::CUDA), b1, b2, state, control, norm_bits);
     ops::multi_tensor_adamw(device.params, device.grads, device.m, device.v, device.copies,
-                            device.decays, lr, b1, b2, eps, control);
+                            device.decays, b1, b2, eps, control);
     // The CPU twin of the prologue computes the same scalars.
     ops::adamw_step_control(parts.to(Device::CPU), double(mean_scale), max_norm, mean_scale,
-                            Tensor(), true, lr, b1, b2, cpu_state, cpu_control, cpu_norm);
+                            Tensor(), true, lr_host, b1, b2, cpu_state, cpu_control, cpu_norm);
     const Tensor got = control.to(Device::CPU);
     for (int64_t i = 0; i < ops::kAdamControlSize; ++i)
       EXPECT_EQ(got.f32()[i], cpu_control.f32()[i]) << "control " << i;
@@ -92,10 +93,11 @@ TEST(AdamControlGpu, SkippedStepWritesNothing) {
   Tensor norm_bits = Tensor::empty({1}, DType::I64, Device::CUDA);
   Tensor parts = Tensor::empty({1}, DType::I64);
   parts.i64()[0] = std::bit_cast<int64_t>(std::numeric_limits<double>::infinity());
-  ops::adamw_step_control(parts.to(Device::CUDA), 1.0, 1.0, 1.0f, Tensor(), false, 1e-3f, 0.9f,
-                          0.999f, state, control, norm_bits);
-  ops::multi_tensor_adamw(l.params, l.grads, l.m, l.v, l.copies, l.decays, 1e-3f, 0.9f, 0.999f,
-                          1e-8f, control);
+  ops::adamw_step_control(parts.to(Device::CUDA), 1.0, 1.0, 1.0f, Tensor(), false,
+                          Tensor::from({1}, {1e-3f}).to(Device::CUDA), 0.9f, 0.999f, state, control,
+                          norm_bits);
+  ops::multi_tensor_adamw(l.params, l.grads, l.m, l.v, l.copies, l.decays, 0.9f, 0.999f, 1e-8f,
+                          control);
   EXPECT_TRUE(testing::allclose(l.params[1].to(Device::CPU), before, 0, 0));
   EXPECT_TRUE(testing::allclose(testing::to_host_f32(l.copies[1]), copy_before, 0, 0));
   EXPECT_EQ(state.to(Device::CPU).i64()[0], 0);

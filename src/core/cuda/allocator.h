@@ -33,4 +33,25 @@ void reset_peak_device_memory();
 // Frees every cached (unused) block back to the driver.
 void empty_device_cache();
 
+// ---- graph memory pools (core/cuda/graph.h) ----
+// A CUDA graph replays the device addresses it was captured with, so the blocks it uses
+// must stay its own for as long as it lives. While a pool is active (its graph is being
+// captured), every allocation comes from it: a block it owns and no longer uses, else a
+// cached block taken over from the cache, else cudaMalloc. A block the pool owns is never
+// handed out again except by the same pool during a capture, and stays counted as
+// allocated (the graph writes it on every replay) until the pool is released. A block of
+// the cache freed during a capture (a tensor from before the capture dropped inside it)
+// is held back until the pool is released, since the graph may read it. Pools nest never:
+// one active at a time. No cudaFree during a capture: out of memory there throws at once.
+struct GraphPool;
+// Starts a new pool and makes it active. InternalError if one is active already.
+GraphPool* begin_graph_pool();
+// Deactivates the active pool (it keeps its blocks).
+void end_graph_pool();
+// Returns every block of `pool` to the cache and forgets it; the graph that used it must
+// be destroyed and its replays complete in stream order. Never throws.
+void release_graph_pool(GraphPool* pool) noexcept;
+// Bytes owned by `pool`.
+int64_t graph_pool_bytes(const GraphPool* pool);
+
 }  // namespace megaton::cuda

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/graph.h"
 
 namespace megaton::cuda {
 
@@ -74,6 +75,15 @@ __global__ void fill_kernel(T* dst, T value, int64_t n) {
 void upload(void* device_dst, const void* host_src, size_t bytes) {
   auto* dst = static_cast<unsigned char*>(device_dst);
   const auto* src = static_cast<const unsigned char*>(host_src);
+  if (bytes > kUploadMaxBytes && capturing()) {
+    // The graph reads the bytes at every replay: a pinned copy of its own.
+    void* pinned = nullptr;
+    MEGATON_CUDA_CHECK(cudaMallocHost(&pinned, bytes));
+    keep_for_capturing_graph(pinned);
+    std::memcpy(pinned, src, bytes);
+    MEGATON_CUDA_CHECK(cudaMemcpyAsync(dst, pinned, bytes, cudaMemcpyHostToDevice, stream()));
+    return;
+  }
   if (bytes > kUploadMaxBytes) {
     StagingBlock block = staging_pool().take(bytes);
     std::memcpy(block.data, src, bytes);

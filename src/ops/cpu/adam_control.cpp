@@ -19,9 +19,9 @@ void check_tensor(const Tensor& t, DType dtype, int64_t numel, const char* name)
 }  // namespace
 
 void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double max_norm,
-                        float grad_scale_factor, const Tensor& loss, bool check_nan, float lr,
-                        float beta1, float beta2, Tensor& state, Tensor& control,
-                        Tensor& grad_norm_out) {
+                        float grad_scale_factor, const Tensor& loss, bool check_nan,
+                        const Tensor& lr, float beta1, float beta2, Tensor& state,
+                        Tensor& control, Tensor& grad_norm_out) {
   // Checked here for both devices (the CUDA door checks nothing again).
   MEGATON_CHECK(sum_sq_parts.defined() && sum_sq_parts.dtype() == DType::I64,
                 "adamw_step_control: sum_sq_parts must be I64 (fp64 bits)");
@@ -29,9 +29,10 @@ void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double ma
   check_tensor(control, DType::F32, kAdamControlSize, "control");
   check_tensor(grad_norm_out, DType::I64, 1, "grad_norm_out");
   if (loss.defined()) check_tensor(loss, DType::F32, 1, "loss");
+  check_tensor(lr, DType::F32, 1, "lr");
   MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
                 "adamw_step_control: betas ({}, {}) must be in [0, 1)", beta1, beta2);
-  const std::initializer_list<const Tensor*> all = {&sum_sq_parts, &loss, &state, &control,
+  const std::initializer_list<const Tensor*> all = {&sum_sq_parts, &loss, &lr, &state, &control,
                                                     &grad_norm_out};
   for (const Tensor* t : all)
     MEGATON_CHECK(!t->defined() || t->device() == sum_sq_parts.device(),
@@ -45,7 +46,7 @@ void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double ma
     sum += std::bit_cast<double>(sum_sq_parts.i64()[i]);
   double norm = 0.0;
   adam_control_math(sum, norm_scale, max_norm, grad_scale_factor,
-                    loss.defined() ? loss.f32() : nullptr, check_nan, lr, beta1, beta2,
+                    loss.defined() ? loss.f32() : nullptr, check_nan, lr.f32()[0], beta1, beta2,
                     state.i64(), control.f32(), &norm);
   grad_norm_out.i64()[0] = std::bit_cast<int64_t>(norm);
 }
@@ -53,19 +54,19 @@ void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double ma
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, const Tensor& control) {
+                        float beta1, float beta2, float eps, const Tensor& control) {
   if (params.empty()) return;
   MEGATON_CUDA_DISPATCH(params[0],
                         cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies,
-                                                 weight_decays, lr, beta1, beta2, eps, control));
+                                                 weight_decays, beta1, beta2, eps, control));
   MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
                     control.numel() == kAdamControlSize && control.device() == Device::CPU,
                 "multi_tensor_adamw: control must be F32 [{}] on the params' device",
                 kAdamControlSize);
   const float* c = control.f32();
   if (c[kAdamSkip] != 0.0f) return;
-  multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1,
-                     beta2, eps, int64_t(c[kAdamStep]), c[kAdamGradScale]);
+  multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays,
+                     c[kAdamLr], beta1, beta2, eps, int64_t(c[kAdamStep]), c[kAdamGradScale]);
 }
 
 }  // namespace megaton::ops

@@ -170,12 +170,12 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, const Tensor& control);
+                        float beta1, float beta2, float eps, const Tensor& control);
 void multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors, Tensor& out);
 void adamw_step_control(const Tensor& sum_sq_parts, double norm_scale, double max_norm,
-                        float grad_scale_factor, const Tensor& loss, bool check_nan, float lr,
-                        float beta1, float beta2, Tensor& state, Tensor& control,
-                        Tensor& grad_norm_out);
+                        float grad_scale_factor, const Tensor& loss, bool check_nan,
+                        const Tensor& lr, float beta1, float beta2, Tensor& state,
+                        Tensor& control, Tensor& grad_norm_out);
 // FP8 (ops/fp8.h). Quantization (fp8.cu) equals the CPU reference bit for bit: one
 // fused kernel reads x once and writes out, out_t and amax (per tensor), or out, out_t and
 // both scale_inv tensors (blockwise, 128 x 128 tiles of 256 threads); scale updates are

@@ -278,15 +278,22 @@ void for_each_list_launch(const std::vector<Tensor>& tensors, int64_t chunk, con
 
 // ---- AdamW ----
 
-// Per-step constants shared by every tensor, computed on the host in fp64 (the
-// per-tensor decay = 1 - lr * wd travels in AdamWLaunch):
+// Per-step constants shared by every tensor, computed on the host in fp64 (or on the
+// device by adamw_step_control: the control tensor):
 //   g = grad * grad_scale,
 //   p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps),
-//   step_size = lr / (1 - b1^step), inv_sqrt_bc2 = 1 / sqrt(1 - b2^step).
+//   step_size = lr / (1 - b1^step), inv_sqrt_bc2 = 1 / sqrt(1 - b2^step),
+//   decay = 1 - lr * wd (per tensor, weight_decay in AdamWLaunch; adamw_decay).
 // grad_scale is the gradient-clipping coefficient (1 without clipping).
 struct AdamWConstants {
-  float beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale;
+  float beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale, lr;
 };
+
+// float(1 - lr * wd) in fp64, each operation rounded on its own (never contracted into an
+// FMA), so the host-scalar and the control paths give the same factor.
+__device__ __forceinline__ float adamw_decay(float lr, float weight_decay) {
+  return float(__dsub_rn(1.0, __dmul_rn(double(lr), double(weight_decay))));
+}
 
 // Kinds of param copy (param_copies[i]).
 enum CopyKind : uint8_t { kNoCopy = 0, kCopyF32 = 1, kCopyBF16 = 2 };
@@ -301,7 +308,7 @@ struct AdamWLaunch {
   void* copy[kAdamWTensors];
   int64_t numel[kAdamWTensors];
   uint32_t first_chunk[kAdamWTensors + 1];
-  float decay[kAdamWTensors];
+  float weight_decay[kAdamWTensors];
   uint8_t copy_kind[kAdamWTensors];
   // param, grad and both moments 16-byte aligned: the update runs on float4, otherwise
   // element by element.
@@ -382,12 +389,13 @@ __global__ void __launch_bounds__(kThreads)
     c.step_size = control[kAdamStepSize];
     c.inv_sqrt_bc2 = control[kAdamInvSqrtBc2];
     c.grad_scale = control[kAdamGradScale];
+    c.lr = control[kAdamLr];
   }
   const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
   const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kElementwiseChunk;
   const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
   const bool vectorized = launch.vectorized[t], copy_vectorized = launch.copy_vectorized[t];
-  const float decay = launch.decay[t];
+  const float decay = adamw_decay(c.lr, launch.weight_decay[t]);
   switch (launch.copy_kind[t]) {
     case kCopyF32:
       adamw_chunk<float>(launch.param[t], launch.grad[t], launch.exp_avg[t], launch.exp_avg_sq[t],
@@ -527,7 +535,7 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   const double bias_correction2 = 1.0 - power_by_squaring(double(beta2), step);
   const float step_size = float(lr / bias_correction1);
   const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bias_correction2));
-  const AdamWConstants constants{beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale};
+  const AdamWConstants constants{beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale, lr};
   cudaStream_t stream = compute_stream();
   for (const LaunchBatch& batch : plan_launches(numels, kElementwiseChunk, kAdamWTensors, kOp)) {
     AdamWLaunch meta{};
@@ -540,7 +548,7 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
       meta.exp_avg_sq[k] = exp_avg_sq[i].f32();
       meta.numel[k] = numels[i];
       meta.first_chunk[k] = batch.first_chunk[k];
-      meta.decay[k] = float(1.0 - double(lr) * weight_decays[i]);
+      meta.weight_decay[k] = weight_decays[i];
       meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
                            is_aligned(meta.exp_avg[k], 16) && is_aligned(meta.exp_avg_sq[k], 16);
       const Tensor& copy = param_copies[i];
@@ -569,12 +577,12 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
-                        float lr, float beta1, float beta2, float eps, const Tensor& control) {
+                        float beta1, float beta2, float eps, const Tensor& control) {
   MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
                     control.numel() == kAdamControlSize && control.device() == Device::CUDA,
                 "multi_tensor_adamw: control must be F32 [{}] on the GPU", kAdamControlSize);
-  // Step 1 and scale 1 pass the host checks; the kernels take the device's values.
-  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
+  // Step 1, scale 1 and lr 0 pass the host checks; the kernels take the device's values.
+  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, 0.0f, beta1, beta2,
                eps, 1, 1.0f, control.f32());
 }
 
