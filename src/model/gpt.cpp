@@ -40,6 +40,9 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
     for (Linear* linear : linears()) linear->enable_fp8(cfg.fp8);
     if (moe) moe->enable_fp8(cfg.fp8);
   }
+  // The branch outputs' biases join the dropout and the residual add (residual_add).
+  self_attention.linear_proj.set_skip_bias_add(true);
+  if (mlp) mlp->linear_fc2.set_skip_bias_add(true);
 }
 
 std::vector<Linear*> TransformerLayer::linears() {
@@ -61,11 +64,29 @@ Tensor TransformerLayer::forward(const Tensor& x, int64_t batch, int64_t seq,
                                  const ForwardContext& ctx) {
   saved_.ctx = ctx;
   saved_.dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
-  Tensor h = dropout(self_attention.forward(input_layernorm.forward(x), batch, seq, ctx), 1);
-  const Tensor normed = pre_mlp_layernorm.forward_add(h, x);  // h += x, then the norm
-  Tensor y = dropout(moe ? moe->forward(normed, ctx) : mlp->forward(normed), 2);
-  ops::add_(y, h);
+  Tensor h = self_attention.forward(input_layernorm.forward(x), batch, seq, ctx);
+  const Tensor& proj_bias = self_attention.linear_proj.bias.weight;
+  Tensor normed;
+  if (saved_.dropout_p == 0.0f && !proj_bias.defined()) {
+    normed = pre_mlp_layernorm.forward_add(h, x);  // h += x, then the norm, in one pass
+  } else {
+    residual_add(h, proj_bias, x, 1);  // h = x + dropout(h + bias), in one pass
+    normed = pre_mlp_layernorm.forward(h);
+  }
+  Tensor y = moe ? moe->forward(normed, ctx) : mlp->forward(normed);
+  residual_add(y, mlp ? mlp->linear_fc2.bias.weight : Tensor(), h, 2);
   return y;
+}
+
+void TransformerLayer::residual_add(Tensor& branch, const Tensor& bias, const Tensor& residual,
+                                    int site) const {
+  const Saved& s = saved_;
+  if (s.dropout_p == 0.0f && !bias.defined()) {
+    ops::add_(branch, residual);
+    return;
+  }
+  ops::bias_dropout_add(branch, bias, residual, branch, s.dropout_p, s.ctx.seed,
+                        s.ctx.stream(layer_, site));
 }
 
 Tensor TransformerLayer::backward(const Tensor& dy) {
@@ -115,14 +136,6 @@ void TransformerLayer::restore_saved(Activations&& saved) {
   pre_mlp_layernorm.restore_saved(std::move(saved.pre_mlp_layernorm));
   if (moe) moe->restore_saved(std::move(saved.moe));
   else mlp->restore_saved(std::move(saved.mlp));
-}
-
-Tensor TransformerLayer::dropout(const Tensor& x, int site) const {
-  const Saved& s = saved_;
-  if (s.dropout_p == 0.0f) return x;  // the branch output is fresh: no copy needed
-  Tensor y = empty_like(x, x.shape());
-  ops::dropout_forward(x, y, s.dropout_p, s.ctx.seed, s.ctx.stream(layer_, site));
-  return y;
 }
 
 Tensor TransformerLayer::dropout_grad(const Tensor& dy, int site) const {

@@ -62,8 +62,11 @@ class TransformerLayer {
   std::unique_ptr<MoELayer> moe;   // MoE layer (params under "...mlp.")
 
  private:
-  // Hidden dropout of branch `site` (1: attention, 2: MLP); identity when p == 0.
-  Tensor dropout(const Tensor& x, int site) const;
+  // branch = residual + dropout(branch + bias) for branch `site` (1: attention, 2: MLP)
+  // with its hidden dropout (ops::bias_dropout_add, one pass; a plain add_ without bias or
+  // dropout). bias: the branch's output bias (its Linear skips adding it) or undefined.
+  void residual_add(Tensor& branch, const Tensor& bias, const Tensor& residual, int site) const;
+  // The gradient through branch `site`'s dropout; identity when p == 0.
   Tensor dropout_grad(const Tensor& dy, int site) const;
 
   const GPTConfig& cfg_;

@@ -153,7 +153,7 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
     if (mp_.sequence_parallel) y = reduce_scatter_sequence(y, mp_);
     else all_reduce_tensor_parallel(y, mp_);
   }
-  if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
+  if (bias.weight.defined() && !skip_bias_add_) ops::bias_add_(y, bias.weight);
   return y;
 }
 

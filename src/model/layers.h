@@ -113,6 +113,11 @@ class Linear {
   // parallelism).
   Tensor forward_inference(const Tensor& x) const;
   void collect_params(std::vector<Param*>& out);
+  // Megatron's skip_bias_add: forward (training) leaves the bias out of y, for the caller
+  // to add in a fused pass (TransformerLayer's ops::bias_dropout_add). The bias is still
+  // this layer's parameter: backward computes its gradient from dy as before, and
+  // forward_inference still adds it.
+  void set_skip_bias_add(bool skip) { skip_bias_add_ = skip; }
 
   // Runs the three GEMMs (forward, input gradient, weight gradient unless config.wgrad is
   // off) in FP8 by config's recipe (model/fp8_linear.h), as Transformer Engine's Linear:
@@ -148,6 +153,7 @@ class Linear {
   Fp8LinearGemms::Sharding fp8_sharding() const;
 
   TensorParallelMode mode_;
+  bool skip_bias_add_ = false;
   ModelParallel mp_;
   Saved saved_;
   Fp8LinearGemms fp8_;

@@ -160,6 +160,16 @@ void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logi
 // never stored: backward regenerates it from (seed, stream). p == 0 copies.
 void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_t stream);
 void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream);
+// Megatron's fused bias-dropout-add (bias_dropout_add_fused_train) at a residual
+// connection: out = residual + dropout(x + bias), in one pass. x, residual, out [T, N] of
+// one float dtype (F32 on the CPU; F32 or BF16 on the GPU); bias [N] (any float dtype) or
+// undefined; out may be x or residual. The mask is dropout_forward's (the same seed,
+// stream and element index) and each step is rounded to the dtype as bias_add_,
+// dropout_forward and add_(out, residual) round it, so the result equals those three ops
+// bit for bit. p == 0 draws no mask. Backward needs no op of its own: residual gets dy,
+// x + bias gets dropout_backward(dy) (and the bias its row sum).
+void bias_dropout_add(const Tensor& x, const Tensor& bias, const Tensor& residual, Tensor& out,
+                      float p, uint64_t seed, uint64_t stream);
 
 // ---- rotary position embedding (ops/cpu/rope.cpp) ----
 // RoPE (Su et al. 2021) in the non-interleaved "rotate half" form of Megatron's default

@@ -32,8 +32,11 @@ GPTConfig base_config() {
 }
 
 // Objective = sum_t w_t * loss_t + aux losses; backward(w, 1) must be its gradient.
-double objective(GPTModel& model, const Tensor& tokens, const Tensor& labels, const Tensor& w) {
-  ForwardContext ctx{false, 1, 0, 0};
+// training: with the config's dropout (its masks are fixed by the context's seed and
+// stream, so the objective stays a deterministic function of the weights).
+double objective(GPTModel& model, const Tensor& tokens, const Tensor& labels, const Tensor& w,
+                 bool training = false) {
+  ForwardContext ctx{training, 1, 0, 0};
   MicroBatchLoss out = model.forward(tokens, labels, ctx);
   return testing::dot(w, out.losses) + out.aux_loss();
 }
@@ -57,7 +60,7 @@ std::vector<float> routing_of(GPTModel& model) {
   return out;
 }
 
-void check_gradients(GPTConfig cfg) {
+void check_gradients(GPTConfig cfg, bool training = false) {
   cfg.finalize();
   uint64_t seed = testing::test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -67,7 +70,7 @@ void check_gradients(GPTConfig cfg) {
   Tensor labels = testing::randint({B, S}, int32_t(cfg.vocab_size), seed + 2);
   Tensor w = testing::randn({B * S}, seed + 3, 0.5f);
 
-  objective(model, tokens, labels, w);
+  objective(model, tokens, labels, w, training);
   const std::vector<float> routing = routing_of(model);
   model.backward(w, 1.0f);
 
@@ -81,10 +84,10 @@ void check_gradients(GPTConfig cfg) {
       float orig = p->weight.f32()[i];
       const float eps = 3e-3f;
       p->weight.f32()[i] = orig + eps;
-      double up = objective(model, tokens, labels, w);
+      double up = objective(model, tokens, labels, w, training);
       bool same_routing = routing_of(model) == routing;
       p->weight.f32()[i] = orig - eps;
-      double down = objective(model, tokens, labels, w);
+      double down = objective(model, tokens, labels, w, training);
       same_routing = same_routing && routing_of(model) == routing;
       p->weight.f32()[i] = orig;
       if (!same_routing) {  // a top-k choice or a drop flipped inside [orig - eps, orig + eps]
@@ -114,6 +117,21 @@ TEST(ModelGradients, LayerNormLearnedPositionsGeluBiasesTied) {
   c.disable_bias_linear = false;
   c.untie_embeddings_and_output_weights = false;
   check_gradients(c);
+}
+
+// The fused bias-dropout-add at both residual connections (the branch biases skipped by
+// their Linears and added there), with hidden dropout on, RMSNorm and LayerNorm.
+TEST(ModelGradients, BiasDropoutAddWithHiddenDropout) {
+  for (Normalization norm : {Normalization::RMSNorm, Normalization::LayerNorm}) {
+    GPTConfig c = base_config();
+    c.normalization = norm;
+    c.disable_bias_linear = false;
+    c.hidden_dropout = 0.3f;
+    check_gradients(c, /*training=*/true);
+  }
+  GPTConfig no_bias = base_config();  // dropout alone: the other fused path
+  no_bias.hidden_dropout = 0.3f;
+  check_gradients(no_bias, /*training=*/true);
 }
 
 TEST(ModelGradients, MoEWithAuxLossPreSoftmaxAndDenseLayers) {

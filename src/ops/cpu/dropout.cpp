@@ -43,6 +43,21 @@ void apply_mask(const float* in, float* out, int64_t n, float p, uint64_t seed, 
     out[i] = rng.uniform(stream, uint64_t(i)) >= p ? in[i] * scale : 0.0f;
 }
 
+// out[i] = residual[i] + mask(x[i] + bias[i % cols]), each step rounded to fp32 as the
+// unfused ops round it (bias null: no bias; p 0: no mask).
+void bias_dropout_add(const float* x, const float* bias, int64_t cols, const float* residual,
+                      float* out, int64_t n, float p, uint64_t seed, uint64_t stream) {
+  const Philox rng(seed);
+  const float scale = p > 0.0f ? 1.0f / (1.0f - p) : 1.0f;
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i];
+    if (bias) v += bias[i % cols];
+    if (p > 0.0f) v = rng.uniform(stream, uint64_t(i)) >= p ? v * scale : 0.0f;
+    out[i] = v + residual[i];
+  }
+}
+
 }  // namespace cpu
 }  // namespace
 
@@ -56,6 +71,22 @@ void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint
   MEGATON_CUDA_DISPATCH(dy, cuda::dropout_backward(dy, dx, p, seed, stream));
   check_args(dy, "dy", dx, "dx", p, "dropout_backward");
   cpu::apply_mask(dy.f32(), dx.f32(), dy.numel(), p, seed, stream);
+}
+
+void bias_dropout_add(const Tensor& x, const Tensor& bias, const Tensor& residual, Tensor& out,
+                      float p, uint64_t seed, uint64_t stream) {
+  MEGATON_CUDA_DISPATCH(x, cuda::bias_dropout_add(x, bias, residual, out, p, seed, stream));
+  check_args(x, "x", out, "out", p, "bias_dropout_add");
+  check_args(residual, "residual", out, "out", p, "bias_dropout_add");
+  MEGATON_CHECK(x.ndim() >= 1, "bias_dropout_add: x must have a last dimension");
+  if (bias.defined()) {
+    MEGATON_CHECK(bias.dtype() == DType::F32 && bias.device() == Device::CPU && bias.ndim() == 1 &&
+                      bias.dim(0) == x.dim(-1),
+                  "bias_dropout_add: bias {} {} must be F32 [{}] on the CPU", dtype_name(bias.dtype()),
+                  shape_str(bias.shape()), x.dim(-1));
+  }
+  cpu::bias_dropout_add(x.f32(), bias.defined() ? bias.f32() : nullptr, x.dim(-1), residual.f32(),
+                        out.f32(), x.numel(), p, seed, stream);
 }
 
 }  // namespace megaton::ops

@@ -67,6 +67,8 @@ void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logi
                            Tensor& dlogits);
 void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_t stream);
 void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream);
+void bias_dropout_add(const Tensor& x, const Tensor& bias, const Tensor& residual, Tensor& out,
+                      float p, uint64_t seed, uint64_t stream);
 void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset);
 void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset);
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
