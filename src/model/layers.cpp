@@ -141,19 +141,26 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
                             : x;
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
   saved_ = {};
+  bool bias_added = false;
   if (fp8_.enabled()) {
     saved_.fp8 = fp8_.forward(x_full, weight, save_input, fp8_sharding(), y);
     // A bf16 weight gradient (--no-fp8-wgrad) reads the input itself.
     if (save_input && !saved_.fp8.x.data_t.defined()) saved_.x = x;
   } else {
     if (save_input) saved_.x = x;
-    ops::gemm(x_full, false, weight.weight, true, y);
+    // The bias in the GEMM's epilogue, except where it comes after the row-parallel sum
+    // or is left to the caller.
+    const bool fused_bias =
+        bias.weight.defined() && !skip_bias_add_ && mode_ != TensorParallelMode::Row;
+    if (fused_bias) ops::gemm_bias(x_full, false, weight.weight, true, bias.weight, y);
+    else ops::gemm(x_full, false, weight.weight, true, y);
+    bias_added = fused_bias;
   }
   if (mode_ == TensorParallelMode::Row) {
     if (mp_.sequence_parallel) y = reduce_scatter_sequence(y, mp_);
     else all_reduce_tensor_parallel(y, mp_);
   }
-  if (bias.weight.defined() && !skip_bias_add_) ops::bias_add_(y, bias.weight);
+  if (bias.weight.defined() && !skip_bias_add_ && !bias_added) ops::bias_add_(y, bias.weight);
   return y;
 }
 
@@ -232,8 +239,14 @@ Tensor Linear::forward_inference(const Tensor& x) const {
   MEGATON_CHECK(mode_ == TensorParallelMode::None,
                 "Linear '{}': forward_inference runs on one tensor-parallel rank", weight.name);
   Tensor y = empty_like(x, {x.dim(0), weight.weight.dim(0)});
-  ops::gemm(x, false, weight.weight, true, y);
-  if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
+  // Rounded as forward rounds: the bias in the epilogue, or (a bias the training forward
+  // leaves to the caller's bias_dropout_add) added after the GEMM.
+  if (bias.weight.defined() && !skip_bias_add_) {
+    ops::gemm_bias(x, false, weight.weight, true, bias.weight, y);
+  } else {
+    ops::gemm(x, false, weight.weight, true, y);
+    if (bias.weight.defined()) ops::bias_add_(y, bias.weight);
+  }
   return y;
 }
 

@@ -116,7 +116,7 @@ class Linear {
   // Megatron's skip_bias_add: forward (training) leaves the bias out of y, for the caller
   // to add in a fused pass (TransformerLayer's ops::bias_dropout_add). The bias is still
   // this layer's parameter: backward computes its gradient from dy as before, and
-  // forward_inference still adds it.
+  // forward_inference still adds it (after the GEMM, rounded as the caller's pass rounds).
   void set_skip_bias_add(bool skip) { skip_bias_add_ = skip; }
 
   // Runs the three GEMMs (forward, input gradient, weight gradient unless config.wgrad is

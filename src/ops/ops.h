@@ -24,6 +24,13 @@ namespace megaton::ops {
 // higher-rank tensors are taken by merging leading dimensions.
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
           float alpha = 1.0f, float beta = 0.0f);
+// c = op(a) @ op(b) + bias, bias [N] (c's dtype) added to every row: a Linear's
+// y = x W^T + b in one GEMM. CPU: gemm then bias_add_ (the unfused reference). CUDA:
+// cuBLASLt's bias epilogue, which adds the bias to the fp32 result before c is rounded (a
+// BF16 c is rounded once instead of twice: within one bf16 ulp of gemm then bias_add_),
+// or gemm then bias_add_ where cuBLASLt has no algorithm with the epilogue.
+void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& bias,
+               Tensor& c);
 
 // Grouped GEMM over row segments (MoE experts): group g owns rows
 // [r_g, r_g + group_rows[g]) of a and c, r_g = sum of the earlier group_rows, and

@@ -71,4 +71,11 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
   cpu::gemm(a.f32(), trans_a, b.f32(), trans_b, c.f32(), int(m), int(n), int(k), alpha, beta);
 }
 
+void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& bias,
+               Tensor& c) {
+  MEGATON_CUDA_DISPATCH(a, cuda::gemm_bias(a, trans_a, b, trans_b, bias, c));
+  gemm(a, trans_a, b, trans_b, c);
+  bias_add_(c, bias);
+}
+
 }  // namespace megaton::ops

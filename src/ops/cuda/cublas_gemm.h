@@ -76,9 +76,12 @@ inline void hash_combine(size_t& h, uint64_t v) {
 // When beta == 0, c is not read (it may hold NaN). The descriptors and the algorithm are
 // cached per (shape, strides, transposes, dtypes, beta == 0, pointer alignments); where
 // cuBLASLt has no algorithm for a layout, the problem goes to cublasGemmEx instead.
-void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
+// bias: null, or n elements of c_dtype added to every row of c by cuBLASLt's bias epilogue
+// (to the fp32 result, before c's rounding). Returns false when the bias was not added
+// (no cuBLASLt algorithm with the epilogue: the caller adds it).
+bool matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
             void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
-            float alpha, float beta);
+            float alpha, float beta, const void* bias = nullptr);
 
 // The same GEMM through the classic cublasGemmEx, which chooses (and caches, bounded)
 // its algorithm itself: for shapes that change from call to call, such as one expert's

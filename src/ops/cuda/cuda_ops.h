@@ -26,6 +26,8 @@ namespace megaton::ops::cuda {
 
 void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
           float alpha, float beta);
+void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& bias,
+               Tensor& c);
 void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, Tensor& c,
                   const std::vector<int64_t>& group_rows, float beta);
 void grouped_gemm_wgrad(const Tensor& a, const Tensor& b, std::vector<Tensor>& c,

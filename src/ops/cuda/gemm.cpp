@@ -108,7 +108,7 @@ namespace {
 
 struct PlanKey {
   int64_t m, n, k, lda, ldb, ldc;
-  bool trans_a, trans_b, beta_zero;
+  bool trans_a, trans_b, beta_zero, bias;
   DType ab, c;
   uint32_t align_a, align_b, align_c;
   bool operator==(const PlanKey&) const = default;
@@ -125,6 +125,7 @@ struct PlanKeyHash {
     mix(key.ldb);
     mix(key.ldc);
     mix(uint64_t(key.trans_a) | uint64_t(key.trans_b) << 1 | uint64_t(key.beta_zero) << 2 |
+        uint64_t(key.bias) << 3 |
         uint64_t(key.ab) << 8 | uint64_t(key.c) << 16);
     mix(uint64_t(key.align_a) | uint64_t(key.align_b) << 16 | uint64_t(key.align_c) << 32);
     return h;
@@ -150,6 +151,15 @@ Plan make_plan(const PlanKey& key) {
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MEGATON_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  if (key.bias) {
+    // Our c's columns are the rows of cuBLAS's column-major D: the bias epilogue's vector.
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    MEGATON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                        &epilogue, sizeof(epilogue)));
+    const cudaDataType_t bias_type = cuda_dtype(key.c);
+    MEGATON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
   // Stored (pre-op) shapes, column-major: row-major b is [k, n] (or [n, k] when trans_b),
   // read as [n, k] (or [k, n]); likewise a; c [m, n] is read as [n, m].
   const cudaDataType_t ab = cuda_dtype(key.ab), c = cuda_dtype(key.c);
@@ -185,9 +195,9 @@ const Plan& plan_for(const PlanKey& key) {
 
 }  // namespace
 
-void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
+bool matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
             void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
-            float alpha, float beta) {
+            float alpha, float beta, const void* bias) {
   MEGATON_CHECK(m > 0 && n > 0 && k > 0, "cuBLASLt matmul: empty problem m={} n={} k={}", m, n, k);
   MEGATON_CHECK(supported_dtypes(ab, c_dtype), "cuBLASLt matmul: a/b {} into c {}", dtype_name(ab),
                 dtype_name(c_dtype));
@@ -200,6 +210,7 @@ void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_
               trans_a,
               trans_b,
               beta == 0,
+              bias != nullptr,
               ab,
               c_dtype,
               alignment_of(a),
@@ -208,12 +219,16 @@ void matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_
   const Plan& plan = plan_for(key);
   if (plan.use_gemm_ex) {
     gemm_ex(a, trans_a, lda, b, trans_b, ldb, c, ldc, m, n, k, ab, c_dtype, alpha, beta);
-    return;
+    return bias == nullptr;
   }
   LtContext& context = lt_context();
+  if (bias != nullptr)  // per call; the plan's descriptor keeps the epilogue
+    MEGATON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   MEGATON_CUBLAS_CHECK(cublasLtMatmul(
       context.handle, plan.desc, &alpha, b, plan.lt_a, a, plan.lt_b, &beta, c, plan.lt_c, c,
       plan.lt_c, &plan.algo, context.workspace, context.workspace_bytes, ::megaton::cuda::stream()));
+  return true;
 }
 
 void gemm_ex(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
@@ -258,8 +273,10 @@ bool overlaps(const Tensor& x, const Tensor& y) {
 
 }  // namespace
 
-void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
-          float beta) {
+namespace {
+// gemm and gemm_bias (bias undefined: none).
+void gemm_impl(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+               float alpha, float beta, const Tensor& bias) {
   Matrix ma = as_matrix(a, "a"), mb = as_matrix(b, "b"), mc = as_matrix(c, "c");
   int64_t m = trans_a ? ma.cols : ma.rows, k = trans_a ? ma.rows : ma.cols;
   int64_t kb = trans_b ? mb.cols : mb.rows, n = trans_b ? mb.rows : mb.cols;
@@ -272,16 +289,35 @@ void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& 
                 "or BF16 when a and b are)",
                 dtype_name(a.dtype()), dtype_name(b.dtype()), dtype_name(c.dtype()));
   MEGATON_CHECK(!overlaps(c, a) && !overlaps(c, b), "gemm: c must not overlap a or b");
+  if (bias.defined())
+    MEGATON_CHECK(bias.device() == Device::CUDA && bias.dtype() == c.dtype() && bias.ndim() == 1 &&
+                      bias.dim(0) == n,
+                  "gemm_bias: bias {} {} must be [{}] of c's dtype {} on the GPU",
+                  dtype_name(bias.dtype()), shape_str(bias.shape()), n, dtype_name(c.dtype()));
   if (m == 0 || n == 0) return;
+  bool bias_done = !bias.defined();
   if (k == 0) {  // op(a) @ op(b) is all zeros; cuBLASLt is not asked about empty sums
     if (beta == 0.0f)
       c.zero();
     else if (beta != 1.0f)
       scale_(c, beta);
-    return;
+  } else {
+    bias_done = blas::matmul(a.raw(), trans_a, ma.cols, b.raw(), trans_b, mb.cols, c.raw(),
+                             mc.cols, m, n, k, a.dtype(), c.dtype(), alpha, beta,
+                             bias.defined() ? bias.raw() : nullptr);
   }
-  blas::matmul(a.raw(), trans_a, ma.cols, b.raw(), trans_b, mb.cols, c.raw(), mc.cols, m, n, k,
-               a.dtype(), c.dtype(), alpha, beta);
+  if (!bias_done) bias_add_(c, bias);
+}
+}  // namespace
+
+void gemm(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, float alpha,
+          float beta) {
+  gemm_impl(a, trans_a, b, trans_b, c, alpha, beta, Tensor());
+}
+
+void gemm_bias(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, const Tensor& bias,
+               Tensor& c) {
+  gemm_impl(a, trans_a, b, trans_b, c, 1.0f, 0.0f, bias);
 }
 
 }  // namespace megaton::ops::cuda
