@@ -28,20 +28,26 @@ profile() {  # name binary args...
 }
 GPT2="train --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 --num-layers 12 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 2048 --seq-length 1024 --micro-batch-size 16 --global-batch-size 16 --swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --train-iters 12 --log-interval 4 --eval-iters 0 --lr 1e-4 --lr-warmup-iters 1"
 case "${1:-tests}" in
-bda)  # issue 17, third session: the fused bias-dropout-add (gpu-bundle/bin/megaton-old: before it)
-  for t in test_cuda_bias_dropout_add_gpu test_cuda_pointwise_gpu test_cuda_graph_train_gpu test_train_gpu; do
+bda)  # issue 17, third session: the fused bias-dropout-add and the GEMM bias epilogue
+  # (gpu-bundle/bin/megaton-old: before both; megaton-bda: with the first only)
+  for t in test_cuda_bias_dropout_add_gpu test_cuda_gemm_bias_gpu test_cuda_gemm_gpu test_kv_cache_gpu \
+      test_cuda_pointwise_gpu test_cuda_graph_train_gpu test_train_gpu; do
     echo "== $t"; timeout 240 $B/$t > $OUT/$t.txt 2>&1; echo "rc=$?"
     grep -E "^\[  (PASSED|FAILED)|FAILED  \]|graph nodes" $OUT/$t.txt | head -8
   done
-  timeout 120 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/test_cuda_bias_dropout_add_gpu \
-    > $OUT/sanitizer_bda.txt 2>&1
-  echo "sanitizer bda rc=$?"; tail -1 $OUT/sanitizer_bda.txt
+  for t in test_cuda_bias_dropout_add_gpu test_cuda_gemm_bias_gpu; do
+    timeout 120 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $B/$t > $OUT/sanitizer_$t.txt 2>&1
+    echo "sanitizer $t rc=$?"; tail -1 $OUT/sanitizer_$t.txt
+  done
   # GPT-2 as Megatron trains it: LayerNorm, GeLU, biases, learned positions, hidden dropout.
   GPT2B="train --device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 50303 --num-layers 12 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 3072 --seq-length 1024 --max-position-embeddings 1024 --micro-batch-size 16 --global-batch-size 16 --normalization LayerNorm --hidden-dropout 0.1 --attention-dropout 0 --train-iters 24 --log-interval 4 --eval-iters 0 --lr 1e-4 --lr-warmup-iters 1"
-  for bin in megaton-old megaton; do
-    timeout 150 $B/$bin $GPT2B > $OUT/gpt2b_$bin.txt 2>&1
-    echo "== gpt2 biases+dropout $bin rc=$?"
-    grep -oE "iteration +[0-9]+/ +24 .{0,60}elapsed time per iteration \(ms\): [0-9.]+|lm loss: [0-9.E+-]+" $OUT/gpt2b_$bin.txt | tail -6
+  for rep in 1 2; do
+    for bin in megaton-old megaton-bda megaton; do  # the binaries present in gpu-bundle/bin
+      [ -x $B/$bin ] || continue
+      timeout 150 $B/$bin $GPT2B > $OUT/gpt2b_${bin}_$rep.txt 2>&1
+      echo "== gpt2 biases+dropout $bin run $rep rc=$?"
+      grep -oE "iteration +[0-9]+/ +24 .{0,60}elapsed time per iteration \(ms\): [0-9.]+|lm loss: [0-9.E+-]+" $OUT/gpt2b_${bin}_$rep.txt | tail -6 | paste - -
+    done
   done
   MEGATON_OP_PROFILE=1 timeout 150 $B/megaton ${GPT2B/--train-iters 24/--train-iters 12} > $OUT/prof_gpt2b.txt 2>&1
   sed -n '/op profile/,$p' $OUT/prof_gpt2b.txt | head -24
