@@ -1,0 +1,195 @@
+// What the trainer does with a step's values once it has read them (Trainer::finish_step):
+// the non-finite stop (stop_on_non_finite), the skipped-iteration counts, the metrics file,
+// the log interval and Megatron's log line (log_line) with the MoE fields.
+#include "train/trainer.h"
+
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "dist/host_reduce.h"
+#include "train/flops.h"
+
+namespace megaton {
+
+// Megatron's log fields of the MoE losses (each divided by its coefficient, averaged over
+// layers) and Megaton's tokens-per-expert balance: min, max, max/mean over experts.
+static std::string moe_log_fields(const MoELayerMetrics& m, bool capacity) {
+  std::string out;
+  if (m.load_balancing_loss >= 0) out += fmt::format("load_balancing_loss: {:.6E} | ", m.load_balancing_loss);
+  if (m.seq_load_balancing_loss >= 0)
+    out += fmt::format("seq_load_balancing_loss: {:.6E} | ", m.seq_load_balancing_loss);
+  if (m.global_load_balancing_loss >= 0)
+    out += fmt::format("global_load_balancing_loss: {:.6E} | ", m.global_load_balancing_loss);
+  if (m.z_loss >= 0) out += fmt::format("z_loss: {:.6E} | ", m.z_loss);
+  out += fmt::format("tokens per expert min/max: {:.0f}/{:.0f} | expert imbalance (max/mean): {:.3f} | ",
+                     m.tokens_min, m.tokens_max, m.imbalance);
+  if (capacity) out += fmt::format("dropped tokens: {:.4f} | ", m.dropped_fraction);
+  return out;
+}
+
+static void add_moe_metrics(nlohmann::json& line, const MoEStepMetrics& moe, bool per_layer) {
+  auto fill = [](nlohmann::json& j, const MoELayerMetrics& m) {
+    if (m.load_balancing_loss >= 0) j["load_balancing_loss"] = m.load_balancing_loss;
+    if (m.seq_load_balancing_loss >= 0) j["seq_load_balancing_loss"] = m.seq_load_balancing_loss;
+    if (m.global_load_balancing_loss >= 0)
+      j["global_load_balancing_loss"] = m.global_load_balancing_loss;
+    if (m.z_loss >= 0) j["z_loss"] = m.z_loss;
+    j["moe_tokens_per_expert_min"] = m.tokens_min;
+    j["moe_tokens_per_expert_max"] = m.tokens_max;
+    j["moe_expert_imbalance"] = m.imbalance;
+    j["moe_dropped_fraction"] = m.dropped_fraction;
+  };
+  fill(line, moe.mean);
+  if (!per_layer) return;
+  nlohmann::json layers = nlohmann::json::array();
+  for (const MoELayerMetrics& m : moe.layers) {
+    nlohmann::json j = {{"layer", m.layer}};
+    fill(j, m);
+    layers.push_back(j);
+  }
+  line["moe_layers"] = layers;
+}
+
+// Interval sums of the per-step metrics (fields that are -1, not enabled, stay -1).
+static void accumulate_moe_metrics(MoEStepMetrics& sum, const MoEStepMetrics& step) {
+  auto add = [](MoELayerMetrics& a, const MoELayerMetrics& b) {
+    a.layer = b.layer;
+    for (auto f : {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
+                   &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss})
+      a.*f = b.*f < 0 ? -1 : (a.*f < 0 ? 0 : a.*f) + b.*f;
+    a.tokens_min += b.tokens_min;
+    a.tokens_max += b.tokens_max;
+    a.imbalance += b.imbalance;
+    a.dropped_fraction += b.dropped_fraction;
+  };
+  if (sum.layers.size() != step.layers.size()) sum.layers.assign(step.layers.size(), {});
+  for (size_t i = 0; i < step.layers.size(); ++i) add(sum.layers[i], step.layers[i]);
+  add(sum.mean, step.mean);
+}
+
+static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
+  auto scale = [s](MoELayerMetrics& a) {
+    for (auto f : {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
+                   &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss,
+                   &MoELayerMetrics::tokens_min, &MoELayerMetrics::tokens_max,
+                   &MoELayerMetrics::imbalance, &MoELayerMetrics::dropped_fraction})
+      if (a.*f >= 0) a.*f *= s;
+  };
+  for (MoELayerMetrics& m : sum.layers) scale(m);
+  scale(sum.mean);
+}
+
+void Trainer::log_line(int64_t iteration, int64_t consumed_samples, double ms_per_iter, double lr,
+                       double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
+                       double params_norm) {
+  int64_t tokens = args_.global_batch_size * args_.model.seq_length;
+  double flops = num_floating_point_operations(args_.model, tokens);
+  std::string line = fmt::format(
+      " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): "
+      "{:.1f} | tokens per second: {:.1f} | throughput per GPU (TFLOP/s/GPU): {:.3f} | "
+      "learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} | ",
+      iteration, args_.train_iters, consumed_samples, ms_per_iter,
+      double(tokens) / (ms_per_iter / 1000.0),
+      throughput_per_gpu_tflops(flops, ms_per_iter, grid_->world_size()), lr,
+      args_.global_batch_size, loss);
+  const bool capacity = args_.model.moe_expert_capacity_factor > 0;
+  if (moe_->active()) line += moe_log_fields(moe.mean, capacity);
+  line += fmt::format("loss scale: 1.0 | grad norm: {:.3f} | ", grad_norm);
+  if (num_zeros >= 0) line += fmt::format("num zeros: {} | ", num_zeros);
+  if (params_norm >= 0) line += fmt::format("params norm: {:.3f} | ", params_norm);
+  line += fmt::format(
+      "number of skipped iterations: {:>3} | number of "
+      "nan iterations: {:>3} | peak memory (MB): {:.1f} |",
+      skipped_iterations_, nan_iterations_, double(peak_memory_bytes(args_.model.device)) / 1048576.0);
+  fmt::print("{}\n", line);
+  if (moe_->active() && args_.moe_per_layer_logging)
+    for (const MoELayerMetrics& m : moe.layers)
+      fmt::print(" moe layer {:>3} | {}\n", m.layer, moe_log_fields(m, capacity));
+  std::fflush(stdout);
+}
+
+void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult& result) {
+  Readback& values = *step.values;
+  values.wait();
+  // The step's time: from when the previous step's values were read to when this one's
+  // were (the GPU's pace in the steady state, where the host waits for it).
+  const auto now = std::chrono::steady_clock::now();
+  const double ms = std::chrono::duration<double, std::milli>(now - interval.last_done).count();
+  interval.last_done = now;
+  const double loss = double(values.tensor(0).f32()[0]) / step.tokens;
+  const double local_loss_sum = values.tensor(1).f32()[0];
+  const double grad_norm = std::bit_cast<double>(values.tensor(2).i64()[0]);
+  const double local_grad_sum_sq = std::bit_cast<double>(values.tensor(3).i64()[0]);
+  const bool skipped = values.tensor(4).f32()[ops::kAdamSkip] != 0.0f;
+  const bool stopped = values.tensor(5).i64()[1] != 0;
+  // The MoE metrics on the host now, so the log line reads them without waiting.
+  if (step.moe.values.defined()) step.moe.values = values.tensor(6);
+  // The device skipped this step's update (and every later one) when it stopped.
+  if (stopped) stop_on_non_finite(step.iteration, loss, grad_norm, local_loss_sum, local_grad_sum_sq);
+  if (skipped) {
+    ++nan_iterations_;
+    ++skipped_iterations_;
+  }
+  result.losses.push_back(loss);
+  result.grad_norms.push_back(grad_norm);
+  if (!args_.log_metrics_file.empty() && is_logging_rank()) {
+    nlohmann::json line = {{"iteration", step.iteration}, {"lm_loss", loss},
+                           {"grad_norm", grad_norm}, {"lr", step.lr}};
+    if (moe_->active()) add_moe_metrics(line, moe_->read(step.moe), args_.moe_per_layer_logging);
+    if (step.params_norm >= 0) line["params_norm"] = step.params_norm;
+    if (step.num_zeros >= 0) line["num_zeros"] = step.num_zeros;
+    std::ofstream out(args_.log_metrics_file, std::ios::app);
+    out << line.dump() << "\n";
+    if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
+  }
+  interval.loss += loss;
+  if (moe_->active()) interval.moe.push_back(std::move(step.moe));
+  interval.ms += ms;
+  ++interval.iterations;
+  const bool log_now =
+      step.iteration % args_.log_interval == 0 || step.iteration == args_.train_iters;
+  if (!log_now) return;
+  if (is_logging_rank()) {
+    MoEStepMetrics moe_mean;
+    for (const PendingMoEMetrics& m : interval.moe) accumulate_moe_metrics(moe_mean, moe_->read(m));
+    scale_moe_metrics(moe_mean, 1.0 / double(interval.iterations));
+    log_line(step.iteration, step.consumed_samples, interval.ms / double(interval.iterations),
+             step.lr, interval.loss / double(interval.iterations), moe_mean, grad_norm,
+             step.num_zeros, step.params_norm);
+  }
+  interval.moe.clear();
+  interval.loss = interval.ms = 0;
+  interval.iterations = 0;
+}
+
+void Trainer::stop_on_non_finite(int64_t iteration, double loss, double grad_norm,
+                                 double local_loss_sum, double local_grad_sum_sq) {
+  // Which ranks hold the non-finite values: the local loss (before the sums over ranks)
+  // and this rank's counted share of the reduced gradients (the squared sum the norm
+  // adds: under the distributed optimizer only the shard's owner names it). Megatron checks
+  // each bucket before the data-parallel reduction; here the gradients are checked after
+  // it. The step's values are read once the next step is queued: the device has skipped
+  // both updates, but the next step's expert-bias update (finish_step) has run.
+  const int64_t world = grid_->world_size(), rank = grid_->world_rank();
+  std::vector<double> flags(size_t(2 * world), 0.0);
+  flags[size_t(2 * rank)] = std::isfinite(local_loss_sum) ? 0.0 : 1.0;
+  flags[size_t(2 * rank + 1)] = std::isfinite(local_grad_sum_sq) ? 0.0 : 1.0;
+  flags = dist::sum_over(*comm_, grid_->world(), flags);
+  const bool in_loss = !std::isfinite(loss);
+  const double value = in_loss ? loss : grad_norm;
+  std::string ranks;
+  for (int64_t r = 0; r < world; ++r)
+    if (flags[size_t(2 * r + (in_loss ? 0 : 1))] > 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  if (ranks.empty()) ranks = "none alone (it arose in the reduction over ranks)";
+  fail("iteration {}: found {} in the {} on rank{} {}; stopped before the update by "
+       "--check-for-nan-in-loss-and-grad (the parameters and checkpoints are those of the "
+       "last finite step; a smaller --lr or --clip-grad may help)",
+       iteration, std::isnan(value) ? "NaN" : "Inf", in_loss ? "loss" : "gradient norm",
+       ranks.find(',') == std::string::npos ? "" : "s", ranks);
+}
+
+}  // namespace megaton
