@@ -141,26 +141,24 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
                             : x;
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
   saved_ = {};
-  bool bias_added = false;
+  // The bias in the GEMM's epilogue, except under FP8, after the row-parallel sum, or when
+  // the caller adds it (skip_bias_add).
+  const bool add_bias = bias.weight.defined() && !skip_bias_add_;
+  const bool bias_in_gemm = add_bias && !fp8_.enabled() && mode_ != TensorParallelMode::Row;
   if (fp8_.enabled()) {
     saved_.fp8 = fp8_.forward(x_full, weight, save_input, fp8_sharding(), y);
     // A bf16 weight gradient (--no-fp8-wgrad) reads the input itself.
     if (save_input && !saved_.fp8.x.data_t.defined()) saved_.x = x;
   } else {
     if (save_input) saved_.x = x;
-    // The bias in the GEMM's epilogue, except where it comes after the row-parallel sum
-    // or is left to the caller.
-    const bool fused_bias =
-        bias.weight.defined() && !skip_bias_add_ && mode_ != TensorParallelMode::Row;
-    if (fused_bias) ops::gemm_bias(x_full, false, weight.weight, true, bias.weight, y);
+    if (bias_in_gemm) ops::gemm_bias(x_full, false, weight.weight, true, bias.weight, y);
     else ops::gemm(x_full, false, weight.weight, true, y);
-    bias_added = fused_bias;
   }
   if (mode_ == TensorParallelMode::Row) {
     if (mp_.sequence_parallel) y = reduce_scatter_sequence(y, mp_);
     else all_reduce_tensor_parallel(y, mp_);
   }
-  if (bias.weight.defined() && !skip_bias_add_ && !bias_added) ops::bias_add_(y, bias.weight);
+  if (add_bias && !bias_in_gemm) ops::bias_add_(y, bias.weight);
   return y;
 }
 

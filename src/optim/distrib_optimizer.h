@@ -56,9 +56,8 @@ class DistributedAdamW {
   // too), then the AdamW update as step() would do it and the FP8 weights. lr: the
   // step's learning rate, F32 [1] on the model's device (read there, so a CUDA graph of the
   // step takes each step's value). loss: the step's summed LM loss, F32 [1] on the model's
-  // device, or undefined. Multi-rank, the
-  // per-rank squared sums travel in one all-gather and are added in rank order, as
-  // grad_norm() adds them. Returns the step's record, on the device: grad_norm (I64 [1],
+  // device, or undefined. Multi-rank, the per-rank squared sums travel in one all-gather
+  // and are added in rank order, as grad_norm() adds them. Returns the step's record, on the device: grad_norm (I64 [1],
   // fp64 bits), control (F32 [ops::kAdamControlSize], whether it skipped at kAdamSkip)
   // and state (I64 [2]: step count and stopped flag after the step, a copy); and this
   // rank's own squared sum (local_sum_sq, I64 [1] fp64 bits: which ranks hold a NaN).

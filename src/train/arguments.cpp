@@ -482,19 +482,17 @@ void check_value_ranges(const Reader& r, const TrainArgs& a) {
 }  // namespace
 
 namespace {
-// The FP8 flags (Megatron's arguments.py and TransformerConfig checks). Every --fp8-*
-// flag other than the format is refused without --fp8-format, rather than ignored.
 // --cuda-graph-impl and its options, with Megatron's rules (arguments.py): the old
 // --cuda-graph-scope is --cuda-graph-modules, except its value full_iteration, which selects
 // the implementation; modules are empty with full_iteration; warmup steps are positive.
-void parse_cuda_graph_args(const Reader& r, const RawOptions& raw, TrainArgs& a) {
+void parse_cuda_graph_args(const Reader& r, TrainArgs& a) {
   r.get("cuda-graph-impl", a.cuda_graph_impl);
   if (r.has("cuda-graph-modules") && r.has("cuda-graph-scope"))
     fail("cuda-graph-scope and cuda-graph-modules cannot be used together (cuda-graph-scope is "
          "the deprecated name)");
   for (const char* key : {"cuda-graph-modules", "cuda-graph-scope"}) {
     if (!r.has(key)) continue;
-    for (const std::string& v : raw.at(key)) {
+    for (const std::string& v : r.raw.at(key)) {
       if (std::string(key) == "cuda-graph-scope" && v == "full_iteration") {
         if (a.cuda_graph_impl != "none" && a.cuda_graph_impl != "local" &&
             a.cuda_graph_impl != "full_iteration")
@@ -532,6 +530,8 @@ void parse_cuda_graph_args(const Reader& r, const RawOptions& raw, TrainArgs& a)
     fail("cuda-graph-warmup-steps must be positive (got {})", a.cuda_graph_warmup_steps);
 }
 
+// The FP8 flags (Megatron's arguments.py and TransformerConfig checks). Every --fp8-*
+// flag other than the format is refused without --fp8-format, rather than ignored.
 void parse_fp8_args(const Reader& r, GPTConfig& m, std::vector<std::string>& no_effect) {
   Fp8Config& f = m.fp8;
   const char* dependents[] = {"fp8-recipe", "fp8-margin", "fp8-amax-history-len",
@@ -748,7 +748,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
              "CollnetChain, ^NVLS (got '{}')", printable(v));
     }
   }
-  parse_cuda_graph_args(r, raw, a);
+  parse_cuda_graph_args(r, a);
   r.get("save", a.save);
   r.get("save-interval", a.save_interval);
   r.get("load", a.load);

@@ -157,6 +157,11 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
                                                          args_.adam, distributed);
   if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
   lr_ = Tensor::zeros({1}, DType::F32, args_.model.device);
+  // The pipeline schedule loads its micro-batches itself.
+  for (int64_t mb = 0; !schedule_ && mb < local_micro_batches(); ++mb)
+    for (auto* buffers : {&batch_tokens_, &batch_labels_})
+      buffers->push_back(Tensor::empty({args_.micro_batch_size, args_.model.seq_length},
+                                       DType::I32, args_.model.device));
   if (args_.cuda_graph_impl == "full_iteration")
     step_graph_ = std::make_unique<FullIterationGraph>(args_.cuda_graph_warmup_steps);
   if (!args_.load.empty()) load();
@@ -304,19 +309,12 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
 
 void Trainer::stage_step_inputs(double lr) {
   lr_.copy_from(Tensor::from({1}, {float(lr)}));
-  if (schedule_) return;  // the pipeline schedule loads its micro-batches itself
-  const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
-  if (batch_tokens_.empty()) {
-    for (int64_t mb = 0; mb < n_mb; ++mb) {
-      batch_tokens_.push_back(Tensor::empty({mbs, args_.model.seq_length}, DType::I32, args_.model.device));
-      batch_labels_.push_back(Tensor::empty({mbs, args_.model.seq_length}, DType::I32, args_.model.device));
-    }
-  }
-  for (int64_t mb = 0; mb < n_mb; ++mb) {
+  for (size_t mb = 0; mb < batch_tokens_.size(); ++mb) {  // none with a pipeline
     Tensor tokens, labels;
-    load_batch(*datasets_[0], micro_batch_start(consumed_samples_, mb), mbs, tokens, labels);
-    batch_tokens_[size_t(mb)].copy_from(tokens);
-    batch_labels_[size_t(mb)].copy_from(labels);
+    load_batch(*datasets_[0], micro_batch_start(consumed_samples_, int64_t(mb)),
+               args_.micro_batch_size, tokens, labels);
+    batch_tokens_[mb].copy_from(tokens);
+    batch_labels_[mb].copy_from(labels);
   }
 }
 

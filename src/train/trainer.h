@@ -155,7 +155,8 @@ class Trainer {
   // no loss: pipeline stages before the last), to name the rank of a non-finite loss:
   // [1] fp32 on the model's device.
   Tensor local_loss_sum_;
-  // stage_step_inputs's device buffers: F32 [1]; [micro_batch_size, seq_length] I32 each.
+  // stage_step_inputs's device buffers, made by the constructor: F32 [1]; one
+  // [micro_batch_size, seq_length] I32 per local micro-batch (none with a pipeline).
   Tensor lr_;
   std::vector<Tensor> batch_tokens_, batch_labels_;
   // --cuda-graph-impl full_iteration (null otherwise) and the outputs of the captured step,

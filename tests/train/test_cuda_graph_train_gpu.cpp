@@ -111,14 +111,11 @@ TEST(TrainCudaGraph, ReplayedStepsMakeNoHostSynchronization) {
   if (!fs::exists("data/fortunes_text_document.idx"))
     GTEST_SKIP() << "data/ missing: run tools/prepare_fortunes.sh from the repository root";
   auto synchronizations = [](int iterations) {
-    RawOptions raw = read_yaml_options("configs/demo-moe.yaml");
-    raw["train-iters"] = {std::to_string(iterations)};
+    RawOptions raw = demo("configs/demo-moe.yaml", iterations);
     raw["lr-warmup-iters"] = {"2"};
     raw["eval-iters"] = {"0"};
     raw["log-interval"] = {"1000"};
-    raw.erase("save-interval");
-    raw["device"] = {"cuda"};
-    raw["bf16"] = {"true"};
+    raw.erase("deterministic-mode");
     raw["cuda-graph-impl"] = {"full_iteration"};
     TrainArgs args = parse_train_args(raw);
     Trainer trainer(args, raw);

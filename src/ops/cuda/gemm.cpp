@@ -140,6 +140,9 @@ struct Plan {
   cublasLtMatrixLayout_t lt_a = nullptr, lt_b = nullptr, lt_c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool use_gemm_ex = false;  // cuBLASLt found no algorithm: use cublasGemmEx instead
+  // The key's bias epilogue is in the descriptor (false: no cuBLASLt algorithm has it for
+  // this problem, so the plan is the plain GEMM's and the caller adds the bias).
+  bool bias_epilogue = false;
 };
 
 Plan make_plan(const PlanKey& key) {
@@ -178,9 +181,20 @@ Plan make_plan(const PlanKey& key) {
     throw InternalError(fmt::format(
         "{}:{}: cublasLtMatmulAlgoGetHeuristic failed: {} ({}) for m={} n={} k={}", __FILE__,
         __LINE__, cublasLtGetStatusString(heuristic), int(heuristic), key.m, key.n, key.k));
+  if (!found && key.bias) {
+    // None with the epilogue: the plain GEMM's plan rather than cublasGemmEx for all of it.
+    (void)cublasLtMatmulDescDestroy(plan.desc);
+    (void)cublasLtMatrixLayoutDestroy(plan.lt_a);
+    (void)cublasLtMatrixLayoutDestroy(plan.lt_b);
+    (void)cublasLtMatrixLayoutDestroy(plan.lt_c);
+    PlanKey plain = key;
+    plain.bias = false;
+    return make_plan(plain);
+  }
   // No cuBLASLt algorithm for this layout and alignment (NOT_SUPPORTED, or none found):
   // the classic cublasGemmEx accepts any leading dimension and alignment.
   plan.use_gemm_ex = !found;
+  plan.bias_epilogue = key.bias;
   return plan;
 }
 
@@ -222,13 +236,13 @@ bool matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_
     return bias == nullptr;
   }
   LtContext& context = lt_context();
-  if (bias != nullptr)  // per call; the plan's descriptor keeps the epilogue
+  if (plan.bias_epilogue)  // per call; the plan's descriptor keeps the epilogue
     MEGATON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   MEGATON_CUBLAS_CHECK(cublasLtMatmul(
       context.handle, plan.desc, &alpha, b, plan.lt_a, a, plan.lt_b, &beta, c, plan.lt_c, c,
       plan.lt_c, &plan.algo, context.workspace, context.workspace_bytes, ::megaton::cuda::stream()));
-  return true;
+  return bias == nullptr || plan.bias_epilogue;
 }
 
 void gemm_ex(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
