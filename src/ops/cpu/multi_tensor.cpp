@@ -2,11 +2,15 @@
 // multi_tensor_count_zeros, multi_tensor_scale_, multi_tensor_adamw. The CPU has no launch
 // or synchronization cost to save, so each is the single-tensor op (or, for count_zeros, a
 // plain loop) applied to the list in order (and therefore bitwise equal to it); the GPU
-// versions (ops/cuda/multi_tensor.cu) are where the batching happens.
+// versions (ops/cuda/multi_tensor.cu) are where the batching happens. multi_tensor_adamw
+// with bf16 moments (the precision-aware optimizer) updates each element by
+// adamw_precision_update (ops/adam_precision_math.h) instead.
 #include <bit>
 #include <cmath>
 #include <cstdint>
 
+#include "core/dtype.h"
+#include "ops/adam_precision_math.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
 
@@ -25,6 +29,41 @@ void check_list(const std::vector<Tensor>& list, Device device, const char* op, 
 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kParallelMin = 1 << 15;
+
+// A moment of the precision-aware update: F32 or BF16, read widened to fp32, written
+// rounded to nearest even.
+struct MomentRef {
+  float* f32 = nullptr;
+  uint16_t* bf16 = nullptr;
+  explicit MomentRef(Tensor& t)
+      : f32(t.dtype() == DType::F32 ? t.f32() : nullptr),
+        bf16(t.dtype() == DType::BF16 ? static_cast<uint16_t*>(t.raw()) : nullptr) {}
+  float load(int64_t i) const { return f32 ? f32[i] : bf16_to_float(bf16[i]); }
+  void store(int64_t i, float v) const {
+    if (f32) f32[i] = v;
+    else bf16[i] = float_to_bf16(v);
+  }
+};
+
+// The precision-aware update of one tensor (adam_precision_math.h), the gradient scaled
+// as it is read.
+void adamw_precision_tensor(Tensor& param, const Tensor& grad, Tensor& exp_avg,
+                            Tensor& exp_avg_sq, float lr, float weight_decay,
+                            const AdamPrecisionConstants& c) {
+  float* p = param.f32();
+  const float* g = grad.f32();
+  const MomentRef m(exp_avg), v(exp_avg_sq);
+  const float decay = adam_precision_decay(lr, weight_decay);
+  const int64_t n = param.numel();
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p[i], mi = m.load(i), vi = v.load(i);
+    adamw_precision_update(pi, g[i], mi, vi, decay, c);
+    p[i] = pi;
+    m.store(i, mi);
+    v.store(i, vi);
+  }
+}
 
 }  // namespace
 
@@ -101,8 +140,11 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   for (size_t i = 0; i < n; ++i) {
     const Tensor* entries[] = {&params[i], &grads[i], &exp_avg[i], &exp_avg_sq[i]};
     for (const Tensor* t : entries) {
-      MEGATON_CHECK(t->dtype() == DType::F32, "{}: tensor {}: {} in a list that must be F32", op, i,
-                    dtype_name(t->dtype()));
+      // The moments may be BF16 (the precision-aware optimizer); params and grads are F32.
+      const bool moment = t == &exp_avg[i] || t == &exp_avg_sq[i];
+      MEGATON_CHECK(t->dtype() == DType::F32 || (moment && t->dtype() == DType::BF16),
+                    "{}: tensor {}: {} in a list that must be F32{}", op, i,
+                    dtype_name(t->dtype()), moment ? " or BF16" : "");
       MEGATON_CHECK(t->numel() == params[i].numel(),
                     "{}: tensor {}: {} elements in a list, param has {}", op, i, t->numel(),
                     params[i].numel());
@@ -118,7 +160,15 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                   "{}: param_copies[{}] {} has {} elements, param has {}", op, i,
                   shape_str(copy.shape()), copy.numel(), params[i].numel());
   }
+  const AdamPrecisionConstants constants =
+      adam_precision_constants(lr, beta1, beta2, eps, step, grad_scale);
   for (size_t i = 0; i < n; ++i) {
+    if (exp_avg[i].dtype() != DType::F32 || exp_avg_sq[i].dtype() != DType::F32) {
+      adamw_precision_tensor(params[i], grads[i], exp_avg[i], exp_avg_sq[i], lr,
+                             weight_decays[i], constants);
+      if (param_copies[i].defined()) cast(params[i], param_copies[i]);
+      continue;
+    }
     // The scaled gradient in a scratch copy, one tensor at a time (the caller's grads stay
     // as they are): by construction the same bits as scale_ on the grads then adamw_step.
     Tensor scaled_grad = grads[i];

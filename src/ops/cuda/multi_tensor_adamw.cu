@@ -1,0 +1,371 @@
+// multi_tensor_adamw on the GPU: the AdamW update of a list of tensors in a few launches
+// (multi_tensor_launch.cuh), fp32 moments (adamw_update) or, for the precision-aware
+// optimizer, BF16 moments updated in fp32 (ops/adam_precision_math.h).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "core/cuda/cuda_check.h"
+#include "ops/adam_control_math.h"
+#include "ops/adam_precision_math.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/multi_tensor_launch.cuh"
+#include "ops/cuda/pointwise_util.cuh"
+
+namespace megaton::ops::cuda {
+namespace {
+
+// ---- AdamW ----
+
+// Per-step constants shared by every tensor, computed on the host in fp64 (or on the
+// device by adamw_step_control: the control tensor):
+//   g = grad * grad_scale,
+//   p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps),
+//   step_size = lr / (1 - b1^step), inv_sqrt_bc2 = 1 / sqrt(1 - b2^step),
+//   decay = 1 - lr * wd (per tensor, weight_decay in AdamWLaunch; adamw_decay).
+// grad_scale is the gradient-clipping coefficient (1 without clipping).
+struct AdamWConstants {
+  float beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale, lr;
+};
+
+// float(1 - lr * wd) in fp64, each operation rounded on its own (never contracted into an
+// FMA), so the host-scalar and the control paths give the same factor.
+__device__ __forceinline__ float adamw_decay(float lr, float weight_decay) {
+  return float(__dsub_rn(1.0, __dmul_rn(double(lr), double(weight_decay))));
+}
+
+// Kinds of param copy (param_copies[i]).
+enum CopyKind : uint8_t { kNoCopy = 0, kCopyF32 = 1, kCopyBF16 = 2 };
+
+// Dtypes of a tensor's two moments (the precision-aware optimizer stores them in BF16):
+// bit 0 set: exp_avg is BF16, bit 1 set: exp_avg_sq is BF16; 0: both F32 (the fp32-state
+// update, adamw_update), otherwise the update of ops/adam_precision_math.h.
+enum MomentKind : uint8_t { kMomentsF32 = 0, kExpAvgBF16 = 1, kExpAvgSqBF16 = 2 };
+
+// Tensors per launch: 60 bytes each.
+constexpr int kAdamWTensors = 64;
+struct AdamWLaunch {
+  float* param[kAdamWTensors];
+  const float* grad[kAdamWTensors];
+  void* exp_avg[kAdamWTensors];     // float*, or __nv_bfloat16* (moment_kind)
+  void* exp_avg_sq[kAdamWTensors];  // float*, or __nv_bfloat16* (moment_kind)
+  void* copy[kAdamWTensors];
+  int64_t numel[kAdamWTensors];
+  uint32_t first_chunk[kAdamWTensors + 1];
+  float weight_decay[kAdamWTensors];
+  uint8_t copy_kind[kAdamWTensors];
+  uint8_t moment_kind[kAdamWTensors];
+  // param, grad and both moments aligned for 4-element packs (16 bytes F32, 8 bytes BF16):
+  // the update runs on packs of 4, otherwise element by element.
+  uint8_t vectorized[kAdamWTensors];
+  // The copy is aligned for a 4-element store (16 bytes F32, 8 bytes BF16).
+  uint8_t copy_vectorized[kAdamWTensors];
+  int32_t num_tensors;
+};
+static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) + sizeof(AdamPrecisionConstants) +
+                  sizeof(float*) <=
+              kMaxKernelParamBytes);
+
+// One AdamW element update (ops.h adamw_step's formula) from the gradient as stored.
+// ops::adamw_step on the GPU (adam.cu) calls this kernel too, so single- and multi-tensor
+// results are bitwise equal. The clipping scale is its own correctly rounded multiply
+// (__fmul_rn is never contracted into an FMA), so g is bitwise the gradient that scale_
+// would have written, and with grad_scale == 1 it is the stored gradient itself.
+__device__ __forceinline__ void adamw_update(float& p, float grad, float& m, float& v, float decay,
+                                             const AdamWConstants& c) {
+  const float g = __fmul_rn(grad, c.grad_scale);
+  m = c.beta1 * m + (1.0f - c.beta1) * g;
+  v = c.beta2 * v + (1.0f - c.beta2) * g * g;
+  p = p * decay - c.step_size * m / (sqrtf(v) * c.inv_sqrt_bc2 + c.eps);
+}
+
+struct NoCopy {};
+
+// Elements [begin, end) of one tensor; Copy = float, __nv_bfloat16 or NoCopy.
+template <typename Copy>
+__device__ void adamw_chunk(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                            void* copy_raw, int64_t begin, int64_t end, bool vectorized,
+                            bool copy_vectorized, float decay, const AdamWConstants& c) {
+  [[maybe_unused]] Copy* copy = static_cast<Copy*>(copy_raw);
+  for (int64_t i = begin + 4 * int64_t(threadIdx.x); i < end; i += 4 * kThreads) {
+    if (vectorized && i + 4 <= end) {
+      float4 p = *reinterpret_cast<const float4*>(param + i);
+      const float4 g = *reinterpret_cast<const float4*>(grad + i);
+      float4 m = *reinterpret_cast<const float4*>(exp_avg + i);
+      float4 v = *reinterpret_cast<const float4*>(exp_avg_sq + i);
+      adamw_update(p.x, g.x, m.x, v.x, decay, c);
+      adamw_update(p.y, g.y, m.y, v.y, decay, c);
+      adamw_update(p.z, g.z, m.z, v.z, decay, c);
+      adamw_update(p.w, g.w, m.w, v.w, decay, c);
+      *reinterpret_cast<float4*>(param + i) = p;
+      *reinterpret_cast<float4*>(exp_avg + i) = m;
+      *reinterpret_cast<float4*>(exp_avg_sq + i) = v;
+      if constexpr (!std::is_same_v<Copy, NoCopy>) {
+        Pack<Copy, 4> out;
+        out.v[0] = from_float<Copy>(p.x);
+        out.v[1] = from_float<Copy>(p.y);
+        out.v[2] = from_float<Copy>(p.z);
+        out.v[3] = from_float<Copy>(p.w);
+        if (copy_vectorized) {
+          store_pack<4>(copy + i, out);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) copy[i + j] = out.v[j];
+        }
+      }
+    } else {
+      for (int64_t j = i; j < end && j < i + 4; ++j) {
+        float p = param[j], m = exp_avg[j], v = exp_avg_sq[j];
+        adamw_update(p, grad[j], m, v, decay, c);
+        param[j] = p;
+        exp_avg[j] = m;
+        exp_avg_sq[j] = v;
+        if constexpr (!std::is_same_v<Copy, NoCopy>) copy[j] = from_float<Copy>(p);
+      }
+    }
+  }
+}
+
+// The precision-aware update (ops/adam_precision_math.h) of elements [begin, end) of one
+// tensor whose moments are M and V (float or __nv_bfloat16, at least one BF16): each
+// moment widened to fp32, updated in fp32, stored rounded to nearest even; Copy as in
+// adamw_chunk. The same element function on packs of 4 and on the scalar tail, so the
+// alignment does not change the bits.
+template <typename Copy, typename M, typename V>
+__device__ void adamw_precision_chunk(float* param, const float* grad, void* exp_avg_raw,
+                                      void* exp_avg_sq_raw, void* copy_raw, int64_t begin,
+                                      int64_t end, bool vectorized, bool copy_vectorized,
+                                      float decay, const AdamPrecisionConstants& c) {
+  M* exp_avg = static_cast<M*>(exp_avg_raw);
+  V* exp_avg_sq = static_cast<V*>(exp_avg_sq_raw);
+  [[maybe_unused]] Copy* copy = static_cast<Copy*>(copy_raw);
+  for (int64_t i = begin + 4 * int64_t(threadIdx.x); i < end; i += 4 * kThreads) {
+    if (vectorized && i + 4 <= end) {
+      Pack<float, 4> p = load_pack<4>(param + i);
+      const Pack<float, 4> g = load_pack<4>(grad + i);
+      Pack<M, 4> m_pack = load_pack<4>(exp_avg + i);
+      Pack<V, 4> v_pack = load_pack<4>(exp_avg_sq + i);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float m = to_float(m_pack.v[j]), v = to_float(v_pack.v[j]);
+        adamw_precision_update(p.v[j], g.v[j], m, v, decay, c);
+        m_pack.v[j] = from_float<M>(m);
+        v_pack.v[j] = from_float<V>(v);
+      }
+      store_pack<4>(param + i, p);
+      store_pack<4>(exp_avg + i, m_pack);
+      store_pack<4>(exp_avg_sq + i, v_pack);
+      if constexpr (!std::is_same_v<Copy, NoCopy>) {
+        Pack<Copy, 4> out;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) out.v[j] = from_float<Copy>(p.v[j]);
+        if (copy_vectorized) {
+          store_pack<4>(copy + i, out);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) copy[i + j] = out.v[j];
+        }
+      }
+    } else {
+      for (int64_t j = i; j < end && j < i + 4; ++j) {
+        float p = param[j], m = to_float(exp_avg[j]), v = to_float(exp_avg_sq[j]);
+        adamw_precision_update(p, grad[j], m, v, decay, c);
+        param[j] = p;
+        exp_avg[j] = from_float<M>(m);
+        exp_avg_sq[j] = from_float<V>(v);
+        if constexpr (!std::is_same_v<Copy, NoCopy>) copy[j] = from_float<Copy>(p);
+      }
+    }
+  }
+}
+
+// adamw_precision_chunk for the moment dtypes of `kind` (not kMomentsF32).
+template <typename Copy>
+__device__ void adamw_precision_dispatch(uint8_t kind, float* param, const float* grad,
+                                         void* exp_avg, void* exp_avg_sq, void* copy,
+                                         int64_t begin, int64_t end, bool vectorized,
+                                         bool copy_vectorized, float decay,
+                                         const AdamPrecisionConstants& c) {
+  using BF16 = __nv_bfloat16;
+  switch (kind) {
+    case kExpAvgBF16:
+      adamw_precision_chunk<Copy, BF16, float>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
+                                               vectorized, copy_vectorized, decay, c);
+      break;
+    case kExpAvgSqBF16:
+      adamw_precision_chunk<Copy, float, BF16>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
+                                               vectorized, copy_vectorized, decay, c);
+      break;
+    default:
+      adamw_precision_chunk<Copy, BF16, BF16>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
+                                              vectorized, copy_vectorized, decay, c);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_chunks(const __grid_constant__ AdamWLaunch launch, const AdamWConstants host_constants,
+                 const AdamPrecisionConstants host_precision, const float* control) {
+  // With a control tensor (adamw_step_control's), the step's scalars come from the device.
+  AdamWConstants c = host_constants;
+  AdamPrecisionConstants pc = host_precision;
+  if (control != nullptr) {
+    if (control[kAdamSkip] != 0.0f) return;
+    c.step_size = control[kAdamStepSize];
+    c.inv_sqrt_bc2 = control[kAdamInvSqrtBc2];
+    c.grad_scale = control[kAdamGradScale];
+    c.lr = control[kAdamLr];
+    pc.step_size = c.step_size;
+    pc.inv_sqrt_bc2 = c.inv_sqrt_bc2;
+    pc.grad_scale = c.grad_scale;
+  }
+  const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
+  const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kElementwiseChunk;
+  const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
+  const bool vectorized = launch.vectorized[t], copy_vectorized = launch.copy_vectorized[t];
+  const float decay = adamw_decay(c.lr, launch.weight_decay[t]);
+  const uint8_t moments = launch.moment_kind[t];
+  if (moments != kMomentsF32) {
+    switch (launch.copy_kind[t]) {
+      case kCopyF32:
+        adamw_precision_dispatch<float>(moments, launch.param[t], launch.grad[t],
+                                        launch.exp_avg[t], launch.exp_avg_sq[t], launch.copy[t],
+                                        begin, end, vectorized, copy_vectorized, decay, pc);
+        break;
+      case kCopyBF16:
+        adamw_precision_dispatch<__nv_bfloat16>(moments, launch.param[t], launch.grad[t],
+                                                launch.exp_avg[t], launch.exp_avg_sq[t],
+                                                launch.copy[t], begin, end, vectorized,
+                                                copy_vectorized, decay, pc);
+        break;
+      default:
+        adamw_precision_dispatch<NoCopy>(moments, launch.param[t], launch.grad[t],
+                                         launch.exp_avg[t], launch.exp_avg_sq[t], nullptr, begin,
+                                         end, vectorized, false, decay, pc);
+    }
+    return;
+  }
+  float* exp_avg = static_cast<float*>(launch.exp_avg[t]);
+  float* exp_avg_sq = static_cast<float*>(launch.exp_avg_sq[t]);
+  switch (launch.copy_kind[t]) {
+    case kCopyF32:
+      adamw_chunk<float>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, launch.copy[t],
+                         begin, end, vectorized, copy_vectorized, decay, c);
+      break;
+    case kCopyBF16:
+      adamw_chunk<__nv_bfloat16>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq,
+                                 launch.copy[t], begin, end, vectorized, copy_vectorized, decay, c);
+      break;
+    default:
+      adamw_chunk<NoCopy>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, nullptr, begin,
+                          end, vectorized, false, decay, c);
+  }
+}
+
+// multi_tensor_adamw's checks and launches; control: null (the scalars below) or
+// adamw_step_control's device tensor.
+void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                  std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                  float lr, float beta1, float beta2, float eps, int64_t step, float grad_scale,
+                  const float* control) {
+  constexpr const char* kOp = "multi_tensor_adamw";
+  const size_t n = params.size();
+  MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
+                    param_copies.size() == n && weight_decays.size() == n,
+                "{}: list lengths differ: params {}, grads {}, exp_avg {}, exp_avg_sq {}, "
+                "param_copies {}, weight_decays {}",
+                kOp, n, grads.size(), exp_avg.size(), exp_avg_sq.size(), param_copies.size(),
+                weight_decays.size());
+  MEGATON_CHECK(step >= 1, "{}: step {} must be >= 1 (1-based)", kOp, step);
+  MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
+                "{}: betas ({}, {}) must be in [0, 1)", kOp, beta1, beta2);
+  MEGATON_CHECK(std::isfinite(grad_scale), "{}: grad_scale {} must be finite", kOp, grad_scale);
+  std::vector<int64_t> numels(n);
+  for (size_t i = 0; i < n; ++i) {
+    check_listed(params[i], kOp, "params", i, false);
+    check_listed(grads[i], kOp, "grads", i, false);
+    // BF16 moments: the precision-aware optimizer (ops/adam_precision_math.h).
+    check_listed(exp_avg[i], kOp, "exp_avg", i, true);
+    check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, true);
+    numels[i] = params[i].numel();
+    const Tensor* entries[] = {&grads[i], &exp_avg[i], &exp_avg_sq[i]};
+    for (const Tensor* t : entries)
+      MEGATON_CHECK(t->numel() == numels[i], "{}: tensor {}: {} elements in a list, param has {}",
+                    kOp, i, t->numel(), numels[i]);
+    if (param_copies[i].defined()) {
+      check_listed(param_copies[i], kOp, "param_copies", i, true);
+      MEGATON_CHECK(param_copies[i].numel() == numels[i],
+                    "{}: param_copies[{}] {} has {} elements, param has {}", kOp, i,
+                    shape_str(param_copies[i].shape()), param_copies[i].numel(), numels[i]);
+    }
+  }
+  // The single-tensor op (adam.cu) calls this function, so both get these bits.
+  // By squaring, not pow: adamw_step_control computes the same bits on the device.
+  const double bias_correction1 = 1.0 - power_by_squaring(double(beta1), step);
+  const double bias_correction2 = 1.0 - power_by_squaring(double(beta2), step);
+  const float step_size = float(lr / bias_correction1);
+  const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bias_correction2));
+  const AdamWConstants constants{beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale, lr};
+  const AdamPrecisionConstants precision =
+      adam_precision_constants(lr, beta1, beta2, eps, step, grad_scale);
+  cudaStream_t stream = compute_stream();
+  for (const LaunchBatch& batch : plan_launches(numels, kElementwiseChunk, kAdamWTensors, kOp)) {
+    AdamWLaunch meta{};
+    meta.num_tensors = int32_t(batch.tensors.size());
+    for (size_t k = 0; k < batch.tensors.size(); ++k) {
+      const size_t i = batch.tensors[k];
+      meta.param[k] = params[i].f32();
+      meta.grad[k] = grads[i].f32();
+      meta.exp_avg[k] = exp_avg[i].raw();
+      meta.exp_avg_sq[k] = exp_avg_sq[i].raw();
+      const bool m_bf16 = exp_avg[i].dtype() == DType::BF16;
+      const bool v_bf16 = exp_avg_sq[i].dtype() == DType::BF16;
+      meta.moment_kind[k] = uint8_t((m_bf16 ? kExpAvgBF16 : 0) | (v_bf16 ? kExpAvgSqBF16 : 0));
+      meta.numel[k] = numels[i];
+      meta.first_chunk[k] = batch.first_chunk[k];
+      meta.weight_decay[k] = weight_decays[i];
+      meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
+                           is_aligned(meta.exp_avg[k], m_bf16 ? 8 : 16) &&
+                           is_aligned(meta.exp_avg_sq[k], v_bf16 ? 8 : 16);
+      const Tensor& copy = param_copies[i];
+      if (copy.defined()) {
+        meta.copy[k] = copy.raw();
+        meta.copy_kind[k] = copy.dtype() == DType::BF16 ? kCopyBF16 : kCopyF32;
+        meta.copy_vectorized[k] = is_aligned(copy.raw(), 4 * dtype_size(copy.dtype()));
+      }
+    }
+    meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
+    adamw_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(meta, constants, precision,
+                                                                     control);
+    MEGATON_CUDA_CHECK_LAUNCH();
+  }
+}
+}  // namespace
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale) {
+  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
+               eps, step, grad_scale, nullptr);
+}
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float beta1, float beta2, float eps, const Tensor& control) {
+  MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
+                    control.numel() == kAdamControlSize && control.device() == Device::CUDA,
+                "multi_tensor_adamw: control must be F32 [{}] on the GPU", kAdamControlSize);
+  // Step 1, scale 1 and lr 0 pass the host checks; the kernels take the device's values.
+  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, 0.0f, beta1, beta2,
+               eps, 1, 1.0f, control.f32());
+}
+
+
+}  // namespace megaton::ops::cuda
