@@ -1,16 +1,71 @@
 // AdamW optimizer state and step.
 #include "optim/adamw.h"
 
+#include <algorithm>
 #include <set>
+#include <string_view>
 #include <vector>
+
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 #include "ops/ops.h"
 
 namespace megaton::optim {
 
+DType precision_aware_dtype(const std::string& key, const std::string& value,
+                            const std::vector<std::string>& allowed) {
+  if (std::find(allowed.begin(), allowed.end(), value) == allowed.end())
+    fail("option '{}' must be one of {} (got '{}')", key, fmt::join(allowed, ", "), value);
+  if (value == "bf16") return DType::BF16;
+  if (value == "fp16") return DType::F16;
+  if (value == "fp8") return DType::F8E4M3;
+  return DType::F32;
+}
+
+namespace {
+// The flag value naming a dtype (Megatron's spelling).
+const char* flag_dtype_name(DType d) {
+  switch (d) {
+    case DType::BF16: return "bf16";
+    case DType::F16: return "fp16";
+    case DType::F8E4M3: return "fp8";
+    default: return "fp32";
+  }
+}
+}  // namespace
+
+void check_precision_aware_config(const AdamWConfig& c) {
+  const std::pair<const char*, DType> flags[] = {{"main-params-dtype", c.main_params_dtype},
+                                                 {"main-grads-dtype", c.main_grads_dtype},
+                                                 {"exp-avg-dtype", c.exp_avg_dtype},
+                                                 {"exp-avg-sq-dtype", c.exp_avg_sq_dtype}};
+  for (auto [key, dtype] : flags) {
+    if (dtype == DType::F32) continue;
+    // Megatron's OptimizerConfig: "<field> can only be fp32 when not using
+    // precision-aware optimizer".
+    if (!c.use_precision_aware_optimizer)
+      fail("option '{}' {} needs --use-precision-aware-optimizer (only fp32 without it)", key,
+           flag_dtype_name(dtype));
+    if (std::string_view(key) == "main-grads-dtype")
+      fail("option 'main-grads-dtype' bf16 is not supported in Megaton yet: every backward op "
+           "accumulates weight gradients into fp32 main_grad buffers");
+    if (std::string_view(key) == "main-params-dtype")
+      fail("option 'main-params-dtype' fp16 is not supported in Megaton yet (Transformer "
+           "Engine keeps an fp16 main param with a per-tensor scale); use fp32");
+    if (dtype != DType::BF16)
+      fail("option '{}' {} is not supported in Megaton yet (Transformer Engine keeps fp16 and "
+           "fp8 moments with a per-tensor scale); use bf16 or fp32", key,
+           flag_dtype_name(dtype));
+  }
+}
+
 AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device)
     : params_(std::move(params)), config_(config) {
+  const auto moment_dtype_ok = [](DType d) { return d == DType::F32 || d == DType::BF16; };
+  MEGATON_CHECK(moment_dtype_ok(config_.exp_avg_dtype) && moment_dtype_ok(config_.exp_avg_sq_dtype),
+                "AdamW moments must be F32 or BF16, got {} and {}",
+                dtype_name(config_.exp_avg_dtype), dtype_name(config_.exp_avg_sq_dtype));
   std::set<std::string> names;
   exp_avg_.reserve(params_.size());
   exp_avg_sq_.reserve(params_.size());
@@ -26,8 +81,9 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
                   dtype_name(p->main_grad.dtype()), shape_str(p->main_grad.shape()),
                   shape_str(p->weight.shape()));
     MEGATON_CHECK(names.insert(p->name).second, "two params named '{}'", p->name);
-    exp_avg_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
-    exp_avg_sq_.push_back(Tensor::zeros(p->weight.shape(), DType::F32, p->weight.device()));
+    exp_avg_.push_back(Tensor::zeros(p->weight.shape(), config_.exp_avg_dtype, p->weight.device()));
+    exp_avg_sq_.push_back(
+        Tensor::zeros(p->weight.shape(), config_.exp_avg_sq_dtype, p->weight.device()));
   }
   state_ = Tensor::zeros({2}, DType::I64,
                          params_.empty() ? state_device : params_[0]->weight.device());

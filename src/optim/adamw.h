@@ -16,12 +16,38 @@ struct AdamWConfig {
   float adam_beta1 = 0.9f;
   float adam_beta2 = 0.999f;
   float adam_eps = 1e-8f;
+  // Megatron's precision-aware optimizer (--use-precision-aware-optimizer, OptimizerConfig
+  // fields of the same names; docs/memory.md "Precision-aware optimizer"): the dtypes the
+  // Adam moments are stored in, F32 or BF16 (the update math stays fp32,
+  // ops/adam_precision_math.h). main_params_dtype and main_grads_dtype are F32 (the
+  // flags' other values are refused by check_precision_aware_config).
+  bool use_precision_aware_optimizer = false;
+  DType main_params_dtype = DType::F32;
+  DType main_grads_dtype = DType::F32;
+  DType exp_avg_dtype = DType::F32;
+  DType exp_avg_sq_dtype = DType::F32;
 };
 
+// The DType of a precision-aware dtype flag's value (Megatron's names: fp32, fp16, bf16,
+// fp8 = e4m3, as Transformer Engine stores an fp8 state). `key` is the flag, for the
+// message. Throws megaton::Error (exit 2) naming key and value when `value` is not one of
+// `allowed` (e.g. {"fp32", "bf16"} for --main-grads-dtype).
+DType precision_aware_dtype(const std::string& key, const std::string& value,
+                            const std::vector<std::string>& allowed);
+
+// Megatron's rules for the precision-aware flags (OptimizerConfig.__post_init__): a dtype
+// other than fp32 needs use_precision_aware_optimizer. Then what Megaton does not have yet:
+// fp16 or fp8 moments and fp16 main params (Transformer Engine keeps them with a per-tensor
+// scale), and bf16 main grads (the backward ops accumulate into fp32 main_grad buffers).
+// Throws megaton::Error with one line naming the flag.
+void check_precision_aware_config(const AdamWConfig& config);
+
 // Decoupled-weight-decay Adam (Loshchilov & Hutter 2019) as Megatron runs it (Apex/TE
-// FusedAdam with adam_w_mode): the update itself is ops::adamw_step. Holds one fp32
-// exp_avg and exp_avg_sq per parameter, shaped like its weight, zero at construction.
-// Params with no_weight_decay (biases, norm weights) get weight decay 0.
+// FusedAdam with adam_w_mode): the update itself is ops::multi_tensor_adamw. Holds one
+// exp_avg and exp_avg_sq per parameter, shaped like its weight, zero at construction, in
+// config.exp_avg_dtype / exp_avg_sq_dtype (fp32 by default; bf16 under the
+// precision-aware optimizer). Params with no_weight_decay (biases, norm weights) get
+// weight decay 0.
 class AdamW {
  public:
   // `params` are not owned and must outlive the optimizer. Each needs a defined fp32
@@ -56,7 +82,8 @@ class AdamW {
   Tensor& device_state() { return state_; }
 
   // Optimizer state for checkpointing, in parameter order: for each param
-  // "<name>.exp_avg" then "<name>.exp_avg_sq", fp32, the weight's shape. The pointers stay
+  // "<name>.exp_avg" then "<name>.exp_avg_sq", in their configured dtypes, the weight's
+  // shape. The pointers stay
   // valid for the optimizer's life; loading a checkpoint copies into them.
   std::vector<std::pair<std::string, Tensor*>> state_tensors();
 

@@ -224,17 +224,24 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
     for (size_t bi = 0; bi < buffers_.size(); ++bi) {
       ParamAndGradBuffer& b = *buffers_[bi];
       const dist::Group& g = group_of(b);
+      // Assembled in fp32 whatever the moments' dtype (bf16 -> fp32 -> bf16 is exact), then
+      // written in their dtype.
       std::array<Tensor, 3> full;  // main, exp_avg, exp_avg_sq
       for (Tensor& t : full) t = Tensor::zeros({b.numel()}, DType::F32, b.grads().device());
       for (size_t i = 0; i < shard_params_.size(); ++i) {
         if (shard_buffer_[i] != bi) continue;
         const BufferPiece& piece = shard_pieces_[i];
         full[0].rows(piece.buffer_offset, piece.numel).copy_from(shard_params_[i].main_param);
-        full[1].rows(piece.buffer_offset, piece.numel).copy_from(*state[2 * i].second);
-        full[2].rows(piece.buffer_offset, piece.numel).copy_from(*state[2 * i + 1].second);
+        Tensor m = full[1].rows(piece.buffer_offset, piece.numel);
+        Tensor v = full[2].rows(piece.buffer_offset, piece.numel);
+        ops::cast(*state[2 * i].second, m);
+        ops::cast(*state[2 * i + 1].second, v);
       }
       for (Tensor& t : full) comm_.all_reduce(t, g);
       if (g.rank != 0) continue;
+      const AdamWConfig& c = adam_->config();
+      if (c.exp_avg_dtype != DType::F32) full[1] = full[1].to(c.exp_avg_dtype);
+      if (c.exp_avg_sq_dtype != DType::F32) full[2] = full[2].to(c.exp_avg_sq_dtype);
       for (size_t k = 0; k < b.params().size(); ++k) {
         const Param* p = b.params()[k];
         if (p->shared) continue;  // the first pipeline stage writes the tied embeddings
@@ -275,10 +282,29 @@ void DistributedAdamW::load_full_state(
         ops::cast(on_device, p->weight);
       }
     }
+  // An Adam moment in the checkpoint's dtype (F32, BF16 or F16), converted to this run's
+  // (round to nearest even) with one notice on world rank 0.
+  bool noticed = false;
+  auto get_moment = [&](const std::string& name, const Shape& shape, DType dtype) -> Tensor {
+    const Tensor* t = find(name);
+    if (!t) fail("checkpoint '{}' has no tensor '{}'", source, name);
+    const DType stored = t->dtype();
+    if (t->shape() != shape ||
+        (stored != DType::F32 && stored != DType::BF16 && stored != DType::F16))
+      fail("checkpoint '{}': tensor '{}' is {} {}, the optimizer expects F32, BF16 or F16 {}",
+           source, name, dtype_name(stored), shape_str(t->shape()), shape_str(shape));
+    if (stored == dtype) return *t;
+    if (!noticed && grid_.world().rank == 0)
+      fmt::print(" checkpoint '{}' holds the Adam moments in {} ('{}'), this run keeps them in "
+                 "{}: converting\n", source, dtype_name(stored), name, dtype_name(dtype));
+    noticed = true;
+    return t->to(dtype);
+  };
   auto state = adam_->state_tensors();
   if (!distributed_) {
     if (optimizer_state)
-      for (auto& [name, t] : state) t->copy_from(get("optimizer." + name, t->shape()));
+      for (auto& [name, t] : state)
+        t->copy_from(get_moment("optimizer." + name, t->shape(), t->dtype()));
     return;
   }
   for (size_t i = 0; i < shard_params_.size(); ++i) {
@@ -293,9 +319,12 @@ void DistributedAdamW::load_full_state(
     if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8())
       sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
     if (optimizer_state) {
-      state[2 * i].second->copy_from(slice(get("optimizer." + p->name + ".exp_avg", p->weight.shape())));
-      state[2 * i + 1].second->copy_from(
-          slice(get("optimizer." + p->name + ".exp_avg_sq", p->weight.shape())));
+      Tensor& m = *state[2 * i].second;
+      Tensor& v = *state[2 * i + 1].second;
+      m.copy_from(slice(get_moment("optimizer." + p->name + ".exp_avg", p->weight.shape(),
+                                   m.dtype())));
+      v.copy_from(slice(get_moment("optimizer." + p->name + ".exp_avg_sq", p->weight.shape(),
+                                   v.dtype())));
     }
   }
   quantize_fp8_weights();

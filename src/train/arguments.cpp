@@ -103,6 +103,17 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"adam-beta1", "AdamW beta1"},
       {"adam-beta2", "AdamW beta2"},
       {"adam-eps", "AdamW epsilon"},
+      {"use-precision-aware-optimizer",
+       "allow the main params, main grads and Adam moments below fp32 (Megatron / Transformer "
+       "Engine FusedAdam)", true},
+      {"main-params-dtype", "dtype of the main params with the precision-aware optimizer: fp32 "
+       "(fp16 not supported yet)"},
+      {"main-grads-dtype", "dtype of the main grads with the precision-aware optimizer: fp32 "
+       "(bf16 not supported yet)"},
+      {"exp-avg-dtype", "dtype Adam's first moment is stored in with the precision-aware "
+       "optimizer: fp32 or bf16 (the update math stays fp32)"},
+      {"exp-avg-sq-dtype", "dtype Adam's second moment is stored in with the precision-aware "
+       "optimizer: fp32 or bf16 (the update math stays fp32)"},
       {"clip-grad", "clip gradients to this global L2 norm (0: off)"},
       {"check-for-nan-in-loss-and-grad",
        "stop when the loss or the gradient norm is NaN or inf, naming the iteration and rank "
@@ -161,6 +172,17 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"num-layers-at-start-in-bf16", "layers kept in bf16 at the start (default 1)"},
       {"num-layers-at-end-in-bf16", "layers kept in bf16 at the end (default 1)"},
       {"moe-router-padding-for-fp8", "pad each expert's tokens to FP8 GEMM multiples", true},
+      // activation recomputation (docs/memory.md)
+      {"recompute-granularity", "full (whole layers, by recompute-method) or selective (the "
+                                "recompute-modules); default: keep every activation"},
+      {"recompute-method", "uniform (groups of recompute-num-layers layers) or block (the "
+                           "first recompute-num-layers layers of each model chunk)"},
+      {"recompute-num-layers", "layers per recompute group (uniform) or recomputed per model "
+                               "chunk (block)"},
+      {"recompute-modules", "core_attn (default), moe_act, layernorm, mlp, moe, shared_experts "
+                            "(selective granularity)", false, true},
+      {"recompute-activations", "Megatron's older name of recompute-granularity selective", true},
+      {"moe-layer-recompute", "deprecated: recompute-modules moe (selective)", true},
       // parallelism (docs/parallelism.md)
       {"tensor-model-parallel-size", "tensor parallel ranks (tp)"},
       {"pipeline-model-parallel-size", "pipeline stages (pp)"},
@@ -482,6 +504,24 @@ void check_value_ranges(const Reader& r, const TrainArgs& a) {
 }  // namespace
 
 namespace {
+// --use-precision-aware-optimizer and its dtypes, with Megatron's choices (arguments.py)
+// and refusals (optim::check_precision_aware_config).
+void parse_precision_aware_args(const Reader& r, optim::AdamWConfig& c) {
+  r.get("use-precision-aware-optimizer", c.use_precision_aware_optimizer);
+  const std::pair<const char*, std::vector<std::string>> choices[] = {
+      {"main-params-dtype", {"fp32", "fp16"}},
+      {"main-grads-dtype", {"fp32", "bf16"}},
+      {"exp-avg-dtype", {"fp32", "fp16", "bf16", "fp8"}},
+      {"exp-avg-sq-dtype", {"fp32", "fp16", "bf16", "fp8"}}};
+  DType* fields[] = {&c.main_params_dtype, &c.main_grads_dtype, &c.exp_avg_dtype,
+                     &c.exp_avg_sq_dtype};
+  for (size_t i = 0; i < std::size(choices); ++i)
+    if (r.has(choices[i].first))
+      *fields[i] = optim::precision_aware_dtype(choices[i].first, r.one(choices[i].first),
+                                                choices[i].second);
+  optim::check_precision_aware_config(c);
+}
+
 // --cuda-graph-impl and its options, with Megatron's rules (arguments.py): the old
 // --cuda-graph-scope is --cuda-graph-modules, except its value full_iteration, which selects
 // the implementation; modules are empty with full_iteration; warmup steps are positive.
@@ -610,6 +650,94 @@ void parse_fp8_args(const Reader& r, GPTConfig& m, std::vector<std::string>& no_
 }
 }  // namespace
 
+// The recompute flags (Megatron's TransformerConfig.__post_init__ and arguments.py
+// checks). After the FP8 and pipeline flags: both constrain them.
+void parse_recompute_args(const Reader& r, TrainArgs& a) {
+  RecomputeConfig& rc = a.model.recompute;
+  std::string granularity, method;
+  r.get("recompute-granularity", granularity);
+  r.get("recompute-method", method);
+  bool activations = false, moe_layer = false;
+  r.get("recompute-activations", activations);
+  r.get("moe-layer-recompute", moe_layer);
+  if (activations && !granularity.empty() && granularity != "selective")
+    fail("recompute-activations means recompute-granularity selective (got '{}')",
+         printable(granularity));
+  if (activations) granularity = "selective";
+  if (granularity == "full") rc.granularity = RecomputeGranularity::Full;
+  else if (granularity == "selective") rc.granularity = RecomputeGranularity::Selective;
+  else if (!granularity.empty())
+    fail("recompute-granularity must be full or selective (got '{}')", printable(granularity));
+  if (method == "uniform") rc.method = RecomputeMethod::Uniform;
+  else if (method == "block") rc.method = RecomputeMethod::Block;
+  else if (!method.empty())
+    fail("recompute-method must be uniform or block (got '{}')", printable(method));
+  r.get("recompute-num-layers", rc.num_layers);
+  if (r.has("recompute-modules")) {
+    rc.modules = 0;
+    for (const std::string& name : r.raw.at("recompute-modules")) {
+      const uint32_t bit = recompute_module_bit(name);
+      if (bit == 0)
+        fail("recompute-modules: '{}' is not one of core_attn, moe_act, layernorm, mlp, moe, "
+             "shared_experts, mla_up_proj", printable(name));
+      if (bit == kRecomputeMlaUpProj)
+        fail("recompute-modules: mla_up_proj needs multi-latent attention, which Megaton does "
+             "not build yet");
+      rc.modules |= bit;
+    }
+  }
+  if (moe_layer) {  // Megatron: deprecated, selective with the moe module added
+    if (rc.granularity == RecomputeGranularity::Full)
+      fail("moe-layer-recompute cannot be combined with recompute-granularity full");
+    if (rc.granularity == RecomputeGranularity::None) {
+      rc.granularity = RecomputeGranularity::Selective;
+      if (!r.has("recompute-modules")) rc.modules = 0;
+    }
+    rc.modules |= kRecomputeMoe;
+    a.no_effect.push_back("--moe-layer-recompute: deprecated, read as --recompute-granularity "
+                          "selective --recompute-modules ... moe");
+  }
+  const bool any_given = rc.granularity != RecomputeGranularity::None;
+  if (!any_given && (rc.method != RecomputeMethod::None || r.has("recompute-num-layers") ||
+                     r.has("recompute-modules")))
+    fail("recompute-method, recompute-num-layers and recompute-modules need "
+         "recompute-granularity");
+  const int64_t pp = std::max<int64_t>(a.parallel.pipeline_model_parallel_size, 1);
+  const int64_t stage_layers = a.model.num_layers / pp;
+  if (rc.granularity == RecomputeGranularity::Full) {
+    if (rc.method == RecomputeMethod::None)
+      fail("recompute-granularity full needs recompute-method uniform or block");
+    if (r.has("recompute-modules"))
+      fail("recompute-modules applies to recompute-granularity selective, not full");
+    if (!r.has("recompute-num-layers") || rc.num_layers < 1 || rc.num_layers > stage_layers)
+      fail("recompute-granularity full needs recompute-num-layers between 1 and the layers of "
+           "a pipeline stage ({}){}", stage_layers,
+           r.has("recompute-num-layers") ? " (got " + std::to_string(rc.num_layers) + ")" : "");
+  }
+  if (rc.granularity == RecomputeGranularity::Selective) {
+    if (rc.method != RecomputeMethod::None)
+      fail("recompute-method applies to recompute-granularity full, not selective");
+    if (r.has("recompute-num-layers"))
+      fail("recompute-num-layers applies to recompute-granularity full, not selective");
+    if (rc.selective(kRecomputeMoeAct))
+      a.no_effect.push_back("--recompute-modules moe_act: Megaton always recomputes the "
+                            "experts' activation, in the pass of its backward");
+    if (a.model.num_experts == 0 &&
+        (rc.modules & (kRecomputeMoe | kRecomputeSharedExperts | kRecomputeMoeAct)) != 0)
+      a.no_effect.push_back("--recompute-modules moe, moe_act, shared_experts: the model has "
+                            "no MoE layer");
+  }
+  // A forward re-run quantizes its FP8 GEMM inputs again: the delayed recipe would roll
+  // its amax history twice per step (the re-run would not be the first forward's bits).
+  const uint32_t rerun = kRecomputeMlp | kRecomputeMoe | kRecomputeSharedExperts;
+  if (a.model.fp8.enabled && a.model.fp8.recipe == Fp8Recipe::Delayed &&
+      (rc.granularity == RecomputeGranularity::Full ||
+       (rc.granularity == RecomputeGranularity::Selective && (rc.modules & rerun) != 0)))
+    fail("recompute-granularity full and recompute-modules mlp, moe, shared_experts are not "
+         "supported with fp8-recipe delayed (a re-run forward would update the amax history "
+         "again): use fp8-recipe tensorwise or blockwise");
+}
+
 TrainArgs parse_train_args(const RawOptions& raw) {
   for (const auto& [k, v] : raw)
     if (!find_spec(k)) fail("unknown option '{}'", k);
@@ -708,6 +836,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("adam-beta1", a.adam.adam_beta1);
   r.get("adam-beta2", a.adam.adam_beta2);
   r.get("adam-eps", a.adam.adam_eps);
+  parse_precision_aware_args(r, a.adam);
   r.get("clip-grad", a.clip_grad);
   r.get("check-for-nan-in-loss-and-grad", a.check_for_nan_in_loss_and_grad);
   if (r.has("no-check-for-nan-in-loss-and-grad")) {
@@ -794,6 +923,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
 
   r.get("bf16", a.model.bf16);
   parse_fp8_args(r, a.model, a.no_effect);
+  parse_recompute_args(r, a);
   // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.
   if (a.model.fp8.param_gather && !p.use_distributed_optimizer)
     fail("fp8-param-gather needs use-distributed-optimizer (the FP8 weights are what its "

@@ -40,11 +40,17 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   const double dense_shards = distributed ? double(std::max<int64_t>(sizes.dp * sizes.cp, 1)) : 1;
   const double expert_shards = distributed ? double(std::max<int64_t>(sizes.edp, 1)) : 1;
   const double cb = double(dtype_size(m.compute_dtype()));  // the compute weights' bytes
-  // Bytes per parameter element: compute weight + fp32 main grad (whole, every rank) +
-  // Adam's exp_avg and exp_avg_sq (fp32, sharded) + the fp32 main param where the compute
-  // weight is not fp32 (sharded).
+  // Bytes per parameter element: compute weight + main grad (whole, every rank) + Adam's
+  // exp_avg and exp_avg_sq (sharded) + the main param where the compute weight is not fp32
+  // (sharded), each in its dtype (fp32 unless the precision-aware optimizer says otherwise:
+  // --exp-avg-dtype bf16 stores 2 bytes, docs/memory.md).
+  const optim::AdamWConfig& adam = args.adam;
+  const double grad_b = double(dtype_size(adam.main_grads_dtype));
+  const double moments_b =
+      double(dtype_size(adam.exp_avg_dtype) + dtype_size(adam.exp_avg_sq_dtype));
+  const double main_b = double(dtype_size(adam.main_params_dtype));
   auto bytes_per_element = [&](double shards) {
-    return cb + 4.0 + 8.0 / shards + (cb < 4 ? 4.0 / shards : 0.0);
+    return cb + grad_b + moments_b / shards + (cb < 4 ? main_b / shards : 0.0);
   };
   const double dense_b = bytes_per_element(dense_shards);
   const double expert_b = bytes_per_element(expert_shards);

@@ -17,9 +17,10 @@ namespace megaton {
 // still not. The formulas (docs in memory_check.cpp, where they are computed):
 //
 //   cb = compute bytes: 2 under --bf16 on CUDA, else 4 (the CPU computes fp32)
-//   per parameter element: cb (weight) + 4 (fp32 main grad) + 8 / s (Adam's two fp32
-//     moments) + [cb == 2] 4 / s (fp32 main param), with s = dp (dense) or edp (experts)
-//     under --use-distributed-optimizer, else 1
+//   per parameter element: cb (weight) + 4 (fp32 main grad) + (e1 + e2) / s (Adam's two
+//     moments, e = 4 bytes for fp32, 2 for --exp-avg-dtype / --exp-avg-sq-dtype bf16) +
+//     [cb == 2] 4 / s (fp32 main param), with s = dp (dense) or edp (experts) under
+//     --use-distributed-optimizer, else 1
 //   parameters of a rank: its layers' matrices (attention QKV and projection, dense MLP
 //     fc1/fc2 or MoE router + its ep share of the experts split over etp + shared
 //     expert), split over tp; the word embeddings (padded vocabulary / tp) and learned
