@@ -51,9 +51,10 @@ router_flags() {  # NAME
 # the layers' linear GEMMs and the experts' in FP8 (hybrid format), with --kv-channels 16
 # and --moe-ffn-hidden-size 64 so that every FP8 GEMM dimension of a TP2 / ETP2 rank is a
 # multiple of 16; "MFFN=n" sets --moe-ffn-hidden-size otherwise; "RTOL=x" compares with
-# tools/compare_runs.py --rtol x (default 1e-5).
+# tools/compare_runs.py --rtol x (default 1e-5); "PAO=1" keeps Adam's moments in bf16
+# (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0
   local setting
   for setting in $1; do
     case $setting in
@@ -68,6 +69,7 @@ use_variant() {  # "VAR=value ..."
       TIED=*) TIED=${setting#*=} ;;
       ROUTER=*) ROUTER=${setting#*=} ;;
       MBS=*) MBS=${setting#*=} ;;
+      PAO=*) PAO=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -84,6 +86,7 @@ run() {  # NAME NP FLAGS...
   [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
   [ "$QKN" = 0 ] || model+=(--qk-layernorm)
   [ -z "$FP8" ] || model+=(--fp8-format hybrid --fp8-recipe "$FP8" --kv-channels 16)
+  [ "$PAO" = 0 ] || model+=(--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)
   # shellcheck disable=SC2207
   model+=($(router_flags "$ROUTER"))
   local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
@@ -208,6 +211,11 @@ layouts=(
   "dp2-distributed-optimizer-fp8-param-gather|2|--use-distributed-optimizer --fp8-param-gather|FP8=tensorwise"
   "tp2-dp2-distributed-optimizer-fp8-param-gather|4|--tensor-model-parallel-size 2 --use-distributed-optimizer --fp8-param-gather|FP8=tensorwise"
   "pp2-fp8-delayed|2|--pipeline-model-parallel-size 2|FP8=delayed"
+  # The precision-aware optimizer's bf16 moments: each element's update depends on its own
+  # moments only, so sharding them (or not) over DP, TP and EP gives one rank's values.
+  "dp2-bf16-states|2||PAO=1"
+  "dp2-distributed-optimizer-bf16-states|2|--use-distributed-optimizer|PAO=1"
+  "tp2-sp-ep2-distributed-optimizer-bf16-states|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall|PAO=1"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -230,6 +238,8 @@ resumes=(
   "dp2-fp8-param-gather-to-one-rank|2|--use-distributed-optimizer --fp8-param-gather|1|--use-distributed-optimizer --fp8-param-gather|FP8=tensorwise"
   # The experts' amax histories: each expert-parallel rank writes its own experts'.
   # (DP 1: the delayed history follows the micro-batches, which DP splits.)
+  # bf16 moments through the checkpoint (assembled over the DP shards, written in bf16).
+  "dp2-distopt-to-one-rank-bf16-states|2|--use-distributed-optimizer|1||PAO=1"
   "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed RTOL=1e-3"
 )
 for entry in "${layouts[@]}"; do

@@ -1,0 +1,137 @@
+// The precision-aware AdamW on the GPU: multi_tensor_adamw with BF16 moments (and one
+// moment F32) gives the CPU twin's bits, params, moments and compute copies, on packs of
+// four (aligned tensors), on the scalar path (tensors one element off alignment) and on
+// the tails; from the host scalars and from adamw_step_control's device scalars.
+#include <gtest/gtest.h>
+
+#ifdef MEGATON_WITH_CUDA
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/gpu_testing.h"
+#include "ops/ops.h"
+
+namespace megaton {
+namespace {
+
+struct Lists {
+  std::vector<Tensor> params, grads, m, v, copies;
+  std::vector<float> decays;
+};
+
+// A tensor of `shape` and `dtype` with the values of `values` (F32, host), on `device`;
+// misaligned: a view starting one element into a larger buffer (the scalar path).
+Tensor place(const Tensor& values, DType dtype, Device device, bool misaligned) {
+  if (!misaligned) return values.to(dtype).to(device);
+  Tensor flat = values.view({values.numel()});
+  Tensor buffer = Tensor::zeros({values.numel() + 1}, dtype, device);
+  Tensor view = buffer.rows(1, values.numel());
+  view.copy_from(flat.to(dtype).to(device));
+  return view.view(values.shape());
+}
+
+// The same lists on `device`: moment dtypes per tensor cycle through (BF16, BF16),
+// (BF16, F32), (F32, BF16); copies through BF16, none, F32; sizes cover a pack tail, a
+// multi-chunk tensor and misaligned tensors. Moments start nonzero (v positive).
+Lists make_lists(uint64_t seed, Device device) {
+  struct Spec {
+    Shape shape;
+    bool misaligned;
+  };
+  const std::vector<Spec> specs = {{{7, 5}, false},  {{70001}, false}, {{4, 4, 3}, false},
+                                   {{1031}, true},   {{33, 3}, true},  {{40000}, false}};
+  const DType moment_dtypes[3][2] = {
+      {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}, {DType::F32, DType::BF16}};
+  Lists l;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Shape& s = specs[i].shape;
+    const bool mis = specs[i].misaligned;
+    const uint64_t base = seed + 100 * i;
+    l.params.push_back(place(testing::randn(s, base, 0.5f), DType::F32, device, mis));
+    l.grads.push_back(place(testing::randn(s, base + 1, 0.3f), DType::F32, device, mis));
+    l.m.push_back(place(testing::randn(s, base + 2, 0.01f), moment_dtypes[i % 3][0], device, mis));
+    Tensor v = testing::randn(s, base + 3, 1e-3f);
+    for (int64_t k = 0; k < v.numel(); ++k) v.f32()[k] = v.f32()[k] * v.f32()[k];
+    l.v.push_back(place(v, moment_dtypes[i % 3][1], device, mis));
+    const DType copy_dtypes[3] = {DType::BF16, DType::F32, DType::F32};
+    if (i % 3 == 1)
+      l.copies.push_back(Tensor());
+    else
+      l.copies.push_back(place(Tensor::zeros(s), copy_dtypes[i % 3], device, mis));
+    l.decays.push_back(i % 2 ? 0.0f : 0.1f);
+  }
+  return l;
+}
+
+::testing::AssertionResult same_bits(const Tensor& gpu, const Tensor& cpu) {
+  return testing::bitwise_equal(testing::to_host_f32(gpu), testing::to_host_f32(cpu));
+}
+
+void expect_lists_equal(const Lists& gpu, const Lists& cpu) {
+  for (size_t i = 0; i < cpu.params.size(); ++i) {
+    SCOPED_TRACE("tensor " + std::to_string(i));
+    EXPECT_EQ(gpu.m[i].dtype(), cpu.m[i].dtype());
+    EXPECT_TRUE(same_bits(gpu.params[i], cpu.params[i]));
+    EXPECT_TRUE(same_bits(gpu.m[i], cpu.m[i]));
+    EXPECT_TRUE(same_bits(gpu.v[i], cpu.v[i]));
+    if (cpu.copies[i].defined()) EXPECT_TRUE(same_bits(gpu.copies[i], cpu.copies[i]));
+  }
+}
+
+TEST(AdamWPrecisionGpu, Bf16MomentsEqualTheCpuBitwise) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SCOPED_TRACE(testing::seed_trace(seed));
+  Lists cpu = make_lists(seed, Device::CPU), gpu = make_lists(seed, Device::CUDA);
+  const float b1 = 0.9f, b2 = 0.95f, eps = 1e-8f;
+  for (int step = 1; step <= 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const float lr = 1e-2f * float(step), scale = step == 2 ? 1.0f : 0.37f;
+    ops::multi_tensor_adamw(cpu.params, cpu.grads, cpu.m, cpu.v, cpu.copies, cpu.decays, lr, b1,
+                            b2, eps, step, scale);
+    ops::multi_tensor_adamw(gpu.params, gpu.grads, gpu.m, gpu.v, gpu.copies, gpu.decays, lr, b1,
+                            b2, eps, step, scale);
+    expect_lists_equal(gpu, cpu);
+  }
+  // The update moved things (not a test of an op that wrote nothing).
+  const Lists fresh = make_lists(seed, Device::CPU);
+  EXPECT_FALSE(testing::bitwise_equal(testing::to_host_f32(cpu.m[0]),
+                                      testing::to_host_f32(fresh.m[0])));
+}
+
+TEST(AdamWPrecisionGpu, DeviceControlEqualsTheCpuHostPath) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed() + 17;
+  SCOPED_TRACE(testing::seed_trace(seed));
+  Lists cpu = make_lists(seed, Device::CPU), gpu = make_lists(seed, Device::CUDA);
+  const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, lr = 3e-3f;
+  Tensor state = Tensor::zeros({2}, DType::I64, Device::CUDA);
+  Tensor control = Tensor::empty({ops::kAdamControlSize}, DType::F32, Device::CUDA);
+  Tensor norm_bits = Tensor::empty({1}, DType::I64, Device::CUDA);
+  for (int step = 1; step <= 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    Tensor parts = Tensor::empty({1}, DType::I64, Device::CUDA);
+    ops::multi_tensor_sum_of_squares(gpu.grads, parts);
+    // Clipped (max norm 1): the scale the device computes is the host's clip coefficient.
+    ops::adamw_step_control(parts, 1.0, 1.0, 1.0f, Tensor(), false,
+                            Tensor::from({1}, {lr}).to(Device::CUDA), b1, b2, state, control,
+                            norm_bits);
+    ops::multi_tensor_adamw(gpu.params, gpu.grads, gpu.m, gpu.v, gpu.copies, gpu.decays, b1, b2,
+                            eps, control);
+    const float scale = control.to(Device::CPU).f32()[ops::kAdamGradScale];
+    EXPECT_LT(scale, 1.0f);
+    ops::multi_tensor_adamw(cpu.params, cpu.grads, cpu.m, cpu.v, cpu.copies, cpu.decays, lr, b1,
+                            b2, eps, step, scale);
+    expect_lists_equal(gpu, cpu);
+  }
+}
+
+}  // namespace
+}  // namespace megaton
+
+#else  // !MEGATON_WITH_CUDA
+
+TEST(AdamWPrecisionGpu, NeedsCudaBuild) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif
