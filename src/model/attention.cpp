@@ -59,7 +59,7 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
   // This rank's heads and query groups (all of them without tensor parallelism).
   const int64_t np = cfg_.num_attention_heads / mp_.tp_size(),
                 ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
-  Tensor qkv = linear_qkv.forward(x);
+  Tensor qkv = linear_qkv.forward(x, keep_qkv_input_);
   Saved& s = saved_;
   s.q = empty_like(qkv, {batch, seq, np, d});
   s.k = empty_like(qkv, {batch, seq, ng, d});
@@ -89,17 +89,32 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
   s.seed = ctx.seed;
   s.stream = ctx.stream(layer_, 0);
   ops::attention_forward(s.q, s.k, s.v, s.out, s.lse, s.dropout_p, s.seed, s.stream);
-  return linear_proj.forward(s.out.view({batch * seq, np * d}));
+  Tensor y = linear_proj.forward(s.out.view({batch * seq, np * d}), keep_core_attn_out_);
+  if (!keep_core_attn_out_) s.out = s.lse = Tensor();  // remade in backward (core_attn)
+  return y;
 }
 
-Tensor SelfAttention::backward(const Tensor& dy) {
+Tensor SelfAttention::backward(const Tensor& dy, const std::function<Tensor()>& qkv_input) {
   MEGATON_CHECK(saved_.q.defined(), "SelfAttention of layer {}: backward without a forward",
                 layer_);
+  MEGATON_CHECK(keep_qkv_input_ || qkv_input,
+                "SelfAttention of layer {}: backward needs linear_qkv's input, not kept", layer_);
   Saved s = std::exchange(saved_, {});
   // This rank's heads and query groups (all of them without tensor parallelism).
   const int64_t np = cfg_.num_attention_heads / mp_.tp_size(),
                 ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
-  Tensor dout = linear_proj.backward(dy).view(s.out.shape());
+  Tensor dout;
+  if (s.out.defined()) {
+    dout = linear_proj.backward(dy).view(s.out.shape());
+  } else {
+    // core_attn recompute: the attention forward again from the kept q, k, v (the same
+    // kernel, inputs and dropout key: the same bits), then linear_proj's backward with it.
+    s.out = empty_like(s.q, s.q.shape());
+    s.lse = Tensor::empty({s.q.dim(0), np, s.q.dim(1)}, DType::F32, s.q.device());
+    ops::attention_forward(s.q, s.k, s.v, s.out, s.lse, s.dropout_p, s.seed, s.stream);
+    dout = linear_proj.backward(dy, s.out.view({s.q.dim(0) * s.q.dim(1), np * d}))
+               .view(s.out.shape());
+  }
   Tensor dq = empty_like(s.q, s.q.shape()), dk = empty_like(s.k, s.k.shape()),
          dv = empty_like(s.v, s.v.shape());
   ops::attention_backward(dout, s.q, s.k, s.v, s.out, s.lse, dq, dk, dv, s.dropout_p, s.seed,
@@ -117,7 +132,9 @@ Tensor SelfAttention::backward(const Tensor& dy) {
                                      cfg_.rotary_base, dqkv, grads);
     s.qk_norm = {};  // freed before linear_qkv's backward, as the unfused norms' inputs were
   }
-  return linear_qkv.backward(dqkv);
+  s = {};  // q, k, v, the output and the statistics are used up
+  if (keep_qkv_input_) return linear_qkv.backward(dqkv);
+  return linear_qkv.backward(dqkv, qkv_input());
 }
 
 Tensor SelfAttention::forward_inference(const Tensor& x, int64_t first_position,

@@ -1,5 +1,6 @@
 // SelfAttention: Megatron's fused QKV projection, RoPE, causal GQA attention, output proj.
 #pragma once
+#include <functional>
 #include <memory>
 
 #include "model/layers.h"
@@ -30,8 +31,19 @@ class SelfAttention {
   // x [B*S, H] -> [B*S, H] (under sequence parallelism this rank's [B*S/tp, H] rows;
   // batch and seq are always the full micro-batch's).
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
-  // InternalError when nothing was saved.
-  Tensor backward(const Tensor& dy);
+  // What forward keeps for backward (the recompute flags, set by the owning layer; both
+  // true by default). keep_qkv_input false: linear_qkv keeps no copy of its input,
+  // backward's `qkv_input` callback makes it again (the layernorm recompute).
+  // keep_core_attn_out false: the attention output and log-sum-exp are not kept (nor by
+  // linear_proj), backward runs the attention forward again from q, k, v (the core_attn
+  // recompute).
+  void set_recompute(bool keep_qkv_input, bool keep_core_attn_out) {
+    keep_qkv_input_ = keep_qkv_input;
+    keep_core_attn_out_ = keep_core_attn_out;
+  }
+  // InternalError when nothing was saved, or when linear_qkv's input is needed and
+  // qkv_input is not given.
+  Tensor backward(const Tensor& dy, const std::function<Tensor()>& qkv_input = {});
   // Inference with a KV cache (generation; one rank, no dropout, nothing saved): the n
   // tokens of x [n, H] (compute dtype) sit at absolute positions first_position ..
   // first_position + n - 1 (RoPE rotates by them). Their keys and values (after RoPE and
@@ -46,8 +58,10 @@ class SelfAttention {
 
   struct Saved {
     Tensor q, k, v;                 // [B, S, heads, d] after RoPE (this rank's heads, groups)
-    Tensor out;                     // attention output [B, S, np, d]
-    Tensor lse;                     // log-sum-exp of the scores [B, np, S] fp32
+    // attention output [B, S, np, d] and the log-sum-exp of the scores [B, np, S] fp32;
+    // undefined when recomputed (keep_core_attn_out false)
+    Tensor out;
+    Tensor lse;
     float dropout_p = 0;            // attention dropout of this forward
     uint64_t seed = 0, stream = 0;  // its mask's Philox key and stream
     // With qk_layernorm: q and k as split, before the norms ([B, S, np | ng, d], compute
@@ -73,6 +87,7 @@ class SelfAttention {
   const GPTConfig& cfg_;
   ModelParallel mp_;
   int64_t layer_;
+  bool keep_qkv_input_ = true, keep_core_attn_out_ = true;
   Saved saved_;
 };
 

@@ -2,10 +2,37 @@
 #include "model/config.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/error.h"
 
 namespace megaton {
+
+namespace {
+// Megatron's recompute_modules names with their bits, in RecomputeModule's order.
+constexpr std::pair<const char*, uint32_t> kRecomputeModules[] = {
+    {"core_attn", kRecomputeCoreAttn}, {"moe_act", kRecomputeMoeAct},
+    {"layernorm", kRecomputeLayernorm}, {"mlp", kRecomputeMlp},
+    {"moe", kRecomputeMoe}, {"shared_experts", kRecomputeSharedExperts},
+    {"mla_up_proj", kRecomputeMlaUpProj},
+};
+}  // namespace
+
+uint32_t recompute_module_bit(const std::string& name) {
+  for (const auto& [module, bit] : kRecomputeModules)
+    if (name == module) return bit;
+  return 0;
+}
+
+std::string recompute_module_names(uint32_t modules) {
+  std::string out;
+  for (const auto& [module, bit] : kRecomputeModules) {
+    if ((modules & bit) == 0) continue;
+    if (!out.empty()) out += ",";
+    out += module;
+  }
+  return out;
+}
 
 float GPTConfig::moe_loss_coeff(const std::string& type) const {
   if (num_experts == 0) return 0.0f;

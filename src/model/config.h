@@ -7,6 +7,7 @@
 
 #include "core/tensor.h"
 #include "model/fp8_config.h"
+#include "model/recompute_config.h"
 
 namespace megaton {
 
@@ -91,6 +92,9 @@ struct GPTConfig {
   // (model/fp8.h). The output layer, router, attention, norms and the optimizer stay in
   // bf16 / fp32, as in Transformer Engine.
   Fp8Config fp8;
+  // --recompute-granularity, --recompute-method, --recompute-num-layers,
+  // --recompute-modules: which activations backward recomputes instead of keeping.
+  RecomputeConfig recompute;
   Device device = Device::CPU;
   DType compute_dtype() const {
     return device == Device::CUDA && bf16 ? DType::BF16 : DType::F32;

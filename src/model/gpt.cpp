@@ -43,6 +43,16 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
   // The branch outputs' biases join the dropout and the residual add (residual_add).
   self_attention.linear_proj.set_skip_bias_add(true);
   if (mlp) mlp->linear_fc2.set_skip_bias_add(true);
+  // Selective recompute: what the sub-layers keep (docs/memory.md). The layernorm outputs
+  // are remade from the norms' kept inputs (backward's callbacks); an MoE layer keeps its
+  // input either way (its router and dispatcher read it), so only input_layernorm's
+  // output is dropped there.
+  const RecomputeConfig& rc = cfg.recompute;
+  const bool layernorm = rc.selective(kRecomputeLayernorm);
+  self_attention.set_recompute(!layernorm, !rc.selective(kRecomputeCoreAttn));
+  if (mlp) mlp->set_recompute(!layernorm, !rc.selective(kRecomputeMlp));
+  if (moe && moe->shared_expert)
+    moe->shared_expert->mlp.set_recompute(true, !rc.selective(kRecomputeSharedExperts));
 }
 
 std::vector<Linear*> TransformerLayer::linears() {
@@ -92,12 +102,22 @@ void TransformerLayer::residual_add(Tensor& branch, const Tensor& bias, const Te
 Tensor TransformerLayer::backward(const Tensor& dy) {
   // dh = dy + d(mlp branch)
   Tensor dm = dropout_grad(dy, 2);
-  Tensor dnormed = moe ? moe->backward(dm) : mlp->backward(dm);
+  Tensor dnormed = moe ? moe->backward(dm) : mlp->backward(dm, [this] {
+    return pre_mlp_layernorm.recompute_output();  // the layernorm recompute
+  });
   // The residual gradients are added inside the norms' backward passes.
   Tensor dh = pre_mlp_layernorm.backward(dnormed, dy);
-  Tensor dx = input_layernorm.backward(self_attention.backward(dropout_grad(dh, 1)), dh);
+  Tensor dattn = self_attention.backward(dropout_grad(dh, 1), [this] {
+    return input_layernorm.recompute_output();
+  });
+  Tensor dx = input_layernorm.backward(dattn, dh);
   saved_ = {};
   return dx;
+}
+
+void TransformerLayer::discard_for_recompute() {
+  Activations saved = take_saved();
+  if (moe) moe->keep_routing(std::move(saved.moe));
 }
 
 Tensor TransformerLayer::forward_inference(const Tensor& x, int64_t first_position,
@@ -338,9 +358,19 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
                   dtype_name(cfg_.compute_dtype()));
     x = in.hidden;
   }
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  // Full recompute: each recompute group keeps its first layer's input; its layers keep
+  // nothing else (but MoE routing), and backward_chunk runs the group's forward again.
+  const RecomputeConfig& rc = cfg_.recompute;
+  const int64_t n = int64_t(layers_.size());
+  saved_.ctx = ctx;
+  if (ctx.training && rc.granularity == RecomputeGranularity::Full)
+    saved_.recompute_inputs.assign(layers_.size(), Tensor());
+  for (int64_t i = 0; i < n; ++i) {
     before_forward(layer_params_[i]);
+    const int64_t group = saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
+    if (group == i) saved_.recompute_inputs[i] = x;
     x = layers_[i]->forward(x, saved_.batch, saved_.seq, ctx);
+    if (group >= 0) layers_[i]->discard_for_recompute();
   }
   ChunkOutput out;
   for (auto& layer : layers_) {
@@ -469,7 +499,17 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
     dx = final_layernorm.backward(output_loss_backward(dout));
     after_backward(tail_grads_);
   }
-  for (size_t i = layers_.size(); i-- > 0;) {
+  const RecomputeConfig& rc = cfg_.recompute;
+  const int64_t n = int64_t(layers_.size());
+  for (int64_t i = n; i-- > 0;) {
+    const int64_t group = saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
+    if (group >= 0 && i + 1 == rc.full_group_end(i, n)) {
+      // The group's forward again from its kept input, re-saving what backward needs.
+      ForwardContext ctx = saved_.ctx;
+      ctx.recompute = true;
+      Tensor h = std::exchange(saved_.recompute_inputs[group], Tensor());
+      for (int64_t j = group; j <= i; ++j) h = layers_[j]->forward(h, saved_.batch, saved_.seq, ctx);
+    }
     if (layers_[i]->moe) layers_[i]->moe->aux_grad_scale = aux_grad_scale;
     dx = layers_[i]->backward(dx);
     after_backward(layer_params_[i]);

@@ -54,6 +54,11 @@ class TransformerLayer {
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
+  // The full recompute of this layer (GPTModel::forward_chunk): drops what its forward
+  // saved, but an MoE layer's routing, aux loss and token counts
+  // (MoELayer::keep_routing). Backward then needs forward(x, ..., ctx with recompute) on
+  // the same input first.
+  void discard_for_recompute();
 
   Norm input_layernorm;
   SelfAttention self_attention;
@@ -292,6 +297,11 @@ class GPTModel {
     float emb_dropout_p = 0;     // embedding dropout of this forward
     uint64_t emb_seed = 0;       // its mask's Philox key
     uint64_t emb_stream = 0;     // and stream
+    // Full recompute (GPTConfig::recompute): the forward's context, and per layer of the
+    // chunk the input of each recompute group's first layer (undefined elsewhere; empty
+    // when no layer was recomputed).
+    ForwardContext ctx;
+    std::vector<Tensor> recompute_inputs;
   };
   Saved saved_;
 };

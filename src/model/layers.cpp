@@ -291,6 +291,13 @@ Tensor Norm::forward_inference(const Tensor& x) const {
   return y;
 }
 
+Tensor Norm::recompute_output() const {
+  MEGATON_CHECK(saved_.x.defined(), "Norm '{}': recompute_output without a saved input",
+                weight.name);
+  // forward_add's y is the plain norm of the sum it kept (ops.h), so one path serves both.
+  return forward_inference(saved_.x);
+}
+
 Tensor Norm::forward_add(Tensor& x, const Tensor& residual) {
   Saved& s = saved_;
   Tensor y = empty_like(x, x.shape());
@@ -351,18 +358,37 @@ Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool s
 
 // The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward
 // recomputes it from fc1's output, saving ffn x T activations per layer (as Megatron's
-// activation recompute for the MLP activation). The recompute costs no pass of its own:
-// the activation's backward, which reads fc1's output anyway, writes it (fc2's weight
+// activation recompute for the MoE activation, moe_act). The recompute costs no pass of its
+// own: the activation's backward, which reads fc1's output anyway, writes it (fc2's weight
 // gradient is computed after its input gradient for this).
 Tensor MLP::forward(const Tensor& x) {
-  saved_.fc1_out = linear_fc1.forward(x);
-  return linear_fc2.forward(mlp_activation(saved_.fc1_out, swiglu_), /*save_input=*/false);
+  Saved& s = saved_;
+  s = {};
+  s.held = true;
+  // fc1 keeps its input itself unless the input is not kept at all or must remake fc1's
+  // output (then the MLP keeps x: under FP8, fc1 would keep x^T only).
+  if (keep_input_ && !keep_fc1_out_) s.x = x;
+  const Tensor fc1_out = linear_fc1.forward(x, keep_input_ && keep_fc1_out_);
+  if (keep_fc1_out_) s.fc1_out = fc1_out;
+  return linear_fc2.forward(mlp_activation(fc1_out, swiglu_), /*save_input=*/false);
 }
 
-Tensor MLP::backward(const Tensor& dy) {
-  MEGATON_CHECK(saved_.fc1_out.defined(), "MLP '{}': backward without a forward",
-                linear_fc1.weight.name);
-  const Tensor fc1_out = std::exchange(saved_, {}).fc1_out;
+Tensor MLP::backward(const Tensor& dy, const std::function<Tensor()>& input) {
+  MEGATON_CHECK(saved_.held, "MLP '{}': backward without a forward", linear_fc1.weight.name);
+  Saved s = std::exchange(saved_, {});
+  // The forward's input, where fc1 did not keep it: kept here, or made again by `input`.
+  Tensor x = s.x;
+  auto forward_input = [&]() -> const Tensor& {
+    if (!x.defined()) {
+      MEGATON_CHECK(bool(input), "MLP '{}': backward needs the forward's input, not kept",
+                    linear_fc1.weight.name);
+      x = input();
+    }
+    return x;
+  };
+  // fc1's output, remade from the input (the mlp recompute): the same GEMM, the same bits.
+  const Tensor fc1_out = s.fc1_out.defined() ? s.fc1_out
+                                             : linear_fc1.forward(forward_input(), false);
   Tensor dfc1;  // the activation's backward, inside fc2's backward or after it
   const Tensor dact = linear_fc2.backward(dy, [&](const Tensor& dact) {
     Tensor act = empty_like(dact, dact.shape());
@@ -370,7 +396,8 @@ Tensor MLP::backward(const Tensor& dy) {
     return act;
   });
   if (!dfc1.defined()) dfc1 = mlp_activation_backward(dact, fc1_out, swiglu_);  // not asked
-  return linear_fc1.backward(dfc1);
+  if (keep_input_ && keep_fc1_out_) return linear_fc1.backward(dfc1);
+  return linear_fc1.backward(dfc1, forward_input());
 }
 
 Tensor MLP::forward_inference(const Tensor& x) const {

@@ -27,6 +27,11 @@ struct ForwardContext {
   uint64_t seed = 1234;
   int64_t iteration = 0;
   int64_t micro_batch = 0;
+  // This forward re-runs one already done for the same micro-batch, to remake what the
+  // recompute choice did not keep (GPTConfig::recompute): the routers replay their kept
+  // routing and record no statistics, nothing is discarded again. Dropout masks are keyed
+  // as above, so the re-run gives the first forward's bits.
+  bool recompute = false;
   // Random stream for dropout site `site` of layer `layer` (layer -1: embedding).
   uint64_t stream(int64_t layer, int site) const {
     return ((uint64_t(iteration) * 4096 + uint64_t(micro_batch)) * 1024 + uint64_t(layer + 1)) *
@@ -175,6 +180,9 @@ class Norm {
   Tensor forward_add(Tensor& x, const Tensor& residual);
   // The same y for inference (generation), saving nothing.
   Tensor forward_inference(const Tensor& x) const;
+  // The last forward's output again, bitwise, from the kept input (the layernorm
+  // recompute: the next layer kept no copy of it). InternalError when nothing was saved.
+  Tensor recompute_output() const;
   // InternalError when nothing was saved. dresidual (optional, dy's shape): the gradient
   // reaching the input through the residual connection, added to the result in the same
   // pass.
@@ -215,14 +223,32 @@ class MLP {
   MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
       float init_std, float output_std, uint64_t seed, Placement where,
       const ModelParallel& mp = {});
+  // What forward keeps for backward (the recompute flags, set by the layer that owns the
+  // MLP; both true by default). keep_input false: the input is not kept, backward's
+  // `input` callback makes it again (the layernorm recompute). keep_fc1_out false: fc1's
+  // output is not kept, backward runs fc1's forward GEMM again from the input (the mlp
+  // and shared_experts recompute; fc2's forward is not re-run, its output is not needed).
+  // The activation (fc2's input) is never kept: backward recomputes it in the pass of the
+  // activation's backward (see MLP::forward).
+  void set_recompute(bool keep_input, bool keep_fc1_out) {
+    keep_input_ = keep_input;
+    keep_fc1_out_ = keep_fc1_out;
+  }
   Tensor forward(const Tensor& x);
-  Tensor backward(const Tensor& dy);
+  // input: the forward's input again, called when the MLP did not keep it (keep_input
+  // false); InternalError when it is needed and not given, or nothing was saved.
+  Tensor backward(const Tensor& dy, const std::function<Tensor()>& input = {});
   // x [T, H] -> [T, H] for inference (generation), saving nothing; one rank only.
   Tensor forward_inference(const Tensor& x) const;
   void collect_params(std::vector<Param*>& out);
 
   struct Saved {
-    Tensor fc1_out;  // [T, fc1 outputs / tp]; the activation is recomputed from it
+    bool held = false;  // a forward's state is held
+    // [T, fc1 outputs / tp] (keep_fc1_out); the activation is recomputed from it.
+    Tensor fc1_out;
+    // The input [T, H] when fc1's output is recomputed and the input kept (fc1 itself then
+    // keeps no copy: under FP8 it would keep only x^T, which cannot remake fc1's output).
+    Tensor x;
   };
   // The MLP's saved state with its linears'.
   struct Activations {
@@ -236,6 +262,7 @@ class MLP {
 
  private:
   bool swiglu_;
+  bool keep_input_ = true, keep_fc1_out_ = true;
   Saved saved_;
 };
 

@@ -217,7 +217,7 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   // sequence parallelism, or split here without it).
   const TopKRouter::Output routing =
       router.forward(x, ctx, mp_.tp_size() > 1 ? int64_t(mp_.tp_rank()) * tokens : 0);
-  s.aux_loss = router.last_loss_tensor();
+  if (!ctx.recompute) s.aux_loss = router.last_loss_tensor();  // a re-run keeps the first
 
   // The kept copies routed to this rank's experts, grouped by local expert; padded to a
   // fixed size per expert: each rank of the expert-model-parallel group sends an expert at
@@ -256,10 +256,30 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   Tensor out = dispatcher_->combine(unpad_expert_rows(expert_out));
   if (splits_rows()) out = gather_sequence(out, mp_);
   if (shared_expert) ops::add_(out, shared_expert->forward(x_in));
+  if (ctx.training && !ctx.recompute && cfg_.recompute.selective(kRecomputeMoe)) {
+    keep_routing(take_saved());
+    saved_.recompute_input = x_in;
+    saved_.recompute_ctx = ctx;
+  }
   return out;
 }
 
+void MoELayer::keep_routing(Activations&& saved) {
+  router.restore_saved(std::move(saved.router));
+  router.keep_routing_only();
+  saved_ = {};
+  saved_.aux_loss = std::move(saved.moe.aux_loss);
+  saved_.tokens_per_local_expert = std::move(saved.moe.tokens_per_local_expert);
+  saved_.expert_counts = std::move(saved.moe.expert_counts);
+}
+
 Tensor MoELayer::backward(const Tensor& dy_in) {
+  if (saved_.recompute_input.defined()) {  // the moe recompute: the forward again first
+    ForwardContext ctx = saved_.recompute_ctx;
+    ctx.recompute = true;
+    const Tensor x = std::exchange(saved_.recompute_input, Tensor());
+    forward(x, ctx);
+  }
   MEGATON_CHECK(saved_.x.defined(), "MoE layer '{}': backward without a forward",
                 router.weight.name);
   const Saved& s = saved_;

@@ -119,6 +119,10 @@ class MoELayer {
     bool padded = false;          // expert_rows differ from tokens_per_local_expert
     // FP8 runs: what each local expert's fc1 / fc2 forward kept (x^T or its scale, W's scale).
     Fp8GroupedLinearGemms::Saved fc1_fp8, fc2_fp8;
+    // The moe recompute (--recompute-modules moe): the layer's input and forward context,
+    // all the layer keeps besides its routing; backward re-runs forward from them first.
+    Tensor recompute_input;
+    ForwardContext recompute_ctx;
   };
   // The layer's saved state with its router's, token dispatcher's and shared expert's.
   struct Activations {
@@ -129,6 +133,11 @@ class MoELayer {
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
+  // The recompute of this layer (full granularity, or the moe module): drops everything
+  // `saved` holds (taken by take_saved) but the routing (TopKRouter::keep_routing_only),
+  // the aux loss and the token counts, which it puts back: the re-run (forward with
+  // ctx.recompute) replays the routing and records nothing twice.
+  void keep_routing(Activations&& saved);
 
   struct Expert {
     Param fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases absent with disable_bias_linear

@@ -147,6 +147,7 @@ void TopKRouter::aux_loss_forward(const std::string& type, float coeff, int64_t 
 
 TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext& ctx,
                                        int64_t first_row) {
+  if (ctx.recompute) return replay(x_in);
   const int64_t rows = x_in.dim(0), E = num_experts_;
   const Device dev = x_in.device();
   saved_ = Saved();
@@ -189,7 +190,7 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
     // The dispatchers skip the dropped copies (index E); backward keeps the real indices.
     out.indices = Tensor::empty({rows, topk_}, DType::I32, dev);
     ops::moe_mark_dropped(saved_.indices, saved_.keep, E, out.indices);
-    out.capacity = capacity;
+    out.capacity = saved_.capacity = capacity;
     if (ctx.training) ops::add_(tokens_per_expert_, kept);
   } else if (ctx.training) {
     ops::moe_tokens_per_expert(out.indices, E, tokens_per_expert_);
@@ -214,6 +215,28 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
     add_loss(sum_sq, double(cfg_.moe_z_loss_coeff) / tp_cp / double(rows), kZSlot,
              1.0 / double(rows));
     saved_.z_scale = float(2.0 * double(cfg_.moe_z_loss_coeff) / (tp_cp * double(rows)));
+  }
+  return out;
+}
+
+TopKRouter::Output TopKRouter::replay(const Tensor& x_in) {
+  MEGATON_CHECK(saved_.probs.defined(), "router '{}': replay without a kept routing",
+                weight.name);
+  Tensor x = x_in;
+  if (saved_.jitter.defined()) {  // the first forward's noise, kept
+    x = x_in.clone();
+    ops::mul_(x, saved_.jitter);
+  }
+  saved_.x = x;
+  Output out;
+  out.probs = saved_.probs;
+  out.indices = saved_.indices;
+  out.capacity = saved_.capacity;
+  if (saved_.keep.defined()) {  // as forward: dropped copies weigh 0 and go to index E
+    out.probs = saved_.probs.clone();
+    ops::mul_(out.probs, saved_.keep);
+    out.indices = Tensor::empty(saved_.indices.shape(), DType::I32, x.device());
+    ops::moe_mark_dropped(saved_.indices, saved_.keep, num_experts_, out.indices);
   }
   return out;
 }

@@ -59,8 +59,18 @@ class TopKRouter {
   };
   // x [T, H] compute dtype: this rank's token rows, which are rows first_row .. of the
   // tensor-parallel group's [B * S] token list (batch-major; seq_aux_loss groups rows by
-  // sequence). Saves what backward needs.
+  // sequence). Saves what backward needs. With ctx.recompute (a recompute re-run of this
+  // micro-batch's forward) it replays the routing it kept instead (replay).
   Output forward(const Tensor& x, const ForwardContext& ctx, int64_t first_row);
+  // The recompute of a layer that holds this router: keep_routing_only drops the kept
+  // input (the one large tensor: [T, H]) and keeps the routing (logits, probabilities,
+  // indices, capacity mask and the loss terms). replay then gives the first forward's
+  // Output again from them without the gating GEMM, the collectives of the losses or any
+  // statistic (tokens per expert, metrics, routed copies, the global aux loss's running
+  // counts: they were recorded once), and keeps x (after the kept jitter, if any) for the
+  // weight gradient. InternalError when no routing is kept.
+  void keep_routing_only() { saved_.x = Tensor(); }
+  Output replay(const Tensor& x);
   // dprobs [T, k] fp32 -> dx [T, H] += the router's input gradient; accumulates the
   // weight's main_grad. aux_grad_scale: the injected losses' gradient scale
   // (1 / micro-batches).
@@ -138,6 +148,7 @@ class TopKRouter {
     float z_scale = 0;   // 2 coeff / (tp cp T)
     std::vector<AuxTerm> aux;
     int64_t first_row = 0;
+    int64_t capacity = 0;  // Output::capacity
     bool training = false;
   };
   Saved take_saved() { return std::exchange(saved_, {}); }
