@@ -52,9 +52,11 @@ router_flags() {  # NAME
 # and --moe-ffn-hidden-size 64 so that every FP8 GEMM dimension of a TP2 / ETP2 rank is a
 # multiple of 16; "MFFN=n" sets --moe-ffn-hidden-size otherwise; "RTOL=x" compares with
 # tools/compare_runs.py --rtol x (default 1e-5); "PAO=1" keeps Adam's moments in bf16
-# (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16).
+# (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16);
+# "RC=full|block|sel" recomputes activations: whole layers in groups of 2 (uniform), the
+# first layer of each model chunk (block), or every selective module.
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC=""
   local setting
   for setting in $1; do
     case $setting in
@@ -70,6 +72,7 @@ use_variant() {  # "VAR=value ..."
       ROUTER=*) ROUTER=${setting#*=} ;;
       MBS=*) MBS=${setting#*=} ;;
       PAO=*) PAO=${setting#*=} ;;
+      RC=*) RC=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -87,6 +90,11 @@ run() {  # NAME NP FLAGS...
   [ "$QKN" = 0 ] || model+=(--qk-layernorm)
   [ -z "$FP8" ] || model+=(--fp8-format hybrid --fp8-recipe "$FP8" --kv-channels 16)
   [ "$PAO" = 0 ] || model+=(--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)
+  case $RC in
+    full) model+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 2) ;;
+    block) model+=(--recompute-granularity full --recompute-method block --recompute-num-layers 1) ;;
+    sel) model+=(--recompute-granularity selective --recompute-modules core_attn layernorm mlp moe shared_experts) ;;
+  esac
   # shellcheck disable=SC2207
   model+=($(router_flags "$ROUTER"))
   local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
@@ -216,6 +224,14 @@ layouts=(
   "dp2-bf16-states|2||PAO=1"
   "dp2-distributed-optimizer-bf16-states|2|--use-distributed-optimizer|PAO=1"
   "tp2-sp-ep2-distributed-optimizer-bf16-states|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall|PAO=1"
+  # Activation recomputation (issue 18): the re-run forwards repeat the layouts'
+  # collectives (TP/SP gathers, the EP all-to-all) and replay the kept routing; a
+  # pipeline stage keeps each in-flight micro-batch's recompute inputs.
+  "dp2-distributed-optimizer-recompute-full|2|--use-distributed-optimizer|RC=full"
+  "tp2-sp-recompute-selective-v3|2|--tensor-model-parallel-size 2 --sequence-parallel|RC=sel ROUTER=v3"
+  "tp2-sp-ep2-etp1-recompute-full|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|RC=full"
+  "ep2-alltoall-capacity-recompute-selective|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|RC=sel ROUTER=capacity"
+  "pp2-interleaved-recompute-block|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 RC=block"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
