@@ -22,6 +22,10 @@ CONFIGS = {  # name: layers, hidden, heads, ffn, experts, topk, expert ffn, seq,
     "moe-64x-top8": dict(layers=8, hidden=2048, heads=16, ffn=0, experts=64, topk=8, mffn=1024, seq=2048, mbs=4),
     "llama3-8B-8L": dict(layers=8, hidden=4096, heads=32, kv=8, ffn=14336, experts=0, topk=0, mffn=0,
                          seq=4096, mbs=2, vocab=128256),
+    # The whole Llama-3-8B (issue 18): PyTorch's reference cannot hold its 16 bytes per
+    # parameter (128 GB) and activations on one H200; its row shows the error.
+    "llama3-8B": dict(layers=32, hidden=4096, heads=32, kv=8, ffn=14336, experts=0, topk=0, mffn=0,
+                      seq=4096, mbs=1, vocab=128256),
 }
 VOCAB = 50304
 
@@ -111,17 +115,30 @@ def main():
     p.add_argument("--fp8", default="", help="Megaton FP8 recipes to add, comma-separated")
     p.add_argument("--cuda-graph", action="store_true",
                    help="add Megaton rows with --cuda-graph-impl full_iteration")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=FLAGS: a Megaton bf16 row with these extra flags (repeatable), "
+                        "e.g. 'lean=--recompute-granularity selective "
+                        "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16'")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
+    p.add_argument("--no-default", action="store_true", help="skip Megaton's default-flags row")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    variants = [v.split("=", 1) for v in a.variant]
     graph = ["--cuda-graph-impl", "full_iteration"]
     lines = ["| config | impl | tokens/s | model TFLOP/s | MFU (989) | peak GiB | ratio to PyTorch bf16 (/ torchao FP8) |",
              "|---|---|---|---|---|---|---|"]
     for name in a.configs.split(","):
         c = CONFIGS[name]
         f = flops_per_token(c)
-        t = run_torch(a.torch_script, name, c)
-        m = run_megaton(a.megaton, c, a.iters)
-        new = [row(name, "PyTorch bf16", t, f), row(name, "Megaton bf16", m, f, t)]
+        t = dict(error="not run (--no-torch)") if a.no_torch else run_torch(a.torch_script, name, c)
+        new = [row(name, "PyTorch bf16", t, f)]
+        m = {}
+        if not a.no_default:
+            m = run_megaton(a.megaton, c, a.iters)
+            new.append(row(name, "Megaton bf16", m, f, t))
+        for vname, vflags in variants:
+            new.append(row(name, f"Megaton bf16 {vname}", run_megaton(a.megaton, c, a.iters,
+                                                                      extra=vflags.split()), f, t))
         if a.cuda_graph:
             new.append(row(name, "Megaton bf16 + CUDA graph", run_megaton(a.megaton, c, a.iters, extra=graph), f, t))
         if a.fp8:
