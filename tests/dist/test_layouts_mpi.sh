@@ -221,9 +221,12 @@ layouts=(
   "pp2-fp8-delayed|2|--pipeline-model-parallel-size 2|FP8=delayed"
   # The precision-aware optimizer's bf16 moments: each element's update depends on its own
   # moments only, so sharding them (or not) over DP, TP and EP gives one rank's values.
+  # TP's fp32 sums in another order (1e-9 relative) can move a moment across a bf16
+  # rounding midpoint (one bf16 step is 0.4-0.8%): measured 1.2e-5 on one expert weight
+  # after 3 steps, hence RTOL 5e-5 there.
   "dp2-bf16-states|2||PAO=1"
   "dp2-distributed-optimizer-bf16-states|2|--use-distributed-optimizer|PAO=1"
-  "tp2-sp-ep2-distributed-optimizer-bf16-states|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall|PAO=1"
+  "tp2-sp-ep2-distributed-optimizer-bf16-states|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall|PAO=1 RTOL=5e-5"
   # Activation recomputation (issue 18): the re-run forwards repeat the layouts'
   # collectives (TP/SP gathers, the EP all-to-all) and replay the kept routing; a
   # pipeline stage keeps each in-flight micro-batch's recompute inputs.
