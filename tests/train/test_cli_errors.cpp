@@ -174,6 +174,41 @@ TEST_F(CliErrors, PrecisionAwareOptimizerFlags) {
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
+// Megatron's recompute checks (TransformerConfig.__post_init__), one line and exit 2 each.
+TEST_F(CliErrors, RecomputeFlags) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--recompute-granularity partial", "recompute-granularity must be full or selective (got 'partial')"},
+      {"--recompute-granularity full --recompute-num-layers 1",
+       "recompute-granularity full needs recompute-method uniform or block"},
+      {"--recompute-granularity full --recompute-method uniform",
+       "recompute-granularity full needs recompute-num-layers between 1 and the layers of a "
+       "pipeline stage (1)"},
+      {"--recompute-granularity full --recompute-method block --recompute-num-layers 2",
+       "recompute-num-layers between 1 and the layers of a pipeline stage (1) (got 2)"},
+      {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+       "--recompute-modules mlp",
+       "recompute-modules applies to recompute-granularity selective, not full"},
+      {"--recompute-granularity selective --recompute-method uniform",
+       "recompute-method applies to recompute-granularity full, not selective"},
+      {"--recompute-granularity selective --recompute-num-layers 1",
+       "recompute-num-layers applies to recompute-granularity full, not selective"},
+      {"--recompute-granularity selective --recompute-modules core_attn attn",
+       "recompute-modules: 'attn' is not one of core_attn, moe_act, layernorm, mlp, moe, "
+       "shared_experts, mla_up_proj"},
+      {"--recompute-granularity selective --recompute-modules mla_up_proj",
+       "recompute-modules: mla_up_proj needs multi-latent attention"},
+      {"--recompute-modules mlp", "recompute-method, recompute-num-layers and recompute-modules "
+                                  "need recompute-granularity"},
+      {"--moe-layer-recompute --recompute-granularity full --recompute-method block "
+       "--recompute-num-layers 1",
+       "moe-layer-recompute cannot be combined with recompute-granularity full"},
+      {"--fp8-format hybrid --recompute-granularity selective --recompute-modules mlp",
+       "not supported with fp8-recipe delayed"},
+  };
+  for (const auto& [flags, needle] : cases)
+    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
+}
+
 TEST_F(CliErrors, BadAlltoAllExchangeSetting) {
   expect_user_error("train --config " + config(std::string(kModel) + "num-experts: 4\n"),
                     "MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got 'yes')",
