@@ -65,7 +65,7 @@ class HostBlockCache {
         void* p = it->second.back();
         it->second.pop_back();
         cached_bytes_ -= int64_t(bytes);
-        allocated_bytes_ += int64_t(bytes);
+        note_allocated(bytes);
         return p;
       }
     }
@@ -76,7 +76,7 @@ class HostBlockCache {
       p = os_allocate(bytes);
     }
     if (!p) throw OutOfMemoryError(out_of_memory_message(bytes, host_memory_available()));
-    allocated_bytes_ += int64_t(bytes);
+    note_allocated(bytes);
     return p;
   }
 
@@ -105,9 +105,20 @@ class HostBlockCache {
     free_.clear();
   }
 
-  HostAllocatorStats stats() const { return {allocated_bytes_.load(), cached_bytes_.load()}; }
+  HostAllocatorStats stats() const {
+    return {allocated_bytes_.load(), cached_bytes_.load(), peak_allocated_bytes_.load()};
+  }
+  void reset_peak() { peak_allocated_bytes_.store(allocated_bytes_.load()); }
 
  private:
+  // allocated_bytes_ += bytes, raising the peak with it.
+  void note_allocated(size_t bytes) {
+    const int64_t now = allocated_bytes_ += int64_t(bytes);
+    int64_t peak = peak_allocated_bytes_.load();
+    while (now > peak && !peak_allocated_bytes_.compare_exchange_weak(peak, now)) {
+    }
+  }
+
   static void* os_allocate(size_t bytes) {
     if (take_injected_failure(injected_allocation_failures)) return nullptr;
     return std::aligned_alloc(64, bytes);
@@ -142,6 +153,7 @@ class HostBlockCache {
   std::unordered_map<size_t, std::vector<void*>> free_;
   std::atomic<int64_t> allocated_bytes_{0};
   std::atomic<int64_t> cached_bytes_{0};
+  std::atomic<int64_t> peak_allocated_bytes_{0};
 };
 HostBlockCache& host_cache() {
   static HostBlockCache* cache = new HostBlockCache();  // never destroyed: outlives tensors
@@ -238,6 +250,7 @@ int64_t cgroup_memory_available() {
 }  // namespace
 
 HostAllocatorStats host_allocator_stats() { return host_cache().stats(); }
+void reset_peak_host_memory() { host_cache().reset_peak(); }
 void empty_host_cache() { host_cache().empty(); }
 
 int64_t HostMemoryAvailable::physical() const {

@@ -39,8 +39,11 @@ struct Storage {
 struct HostAllocatorStats {
   int64_t allocated_bytes = 0;  // in live CPU tensors
   int64_t cached_bytes = 0;     // freed blocks kept for reuse
+  int64_t peak_allocated_bytes = 0;  // max of allocated_bytes since start or reset
 };
 HostAllocatorStats host_allocator_stats();
+// Starts peak_allocated_bytes again from the bytes allocated now.
+void reset_peak_host_memory();
 // Returns every cached (unused) host block to the OS.
 void empty_host_cache();
 
