@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "dist/runtime.h"
 #include "train/arguments.h"
+#include "train/memory_plan.h"
 #include "train/trainer.h"
 
 namespace megaton::cli {
@@ -39,13 +40,29 @@ void add_train_command(CLI::App& app) {
                            ? std::vector<std::string>{state->switches[spec.name] ? "true" : "false"}
                            : state->values[spec.name];
     }
+    // A dry run may plan a CUDA run on a machine without a GPU: its flags are checked as a
+    // CPU run's, then the plan is made for the device asked for.
+    const auto given = [&raw](const char* key, const char* value) {
+      return raw.count(key) && raw.at(key) == std::vector<std::string>{value};
+    };
+    const bool plan_cuda_here =
+        given("dry-run", "true") && given("device", "cuda") && !cuda_available();
+    if (plan_cuda_here) raw["device"] = {"cpu"};
     TrainArgs args = parse_train_args(raw);
+    if (plan_cuda_here) {
+      args.device = "cuda";
+      args.model.device = Device::CUDA;
+    }
     // An impossible layout fails here, on every rank alike, before anything is built.
-    const int64_t world = dist::world_size();
+    const int64_t world = args.dry_run ? dry_run_world_size() : dist::world_size();
     dist::ValidatedLayout layout = check_parallel_layout(args, world);
     if (dist::world_rank() == 0) {
       for (const std::string& w : layout.warnings) fmt::print(stderr, "warning: {}\n", w);
       for (const std::string& n : args.no_effect) fmt::print(stderr, "no effect in Megaton: {}\n", n);
+    }
+    if (args.dry_run) {  // the memory plan, then exit 0: nothing is built
+      run_dry_run(args, world, stdout, stderr);
+      return;
     }
     Trainer trainer(args, raw);
     trainer.train();

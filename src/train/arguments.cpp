@@ -140,6 +140,9 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"log-metrics-file", "Megaton: append one JSON line per iteration (iteration, lm_loss, "
                            "grad_norm, load_balancing_loss, lr) in full precision to this file"},
       {"seed", "random seed"},
+      {"dry-run", "Megaton: print the memory plan of the busiest rank (weights, grads, "
+                  "optimizer state, activations, total) and exit 0; builds nothing. Plans for "
+                  "the launcher's ranks, else WORLD_SIZE, else 1", true},
       {"deterministic-mode", "bitwise-reproducible GPU runs (deterministic embedding and "
                              "attention backward; NCCL_ALGO Ring unless set), slower", true},
       // CUDA graphs (train/step_graph.h, docs/cuda.md)
@@ -922,6 +925,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
     fail("overlap-param-gather needs overlap-grad-reduce");
 
   r.get("bf16", a.model.bf16);
+  r.get("dry-run", a.dry_run);
   parse_fp8_args(r, a.model, a.no_effect);
   parse_recompute_args(r, a);
   // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.

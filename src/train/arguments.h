@@ -73,6 +73,8 @@ struct TrainArgs {
   // applied) and counted in the log line.
   bool check_for_nan_in_loss_and_grad = true;
   uint64_t seed = 1234;
+  // --dry-run: print the memory plan (train/memory_plan.h) instead of training.
+  bool dry_run = false;
   // Megatron's --deterministic-mode: the ops take their deterministic implementations
   // (ops/determinism.h) and NCCL_ALGO is Ring unless set, so two runs on the same GPUs
   // give the same bits.

@@ -1,0 +1,194 @@
+// Memory plan: parameter counts and the persistent state of a rank (weights, main grads,
+// main params, Adam moments), laid out as ParamAndGradBuffer and the optimizers lay them.
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "train/memory_plan.h"
+#include "train/pipeline_schedule.h"
+
+namespace megaton {
+
+namespace {
+
+// One parameter tensor of a rank: its elements, kind and dtype of its weight.
+struct ParamShape {
+  double numel = 0;
+  bool expert = false;  // in the expert buffer (reduced over edp)
+  bool fp8 = false;     // an FP8 weight (--fp8-param-gather)
+};
+
+// The parameters of one layer on one rank, in the order TransformerLayer::collect_params
+// gives them (model/gpt.cpp, attention.cpp, layers.cpp, moe.cpp, shared_experts.cpp).
+// full: the unsharded tensors (tp = etp = ep = 1) for the model's counts.
+void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, double ep,
+                  std::vector<ParamShape>& out) {
+  const double H = double(m.hidden_size), d = double(m.kv_channels);
+  const double np = double(m.num_attention_heads), ng = double(m.num_query_groups);
+  const bool bias = !m.disable_bias_linear, ln = m.normalization == Normalization::LayerNorm;
+  const bool fp8 = m.fp8.enabled && m.fp8.param_gather && m.fp8.layer_in_fp8(layer, m.num_layers);
+  auto add = [&](double n, bool expert = false, bool fp8_weight = false) {
+    out.push_back({n, expert, fp8_weight});
+  };
+  auto norm = [&](double width) {
+    add(width);
+    if (ln) add(width);
+  };
+  auto mlp = [&](double ffn, bool with_bias) {
+    const double f1 = (m.swiglu ? 2 : 1) * ffn;
+    add(f1 / tp * H, false, fp8);
+    if (with_bias) add(f1 / tp);
+    add(H * ffn / tp, false, fp8);
+    if (with_bias) add(H);
+  };
+  norm(H);  // input_layernorm
+  add((np + 2 * ng) * d / tp * H, false, fp8);
+  if (bias) add((np + 2 * ng) * d / tp);
+  add(H * np * d / tp, false, fp8);
+  if (bias) add(H);
+  if (m.qk_layernorm) {
+    norm(d);
+    norm(d);
+  }
+  norm(H);  // pre_mlp_layernorm
+  if (!m.is_moe_layer(layer)) {
+    mlp(double(m.ffn_hidden_size), bias);
+    return;
+  }
+  add(double(m.num_experts) * H);  // router
+  if (m.moe_shared_expert_intermediate_size > 0) {
+    mlp(double(m.moe_shared_expert_intermediate_size), false);
+    if (m.moe_shared_expert_gate) add(H);
+  }
+  const double f = double(m.moe_ffn_hidden_size), f1 = (m.swiglu ? 2 : 1) * f;
+  const bool fp8_experts = m.fp8.enabled && m.fp8.param_gather && m.fp8.layer_in_fp8(layer, m.num_layers);
+  for (int64_t e = 0; e < int64_t(double(m.num_experts) / ep); ++e) {
+    add(f1 / etp * H, true, fp8_experts);
+    if (bias) add(f1 / etp, true);
+    add(H * f / etp, true, fp8_experts);
+    if (bias) add(H, true);
+  }
+}
+
+// The parameters of model chunk `layers` (GPTModel's constructor order: embedding, layers,
+// final norm, the tied embeddings' copy, the output layer).
+std::vector<ParamShape> chunk_params(const GPTConfig& m, const ChunkLayers& layers, bool pre,
+                                     bool post, double tp, double etp, double ep) {
+  std::vector<ParamShape> out;
+  const double H = double(m.hidden_size), V = double(m.padded_vocab_size);
+  if (pre) {
+    out.push_back({V / tp * H});
+    if (m.position_embedding_type == PositionEmbedding::LearnedAbsolute)
+      out.push_back({double(m.max_position_embeddings) * H});
+  }
+  for (int64_t l = layers.first_layer; l < layers.first_layer + layers.num_layers; ++l)
+    layer_params(m, l, tp, etp, ep, out);
+  if (post) {
+    out.push_back({H});
+    if (m.normalization == Normalization::LayerNorm) out.push_back({H});
+    if (!pre && !m.untie_embeddings_and_output_weights) out.push_back({V / tp * H});
+    if (m.untie_embeddings_and_output_weights) out.push_back({V / tp * H});
+  }
+  return out;
+}
+
+double round_up(double n, double multiple) { return std::ceil(n / multiple) * multiple; }
+
+}  // namespace
+
+void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan) {
+  const ChunkLayers all{0, m.num_layers};
+  double total = 0;
+  for (const ParamShape& p : chunk_params(m, all, true, true, 1, 1, 1)) total += p.numel;
+  // Active: each MoE layer's top-k experts of num-experts (train/flops.cpp's convention).
+  const double f = double(m.moe_ffn_hidden_size), H = double(m.hidden_size);
+  const double per_expert = ((m.swiglu ? 2 : 1) * f + f) * H +
+                            (m.disable_bias_linear ? 0 : (m.swiglu ? 2 : 1) * f + H);
+  const double idle = std::max<double>(double(m.num_experts - m.moe_router_topk), 0);
+  plan.total_parameters = total;
+  plan.active_parameters = total - double(m.num_moe_layers()) * idle * per_expert;
+}
+
+void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout,
+                          int64_t stage, MemoryPlan& plan) {
+  const GPTConfig& m = args.model;
+  const dist::ParallelSizes& z = layout.sizes;
+  const Device dev = m.device;
+  const double tp = double(z.tp), etp = double(z.etp > 0 ? z.etp : z.tp), ep = double(z.ep);
+  const int64_t vpp = z.vpp.value_or(1);
+  const bool distributed = args.parallel.use_distributed_optimizer;
+  const double cb = double(dtype_size(m.compute_dtype()));
+  const double main_b = double(dtype_size(args.adam.main_params_dtype));
+  const double avg_b = double(dtype_size(args.adam.exp_avg_dtype));
+  const double sq_b = double(dtype_size(args.adam.exp_avg_sq_dtype));
+  auto block = [&](double bytes) { return memory_plan_block_bytes(bytes, dev); };
+  plan.weights = plan.main_grads = plan.main_params = plan.exp_avg = plan.exp_avg_sq = 0;
+  plan.other_state = 0;
+  plan.rank_parameters = plan.rank_expert_parameters = 0;
+  for (int64_t c = 0; c < vpp; ++c) {
+    const ChunkLayers cl = chunk_layers(layout.layers_per_stage, vpp, stage, c);
+    const std::vector<ParamShape> params =
+        chunk_params(m, cl, stage == 0 && c == 0, stage == z.pp - 1 && c == vpp - 1, tp, etp, ep);
+    // GPTModel's buffers: dense, dense FP8, expert, expert FP8 (ParamAndGradBuffer), each
+    // laid out in reverse order, every param at a multiple of 64 elements, padded to
+    // 64 x shards (one bucket: --overlap-grad-reduce cuts more, each padded alike).
+    for (int kind = 0; kind < 4; ++kind) {
+      const bool expert = kind >= 2, fp8 = kind % 2 == 1;
+      const double shards =
+          distributed ? double(std::max<int64_t>(expert ? z.edp : z.dp * z.cp, 1)) : 1;
+      std::vector<double> offsets, sizes;
+      double total = 0;
+      for (size_t k = params.size(); k-- > 0;) {
+        const ParamShape& p = params[k];
+        if (p.expert != expert || p.fp8 != fp8) continue;
+        offsets.push_back(total);
+        sizes.push_back(p.numel);
+        total += round_up(p.numel, 64);
+        plan.rank_parameters += p.numel;
+        if (expert) plan.rank_expert_parameters += p.numel;
+        if (fp8) plan.other_state += block(2 * 4);  // Param::fp8_scales
+      }
+      if (sizes.empty()) continue;
+      total = round_up(total, 64 * shards);
+      plan.weights += block(total * (fp8 ? 1 : cb));
+      plan.main_grads += block(total * 4);
+      // Main params and moments: per param, or per piece of shard 0 under the distributed
+      // optimizer (DistributedAdamW: every rank's shard has the same length).
+      const double shard = total / shards;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        const double n = distributed
+                             ? std::max(0.0, std::min(offsets[i] + sizes[i], shard) - offsets[i])
+                             : sizes[i];
+        if (n <= 0) continue;
+        if (cb != 4 || fp8) plan.main_params += block(n * main_b);
+        plan.exp_avg += block(n * avg_b);
+        plan.exp_avg_sq += block(n * sq_b);
+      }
+    }
+  }
+  // Other state made with the model and the trainer: the AdamW step state (I64 [2]), the
+  // learning rate, the batch buffers of every local micro-batch (no pipeline), each MoE
+  // layer's router statistics (tokens per expert, metric sums, the last loss, the expert
+  // bias) and each FP8 linear's quantizer state (amax history and scales per operand).
+  plan.other_state += block(16) + block(4);
+  if (z.pp == 1)
+    plan.other_state += 2 * double(plan.micro_batches) *
+                        block(double(args.micro_batch_size * m.seq_length) * 4);
+  for (int64_t c = 0; c < vpp; ++c) {
+    const ChunkLayers cl = chunk_layers(layout.layers_per_stage, vpp, stage, c);
+    for (int64_t l = cl.first_layer; l < cl.first_layer + cl.num_layers; ++l) {
+      if (m.is_moe_layer(l))
+        plan.other_state += 2 * block(double(m.num_experts) * 4) + block(16) + block(4) +
+                            (m.moe_router_enable_expert_bias ? block(double(m.num_experts) * 4) : 0);
+      if (m.fp8.enabled && m.fp8.layer_in_fp8(l, m.num_layers)) {
+        double linears = 4;
+        if (m.is_moe_layer(l))
+          linears = 2 + (m.moe_shared_expert_intermediate_size > 0 ? 2 : 0) +
+                    2 * double(m.num_experts) / ep;
+        plan.other_state += linears * 3 * (block(double(m.fp8.amax_history_len) * 4) + block(8));
+      }
+    }
+  }
+}
+
+}  // namespace megaton
