@@ -1,14 +1,15 @@
 // AdamW optimizer state and step.
 #include "optim/adamw.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <set>
 #include <string_view>
 #include <vector>
 
-#include <fmt/ranges.h>
-
 #include "core/error.h"
+#include "ops/adam_precision.h"
 #include "ops/ops.h"
 
 namespace megaton::optim {
@@ -60,6 +61,40 @@ void check_precision_aware_config(const AdamWConfig& c) {
   }
 }
 
+ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_size,
+                                           int64_t offset) {
+  ops::MomentRoundingKey key;
+  key.param_key = ops::moment_rounding_param_key(p.name.data(), p.name.size());
+  key.offset = offset;
+  if (p.tp_split_dim < 0 || tp_size <= 1) return key;
+  // The layout of tensor_parallel_ckpt.cpp's unshard: rows of full_shape[0], the rest
+  // flattened into columns.
+  MEGATON_CHECK(!p.full_shape.empty() && tp_rank >= 0 && tp_rank < tp_size,
+                "param '{}': rounding key of slice {} of {} without a full shape", p.name, tp_rank,
+                tp_size);
+  int64_t full_numel = 1;
+  for (int64_t d : p.full_shape) full_numel *= d;
+  const int64_t rows = p.full_shape[0];
+  const int64_t cols = full_numel / std::max<int64_t>(rows, 1);
+  if (p.tp_split_dim == 0) {
+    const int64_t parts = p.swiglu_halves ? 2 : 1;
+    const int64_t chunk = rows / (parts * tp_size);  // rows per half on each rank
+    key.base = tp_rank * chunk * cols;
+    if (parts == 2) {
+      key.run = chunk * cols;
+      key.stride = (rows / 2) * cols;
+    }
+  } else {
+    MEGATON_CHECK(p.tp_split_dim == 1, "param '{}': rounding key of a split along dim {}", p.name,
+                  p.tp_split_dim);
+    const int64_t width = cols / tp_size;
+    key.run = width;
+    key.stride = cols;
+    key.base = tp_rank * width;
+  }
+  return key;
+}
+
 AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device)
     : params_(std::move(params)), config_(config) {
   const auto moment_dtype_ok = [](DType d) { return d == DType::F32 || d == DType::BF16; };
@@ -84,6 +119,7 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
     exp_avg_.push_back(Tensor::zeros(p->weight.shape(), config_.exp_avg_dtype, p->weight.device()));
     exp_avg_sq_.push_back(
         Tensor::zeros(p->weight.shape(), config_.exp_avg_sq_dtype, p->weight.device()));
+    rounding_keys_.push_back(moment_rounding_key(*p, 0, 1, 0));
   }
   state_ = Tensor::zeros({2}, DType::I64,
                          params_.empty() ? state_device : params_[0]->weight.device());
@@ -107,7 +143,8 @@ AdamW::Lists AdamW::lists() const {
 void AdamW::step(const Tensor& control) {
   Lists l = lists();
   ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays,
-                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, control);
+                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, control,
+                          rounding_keys_);
 }
 
 int64_t AdamW::step_count() const { return state_.to(Device::CPU).i64()[0]; }
@@ -118,7 +155,7 @@ void AdamW::step(float lr, float grad_scale) {
   Lists l = lists();
   ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays, lr,
                           config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step,
-                          grad_scale);
+                          grad_scale, rounding_keys_);
 }
 
 void AdamW::set_step_count(int64_t count) {
@@ -126,6 +163,12 @@ void AdamW::set_step_count(int64_t count) {
   Tensor host = state_.to(Device::CPU);
   host.i64()[0] = count;
   state_.copy_from(host);
+}
+
+void AdamW::set_rounding_keys(std::vector<ops::MomentRoundingKey> keys) {
+  MEGATON_CHECK(keys.size() == params_.size(), "{} rounding keys for {} params", keys.size(),
+                params_.size());
+  rounding_keys_ = std::move(keys);
 }
 
 std::vector<std::pair<std::string, Tensor*>> AdamW::state_tensors() {

@@ -7,6 +7,7 @@
 
 #include "core/tensor.h"
 #include "model/param.h"
+#include "ops/adam_precision_math.h"
 
 namespace megaton::optim {
 
@@ -35,6 +36,14 @@ struct AdamWConfig {
 DType precision_aware_dtype(const std::string& key, const std::string& value,
                             const std::vector<std::string>& allowed);
 
+// The stochastic-rounding key (ops/adam_precision_math.h) of an AdamW param holding the
+// elements [offset, offset + n) of model param `p` as this rank holds it: p's
+// tensor-parallel slice tp_rank of tp_size along p.tp_split_dim (Param::full_shape, SwiGLU
+// halves included; tp_size 1 or tp_split_dim -1: the whole tensor). Keyed by p.name, so
+// an element draws the same random bits whichever rank, shard or slice holds it.
+ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_size,
+                                           int64_t offset);
+
 // Megatron's rules for the precision-aware flags (OptimizerConfig.__post_init__): a dtype
 // other than fp32 needs use_precision_aware_optimizer. Then what Megaton does not have yet:
 // fp16 or fp8 moments and fp16 main params (Transformer Engine keeps them with a per-tensor
@@ -47,7 +56,9 @@ void check_precision_aware_config(const AdamWConfig& config);
 // exp_avg and exp_avg_sq per parameter, shaped like its weight, zero at construction, in
 // config.exp_avg_dtype / exp_avg_sq_dtype (fp32 by default; bf16 under the
 // precision-aware optimizer). Params with no_weight_decay (biases, norm weights) get
-// weight decay 0.
+// weight decay 0. BF16 moments are stored stochastically rounded, with random bits keyed
+// by each param's rounding key (moment_rounding_key(*param, 0, 1, 0), its whole tensor,
+// unless set_rounding_keys says otherwise).
 class AdamW {
  public:
   // `params` are not owned and must outlive the optimizer. Each needs a defined fp32
@@ -87,6 +98,12 @@ class AdamW {
   // valid for the optimizer's life; loading a checkpoint copies into them.
   std::vector<std::pair<std::string, Tensor*>> state_tensors();
 
+  // Where each param's elements sit in the model's parameters (one key per param, in
+  // order): the distributed optimizer's shards and tensor-parallel slices
+  // (DistributedAdamW), so their bf16 moments round as one rank's would. InternalError on
+  // a count mismatch.
+  void set_rounding_keys(std::vector<ops::MomentRoundingKey> keys);
+
   const AdamWConfig& config() const { return config_; }
   const std::vector<Param*>& params() const { return params_; }
 
@@ -96,6 +113,7 @@ class AdamW {
   std::vector<Tensor> exp_avg_;
   std::vector<Tensor> exp_avg_sq_;
   Tensor state_;  // I64 [2]: step count, stopped
+  std::vector<ops::MomentRoundingKey> rounding_keys_;
   // The lists multi_tensor_adamw takes, from the params as they are now.
   struct Lists {
     std::vector<Tensor> masters, grads, copies;

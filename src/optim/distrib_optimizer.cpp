@@ -18,15 +18,29 @@ const dist::Group& DistributedAdamW::group_of(const ParamAndGradBuffer& b) const
   return b.is_expert() ? grid_.edp() : grid_.dp_cp();
 }
 
+namespace {
+// The rounding key of the elements from `offset` of p's slice on this rank (the
+// tensor-parallel group of an expert param is etp's).
+ops::MomentRoundingKey rounding_key_of(const Param& p, int64_t offset, const dist::Grid& grid) {
+  const dist::Group& tp = p.is_expert ? grid.etp() : grid.tp();
+  return moment_rounding_key(p, tp.rank, tp.size(), offset);
+}
+}  // namespace
+
 DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
                                    const dist::Grid& grid, dist::Comm& comm, AdamWConfig config,
                                    bool distributed)
     : buffers_(std::move(buffers)), grid_(grid), comm_(comm), distributed_(distributed) {
   std::vector<Param*> targets;
   if (!distributed_) {
+    std::vector<ops::MomentRoundingKey> keys;
     for (ParamAndGradBuffer& b : each_buffer())
-      for (Param* p : b.params()) targets.push_back(p);
+      for (Param* p : b.params()) {
+        targets.push_back(p);
+        keys.push_back(rounding_key_of(*p, 0, grid_));
+      }
     adam_ = std::make_unique<AdamW>(targets, config, comm.device());
+    adam_->set_rounding_keys(std::move(keys));
     return;
   }
   // One AdamW param per piece of a model param inside this rank's shard of each buffer.
@@ -74,6 +88,11 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
       if (p->main_param.raw() != p->weight.raw()) p->main_param = Tensor();
   for (Param& sp : shard_params_) targets.push_back(&sp);
   adam_ = std::make_unique<AdamW>(targets, config, comm.device());
+  // A shard's piece is elements [param_offset, param_offset + numel) of its param's slice.
+  std::vector<ops::MomentRoundingKey> keys;
+  for (const BufferPiece& piece : shard_pieces_)
+    keys.push_back(rounding_key_of(*piece.param, piece.param_offset, grid_));
+  adam_->set_rounding_keys(std::move(keys));
   plan_fp8_weight_casts();
   quantize_fp8_weights();
 }

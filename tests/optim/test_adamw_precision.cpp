@@ -1,10 +1,13 @@
 // The precision-aware AdamW on the CPU (--use-precision-aware-optimizer with bf16 Adam
-// moments): each stored moment is the fp32-math update rounded to nearest bf16, the
+// moments): each stored moment is the fp32-math update stochastically rounded to one of
+// its two bf16 neighbours, the rounding is unbiased (a bf16 exp_avg_sq decays as the fp32
+// one does), deterministic and independent of how a parameter is sharded or sliced, the
 // params follow an fp64 reference, fp32 moments keep the default path bit for bit, a
 // restore of the bf16 state resumes bitwise, and the flag rules refuse what Megatron
 // refuses.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -12,6 +15,7 @@
 
 #include "common/testing.h"
 #include "core/error.h"
+#include "ops/adam_precision.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
 
@@ -56,11 +60,11 @@ AdamWConfig bf16_config() {
   return c;
 }
 
-// Half a bf16 ulp of x (the largest error of a round to nearest), at least half the
-// smallest normal's ulp.
-double half_bf16_ulp(double x) {
+// One bf16 ulp of x (the largest error of a stochastic rounding: x goes to one of its two
+// bf16 neighbours), at least the smallest normal's ulp.
+double bf16_ulp(double x) {
   const double a = std::max(std::fabs(x), 1.1754943508222875e-38);
-  return 0.5 * std::ldexp(1.0, std::ilogb(a) - 7);
+  return std::ldexp(1.0, std::ilogb(a) - 7);
 }
 
 std::vector<double> as_double(const Tensor& t) {
@@ -76,8 +80,8 @@ void set_grads(Model& m, uint64_t seed) {
 
 }  // namespace
 
-// Each step against an fp64 AdamW step from the stored state: the moments are the
-// correctly rounded bf16 of the fp64 value (up to the fp32 arithmetic's error), the params
+// Each step against an fp64 AdamW step from the stored state: the moments are one of the
+// two bf16 neighbours of the fp64 value (up to the fp32 arithmetic's error), the params
 // the fp64 value to fp32 tolerance.
 TEST(AdamWPrecision, Bf16MomentsAreTheFp32UpdateRoundedPerElement) {
   const uint64_t seed = test_seed();
@@ -88,7 +92,7 @@ TEST(AdamWPrecision, Bf16MomentsAreTheFp32UpdateRoundedPerElement) {
   auto state = opt.state_tensors();
   for (auto& [name, t] : state) EXPECT_EQ(t->dtype(), DType::BF16) << name;
   const std::vector<float> lrs = {1e-2f, 3e-2f, 2e-2f, 5e-3f};
-  int64_t rounded_not_truncated = 0;
+  int64_t rounded_up = 0, rounded_down = 0;
   for (size_t t = 0; t < lrs.size(); ++t) {
     set_grads(model, seed * 10 + t);
     std::vector<std::vector<double>> p0, m0, v0;
@@ -114,16 +118,19 @@ TEST(AdamWPrecision, Bf16MomentsAreTheFp32UpdateRoundedPerElement) {
         const double m_ref = b1 * m0[i][k] + (1 - b1) * g;
         const double v_ref = b2 * v0[i][k] + (1 - b2) * g * g;
         const double m_got = m.item(int64_t(k)), v_got = v.item(int64_t(k));
-        // Round to nearest: within half an ulp, plus the fp32 arithmetic's error (a few
-        // fp32 ulps of the terms summed: b1 m and (1 - b1) g may cancel).
+        // Stochastic rounding: a bf16 neighbour, within an ulp, plus the fp32 arithmetic's
+        // error (a few fp32 ulps of the terms summed: b1 m and (1 - b1) g may cancel).
         const double m_terms = std::fabs(b1 * m0[i][k]) + std::fabs((1 - b1) * g);
         const double v_terms = b2 * v0[i][k] + (1 - b2) * g * g;
-        ASSERT_LE(std::fabs(m_got - m_ref), half_bf16_ulp(m_ref) + 3e-7 * m_terms)
+        ASSERT_LE(std::fabs(m_got - m_ref), bf16_ulp(m_ref) + 3e-7 * m_terms)
             << "exp_avg element " << k;
-        ASSERT_LE(std::fabs(v_got - v_ref), half_bf16_ulp(v_ref) + 3e-7 * v_terms)
+        ASSERT_LE(std::fabs(v_got - v_ref), bf16_ulp(v_ref) + 3e-7 * v_terms)
             << "exp_avg_sq element " << k;
-        // Truncation would always move toward zero; rounding goes up about half the time.
-        if (std::fabs(m_got) > std::fabs(m_ref)) ++rounded_not_truncated;
+        // Truncation would always move toward zero; stochastic rounding goes either way.
+        if (std::fabs(m_got) > std::fabs(m_ref))
+          ++rounded_up;
+        else if (std::fabs(m_got) < std::fabs(m_ref))
+          ++rounded_down;
         // The param from the fp32 moments before rounding (the update uses them).
         p_ref[k] = p0[i][k] * (1 - double(lrs[t]) * wd) -
                    double(lrs[t]) * (m_ref / bc1) / (std::sqrt(v_ref / bc2) + cfg.adam_eps);
@@ -132,11 +139,13 @@ TEST(AdamWPrecision, Bf16MomentsAreTheFp32UpdateRoundedPerElement) {
       EXPECT_TRUE(allclose(p.weight, Tensor::from(p.weight.shape(), p_ref_f), 1e-6, 5e-6));
     }
   }
-  EXPECT_GT(rounded_not_truncated, 1000);
+  EXPECT_GT(rounded_up, 1000);
+  EXPECT_GT(rounded_down, 1000);
 }
 
 // One moment in bf16, the other fp32: the fp32 one holds the fp32 update exactly as the
-// all-bf16 run computes it before rounding, so rounding it gives that run's bf16 state.
+// all-bf16 run computes it before rounding, so rounding it with the bits of the same
+// element and step (the high 16 of the param's stream) gives that run's bf16 state.
 TEST(AdamWPrecision, MixedMomentDtypesAgreeWithTheAllBf16Run) {
   const uint64_t seed = test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -155,7 +164,13 @@ TEST(AdamWPrecision, MixedMomentDtypesAgreeWithTheAllBf16Run) {
     EXPECT_EQ(sb[2 * i + 1].second->dtype(), DType::F32);
     EXPECT_TRUE(allclose(a.params[i]->weight, b.params[i]->weight, 0, 0));
     EXPECT_TRUE(allclose(*sa[2 * i].second, *sb[2 * i].second, 0, 0));
-    EXPECT_TRUE(allclose(*sa[2 * i + 1].second, sb[2 * i + 1].second->to(DType::BF16), 0, 0));
+    const Tensor& v32 = *sb[2 * i + 1].second;
+    const Tensor& v16 = *sa[2 * i + 1].second;
+    ops::MomentRoundingStream random(moment_rounding_key(*a.params[i], 0, 1, 0), 1);
+    for (int64_t k = 0; k < v32.numel(); ++k) {
+      const uint16_t rounded = ops::bf16_round_stochastic(v32.f32()[k], random.bits(k) >> 16);
+      ASSERT_EQ(rounded, static_cast<const uint16_t*>(v16.raw())[k]) << "exp_avg_sq element " << k;
+    }
   }
 }
 
@@ -253,6 +268,249 @@ TEST(AdamWPrecision, ControlPathEqualsHostPathWithBf16Moments) {
     EXPECT_TRUE(allclose(b.params[i]->weight, a.params[i]->weight, 0, 0)) << a.params[i]->name;
   for (size_t i = 0; i < sa.size(); ++i)
     EXPECT_TRUE(allclose(*sb[i].second, *sa[i].second, 0, 0)) << sa[i].first;
+}
+
+// ---- stochastic rounding ----
+
+namespace {
+
+// The bf16 value of its bits, as a double.
+double bf16_value(uint16_t bits) { return bf16_to_float(bits); }
+
+// The fp32 value between two bf16 neighbours: lo (bf16 bits) plus `fraction` of an ulp.
+float between(uint16_t lo_bits, double fraction) {
+  const double lo = bf16_value(lo_bits), hi = bf16_value(uint16_t(lo_bits + 1));
+  return float(lo + fraction * (hi - lo));
+}
+
+}  // namespace
+
+// Over many draws the mean of the rounded values is the value itself, for values at
+// several places between two neighbours, of both signs and magnitudes; each draw is one
+// of the two neighbours; a value already in bf16 never moves; infinities and NaN survive.
+TEST(AdamWPrecision, StochasticRoundingIsUnbiased) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t draws = 200000;
+  // Element-independent draws: element k of a tensor at one step (the bits of distinct
+  // elements are independent draws of Philox).
+  ops::MomentRoundingKey key;
+  key.param_key = seed;
+  const uint16_t neighbours[] = {0x3F80 /* 1 */, 0xBF80 /* -1 */, 0x3A83 /* ~1e-3 */,
+                                 0x2F0A /* ~1.3e-10, a small exp_avg_sq */};
+  for (uint16_t lo : neighbours) {
+    for (double fraction : {0.001, 0.1, 0.37, 0.5, 0.9}) {
+      const float x = between(lo, fraction);
+      SCOPED_TRACE("x " + std::to_string(x) + " fraction " + std::to_string(fraction));
+      const double ulp = std::fabs(bf16_value(uint16_t(lo + 1)) - bf16_value(lo));
+      ops::MomentRoundingStream random(key, 7);
+      double sum = 0.0;
+      for (int64_t k = 0; k < draws; ++k) {
+        const uint32_t bits = random.bits(k);
+        for (uint32_t r : {bits & 0xFFFFu, bits >> 16}) {
+          const uint16_t out = ops::bf16_round_stochastic(x, r);
+          ASSERT_TRUE(out == lo || out == uint16_t(lo + 1)) << "draw " << k;
+          sum += bf16_value(out);
+        }
+      }
+      const double mean = sum / double(2 * draws);
+      // The mean of 2 x 200000 two-valued draws: standard error below 8e-4 ulp.
+      EXPECT_NEAR(mean, double(x), 0.005 * ulp);
+    }
+    const float exact = float(bf16_value(lo));
+    for (uint32_t r : {0u, 1u, 0x8000u, 0xFFFFu})
+      EXPECT_EQ(ops::bf16_round_stochastic(exact, r), lo);
+  }
+  for (uint32_t r : {0u, 0xFFFFu}) {
+    EXPECT_EQ(ops::bf16_round_stochastic(INFINITY, r), 0x7F80);
+    EXPECT_EQ(ops::bf16_round_stochastic(-INFINITY, r), 0xFF80);
+    const uint16_t nan = ops::bf16_round_stochastic(std::bit_cast<float>(0x7FFFFFFFu), r);
+    EXPECT_TRUE(std::isnan(bf16_value(nan)));
+  }
+}
+
+// The cause the rounding fixes: with beta2 = 0.999 a bf16 exp_avg_sq rounded to nearest
+// stays where it is (bf16(0.999 v) == v), while the stochastically rounded one decays as
+// the fp32 one does, in the mean over elements.
+TEST(AdamWPrecision, Bf16ExpAvgSqDecaysLikeFp32) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t n = 4096, steps = 400;
+  const float g = 1e-3f;  // (1 - b2) g^2 = 1e-9, far below v's ulp: v decays by b2 alone
+  auto filled = [n](float value) {
+    Tensor t = Tensor::empty({n});
+    t.fill(value);
+    return t;
+  };
+  std::vector<Tensor> p32{randn({n}, seed, 0.1f)}, p16{p32[0].clone()};
+  std::vector<Tensor> grads{filled(g)};
+  std::vector<Tensor> m32{Tensor::zeros({n})}, v32{filled(1.0f)};
+  std::vector<Tensor> m16{Tensor::zeros({n}, DType::BF16)}, v16{filled(1.0f).to(DType::BF16)};
+  std::vector<Tensor> no_copy{Tensor()};
+  const std::vector<ops::MomentRoundingKey> keys(1);
+  for (int64_t step = 1; step <= steps; ++step) {
+    ops::multi_tensor_adamw(p32, grads, m32, v32, no_copy, {0.0f}, 1e-4f, 0.9f, 0.999f, 1e-8f, step,
+                            1.0f);
+    ops::multi_tensor_adamw(p16, grads, m16, v16, no_copy, {0.0f}, 1e-4f, 0.9f, 0.999f, 1e-8f, step,
+                            1.0f, keys);
+  }
+  double mean16 = 0.0;
+  for (int64_t k = 0; k < n; ++k) mean16 += v16[0].item(k);
+  mean16 /= double(n);
+  const double fp32 = v32[0].item(0);                       // every element the same
+  EXPECT_NEAR(fp32, std::pow(0.999, double(steps)), 1e-3);  // 0.670: it did decay
+  // Round to nearest would have left 1.0; the mean's standard error is ~4e-5.
+  EXPECT_NEAR(mean16, fp32, 2e-3 * fp32);
+}
+
+// The same inputs give the same bits; another step draws other bits.
+TEST(AdamWPrecision, StochasticRoundingIsDeterministicPerStep) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto one_step = [&](int64_t step) {
+    Model m = make_model(seed);
+    set_grads(m, seed + 1);
+    AdamW opt(m.params, bf16_config());
+    opt.set_step_count(step - 1);
+    opt.step(1e-2f);
+    std::vector<Tensor> out;
+    for (auto& [name, t] : opt.state_tensors()) out.push_back(t->clone());
+    return out;
+  };
+  const std::vector<Tensor> a = one_step(5), b = one_step(5), c = one_step(6);
+  bool differs = false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(allclose(a[i], b[i], 0, 0)) << "state " << i;
+    differs = differs || !allclose(a[i], c[i], 0, 0);
+  }
+  // Step 6's moments differ only where the rounding went the other way (the bias
+  // corrections do not enter the moments): the bits depend on the step.
+  EXPECT_TRUE(differs);
+}
+
+namespace {
+
+// One update of `param`'s elements listed as pieces, each piece a tensor with its rounding
+// key: returns the pieces' moments and params joined in the order given by `where`
+// (where[k][e] = index in the full tensor of element e of piece k).
+struct PieceResult {
+  std::vector<float> param;
+  std::vector<uint16_t> exp_avg, exp_avg_sq;
+};
+
+PieceResult update_pieces(const Tensor& full_param, const Tensor& full_grad,
+                          const std::vector<std::vector<int64_t>>& where,
+                          const std::vector<ops::MomentRoundingKey>& keys, int64_t step) {
+  std::vector<Tensor> params, grads, m, v, copies;
+  std::vector<float> decays;
+  for (const std::vector<int64_t>& idx : where) {
+    Tensor p = Tensor::empty({int64_t(idx.size())}), g = Tensor::empty({int64_t(idx.size())});
+    for (size_t e = 0; e < idx.size(); ++e) {
+      p.f32()[e] = full_param.f32()[idx[e]];
+      g.f32()[e] = full_grad.f32()[idx[e]];
+    }
+    params.push_back(p);
+    grads.push_back(g);
+    m.push_back(Tensor::zeros({int64_t(idx.size())}, DType::BF16));
+    v.push_back(Tensor::zeros({int64_t(idx.size())}, DType::BF16));
+    copies.push_back(Tensor());
+    decays.push_back(0.1f);
+  }
+  for (int64_t s = step; s < step + 2; ++s)
+    ops::multi_tensor_adamw(params, grads, m, v, copies, decays, 1e-2f, 0.9f, 0.999f, 1e-8f, s,
+                            0.8f, keys);
+  PieceResult out;
+  const int64_t n = full_param.numel();
+  out.param.assign(n, 0.0f);
+  out.exp_avg.assign(n, 0);
+  out.exp_avg_sq.assign(n, 0);
+  for (size_t k = 0; k < where.size(); ++k)
+    for (size_t e = 0; e < where[k].size(); ++e) {
+      out.param[where[k][e]] = params[k].f32()[e];
+      out.exp_avg[where[k][e]] = static_cast<const uint16_t*>(m[k].raw())[e];
+      out.exp_avg_sq[where[k][e]] = static_cast<const uint16_t*>(v[k].raw())[e];
+    }
+  return out;
+}
+
+void expect_same_result(const PieceResult& got, const PieceResult& want) {
+  EXPECT_EQ(got.exp_avg, want.exp_avg);
+  EXPECT_EQ(got.exp_avg_sq, want.exp_avg_sq);
+  EXPECT_EQ(got.param, want.param);
+}
+
+}  // namespace
+
+// A parameter updated whole, or as distributed-optimizer shards (offsets not multiples of
+// 4, so the shards' Philox groups straddle them), or as tensor-parallel slices (rows, the
+// two halves of a SwiGLU fc1, columns) with their keys from moment_rounding_key: each
+// element gets the whole tensor's bits, so the same params and moments.
+TEST(AdamWPrecision, StochasticRoundingIsLayoutIndependent) {
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t rows = 12, cols = 10, n = rows * cols;
+  const Tensor param = randn({n}, seed, 0.5f), grad = randn({n}, seed + 1, 0.3f);
+  Param p;
+  p.name = "decoder.layers.1.mlp.linear_fc1.weight";
+  p.full_shape = {rows, cols};
+  std::vector<int64_t> all(n);
+  for (int64_t e = 0; e < n; ++e) all[e] = e;
+  const PieceResult whole = update_pieces(param, grad, {all}, {moment_rounding_key(p, 0, 1, 0)}, 3);
+
+  {  // distributed-optimizer shards of the whole tensor: [0, 37), [37, 90), [90, 120)
+    SCOPED_TRACE("shards");
+    const int64_t bounds[] = {0, 37, 90, n};
+    std::vector<std::vector<int64_t>> where;
+    std::vector<ops::MomentRoundingKey> keys;
+    for (int s = 0; s < 3; ++s) {
+      where.emplace_back(all.begin() + bounds[s], all.begin() + bounds[s + 1]);
+      keys.push_back(moment_rounding_key(p, 0, 1, bounds[s]));
+    }
+    expect_same_result(update_pieces(param, grad, where, keys, 3), whole);
+  }
+  // Tensor-parallel slices over 2 ranks (tensor_parallel_ckpt.cpp's layouts), each also cut
+  // into two distributed-optimizer shards at local element 13.
+  struct Split {
+    const char* name;
+    int dim;
+    bool swiglu;
+  };
+  for (const Split& split :
+       {Split{"rows", 0, false}, Split{"swiglu halves", 0, true}, Split{"columns", 1, false}}) {
+    SCOPED_TRACE(split.name);
+    Param sliced = p;
+    sliced.tp_split_dim = split.dim;
+    sliced.swiglu_halves = split.swiglu;
+    std::vector<std::vector<int64_t>> where;
+    std::vector<ops::MomentRoundingKey> keys;
+    for (int rank = 0; rank < 2; ++rank) {
+      std::vector<int64_t> local;  // full index of each local element, row-major
+      if (split.dim == 1) {
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = rank * cols / 2; c < (rank + 1) * cols / 2; ++c)
+            local.push_back(r * cols + c);
+      } else {
+        const int64_t parts = split.swiglu ? 2 : 1, chunk = rows / (2 * parts);
+        for (int64_t half = 0; half < parts; ++half)
+          for (int64_t r = half * rows / parts + rank * chunk;
+               r < half * rows / parts + (rank + 1) * chunk; ++r)
+            for (int64_t c = 0; c < cols; ++c) local.push_back(r * cols + c);
+      }
+      ASSERT_EQ(int64_t(local.size()), n / 2);
+      where.emplace_back(local.begin(), local.begin() + 13);
+      keys.push_back(moment_rounding_key(sliced, rank, 2, 0));
+      where.emplace_back(local.begin() + 13, local.end());
+      keys.push_back(moment_rounding_key(sliced, rank, 2, 13));
+    }
+    expect_same_result(update_pieces(param, grad, where, keys, 3), whole);
+  }
+  {  // another parameter's name draws other bits
+    Param other = p;
+    other.name = "decoder.layers.2.mlp.linear_fc1.weight";
+    const PieceResult renamed =
+        update_pieces(param, grad, {all}, {moment_rounding_key(other, 0, 1, 0)}, 3);
+    EXPECT_NE(renamed.exp_avg_sq, whole.exp_avg_sq);
+  }
 }
 
 TEST(AdamWPrecision, FlagRulesAreMegatronsAndUnsupportedDtypesAreRefused) {

@@ -1,7 +1,11 @@
 // The precision-aware AdamW on the GPU: multi_tensor_adamw with BF16 moments (and one
-// moment F32) gives the CPU twin's bits, params, moments and compute copies, on packs of
-// four (aligned tensors), on the scalar path (tensors one element off alignment) and on
-// the tails; from the host scalars and from adamw_step_control's device scalars.
+// moment F32) gives the CPU twin's bits, params, moments (stochastically rounded, the
+// same random bits) and compute copies, on packs of four (aligned tensors), on the scalar
+// path (tensors one element off alignment) and on the tails; from the host scalars and
+// from adamw_step_control's device scalars; with the list-order keys of ops.h's overloads
+// and with rounding keys that place the tensors at offsets (not multiples of 4) and in
+// column slices or SwiGLU halves of larger parameters; more tensors than one
+// precision-aware launch takes, mixed with fp32-moment tensors.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -10,6 +14,7 @@
 #include <vector>
 
 #include "common/gpu_testing.h"
+#include "ops/adam_precision.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -75,7 +80,9 @@ void expect_lists_equal(const Lists& gpu, const Lists& cpu) {
     EXPECT_TRUE(same_bits(gpu.params[i], cpu.params[i]));
     EXPECT_TRUE(same_bits(gpu.m[i], cpu.m[i]));
     EXPECT_TRUE(same_bits(gpu.v[i], cpu.v[i]));
-    if (cpu.copies[i].defined()) EXPECT_TRUE(same_bits(gpu.copies[i], cpu.copies[i]));
+    if (cpu.copies[i].defined()) {
+      EXPECT_TRUE(same_bits(gpu.copies[i], cpu.copies[i]));
+    }
   }
 }
 
@@ -123,6 +130,88 @@ TEST(AdamWPrecisionGpu, DeviceControlEqualsTheCpuHostPath) {
     EXPECT_LT(scale, 1.0f);
     ops::multi_tensor_adamw(cpu.params, cpu.grads, cpu.m, cpu.v, cpu.copies, cpu.decays, lr, b1,
                             b2, eps, step, scale);
+    expect_lists_equal(gpu, cpu);
+  }
+}
+
+// Rounding keys for make_lists' tensors: contiguous at offsets that are not multiples of
+// 4, column slices (run > 0) and SwiGLU-like halves, so that Philox groups straddle packs.
+std::vector<ops::MomentRoundingKey> make_keys(uint64_t seed) {
+  std::vector<ops::MomentRoundingKey> keys(6);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string name = "decoder.layers." + std::to_string(i) + ".weight";
+    keys[i].param_key = ops::moment_rounding_param_key(name.data(), name.size()) ^ seed;
+  }
+  keys[1].offset = 13;  // 70001 elements of a shard
+  keys[1].base = 5;
+  keys[2] = {keys[2].param_key, 0, 6, 10, 2};            // [8, 6] columns 2..7 of [8, 10]
+  keys[3].offset = 3;                                    // misaligned, shard offset 3
+  keys[4] = {keys[4].param_key, 2, 3, 7, 1};             // 3-wide column slices
+  keys[5] = {keys[5].param_key, 1, 20000, 30001, 5001};  // two halves
+  return keys;
+}
+
+TEST(AdamWPrecisionGpu, RoundingKeysGiveTheCpuBitsOnHostAndDevicePaths) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed() + 29;
+  SCOPED_TRACE(testing::seed_trace(seed));
+  // Twelve copies of the six tensors (72; every sixth with fp32 moments, below): more than
+  // one precision-aware launch (32 tensors) and fp32 launches in between.
+  Lists cpu, gpu;
+  for (int copy = 0; copy < 12; ++copy) {
+    Lists c = make_lists(seed + 1000 * copy, Device::CPU);
+    Lists g = make_lists(seed + 1000 * copy, Device::CUDA);
+    auto append = [](Lists& to, Lists& from) {
+      for (size_t i = 0; i < from.params.size(); ++i) {
+        to.params.push_back(from.params[i]);
+        to.grads.push_back(from.grads[i]);
+        to.m.push_back(from.m[i]);
+        to.v.push_back(from.v[i]);
+        to.copies.push_back(from.copies[i]);
+        to.decays.push_back(from.decays[i]);
+      }
+    };
+    append(cpu, c);
+    append(gpu, g);
+  }
+  // Every sixth tensor with fp32 moments: the fp32-state launches, interleaved.
+  for (size_t i = 0; i < cpu.params.size(); i += 6) {
+    cpu.m[i] = cpu.m[i].to(DType::F32);
+    cpu.v[i] = cpu.v[i].to(DType::F32);
+    gpu.m[i] = gpu.m[i].to(DType::F32);
+    gpu.v[i] = gpu.v[i].to(DType::F32);
+  }
+  std::vector<ops::MomentRoundingKey> keys;
+  for (size_t first = 0; first < cpu.params.size(); first += 6) {
+    const std::vector<ops::MomentRoundingKey> six = make_keys(seed + first);
+    keys.insert(keys.end(), six.begin(), six.end());
+  }
+  const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
+  for (int step = 1; step <= 2; ++step) {
+    SCOPED_TRACE("host step " + std::to_string(step));
+    ops::multi_tensor_adamw(cpu.params, cpu.grads, cpu.m, cpu.v, cpu.copies, cpu.decays, 2e-2f, b1,
+                            b2, eps, step, 0.6f, keys);
+    ops::multi_tensor_adamw(gpu.params, gpu.grads, gpu.m, gpu.v, gpu.copies, gpu.decays, 2e-2f, b1,
+                            b2, eps, step, 0.6f, keys);
+    expect_lists_equal(gpu, cpu);
+  }
+  Tensor state = Tensor::zeros({2}, DType::I64);
+  state.i64()[0] = 2;  // two steps done: the device step is 3
+  state = state.to(Device::CUDA);
+  Tensor control = Tensor::empty({ops::kAdamControlSize}, DType::F32, Device::CUDA);
+  Tensor norm_bits = Tensor::empty({1}, DType::I64, Device::CUDA);
+  for (int step = 3; step <= 4; ++step) {
+    SCOPED_TRACE("device step " + std::to_string(step));
+    Tensor parts = Tensor::empty({1}, DType::I64, Device::CUDA);
+    ops::multi_tensor_sum_of_squares(gpu.grads, parts);
+    ops::adamw_step_control(parts, 1.0, 0.0, 1.0f, Tensor(), false,
+                            Tensor::from({1}, {1e-2f}).to(Device::CUDA), b1, b2, state, control,
+                            norm_bits);
+    ops::multi_tensor_adamw(gpu.params, gpu.grads, gpu.m, gpu.v, gpu.copies, gpu.decays, b1, b2,
+                            eps, control, keys);
+    EXPECT_EQ(control.to(Device::CPU).f32()[ops::kAdamStep], float(step));
+    ops::multi_tensor_adamw(cpu.params, cpu.grads, cpu.m, cpu.v, cpu.copies, cpu.decays, 1e-2f, b1,
+                            b2, eps, step, 1.0f, keys);
     expect_lists_equal(gpu, cpu);
   }
 }

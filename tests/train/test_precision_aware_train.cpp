@@ -1,7 +1,8 @@
 // Trainings with the precision-aware optimizer (--use-precision-aware-optimizer, bf16 Adam
-// moments) on the CPU: the dense demo model's 100-iteration loss curve ends within 1% of
-// the fp32-state run, resume from a checkpoint of bf16 states is bit-identical, and a
-// checkpoint of fp32 states loads into a bf16-state run (converted, with a notice).
+// moments, stochastically rounded) on the CPU: the dense demo model's 100-iteration loss
+// curve ends within 1% of the fp32-state run, resume from a checkpoint of bf16 states is
+// bit-identical, and a checkpoint of fp32 states loads into a bf16-state run (converted,
+// with a notice).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -131,13 +132,13 @@ TEST_F(PrecisionAwareTrainTest, Bf16StatesEndWithinOnePercentOfFp32States) {
   // batches (a training batch of 4 x 64 tokens is too noisy a measure: the two runs'
   // trajectories part, and single-batch losses differ by a few percent either way).
   EXPECT_LT(fp32.last_valid_loss, fp32.first_valid_loss - 1.0) << "the fp32-state run did not learn";
-  // Measured: 2.627 (bf16) vs 2.589 (fp32), 1.5% apart, not the 1% asked for: with
-  // beta2 = 0.999, v * beta2 rounds back to v in bf16 (its relative step, 2^-9, exceeds
-  // 1 - beta2), so a bf16 exp_avg_sq decays only when g^2 is large enough to move it: v
-  // stays larger, updates are smaller and the run learns a little slower (Transformer
-  // Engine's bf16 states round the same way). 2% bounds that; a broken update (moments
-  // truncated, or not fp32 math) is far outside it.
-  EXPECT_NEAR(bf16.last_valid_loss, fp32.last_valid_loss, 0.02 * fp32.last_valid_loss);
+  // Measured: 2.594 (bf16, stochastically rounded) vs 2.589 (fp32), 0.2% apart; a 1e-5
+  // change of the learning rate moves either by about 0.4% (the trajectories part). With
+  // round-to-nearest bf16 moments (Transformer Engine's) it ended at 2.627, 1.5% above: with
+  // beta2 = 0.999, bf16(0.999 v) == v, so a stored exp_avg_sq never decays
+  // (docs/memory.md "Stochastic rounding of the bf16 moments"). A broken update (moments
+  // truncated, or not fp32 math) is far outside 1%.
+  EXPECT_NEAR(bf16.last_valid_loss, fp32.last_valid_loss, 0.01 * fp32.last_valid_loss);
   // The moments' dtype did change the run (the flags reached the optimizer).
   EXPECT_NE(bf16.losses[99], fp32.losses[99]);
 }

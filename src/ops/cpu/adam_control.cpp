@@ -5,8 +5,12 @@
 #include <cmath>
 
 #include "ops/adam_control_math.h"
+#include "ops/adam_precision.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
+#ifdef MEGATON_WITH_CUDA
+#include "ops/cuda/multi_tensor_adamw.h"
+#endif
 
 namespace megaton::ops {
 
@@ -55,18 +59,28 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float beta1, float beta2, float eps, const Tensor& control) {
+  multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, beta1, beta2,
+                     eps, control, list_order_rounding_keys(params.size()));
+}
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float beta1, float beta2, float eps, const Tensor& control,
+                        const std::vector<MomentRoundingKey>& rounding_keys) {
+  check_rounding_keys(rounding_keys, params.size(), "multi_tensor_adamw");
   if (params.empty()) return;
-  MEGATON_CUDA_DISPATCH(params[0],
-                        cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies,
-                                                 weight_decays, beta1, beta2, eps, control));
+  MEGATON_CUDA_DISPATCH(params[0], cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq,
+                                                            param_copies, weight_decays, beta1,
+                                                            beta2, eps, control, rounding_keys));
   MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
                     control.numel() == kAdamControlSize && control.device() == Device::CPU,
                 "multi_tensor_adamw: control must be F32 [{}] on the params' device",
                 kAdamControlSize);
   const float* c = control.f32();
   if (c[kAdamSkip] != 0.0f) return;
-  multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays,
-                     c[kAdamLr], beta1, beta2, eps, int64_t(c[kAdamStep]), c[kAdamGradScale]);
+  multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, c[kAdamLr],
+                     beta1, beta2, eps, int64_t(c[kAdamStep]), c[kAdamGradScale], rounding_keys);
 }
 
 }  // namespace megaton::ops

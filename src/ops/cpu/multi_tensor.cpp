@@ -4,15 +4,20 @@
 // plain loop) applied to the list in order (and therefore bitwise equal to it); the GPU
 // versions (ops/cuda/multi_tensor.cu) are where the batching happens. multi_tensor_adamw
 // with bf16 moments (the precision-aware optimizer) updates each element by
-// adamw_precision_update (ops/adam_precision_math.h) instead.
+// adamw_precision_update and stores the moments stochastically rounded
+// (ops/adam_precision_math.h) instead.
 #include <bit>
 #include <cmath>
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
+#ifdef MEGATON_WITH_CUDA
+#include "ops/cuda/multi_tensor_adamw.h"
+#endif
 
 namespace megaton::ops {
 namespace {
@@ -31,7 +36,7 @@ void check_list(const std::vector<Tensor>& list, Device device, const char* op, 
 constexpr int64_t kParallelMin = 1 << 15;
 
 // A moment of the precision-aware update: F32 or BF16, read widened to fp32, written
-// rounded to nearest even.
+// stochastically rounded (bf16_round_stochastic) with the given 16 random bits.
 struct MomentRef {
   float* f32 = nullptr;
   uint16_t* bf16 = nullptr;
@@ -39,29 +44,36 @@ struct MomentRef {
       : f32(t.dtype() == DType::F32 ? t.f32() : nullptr),
         bf16(t.dtype() == DType::BF16 ? static_cast<uint16_t*>(t.raw()) : nullptr) {}
   float load(int64_t i) const { return f32 ? f32[i] : bf16_to_float(bf16[i]); }
-  void store(int64_t i, float v) const {
+  void store(int64_t i, float v, uint32_t random16) const {
     if (f32) f32[i] = v;
-    else bf16[i] = float_to_bf16(v);
+    else
+      bf16[i] = bf16_round_stochastic(v, random16);
   }
 };
 
 // The precision-aware update of one tensor (adam_precision_math.h), the gradient scaled
-// as it is read.
-void adamw_precision_tensor(Tensor& param, const Tensor& grad, Tensor& exp_avg,
-                            Tensor& exp_avg_sq, float lr, float weight_decay,
-                            const AdamPrecisionConstants& c) {
+// as it is read; the random bits of its moments from `key` at `step`.
+void adamw_precision_tensor(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                            float lr, float weight_decay, const AdamPrecisionConstants& c,
+                            const MomentRoundingKey& key, int64_t step) {
   float* p = param.f32();
   const float* g = grad.f32();
   const MomentRef m(exp_avg), v(exp_avg_sq);
   const float decay = adam_precision_decay(lr, weight_decay);
   const int64_t n = param.numel();
-#pragma omp parallel for schedule(static) if (n >= kParallelMin)
-  for (int64_t i = 0; i < n; ++i) {
-    float pi = p[i], mi = m.load(i), vi = v.load(i);
-    adamw_precision_update(pi, g[i], mi, vi, decay, c);
-    p[i] = pi;
-    m.store(i, mi);
-    v.store(i, vi);
+#pragma omp parallel if (n >= kParallelMin)
+  {
+    // One stream per thread: it calls Philox once per four consecutive elements.
+    MomentRoundingStream random(key, uint64_t(step));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      float pi = p[i], mi = m.load(i), vi = v.load(i);
+      adamw_precision_update(pi, g[i], mi, vi, decay, c);
+      const uint32_t bits = random.bits(i);
+      p[i] = pi;
+      m.store(i, mi, bits & 0xFFFFu);
+      v.store(i, vi, bits >> 16);
+    }
   }
 }
 
@@ -111,11 +123,38 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {
   for (Tensor& t : tensors) scale_(t, scale);
 }
 
+std::vector<MomentRoundingKey> list_order_rounding_keys(size_t n) {
+  std::vector<MomentRoundingKey> keys(n);
+  for (size_t i = 0; i < n; ++i) keys[i].param_key = uint64_t(i);
+  return keys;
+}
+
+void check_rounding_keys(const std::vector<MomentRoundingKey>& rounding_keys, size_t n,
+                         const char* op) {
+  MEGATON_CHECK(rounding_keys.size() == n, "{}: {} rounding keys for {} tensors", op,
+                rounding_keys.size(), n);
+  for (size_t i = 0; i < n; ++i) {
+    const MomentRoundingKey& k = rounding_keys[i];
+    MEGATON_CHECK(k.offset >= 0 && k.run >= 0 && k.base >= 0 && (k.run == 0 || k.stride >= k.run),
+                  "{}: rounding key {}: offset {}, run {}, stride {}, base {}", op, i, k.offset,
+                  k.run, k.stride, k.base);
+  }
+}
+
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float lr, float beta1, float beta2, float eps, int64_t step,
                         float grad_scale) {
+  multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1,
+                     beta2, eps, step, grad_scale, list_order_rounding_keys(params.size()));
+}
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys) {
   const size_t n = params.size();
   MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
                     param_copies.size() == n && weight_decays.size() == n,
@@ -123,11 +162,13 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                 "exp_avg_sq {}, param_copies {}, weight_decays {}",
                 n, grads.size(), exp_avg.size(), exp_avg_sq.size(), param_copies.size(),
                 weight_decays.size());
+  const char* op = "multi_tensor_adamw";
+  check_rounding_keys(rounding_keys, n, op);
   if (n == 0) return;
   MEGATON_CUDA_DISPATCH(
-      params[0], cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies,
-                                          weight_decays, lr, beta1, beta2, eps, step, grad_scale));
-  const char* op = "multi_tensor_adamw";
+      params[0],
+      cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr,
+                               beta1, beta2, eps, step, grad_scale, rounding_keys));
   check_list(params, Device::CPU, op, "params");
   check_list(grads, Device::CPU, op, "grads");
   check_list(exp_avg, Device::CPU, op, "exp_avg");
@@ -164,8 +205,8 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
       adam_precision_constants(lr, beta1, beta2, eps, step, grad_scale);
   for (size_t i = 0; i < n; ++i) {
     if (exp_avg[i].dtype() != DType::F32 || exp_avg_sq[i].dtype() != DType::F32) {
-      adamw_precision_tensor(params[i], grads[i], exp_avg[i], exp_avg_sq[i], lr,
-                             weight_decays[i], constants);
+      adamw_precision_tensor(params[i], grads[i], exp_avg[i], exp_avg_sq[i], lr, weight_decays[i],
+                             constants, rounding_keys[i], step);
       if (param_copies[i].defined()) cast(params[i], param_copies[i]);
       continue;
     }

@@ -1,6 +1,8 @@
 // multi_tensor_adamw on the GPU: the AdamW update of a list of tensors in a few launches
-// (multi_tensor_launch.cuh), fp32 moments (adamw_update) or, for the precision-aware
-// optimizer, BF16 moments updated in fp32 (ops/adam_precision_math.h).
+// (multi_tensor_launch.cuh), fp32 moments (adamw_update, adamw_chunks) or, for the
+// precision-aware optimizer, BF16 moments updated in fp32 and stored stochastically
+// rounded (ops/adam_precision_math.h, adamw_precision_chunks: its own launches, whose
+// per-tensor rounding keys would not fit the fp32 kernel's parameter space).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -11,8 +13,10 @@
 
 #include "core/cuda/cuda_check.h"
 #include "ops/adam_control_math.h"
+#include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/multi_tensor_adamw.h"
 #include "ops/cuda/multi_tensor_launch.cuh"
 #include "ops/cuda/pointwise_util.cuh"
 
@@ -46,28 +50,50 @@ enum CopyKind : uint8_t { kNoCopy = 0, kCopyF32 = 1, kCopyBF16 = 2 };
 // update, adamw_update), otherwise the update of ops/adam_precision_math.h.
 enum MomentKind : uint8_t { kMomentsF32 = 0, kExpAvgBF16 = 1, kExpAvgSqBF16 = 2 };
 
-// Tensors per launch: 60 bytes each.
+// Tensors per launch: 59 bytes each.
 constexpr int kAdamWTensors = 64;
 struct AdamWLaunch {
   float* param[kAdamWTensors];
   const float* grad[kAdamWTensors];
-  void* exp_avg[kAdamWTensors];     // float*, or __nv_bfloat16* (moment_kind)
-  void* exp_avg_sq[kAdamWTensors];  // float*, or __nv_bfloat16* (moment_kind)
+  float* exp_avg[kAdamWTensors];
+  float* exp_avg_sq[kAdamWTensors];
   void* copy[kAdamWTensors];
   int64_t numel[kAdamWTensors];
   uint32_t first_chunk[kAdamWTensors + 1];
   float weight_decay[kAdamWTensors];
   uint8_t copy_kind[kAdamWTensors];
-  uint8_t moment_kind[kAdamWTensors];
-  // param, grad and both moments aligned for 4-element packs (16 bytes F32, 8 bytes BF16):
-  // the update runs on packs of 4, otherwise element by element.
+  // param, grad and both moments aligned for 4-element packs (16 bytes): the update runs
+  // on packs of 4, otherwise element by element.
   uint8_t vectorized[kAdamWTensors];
   // The copy is aligned for a 4-element store (16 bytes F32, 8 bytes BF16).
   uint8_t copy_vectorized[kAdamWTensors];
   int32_t num_tensors;
 };
-static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) + sizeof(AdamPrecisionConstants) +
-                  sizeof(float*) <=
+static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) + sizeof(float*) <=
+              kMaxKernelParamBytes);
+
+// The precision-aware launches: AdamWLaunch's fields with the moments' dtypes and the
+// rounding keys (ops/adam_precision_math.h). Tensors per launch: 100 bytes each.
+constexpr int kAdamWPrecisionTensors = 32;
+struct AdamWPrecisionLaunch {
+  float* param[kAdamWPrecisionTensors];
+  const float* grad[kAdamWPrecisionTensors];
+  void* exp_avg[kAdamWPrecisionTensors];     // float*, or __nv_bfloat16* (moment_kind)
+  void* exp_avg_sq[kAdamWPrecisionTensors];  // float*, or __nv_bfloat16* (moment_kind)
+  void* copy[kAdamWPrecisionTensors];
+  int64_t numel[kAdamWPrecisionTensors];
+  MomentRoundingKey rounding_key[kAdamWPrecisionTensors];
+  uint32_t first_chunk[kAdamWPrecisionTensors + 1];
+  float weight_decay[kAdamWPrecisionTensors];
+  uint8_t copy_kind[kAdamWPrecisionTensors];
+  uint8_t moment_kind[kAdamWPrecisionTensors];  // not kMomentsF32
+  // param, grad and both moments aligned for 4-element packs (16 bytes F32, 8 bytes BF16).
+  uint8_t vectorized[kAdamWPrecisionTensors];
+  uint8_t copy_vectorized[kAdamWPrecisionTensors];
+  int32_t num_tensors;
+};
+static_assert(sizeof(AdamWPrecisionLaunch) + sizeof(AdamPrecisionConstants) + 2 * sizeof(float) +
+                  sizeof(uint64_t) + sizeof(float*) <=
               kMaxKernelParamBytes);
 
 // One AdamW element update (ops.h adamw_step's formula) from the gradient as stored.
@@ -130,16 +156,29 @@ __device__ void adamw_chunk(float* param, const float* grad, float* exp_avg, flo
   }
 }
 
+// A moment's fp32 value in its storage type: fp32 as it is, bf16 stochastically rounded
+// with the 16 random bits `random16` (bf16_round_stochastic).
+template <typename T>
+__device__ __forceinline__ T store_moment(float x, uint32_t random16) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return __ushort_as_bfloat16(bf16_round_stochastic(x, random16));
+  }
+}
+
 // The precision-aware update (ops/adam_precision_math.h) of elements [begin, end) of one
 // tensor whose moments are M and V (float or __nv_bfloat16, at least one BF16): each
-// moment widened to fp32, updated in fp32, stored rounded to nearest even; Copy as in
-// adamw_chunk. The same element function on packs of 4 and on the scalar tail, so the
-// alignment does not change the bits.
+// moment widened to fp32, updated in fp32, stored stochastically rounded with the bits of
+// `random` (MomentRoundingStream: element j's, whatever thread or pack handles it); Copy
+// as in adamw_chunk. The same element function on packs of 4 and on the scalar tail, so
+// the alignment does not change the bits.
 template <typename Copy, typename M, typename V>
 __device__ void adamw_precision_chunk(float* param, const float* grad, void* exp_avg_raw,
                                       void* exp_avg_sq_raw, void* copy_raw, int64_t begin,
                                       int64_t end, bool vectorized, bool copy_vectorized,
-                                      float decay, const AdamPrecisionConstants& c) {
+                                      float decay, const AdamPrecisionConstants& c,
+                                      MomentRoundingStream& random) {
   M* exp_avg = static_cast<M*>(exp_avg_raw);
   V* exp_avg_sq = static_cast<V*>(exp_avg_sq_raw);
   [[maybe_unused]] Copy* copy = static_cast<Copy*>(copy_raw);
@@ -153,8 +192,9 @@ __device__ void adamw_precision_chunk(float* param, const float* grad, void* exp
       for (int j = 0; j < 4; ++j) {
         float m = to_float(m_pack.v[j]), v = to_float(v_pack.v[j]);
         adamw_precision_update(p.v[j], g.v[j], m, v, decay, c);
-        m_pack.v[j] = from_float<M>(m);
-        v_pack.v[j] = from_float<V>(v);
+        const uint32_t bits = random.bits(i + j);
+        m_pack.v[j] = store_moment<M>(m, bits & 0xFFFFu);
+        v_pack.v[j] = store_moment<V>(v, bits >> 16);
       }
       store_pack<4>(param + i, p);
       store_pack<4>(exp_avg + i, m_pack);
@@ -174,9 +214,10 @@ __device__ void adamw_precision_chunk(float* param, const float* grad, void* exp
       for (int64_t j = i; j < end && j < i + 4; ++j) {
         float p = param[j], m = to_float(exp_avg[j]), v = to_float(exp_avg_sq[j]);
         adamw_precision_update(p, grad[j], m, v, decay, c);
+        const uint32_t bits = random.bits(j);
         param[j] = p;
-        exp_avg[j] = from_float<M>(m);
-        exp_avg_sq[j] = from_float<V>(v);
+        exp_avg[j] = store_moment<M>(m, bits & 0xFFFFu);
+        exp_avg_sq[j] = store_moment<V>(v, bits >> 16);
         if constexpr (!std::is_same_v<Copy, NoCopy>) copy[j] = from_float<Copy>(p);
       }
     }
@@ -186,70 +227,45 @@ __device__ void adamw_precision_chunk(float* param, const float* grad, void* exp
 // adamw_precision_chunk for the moment dtypes of `kind` (not kMomentsF32).
 template <typename Copy>
 __device__ void adamw_precision_dispatch(uint8_t kind, float* param, const float* grad,
-                                         void* exp_avg, void* exp_avg_sq, void* copy,
-                                         int64_t begin, int64_t end, bool vectorized,
-                                         bool copy_vectorized, float decay,
-                                         const AdamPrecisionConstants& c) {
+                                         void* exp_avg, void* exp_avg_sq, void* copy, int64_t begin,
+                                         int64_t end, bool vectorized, bool copy_vectorized,
+                                         float decay, const AdamPrecisionConstants& c,
+                                         MomentRoundingStream& random) {
   using BF16 = __nv_bfloat16;
   switch (kind) {
     case kExpAvgBF16:
       adamw_precision_chunk<Copy, BF16, float>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
-                                               vectorized, copy_vectorized, decay, c);
+                                               vectorized, copy_vectorized, decay, c, random);
       break;
     case kExpAvgSqBF16:
       adamw_precision_chunk<Copy, float, BF16>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
-                                               vectorized, copy_vectorized, decay, c);
+                                               vectorized, copy_vectorized, decay, c, random);
       break;
     default:
       adamw_precision_chunk<Copy, BF16, BF16>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
-                                              vectorized, copy_vectorized, decay, c);
+                                              vectorized, copy_vectorized, decay, c, random);
   }
 }
 
 __global__ void __launch_bounds__(kThreads)
     adamw_chunks(const __grid_constant__ AdamWLaunch launch, const AdamWConstants host_constants,
-                 const AdamPrecisionConstants host_precision, const float* control) {
+                 const float* control) {
   // With a control tensor (adamw_step_control's), the step's scalars come from the device.
   AdamWConstants c = host_constants;
-  AdamPrecisionConstants pc = host_precision;
   if (control != nullptr) {
     if (control[kAdamSkip] != 0.0f) return;
     c.step_size = control[kAdamStepSize];
     c.inv_sqrt_bc2 = control[kAdamInvSqrtBc2];
     c.grad_scale = control[kAdamGradScale];
     c.lr = control[kAdamLr];
-    pc.step_size = c.step_size;
-    pc.inv_sqrt_bc2 = c.inv_sqrt_bc2;
-    pc.grad_scale = c.grad_scale;
   }
   const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
   const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kElementwiseChunk;
   const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
   const bool vectorized = launch.vectorized[t], copy_vectorized = launch.copy_vectorized[t];
   const float decay = adamw_decay(c.lr, launch.weight_decay[t]);
-  const uint8_t moments = launch.moment_kind[t];
-  if (moments != kMomentsF32) {
-    switch (launch.copy_kind[t]) {
-      case kCopyF32:
-        adamw_precision_dispatch<float>(moments, launch.param[t], launch.grad[t],
-                                        launch.exp_avg[t], launch.exp_avg_sq[t], launch.copy[t],
-                                        begin, end, vectorized, copy_vectorized, decay, pc);
-        break;
-      case kCopyBF16:
-        adamw_precision_dispatch<__nv_bfloat16>(moments, launch.param[t], launch.grad[t],
-                                                launch.exp_avg[t], launch.exp_avg_sq[t],
-                                                launch.copy[t], begin, end, vectorized,
-                                                copy_vectorized, decay, pc);
-        break;
-      default:
-        adamw_precision_dispatch<NoCopy>(moments, launch.param[t], launch.grad[t],
-                                         launch.exp_avg[t], launch.exp_avg_sq[t], nullptr, begin,
-                                         end, vectorized, false, decay, pc);
-    }
-    return;
-  }
-  float* exp_avg = static_cast<float*>(launch.exp_avg[t]);
-  float* exp_avg_sq = static_cast<float*>(launch.exp_avg_sq[t]);
+  float* exp_avg = launch.exp_avg[t];
+  float* exp_avg_sq = launch.exp_avg_sq[t];
   switch (launch.copy_kind[t]) {
     case kCopyF32:
       adamw_chunk<float>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, launch.copy[t],
@@ -265,13 +281,57 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The precision-aware launches. host_lr and host_step: the host path's learning rate and
+// step count (with a control tensor, the device's control[kAdamLr] and
+// control[kAdamStep], exact below 2^24 steps, as the CPU twin reads them).
+__global__ void __launch_bounds__(kThreads)
+    adamw_precision_chunks(const __grid_constant__ AdamWPrecisionLaunch launch,
+                           const AdamPrecisionConstants host_precision, const float host_lr,
+                           const uint64_t host_step, const float* control) {
+  AdamPrecisionConstants pc = host_precision;
+  float lr = host_lr;
+  uint64_t step = host_step;
+  if (control != nullptr) {
+    if (control[kAdamSkip] != 0.0f) return;
+    pc.step_size = control[kAdamStepSize];
+    pc.inv_sqrt_bc2 = control[kAdamInvSqrtBc2];
+    pc.grad_scale = control[kAdamGradScale];
+    lr = control[kAdamLr];
+    step = uint64_t(int64_t(control[kAdamStep]));
+  }
+  const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
+  const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kElementwiseChunk;
+  const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
+  const bool vectorized = launch.vectorized[t], copy_vectorized = launch.copy_vectorized[t];
+  const float decay = adamw_decay(lr, launch.weight_decay[t]);
+  const uint8_t moments = launch.moment_kind[t];
+  MomentRoundingStream random(launch.rounding_key[t], step);
+  switch (launch.copy_kind[t]) {
+    case kCopyF32:
+      adamw_precision_dispatch<float>(moments, launch.param[t], launch.grad[t], launch.exp_avg[t],
+                                      launch.exp_avg_sq[t], launch.copy[t], begin, end, vectorized,
+                                      copy_vectorized, decay, pc, random);
+      break;
+    case kCopyBF16:
+      adamw_precision_dispatch<__nv_bfloat16>(
+          moments, launch.param[t], launch.grad[t], launch.exp_avg[t], launch.exp_avg_sq[t],
+          launch.copy[t], begin, end, vectorized, copy_vectorized, decay, pc, random);
+      break;
+    default:
+      adamw_precision_dispatch<NoCopy>(moments, launch.param[t], launch.grad[t], launch.exp_avg[t],
+                                       launch.exp_avg_sq[t], nullptr, begin, end, vectorized, false,
+                                       decay, pc, random);
+  }
+}
+
 // multi_tensor_adamw's checks and launches; control: null (the scalars below) or
-// adamw_step_control's device tensor.
+// adamw_step_control's device tensor. Tensors whose moments are both F32 go to
+// adamw_chunks, the others (with their rounding keys) to adamw_precision_chunks.
 void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                   std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                   std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                   float lr, float beta1, float beta2, float eps, int64_t step, float grad_scale,
-                  const float* control) {
+                  const float* control, const std::vector<MomentRoundingKey>& rounding_keys) {
   constexpr const char* kOp = "multi_tensor_adamw";
   const size_t n = params.size();
   MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
@@ -280,28 +340,34 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                 "param_copies {}, weight_decays {}",
                 kOp, n, grads.size(), exp_avg.size(), exp_avg_sq.size(), param_copies.size(),
                 weight_decays.size());
+  check_rounding_keys(rounding_keys, n, kOp);
   MEGATON_CHECK(step >= 1, "{}: step {} must be >= 1 (1-based)", kOp, step);
   MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
                 "{}: betas ({}, {}) must be in [0, 1)", kOp, beta1, beta2);
   MEGATON_CHECK(std::isfinite(grad_scale), "{}: grad_scale {} must be finite", kOp, grad_scale);
-  std::vector<int64_t> numels(n);
+  // numels of the fp32-state tensors and of the precision-aware ones (0: the other kind,
+  // skipped by plan_launches), so each batch's indices are the caller's.
+  std::vector<int64_t> numels_f32(n, 0), numels_precision(n, 0);
   for (size_t i = 0; i < n; ++i) {
     check_listed(params[i], kOp, "params", i, false);
     check_listed(grads[i], kOp, "grads", i, false);
     // BF16 moments: the precision-aware optimizer (ops/adam_precision_math.h).
     check_listed(exp_avg[i], kOp, "exp_avg", i, true);
     check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, true);
-    numels[i] = params[i].numel();
+    const int64_t numel = params[i].numel();
     const Tensor* entries[] = {&grads[i], &exp_avg[i], &exp_avg_sq[i]};
     for (const Tensor* t : entries)
-      MEGATON_CHECK(t->numel() == numels[i], "{}: tensor {}: {} elements in a list, param has {}",
-                    kOp, i, t->numel(), numels[i]);
+      MEGATON_CHECK(t->numel() == numel, "{}: tensor {}: {} elements in a list, param has {}", kOp,
+                    i, t->numel(), numel);
     if (param_copies[i].defined()) {
       check_listed(param_copies[i], kOp, "param_copies", i, true);
-      MEGATON_CHECK(param_copies[i].numel() == numels[i],
+      MEGATON_CHECK(param_copies[i].numel() == numel,
                     "{}: param_copies[{}] {} has {} elements, param has {}", kOp, i,
-                    shape_str(param_copies[i].shape()), param_copies[i].numel(), numels[i]);
+                    shape_str(param_copies[i].shape()), param_copies[i].numel(), numel);
     }
+    const bool f32_moments =
+        exp_avg[i].dtype() == DType::F32 && exp_avg_sq[i].dtype() == DType::F32;
+    (f32_moments ? numels_f32 : numels_precision)[i] = numel;
   }
   // The single-tensor op (adam.cu) calls this function, so both get these bits.
   // By squaring, not pow: adamw_step_control computes the same bits on the device.
@@ -310,11 +376,38 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   const float step_size = float(lr / bias_correction1);
   const float inv_sqrt_bc2 = float(1.0 / std::sqrt(bias_correction2));
   const AdamWConstants constants{beta1, beta2, eps, step_size, inv_sqrt_bc2, grad_scale, lr};
+  cudaStream_t stream = compute_stream();
+  for (const LaunchBatch& batch :
+       plan_launches(numels_f32, kElementwiseChunk, kAdamWTensors, kOp)) {
+    AdamWLaunch meta{};
+    meta.num_tensors = int32_t(batch.tensors.size());
+    for (size_t k = 0; k < batch.tensors.size(); ++k) {
+      const size_t i = batch.tensors[k];
+      meta.param[k] = params[i].f32();
+      meta.grad[k] = grads[i].f32();
+      meta.exp_avg[k] = exp_avg[i].f32();
+      meta.exp_avg_sq[k] = exp_avg_sq[i].f32();
+      meta.numel[k] = numels_f32[i];
+      meta.first_chunk[k] = batch.first_chunk[k];
+      meta.weight_decay[k] = weight_decays[i];
+      meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
+                           is_aligned(meta.exp_avg[k], 16) && is_aligned(meta.exp_avg_sq[k], 16);
+      const Tensor& copy = param_copies[i];
+      if (copy.defined()) {
+        meta.copy[k] = copy.raw();
+        meta.copy_kind[k] = copy.dtype() == DType::BF16 ? kCopyBF16 : kCopyF32;
+        meta.copy_vectorized[k] = is_aligned(copy.raw(), 4 * dtype_size(copy.dtype()));
+      }
+    }
+    meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
+    adamw_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(meta, constants, control);
+    MEGATON_CUDA_CHECK_LAUNCH();
+  }
   const AdamPrecisionConstants precision =
       adam_precision_constants(lr, beta1, beta2, eps, step, grad_scale);
-  cudaStream_t stream = compute_stream();
-  for (const LaunchBatch& batch : plan_launches(numels, kElementwiseChunk, kAdamWTensors, kOp)) {
-    AdamWLaunch meta{};
+  for (const LaunchBatch& batch :
+       plan_launches(numels_precision, kElementwiseChunk, kAdamWPrecisionTensors, kOp)) {
+    AdamWPrecisionLaunch meta{};
     meta.num_tensors = int32_t(batch.tensors.size());
     for (size_t k = 0; k < batch.tensors.size(); ++k) {
       const size_t i = batch.tensors[k];
@@ -325,7 +418,8 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
       const bool m_bf16 = exp_avg[i].dtype() == DType::BF16;
       const bool v_bf16 = exp_avg_sq[i].dtype() == DType::BF16;
       meta.moment_kind[k] = uint8_t((m_bf16 ? kExpAvgBF16 : 0) | (v_bf16 ? kExpAvgSqBF16 : 0));
-      meta.numel[k] = numels[i];
+      meta.numel[k] = numels_precision[i];
+      meta.rounding_key[k] = rounding_keys[i];
       meta.first_chunk[k] = batch.first_chunk[k];
       meta.weight_decay[k] = weight_decays[i];
       meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
@@ -339,10 +433,17 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
       }
     }
     meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
-    adamw_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(meta, constants, precision,
-                                                                     control);
+    adamw_precision_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(
+        meta, precision, lr, uint64_t(step), control);
     MEGATON_CUDA_CHECK_LAUNCH();
   }
+}
+
+// control's checks (the device-step overloads).
+void check_control(const Tensor& control) {
+  MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
+                    control.numel() == kAdamControlSize && control.device() == Device::CUDA,
+                "multi_tensor_adamw: control must be F32 [{}] on the GPU", kAdamControlSize);
 }
 }  // namespace
 
@@ -352,20 +453,36 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         float lr, float beta1, float beta2, float eps, int64_t step,
                         float grad_scale) {
   launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
-               eps, step, grad_scale, nullptr);
+               eps, step, grad_scale, nullptr, list_order_rounding_keys(params.size()));
+}
+
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float lr, float beta1, float beta2, float eps, int64_t step,
+                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys) {
+  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
+               eps, step, grad_scale, nullptr, rounding_keys);
 }
 
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float beta1, float beta2, float eps, const Tensor& control) {
-  MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
-                    control.numel() == kAdamControlSize && control.device() == Device::CUDA,
-                "multi_tensor_adamw: control must be F32 [{}] on the GPU", kAdamControlSize);
+  check_control(control);
   // Step 1, scale 1 and lr 0 pass the host checks; the kernels take the device's values.
   launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, 0.0f, beta1, beta2,
-               eps, 1, 1.0f, control.f32());
+               eps, 1, 1.0f, control.f32(), list_order_rounding_keys(params.size()));
 }
 
+void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                        std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                        std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
+                        float beta1, float beta2, float eps, const Tensor& control,
+                        const std::vector<MomentRoundingKey>& rounding_keys) {
+  check_control(control);
+  launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, 0.0f, beta1, beta2,
+               eps, 1, 1.0f, control.f32(), rounding_keys);
+}
 
 }  // namespace megaton::ops::cuda
