@@ -76,6 +76,12 @@ void GPTConfig::finalize() {
     fail("num-attention-heads ({}) is not divisible by num-query-groups ({})",
          num_attention_heads, num_query_groups);
   if (max_position_embeddings == 0) max_position_embeddings = seq_length;
+  // The recompute flags are checked by the argument parser; a config built in code gets
+  // the checks full granularity needs to be well defined (RecomputeConfig::full_group_start).
+  if (recompute.granularity == RecomputeGranularity::Full &&
+      (recompute.method == RecomputeMethod::None || recompute.num_layers < 1))
+    fail("recompute-granularity full needs recompute-method uniform or block and "
+         "recompute-num-layers >= 1");
   if (position_embedding_type == PositionEmbedding::LearnedAbsolute &&
       seq_length > max_position_embeddings)
     fail("seq-length ({}) exceeds max-position-embeddings ({})", seq_length,

@@ -367,10 +367,11 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
     saved_.recompute_inputs.assign(layers_.size(), Tensor());
   for (int64_t i = 0; i < n; ++i) {
     before_forward(layer_params_[i]);
-    const int64_t group = saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
-    if (group == i) saved_.recompute_inputs[i] = x;
+    const int64_t group_start =
+        saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
+    if (group_start == i) saved_.recompute_inputs[i] = x;
     x = layers_[i]->forward(x, saved_.batch, saved_.seq, ctx);
-    if (group >= 0) layers_[i]->discard_for_recompute();
+    if (group_start >= 0) layers_[i]->discard_for_recompute();
   }
   ChunkOutput out;
   for (auto& layer : layers_) {
@@ -502,13 +503,15 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
   const RecomputeConfig& rc = cfg_.recompute;
   const int64_t n = int64_t(layers_.size());
   for (int64_t i = n; i-- > 0;) {
-    const int64_t group = saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
-    if (group >= 0 && i + 1 == rc.full_group_end(i, n)) {
+    const int64_t group_start =
+        saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
+    if (group_start >= 0 && i + 1 == rc.full_group_end(i, n)) {
       // The group's forward again from its kept input, re-saving what backward needs.
       ForwardContext ctx = saved_.ctx;
       ctx.recompute = true;
-      Tensor h = std::exchange(saved_.recompute_inputs[group], Tensor());
-      for (int64_t j = group; j <= i; ++j) h = layers_[j]->forward(h, saved_.batch, saved_.seq, ctx);
+      Tensor h = std::exchange(saved_.recompute_inputs[group_start], Tensor());
+      for (int64_t j = group_start; j <= i; ++j)
+        h = layers_[j]->forward(h, saved_.batch, saved_.seq, ctx);
     }
     if (layers_[i]->moe) layers_[i]->moe->aux_grad_scale = aux_grad_scale;
     dx = layers_[i]->backward(dx);

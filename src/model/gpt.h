@@ -161,15 +161,17 @@ class GPTModel {
   const PipelineChunk& chunk() const { return chunk_; }
 
   // One micro-batch through this chunk, saving what backward_chunk needs in the chunk and
-  // its layers (replacing what they held). InternalError when an input the chunk reads is
-  // missing or misshapen.
+  // its layers (replacing what they held): all of it, or what GPTConfig::recompute keeps
+  // (docs/memory.md). InternalError when an input the chunk reads is missing or misshapen.
   ChunkOutput forward_chunk(const ChunkInput& in, const ForwardContext& ctx);
   // Backward of the micro-batch the chunk holds (the last forward_chunk, or the one
   // restore_activations put back), which it then no longer holds. dout: for a
   // post_process chunk d(total loss)/d(per-token loss) [B*S] fp32 (host or device);
   // otherwise the gradient of the chunk's output [T, H] (as ChunkOutput::hidden).
   // aux_grad_scale scales the injected MoE aux-loss gradient (1 / number of
-  // micro-batches). Accumulates main_grads. Returns the gradient of ChunkInput::hidden
+  // micro-batches). Under recomputation it first runs again the forwards whose state was
+  // not kept (with their collectives: every rank of the layout does the same).
+  // Accumulates main_grads. Returns the gradient of ChunkInput::hidden
   // [T, H], undefined for a pre_process chunk. InternalError when the chunk holds no
   // micro-batch.
   Tensor backward_chunk(const Tensor& dout, float aux_grad_scale);

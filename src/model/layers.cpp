@@ -357,10 +357,11 @@ Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool s
 }
 
 // The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward
-// recomputes it from fc1's output, saving ffn x T activations per layer (as Megatron's
-// activation recompute for the MoE activation, moe_act). The recompute costs no pass of its
-// own: the activation's backward, which reads fc1's output anyway, writes it (fc2's weight
-// gradient is computed after its input gradient for this).
+// recomputes it from fc1's output, saving ffn x T activations per layer. (Megatron keeps it
+// in a dense MLP and offers its recompute for the experts only, recompute module moe_act.)
+// The recompute costs no pass of its own: the activation's backward, which reads fc1's
+// output anyway, writes it (fc2's weight gradient is computed after its input gradient for
+// this). docs/memory.md, "Activation recomputation".
 Tensor MLP::forward(const Tensor& x) {
   Saved& s = saved_;
   s = {};

@@ -100,7 +100,10 @@ class MoELayer {
   // What forward saved for backward (T: this rank's token rows, R: rows of the local
   // experts' copies).
   struct Saved {
-    Tensor x;               // the layer's token rows [T, H] (defined between forward and backward)
+    // The layer's token rows [T, H]: defined between forward and backward, except while
+    // the moe or full recompute holds only the routing (recompute_input, or the group's
+    // input in GPTModel).
+    Tensor x;
     // The dispatched copies [R, H] (padded: [sum(expert_rows), H]); undefined in FP8 runs
     // with FP8 weight gradients, which keep each expert's FP8 x^T instead.
     Tensor expert_in;

@@ -147,22 +147,13 @@ void TopKRouter::aux_loss_forward(const std::string& type, float coeff, int64_t 
 
 TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext& ctx,
                                        int64_t first_row) {
-  if (ctx.recompute) return replay(x_in);
+  if (ctx.recompute) return replay(x_in, ctx);
   const int64_t rows = x_in.dim(0), E = num_experts_;
   const Device dev = x_in.device();
   saved_ = Saved();
   saved_.training = ctx.training;
   saved_.first_row = first_row;
-  Tensor x = x_in;
-  if (ctx.training && cfg_.moe_input_jitter_eps > 0) {
-    const float eps = cfg_.moe_input_jitter_eps;
-    saved_.jitter = Tensor::empty(x_in.shape(), DType::F32, dev);
-    ops::fill_uniform(saved_.jitter, 1.0f - eps, 1.0f + eps, ctx.seed,
-                      ctx.stream(layer_, kJitterSite) + uint64_t(first_row));
-    x = x_in.clone();
-    ops::mul_(x, saved_.jitter);
-  }
-  saved_.x = x;
+  Tensor x = apply_jitter(x_in, ctx);
   Tensor logits = Tensor::empty({rows, E}, DType::F32, dev);
   ops::gemm(x, false, weight.weight, true, logits);
   if (ctx.training && cfg_.moe_router_force_load_balancing) {
@@ -219,15 +210,25 @@ TopKRouter::Output TopKRouter::forward(const Tensor& x_in, const ForwardContext&
   return out;
 }
 
-TopKRouter::Output TopKRouter::replay(const Tensor& x_in) {
-  MEGATON_CHECK(saved_.probs.defined(), "router '{}': replay without a kept routing",
-                weight.name);
+Tensor TopKRouter::apply_jitter(const Tensor& x_in, const ForwardContext& ctx) {
   Tensor x = x_in;
-  if (saved_.jitter.defined()) {  // the first forward's noise, kept
+  if (ctx.training && cfg_.moe_input_jitter_eps > 0) {
+    const float eps = cfg_.moe_input_jitter_eps;
+    saved_.jitter = Tensor::empty(x_in.shape(), DType::F32, x_in.device());
+    ops::fill_uniform(saved_.jitter, 1.0f - eps, 1.0f + eps, ctx.seed,
+                      ctx.stream(layer_, kJitterSite) + uint64_t(saved_.first_row));
     x = x_in.clone();
     ops::mul_(x, saved_.jitter);
   }
   saved_.x = x;
+  return x;
+}
+
+TopKRouter::Output TopKRouter::replay(const Tensor& x_in, const ForwardContext& ctx) {
+  MEGATON_CHECK(saved_.probs.defined(), "router '{}': replay without a kept routing",
+                weight.name);
+  apply_jitter(x_in, ctx);  // the first forward's noise: the same keys
+  const Tensor& x = saved_.x;
   Output out;
   out.probs = saved_.probs;
   out.indices = saved_.indices;

@@ -63,14 +63,15 @@ class TopKRouter {
   // micro-batch's forward) it replays the routing it kept instead (replay).
   Output forward(const Tensor& x, const ForwardContext& ctx, int64_t first_row);
   // The recompute of a layer that holds this router: keep_routing_only drops the kept
-  // input (the one large tensor: [T, H]) and keeps the routing (logits, probabilities,
-  // indices, capacity mask and the loss terms). replay then gives the first forward's
-  // Output again from them without the gating GEMM, the collectives of the losses or any
-  // statistic (tokens per expert, metrics, routed copies, the global aux loss's running
-  // counts: they were recorded once), and keeps x (after the kept jitter, if any) for the
-  // weight gradient. InternalError when no routing is kept.
-  void keep_routing_only() { saved_.x = Tensor(); }
-  Output replay(const Tensor& x);
+  // input and the jitter noise (the [T, H] tensors) and keeps the routing (logits,
+  // probabilities, indices, capacity mask and the loss terms). replay then gives the
+  // first forward's Output again from them without the gating GEMM, the collectives of
+  // the losses or any statistic (tokens per expert, metrics, routed copies, the global
+  // aux loss's running counts: they were recorded once), and keeps x (times the jitter
+  // noise, drawn again from ctx's keys: the same values) for the weight gradient.
+  // InternalError when no routing is kept.
+  void keep_routing_only() { saved_.x = saved_.jitter = Tensor(); }
+  Output replay(const Tensor& x, const ForwardContext& ctx);
   // dprobs [T, k] fp32 -> dx [T, H] += the router's input gradient; accumulates the
   // weight's main_grad. aux_grad_scale: the injected losses' gradient scale
   // (1 / micro-batches).
@@ -110,6 +111,10 @@ class TopKRouter {
 
  private:
   ops::RouterTopK topk_options(bool training) const;
+  // The router's input: x_in, or in training with --moe-input-jitter-eps x_in times
+  // Uniform(1 - eps, 1 + eps) noise keyed by ctx, layer and saved_.first_row (kept in
+  // saved_.jitter); kept in saved_.x.
+  Tensor apply_jitter(const Tensor& x_in, const ForwardContext& ctx);
   // Adds one load-balancing loss's statistics and its value (last_loss_, metric_sums_).
   void aux_loss_forward(const std::string& type, float coeff, int64_t first_row);
   // last_loss_ += loss_scale x value, metric_sums_[metric_slot] += metric_scale x value

@@ -653,8 +653,26 @@ void parse_fp8_args(const Reader& r, GPTConfig& m, std::vector<std::string>& no_
 }
 }  // namespace
 
-// The recompute flags (Megatron's TransformerConfig.__post_init__ and arguments.py
-// checks). After the FP8 and pipeline flags: both constrain them.
+namespace {
+// The largest count of transformer layers on one pipeline stage (uneven first and last
+// stages included): the bound of --recompute-num-layers.
+int64_t max_stage_layers(const TrainArgs& a) {
+  const ParallelArgs& p = a.parallel;
+  const int64_t pp = std::max<int64_t>(p.pipeline_model_parallel_size, 1);
+  int64_t rest = a.model.num_layers, stages = pp, most = 0;
+  for (int64_t uneven : {p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers}) {
+    if (uneven <= 0 || stages <= 1) continue;
+    most = std::max(most, uneven);
+    rest -= uneven;
+    --stages;
+  }
+  return std::max(most, stages > 0 ? (rest + stages - 1) / stages : 0);
+}
+
+// The recompute flags (Megatron's TransformerConfig.__post_init__ and arguments.py). After
+// the FP8 and pipeline flags: both constrain them. What Megatron ignores (a method, count
+// or modules that the granularity does not read) is listed as having no effect, not
+// refused, so launch scripts that carry them run.
 void parse_recompute_args(const Reader& r, TrainArgs& a) {
   RecomputeConfig& rc = a.model.recompute;
   std::string granularity, method;
@@ -663,10 +681,12 @@ void parse_recompute_args(const Reader& r, TrainArgs& a) {
   bool activations = false, moe_layer = false;
   r.get("recompute-activations", activations);
   r.get("moe-layer-recompute", moe_layer);
-  if (activations && !granularity.empty() && granularity != "selective")
-    fail("recompute-activations means recompute-granularity selective (got '{}')",
-         printable(granularity));
-  if (activations) granularity = "selective";
+  if (activations) {  // Megatron's arguments.py: replaces the granularity
+    if (!granularity.empty() && granularity != "selective")
+      a.no_effect.push_back("--recompute-granularity " + granularity +
+                            ": --recompute-activations sets selective, as in Megatron");
+    granularity = "selective";
+  }
   if (granularity == "full") rc.granularity = RecomputeGranularity::Full;
   else if (granularity == "selective") rc.granularity = RecomputeGranularity::Selective;
   else if (!granularity.empty())
@@ -689,46 +709,48 @@ void parse_recompute_args(const Reader& r, TrainArgs& a) {
       rc.modules |= bit;
     }
   }
-  if (moe_layer) {  // Megatron: deprecated, selective with the moe module added
+  if (moe_layer) {  // Megatron: deprecated, selective with moe added to the modules
     if (rc.granularity == RecomputeGranularity::Full)
       fail("moe-layer-recompute cannot be combined with recompute-granularity full");
-    if (rc.granularity == RecomputeGranularity::None) {
-      rc.granularity = RecomputeGranularity::Selective;
-      if (!r.has("recompute-modules")) rc.modules = 0;
-    }
-    rc.modules |= kRecomputeMoe;
+    rc.granularity = RecomputeGranularity::Selective;
+    rc.modules |= kRecomputeMoe;  // to the default core_attn, or to the modules given
     a.no_effect.push_back("--moe-layer-recompute: deprecated, read as --recompute-granularity "
-                          "selective --recompute-modules ... moe");
+                          "selective --recompute-modules " + recompute_module_names(rc.modules));
   }
-  const bool any_given = rc.granularity != RecomputeGranularity::None;
-  if (!any_given && (rc.method != RecomputeMethod::None || r.has("recompute-num-layers") ||
-                     r.has("recompute-modules")))
-    fail("recompute-method, recompute-num-layers and recompute-modules need "
-         "recompute-granularity");
-  const int64_t pp = std::max<int64_t>(a.parallel.pipeline_model_parallel_size, 1);
-  const int64_t stage_layers = a.model.num_layers / pp;
-  if (rc.granularity == RecomputeGranularity::Full) {
-    if (rc.method == RecomputeMethod::None)
-      fail("recompute-granularity full needs recompute-method uniform or block");
-    if (r.has("recompute-modules"))
-      fail("recompute-modules applies to recompute-granularity selective, not full");
-    if (!r.has("recompute-num-layers") || rc.num_layers < 1 || rc.num_layers > stage_layers)
-      fail("recompute-granularity full needs recompute-num-layers between 1 and the layers of "
-           "a pipeline stage ({}){}", stage_layers,
-           r.has("recompute-num-layers") ? " (got " + std::to_string(rc.num_layers) + ")" : "");
-  }
-  if (rc.granularity == RecomputeGranularity::Selective) {
-    if (rc.method != RecomputeMethod::None)
-      fail("recompute-method applies to recompute-granularity full, not selective");
-    if (r.has("recompute-num-layers"))
-      fail("recompute-num-layers applies to recompute-granularity full, not selective");
-    if (rc.selective(kRecomputeMoeAct))
-      a.no_effect.push_back("--recompute-modules moe_act: Megaton always recomputes the "
-                            "experts' activation, in the pass of its backward");
-    if (a.model.num_experts == 0 &&
-        (rc.modules & (kRecomputeMoe | kRecomputeSharedExperts | kRecomputeMoeAct)) != 0)
-      a.no_effect.push_back("--recompute-modules moe, moe_act, shared_experts: the model has "
-                            "no MoE layer");
+  switch (rc.granularity) {
+    case RecomputeGranularity::None:
+      for (const char* key : {"recompute-method", "recompute-num-layers", "recompute-modules"})
+        if (r.has(key))
+          a.no_effect.push_back(std::string("--") + key + ": no recompute-granularity given");
+      rc = RecomputeConfig{};
+      break;
+    case RecomputeGranularity::Full: {
+      if (rc.method == RecomputeMethod::None)
+        fail("recompute-granularity full needs recompute-method uniform or block");
+      const int64_t most = max_stage_layers(a);
+      if (!r.has("recompute-num-layers") || rc.num_layers < 1 || rc.num_layers > most)
+        fail("recompute-granularity full needs recompute-num-layers between 1 and the layers of "
+             "a pipeline stage ({}){}", most,
+             r.has("recompute-num-layers") ? " (got " + std::to_string(rc.num_layers) + ")" : "");
+      if (r.has("recompute-modules"))
+        a.no_effect.push_back("--recompute-modules: recompute-granularity full recomputes whole "
+                              "layers");
+      break;
+    }
+    case RecomputeGranularity::Selective:
+      // Megatron's arguments.py and TransformerConfig refuse both with selective.
+      if (rc.method != RecomputeMethod::None)
+        fail("recompute-method applies to recompute-granularity full, not selective");
+      if (r.has("recompute-num-layers"))
+        fail("recompute-num-layers applies to recompute-granularity full, not selective");
+      if (rc.selective(kRecomputeMoeAct))
+        a.no_effect.push_back("--recompute-modules moe_act: Megaton always recomputes the "
+                              "experts' activation, in the pass of its backward");
+      if (a.model.num_experts == 0 &&
+          (rc.modules & (kRecomputeMoe | kRecomputeSharedExperts | kRecomputeMoeAct)) != 0)
+        a.no_effect.push_back("--recompute-modules moe, moe_act, shared_experts: the model has "
+                              "no MoE layer");
+      break;
   }
   // A forward re-run quantizes its FP8 GEMM inputs again: the delayed recipe would roll
   // its amax history twice per step (the re-run would not be the first forward's bits).
@@ -740,6 +762,7 @@ void parse_recompute_args(const Reader& r, TrainArgs& a) {
          "supported with fp8-recipe delayed (a re-run forward would update the amax history "
          "again): use fp8-recipe tensorwise or blockwise");
 }
+}  // namespace
 
 TrainArgs parse_train_args(const RawOptions& raw) {
   for (const auto& [k, v] : raw)

@@ -125,8 +125,9 @@ struct PipelineLosses {
 // backward needs, as Megatron keeps each in-flight micro-batch's autograd graph. After a
 // forward whose chunk does not run that micro-batch's backward next, the chunk's saved
 // state is moved into a per-(chunk, micro-batch) stash (GPTModel::take_activations) and
-// moved back right before the backward (restore_activations); no forward is recomputed.
-// The price is memory: in 1F1B a stage holds the activations of up to pp - rank
+// moved back right before the backward (restore_activations); the schedule recomputes no
+// forward (the layers do, under --recompute-granularity, and then stash only what that
+// choice keeps). The price is memory: in 1F1B a stage holds the activations of up to pp - rank
 // micro-batches at once (pp on the first stage); interleaved, up to
 // 2 (pp - rank - 1) + (vpp - 1) pp + 1 (micro-batch, chunk) pairs, each 1 / vpp of the
 // stage's layers. Forward-only steps (evaluation) keep nothing.

@@ -44,15 +44,24 @@ std::vector<Choice> choices() {
 }
 
 // The tiny variants with 4 layers (two model chunks' worth of groups), and for MoE every
-// router feature a replay must reproduce: jitter, token dropping, the global aux loss's
-// running counts (which a second routing would advance), the z-loss.
-GPTConfig config(const testing::TinyGptVariant& v, const Choice& c) {
+// router feature a replay must reproduce: jitter, token dropping (or, without it, the
+// dispatcher's device-side counts), the global aux loss's running counts (which a second
+// routing would advance), the z-loss. fp8: the linear layers' GEMMs in FP8 by that recipe.
+GPTConfig config(const testing::TinyGptVariant& v, const Choice& c, bool capacity = true,
+                 const char* fp8 = nullptr) {
   GPTConfig cfg = testing::tiny_gpt_config(v);
   cfg.num_layers = 4;
+  if (fp8 != nullptr) {
+    cfg.fp8.enabled = true;
+    cfg.fp8.recipe = std::string(fp8) == "delayed" ? Fp8Recipe::Delayed : Fp8Recipe::Tensorwise;
+    cfg.fp8.amax_history_len = 4;
+    cfg.seq_length = 8;  // every FP8 GEMM dimension a multiple of 16: 16 tokens,
+    cfg.moe_ffn_hidden_size = 32;  // 32 expert features
+  }
   if (v.moe) {
     cfg.moe_layer_pattern = {0, 1, 1, 0};  // dense and MoE layers in one recompute group
     cfg.moe_input_jitter_eps = 0.01f;
-    cfg.moe_expert_capacity_factor = 1.0f;
+    cfg.moe_expert_capacity_factor = capacity ? 1.0f : 0.0f;
     cfg.moe_router_load_balancing_type = {"aux_loss", "global_aux_loss"};
     cfg.moe_aux_loss_coeffs = {0.01f, 0.02f};
     cfg.moe_z_loss_coeff = 0.001f;
@@ -121,19 +130,40 @@ void expect_bitwise(const std::vector<Tensor>& got, const std::vector<Tensor>& w
     EXPECT_TRUE(testing::allclose(got[i], want[i], 0, 0)) << what << " " << i;
 }
 
-class Recompute : public ::testing::TestWithParam<testing::TinyGptVariant> {};
+// Bytes a choice must free at least, for two micro-batches of 2 x seq_length tokens on the
+// chunk's layers (fp32 on the CPU): core_attn the attention output [T, heads x d] of every
+// layer, mlp fc1's output [T, fc1 outputs] of every dense layer (less, under FP8, the
+// input the MLP then keeps beside fc1's FP8 copy). 0 for the others (they are only
+// required to keep less).
+int64_t least_saving(const GPTConfig& cfg, const PipelineChunk& part, const Choice& c) {
+  const int64_t T = 2 * cfg.seq_length, layers = part.num_layers < 0 ? cfg.num_layers : part.num_layers;
+  const bool core_attn = c.granularity == RecomputeGranularity::Selective &&
+                         (c.modules & kRecomputeCoreAttn) != 0;
+  const bool mlp = c.granularity == RecomputeGranularity::Selective &&
+                   (c.modules & kRecomputeMlp) != 0;
+  int64_t bytes = 0;
+  for (int64_t l = part.first_layer; l < part.first_layer + layers; ++l) {
+    if (core_attn) bytes += T * cfg.num_attention_heads * cfg.kv_channels * 4;
+    if (mlp && !cfg.is_moe_layer(l)) {
+      bytes += T * (cfg.swiglu ? 2 : 1) * cfg.ffn_hidden_size * 4;
+      // FP8: the MLP keeps its input x (fp32 here) where fc1 kept its 1-byte FP8 x^T.
+      if (cfg.fp8.enabled) bytes -= T * cfg.hidden_size * 3;
+    }
+  }
+  return 2 * bytes;
+}
 
-TEST_P(Recompute, EveryChoiceEqualsKeepingEverything) {
-  const testing::TinyGptVariant& v = GetParam();
-  const std::vector<PipelineChunk> parts = {
-      {},                      // the whole model
-      {1, 3, false, true},     // a last stage: input gradient, no embedding
-  };
+// Every choice against keeping everything, on the whole model and on a last pipeline
+// stage (input gradient, no embedding).
+void check_choices(const testing::TinyGptVariant& v, bool capacity, const char* fp8,
+                   const std::vector<Choice>& list) {
+  const std::vector<PipelineChunk> parts = {{}, {1, 3, false, true}};
   for (const PipelineChunk& part : parts) {
-    const RunResult want = run(config(v, Choice{"none"}), part);
-    for (const Choice& c : choices()) {
+    const RunResult want = run(config(v, Choice{"none"}, capacity, fp8), part);
+    for (const Choice& c : list) {
       SCOPED_TRACE(c.name + ", layers from " + std::to_string(part.first_layer));
-      const RunResult got = run(config(v, c), part);
+      const GPTConfig cfg = config(v, c, capacity, fp8);
+      const RunResult got = run(cfg, part);
       expect_bitwise(got.losses, want.losses, "output");
       expect_bitwise(got.aux, want.aux, "aux loss");
       expect_bitwise(got.input_grads, want.input_grads, "input gradient");
@@ -145,11 +175,34 @@ TEST_P(Recompute, EveryChoiceEqualsKeepingEverything) {
                            !(c.name == "shared_experts" && !v.shared_expert);
       if (applies) {
         EXPECT_LT(got.held_bytes, want.held_bytes);
+        EXPECT_GE(want.held_bytes - got.held_bytes, least_saving(cfg, part, c));
       } else {
         EXPECT_EQ(got.held_bytes, want.held_bytes);
       }
     }
   }
+}
+
+class Recompute : public ::testing::TestWithParam<testing::TinyGptVariant> {};
+
+TEST_P(Recompute, EveryChoiceEqualsKeepingEverything) { check_choices(GetParam(), true, nullptr, choices()); }
+
+// Without token dropping the dispatcher keeps the token counts on the device: the recompute
+// puts them back (MoELayer::keep_routing) and the re-run makes them again.
+TEST_P(Recompute, EveryChoiceWithoutTokenDropping) {
+  if (!GetParam().moe) GTEST_SKIP() << "dense";
+  check_choices(GetParam(), false, nullptr, choices());
+}
+
+// FP8 (on the CPU twins): per-tensor current scaling recomputes the same scales, so every
+// choice is exact; the delayed recipe allows the choices that run no forward GEMM again
+// (a recomputed input is quantized with the scale kept from the forward).
+TEST_P(Recompute, Fp8Recipes) {
+  check_choices(GetParam(), true, "tensorwise", choices());
+  std::vector<Choice> delayed;
+  for (const Choice& c : choices())
+    if (c.name == "core_attn" || c.name == "layernorm") delayed.push_back(c);
+  check_choices(GetParam(), true, "delayed", delayed);
 }
 
 INSTANTIATE_TEST_SUITE_P(TinyModels, Recompute, ::testing::ValuesIn(testing::tiny_gpt_variants()),

@@ -185,9 +185,6 @@ TEST_F(CliErrors, RecomputeFlags) {
        "pipeline stage (1)"},
       {"--recompute-granularity full --recompute-method block --recompute-num-layers 2",
        "recompute-num-layers between 1 and the layers of a pipeline stage (1) (got 2)"},
-      {"--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-       "--recompute-modules mlp",
-       "recompute-modules applies to recompute-granularity selective, not full"},
       {"--recompute-granularity selective --recompute-method uniform",
        "recompute-method applies to recompute-granularity full, not selective"},
       {"--recompute-granularity selective --recompute-num-layers 1",
@@ -197,8 +194,6 @@ TEST_F(CliErrors, RecomputeFlags) {
        "shared_experts, mla_up_proj"},
       {"--recompute-granularity selective --recompute-modules mla_up_proj",
        "recompute-modules: mla_up_proj needs multi-latent attention"},
-      {"--recompute-modules mlp", "recompute-method, recompute-num-layers and recompute-modules "
-                                  "need recompute-granularity"},
       {"--moe-layer-recompute --recompute-granularity full --recompute-method block "
        "--recompute-num-layers 1",
        "moe-layer-recompute cannot be combined with recompute-granularity full"},
