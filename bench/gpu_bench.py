@@ -67,6 +67,9 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     if c.get("kv"):
         cmd += ["--group-query-attention", "--num-query-groups", str(c["kv"])]
     cmd += list(extra)
+    # The memory plan's prediction for the same flags (megaton train --dry-run: nothing runs).
+    plan = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True)
+    planned = re.search(r"= total \(the planned peak\) +\d+ +[\d.]+ +([\d.]+)", plan.stdout)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         return dict(error=(out.stderr or out.stdout).strip().splitlines()[-1][:200])
@@ -77,6 +80,8 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     tokens_per_s = gbs * c["seq"] / (step_ms / 1e3)
     r = dict(step_ms=step_ms, tokens_per_s=tokens_per_s,
              tokens_per_s_per_gpu=tokens_per_s / world, peak_mem_gib=mem * 2**20 / 2**30)
+    if planned:
+        r["plan_gib"] = float(planned.group(1)) * 2**20 / 2**30
     # With MEGATON_OP_PROFILE=1 in the environment: the last op profile table (rank 0's).
     at = out.stdout.rfind(" op profile")
     if at >= 0:
@@ -103,8 +108,11 @@ def row(name, impl, r, f, base=None, base2=None):
         return f"| {name} | {impl} | error: {r['error']} | | | | |"
     tps = r["tokens_per_s"]
     ratios = [f"{tps / b['tokens_per_s']:.2f}" for b in (base, base2) if b and "error" not in b]
+    peak = f"{r['peak_mem_gib']:.1f}"
+    if "plan_gib" in r:  # the memory plan's prediction beside the measured peak
+        peak += f" (plan {r['plan_gib']:.1f})"
     return (f"| {name} | {impl} | {tps:,.0f} | {f * tps / 1e12:.0f} | {f * tps / 989e12:.3f} | "
-            f"{r['peak_mem_gib']:.1f} | {' / '.join(ratios)} |")
+            f"{peak} | {' / '.join(ratios)} |")
 
 def main():
     p = argparse.ArgumentParser()
