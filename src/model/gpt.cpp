@@ -115,7 +115,7 @@ Tensor TransformerLayer::backward(const Tensor& dy) {
   return dx;
 }
 
-void TransformerLayer::discard_for_recompute() {
+void TransformerLayer::discard_saved() {
   Activations saved = take_saved();
   if (moe) moe->keep_routing(std::move(saved.moe));
 }
@@ -371,7 +371,7 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
         saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
     if (group_start == i) saved_.recompute_inputs[i] = x;
     x = layers_[i]->forward(x, saved_.batch, saved_.seq, ctx);
-    if (group_start >= 0) layers_[i]->discard_for_recompute();
+    if (group_start >= 0 || ctx.forward_only) layers_[i]->discard_saved();
   }
   ChunkOutput out;
   for (auto& layer : layers_) {

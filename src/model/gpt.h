@@ -54,11 +54,11 @@ class TransformerLayer {
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
-  // The full recompute of this layer (GPTModel::forward_chunk): drops what its forward
-  // saved, but an MoE layer's routing, aux loss and token counts
-  // (MoELayer::keep_routing). Backward then needs forward(x, ..., ctx with recompute) on
-  // the same input first.
-  void discard_for_recompute();
+  // Drops what the last forward saved, but an MoE layer's routing, aux loss and token
+  // counts (MoELayer::keep_routing): after each forward of a full-recompute group (backward
+  // then needs forward(x, ..., ctx with recompute) on the same input first) and of a
+  // forward-only pass (ForwardContext::forward_only).
+  void discard_saved();
 
   Norm input_layernorm;
   SelfAttention self_attention;

@@ -32,6 +32,11 @@ struct ForwardContext {
   // routing and record no statistics, nothing is discarded again. Dropout masks are keyed
   // as above, so the re-run gives the first forward's bits.
   bool recompute = false;
+  // No backward follows (evaluation): each layer drops what its forward saved right after
+  // that forward (TransformerLayer::discard_saved), so the pass holds one layer's
+  // activations at a time. The model's own state (the logits) stays until the caller
+  // drops it (GPTModel::take_activations).
+  bool forward_only = false;
   // Random stream for dropout site `site` of layer `layer` (layer -1: embedding).
   uint64_t stream(int64_t layer, int site) const {
     return ((uint64_t(iteration) * 4096 + uint64_t(micro_batch)) * 1024 + uint64_t(layer + 1)) *

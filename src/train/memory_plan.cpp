@@ -392,19 +392,36 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
       }
       if (!op.forward) --live[size_t(op.chunk)];
     }
-    // Evaluation (pp 1): the forward keeps every layer's activations (training off: no full
-    // recompute, no routing losses) until the next training forward replaces them.
+    // Evaluation (pp 1): a forward-only pass (ForwardContext::forward_only) in which each
+    // layer drops what it saved right after its forward, but an MoE layer's routing: one
+    // layer's activations at a time on top of the routing kept so far, then the final
+    // norm, the output layer and the logits.
     if (pp == 1 && args.eval_iters > 0) {
-      const ChunkMemory e =
-          chunk_memory(x, chunk_layers(layout.layers_per_stage, 1, 0, 0), true, true, false);
-      if (e.saved + e.forward_logits + e.forward_other > best) {
-        best = e.saved + e.forward_logits + e.forward_other;
-        sp.activations = e.saved;
-        sp.in_flight_activations = 0;
-        sp.logits_and_loss = e.forward_logits;
-        sp.working_set = e.forward_other;
+      const ChunkLayers cl = chunk_layers(layout.layers_per_stage, 1, 0, 0);
+      const ChunkMemory e = chunk_memory(x, cl, true, true, false);
+      double routing = 0, layers_saved = 0, in_layer = 0, in_layer_saved = 0;
+      for (int64_t i = 0; i < cl.num_layers; ++i) {
+        const LayerMemory l = layer_memory(x, cl.first_layer + i, false);
+        if (routing + l.saved > in_layer) {
+          in_layer = routing + l.saved;
+          in_layer_saved = l.saved;
+        }
+        routing += l.kept_full;
+        layers_saved += l.saved;
+      }
+      const double fixed = e.saved - layers_saved;  // token ids, the tail's inputs, labels
+      const double at_loss = routing + fixed + e.forward_logits + e.forward_other;
+      const double during = std::max(at_loss, in_layer + x.bytes(x.T, kI32));
+      if (during > best) {
+        best = during;
+        const bool loss = at_loss >= in_layer + x.bytes(x.T, kI32);
+        sp.activations = loss ? routing + fixed : in_layer_saved + x.bytes(x.T, kI32);
+        sp.in_flight_activations = loss ? 0 : in_layer - in_layer_saved;
+        sp.logits_and_loss = loss ? e.forward_logits : 0;
+        sp.working_set = loss ? e.forward_other : 0;
         sp.in_flight = 1;
-        sp.peak_at = "an evaluation forward (it keeps every activation and its logits)";
+        sp.peak_at = loss ? "an evaluation forward's loss (each layer's state dropped after it)"
+                          : "an evaluation forward's largest layer";
       }
     }
     if (m.device == Device::CUDA) {

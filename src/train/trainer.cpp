@@ -346,7 +346,11 @@ double Trainer::evaluate() {
     if (schedule_) {
       const PipelineLosses stage = schedule_->forward_backward(
           pipeline_micro_batches(*valid, it * args_.global_batch_size,
-                                 [&](int64_t) { return ForwardContext{false, args_.seed, 0, 0}; }),
+                                 [&](int64_t) {
+                                   ForwardContext ctx{false, args_.seed, 0, 0};
+                                   ctx.forward_only = true;  // evaluation: no backward
+                                   return ctx;
+                                 }),
           /*forward_only=*/true);
       loss_sum += stage.loss_sum;
       tokens_sum += stage.num_tokens;
@@ -355,9 +359,11 @@ double Trainer::evaluate() {
       Tensor tokens, labels;
       load_batch(*valid, micro_batch_start(it * args_.global_batch_size, mb), mbs, tokens, labels);
       ForwardContext ctx{false, args_.seed, 0, 0};
+      ctx.forward_only = true;
       MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
       loss_sum += ops::sum(out.losses);
       tokens_sum += double(out.losses.numel());
+      chunks_[0]->take_activations();  // the logits and the rest: no backward follows
     }
   }
   if (schedule_) {  // the losses are on the last stage

@@ -235,3 +235,37 @@ TEST(RecomputeConfig, FullGroups) {
 
 }  // namespace
 }  // namespace megaton
+
+namespace megaton {
+namespace {
+
+// A forward-only pass (evaluation) drops each layer's saved state right after its forward:
+// the same losses and aux losses as a forward that keeps it, with a lower host peak.
+TEST(ForwardOnly, SameLossesLowerPeak) {
+  for (const testing::TinyGptVariant& v : testing::tiny_gpt_variants()) {
+    SCOPED_TRACE(v.name);
+    GPTConfig cfg = testing::tiny_gpt_config(v);
+    cfg.num_layers = 4;
+    cfg.finalize();
+    GPTModel model(cfg, 1234);
+    const Tensor tokens = testing::randint({2, cfg.seq_length}, int32_t(cfg.vocab_size), 5);
+    const Tensor labels = testing::randint({2, cfg.seq_length}, int32_t(cfg.vocab_size), 6);
+    int64_t peak[2] = {0, 0};
+    std::vector<MicroBatchLoss> out(2);
+    for (int forward_only = 0; forward_only < 2; ++forward_only) {
+      ForwardContext ctx{false, 1234, 0, 0};
+      ctx.forward_only = forward_only == 1;
+      reset_peak_host_memory();
+      const int64_t before = host_allocator_stats().allocated_bytes;
+      out[forward_only] = model.forward(tokens, labels, ctx);
+      peak[forward_only] = host_allocator_stats().peak_allocated_bytes - before;
+      model.take_activations();
+    }
+    EXPECT_TRUE(testing::allclose(out[1].losses, out[0].losses, 0, 0));
+    EXPECT_EQ(out[1].aux_loss(), out[0].aux_loss());
+    EXPECT_LT(peak[1], peak[0]);
+  }
+}
+
+}  // namespace
+}  // namespace megaton
