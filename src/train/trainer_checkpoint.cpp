@@ -45,8 +45,14 @@ void Trainer::save(int64_t iteration) {
     if (name.starts_with("model.")) shapes[name] = t.shape();
     tensors.emplace_back(name, t.to(Device::CPU));
     // A checkpoint of NaN or inf would become the one a resume starts from: refuse it, so
-    // the tracker keeps naming the last finite one.
-    if (t.dtype() == DType::F32 && !std::isfinite(ops::sum_of_squares(tensors.back().second)))
+    // the tracker keeps naming the last finite one. Floating tensors only (bf16 moments of
+    // the precision-aware optimizer are widened on the host; FP8 state is fp32).
+    const Tensor& host = tensors.back().second;
+    const bool floating = t.dtype() == DType::F32 || t.dtype() == DType::BF16 ||
+                          t.dtype() == DType::F16;
+    if (floating && !std::isfinite(ops::sum_of_squares(host.dtype() == DType::F32
+                                                           ? host
+                                                           : host.to(DType::F32))))
       fail("not saving iteration {} to '{}': tensor '{}' holds NaN or Inf values (the "
            "checkpoint the tracker names is unchanged)", iteration, args_.save, name);
   }
