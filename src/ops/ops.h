@@ -609,7 +609,9 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale);
 // grad_scale != 1.
 //   params:        fp32 main params, updated in place.
 //   grads:         fp32 main grads, numel of params[i]; read only (not scaled in place).
-//   exp_avg, exp_avg_sq: fp32 moments, numel of params[i], updated in place.
+//   exp_avg, exp_avg_sq: moments, numel of params[i], updated in place: fp32, or bf16
+//                  (the precision-aware optimizer: updated in fp32 and stored by
+//                  stochastic rounding; ops/adam_precision.h, keyed overloads there).
 //   param_copies:  per param either undefined (no copy) or a BF16 or F32 tensor with the
 //                  numel of params[i], overwritten with the updated param.
 //   weight_decays: per param (0 for biases and norm weights).
