@@ -6,11 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
-#include <random>
 #include <string>
 
 #include "data/preprocess.h"
+#include "train/train_testing.h"
 #include "train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -21,24 +20,6 @@ namespace {
 // The demo's corpus (configs/demo-dense.yaml).
 const char* kFortunes = "/usr/share/games/fortunes";
 
-// Sentences from a small grammar (as test_train.cpp): a corpus the model can learn.
-void write_corpus(const fs::path& path, int documents, uint64_t seed) {
-  const char* subjects[] = {"the cat", "a dog", "my friend", "the old man", "our teacher"};
-  const char* verbs[] = {"likes", "sees", "eats", "finds", "wants"};
-  const char* objects[] = {"the red apple.", "a small house.", "fresh bread.", "the blue sea.",
-                           "a good book."};
-  std::mt19937_64 gen(seed);
-  std::ofstream out(path);
-  for (int d = 0; d < documents; ++d) {
-    std::string text;
-    const int sentences = 3 + int(gen() % 5);
-    for (int s = 0; s < sentences; ++s)
-      text += std::string(subjects[gen() % 5]) + " " + verbs[gen() % 5] + " " +
-              objects[gen() % 5] + " ";
-    out << "{\"text\": \"" << text << "\"}\n";
-  }
-}
-
 class PrecisionAwareTrainTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -47,7 +28,7 @@ class PrecisionAwareTrainTest : public ::testing::Test {
            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir);
     fs::create_directories(dir);
-    write_corpus(dir / "corpus.jsonl", 300, 11);
+    testing::write_grammar_corpus(dir / "corpus.jsonl", 300, 11);
     data::PreprocessOptions opt;
     opt.inputs = {(dir / "corpus.jsonl").string()};
     opt.output_prefix = (dir / "corpus").string();

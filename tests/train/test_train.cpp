@@ -7,6 +7,7 @@
 #include <random>
 
 #include "common/testing.h"
+#include "train/train_testing.h"
 #include "data/preprocess.h"
 #include "data/tokenizer.h"
 #include "train/generate.h"
@@ -17,24 +18,6 @@ namespace fs = std::filesystem;
 namespace megaton {
 namespace {
 
-// A corpus with learnable structure: sentences from a small grammar.
-void write_corpus(const fs::path& path, int documents, uint64_t seed) {
-  const char* subjects[] = {"the cat", "a dog", "my friend", "the old man", "our teacher"};
-  const char* verbs[] = {"likes", "sees", "eats", "finds", "wants"};
-  const char* objects[] = {"the red apple.", "a small house.", "fresh bread.", "the blue sea.",
-                           "a good book."};
-  std::mt19937_64 gen(seed);
-  std::ofstream out(path);
-  for (int d = 0; d < documents; ++d) {
-    std::string text;
-    int sentences = 3 + int(gen() % 5);
-    for (int s = 0; s < sentences; ++s)
-      text += std::string(subjects[gen() % 5]) + " " + verbs[gen() % 5] + " " + objects[gen() % 5] +
-              " ";
-    out << "{\"text\": \"" << text << "\"}\n";
-  }
-}
-
 class TrainTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -43,7 +26,7 @@ class TrainTest : public ::testing::Test {
            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir);
     fs::create_directories(dir);
-    write_corpus(dir / "corpus.jsonl", 200, 7);
+    testing::write_grammar_corpus(dir / "corpus.jsonl", 200, 7);
     data::PreprocessOptions opt;
     opt.inputs = {(dir / "corpus.jsonl").string()};
     opt.output_prefix = (dir / "corpus").string();
