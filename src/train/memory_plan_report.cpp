@@ -11,6 +11,7 @@
 #include "train/memory_plan.h"
 #include "train/pipeline_schedule.h"
 #include "train/step_graph.h"
+#include "train/trainer.h"
 
 namespace megaton {
 
@@ -103,22 +104,9 @@ int64_t dry_run_world_size() {
 
 int run_dry_run(TrainArgs args, int64_t world, std::FILE* out, std::FILE* err) {
   // As the Trainer finishes and checks them (train/trainer.cpp), before anything is built.
-  const auto tokenizer =
-      data::make_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size);
-  args.model.vocab_size = tokenizer->vocab_size();
-  args.model.tensor_model_parallel_size = args.parallel.tensor_model_parallel_size;
-  args.model.finalize();
-  const int64_t etp = args.parallel.expert_tensor_parallel_size > 0
-                          ? args.parallel.expert_tensor_parallel_size
-                          : args.parallel.tensor_model_parallel_size;
-  args.model.check_fp8_dimensions(args.micro_batch_size * args.model.seq_length, etp);
-  const dist::ValidatedLayout layout = check_parallel_layout(args, world);
-  const int64_t gbs = args.global_batch_size;
-  if (gbs % (args.micro_batch_size * layout.sizes.dp) != 0)
-    fail("global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "
-         "size ({})", gbs, args.micro_batch_size, layout.sizes.dp);
-  check_interleaved_micro_batches(gbs / (args.micro_batch_size * layout.sizes.dp), layout.sizes.pp,
-                                  layout.sizes.vpp.value_or(1));
+  dist::ValidatedLayout layout;
+  finish_train_args(args, world, layout);  // the tokenizer is only needed for its vocabulary
+  check_micro_batch_split(args, layout.sizes);
   check_full_iteration_graph(args, world);
   const MemoryPlan plan = plan_memory(args, layout);
   if (dist::world_rank() != 0) return 0;

@@ -67,6 +67,30 @@ static void check_file_writable(const char* flag, const std::string& path) {
     fail("{}: cannot create '{}' in '{}': {}", flag, path, parent.string(), std::strerror(errno));
 }
 
+std::unique_ptr<data::Tokenizer> finish_train_args(TrainArgs& args, int64_t world,
+                                                   dist::ValidatedLayout& layout) {
+  auto tokenizer = data::make_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size);
+  args.model.vocab_size = tokenizer->vocab_size();
+  // The vocabulary padding depends on the tensor-parallel size (Megatron).
+  args.model.tensor_model_parallel_size = args.parallel.tensor_model_parallel_size;
+  args.model.finalize();
+  const int64_t etp = args.parallel.expert_tensor_parallel_size > 0
+                          ? args.parallel.expert_tensor_parallel_size
+                          : args.parallel.tensor_model_parallel_size;
+  args.model.check_fp8_dimensions(args.micro_batch_size * args.model.seq_length, etp);
+  layout = check_parallel_layout(args, world);
+  return tokenizer;
+}
+
+void check_micro_batch_split(const TrainArgs& args, const dist::ParallelSizes& sizes) {
+  const int64_t gbs = args.global_batch_size;
+  if (gbs % (args.micro_batch_size * sizes.dp) != 0)
+    fail("global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "
+         "size ({})", gbs, args.micro_batch_size, sizes.dp);
+  check_interleaved_micro_batches(gbs / (args.micro_batch_size * sizes.dp), sizes.pp,
+                                  sizes.vpp.value_or(1));
+}
+
 Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(std::move(raw)) {
   ops::profile_check_environment();  // before anything is built or written
   // Process-wide, and before any NCCL communicator is made (arguments.h).
@@ -77,19 +101,11 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   if (!args_.save.empty() && dist::world_rank() == 0) ckpt::check_save_dir_writable(args_.save);
   if (!args_.log_metrics_file.empty() && dist::world_rank() == 0)
     check_file_writable("log-metrics-file", args_.log_metrics_file);
-  tokenizer_ = data::make_tokenizer(args_.tokenizer_type, args_.tokenizer_model, args_.vocab_size);
-  args_.model.vocab_size = tokenizer_->vocab_size();
-  // The vocabulary padding depends on the tensor-parallel size (Megatron).
-  args_.model.tensor_model_parallel_size = args_.parallel.tensor_model_parallel_size;
-  args_.model.finalize();
-  const int64_t etp = args_.parallel.expert_tensor_parallel_size > 0
-                          ? args_.parallel.expert_tensor_parallel_size
-                          : args_.parallel.tensor_model_parallel_size;
-  args_.model.check_fp8_dimensions(args_.micro_batch_size * args_.model.seq_length, etp);
-  int64_t gbs = args_.global_batch_size;
   // The parallel layout (checked again here for callers other than the CLI).
   const int64_t world = dist::world_size();
-  const dist::ValidatedLayout layout = check_parallel_layout(args_, world);
+  dist::ValidatedLayout layout;
+  tokenizer_ = finish_train_args(args_, world, layout);
+  const int64_t gbs = args_.global_batch_size;
   check_memory_fits(args_, layout.sizes);  // before the datasets and the model are built
   check_full_iteration_graph(args_, world);
   std::array<int64_t, 3> num_samples = {args_.train_iters * gbs, args_.eval_iters * gbs,
@@ -103,11 +119,8 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
     build_datasets(num_samples);
   }
   const dist::ParallelSizes& sizes = layout.sizes;
-  if (gbs % (args_.micro_batch_size * sizes.dp) != 0)
-    fail("global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "
-         "size ({})", gbs, args_.micro_batch_size, sizes.dp);
+  check_micro_batch_split(args_, sizes);
   const int64_t vpp = sizes.vpp.value_or(1);  // model chunks per pipeline rank
-  check_interleaved_micro_batches(gbs / (args_.micro_batch_size * sizes.dp), sizes.pp, vpp);
   grid_ = std::make_unique<dist::Grid>(sizes, world, dist::world_rank());
   dist::Grid::set_current(*grid_);
   comm_ = dist::make_comm(args_.model.device);

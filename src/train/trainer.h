@@ -35,6 +35,18 @@ struct TrainResult {
   int64_t cuda_graph_iteration = 0, cuda_graph_nodes = 0;
 };
 
+// What the Trainer does with its arguments before it builds anything, shared with
+// `megaton train --dry-run` (train/memory_plan.h): makes the tokenizer and puts its
+// vocabulary size into the model config, finalizes that config for the tensor-parallel
+// size, checks the FP8 GEMM dimensions and the parallel layout of `world` ranks (returned
+// in `layout`). megaton::Error naming the flag on bad values.
+std::unique_ptr<data::Tokenizer> finish_train_args(TrainArgs& args, int64_t world,
+                                                   dist::ValidatedLayout& layout);
+// The global batch split into micro-batches: global-batch-size divisible by
+// micro-batch-size x the data-parallel size, and the interleaved schedule's micro-batch
+// groups (check_interleaved_micro_batches). megaton::Error otherwise.
+void check_micro_batch_split(const TrainArgs& args, const dist::ParallelSizes& sizes);
+
 class Trainer {
  public:
   // Builds tokenizer, model, optimizer and datasets; loads --load when given. Throws
