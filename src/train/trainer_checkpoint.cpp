@@ -45,14 +45,11 @@ void Trainer::save(int64_t iteration) {
     if (name.starts_with("model.")) shapes[name] = t.shape();
     tensors.emplace_back(name, t.to(Device::CPU));
     // A checkpoint of NaN or inf would become the one a resume starts from: refuse it, so
-    // the tracker keeps naming the last finite one. Floating tensors only (bf16 moments of
-    // the precision-aware optimizer are widened on the host; FP8 state is fp32).
+    // the tracker keeps naming the last finite one. Every floating tensor, widened to fp32
+    // on the host (the precision-aware optimizer's bf16 moments).
     const Tensor& host = tensors.back().second;
-    const bool floating = t.dtype() == DType::F32 || t.dtype() == DType::BF16 ||
-                          t.dtype() == DType::F16;
-    if (floating && !std::isfinite(ops::sum_of_squares(host.dtype() == DType::F32
-                                                           ? host
-                                                           : host.to(DType::F32))))
+    if (is_floating(t.dtype()) &&
+        !std::isfinite(ops::sum_of_squares(host.dtype() == DType::F32 ? host : host.to(DType::F32))))
       fail("not saving iteration {} to '{}': tensor '{}' holds NaN or Inf values (the "
            "checkpoint the tracker names is unchanged)", iteration, args_.save, name);
   }
