@@ -324,6 +324,31 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The fields both launch kinds share for list tensor i at slot k of `meta`: the param,
+// its gradient, size, first chunk, weight decay, moments (as `Moment` pointers) and the
+// compute copy with its kind and alignment. vectorized is left to the caller (it depends
+// on the moments' dtypes).
+template <typename Launch, typename Moment>
+void fill_launch_slot(Launch& meta, size_t k, size_t i, const LaunchBatch& batch,
+                      std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                      std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
+                      const std::vector<Tensor>& param_copies,
+                      const std::vector<float>& weight_decays, int64_t numel) {
+  meta.param[k] = params[i].f32();
+  meta.grad[k] = grads[i].f32();
+  meta.exp_avg[k] = static_cast<Moment*>(exp_avg[i].raw());
+  meta.exp_avg_sq[k] = static_cast<Moment*>(exp_avg_sq[i].raw());
+  meta.numel[k] = numel;
+  meta.first_chunk[k] = batch.first_chunk[k];
+  meta.weight_decay[k] = weight_decays[i];
+  const Tensor& copy = param_copies[i];
+  if (copy.defined()) {
+    meta.copy[k] = copy.raw();
+    meta.copy_kind[k] = copy.dtype() == DType::BF16 ? kCopyBF16 : kCopyF32;
+    meta.copy_vectorized[k] = is_aligned(copy.raw(), 4 * dtype_size(copy.dtype()));
+  }
+}
+
 // multi_tensor_adamw's checks and launches; control: null (the scalars below) or
 // adamw_step_control's device tensor. Tensors whose moments are both F32 go to
 // adamw_chunks, the others (with their rounding keys) to adamw_precision_chunks.
@@ -383,21 +408,10 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
     meta.num_tensors = int32_t(batch.tensors.size());
     for (size_t k = 0; k < batch.tensors.size(); ++k) {
       const size_t i = batch.tensors[k];
-      meta.param[k] = params[i].f32();
-      meta.grad[k] = grads[i].f32();
-      meta.exp_avg[k] = exp_avg[i].f32();
-      meta.exp_avg_sq[k] = exp_avg_sq[i].f32();
-      meta.numel[k] = numels_f32[i];
-      meta.first_chunk[k] = batch.first_chunk[k];
-      meta.weight_decay[k] = weight_decays[i];
+      fill_launch_slot<AdamWLaunch, float>(meta, k, i, batch, params, grads, exp_avg, exp_avg_sq,
+                                           param_copies, weight_decays, numels_f32[i]);
       meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
                            is_aligned(meta.exp_avg[k], 16) && is_aligned(meta.exp_avg_sq[k], 16);
-      const Tensor& copy = param_copies[i];
-      if (copy.defined()) {
-        meta.copy[k] = copy.raw();
-        meta.copy_kind[k] = copy.dtype() == DType::BF16 ? kCopyBF16 : kCopyF32;
-        meta.copy_vectorized[k] = is_aligned(copy.raw(), 4 * dtype_size(copy.dtype()));
-      }
     }
     meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
     adamw_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(meta, constants, control);
@@ -411,26 +425,16 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
     meta.num_tensors = int32_t(batch.tensors.size());
     for (size_t k = 0; k < batch.tensors.size(); ++k) {
       const size_t i = batch.tensors[k];
-      meta.param[k] = params[i].f32();
-      meta.grad[k] = grads[i].f32();
-      meta.exp_avg[k] = exp_avg[i].raw();
-      meta.exp_avg_sq[k] = exp_avg_sq[i].raw();
+      fill_launch_slot<AdamWPrecisionLaunch, void>(meta, k, i, batch, params, grads, exp_avg,
+                                                   exp_avg_sq, param_copies, weight_decays,
+                                                   numels_precision[i]);
       const bool m_bf16 = exp_avg[i].dtype() == DType::BF16;
       const bool v_bf16 = exp_avg_sq[i].dtype() == DType::BF16;
       meta.moment_kind[k] = uint8_t((m_bf16 ? kExpAvgBF16 : 0) | (v_bf16 ? kExpAvgSqBF16 : 0));
-      meta.numel[k] = numels_precision[i];
       meta.rounding_key[k] = rounding_keys[i];
-      meta.first_chunk[k] = batch.first_chunk[k];
-      meta.weight_decay[k] = weight_decays[i];
       meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
                            is_aligned(meta.exp_avg[k], m_bf16 ? 8 : 16) &&
                            is_aligned(meta.exp_avg_sq[k], v_bf16 ? 8 : 16);
-      const Tensor& copy = param_copies[i];
-      if (copy.defined()) {
-        meta.copy[k] = copy.raw();
-        meta.copy_kind[k] = copy.dtype() == DType::BF16 ? kCopyBF16 : kCopyF32;
-        meta.copy_vectorized[k] = is_aligned(copy.raw(), 4 * dtype_size(copy.dtype()));
-      }
     }
     meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
     adamw_precision_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(
