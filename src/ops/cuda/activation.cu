@@ -1,7 +1,7 @@
 // SwiGLU, exact (erf) GeLU and the sigmoid row gate, forward and backward, on the GPU
-// (semantics: ops.h, CPU twin: ops/cpu/activation.cpp). Inputs and outputs share one dtype (F32 or BF16); the
-// math is fp32. Grid-stride loops over 16-byte packs when the rows allow it, else over
-// single elements.
+// (semantics: ops.h, CPU twin: ops/cpu/activation.cpp). Inputs and outputs share one
+// dtype (F32, BF16 or F16); the math is fp32. Grid-stride loops over 16-byte packs when the rows
+// allow it, else over single elements.
 #include <initializer_list>
 #include <utility>
 

@@ -1,4 +1,4 @@
-// Attention of new queries over a KV cache on the GPU (generation), F32 and BF16.
+// Attention of new queries over a KV cache on the GPU (generation), F32, BF16 and F16.
 // Semantics: ops.h attention_kv_cache; CPU twin: ops/cpu/attention_kv_cache.cpp.
 //
 // One thread block per (query, head); its kWarps warps split the causal prefix of the
@@ -9,11 +9,8 @@
 // in fp32. The warps' partial results are merged in shared memory at the end, rescaled to
 // the common max. A decode step is bound by reading the cache once per query head: simple
 // and correct first (no split over blocks, no tensor cores).
-#include <cuda_bf16.h>
-
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
@@ -115,10 +112,7 @@ void launch(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
             int64_t first_position, Tensor& out, float scale) {
   const int64_t n = q.dim(0);
   const int Hq = int(q.dim(1)), D = int(q.dim(2)), Hkv = int(key_cache.dim(1));
-  auto ptr = [](const Tensor& t) {
-    if constexpr (std::is_same_v<T, float>) return t.f32();
-    else return reinterpret_cast<__nv_bfloat16*>(t.data<uint16_t>());
-  };
+  auto ptr = [](const Tensor& t) { return static_cast<T*>(t.raw()); };
   attention_kv_cache_kernel<T, kChunks><<<unsigned(n * Hq), kThreads, 0, detail::compute_stream()>>>(
       ptr(q), ptr(key_cache), ptr(value_cache), ptr(out), first_position, Hq, Hkv, D, scale);
   MEGATON_CUDA_CHECK_LAUNCH();
@@ -167,10 +161,9 @@ void attention_kv_cache(const Tensor& q, const Tensor& key_cache, const Tensor& 
                 first_position + n, max_positions);
   if (n == 0) return;
   const float scale = 1.0f / std::sqrt(float(D));  // as the CPU op
-  if (q.dtype() == DType::F32)
-    launch_for_d<float>(q, key_cache, value_cache, first_position, out, scale);
-  else
-    launch_for_d<__nv_bfloat16>(q, key_cache, value_cache, first_position, out, scale);
+  detail::dispatch_float(q.dtype(), [&](auto tag) {
+    launch_for_d<decltype(tag)>(q, key_cache, value_cache, first_position, out, scale);
+  });
 }
 
 }  // namespace megaton::ops::cuda

@@ -1,7 +1,5 @@
 // Softmax cross-entropy over the vocabulary on the GPU: one block per token row, fp32 math
-// on BF16 or F32 logits, never materialising the fp32 probabilities.
-#include <cuda_bf16.h>
-
+// on F32, BF16 or F16 logits, never materialising the fp32 probabilities.
 #include <cmath>
 #include <cstdint>
 
@@ -24,8 +22,9 @@ void check_on_gpu(const Tensor& t, DType want, const char* name) {
 void check_logits_labels(const Tensor& logits, const Tensor& labels) {
   MEGATON_CHECK(logits.defined() && logits.device() == Device::CUDA,
                 "cross_entropy: logits must be allocated on the GPU");
-  MEGATON_CHECK(logits.dtype() == DType::F32 || logits.dtype() == DType::BF16,
-                "cross_entropy: logits must be F32 or BF16, got {}", dtype_name(logits.dtype()));
+  MEGATON_CHECK(detail::is_cuda_float(logits.dtype()),
+                "cross_entropy: logits must be F32, BF16 or F16, got {}",
+                dtype_name(logits.dtype()));
   MEGATON_CHECK(logits.ndim() == 2 && logits.dim(1) > 0,
                 "cross_entropy: logits must be [T, V] with V > 0, got {}",
                 shape_str(logits.shape()));
@@ -111,17 +110,13 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& l
   check_vector(lse, T, "lse");
   if (T == 0) return;
   const bool packed = detail::rows_fit_packs(V, dtype_size(logits.dtype()), {logits.raw()});
-  if (logits.dtype() == DType::BF16) {
+  detail::dispatch_float(logits.dtype(), [&](auto tag) {
+    using T = decltype(tag);
     if (packed)
-      launch_forward<__nv_bfloat16, 8>(logits, labels, losses, lse);
+      launch_forward<T, detail::kPackElems<T>>(logits, labels, losses, lse);
     else
-      launch_forward<__nv_bfloat16, 1>(logits, labels, losses, lse);
-  } else {
-    if (packed)
-      launch_forward<float, 4>(logits, labels, losses, lse);
-    else
-      launch_forward<float, 1>(logits, labels, losses, lse);
-  }
+      launch_forward<T, 1>(logits, labels, losses, lse);
+  });
 }
 
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
@@ -143,17 +138,13 @@ void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const T
   if (T == 0) return;
   const bool packed =
       detail::rows_fit_packs(V, dtype_size(logits.dtype()), {logits.raw(), dlogits.raw()});
-  if (logits.dtype() == DType::BF16) {
+  detail::dispatch_float(logits.dtype(), [&](auto tag) {
+    using T = decltype(tag);
     if (packed)
-      launch_backward<__nv_bfloat16, 8>(dlosses, logits, labels, lse, dlogits);
+      launch_backward<T, detail::kPackElems<T>>(dlosses, logits, labels, lse, dlogits);
     else
-      launch_backward<__nv_bfloat16, 1>(dlosses, logits, labels, lse, dlogits);
-  } else {
-    if (packed)
-      launch_backward<float, 4>(dlosses, logits, labels, lse, dlogits);
-    else
-      launch_backward<float, 1>(dlosses, logits, labels, lse, dlogits);
-  }
+      launch_backward<T, 1>(dlosses, logits, labels, lse, dlogits);
+  });
 }
 
 }  // namespace megaton::ops::cuda

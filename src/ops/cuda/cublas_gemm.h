@@ -27,14 +27,15 @@
 namespace megaton::ops::cuda::blas {
 
 // The classic cuBLAS handle (grouped GEMMs, gemm_ex), on the compute stream, with fp32
-// split-K reductions for BF16 outputs.
+// split-K reductions for BF16 and F16 outputs.
 cublasHandle_t cublas_handle();
 
-// CUDA_R_32F for F32, CUDA_R_16BF for BF16; InternalError for any other dtype.
+// CUDA_R_32F for F32, CUDA_R_16BF for BF16, CUDA_R_16F for F16; InternalError for any
+// other dtype.
 cudaDataType_t cuda_dtype(DType dtype);
 
 // Whether cuBLASLt multiplies A/B of `ab` into C of `c` with fp32 accumulation here:
-// F32 x F32 -> F32, BF16 x BF16 -> BF16 or F32.
+// F32 x F32 -> F32, BF16 x BF16 -> BF16 or F32, F16 x F16 -> F16 or F32.
 bool supported_dtypes(DType ab, DType c);
 
 // The cuBLASLt handle and the workspace every cuBLASLt GEMM (gemm.cpp, fp8_gemm.cpp) passes
@@ -55,13 +56,13 @@ uint32_t alignment_of(const void* p);
 
 // The heuristic's best algorithm for `desc` over the layouts a, b, c (= d), in cuBLAS's
 // roles, within lt_context()'s workspace; align_* are the operands' pointer alignments in
-// bytes (alignment_of). bf16_output: no split-K partial sums kept in BF16 (the sum over k
-// stays fp32 until the final rounding, as PyTorch does when BF16 reduced-precision
-// reductions are disallowed). Returns cublasLtMatmulAlgoGetHeuristic's status, with
-// *found false when it gave no usable algorithm; throws nothing.
+// bytes (alignment_of). half_output (c is BF16 or F16): no split-K partial sums kept in
+// c's 16-bit type (the sum over k stays fp32 until the final rounding, as PyTorch does when
+// reduced-precision reductions are disallowed). Returns cublasLtMatmulAlgoGetHeuristic's status,
+// with *found false when it gave no usable algorithm; throws nothing.
 cublasStatus_t lt_heuristic(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                             cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, uint32_t align_a,
-                            uint32_t align_b, uint32_t align_c, bool bf16_output,
+                            uint32_t align_b, uint32_t align_c, bool half_output,
                             cublasLtMatmulAlgo_t* algo, bool* found);
 
 // Mixes v into the hash h (boost's hash_combine): the plan caches' keys.

@@ -2,8 +2,10 @@
 //
 // Same signatures and semantics as ops.h; reached through ops.h when the tensors live on
 // the GPU (MEGATON_CUDA_DISPATCH in each CPU door function). Float activations and
-// weights may be BF16 (or F32); statistics (lse, rstd, mean, probs, losses) are F32, and
-// gradients of parameters accumulate into F32 main_grad tensors. Built only with CUDA.
+// weights may be BF16 (--bf16), F16 (--fp16) or F32, with the same fp32 arithmetic;
+// statistics (lse, rstd, mean, probs, losses) are F32, and gradients of parameters
+// accumulate into F32 main_grad tensors. The FP8 ops take F32 or BF16 only. Built only
+// with CUDA.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -1,5 +1,5 @@
 // Dropout on the GPU with the CPU's Philox mask, bit for bit (semantics: ops.h, CPU twin:
-// ops/cpu/dropout.cpp). x and y share one dtype (F32 or BF16); y may alias x.
+// ops/cpu/dropout.cpp). x and y share one dtype (F32, BF16 or F16); y may alias x.
 //
 // keep[i] = Philox(seed).uniform(stream, i) >= p, the same counter-based draw as the CPU
 // (core/rng.h is __host__ __device__), so a mask regenerated on either device is the

@@ -160,7 +160,7 @@ void launch_tile(const Tensor& x, DType fp8, TileArgs& args, bool transpose) {
                 args.rows, args.cols);
   const bool vector = args.cols % 8 == 0 && is_aligned(args.x, 16) && is_aligned(args.out, 8) &&
                       (!transpose || (args.rows % 16 == 0 && is_aligned(args.out_t, 16)));
-  detail::dispatch_float(x.dtype(), [&](auto t) {
+  detail::dispatch_f32_bf16(x.dtype(), [&](auto t) {
     using T = decltype(t);
     dispatch_fp8(fp8, [&](auto e4m3) {
       dispatch_bool(transpose, [&](auto tr) {
@@ -191,7 +191,7 @@ void fp8_amax(const Tensor& x, Tensor& amax) {
   MEGATON_CUDA_CHECK(cudaMemsetAsync(amax.f32(), 0, sizeof(float), stream));
   const int64_t n = x.numel();
   if (n == 0) return;
-  detail::dispatch_float(x.dtype(), [&](auto t) {
+  detail::dispatch_f32_bf16(x.dtype(), [&](auto t) {
     using T = decltype(t);
     const T* p = static_cast<const T*>(x.raw());
     if (is_aligned(p, 16)) {
@@ -240,7 +240,7 @@ void fp8_quantize(const Tensor& x, const Tensor& scale, Tensor& out, Tensor& out
   auto* out_ptr = static_cast<uint8_t*>(out.raw());
   if (!out_t.defined()) {
     const bool vector = is_aligned(x.raw(), 16) && is_aligned(out_ptr, 8);
-    detail::dispatch_float(x.dtype(), [&](auto t) {
+    detail::dispatch_f32_bf16(x.dtype(), [&](auto t) {
       using T = decltype(t);
       dispatch_fp8(out.dtype(), [&](auto e4m3) {
         dispatch_bool(vector, [&](auto vec) {
@@ -293,7 +293,7 @@ void fp8_dequantize(const Tensor& q, const Tensor& scale_inv, Tensor& x) {
   const bool per_tensor = scale_inv.numel() == 1;
   const int64_t scale_cols = per_tensor ? 0 : scale_inv.dim(-1);
   const int64_t block_rows = per_tensor || scale_inv.dim(0) == m.rows ? 1 : kTile;
-  detail::dispatch_float(x.dtype(), [&](auto t) {
+  detail::dispatch_f32_bf16(x.dtype(), [&](auto t) {
     using T = decltype(t);
     dispatch_fp8(q.dtype(), [&](auto e4m3) {
       dequantize_kernel<T, decltype(e4m3)::value>

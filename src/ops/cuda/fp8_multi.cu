@@ -392,7 +392,7 @@ void fp8_quantize_multi(const std::vector<Tensor>& x, const std::vector<Tensor>&
     }
     const unsigned grid = fill_blocks(args.blocks, counts);
     if (grid == 0) return;
-    detail::dispatch_float(input, [&](auto t) {
+    detail::dispatch_f32_bf16(input, [&](auto t) {
       using T = decltype(t);
       dispatch_fp8(fp8, [&](auto e4m3) {
         dispatch_bool(tiles, [&](auto with_tiles) {

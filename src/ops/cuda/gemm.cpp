@@ -25,6 +25,8 @@ cudaDataType_t cuda_dtype(DType dtype) {
       return CUDA_R_32F;
     case DType::BF16:
       return CUDA_R_16BF;
+    case DType::F16:
+      return CUDA_R_16F;
     default:
       break;
   }
@@ -34,7 +36,7 @@ cudaDataType_t cuda_dtype(DType dtype) {
 
 bool supported_dtypes(DType ab, DType c) {
   if (ab == DType::F32) return c == DType::F32;
-  if (ab == DType::BF16) return c == DType::BF16 || c == DType::F32;
+  if (ab == DType::BF16 || ab == DType::F16) return c == ab || c == DType::F32;
   return false;
 }
 
@@ -43,7 +45,8 @@ cublasHandle_t cublas_handle() {
     cublasHandle_t created = nullptr;  // never destroyed: outlives static teardown
     MEGATON_CUBLAS_CHECK(cublasCreate(&created));
     MEGATON_CUBLAS_CHECK(cublasSetStream(created, ::megaton::cuda::stream()));
-    // BF16 outputs: split-K partial sums stay fp32 (as the cuBLASLt reduction-scheme mask).
+    // BF16 and F16 outputs: split-K partial sums stay fp32 (as the cuBLASLt reduction-scheme
+    // mask).
     MEGATON_CUBLAS_CHECK(cublasSetMathMode(
         created,
         cublasMath_t(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
@@ -72,7 +75,7 @@ uint32_t alignment_of(const void* p) {
 
 cublasStatus_t lt_heuristic(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
                             cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, uint32_t align_a,
-                            uint32_t align_b, uint32_t align_c, bool bf16_output,
+                            uint32_t align_b, uint32_t align_c, bool half_output,
                             cublasLtMatmulAlgo_t* algo, bool* found) {
   LtContext& context = lt_context();
   cublasLtMatmulPreference_t preference = nullptr;
@@ -81,7 +84,7 @@ cublasStatus_t lt_heuristic(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
   MEGATON_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                            &workspace_bytes, sizeof(workspace_bytes)));
-  if (bf16_output) {
+  if (half_output) {
     uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     MEGATON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
@@ -176,7 +179,7 @@ Plan make_plan(const PlanKey& key) {
   bool found = false;
   const cublasStatus_t heuristic =
       lt_heuristic(plan.desc, plan.lt_a, plan.lt_b, plan.lt_c, key.align_b, key.align_a,
-                   key.align_c, key.c == DType::BF16, &plan.algo, &found);
+                   key.align_c, key.c != DType::F32, &plan.algo, &found);
   if (heuristic != CUBLAS_STATUS_SUCCESS && heuristic != CUBLAS_STATUS_NOT_SUPPORTED)
     throw InternalError(fmt::format(
         "{}:{}: cublasLtMatmulAlgoGetHeuristic failed: {} ({}) for m={} n={} k={}", __FILE__,
@@ -271,8 +274,8 @@ Matrix as_matrix(const Tensor& t, const char* name) {
   MEGATON_CHECK(t.defined(), "gemm: {} is undefined", name);
   MEGATON_CHECK(t.ndim() >= 2, "gemm: {} must have rank >= 2, got shape {}", name,
                 shape_str(t.shape()));
-  MEGATON_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
-                "gemm: {} must be F32 or BF16, got {}", name, dtype_name(t.dtype()));
+  MEGATON_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::F16,
+                "gemm: {} must be F32, BF16 or F16, got {}", name, dtype_name(t.dtype()));
   MEGATON_CHECK(t.device() == Device::CUDA, "gemm: {} must be on the GPU, it is on the CPU", name);
   int64_t rows = 1;  // not numel / cols: that loses the rows when cols == 0 (k == 0)
   for (int i = 0; i + 1 < t.ndim(); ++i) rows *= t.dim(i);
@@ -299,8 +302,8 @@ void gemm_impl(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Ten
                 k, kb, n, mc.rows, mc.cols, shape_str(a.shape()), trans_a ? "^T" : "",
                 shape_str(b.shape()), trans_b ? "^T" : "", shape_str(c.shape()));
   MEGATON_CHECK(a.dtype() == b.dtype() && blas::supported_dtypes(a.dtype(), c.dtype()),
-                "gemm: a {} and b {} into c {} (a and b share one dtype, F32 or BF16; c is F32, "
-                "or BF16 when a and b are)",
+                "gemm: a {} and b {} into c {} (a and b share one dtype, F32, BF16 or F16; c is "
+                "F32, or a and b's dtype)",
                 dtype_name(a.dtype()), dtype_name(b.dtype()), dtype_name(c.dtype()));
   MEGATON_CHECK(!overlaps(c, a) && !overlaps(c, b), "gemm: c must not overlap a or b");
   if (bias.defined())

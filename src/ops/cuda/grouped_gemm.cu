@@ -4,10 +4,12 @@
 // BF16 operands with 16-byte aligned rows (hidden and FFN sizes that are multiples of 8)
 // run CUTLASS's Hopper grouped GEMM (grouped_gemm_cutlass.cuh), including the weight
 // gradient BF16 x BF16 -> fp32 accumulated into main_grad, which cuBLAS's grouped GEMM
-// (cublasGemmGroupedBatchedEx) does not offer. Everything else (F32 operands, odd sizes)
-// runs one launch of a tiled CUDA-core kernel (simt_grouped_gemm below): correct for every
-// shape, not fast. With host counts, empty groups are dropped before either kernel sees
-// them. With device counts (the Tensor group_rows overloads), nothing on the host knows
+// (cublasGemmGroupedBatchedEx) does not offer. Everything else (F32 or F16 operands, odd
+// sizes) runs one launch of a tiled CUDA-core kernel (simt_grouped_gemm below): correct for
+// every shape, not fast. F16 (--fp16) has no CUTLASS instantiation: each one costs minutes
+// of compile time, and the tiled kernel computes the same fp32 sums, F16 x F16 -> F16 or
+// F16 x F16 -> fp32 main_grad alike. With host counts, empty groups are dropped before either
+// kernel sees them. With device counts (the Tensor group_rows overloads), nothing on the host knows
 // them: a one-block setup kernel writes each group's shape and row pointers into the
 // kernel's arguments (an empty group becomes a problem with no output tile), and the
 // grid is sized without them (CUTLASS: one persistent CTA per SM; the fallback: R rows per
@@ -189,6 +191,10 @@ void launch_simt(const Tensor& descriptors, int64_t groups, int64_t max_m, int64
     simt_grouped_kernel<__nv_bfloat16, float><<<grid, block, 0, stream>>>(d, beta);
   else if (ab == DType::BF16 && c == DType::BF16)
     simt_grouped_kernel<__nv_bfloat16, __nv_bfloat16><<<grid, block, 0, stream>>>(d, beta);
+  else if (ab == DType::F16 && c == DType::F32)
+    simt_grouped_kernel<__half, float><<<grid, block, 0, stream>>>(d, beta);
+  else if (ab == DType::F16 && c == DType::F16)
+    simt_grouped_kernel<__half, __half><<<grid, block, 0, stream>>>(d, beta);
   else
     MEGATON_CHECK(false, "grouped GEMM: no kernel for {} operands into {}", dtype_name(ab),
                   dtype_name(c));
@@ -264,8 +270,8 @@ void check_operand(const Tensor& t, const char* op, const char* name) {
   MEGATON_CHECK(t.defined(), "{}: {} is undefined", op, name);
   MEGATON_CHECK(t.device() == Device::CUDA, "{}: {} must be on the GPU, it is on the CPU", op,
                 name);
-  MEGATON_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
-                "{}: {} must be F32 or BF16, got {}", op, name, dtype_name(t.dtype()));
+  MEGATON_CHECK(detail::is_cuda_float(t.dtype()), "{}: {} must be F32, BF16 or F16, got {}", op,
+                name, dtype_name(t.dtype()));
 }
 
 // Rows and columns of the 2-d view (leading dimensions merged), as ops::gemm reads it.
@@ -294,8 +300,8 @@ void check_weight(const Tensor& w, size_t g, bool trans_b, const Tensor& a, cons
                 trans_b ? " (trans_b)" : "");
 }
 
-// Every c[g] of grouped_gemm_wgrad: [m, n] GPU matrices of one dtype (F32, or BF16 when a
-// is). Returns that dtype (F32 when there are no groups).
+// Every c[g] of grouped_gemm_wgrad: [m, n] GPU matrices of one dtype (F32, or a's dtype
+// when a is BF16 or F16). Returns that dtype (F32 when there are no groups).
 DType check_weight_grads(const std::vector<Tensor>& c, const Tensor& a, const Tensor& b) {
   const char* op = "grouped_gemm_wgrad";
   const int64_t m = a.dim(1), n = b.dim(1);
@@ -303,8 +309,8 @@ DType check_weight_grads(const std::vector<Tensor>& c, const Tensor& a, const Te
   for (size_t g = 0; g < c.size(); ++g) {
     check_operand(c[g], op, "c[g]");
     MEGATON_CHECK(c[g].dtype() == c_dtype && blas::supported_dtypes(a.dtype(), c_dtype),
-                  "grouped_gemm_wgrad: c[{}] is {}, c[0] {}, a {} (one c dtype: F32, or BF16 "
-                  "when a is)",
+                  "grouped_gemm_wgrad: c[{}] is {}, c[0] {}, a {} (one c dtype: F32, or a's "
+                  "dtype when a is BF16 or F16)",
                   g, dtype_name(c[g].dtype()), dtype_name(c_dtype), dtype_name(a.dtype()));
     MEGATON_CHECK(c[g].ndim() >= 2 && matrix_dims(c[g]) == std::make_pair(m, n),
                   "grouped_gemm_wgrad: c[{}] {} must be [{}, {}] (a {}, b {})", g,
@@ -344,8 +350,8 @@ void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, T
                 "grouped_gemm: a {} and c {} must have sum(group_rows) = {} rows",
                 shape_str(a.shape()), shape_str(c.shape()), rows);
   MEGATON_CHECK(blas::supported_dtypes(a.dtype(), c.dtype()),
-                "grouped_gemm: a {} into c {} (c is F32, or BF16 when a is)", dtype_name(a.dtype()),
-                dtype_name(c.dtype()));
+                "grouped_gemm: a {} into c {} (c is F32, or a's dtype when a is BF16 or F16)",
+                dtype_name(a.dtype()), dtype_name(c.dtype()));
   const int64_t k = a.dim(1), n = c.dim(1);
   std::vector<GroupedProblem> problems;
   int64_t start = 0;
@@ -408,8 +414,8 @@ void grouped_gemm(const Tensor& a, const std::vector<Tensor>& b, bool trans_b, T
                 "grouped_gemm: a {} and c {} must be matrices with the same rows",
                 shape_str(a.shape()), shape_str(c.shape()));
   MEGATON_CHECK(blas::supported_dtypes(a.dtype(), c.dtype()),
-                "grouped_gemm: a {} into c {} (c is F32, or BF16 when a is)", dtype_name(a.dtype()),
-                dtype_name(c.dtype()));
+                "grouped_gemm: a {} into c {} (c is F32, or a's dtype when a is BF16 or F16)",
+                dtype_name(a.dtype()), dtype_name(c.dtype()));
   // Every weight: which groups are empty is for the kernels to find out.
   for (size_t g = 0; g < b.size(); ++g) check_weight(b[g], g, trans_b, a, c);
   const int64_t rows = a.dim(0), k = a.dim(1), n = c.dim(1);

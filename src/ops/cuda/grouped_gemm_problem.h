@@ -59,9 +59,10 @@ bool cutlass_grouped_gemm(const std::vector<GroupedProblem>& problems, DType ab,
 // nothing, when R or a fixed dim exceeds INT_MAX.
 bool cutlass_grouped_gemm(const GroupedRowsProblem& problem, DType ab, DType c, float beta);
 
-// The fallback for every other case (F32 operands, unaligned rows): one launch of a
-// tiled CUDA-core kernel over all groups, fp32 accumulation. Slow, but exact enough for
-// the ops tests and never a per-group loop of launches.
+// The fallback for every other case (F32 or F16 operands, unaligned rows): one launch of a
+// tiled CUDA-core kernel over all groups, fp32 accumulation; a and b F32, BF16 or F16, c
+// F32 or a's dtype (F16 x F16 -> F32: the weight gradient into main_grad). Slow, but exact
+// enough for the ops tests and never a per-group loop of launches.
 void simt_grouped_gemm(const std::vector<GroupedProblem>& problems, DType ab, DType c,
                        float beta);
 // The same for device counts: a setup kernel fills the groups' descriptors, and the grid

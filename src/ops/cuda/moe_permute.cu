@@ -12,8 +12,6 @@
 // (a fixed capacity per expert, or each expert's rows rounded up to a GEMM tile) move each
 // expert's rows into or out of its block of padded rows, one warp per padded row, the
 // groups' starts passed by value.
-#include <cuda_bf16.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -44,11 +42,11 @@ void check_dtype(const Tensor& t, DType want, const char* name) {
                 dtype_name(t.dtype()));
 }
 
-// Activations: F32 or BF16.
+// Activations: F32, BF16 or F16.
 void check_float(const Tensor& t, const char* name) {
   check_on_gpu(t, name);
-  MEGATON_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
-                "moe_permute: {} must be F32 or BF16, got {}", name, dtype_name(t.dtype()));
+  MEGATON_CHECK(detail::is_cuda_float(t.dtype()),
+                "moe_permute: {} must be F32, BF16 or F16, got {}", name, dtype_name(t.dtype()));
 }
 
 void check_shape(const Tensor& t, const Shape& want, const char* name) {
@@ -65,7 +63,7 @@ unsigned row_blocks(int64_t rows) { return unsigned((rows + kWarpsPerBlock - 1) 
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Calls f(T{}, std::integral_constant<int, kN>{}) with T = float or __nv_bfloat16 for
+// Calls f(T{}, std::integral_constant<int, kN>{}) with T = float, __nv_bfloat16 or __half for
 // `dtype`, and kN = elements per 16-byte pack when rows of H elements starting at every
 // pointer in ptrs allow it, else kN = 1.
 template <typename F>
@@ -79,15 +77,12 @@ void dispatch_rows(DType dtype, int64_t H, std::initializer_list<const void*> pt
     else
       f(T{}, std::integral_constant<int, 1>{});
   };
-  if (dtype == DType::BF16)
-    with_type(__nv_bfloat16{});
-  else
-    with_type(float{});
+  detail::dispatch_float(dtype, with_type);
 }
 
 // ---- device ----
 
-using detail::from_float;  // round-to-nearest-even, as the CPU's float_to_bf16
+using detail::from_float;  // round-to-nearest-even, as the CPU's float_to_bf16 / float_to_fp16
 using detail::to_float;
 
 // kN consecutive elements moved as one aligned load/store.

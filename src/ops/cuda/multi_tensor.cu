@@ -3,8 +3,6 @@
 // One launch covers a batch of tensors (multi_tensor_launch.cuh). Hundreds of parameters
 // take a handful of launches instead of one or more each, and the sum of squares and the
 // zero count a single host synchronization each.
-#include <cuda_bf16.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,8 +16,10 @@
 namespace megaton::ops::cuda {
 namespace {
 
+// ---- sum of squares and scale: a list of F32, BF16 or F16 tensors ----
 
-// ---- sum of squares and scale: a list of F32 or BF16 tensors ----
+// A list entry's dtype.
+enum ElemType : uint8_t { kElemF32 = 0, kElemBF16 = 1, kElemF16 = 2 };
 
 // Tensors per launch: 22 bytes each.
 constexpr int kListTensors = 160;
@@ -27,8 +27,8 @@ struct ListLaunch {
   void* data[kListTensors];
   int64_t numel[kListTensors];
   uint32_t first_chunk[kListTensors + 1];
-  uint8_t is_bf16[kListTensors];
-  // data is aligned for 4-element packs (16 bytes F32, 8 bytes BF16).
+  uint8_t elem_type[kListTensors];  // ElemType
+  // data is aligned for 4-element packs (16 bytes F32, 8 bytes BF16 or F16).
   uint8_t vectorized[kListTensors];
   int32_t num_tensors;
 };
@@ -77,11 +77,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kReduceChunk;
   const int64_t end = std::min(launch.numel[t], begin + kReduceChunk);
   const bool vectorized = launch.vectorized[t];
+  const void* data = launch.data[t];
   const double acc =
-      launch.is_bf16[t]
-          ? chunk_sum_of_squares(static_cast<const __nv_bfloat16*>(launch.data[t]), begin, end,
-                                 vectorized)
-          : chunk_sum_of_squares(static_cast<const float*>(launch.data[t]), begin, end, vectorized);
+      launch.elem_type[t] == kElemBF16
+          ? chunk_sum_of_squares(static_cast<const __nv_bfloat16*>(data), begin, end, vectorized)
+      : launch.elem_type[t] == kElemF16
+          ? chunk_sum_of_squares(static_cast<const __half*>(data), begin, end, vectorized)
+          : chunk_sum_of_squares(static_cast<const float*>(data), begin, end, vectorized);
   const double total = block_sum(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
@@ -143,7 +145,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0 && zeros != 0) atomicAdd(count, static_cast<unsigned long long>(zeros));
 }
 
-// x *= s in fp32 (BF16 rounded to nearest even), as ops::scale_.
+// x *= s in fp32 (BF16 and F16 rounded to nearest even), as ops::scale_.
 template <typename T>
 __device__ void chunk_scale(T* x, int64_t begin, int64_t end, bool vectorized, float s) {
   for (int64_t i = begin + 4 * int64_t(threadIdx.x); i < end; i += 4 * kThreads) {
@@ -163,8 +165,10 @@ __global__ void __launch_bounds__(kThreads)
   const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
   const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kElementwiseChunk;
   const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
-  if (launch.is_bf16[t])
+  if (launch.elem_type[t] == kElemBF16)
     chunk_scale(static_cast<__nv_bfloat16*>(launch.data[t]), begin, end, launch.vectorized[t], s);
+  else if (launch.elem_type[t] == kElemF16)
+    chunk_scale(static_cast<__half*>(launch.data[t]), begin, end, launch.vectorized[t], s);
   else
     chunk_scale(static_cast<float*>(launch.data[t]), begin, end, launch.vectorized[t], s);
 }
@@ -183,7 +187,9 @@ void for_each_list_launch(const std::vector<Tensor>& tensors, int64_t chunk, con
       meta.data[k] = t.raw();
       meta.numel[k] = t.numel();
       meta.first_chunk[k] = batch.first_chunk[k];
-      meta.is_bf16[k] = t.dtype() == DType::BF16;
+      meta.elem_type[k] = t.dtype() == DType::BF16  ? kElemBF16
+                          : t.dtype() == DType::F16 ? kElemF16
+                                                    : kElemF32;
       meta.vectorized[k] = is_aligned(t.raw(), 4 * dtype_size(t.dtype()));
     }
     meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
@@ -197,7 +203,8 @@ namespace {
 // multi_tensor_sum_of_squares into result (fp64, device memory).
 void sum_of_squares_to(const std::vector<Tensor>& tensors, double* result) {
   constexpr const char* kOp = "multi_tensor_sum_of_squares";
-  for (size_t i = 0; i < tensors.size(); ++i) check_listed(tensors[i], kOp, "tensors", i, true);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    check_listed(tensors[i], kOp, "tensors", i, Listed::kFloat);
   int64_t total_blocks = 0;
   for (const Tensor& t : tensors) total_blocks += (t.numel() + kReduceChunk - 1) / kReduceChunk;
   cudaStream_t stream = compute_stream();
@@ -238,7 +245,8 @@ void multi_tensor_sum_of_squares(const std::vector<Tensor>& tensors, Tensor& out
 
 int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors) {
   constexpr const char* kOp = "multi_tensor_count_zeros";
-  for (size_t i = 0; i < tensors.size(); ++i) check_listed(tensors[i], kOp, "tensors", i, false);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    check_listed(tensors[i], kOp, "tensors", i, Listed::kF32);
   int64_t total_elements = 0;
   for (const Tensor& t : tensors) total_elements += t.numel();
   if (total_elements == 0) return 0;
@@ -261,7 +269,8 @@ int64_t multi_tensor_count_zeros(const std::vector<Tensor>& tensors) {
 
 void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {
   constexpr const char* kOp = "multi_tensor_scale_";
-  for (size_t i = 0; i < tensors.size(); ++i) check_listed(tensors[i], kOp, "tensors", i, true);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    check_listed(tensors[i], kOp, "tensors", i, Listed::kFloat);
   cudaStream_t stream = compute_stream();
   for_each_list_launch(tensors, kElementwiseChunk, kOp,
                        [&](const ListLaunch& meta, uint32_t blocks, const LaunchBatch&) {

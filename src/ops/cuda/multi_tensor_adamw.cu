@@ -2,9 +2,9 @@
 // (multi_tensor_launch.cuh), fp32 moments (adamw_update, adamw_chunks) or, for the
 // precision-aware optimizer, BF16 moments updated in fp32 and stored stochastically
 // rounded (ops/adam_precision_math.h, adamw_precision_chunks: its own launches, whose
-// per-tensor rounding keys would not fit the fp32 kernel's parameter space).
-#include <cuda_bf16.h>
-
+// per-tensor rounding keys would not fit the fp32 kernel's parameter space). The param
+// copy the layers compute with (param_copies) may be F32, BF16 (--bf16) or F16 (--fp16),
+// rounded to nearest even from the updated fp32 param.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -43,7 +43,7 @@ __device__ __forceinline__ float adamw_decay(float lr, float weight_decay) {
 }
 
 // Kinds of param copy (param_copies[i]).
-enum CopyKind : uint8_t { kNoCopy = 0, kCopyF32 = 1, kCopyBF16 = 2 };
+enum CopyKind : uint8_t { kNoCopy = 0, kCopyF32 = 1, kCopyBF16 = 2, kCopyF16 = 3 };
 
 // Dtypes of a tensor's two moments (the precision-aware optimizer stores them in BF16):
 // bit 0 set: exp_avg is BF16, bit 1 set: exp_avg_sq is BF16; 0: both F32 (the fp32-state
@@ -65,7 +65,7 @@ struct AdamWLaunch {
   // param, grad and both moments aligned for 4-element packs (16 bytes): the update runs
   // on packs of 4, otherwise element by element.
   uint8_t vectorized[kAdamWTensors];
-  // The copy is aligned for a 4-element store (16 bytes F32, 8 bytes BF16).
+  // The copy is aligned for a 4-element store (16 bytes F32, 8 bytes BF16 or F16).
   uint8_t copy_vectorized[kAdamWTensors];
   int32_t num_tensors;
 };
@@ -111,7 +111,7 @@ __device__ __forceinline__ void adamw_update(float& p, float grad, float& m, flo
 
 struct NoCopy {};
 
-// Elements [begin, end) of one tensor; Copy = float, __nv_bfloat16 or NoCopy.
+// Elements [begin, end) of one tensor; Copy = float, __nv_bfloat16, __half or NoCopy.
 template <typename Copy>
 __device__ void adamw_chunk(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                             void* copy_raw, int64_t begin, int64_t end, bool vectorized,
@@ -275,6 +275,10 @@ __global__ void __launch_bounds__(kThreads)
       adamw_chunk<__nv_bfloat16>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq,
                                  launch.copy[t], begin, end, vectorized, copy_vectorized, decay, c);
       break;
+    case kCopyF16:
+      adamw_chunk<__half>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, launch.copy[t],
+                          begin, end, vectorized, copy_vectorized, decay, c);
+      break;
     default:
       adamw_chunk<NoCopy>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, nullptr, begin,
                           end, vectorized, false, decay, c);
@@ -317,6 +321,11 @@ __global__ void __launch_bounds__(kThreads)
           moments, launch.param[t], launch.grad[t], launch.exp_avg[t], launch.exp_avg_sq[t],
           launch.copy[t], begin, end, vectorized, copy_vectorized, decay, pc, random);
       break;
+    case kCopyF16:
+      adamw_precision_dispatch<__half>(moments, launch.param[t], launch.grad[t], launch.exp_avg[t],
+                                       launch.exp_avg_sq[t], launch.copy[t], begin, end, vectorized,
+                                       copy_vectorized, decay, pc, random);
+      break;
     default:
       adamw_precision_dispatch<NoCopy>(moments, launch.param[t], launch.grad[t], launch.exp_avg[t],
                                        launch.exp_avg_sq[t], nullptr, begin, end, vectorized, false,
@@ -344,7 +353,9 @@ void fill_launch_slot(Launch& meta, size_t k, size_t i, const LaunchBatch& batch
   const Tensor& copy = param_copies[i];
   if (copy.defined()) {
     meta.copy[k] = copy.raw();
-    meta.copy_kind[k] = copy.dtype() == DType::BF16 ? kCopyBF16 : kCopyF32;
+    meta.copy_kind[k] = copy.dtype() == DType::BF16  ? kCopyBF16
+                        : copy.dtype() == DType::F16 ? kCopyF16
+                                                     : kCopyF32;
     meta.copy_vectorized[k] = is_aligned(copy.raw(), 4 * dtype_size(copy.dtype()));
   }
 }
@@ -374,18 +385,18 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   // skipped by plan_launches), so each batch's indices are the caller's.
   std::vector<int64_t> numels_f32(n, 0), numels_precision(n, 0);
   for (size_t i = 0; i < n; ++i) {
-    check_listed(params[i], kOp, "params", i, false);
-    check_listed(grads[i], kOp, "grads", i, false);
+    check_listed(params[i], kOp, "params", i, Listed::kF32);
+    check_listed(grads[i], kOp, "grads", i, Listed::kF32);
     // BF16 moments: the precision-aware optimizer (ops/adam_precision_math.h).
-    check_listed(exp_avg[i], kOp, "exp_avg", i, true);
-    check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, true);
+    check_listed(exp_avg[i], kOp, "exp_avg", i, Listed::kF32OrBF16);
+    check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, Listed::kF32OrBF16);
     const int64_t numel = params[i].numel();
     const Tensor* entries[] = {&grads[i], &exp_avg[i], &exp_avg_sq[i]};
     for (const Tensor* t : entries)
       MEGATON_CHECK(t->numel() == numel, "{}: tensor {}: {} elements in a list, param has {}", kOp,
                     i, t->numel(), numel);
     if (param_copies[i].defined()) {
-      check_listed(param_copies[i], kOp, "param_copies", i, true);
+      check_listed(param_copies[i], kOp, "param_copies", i, Listed::kFloat);
       MEGATON_CHECK(param_copies[i].numel() == numel,
                     "{}: param_copies[{}] {} has {} elements, param has {}", kOp, i,
                     shape_str(param_copies[i].shape()), param_copies[i].numel(), numel);

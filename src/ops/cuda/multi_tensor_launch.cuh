@@ -4,8 +4,6 @@
 // 4 KB, the classic limit); block b of a launch processes one fixed-size chunk of one
 // tensor. Internal to those files (an unnamed namespace per translation unit).
 #pragma once
-#include <cuda_bf16.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -74,13 +72,25 @@ std::vector<LaunchBatch> plan_launches(const std::vector<int64_t>& numels, int64
 
 // ---- host: door checks ----
 
-void check_listed(const Tensor& t, const char* op, const char* list, size_t i, bool allow_bf16) {
+// The dtypes a list's entries may have.
+enum class Listed : uint8_t {
+  kF32,        // main params, main grads
+  kF32OrBF16,  // AdamW moments (BF16: the precision-aware optimizer)
+  kFloat,      // F32, BF16 or F16: the compute weights
+};
+
+void check_listed(const Tensor& t, const char* op, const char* list, size_t i, Listed allowed) {
   MEGATON_CHECK(t.defined(), "{}: {}[{}] is undefined", op, list, i);
   MEGATON_CHECK(t.device() == Device::CUDA, "{}: {}[{}] must be on the GPU, it is on the CPU", op,
                 list, i);
-  MEGATON_CHECK(t.dtype() == DType::F32 || (allow_bf16 && t.dtype() == DType::BF16),
-                "{}: {}[{}] must be F32{}, got {}", op, list, i, allow_bf16 ? " or BF16" : "",
-                dtype_name(t.dtype()));
+  const DType d = t.dtype();
+  const bool ok = d == DType::F32 || (allowed != Listed::kF32 && d == DType::BF16) ||
+                  (allowed == Listed::kFloat && d == DType::F16);
+  MEGATON_CHECK(ok, "{}: {}[{}] must be {}, got {}", op, list, i,
+                allowed == Listed::kF32         ? "F32"
+                : allowed == Listed::kF32OrBF16 ? "F32 or BF16"
+                                                : "F32, BF16 or F16",
+                dtype_name(d));
 }
 
 // ---- device: block -> (tensor, chunk) ----

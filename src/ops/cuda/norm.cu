@@ -1,8 +1,8 @@
 // RMSNorm and LayerNorm forward/backward on the GPU (semantics: ops.h, CPU twin:
 // ops/cpu/norm.cpp).
 //
-// x, y, dy, dx share one activation dtype (F32 or BF16); weight and bias may be F32 or
-// BF16 independently of it; mean and rstd are F32; dweight and dbias are F32 main grads
+// x, y, dy, dx share one activation dtype (F32, BF16 or F16); weight and bias may be F32,
+// BF16 or F16 independently of it; mean and rstd are F32; dweight and dbias are F32 main grads
 // and accumulate. All arithmetic is fp32.
 //
 // Forward and dx: one thread block per row, the row's reductions done in the block.

@@ -1,7 +1,8 @@
 // Shared pieces of the pointwise and row-wise CUDA ops (norm, activation, dropout,
-// embedding): door checks, float/BF16 dtype dispatch, packed loads, atomics and block sums.
+// embedding): door checks, float/BF16/F16 dtype dispatch, packed loads, atomics and block sums.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -25,11 +26,17 @@ inline void check_cuda_tensor(const Tensor& t, const char* op, const char* name)
                 name);
 }
 
-// An activation or weight: F32 or BF16, on the GPU.
+// Whether the CUDA ops compute with tensors of this dtype: F32, BF16 (--bf16) or F16
+// (--fp16).
+inline bool is_cuda_float(DType dtype) {
+  return dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16;
+}
+
+// An activation or weight: F32, BF16 or F16, on the GPU.
 inline void check_float(const Tensor& t, const char* op, const char* name) {
   check_cuda_tensor(t, op, name);
-  MEGATON_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
-                "{}: {} must be F32 or BF16, got {}", op, name, dtype_name(t.dtype()));
+  MEGATON_CHECK(is_cuda_float(t.dtype()), "{}: {} must be F32, BF16 or F16, got {}", op, name,
+                dtype_name(t.dtype()));
 }
 
 inline void check_dtype(const Tensor& t, DType want, const char* op, const char* name) {
@@ -55,8 +62,8 @@ inline void check_same_dtype(const Tensor& t, const Tensor& ref, const char* op,
                 dtype_name(t.dtype()), ref_name, dtype_name(ref.dtype()));
 }
 
-// Calls f(T{}) with T = float for F32 and __nv_bfloat16 for BF16 (the dtype is checked at
-// the door; anything else is an internal error here).
+// Calls f(T{}) with T = float for F32, __nv_bfloat16 for BF16 and __half for F16 (the
+// dtype is checked at the door; anything else is an internal error here).
 template <typename F>
 void dispatch_float(DType dtype, F&& f) {
   switch (dtype) {
@@ -66,8 +73,28 @@ void dispatch_float(DType dtype, F&& f) {
     case DType::BF16:
       f(__nv_bfloat16{});
       return;
+    case DType::F16:
+      f(__half{});
+      return;
     default:
       MEGATON_CHECK(false, "no CUDA kernel for dtype {}", dtype_name(dtype));
+  }
+}
+
+// Calls f(T{}) with T = float for F32 and __nv_bfloat16 for BF16 only: the FP8 ops, which
+// quantize from and dequantize to those two (FP8 with --fp16 is refused before training
+// starts; the CPU doors, ops/cpu/fp8_checks.h, refuse F16 inputs).
+template <typename F>
+void dispatch_f32_bf16(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::F32:
+      f(float{});
+      return;
+    case DType::BF16:
+      f(__nv_bfloat16{});
+      return;
+    default:
+      MEGATON_CHECK(false, "no CUDA FP8 kernel for dtype {} (F32 or BF16)", dtype_name(dtype));
   }
 }
 
@@ -75,7 +102,7 @@ inline bool is_aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Elements per 16-byte load of T (8 for BF16, 4 for F32).
+// Elements per 16-byte load of T (8 for BF16 and F16, 4 for F32).
 template <typename T>
 constexpr int kPackElems = int(16 / sizeof(T));
 
@@ -90,8 +117,9 @@ inline unsigned grid_for(int64_t items, int threads) {
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
-// Round-to-nearest-even, as the CPU's float_to_bf16.
+// Round-to-nearest-even, as the CPU's float_to_bf16 and float_to_fp16.
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
@@ -102,9 +130,13 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 // N consecutive elements moved as aligned vector loads/stores of at most 16 bytes each
-// (N = 1: a plain scalar access). Eight F32 weights next to eight BF16 activations are
+// (N = 1: a plain scalar access). Eight F32 weights next to eight 16-bit activations are
 // two 16-byte loads, so a pack never needs more than 16-byte alignment.
 template <typename T, int N>
 struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {

@@ -1,5 +1,5 @@
 // Fused split of Megatron's grouped QKV projection with RoPE, and its gradient, on the GPU:
-// one kernel each way, F32 and BF16.
+// one kernel each way, F32, BF16 and F16.
 //
 // Replaces 3 * num_query_groups strided copies plus two RoPE launches per layer and
 // direction. The numbers are those of ops/cuda/rope.cu (and so of ops/cpu/rope.cpp):

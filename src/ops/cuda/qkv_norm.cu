@@ -1,6 +1,6 @@
 // Fused QKV split + q/k norm (--qk-layernorm) + RoPE, and its gradient, on the GPU
-// (semantics: ops.h; CPU twin: ops/cpu/qkv_norm.cpp). F32 or BF16 activations, F32 or
-// BF16 norm parameters, fp32 arithmetic.
+// (semantics: ops.h; CPU twin: ops/cpu/qkv_norm.cpp). F32, BF16 or F16 activations, F32,
+// BF16 or F16 norm parameters, fp32 arithmetic.
 //
 // Replaces, per layer and direction, the split, the two norms (and the backward's
 // weight-gradient reductions) and the two RoPE launches of the unfused path: one kernel
@@ -19,8 +19,6 @@
 // the host with the CPU's expression, angle = float(s) * inv_freq without contraction,
 // cos/sin of it in double rounded once. The norms' are those of ops/cuda/norm.cu: sums in
 // fp32, 1 / sqrtf(mean + eps), LayerNorm's variance from a second pass over the values.
-
-#include <cuda_bf16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -65,10 +63,14 @@ struct QkvDims {
   __host__ __device__ int slots() const { return groups * (heads_per_group + 2); }
 };
 
-// The norm parameters: q_weight, k_weight, q_bias, k_bias (biases null: none), F32 or BF16.
+// The dtype of the norm parameters.
+enum class ParamType : uint8_t { F32, BF16, F16 };
+
+// The norm parameters: q_weight, k_weight, q_bias, k_bias (biases null: none), F32, BF16
+// or F16 (all four one dtype).
 struct NormParams {
   const void* tensor[4];
-  bool bf16;
+  ParamType type;
   bool has_bias;
   float eps;
 };
@@ -109,8 +111,16 @@ __device__ void load_params(float* shared, const NormParams& params, int count, 
   for (int j = threadIdx.x; j < count * D; j += blockDim.x) {
     const int p = j / D, i = j % D;
     const void* src = params.tensor[p];
-    shared[j] = params.bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(src)[i])
-                            : static_cast<const float*>(src)[i];
+    switch (params.type) {
+      case ParamType::BF16:
+        shared[j] = to_float(static_cast<const __nv_bfloat16*>(src)[i]);
+        break;
+      case ParamType::F16:
+        shared[j] = to_float(static_cast<const __half*>(src)[i]);
+        break;
+      default:
+        shared[j] = static_cast<const float*>(src)[i];
+    }
   }
 }
 
@@ -475,7 +485,9 @@ NormParams norm_params(const QkNorm& norm) {
   const bool bias = norm.q_bias.defined();
   return NormParams{{norm.q_weight.raw(), norm.k_weight.raw(), bias ? norm.q_bias.raw() : nullptr,
                      bias ? norm.k_bias.raw() : nullptr},
-                    norm.q_weight.dtype() == DType::BF16,
+                    norm.q_weight.dtype() == DType::BF16  ? ParamType::BF16
+                    : norm.q_weight.dtype() == DType::F16 ? ParamType::F16
+                                                          : ParamType::F32,
                     bias,
                     norm.eps};
 }

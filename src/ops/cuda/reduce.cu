@@ -1,13 +1,12 @@
 // Elementwise updates, casts and reductions on the GPU: cast, add_, scale_, bias_add_,
-// bias_backward, sum_of_squares, sum. F32 or BF16 tensors; arithmetic in fp32, sums over
-// many elements in fp64 with a fixed reduction order (the same bits on every run).
-#include <cuda_bf16.h>
-
+// bias_backward, sum_of_squares, sum. F32, BF16 or F16 tensors; arithmetic in fp32, sums
+// over many elements in fp64 with a fixed reduction order (the same bits on every run).
 #include <algorithm>
 #include <utility>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/pointwise_util.cuh"
 
 namespace megaton::ops::cuda {
 namespace {
@@ -16,23 +15,13 @@ constexpr int kThreads = 256;
 
 // ---- host: door checks and dtype dispatch ----
 
-void check_float(const Tensor& t, const char* op, const char* name) {
-  MEGATON_CHECK(t.defined(), "{}: {} is undefined", op, name);
-  MEGATON_CHECK(t.device() == Device::CUDA, "{}: {} must be on the GPU, it is on the CPU", op,
-                name);
-  MEGATON_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16,
-                "{}: {} must be F32 or BF16, got {}", op, name, dtype_name(t.dtype()));
-}
+// F32, BF16 or F16 on the GPU.
+using detail::check_float;
 
-// Calls f(T{}) with T = float for F32, __nv_bfloat16 for BF16 (checked at the door).
+// Calls f(T{}) with T = float, __nv_bfloat16 or __half (checked at the door).
 template <typename F>
 void with_float_type(DType dtype, F&& f) {
-  if (dtype == DType::F32)
-    f(float{});
-  else if (dtype == DType::BF16)
-    f(__nv_bfloat16{});
-  else
-    MEGATON_CHECK(false, "no CUDA kernel for dtype {}", dtype_name(dtype));
+  detail::dispatch_float(dtype, std::forward<F>(f));
 }
 
 // Blocks for a grid-stride loop over n items (gridDim.x stays far below its 2^31 limit).
@@ -42,14 +31,14 @@ unsigned blocks_for(int64_t n) {
 
 // ---- device ----
 
-__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
+template <typename T>
+__device__ __forceinline__ float load(const T* p, int64_t i) {
+  return detail::to_float(p[i]);
 }
-// Round-to-nearest-even, as the CPU's float_to_bf16.
-__device__ __forceinline__ void store(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) {
-  p[i] = __float2bfloat16_rn(v);
+// Round-to-nearest-even, as the CPU's float_to_bf16 and float_to_fp16.
+template <typename T>
+__device__ __forceinline__ void store(T* p, int64_t i, float v) {
+  p[i] = detail::from_float<T>(v);
 }
 
 __device__ __forceinline__ int64_t global_thread() {

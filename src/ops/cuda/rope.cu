@@ -1,4 +1,5 @@
-// Rotary position embedding (RoPE) on the GPU, non-interleaved "rotate half", F32 and BF16.
+// Rotary position embedding (RoPE) on the GPU, non-interleaved "rotate half", F32, BF16
+// and F16.
 //
 // Same numbers as ops/cpu/rope.cpp: inv_freq_i = 1 / base^(float(2i) / D) is computed on
 // the host with the CPU's own expression (std::pow in fp32) and passed to the kernel, so
@@ -8,13 +9,12 @@
 // the angle is ~5e-4, so the angle's rounding, not the trig, dominates; matching it keeps
 // the GPU within a few fp32 ulps of the CPU at long positions).
 
-#include <cuda_bf16.h>
-
 #include <cmath>
 #include <cstdint>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/pointwise_util.cuh"
 
 namespace megaton::ops::cuda {
 namespace {
@@ -27,10 +27,15 @@ struct InvFreq {
   float value[kMaxHalfDim];
 };
 
-__device__ inline float load_float(const float* p) { return *p; }
-__device__ inline float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
-__device__ inline void store_float(float* p, float v) { *p = v; }
-__device__ inline void store_float(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+// 16-bit values round to nearest even, as the CPU's float_to_bf16 and float_to_fp16.
+template <typename T>
+__device__ inline float load_float(const T* p) {
+  return detail::to_float(*p);
+}
+template <typename T>
+__device__ inline void store_float(T* p, float v) {
+  *p = detail::from_float<T>(v);
+}
 
 // One block per token row (b, s): the block first fills cos/sin of its position for the
 // D/2 frequencies in shared memory (the trig is paid once per row, not once per head),
@@ -66,8 +71,8 @@ void check_rope_args(const Tensor& x, const Tensor& y, const char* x_name, const
                 y_name);
   MEGATON_CHECK(x.device() == Device::CUDA && y.device() == Device::CUDA,
                 "cuda rope: {} and {} must both be CUDA tensors", x_name, y_name);
-  MEGATON_CHECK(x.dtype() == y.dtype() && (x.dtype() == DType::F32 || x.dtype() == DType::BF16),
-                "cuda rope: {} {} and {} {} must both be F32 or both BF16", x_name,
+  MEGATON_CHECK(x.dtype() == y.dtype() && detail::is_cuda_float(x.dtype()),
+                "cuda rope: {} {} and {} {} must share one dtype, F32, BF16 or F16", x_name,
                 dtype_name(x.dtype()), y_name, dtype_name(y.dtype()));
   MEGATON_CHECK(x.ndim() == 4, "cuda rope: {} must be [B, S, heads, D], got {}", x_name,
                 shape_str(x.shape()));
@@ -98,15 +103,12 @@ void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset,
   const unsigned blocks = unsigned(B * S);
   const size_t shared_bytes = 2 * size_t(half) * sizeof(float);
   cudaStream_t stream = ::megaton::cuda::stream();
-  if (x.dtype() == DType::F32) {
-    rope_kernel<float><<<blocks, kThreads, shared_bytes, stream>>>(
-        x.f32(), y.f32(), S, int(heads), half, position_offset, sign, inv_freq);
-  } else {
-    rope_kernel<__nv_bfloat16><<<blocks, kThreads, shared_bytes, stream>>>(
-        reinterpret_cast<const __nv_bfloat16*>(x.data<uint16_t>()),
-        reinterpret_cast<__nv_bfloat16*>(y.data<uint16_t>()), S, int(heads), half, position_offset,
-        sign, inv_freq);
-  }
+  detail::dispatch_float(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    rope_kernel<T><<<blocks, kThreads, shared_bytes, stream>>>(
+        static_cast<const T*>(x.raw()), static_cast<T*>(y.raw()), S, int(heads), half,
+        position_offset, sign, inv_freq);
+  });
   MEGATON_CUDA_CHECK_LAUNCH();
 }
 

@@ -36,7 +36,7 @@ void check_vocab_start(const char* op, int64_t vocab_start) {
   MEGATON_CHECK(vocab_start >= 0, "{}: vocab_start {} is negative", op, vocab_start);
 }
 
-// logits [T, V_local] F32 or BF16 with V_local > 0 and T within the grid (a block per
+// logits [T, V_local] F32, BF16 or F16 with V_local > 0 and T within the grid (a block per
 // row); labels [T] I32.
 void check_logits_labels(const char* op, const Tensor& logits, const Tensor& labels,
                          int64_t vocab_start) {
