@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/cpu_offloading_config.h"
 #include "model/fp8_config.h"
 #include "model/recompute_config.h"
 
@@ -95,6 +96,9 @@ struct GPTConfig {
   // --recompute-granularity, --recompute-method, --recompute-num-layers,
   // --recompute-modules: which activations backward recomputes instead of keeping.
   RecomputeConfig recompute;
+  // --cpu-offloading, --cpu-offloading-num-layers: the saved activations of the first
+  // layers go to host memory between their forward and backward (model/activation_offload.h).
+  CpuOffloadingConfig cpu_offloading;
   Device device = Device::CPU;
   DType compute_dtype() const {
     return device == Device::CUDA && bf16 ? DType::BF16 : DType::F32;

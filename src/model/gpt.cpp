@@ -102,6 +102,12 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   if (!dense_fp8.empty()) buffers_.emplace_back(dense_fp8, dense_shards, false, bucket_size);
   if (!expert.empty()) buffers_.emplace_back(expert, expert_shards, true, bucket_size);
   if (!expert_fp8.empty()) buffers_.emplace_back(expert_fp8, expert_shards, true, bucket_size);
+  if (cfg_.cpu_offloading.enabled && cfg_.cpu_offloading.num_layers > 0) {
+    std::vector<TransformerLayer*> layers;
+    for (auto& layer : layers_) layers.push_back(layer.get());
+    const int64_t offloaded = std::min<int64_t>(cfg_.cpu_offloading.num_layers, chunk_.num_layers);
+    offload_ = std::make_unique<ActivationOffload>(std::move(layers), offloaded, cfg_.device);
+  }
 }
 
 int64_t GPTModel::num_parameters() const {
@@ -165,6 +171,7 @@ void GPTModel::for_each_position_block(
 
 Tensor GPTModel::forward_hidden(const Tensor& tokens, const ForwardContext& ctx) {
   saved_ = {};
+  if (offload_) offload_->discard();  // the layers' state is replaced
   Tensor x = embed(tokens, ctx);
   for (auto& layer : layers_) x = layer->forward(x, saved_.batch, saved_.seq, ctx);
   return final_layernorm.forward(x);
@@ -203,6 +210,9 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
   saved_.ctx = ctx;
   if (ctx.training && rc.granularity == RecomputeGranularity::Full)
     saved_.recompute_inputs.assign(layers_.size(), Tensor());
+  // --cpu-offloading: a training forward's first layers go to the host (not evaluation).
+  if (offload_) offload_->discard();
+  const bool offloading = offload_ && ctx.training && !ctx.forward_only && !ctx.recompute;
   for (int64_t i = 0; i < n; ++i) {
     before_forward(layer_params_[i]);
     const int64_t group_start =
@@ -210,7 +220,9 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
     if (group_start == i) saved_.recompute_inputs[i] = x;
     x = layers_[i]->forward(x, saved_.batch, saved_.seq, ctx);
     if (group_start >= 0 || ctx.forward_only) layers_[i]->discard_saved();
+    else if (offloading) offload_->after_forward(i);
   }
+  if (offloading) offload_->finish_forward();
   ChunkOutput out;
   for (auto& layer : layers_) {
     if (!layer->moe) continue;
@@ -351,6 +363,7 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
       for (int64_t j = group_start; j <= i; ++j)
         h = layers_[j]->forward(h, saved_.batch, saved_.seq, ctx);
     }
+    if (offload_) offload_->before_backward(i);  // layer i back, layer i - 1 on its way
     if (layers_[i]->moe) layers_[i]->moe->aux_grad_scale = aux_grad_scale;
     dx = layers_[i]->backward(dx);
     after_backward(layer_params_[i]);
@@ -368,6 +381,7 @@ ChunkActivations GPTModel::take_activations() {
   MEGATON_CHECK(holds_activations(),
                 "take_activations of layers [{}, {}): the chunk holds no forward",
                 chunk_.first_layer, chunk_.first_layer + chunk_.num_layers);
+  if (offload_) offload_->reload_all();  // a stash holds its tensors
   ChunkActivations out;
   out.owner_ = this;
   out.model_ = std::exchange(saved_, {});

@@ -6,6 +6,7 @@
 #include <span>
 #include <utility>
 
+#include "model/activation_offload.h"
 #include "model/attention.h"
 #include "model/param_buffer.h"
 #include "model/moe.h"
@@ -54,6 +55,13 @@ class TransformerLayer {
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
+  // Calls fn on each tensor slot of what the last forward saved for this layer's
+  // backward (its norms', attention's, MLP's or MoE layer's; defined or not), in a fixed
+  // order for a given forward, so activation offloading (model/activation_offload.h) can
+  // take the tensors out (assigning Tensor()) and put them back slot by slot. fn may
+  // replace a slot's tensor, not the structure around it. MoE aux losses are not visited
+  // (MoELayer::for_each_saved_tensor).
+  void for_each_saved_tensor(const std::function<void(Tensor&)>& fn);
   // Drops what the last forward saved, but an MoE layer's routing, aux loss and token
   // counts (MoELayer::keep_routing): after each forward of a full-recompute group (backward
   // then needs forward(x, ..., ctx with recompute) on the same input first) and of a
@@ -162,7 +170,10 @@ class GPTModel {
 
   // One micro-batch through this chunk, saving what backward_chunk needs in the chunk and
   // its layers (replacing what they held): all of it, or what GPTConfig::recompute keeps
-  // (docs/memory.md). InternalError when an input the chunk reads is missing or misshapen.
+  // (docs/memory.md). With GPTConfig::cpu_offloading a training forward (not
+  // forward_only, not a recompute) moves the saved state of the chunk's first
+  // cpu_offloading.num_layers layers to host memory (model/activation_offload.h), and
+  // backward_chunk brings it back. InternalError when an input the chunk reads is missing or misshapen.
   ChunkOutput forward_chunk(const ChunkInput& in, const ForwardContext& ctx);
   // Backward of the micro-batch the chunk holds (the last forward_chunk, or the one
   // restore_activations put back), which it then no longer holds. dout: for a
@@ -181,7 +192,8 @@ class GPTModel {
   // chunk and all its layers (activations, dropout keys, MoE routing, token counts and
   // aux loss), out into a ChunkActivations, leaving the chunk holding no micro-batch.
   // Tensors are moved as views: nothing is copied, and the memory stays allocated while
-  // the ChunkActivations lives. restore_activations moves it back (leaving `activations`
+  // the ChunkActivations lives (layers offloaded by --cpu-offloading are brought back
+  // first). restore_activations moves it back (leaving `activations`
   // empty), so backward_chunk runs that micro-batch's backward, bit for bit as if no
   // other forward had run in between. take_activations: InternalError when the chunk
   // holds no micro-batch. restore_activations: InternalError when the chunk holds one
@@ -240,6 +252,8 @@ class GPTModel {
   const GPTConfig& config() const { return cfg_; }
   int64_t num_parameters() const;
   std::vector<std::unique_ptr<TransformerLayer>>& layers() { return layers_; }
+  // The activation offload of --cpu-offloading (null without).
+  const ActivationOffload* activation_offload() const { return offload_.get(); }
 
  private:
   // Embedding lookup (+ positions, dropout) of tokens [B, S] -> [T, H]; sets tokens_.
@@ -306,6 +320,9 @@ class GPTModel {
     std::vector<Tensor> recompute_inputs;
   };
   Saved saved_;
+  // --cpu-offloading: the first layers' saved state on the host between their training
+  // forward and backward (null without).
+  std::unique_ptr<ActivationOffload> offload_;
 };
 
 // One micro-batch's saved state of a model chunk, moved out by

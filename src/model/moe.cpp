@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "model/saved_tensors.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -343,6 +344,18 @@ void MoELayer::restore_saved(Activations&& saved) {
   router.restore_saved(std::move(saved.router));
   dispatcher_->restore_saved(std::move(saved.dispatcher));
   if (shared_expert) shared_expert->restore_saved(std::move(saved.shared_expert));
+}
+
+void MoELayer::for_each_saved_tensor(Activations& saved,
+                                     const std::function<void(Tensor&)>& fn) const {
+  Saved& s = saved.moe;
+  for (Tensor* slot : {&s.x, &s.expert_in, &s.fc1_out, &s.expert_counts, &s.recompute_input})
+    fn(*slot);
+  for_each_tensor(s.fc1_fp8, fn);
+  for_each_tensor(s.fc2_fp8, fn);
+  for_each_tensor(saved.router, fn);
+  dispatcher_->for_each_saved_tensor(saved.dispatcher, fn);
+  for_each_tensor(saved.shared_expert, fn);
 }
 
 void MoELayer::collect_params(std::vector<Param*>& out) {

@@ -136,6 +136,11 @@ class MoELayer {
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
+  // Calls fn on each tensor slot of `saved` (taken from this layer by take_saved) that
+  // only its backward reads: the layer's, the router's, the dispatcher's and the shared
+  // expert's (model/saved_tensors.h). Not the aux loss, which the model reads after the
+  // forward and the trainer after the backward.
+  void for_each_saved_tensor(Activations& saved, const std::function<void(Tensor&)>& fn) const;
   // The recompute of this layer (full granularity, or the moe module): drops everything
   // `saved` holds (taken by take_saved) but the routing (TopKRouter::keep_routing_only),
   // the aux loss and the token counts, which it puts back: the re-run (forward with

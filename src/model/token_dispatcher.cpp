@@ -346,6 +346,12 @@ void MoEAlltoAllTokenDispatcher::restore_saved(std::any&& saved) {
   saved_ = std::move(saved_of<Saved>(saved, "all-to-all"));
 }
 
+void MoEAlltoAllTokenDispatcher::for_each_saved_tensor(
+    std::any& saved, const std::function<void(Tensor&)>& fn) const {
+  Saved& s = saved_of<Saved>(saved, "all-to-all");
+  for (Tensor* slot : {&s.probs, &s.row_id_map, &s.device_counts, &s.combined}) fn(*slot);
+}
+
 // ---- all-gather ----
 
 MoEAllGatherTokenDispatcher::MoEAllGatherTokenDispatcher(int64_t num_experts,
@@ -453,6 +459,12 @@ std::any MoEAllGatherTokenDispatcher::take_saved() { return std::exchange(saved_
 
 void MoEAllGatherTokenDispatcher::restore_saved(std::any&& saved) {
   saved_ = std::move(saved_of<Saved>(saved, "all-gather"));
+}
+
+void MoEAllGatherTokenDispatcher::for_each_saved_tensor(
+    std::any& saved, const std::function<void(Tensor&)>& fn) const {
+  Saved& s = saved_of<Saved>(saved, "all-gather");
+  for (Tensor* slot : {&s.device_counts, &s.probs_all, &s.row_id_map, &s.expert_out_all}) fn(*slot);
 }
 
 AlltoAllExchange alltoall_exchange_from_env() {

@@ -24,6 +24,7 @@
 // then has 0 rows).
 #pragma once
 #include <any>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -82,6 +83,12 @@ class MoETokenDispatcher {
   // another kind of dispatcher took.
   virtual std::any take_saved() = 0;
   virtual void restore_saved(std::any&& saved) = 0;
+  // Calls fn on each tensor slot of a state taken by take_saved from a dispatcher of this
+  // kind (defined or not, in a fixed order; model/saved_tensors.h), so the MoE layer can
+  // offer it to activation offloading without knowing its layout. InternalError on
+  // another kind's state.
+  virtual void for_each_saved_tensor(std::any& saved,
+                                     const std::function<void(Tensor&)>& fn) const = 0;
 
  protected:
   int64_t num_experts_, num_local_experts_, first_local_expert_;
@@ -116,6 +123,8 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   const Tensor& tokens_per_local_expert_device() const override { return saved_.device_counts; }
   std::any take_saved() override;
   void restore_saved(std::any&& saved) override;
+  void for_each_saved_tensor(std::any& saved,
+                             const std::function<void(Tensor&)>& fn) const override;
 
   struct Saved {
     Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
@@ -174,6 +183,8 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
   const Tensor& tokens_per_local_expert_device() const override { return saved_.device_counts; }
   std::any take_saved() override;
   void restore_saved(std::any&& saved) override;
+  void for_each_saved_tensor(std::any& saved,
+                             const std::function<void(Tensor&)>& fn) const override;
 
   struct Saved {
     int64_t tokens = 0;  // T of this rank

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "model/saved_tensors.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -153,6 +154,22 @@ void TransformerLayer::restore_saved(Activations&& saved) {
   pre_mlp_layernorm.restore_saved(std::move(saved.pre_mlp_layernorm));
   if (moe) moe->restore_saved(std::move(saved.moe));
   else mlp->restore_saved(std::move(saved.mlp));
+}
+
+void TransformerLayer::for_each_saved_tensor(const std::function<void(Tensor&)>& fn) {
+  // The state is moved out (views: nothing is copied), visited and moved back, also when
+  // fn throws.
+  struct PutBack {
+    TransformerLayer& layer;
+    Activations saved;
+    ~PutBack() { layer.restore_saved(std::move(saved)); }
+  } held{*this, take_saved()};
+  Activations& a = held.saved;
+  for_each_tensor(a.input_layernorm, fn);
+  for_each_tensor(a.self_attention, fn);
+  for_each_tensor(a.pre_mlp_layernorm, fn);
+  if (moe) moe->for_each_saved_tensor(a.moe, fn);
+  else for_each_tensor(a.mlp, fn);
 }
 
 Tensor TransformerLayer::dropout_grad(const Tensor& dy, int site) const {
