@@ -14,7 +14,7 @@ namespace megaton {
 size_t dtype_size(DType t) {
   switch (t) {
     case DType::F32: case DType::I32: return 4;
-    case DType::BF16: case DType::F16: return 2;
+    case DType::BF16: case DType::F16: case DType::I16: return 2;
     case DType::F8E4M3: case DType::F8E5M2: return 1;
     case DType::I64: return 8;
   }
@@ -30,19 +30,20 @@ std::string_view dtype_name(DType t) {
     case DType::F8E5M2: return "F8_E5M2";
     case DType::I32: return "I32";
     case DType::I64: return "I64";
+    case DType::I16: return "I16";
   }
   return "?";
 }
 
 DType dtype_from_name(std::string_view name) {
   for (DType t : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::F8E5M2, DType::I32,
-                  DType::I64}) {
+                  DType::I64, DType::I16}) {
     if (dtype_name(t) == name) return t;
   }
-  fail("unknown dtype '{}' (expected F32, BF16, F16, F8_E4M3, F8_E5M2, I32 or I64)", name);
+  fail("unknown dtype '{}' (expected F32, BF16, F16, F8_E4M3, F8_E5M2, I32, I64 or I16)", name);
 }
 
-bool is_floating(DType t) { return t != DType::I32 && t != DType::I64; }
+bool is_floating(DType t) { return t != DType::I32 && t != DType::I64 && t != DType::I16; }
 
 static uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 static float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }

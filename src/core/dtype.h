@@ -6,12 +6,14 @@
 
 namespace megaton {
 
-enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, I64 };
+// I16: raw 16-bit integers; the optimizer keeps the low halves of fp32 main params in it
+// (ops/param_remainder.h, Transformer Engine's store_param_remainders).
+enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, I64, I16 };
 
 // Bytes per element.
 size_t dtype_size(DType t);
 // Lower-case name as in safetensors/PyTorch style: "F32", "BF16", "F16", "F8_E4M3",
-// "F8_E5M2", "I32", "I64" (the safetensors dtype strings).
+// "F8_E5M2", "I32", "I64", "I16" (the safetensors dtype strings).
 std::string_view dtype_name(DType t);
 // Inverse of dtype_name; throws megaton::Error on an unknown name.
 DType dtype_from_name(std::string_view name);

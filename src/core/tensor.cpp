@@ -498,6 +498,7 @@ float Tensor::item(int64_t i) const {
     case DType::F8E5M2: return fp8e5m2_to_float(reinterpret_cast<const uint8_t*>(p)[i]);
     case DType::I32: return float(reinterpret_cast<const int32_t*>(p)[i]);
     case DType::I64: return float(reinterpret_cast<const int64_t*>(p)[i]);
+    case DType::I16: return float(reinterpret_cast<const int16_t*>(p)[i]);
   }
   return 0;
 }
@@ -530,6 +531,7 @@ Tensor Tensor::to(DType dtype) const {
       case DType::I64:
         reinterpret_cast<int64_t*>(p)[i] = dtype_ == DType::I32 ? i32()[i] : int64_t(v);
         break;
+      case DType::I16: reinterpret_cast<int16_t*>(p)[i] = int16_t(v); break;
     }
   }
   return t;

@@ -157,6 +157,7 @@ constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::F32; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::I32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::I64; }
+template <> constexpr DType dtype_of<int16_t>() { return DType::I16; }
 template <> constexpr DType dtype_of<uint16_t>() { return DType::BF16; }  // bf16 or f16 bits
 template <> constexpr DType dtype_of<uint8_t>() { return DType::F8E4M3; }  // fp8 bits
 
