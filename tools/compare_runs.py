@@ -90,6 +90,12 @@ def main():
             if not d <= a.rtol:
                 failures.append(f"iteration {r['iteration']}: {name} {m[key]!r} vs {r[key]!r} "
                                 f"(relative {d:.2e})")
+        # The loss scale and the skips follow from whether any gradient overflowed, which
+        # every rank agrees on: equal exactly.
+        for key in ("loss_scale", "skipped"):
+            if r.get(key) != m.get(key):
+                failures.append(f"iteration {r['iteration']}: {key} {m.get(key)!r} vs "
+                                f"{r.get(key)!r}")
         # Counted once per distinct element on any layout: equal exactly.
         if ("num_zeros" in r) != ("num_zeros" in m):
             failures.append(f"iteration {r['iteration']}: num zeros logged by one run only")

@@ -58,6 +58,7 @@ void add_train_command(CLI::App& app) {
     dist::ValidatedLayout layout = check_parallel_layout(args, world);
     if (dist::world_rank() == 0) {
       for (const std::string& w : layout.warnings) fmt::print(stderr, "warning: {}\n", w);
+      for (const std::string& w : args.warnings) fmt::print(stderr, "warning: {}\n", w);
       for (const std::string& n : args.no_effect) fmt::print(stderr, "no effect in Megaton: {}\n", n);
     }
     if (args.dry_run) {  // the memory plan, then exit 0: nothing is built

@@ -61,7 +61,8 @@ bool Comm::check_all_reduce(Tensor& t, const Group& g, ReduceOp op) const {
   check_tensor(t, "all_reduce", "tensor");
   const DType d = t.dtype();
   if (op == ReduceOp::Sum)
-    MEGATON_CHECK(d == DType::F32 || d == DType::BF16 || d == DType::I32 || d == DType::I64,
+    MEGATON_CHECK(d == DType::F32 || d == DType::BF16 || d == DType::F16 || d == DType::I32 ||
+                      d == DType::I64,
                   "all_reduce sum of {} is not supported", dtype_name(d));
   else
     MEGATON_CHECK(d == DType::F32 || d == DType::I32 || d == DType::I64,
@@ -74,8 +75,9 @@ bool Comm::check_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) c
   check_tensor(in, "reduce_scatter", "input");
   check_tensor(out, "reduce_scatter", "output");
   MEGATON_CHECK(
-      in.dtype() == out.dtype() && (in.dtype() == DType::F32 || in.dtype() == DType::BF16),
-      "reduce_scatter of {} into {}: fp32 or bf16 for both", dtype_name(in.dtype()),
+      in.dtype() == out.dtype() &&
+          (in.dtype() == DType::F32 || in.dtype() == DType::BF16 || in.dtype() == DType::F16),
+      "reduce_scatter of {} into {}: fp32, bf16 or fp16 for both", dtype_name(in.dtype()),
       dtype_name(out.dtype()));
   MEGATON_CHECK(in.numel() == out.numel() * g.size(),
                 "reduce_scatter on group {}: input has {} elements, output {} (needs {} x output)",

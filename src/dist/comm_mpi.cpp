@@ -243,27 +243,30 @@ class MpiComm final : public Comm {
 
   std::unique_ptr<CommWork> start_all_reduce(Tensor& t, const Group& g, ReduceOp op) {
     MPI_Comm comm = comm_of(g, "all_reduce");
-    const bool widen = t.dtype() == DType::BF16;
+    // 16-bit floats are summed in fp32 (MPI has no bf16 or fp16 sum).
+    const DType dtype = t.dtype();
+    const bool widen = dtype == DType::BF16 || dtype == DType::F16;
     Tensor buf = widen ? t.to(DType::F32) : t;
     Pending p{{MPI_REQUEST_NULL}, {buf}, {}};
     MEGATON_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.raw(), mpi_count(buf.numel()),
                                      mpi_type(buf.dtype()), op == ReduceOp::Sum ? MPI_SUM : MPI_MAX,
                                      comm, &p.requests[0]));
     std::function<void()> finish;
-    if (widen) finish = [t, buf]() mutable { t.copy_from(buf.to(DType::BF16)); };
+    if (widen) finish = [t, buf, dtype]() mutable { t.copy_from(buf.to(dtype)); };
     return std::make_unique<MpiWork>(*this, std::move(p), "all_reduce", g, std::move(finish));
   }
 
   std::unique_ptr<CommWork> start_reduce_scatter(const Tensor& in, Tensor& out, const Group& g) {
     MPI_Comm comm = comm_of(g, "reduce_scatter");
-    const bool widen = in.dtype() == DType::BF16;
+    const DType dtype = in.dtype();
+    const bool widen = dtype == DType::BF16 || dtype == DType::F16;
     Tensor src = widen ? in.to(DType::F32) : (overlaps(in, out) ? in.clone() : in);
     Tensor dst = widen ? Tensor::empty(out.shape(), DType::F32) : out;
     Pending p{{MPI_REQUEST_NULL}, {src, dst}, {}};
     MEGATON_MPI_CHECK(MPI_Ireduce_scatter_block(src.raw(), dst.raw(), mpi_count(dst.numel()),
                                                 MPI_FLOAT, MPI_SUM, comm, &p.requests[0]));
     std::function<void()> finish;
-    if (widen) finish = [out, dst]() mutable { out.copy_from(dst.to(DType::BF16)); };
+    if (widen) finish = [out, dst, dtype]() mutable { out.copy_from(dst.to(dtype)); };
     return std::make_unique<MpiWork>(*this, std::move(p), "reduce_scatter", g, std::move(finish));
   }
 

@@ -89,6 +89,9 @@ struct GPTConfig {
   // grads and computes in bf16; it applies on the GPU (the CPU backend is the fp32
   // reference and ignores it).
   bool bf16 = false;
+  // --fp16: fp16 compute on the GPU where --bf16 computes in bf16, with the same fp32 main
+  // params and grads; the loss is scaled (optim/grad_scaler.h). The CPU computes fp32.
+  bool fp16 = false;
   // --fp8-format and the other FP8 flags: the transformer layers' linear GEMMs in FP8
   // (model/fp8.h). The output layer, router, attention, norms and the optimizer stay in
   // bf16 / fp32, as in Transformer Engine.
@@ -101,7 +104,8 @@ struct GPTConfig {
   CpuOffloadingConfig cpu_offloading;
   Device device = Device::CPU;
   DType compute_dtype() const {
-    return device == Device::CUDA && bf16 ? DType::BF16 : DType::F32;
+    if (device != Device::CUDA) return DType::F32;
+    return bf16 ? DType::BF16 : fp16 ? DType::F16 : DType::F32;
   }
 
   // Derived values (after finalize()).

@@ -196,7 +196,8 @@ void DistributedAdamW::step(float lr, float grad_scale) {
 }
 
 DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(const Tensor& lr, double max_norm,
-                                                              const Tensor& loss, bool check_nan) {
+                                                              const Tensor& loss, bool check_nan,
+                                                              float inv_loss_scale) {
   const Device device = adam_->device_state().device();
   Tensor mine = Tensor::empty({1}, DType::I64, device);
   ops::multi_tensor_sum_of_squares(counted_tensors(false), mine);
@@ -210,9 +211,12 @@ DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(const Tensor& lr, 
   out.grad_norm = Tensor::empty({1}, DType::I64, device);
   out.control = Tensor::empty({ops::kAdamControlSize}, DType::F32, device);
   const AdamWConfig& c = adam_->config();
-  ops::adamw_step_control(parts, double(grad_mean_scale()), max_norm, grad_mean_scale(), loss,
-                          check_nan, lr, c.adam_beta1, c.adam_beta2, adam_->device_state(),
-                          out.control, out.grad_norm);
+  // Megatron unscales the main grads (x inv_scale) before the norm and the update; here the
+  // factor rides with the data-parallel mean (exact for powers of two).
+  const float unscale = grad_mean_scale() * inv_loss_scale;
+  ops::adamw_step_control(parts, double(unscale), max_norm, unscale, loss, check_nan, lr,
+                          c.adam_beta1, c.adam_beta2, adam_->device_state(), out.control,
+                          out.grad_norm);
   adam_->step(out.control);
   out.state = adam_->device_state().clone();
   quantize_fp8_weights();

@@ -64,8 +64,11 @@ class DistributedAdamW {
   struct DeviceStep {
     Tensor grad_norm, control, state, local_sum_sq;
   };
+  // inv_loss_scale: 1 / the loss scale the gradients carry (optim::GradScaler::inv_scale;
+  // 1 without one): the norm, the clipping and the update see the unscaled gradients, and a
+  // non-finite norm (an fp16 overflow) skips the step.
   DeviceStep step_on_device(const Tensor& lr, double max_norm, const Tensor& loss,
-                            bool check_nan);
+                            bool check_nan, float inv_loss_scale = 1.0f);
 
   // --fp8-param-gather: writes this rank's shard of every FP8 weight buffer from the fp32
   // main params, one per-tensor scale per weight as Transformer Engine's current scaling

@@ -161,6 +161,14 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"finetune", "load weights only and start at iteration 0", true},
       {"device", "cpu or cuda (default: cuda when a GPU is visible)"},
       {"bf16", "bf16 compute with fp32 main params and grads (GPU; the CPU computes fp32)", true},
+      {"fp16", "fp16 compute with fp32 main params and grads and a loss scale (GPU; the CPU "
+               "computes fp32 and still scales the loss)", true},
+      {"loss-scale", "static loss scale (fp16 or bf16); default: dynamic under --fp16"},
+      {"initial-loss-scale", "first dynamic loss scale (default 2^32)"},
+      {"min-loss-scale", "lowest dynamic loss scale (default 1)"},
+      {"loss-scale-window", "clean iterations before the dynamic loss scale doubles (default 1000)"},
+      {"hysteresis", "iterations with inf/NaN gradients before the dynamic loss scale halves "
+                     "(default 2)"},
       // FP8 (docs/fp8.md)
       {"fp8-format", "e4m3 or hybrid (e4m3 forward, e5m2 gradients): the transformer layers' "
                      "linear GEMMs in FP8 (default: off)"},
@@ -523,6 +531,46 @@ void parse_precision_aware_args(const Reader& r, optim::AdamWConfig& c) {
       *fields[i] = optim::precision_aware_dtype(choices[i].first, r.one(choices[i].first),
                                                 choices[i].second);
   optim::check_precision_aware_config(c);
+}
+
+// --fp16 and the loss scaler's flags, with Megatron's rules (arguments.py,
+// validate_args): fp16 and bf16 exclude each other; under dynamic loss scaling the
+// non-finite check is turned off with a warning (inf/NaN gradients are the scaler's
+// signal). A static --loss-scale also applies to bf16 runs (Megatron's ConstantGradScaler);
+// fp32 runs take no scaler. The values are checked when the scaler is built
+// (optim::GradScaler).
+void parse_mixed_precision_args(const Reader& r, TrainArgs& a) {
+  r.get("bf16", a.model.bf16);
+  r.get("fp16", a.model.fp16);
+  if (a.model.fp16 && a.model.bf16) fail("fp16 and bf16 exclude each other: give one");
+  optim::GradScalerConfig& c = a.loss_scaler;
+  r.get("loss-scale", c.loss_scale);
+  r.get("initial-loss-scale", c.initial_loss_scale);
+  r.get("min-loss-scale", c.min_loss_scale);
+  r.get("loss-scale-window", c.loss_scale_window);
+  r.get("hysteresis", c.hysteresis);
+  if (r.has("loss-scale") && !(c.loss_scale > 0))
+    fail("loss-scale must be positive (got {})", c.loss_scale);
+  const bool half = a.model.fp16 || a.model.bf16;
+  if (!half && r.has("loss-scale"))
+    a.no_effect.push_back("--loss-scale: fp32 training scales no loss (give --fp16 or --bf16)");
+  const bool dynamic = a.model.fp16 && c.loss_scale == 0;
+  for (const char* key : {"initial-loss-scale", "min-loss-scale", "loss-scale-window", "hysteresis"})
+    if (r.has(key) && !dynamic)
+      a.no_effect.push_back(std::string("--") + key + ": dynamic loss scaling is --fp16 without "
+                            "--loss-scale");
+  optim::GradScaler check(c, dynamic);  // DynamicGradScaler's assertions, as errors now
+  if (a.model.fp16 && a.model.fp8.enabled)
+    fail("fp16 with fp8-format is not supported in Megaton yet: FP8 runs compute in bf16");
+  if (dynamic && a.check_for_nan_in_loss_and_grad) {
+    a.check_for_nan_in_loss_and_grad = false;
+    a.warnings.push_back("check-for-nan-in-loss-and-grad is off under dynamic loss scaling: "
+                         "inf/NaN gradients make the scaler skip the step and lower the scale "
+                         "(as Megatron)");
+  }
+  if (dynamic && a.cuda_graph_impl == "full_iteration")
+    fail("cuda-graph-impl full_iteration with --fp16 dynamic loss scaling is not supported in "
+         "Megaton yet (the scale changes between steps); give a static --loss-scale");
 }
 
 // --cuda-graph-impl and its options, with Megatron's rules (arguments.py): the old
@@ -947,9 +995,9 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   if (p.overlap_param_gather && !p.overlap_grad_reduce)
     fail("overlap-param-gather needs overlap-grad-reduce");
 
-  r.get("bf16", a.model.bf16);
   r.get("dry-run", a.dry_run);
   parse_fp8_args(r, a.model, a.no_effect);
+  parse_mixed_precision_args(r, a);
   parse_recompute_args(r, a);
   // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.
   if (a.model.fp8.param_gather && !p.use_distributed_optimizer)

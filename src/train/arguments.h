@@ -7,6 +7,7 @@
 #include "dist/grid.h"
 #include "model/config.h"
 #include "optim/adamw.h"
+#include "optim/grad_scaler.h"
 #include "optim/lr_schedule.h"
 
 namespace megaton {
@@ -41,10 +42,17 @@ struct TrainArgs {
   GPTConfig model;
   optim::AdamWConfig adam;
   optim::LRScheduleConfig lr;
+  // --loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window,
+  // --hysteresis: the loss scaler of --fp16 (dynamic unless --loss-scale) or a static
+  // scale of --bf16 runs, as Megatron builds them.
+  optim::GradScalerConfig loss_scaler;
 
   // Megatron flags given that change nothing in Megaton, one line each ("--flag: why"),
   // for rank 0 to print once at start as "no effect in Megaton: ...".
   std::vector<std::string> no_effect;
+  // Settings Megatron changes with a warning (e.g. --check-for-nan-in-loss-and-grad off
+  // under dynamic loss scaling), one line each, for rank 0 to print at start.
+  std::vector<std::string> warnings;
 
   // Data and tokenizer.
   std::vector<std::string> data_path;  // one prefix, or "w1 p1 w2 p2 ..."

@@ -161,7 +161,7 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
   const GPTConfig& cfg = chunks_[0]->config();
   const Shape hidden_shape{chunks_[0]->hidden_rows(mbs.batch, mbs.seq), cfg.hidden_size};
   const int64_t tokens_per_micro_batch = mbs.batch * mbs.seq;
-  const float aux_grad_scale = 1.0f / float(mbs.count);
+  const float aux_grad_scale = mbs.loss_scale / float(mbs.count);
 
   // Per chunk: activations received for micro-batches not yet forwarded, gradients
   // received for their outputs, the saved state (activation stash) of every micro-batch
@@ -226,7 +226,8 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
         if (part.post_process) {
           // Megatron's default loss: the token mean per micro-batch, averaged over them.
           dout = Tensor::empty({tokens_per_micro_batch});
-          dout.fill(float(1.0 / (double(tokens_per_micro_batch) * double(mbs.count))));
+          dout.fill(float(double(mbs.loss_scale) /
+                          (double(tokens_per_micro_batch) * double(mbs.count))));
         } else {
           auto grad = output_grads[op.chunk].find(op.micro_batch);
           MEGATON_CHECK(grad != output_grads[op.chunk].end(),

@@ -104,6 +104,9 @@ struct PipelineMicroBatches {
   // The ForwardContext of micro-batch mb (its dropout masks; the backward uses the keys
   // its forward saved).
   std::function<ForwardContext(int64_t mb)> context;
+  // The loss scale (optim::GradScaler::scale): the backward starts from the loss times it,
+  // and the MoE aux losses' gradients carry it too. 1: no scaling.
+  float loss_scale = 1.0f;
 };
 
 // What this pipeline rank computed in one step.

@@ -168,6 +168,12 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   moe_ = std::make_unique<MoEStepBookkeeping>(chunk_pointers(), args_.model, *grid_, *comm_);
   optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
                                                          args_.adam, distributed);
+  // Megatron's get_megatron_optimizer: a static --loss-scale in fp16 and bf16 runs, dynamic
+  // scaling in fp16 runs without it, no scaler in fp32 runs.
+  optim::GradScalerConfig scaler_config = args_.loss_scaler;
+  if (!args_.model.fp16 && !args_.model.bf16) scaler_config.loss_scale = 0;
+  scaler_ = std::make_unique<optim::GradScaler>(scaler_config,
+                                                args_.model.fp16 && scaler_config.loss_scale == 0);
   if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
   lr_ = Tensor::zeros({1}, DType::F32, args_.model.device);
   // The pipeline schedule loads its micro-batches itself.
@@ -268,15 +274,16 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   Tensor loss_sum = Tensor::zeros({1}, DType::F32, device);
   Tensor mb_sum = Tensor::empty({1}, DType::F32, device);
   double tokens_sum = 0;
+  // The backward starts from the loss times the loss scale (1 without one).
+  const float loss_scale = scaler_->scale();
   if (schedule_) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
-    const PipelineLosses stage = schedule_->forward_backward(
-        pipeline_micro_batches(*datasets_[0], consumed_samples_,
-                               [&](int64_t mb) {
-                                 return ForwardContext{true, args_.seed, iteration,
-                                                       mb * dp + grid_->dp().rank};
-                               }),
-        /*forward_only=*/false);
+    PipelineMicroBatches batches =
+        pipeline_micro_batches(*datasets_[0], consumed_samples_, [&](int64_t mb) {
+          return ForwardContext{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
+        });
+    batches.loss_scale = loss_scale;
+    const PipelineLosses stage = schedule_->forward_backward(batches, /*forward_only=*/false);
     // The LM loss exists on the last stage (the MoE losses are logged from the routers'
     // metrics, MoEStepBookkeeping).
     // (The schedule sums on the host; its value travels in a small upload.)
@@ -294,8 +301,8 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     tokens_sum += double(T);
     // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
     Tensor dlosses = Tensor::empty({T}, DType::F32, device);
-    dlosses.fill(float(1.0 / (double(T) * double(n_mb))));
-    chunks_[0]->backward(dlosses, 1.0f / float(n_mb));
+    dlosses.fill(float(double(loss_scale) / (double(T) * double(n_mb))));
+    chunks_[0]->backward(dlosses, loss_scale / float(n_mb));
   }
   local_loss_sum_ = loss_sum.clone();
   // The LM loss exists on the last stage; summed over the pipeline there (before the
@@ -341,7 +348,8 @@ Trainer::StepOutputs Trainer::run_step(int64_t iteration) {
   // a non-finite step and, under --check-for-nan-in-loss-and-grad, the stop before its
   // update are all decided on the device.
   out.update = optimizer_->step_on_device(lr_, double(args_.clip_grad), out.loss.sum,
-                                          args_.check_for_nan_in_loss_and_grad);
+                                          args_.check_for_nan_in_loss_and_grad,
+                                          scaler_->inv_scale());
   ddp_->start_param_sync();  // the unchanged weights again after a skipped step
   // Expert biases (updated whether or not the step was skipped, as Megatron's
   // finalize_model_grads does) and the routers' metrics.
@@ -441,7 +449,8 @@ TrainResult Trainer::train() {
   while (iteration_ < args_.train_iters) {
     auto start = std::chrono::steady_clock::now();
     PendingStep step;
-    step.lr = optim::learning_rate(args_.lr, iteration_);
+    step.lr = optim::learning_rate(args_.lr, scheduler_steps_);
+    ++scheduler_steps_;  // taken back by finish_step if the step turns out skipped
     ++iteration_;
     step.iteration = iteration_;
     stage_step_inputs(step.lr);
@@ -486,7 +495,10 @@ TrainResult Trainer::train() {
     pending = std::move(step);
     // The profiler has waited for the step (profile_flush): read it now, so the elapsed
     // times stay those of the step they are logged for.
-    if (op_profile) read_pending();
+    // Dynamic loss scaling: the next step's scale and learning rate depend on whether this
+    // one overflowed, so its values are read now (a host synchronization per step, as
+    // Megatron's found_inf.item()).
+    if (op_profile || scaler_->dynamic()) read_pending();
     if (op_profile) {
       const double ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -16,6 +16,7 @@
 #include "model/gpt.h"
 #include "optim/distrib_optimizer.h"
 #include "optim/distributed_data_parallel.h"
+#include "optim/grad_scaler.h"
 #include "train/arguments.h"
 #include "train/moe_metrics.h"
 #include "train/pipeline_schedule.h"
@@ -111,8 +112,8 @@ class Trainer {
   // (stop_on_non_finite) and the skipped-iteration counts, the result, the metrics file,
   // the log interval and its log line. `interval` carries the log interval's sums.
   struct LogInterval {
-    double loss = 0, ms = 0;
-    int64_t iterations = 0;
+    double loss = 0, ms = 0;  // loss: summed over the advanced (not skipped) iterations
+    int64_t iterations = 0, advanced = 0, skipped = 0, nan = 0;
     std::vector<PendingMoEMetrics> moe;  // read by the log line
     std::chrono::steady_clock::time_point last_done;  // when the previous step was read
   };
@@ -143,9 +144,11 @@ class Trainer {
                                        double local_loss_sum, double local_grad_sum_sq);
   void load();
   // params_norm < 0, num_zeros < 0: not logged. moe: the interval's mean MoE metrics.
+  // loss: the mean over the interval's advanced iterations; skipped, nan: the interval's
+  // counts (Megatron's, reset at each log line).
   void log_line(int64_t iteration, int64_t consumed_samples, double ms_per_iter, double lr,
                 double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
-                double params_norm);
+                double params_norm, int64_t skipped, int64_t nan);
 
   TrainArgs args_;
   RawOptions raw_;
@@ -162,7 +165,16 @@ class Trainer {
   int64_t iteration_ = 0;
   int64_t consumed_samples_ = 0;
   double floating_point_operations_so_far_ = 0;
-  int64_t skipped_iterations_ = 0, nan_iterations_ = 0;
+  int64_t skipped_iterations_ = 0, nan_iterations_ = 0;  // over the whole run
+  // The loss scaler (--fp16, --loss-scale; a scale of 1 that never changes without them).
+  std::unique_ptr<optim::GradScaler> scaler_;
+  // Steps of the learning-rate schedule: the updates applied so far (Megatron's
+  // OptimizerParamScheduler steps only after a successful update). Counted when a step is
+  // queued and taken back when its values show it skipped; under dynamic loss scaling each
+  // step is read before the next is queued, so the count is exact there, elsewhere a
+  // skipped step (a non-finite gradient without --check-for-nan-in-loss-and-grad) is seen
+  // one step late.
+  int64_t scheduler_steps_ = 0;
   // This rank's sum of per-token losses in the last train_step (0 on ranks that compute
   // no loss: pipeline stages before the last), to name the rank of a non-finite loss:
   // [1] fp32 on the model's device.

@@ -61,6 +61,13 @@ void Trainer::save(int64_t iteration) {
   meta["floating_point_operations_so_far"] = floating_point_operations_so_far_;
   meta["skipped_iterations"] = skipped_iterations_;
   meta["nan_iterations"] = nan_iterations_;
+  meta["scheduler_steps"] = scheduler_steps_;
+  if (scaler_->dynamic()) {  // Megatron's DynamicGradScaler.state_dict
+    const optim::GradScaler::State st = scaler_->state();
+    meta["grad_scaler"] = {{"scale", st.scale},
+                           {"growth_tracker", st.growth_tracker},
+                           {"hysteresis_tracker", st.hysteresis_tracker}};
+  }
   meta["rng_seed"] = args_.seed;
   meta["args"] = nlohmann::json::parse(args_to_json(raw_));
   meta["tokenizer_type"] = args_.tokenizer_type;
@@ -143,6 +150,17 @@ void Trainer::load() {
     skipped_iterations_ = meta.value("skipped_iterations", int64_t(0));
     nan_iterations_ = meta.value("nan_iterations", int64_t(0));
     if (optimizer_state) optimizer_->set_step_count(meta.at("optimizer_step").get<int64_t>());
+    // The schedule's steps: the updates applied (older checkpoints: the iteration). Without
+    // the optimizer state, the iteration, as before.
+    scheduler_steps_ = optimizer_state ? meta.value("scheduler_steps", iteration_) : iteration_;
+    // A dynamic scaler resumes its scale and trackers; a checkpoint without them (bf16, or
+    // static scaling) starts from --initial-loss-scale, as Megatron without the state.
+    if (optimizer_state && meta.contains("grad_scaler")) {
+      const auto& g = meta.at("grad_scaler");
+      scaler_->load_state({g.at("scale").get<float>(), g.at("growth_tracker").get<int64_t>(),
+                           g.at("hysteresis_tracker").get<int64_t>()},
+                          ck.path.c_str());
+    }
     if (!args_.no_load_rng) args_.seed = meta.at("rng_seed").get<uint64_t>();
   } catch (const nlohmann::json::exception& e) {
     fail("checkpoint metadata in '{}' is missing a field: {}", ck.path, e.what());

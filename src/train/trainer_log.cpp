@@ -3,6 +3,7 @@
 // the log interval and Megatron's log line (log_line) with the MoE fields.
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <string>
@@ -85,7 +86,7 @@ static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
 
 void Trainer::log_line(int64_t iteration, int64_t consumed_samples, double ms_per_iter, double lr,
                        double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
-                       double params_norm) {
+                       double params_norm, int64_t skipped, int64_t nan) {
   int64_t tokens = args_.global_batch_size * args_.model.seq_length;
   double flops = num_floating_point_operations(args_.model, tokens);
   std::string line = fmt::format(
@@ -98,13 +99,14 @@ void Trainer::log_line(int64_t iteration, int64_t consumed_samples, double ms_pe
       args_.global_batch_size, loss);
   const bool capacity = args_.model.moe_expert_capacity_factor > 0;
   if (moe_->active()) line += moe_log_fields(moe.mean, capacity);
-  line += fmt::format("loss scale: 1.0 | grad norm: {:.3f} | ", grad_norm);
+  // The scale after this step's update, as Megatron logs optimizer.get_loss_scale().
+  line += fmt::format("loss scale: {:.1f} | grad norm: {:.3f} | ", scaler_->scale(), grad_norm);
   if (num_zeros >= 0) line += fmt::format("num zeros: {} | ", num_zeros);
   if (params_norm >= 0) line += fmt::format("params norm: {:.3f} | ", params_norm);
   line += fmt::format(
       "number of skipped iterations: {:>3} | number of "
       "nan iterations: {:>3} | peak memory (MB): {:.1f} |",
-      skipped_iterations_, nan_iterations_, double(peak_memory_bytes(args_.model.device)) / 1048576.0);
+      skipped, nan, double(peak_memory_bytes(args_.model.device)) / 1048576.0);
   fmt::print("{}\n", line);
   if (moe_->active() && args_.moe_per_layer_logging)
     for (const MoELayerMetrics& m : moe.layers)
@@ -130,15 +132,30 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   if (step.moe.values.defined()) step.moe.values = values.tensor(6);
   // The device skipped this step's update (and every later one) when it stopped.
   if (stopped) stop_on_non_finite(step.iteration, loss, grad_norm, local_loss_sum, local_grad_sum_sq);
+  // Megatron's counts: a skipped iteration (an overflow under loss scaling, or a non-finite
+  // gradient without the check) is a nan iteration when its loss is not finite. The loss
+  // scaler and the learning-rate schedule see the outcome.
+  const bool nan = skipped && !std::isfinite(loss);
   if (skipped) {
-    ++nan_iterations_;
     ++skipped_iterations_;
+    ++interval.skipped;
+    --scheduler_steps_;
+  } else {
+    ++interval.advanced;
+    interval.loss += loss;
   }
+  if (nan) {
+    ++nan_iterations_;
+    ++interval.nan;
+  }
+  scaler_->update(skipped);
   result.losses.push_back(loss);
   result.grad_norms.push_back(grad_norm);
   if (!args_.log_metrics_file.empty() && is_logging_rank()) {
     nlohmann::json line = {{"iteration", step.iteration}, {"lm_loss", loss},
                            {"grad_norm", grad_norm}, {"lr", step.lr}};
+    if (scaler_->active()) line["loss_scale"] = scaler_->scale();  // after this step's update
+    if (skipped) line["skipped"] = true;
     if (moe_->active()) add_moe_metrics(line, moe_->read(step.moe), args_.moe_per_layer_logging);
     if (step.params_norm >= 0) line["params_norm"] = step.params_norm;
     if (step.num_zeros >= 0) line["num_zeros"] = step.num_zeros;
@@ -146,7 +163,6 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     out << line.dump() << "\n";
     if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
   }
-  interval.loss += loss;
   if (moe_->active()) interval.moe.push_back(std::move(step.moe));
   interval.ms += ms;
   ++interval.iterations;
@@ -158,12 +174,13 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     for (const PendingMoEMetrics& m : interval.moe) accumulate_moe_metrics(moe_mean, moe_->read(m));
     scale_moe_metrics(moe_mean, 1.0 / double(interval.iterations));
     log_line(step.iteration, step.consumed_samples, interval.ms / double(interval.iterations),
-             step.lr, interval.loss / double(interval.iterations), moe_mean, grad_norm,
-             step.num_zeros, step.params_norm);
+             step.lr, interval.loss / double(std::max<int64_t>(interval.advanced, 1)),
+             moe_mean, grad_norm, step.num_zeros, step.params_norm, interval.skipped,
+             interval.nan);
   }
   interval.moe.clear();
   interval.loss = interval.ms = 0;
-  interval.iterations = 0;
+  interval.iterations = interval.advanced = interval.skipped = interval.nan = 0;
 }
 
 void Trainer::stop_on_non_finite(int64_t iteration, double loss, double grad_norm,

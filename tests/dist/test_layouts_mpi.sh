@@ -54,9 +54,11 @@ router_flags() {  # NAME
 # tools/compare_runs.py --rtol x (default 1e-5); "PAO=1" keeps Adam's moments in bf16
 # (--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16);
 # "RC=full|block|sel" recomputes activations: whole layers in groups of 2 (uniform), the
-# first layer of each model chunk (block), or every selective module.
+# first layer of each model chunk (block), or every selective module; "FP16=1" scales the
+# loss as --fp16 does (dynamic, from 1024, doubling every 2 clean steps; the CPU computes
+# fp32, so the scaled gradients and their unscaling are what differs from one rank).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC=""
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0
   local setting
   for setting in $1; do
     case $setting in
@@ -73,6 +75,7 @@ use_variant() {  # "VAR=value ..."
       MBS=*) MBS=${setting#*=} ;;
       PAO=*) PAO=${setting#*=} ;;
       RC=*) RC=${setting#*=} ;;
+      FP16=*) FP16=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -90,6 +93,7 @@ run() {  # NAME NP FLAGS...
   [ "$QKN" = 0 ] || model+=(--qk-layernorm)
   [ -z "$FP8" ] || model+=(--fp8-format hybrid --fp8-recipe "$FP8" --kv-channels 16)
   [ "$PAO" = 0 ] || model+=(--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)
+  [ "$FP16" = 0 ] || model+=(--fp16 --initial-loss-scale 1024 --loss-scale-window 2)
   case $RC in
     full) model+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 2) ;;
     block) model+=(--recompute-granularity full --recompute-method block --recompute-num-layers 1) ;;
@@ -235,6 +239,12 @@ layouts=(
   "tp2-sp-ep2-etp1-recompute-full|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|RC=full"
   "ep2-alltoall-capacity-recompute-selective|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|RC=sel ROUTER=capacity"
   "pp2-interleaved-recompute-block|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 RC=block"
+  # fp16 loss scaling (issue 18): every stage's backward starts from the scaled loss (and
+  # the aux losses' gradients carry the scale), the optimizer unscales the reduced grads.
+  "dp2-distributed-optimizer-fp16|2|--use-distributed-optimizer|FP16=1"
+  "tp2-sp-fp16|2|--tensor-model-parallel-size 2 --sequence-parallel|FP16=1"
+  "ep2-alltoall-fp16|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|FP16=1"
+  "pp2-interleaved-fp16|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 FP16=1"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -259,6 +269,8 @@ resumes=(
   # (DP 1: the delayed history follows the micro-batches, which DP splits.)
   # bf16 moments through the checkpoint (assembled over the DP shards, written in bf16).
   "dp2-distopt-to-one-rank-bf16-states|2|--use-distributed-optimizer|1||PAO=1"
+  # The dynamic loss scaler's scale and trackers go through the checkpoint.
+  "dp2-distopt-to-one-rank-fp16|2|--use-distributed-optimizer|1||FP16=1"
   "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed RTOL=1e-3"
 )
 for entry in "${layouts[@]}"; do

@@ -204,6 +204,25 @@ TEST_F(CliErrors, RecomputeFlags) {
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
+// --fp16 and the loss scaler's flags: Megatron's exclusions and DynamicGradScaler's
+// assertions, one line and exit 2 each.
+TEST_F(CliErrors, LossScalingFlags) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--fp16 --bf16", "fp16 and bf16 exclude each other: give one"},
+      {"--fp16 --hysteresis 0", "hysteresis must be at least 1 (got 0)"},
+      {"--fp16 --loss-scale-window 0", "loss-scale-window must be at least 1 (got 0)"},
+      {"--fp16 --initial-loss-scale 4 --min-loss-scale 8",
+       "min-loss-scale (8) must not exceed initial-loss-scale (4)"},
+      {"--fp16 --initial-loss-scale 0", "initial-loss-scale must be a positive fp32 number"},
+      {"--fp16 --loss-scale -2", "loss-scale must be positive (got -2)"},
+      {"--fp16 --fp8-format hybrid", "fp16 with fp8-format is not supported in Megaton yet"},
+      {"--fp16 --cuda-graph-impl full_iteration",
+       "cuda-graph-impl full_iteration with --fp16 dynamic loss scaling is not supported"},
+  };
+  for (const auto& [flags, needle] : cases)
+    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
+}
+
 TEST_F(CliErrors, BadAlltoAllExchangeSetting) {
   expect_user_error("train --config " + config(std::string(kModel) + "num-experts: 4\n"),
                     "MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got 'yes')",
