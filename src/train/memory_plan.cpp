@@ -236,7 +236,9 @@ struct ChunkMemory {
   double forward_logits = 0;  // at the end of the forward (post_process): logits, loss
   double forward_other = 0;   //   and the rest of the moment's transients
   double backward_logits = 0, backward_other = 0;  // the highest moment of its backward
+  std::string forward_at = "the end of a forward (logits and loss)";
   std::string backward_at;
+  double offloaded = 0;  // --cpu-offloading: bytes its forward moves to host memory
 };
 
 ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, bool post,
@@ -248,16 +250,31 @@ ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, boo
   std::vector<LayerMemory> lm;
   for (int64_t i = 0; i < n; ++i) lm.push_back(layer_memory(x, layers.first_layer + i, training));
   // Held per layer: all it saved, or under full recompute its group's input (first layer)
-  // and its MoE routing.
+  // and its MoE routing; nothing for a layer --cpu-offloading moves to the host
+  // (model/activation_offload.h).
   std::vector<double> held(size_t(n), 0);
+  ChunkMemory out;
+  auto offloaded = [&](int64_t i) { return training && m.cpu_offloading.offloads(i); };
   for (int64_t i = 0; i < n; ++i) {
     const int64_t group = full ? rc.full_group_start(i, n) : -1;
     held[size_t(i)] = group < 0 ? lm[size_t(i)].saved
                                 : lm[size_t(i)].kept_full + (group == i ? lm[size_t(i)].input : 0);
+    if (offloaded(i)) {
+      out.offloaded += held[size_t(i)];
+      held[size_t(i)] = 0;
+    }
   }
-  ChunkMemory out;
   for (double h : held) out.saved += h;
   if (pre) out.saved += x.bytes(x.T, kI32);  // the token ids
+  // Offloading: during layer l's forward the previous layer's tensors wait for their copy
+  // (released after layer l's forward), beside layer l's own and the layers kept before.
+  double offload_forward = 0, kept_before = pre ? x.bytes(x.T, kI32) : 0;
+  for (int64_t l = 1; l < n; ++l) {
+    kept_before += held[size_t(l - 1)];
+    if (offloaded(l - 1))
+      offload_forward = std::max(offload_forward, kept_before + lm[size_t(l - 1)].saved +
+                                                      lm[size_t(l)].saved);
+  }
   double tail = 0;
   if (post) {
     // The final norm's input and statistics, the output layer's input (gathered under SP)
@@ -274,6 +291,11 @@ ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, boo
     out.backward_other = x.act(x.T, x.H) + (x.sp ? x.act(x.Tl, x.H) : 0);
     out.backward_at = "the output layer's backward (logits and d hidden)";
   }
+  if (offload_forward > out.saved + out.forward_logits + out.forward_other) {
+    out.forward_logits = 0;
+    out.forward_other = offload_forward - out.saved;
+    out.forward_at = "a forward, two offloaded layers' tensors on the device (one being copied)";
+  }
   // The layers' backward, last first: a full-recompute group re-runs its forward when its
   // last layer's backward starts; each layer frees what it saved when its backward ends.
   double live = out.saved - tail;  // the final norm's state is gone by then
@@ -282,6 +304,8 @@ ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, boo
     const int64_t group = full ? rc.full_group_start(i, n) : -1;
     if (group >= 0 && i + 1 == rc.full_group_end(i, n))
       for (int64_t j = group; j <= i; ++j) live += lm[size_t(j)].saved - held[size_t(j)];
+    // Offloading: layer i - 1's tensors come back at the start of layer i's backward.
+    if (i >= 1 && offloaded(i - 1)) live += lm[size_t(i - 1)].saved;
     const double moment = live + lm[size_t(i)].backward;
     if (moment - out.saved > best) {
       best = moment - out.saved;
@@ -387,7 +411,7 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
         sp.logits_and_loss = logits;
         sp.working_set = other;
         sp.in_flight = pairs;
-        sp.peak_at = op.forward ? "the end of a forward (logits and loss)" : c.backward_at;
+        sp.peak_at = op.forward ? c.forward_at : c.backward_at;
         if (pp > 1) sp.peak_at += fmt::format(", micro-batch {} of model chunk {}", op.micro_batch, op.chunk);
       }
       if (!op.forward) --live[size_t(op.chunk)];
@@ -450,6 +474,14 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
         m.moe_router_topk,
         m.moe_expert_capacity_factor > 0 ? ", at most the capacity" : " (dropless: a skewed "
                                                                        "step holds more)"));
+  if (m.cpu_offloading.enabled && m.cpu_offloading.num_layers > 0) {
+    const ChunkLayers cl = chunk_layers(layout.layers_per_stage, 1, 0, 0);
+    notes.push_back(fmt::format(
+        "CPU offloading: the first {} layers' activations, {:.2f} GiB per micro-batch, in "
+        "pinned host memory between forward and backward (not counted above)",
+        m.cpu_offloading.num_layers,
+        chunk_memory(x, cl, true, pp == 1, true).offloaded / double(1 << 30)));
+  }
   if (m.fp8.enabled)
     notes.push_back("FP8: saved inputs as FP8 x^T, each expert padded to the FP8 multiple on "
                     "average; the transient quantized copies are not counted");

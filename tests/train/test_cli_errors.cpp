@@ -204,6 +204,34 @@ TEST_F(CliErrors, RecomputeFlags) {
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
+// Megatron's CPU offloading checks (TransformerConfig.__post_init__), one line and exit 2
+// each; Megatron has no flag for offloading weights (cpu_offloading_weights is not on its
+// command line), nor has Megaton.
+TEST_F(CliErrors, CpuOffloadingFlags) {
+  const std::string two_layers = "num-layers: 2\nhidden-size: 16\nnum-attention-heads: 2\n";
+  const std::pair<const char*, const char*> cases[] = {
+      {"--cpu-offloading-num-layers 2",
+       "CPU offloading can be done only for layers less than num-layers (2): "
+       "cpu-offloading-num-layers is 2"},
+      {"--cpu-offloading --cpu-offloading-num-layers -1",
+       "CPU offloading can be done only for layers less than num-layers (2): "
+       "cpu-offloading-num-layers is -1"},
+      {"--cpu-offloading-num-layers 1 --pipeline-model-parallel-size 2",
+       "Currently there is no support for Pipeline parallelism with CPU offloading"},
+      {"--cpu-offloading --recompute-activations",
+       "CPU offloading does not work when activation recomputation is enabled"},
+      {"--cpu-offloading-num-layers 1 --recompute-granularity full --recompute-method block "
+       "--recompute-num-layers 1",
+       "CPU offloading does not work when activation recomputation is enabled"},
+      {"--cpu-offloading-num-layers 1 --cuda-graph-impl full_iteration",
+       "cpu-offloading with cuda-graph-impl full_iteration is not supported in Megaton yet"},
+      {"--cpu-offloading-num-layers 1 --cpu-offloading-weights",
+       "--cpu-offloading-weights"},
+  };
+  for (const auto& [flags, needle] : cases)
+    expect_user_error("train --config " + config(two_layers) + " " + flags, needle);
+}
+
 // --fp16 and the loss scaler's flags: Megatron's exclusions and DynamicGradScaler's
 // assertions, one line and exit 2 each.
 TEST_F(CliErrors, LossScalingFlags) {
@@ -247,6 +275,13 @@ TEST_F(CliErrors, NonFiniteFloatFlags) {
     SCOPED_TRACE(flag);
     expect_user_error(kMock + " --train-iters 3 " + flag, "must be");
   }
+}
+
+// A run with offloading trains (the flag reaches the model; the CPU backend copies into
+// host buffers of its own).
+TEST_F(CliErrors, CpuOffloadingTrains) {
+  EXPECT_EQ(run(kMock + " --train-iters 2 --cpu-offloading-num-layers 1"), 0)
+      << (stderr_lines.empty() ? "" : stderr_lines.back());
 }
 
 // Class 4: values that used to reach internal checks ("internal error", exit 1).

@@ -67,6 +67,11 @@ const Case kCases[] = {
     {"DenseFullUniformWithEvaluation", false,
      {{"recompute-granularity", {"full"}}, {"recompute-method", {"uniform"}},
       {"recompute-num-layers", {"1"}}, {"eval-iters", {"1"}}}},
+    // --cpu-offloading: layer 0's activations leave between its forward and the start of
+    // layer 1's backward.
+    {"DenseCpuOffloading", false, {{"cpu-offloading-num-layers", {"1"}}}},
+    {"DenseFourLayersCpuOffloading", false,
+     {{"num-layers", {"4"}}, {"cpu-offloading-num-layers", {"3"}}}},
     {"MoE", true, {}},
     {"MoEBf16Moments", true,
      {{"use-precision-aware-optimizer", {"true"}}, {"exp-avg-dtype", {"bf16"}},
@@ -77,6 +82,7 @@ const Case kCases[] = {
     {"MoEFullUniform", true,
      {{"recompute-granularity", {"full"}}, {"recompute-method", {"uniform"}},
       {"recompute-num-layers", {"2"}}}},
+    {"MoECpuOffloading", true, {{"cpu-offloading-num-layers", {"1"}}}},
     {"MoEAlltoAllDistributedOptimizer", true,
      {{"moe-token-dispatcher-type", {"alltoall"}}, {"use-distributed-optimizer", {"true"}}}},
 };
@@ -199,6 +205,24 @@ TEST(MemoryPlan, FollowsTheLayout) {
   const MemoryPlan more = plan_of(longer);
   EXPECT_NEAR(more.persistent(), one.persistent(), 0.02 * one.persistent());
   EXPECT_GT(more.activations, 1.8 * one.activations);
+}
+
+// --cpu-offloading: the offloaded layers' activations leave the plan's peak, but for the
+// two in flight (the layer being brought back and the one whose backward runs).
+TEST(MemoryPlan, CpuOffloadingLowersThePeak) {
+  RawOptions raw = base(false);
+  raw["num-layers"] = {"8"};
+  const MemoryPlan kept = plan_of(raw);
+  double previous = kept.total();
+  for (const char* n : {"2", "4", "7"}) {
+    raw["cpu-offloading-num-layers"] = {n};
+    const MemoryPlan off = plan_of(raw);
+    EXPECT_EQ(off.persistent(), kept.persistent()) << n;
+    EXPECT_LT(off.total(), previous) << n;
+    previous = off.total();
+  }
+  // At most: two layers' activations, the last layer's, the tail and the working set.
+  EXPECT_LT(previous - kept.persistent(), 0.6 * (kept.total() - kept.persistent()));
 }
 
 // Active parameters: a model with num-experts E and top-k k has the active count of a
