@@ -67,6 +67,8 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     if c.get("kv"):
         cmd += ["--group-query-attention", "--num-query-groups", str(c["kv"])]
     cmd += list(extra)
+    if "--fp16" in extra:  # an fp16 variant replaces the default --bf16
+        cmd.remove("--bf16")
     # The memory plan's prediction for the same flags (megaton train --dry-run: nothing runs).
     plan = subprocess.run(cmd + ["--dry-run"], capture_output=True, text=True)
     planned = re.search(r"= total \(the planned peak\) +\d+ +[\d.]+ +([\d.]+)", plan.stdout)
