@@ -16,6 +16,11 @@ struct Param {
   std::string name;
   Tensor weight;
   Tensor main_param;
+  // Transformer Engine's store_param_remainders (optim::AdamWConfig, on by default in bf16
+  // runs): the fp32 main param held as the bf16 weight plus this I16 tensor of its low 16
+  // bits (same shape; ops/param_remainder.h joins the two back into the fp32 value), in
+  // place of main_param, which is then undefined. Set by the optimizer; undefined otherwise.
+  Tensor main_param_remainder;
   Tensor main_grad;
   // Megatron applies no weight decay to biases and normalization weights.
   bool no_weight_decay = false;

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "ops/adam_precision.h"
 #include "ops/ops.h"
+#include "ops/param_remainder.h"
 
 namespace megaton::optim {
 
@@ -95,6 +96,21 @@ ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_s
   return key;
 }
 
+bool stores_param_remainder(const AdamWConfig& config, const Param& p) {
+  if (p.main_param_remainder.defined()) return true;
+  return config.store_param_remainders && p.weight.defined() &&
+         p.weight.dtype() == DType::BF16 && p.main_param.defined() &&
+         p.main_param.dtype() == DType::F32 && p.main_param.raw() != p.weight.raw();
+}
+
+Tensor main_param_value(const Param& p) {
+  if (p.main_param.defined()) return p.main_param;
+  if (!p.main_param_remainder.defined()) return p.weight;
+  Tensor out = Tensor::empty(p.weight.shape(), DType::F32, p.weight.device());
+  ops::join_param_remainders(p.weight, p.main_param_remainder, out);
+  return out;
+}
+
 AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device)
     : params_(std::move(params)), config_(config) {
   const auto moment_dtype_ok = [](DType d) { return d == DType::F32 || d == DType::BF16; };
@@ -106,10 +122,25 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
   exp_avg_sq_.reserve(params_.size());
   for (Param* p : params_) {
     MEGATON_CHECK(p != nullptr, "null Param in the optimizer's list");
-    const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
-    MEGATON_CHECK(master.defined() && master.dtype() == DType::F32 &&
-                      master.shape() == p->weight.shape(),
-                  "param '{}' needs an fp32 main_param (or fp32 weight)", p->name);
+    if (stores_param_remainder(config_, *p) && !p->main_param_remainder.defined()) {
+      // Before this param's moments are allocated, so the fp32 main param is free first.
+      p->main_param_remainder = Tensor::empty(p->weight.shape(), DType::I16, p->weight.device());
+      ops::split_param_remainders(p->main_param, p->weight, p->main_param_remainder);
+      p->main_param = Tensor();
+    }
+    if (p->main_param_remainder.defined()) {
+      MEGATON_CHECK(p->weight.defined() && p->weight.dtype() == DType::BF16 &&
+                        !p->main_param.defined() &&
+                        p->main_param_remainder.dtype() == DType::I16 &&
+                        p->main_param_remainder.shape() == p->weight.shape(),
+                    "param '{}': a main_param_remainder needs a BF16 weight of its shape and "
+                    "no main_param", p->name);
+    } else {
+      const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
+      MEGATON_CHECK(master.defined() && master.dtype() == DType::F32 &&
+                        master.shape() == p->weight.shape(),
+                    "param '{}' needs an fp32 main_param (or fp32 weight)", p->name);
+    }
     MEGATON_CHECK(p->main_grad.defined() && p->main_grad.dtype() == DType::F32 &&
                       p->main_grad.shape() == p->weight.shape(),
                   "param '{}': main_grad {} {} does not match weight {}", p->name,
@@ -125,26 +156,44 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
                          params_.empty() ? state_device : params_[0]->weight.device());
 }
 
-AdamW::Lists AdamW::lists() const {
+AdamW::SplitLists AdamW::lists() const {
   // Rebuilt on every step (handles only, no copies of data): the trainer may have
   // reassigned a Param's tensors since the last step.
-  Lists out;
-  for (Param* p : params_) {
-    const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
-    out.masters.push_back(master);
-    out.grads.push_back(p->main_grad);
-    // The compute copy (bf16 in a bf16 run) follows the updated fp32 master.
-    out.copies.push_back(master.raw() != p->weight.raw() ? p->weight : Tensor());
-    out.weight_decays.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
+  SplitLists out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param* p = params_[i];
+    const bool remainder = p->main_param_remainder.defined();
+    Lists& l = remainder ? out.remainder : out.fp32;
+    if (remainder) {
+      l.masters.push_back(p->weight);
+      l.copies.push_back(p->main_param_remainder);
+    } else {
+      const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
+      l.masters.push_back(master);
+      // The compute copy (bf16 in a bf16 run) follows the updated fp32 master.
+      l.copies.push_back(master.raw() != p->weight.raw() ? p->weight : Tensor());
+    }
+    l.grads.push_back(p->main_grad);
+    l.exp_avg.push_back(exp_avg_[i]);
+    l.exp_avg_sq.push_back(exp_avg_sq_[i]);
+    l.weight_decays.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
+    l.keys.push_back(rounding_keys_[i]);
   }
   return out;
 }
 
 void AdamW::step(const Tensor& control) {
-  Lists l = lists();
-  ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays,
-                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, control,
-                          rounding_keys_);
+  SplitLists s = lists();
+  Lists& f = s.fp32;
+  if (!f.masters.empty())
+    ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies,
+                            f.weight_decays, config_.adam_beta1, config_.adam_beta2,
+                            config_.adam_eps, control, f.keys);
+  Lists& r = s.remainder;
+  if (!r.masters.empty())
+    ops::multi_tensor_adamw_param_remainder(r.masters, r.copies, r.grads, r.exp_avg, r.exp_avg_sq,
+                                            r.weight_decays, config_.adam_beta1,
+                                            config_.adam_beta2, config_.adam_eps, control, r.keys);
 }
 
 int64_t AdamW::step_count() const { return state_.to(Device::CPU).i64()[0]; }
@@ -152,10 +201,18 @@ int64_t AdamW::step_count() const { return state_.to(Device::CPU).i64()[0]; }
 void AdamW::step(float lr, float grad_scale) {
   const int64_t step = step_count() + 1;
   set_step_count(step);
-  Lists l = lists();
-  ops::multi_tensor_adamw(l.masters, l.grads, exp_avg_, exp_avg_sq_, l.copies, l.weight_decays, lr,
-                          config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step,
-                          grad_scale, rounding_keys_);
+  SplitLists s = lists();
+  Lists& f = s.fp32;
+  if (!f.masters.empty())
+    ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies,
+                            f.weight_decays, lr, config_.adam_beta1, config_.adam_beta2,
+                            config_.adam_eps, step, grad_scale, f.keys);
+  Lists& r = s.remainder;
+  if (!r.masters.empty())
+    ops::multi_tensor_adamw_param_remainder(r.masters, r.copies, r.grads, r.exp_avg, r.exp_avg_sq,
+                                            r.weight_decays, lr, config_.adam_beta1,
+                                            config_.adam_beta2, config_.adam_eps, step, grad_scale,
+                                            r.keys);
 }
 
 void AdamW::set_step_count(int64_t count) {

@@ -27,7 +27,24 @@ struct AdamWConfig {
   DType main_grads_dtype = DType::F32;
   DType exp_avg_dtype = DType::F32;
   DType exp_avg_sq_dtype = DType::F32;
+  // Megatron's OptimizerConfig.store_param_remainders (Transformer Engine's FusedAdam
+  // option of that name; Megaton's --no-store-param-remainders turns it off): a param whose
+  // weight is BF16 beside a separate fp32 main param keeps only the main param's low 16
+  // bits (Param::main_param_remainder, 2 bytes instead of 4; the high half is the weight,
+  // ops/param_remainder_math.h). Lossless for the main param, so Megaton applies it to every
+  // such param, where Megatron does only under the precision-aware optimizer. FP8 weights
+  // (--fp8-param-gather) and fp16 ones keep the fp32 main param.
+  bool store_param_remainders = true;
 };
+
+// Whether AdamW with `config` keeps p's main param as a remainder: config says so, p's
+// weight is BF16, and p has a separate fp32 main param (or already its remainder).
+bool stores_param_remainder(const AdamWConfig& config, const Param& p);
+
+// p's fp32 main param, shaped like p.weight: p.main_param when defined, a new tensor joined
+// from p.weight and p.main_param_remainder when that is defined, else the weight itself
+// (an fp32 run's weight is its main param).
+Tensor main_param_value(const Param& p);
 
 // The DType of a precision-aware dtype flag's value (Megatron's names: fp32, fp16, bf16,
 // fp8 = e4m3, as Transformer Engine stores an fp8 state). `key` is the flag, for the
@@ -52,7 +69,9 @@ ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_s
 void check_precision_aware_config(const AdamWConfig& config);
 
 // Decoupled-weight-decay Adam (Loshchilov & Hutter 2019) as Megatron runs it (Apex/TE
-// FusedAdam with adam_w_mode): the update itself is ops::multi_tensor_adamw. Holds one
+// FusedAdam with adam_w_mode): the update itself is ops::multi_tensor_adamw, or
+// ops::multi_tensor_adamw_param_remainder for params whose main param is kept as a
+// remainder (store_param_remainders). Holds one
 // exp_avg and exp_avg_sq per parameter, shaped like its weight, zero at construction, in
 // config.exp_avg_dtype / exp_avg_sq_dtype (fp32 by default; bf16 under the
 // precision-aware optimizer). Params with no_weight_decay (biases, norm weights) get
@@ -62,14 +81,20 @@ void check_precision_aware_config(const AdamWConfig& config);
 class AdamW {
  public:
   // `params` are not owned and must outlive the optimizer. Each needs a defined fp32
-  // weight and a main_grad of the same shape, and a unique name (state keys derive from
-  // it); otherwise InternalError (a bug in the model code, not a user mistake).
+  // weight, a separate fp32 main_param, or a BF16 weight with its I16
+  // main_param_remainder; a main_grad of the same shape; and a unique name (state keys
+  // derive from it); otherwise InternalError (a bug in the model code, not a user
+  // mistake). Where stores_param_remainder(config, *p) and p has no remainder yet, the
+  // constructor splits p->main_param into p->weight (rewritten, rounded as
+  // ops::split_param_remainders rounds) and a new p->main_param_remainder, and releases
+  // p->main_param.
   // state_device: where the step count lives (device_state); the params' device when
   // there are params, else this one (a rank whose shard holds no parameter).
   explicit AdamW(std::vector<Param*> params, AdamWConfig config = {},
                  Device state_device = Device::CPU);
 
-  // One update of every main_param (the weight itself when main_param is undefined) from
+  // One update of every main_param (the weight itself when main_param is undefined; the
+  // (weight, remainder) pair when main_param_remainder is defined) from
   // its main_grad times `grad_scale` with learning rate `lr` (from the LR schedule); the
   // compute weight is then rewritten from it when they differ (bf16 runs). grad_scale is
   // the gradient-clipping coefficient (clip_coefficient in optim/clip_grad.h), applied as
@@ -114,12 +139,18 @@ class AdamW {
   std::vector<Tensor> exp_avg_sq_;
   Tensor state_;  // I64 [2]: step count, stopped
   std::vector<ops::MomentRoundingKey> rounding_keys_;
-  // The lists multi_tensor_adamw takes, from the params as they are now.
+  // The lists multi_tensor_adamw (fp32 main params) and
+  // multi_tensor_adamw_param_remainder (remainders: `masters` holds the BF16 weights,
+  // `copies` the remainders) take, each with its params' moments and keys.
   struct Lists {
-    std::vector<Tensor> masters, grads, copies;
+    std::vector<Tensor> masters, grads, copies, exp_avg, exp_avg_sq;
     std::vector<float> weight_decays;
+    std::vector<ops::MomentRoundingKey> keys;
   };
-  Lists lists() const;
+  struct SplitLists {
+    Lists fp32, remainder;
+  };
+  SplitLists lists() const;
 };
 
 }  // namespace megaton::optim

@@ -11,6 +11,7 @@
 #include "model/layers.h"
 #include "ops/fp8.h"
 #include "ops/ops.h"
+#include "ops/param_remainder.h"
 
 namespace megaton::optim {
 
@@ -50,6 +51,17 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
     MEGATON_CHECK(b.num_shards() == g.size(), "buffer of {} shards for group {}", b.num_shards(),
                   g.describe());
     count += b.shard_pieces(g.rank).size();
+    // Remainders (AdamWConfig::store_param_remainders) for a BF16 weight buffer: every rank
+    // rounds every weight as the owner of its piece will (ties away from zero, where the
+    // model's cast rounded to nearest even), so that all replicas compute alike before the
+    // first all-gather.
+    const bool remainders = config.store_param_remainders && b.weights().dtype() == DType::BF16;
+    buffer_remainders_.push_back(remainders);
+    if (remainders)
+      for (Param* p : b.params()) {
+        Tensor none;
+        ops::split_param_remainders(p->main_param, p->weight, none);
+      }
   }
   shard_params_.reserve(count);  // AdamW keeps pointers into it
   for (size_t bi = 0; bi < buffers_.size(); ++bi) {
@@ -72,6 +84,12 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
         sp.weight = sp.main_param;
       } else if (p->main_param.raw() == p->weight.raw()) {
         sp.main_param = sp.weight;  // fp32 run: the weight is the main param
+      } else if (buffer_remainders_[bi]) {
+        // The piece's fp32 main param as its remainder beside the weight (AdamW keeps it).
+        sp.main_param_remainder = Tensor::empty({piece.numel}, DType::I16, p->weight.device());
+        ops::split_param_remainders(
+            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel),
+            sp.weight, sp.main_param_remainder);
       } else {
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
         sp.main_param.copy_from(p->main_param.view({p->main_param.numel()})
@@ -151,28 +169,71 @@ bool DistributedAdamW::counts_in_norm(const Param& p) const {
   return !p.shared && (p.tp_split_dim >= 0 || tp.rank <= 0);
 }
 
-std::vector<Tensor> DistributedAdamW::counted_tensors(bool main_params) const {
+std::vector<const Param*> DistributedAdamW::counted_params() const {
   // Each distinct element once: data-parallel replicas on rank 0 of the group (or each
   // shard on its owner), tensor-parallel replicas on TP rank 0.
-  std::vector<Tensor> tensors;
+  std::vector<const Param*> params;
   if (distributed_) {
     for (size_t i = 0; i < shard_params_.size(); ++i)
-      if (counts_in_norm(*shard_pieces_[i].param))
-        tensors.push_back(main_params ? shard_params_[i].main_param : shard_params_[i].main_grad);
+      if (counts_in_norm(*shard_pieces_[i].param)) params.push_back(&shard_params_[i]);
   } else {
     for (ParamAndGradBuffer& b : each_buffer())
       if (group_of(b).rank == 0)
         for (Param* p : b.params())
-          if (counts_in_norm(*p))
-            tensors.push_back(main_params ? (p->main_param.defined() ? p->main_param : p->weight)
-                                          : p->main_grad);
+          if (counts_in_norm(*p)) params.push_back(p);
   }
-  return tensors;
+  return params;
 }
 
+std::vector<Tensor> DistributedAdamW::counted_grads() const {
+  std::vector<Tensor> grads;
+  for (const Param* p : counted_params()) grads.push_back(p->main_grad);
+  return grads;
+}
+
+namespace {
+// The sum of squares of the fp32 main params of (weight, remainder) pairs, joined through
+// a scratch of at most 2^24 elements (64 MiB) at a time rather than a whole fp32 copy.
+double remainder_sum_of_squares(const std::vector<const Param*>& params) {
+  constexpr int64_t kScratch = int64_t(1) << 24;
+  int64_t total = 0;
+  for (const Param* p : params) total += p->weight.numel();
+  if (total == 0) return 0.0;
+  Tensor scratch =
+      Tensor::empty({std::min(total, kScratch)}, DType::F32, params[0]->weight.device());
+  double sum = 0.0;
+  for (const Param* p : params) {
+    const int64_t n = p->weight.numel();
+    const Tensor weight = p->weight.view({n}), remainder = p->main_param_remainder.view({n});
+    for (int64_t at = 0; at < n; at += kScratch) {
+      const int64_t len = std::min(kScratch, n - at);
+      Tensor out = scratch.rows(0, len);
+      ops::join_param_remainders(weight.rows(at, len), remainder.rows(at, len), out);
+      sum += ops::sum_of_squares(out);
+    }
+  }
+  return sum;
+}
+}  // namespace
+
 double DistributedAdamW::norm_over_model(bool main_params) {
-  const std::vector<Tensor> tensors = counted_tensors(main_params);
-  const double sum_sq = tensors.empty() ? 0.0 : ops::multi_tensor_sum_of_squares(tensors);
+  double sum_sq = 0.0;
+  if (!main_params) {
+    const std::vector<Tensor> grads = counted_grads();
+    if (!grads.empty()) sum_sq = ops::multi_tensor_sum_of_squares(grads);
+  } else {
+    // Remainder pairs are joined a piece at a time; the others are read as they are.
+    std::vector<Tensor> plain;
+    std::vector<const Param*> joined;
+    for (const Param* p : counted_params()) {
+      if (p->main_param_remainder.defined())
+        joined.push_back(p);
+      else
+        plain.push_back(p->main_param.defined() ? p->main_param : p->weight);
+    }
+    if (!plain.empty()) sum_sq = ops::multi_tensor_sum_of_squares(plain);
+    sum_sq += remainder_sum_of_squares(joined);
+  }
   // Every rank's partial sum, added in rank order: the same fp64 result everywhere.
   const double norm = std::sqrt(dist::sum_over(comm_, grid_.world(), {sum_sq})[0]);
   // The reduced gradients are sums over the data-parallel ranks (DistributedDataParallel).
@@ -180,7 +241,7 @@ double DistributedAdamW::norm_over_model(bool main_params) {
 }
 
 int64_t DistributedAdamW::num_zeros_in_grad() {
-  const std::vector<Tensor> tensors = counted_tensors(false);
+  const std::vector<Tensor> tensors = counted_grads();
   const int64_t zeros = tensors.empty() ? 0 : ops::multi_tensor_count_zeros(tensors);
   // Exact in fp64 below 2^53 elements.
   return int64_t(dist::sum_over(comm_, grid_.world(), {double(zeros)})[0]);
@@ -200,7 +261,7 @@ DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(const Tensor& lr, 
                                                               float inv_loss_scale) {
   const Device device = adam_->device_state().device();
   Tensor mine = Tensor::empty({1}, DType::I64, device);
-  ops::multi_tensor_sum_of_squares(counted_tensors(false), mine);
+  ops::multi_tensor_sum_of_squares(counted_grads(), mine);
   Tensor parts = mine;
   if (grid_.world().size() > 1) {
     parts = Tensor::empty({grid_.world().size()}, DType::I64, device);
@@ -232,8 +293,8 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
       const bool writer = group_of(b).rank == 0;
       for (Param* p : b.params()) {
         if (writer && !p->shared) {
-          const Tensor& main = p->main_param.defined() ? p->main_param : p->weight;
-          model_out.emplace_back("model." + p->name, main);
+          // A remainder pair is written as the fp32 main param it stands for.
+          model_out.emplace_back("model." + p->name, main_param_value(*p));
           optim_out.emplace_back("optimizer." + state[2 * index].first, *state[2 * index].second);
           optim_out.emplace_back("optimizer." + state[2 * index + 1].first,
                                  *state[2 * index + 1].second);
@@ -254,7 +315,12 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
       for (size_t i = 0; i < shard_params_.size(); ++i) {
         if (shard_buffer_[i] != bi) continue;
         const BufferPiece& piece = shard_pieces_[i];
-        full[0].rows(piece.buffer_offset, piece.numel).copy_from(shard_params_[i].main_param);
+        Tensor main = full[0].rows(piece.buffer_offset, piece.numel);
+        const Param& sp = shard_params_[i];
+        if (sp.main_param_remainder.defined())
+          ops::join_param_remainders(sp.weight, sp.main_param_remainder, main);
+        else
+          main.copy_from(sp.main_param);
         Tensor m = full[1].rows(piece.buffer_offset, piece.numel);
         Tensor v = full[2].rows(piece.buffer_offset, piece.numel);
         ops::cast(*state[2 * i].second, m);
@@ -293,18 +359,25 @@ void DistributedAdamW::load_full_state(
     return *t;
   };
   // Weights (every rank holds all of them) and, replicated, the main params.
-  for (ParamAndGradBuffer& b : each_buffer())
+  for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+    ParamAndGradBuffer& b = *buffers_[bi];
     for (Param* p : b.params()) {
       const Tensor& full = get("model." + p->name, p->weight.shape());
       if (b.fp8()) continue;  // quantized from the main params below
       if (p->main_param.defined()) {
         p->main_param.copy_from(full);
         refresh_compute_weight(*p);
+      } else if (p->main_param_remainder.defined() || (distributed_ && buffer_remainders_[bi])) {
+        // Remainders: the weight rounded as the split rounds it (and, replicated, the
+        // remainder itself; distributed, the shard pieces' below).
+        Tensor on_device = full.to(p->weight.device());
+        ops::split_param_remainders(on_device, p->weight, p->main_param_remainder);
       } else {
         Tensor on_device = full.to(p->weight.device());
         ops::cast(on_device, p->weight);
       }
     }
+  }
   // An Adam moment in the checkpoint's dtype (F32, BF16 or F16), converted to this run's
   // (round to nearest even) with one notice on world rank 0.
   bool noticed = false;
@@ -339,8 +412,12 @@ void DistributedAdamW::load_full_state(
     Param& sp = shard_params_[i];
     // (An fp32 run's weight is its main param, loaded above; an FP8 weight's piece updates
     // its own fp32 main param, sp.weight being that too.)
-    if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8())
+    if (sp.main_param_remainder.defined()) {
+      Tensor piece_main = slice(get("model." + p->name, p->weight.shape())).to(sp.weight.device());
+      ops::split_param_remainders(piece_main, sp.weight, sp.main_param_remainder);
+    } else if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8()) {
       sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
+    }
     if (optimizer_state) {
       Tensor& m = *state[2 * i].second;
       Tensor& v = *state[2 * i + 1].second;

@@ -28,6 +28,9 @@ class DistributedAdamW {
   // Dense buffers reduce over the grid's dp_cp group, expert buffers over edp. With
   // `distributed`, the fp32 main params outside this rank's shard are released
   // (Param::main_param becomes undefined in bf16 runs; fp32 runs keep the weight itself).
+  // With config.store_param_remainders, a BF16 weight buffer's main params are kept as
+  // remainders (Param::main_param_remainder: the model's params when replicated, the shard
+  // params when distributed), the weights rounded to match (ops/param_remainder.h).
   DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
                    dist::Comm& comm, AdamWConfig config, bool distributed);
 
@@ -40,7 +43,8 @@ class DistributedAdamW {
   // count_zeros_fp32, logged with --log-num-zeros-in-grad). Collective over the world.
   int64_t num_zeros_in_grad();
   // L2 norm of the fp32 main params, counted like grad_norm (Megatron's
-  // calc_params_l2_norm, logged with --log-params-norm). Collective over the world.
+  // calc_params_l2_norm, logged with --log-params-norm); main params kept as remainders are
+  // joined 2^24 elements at a time. Collective over the world.
   double params_norm();
 
   // AdamW with learning rate lr, gradients times grad_scale (clipping), on the params or
@@ -90,10 +94,11 @@ class DistributedAdamW {
   void set_step_count(int64_t count) { adam_->set_step_count(count); }
 
   // Full fp32 tensors (not sharded over data-parallel ranks) for a checkpoint:
-  // "model.<name>" (main params) then "optimizer.<name>.exp_avg" / ".exp_avg_sq", of the
-  // params this rank writes: those of buffers where it is rank 0 of the data-parallel
-  // group (the others return none for them), except Param::shared copies, written by the
-  // first pipeline stage. Collective over the data-parallel groups.
+  // "model.<name>" (main params; those kept as remainders joined back into fp32, so a
+  // checkpoint is the same with and without remainders) then "optimizer.<name>.exp_avg" /
+  // ".exp_avg_sq", of the params this rank writes: those of buffers where it is rank 0 of
+  // the data-parallel group (the others return none for them), except Param::shared
+  // copies, written by the first pipeline stage. Collective over the data-parallel groups.
   std::vector<std::pair<std::string, Tensor>> full_state();
   // Loads full tensors (from a checkpoint; names as in full_state) into this rank's main
   // params, weights and Adam state. `optimizer_state`: also the Adam moments. Throws
@@ -105,9 +110,10 @@ class DistributedAdamW {
   const dist::Group& group_of(const ParamAndGradBuffer& b) const;
   // Whether this rank counts p's gradient in the grad norm (tensor-parallel replicas once).
   bool counts_in_norm(const Param& p) const;
-  // The tensors the norms and counts run over: each distinct element once (see grad_norm);
-  // the main params or the main grads.
-  std::vector<Tensor> counted_tensors(bool main_params) const;
+  // The params the norms and counts run over: each distinct element once (see grad_norm),
+  // the model's params (replicated) or the shard params (distributed); their main grads.
+  std::vector<const Param*> counted_params() const;
+  std::vector<Tensor> counted_grads() const;
   // grad_norm (main_params false) or params_norm (true).
   double norm_over_model(bool main_params);
 
@@ -126,6 +132,10 @@ class DistributedAdamW {
   std::vector<Param> shard_params_;
   std::vector<BufferPiece> shard_pieces_;  // distributed: the piece of each shard param
   std::vector<size_t> shard_buffer_;       // distributed: its buffer index
+  // distributed: per buffer, whether its main params are kept as remainders
+  // (AdamWConfig::store_param_remainders with BF16 weights): the shard params then hold
+  // main_param_remainder, and every rank rounds the whole weights as the split does.
+  std::vector<bool> buffer_remainders_;
   // --fp8-param-gather: the operand lists of quantize_fp8_weights for each FP8 buffer,
   // built once (plan_fp8_weight_casts): views that stay valid for the optimizer's life.
   struct Fp8WeightCast {

@@ -43,12 +43,16 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   // Bytes per parameter element: compute weight + main grad (whole, every rank) + Adam's
   // exp_avg and exp_avg_sq (sharded) + the main param where the compute weight is not fp32
   // (sharded), each in its dtype (fp32 unless the precision-aware optimizer says otherwise:
-  // --exp-avg-dtype bf16 stores 2 bytes, docs/memory.md).
+  // --exp-avg-dtype bf16 stores 2 bytes, docs/memory.md); beside bf16 weights the main
+  // param is a 2-byte remainder (store_param_remainders; --fp8-param-gather keeps fp32 main
+  // params for its FP8 weights, which a lower bound may count at 2).
   const optim::AdamWConfig& adam = args.adam;
   const double grad_b = double(dtype_size(adam.main_grads_dtype));
   const double moments_b =
       double(dtype_size(adam.exp_avg_dtype) + dtype_size(adam.exp_avg_sq_dtype));
-  const double main_b = double(dtype_size(adam.main_params_dtype));
+  const double main_b = adam.store_param_remainders && m.compute_dtype() == DType::BF16
+                            ? 2.0
+                            : double(dtype_size(adam.main_params_dtype));
   auto bytes_per_element = [&](double shards) {
     return cb + grad_b + moments_b / shards + (cb < 4 ? main_b / shards : 0.0);
   };

@@ -42,7 +42,8 @@ struct MemoryPlan {
   // Persistent bytes of the rank (model/param_buffer.h, optim/adamw.h,
   // optim/distrib_optimizer.h): the compute weights (one buffer per dtype and kind:
   // dense, expert, FP8 under --fp8-param-gather), the fp32 main grads (whole on every
-  // rank), the fp32 main params where the weight is not fp32 (one tensor per parameter,
+  // rank), the fp32 main params where the weight is not fp32, or their 16-bit remainders
+  // beside bf16 weights (store_param_remainders) (one tensor per parameter,
   // or per piece of this rank's shard under --use-distributed-optimizer) and the Adam
   // moments in their dtypes (same tensors as the main params); other_state: router
   // statistics, the optimizer's step state, FP8 scales, the trainer's batch buffers.

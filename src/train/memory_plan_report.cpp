@@ -61,7 +61,7 @@ std::string format_memory_plan(const MemoryPlan& p) {
   const int64_t dense_shards = z.dp * z.cp, expert_shards = z.edp;
   line(fmt::format("weights ({})", dtype_flag(p.compute_dtype)), p.weights);
   line("main grads (fp32, whole on every data-parallel rank)", p.main_grads);
-  line("main params (fp32, where the weights are not fp32)", p.main_params);
+  line("main params (fp32, or int16 remainders beside bf16)", p.main_params);
   line("Adam exp_avg", p.exp_avg);
   line("Adam exp_avg_sq", p.exp_avg_sq);
   line("other state (router statistics, step state, batch buffers)", p.other_state);

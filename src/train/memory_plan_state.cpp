@@ -119,6 +119,9 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   const bool distributed = args.parallel.use_distributed_optimizer;
   const double cb = double(dtype_size(m.compute_dtype()));
   const double main_b = double(dtype_size(args.adam.main_params_dtype));
+  // Beside BF16 weights the main param is its 16-bit remainder (store_param_remainders,
+  // DistributedAdamW); beside FP8 and fp16 weights it stays fp32.
+  const bool remainders = args.adam.store_param_remainders && m.compute_dtype() == DType::BF16;
   const double avg_b = double(dtype_size(args.adam.exp_avg_dtype));
   const double sq_b = double(dtype_size(args.adam.exp_avg_sq_dtype));
   auto block = [&](double bytes) { return memory_plan_block_bytes(bytes, dev); };
@@ -160,7 +163,7 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
                              ? std::max(0.0, std::min(offsets[i] + sizes[i], shard) - offsets[i])
                              : sizes[i];
         if (n <= 0) continue;
-        if (cb != 4 || fp8) plan.main_params += block(n * main_b);
+        if (cb != 4 || fp8) plan.main_params += block(n * (remainders && !fp8 ? 2 : main_b));
         plan.exp_avg += block(n * avg_b);
         plan.exp_avg_sq += block(n * sq_b);
       }

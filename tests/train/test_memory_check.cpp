@@ -103,6 +103,27 @@ TEST(MemoryBound, FollowsTheLayout) {
               4 * base.activation_bytes, 1e-6 * base.activation_bytes);
 }
 
+// A bf16 GPU run keeps 16 bytes per parameter (weight 2, main grad 4, moments 8, main param
+// remainder 2: store_param_remainders), 18 with --no-store-param-remainders.
+TEST(MemoryBound, Bf16MainParamsAreTwoByteRemainders) {
+  auto gpu_bound = [](RawOptions raw) {
+    TrainArgs args = parse_train_args(raw);  // parsed for the CPU: this machine has no GPU
+    args.model.device = Device::CUDA;
+    args.model.bf16 = true;
+    args.model.vocab_size = 1001;
+    args.model.tensor_model_parallel_size = args.parallel.tensor_model_parallel_size;
+    args.model.finalize();
+    return memory_lower_bound(args, check_parallel_layout(args, 1).sizes);
+  };
+  const RawOptions raw = tiny(false);
+  RawOptions off = raw;
+  off["no-store-param-remainders"] = {"true"};
+  const MemoryLowerBound with = gpu_bound(raw), without = gpu_bound(off);
+  ASSERT_GT(with.parameters, 0);
+  EXPECT_NEAR(with.parameter_state_bytes, 16 * with.parameters, 1e-9 * with.parameters);
+  EXPECT_NEAR(without.parameter_state_bytes, 18 * with.parameters, 1e-9 * with.parameters);
+}
+
 // Absurd flags give huge finite bounds, not wrapped integers.
 TEST(MemoryBound, AbsurdSizesDoNotWrap) {
   RawOptions raw = tiny(false);

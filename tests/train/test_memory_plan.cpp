@@ -237,6 +237,45 @@ TEST(MemoryPlan, ActiveParametersAreTopK) {
   EXPECT_LT(all.active_parameters, all.total_parameters);
 }
 
+// A bf16 GPU plan (made on this machine for --device cuda --bf16) counts the main params
+// beside bf16 weights as 2-byte remainders (store_param_remainders, the default): half the
+// fp32 bytes; --no-store-param-remainders counts fp32; FP8 weights (--fp8-param-gather)
+// keep fp32 main params; an fp32 run has none.
+TEST(MemoryPlan, Bf16MainParamsAreRemainders) {
+  auto gpu_plan = [](RawOptions raw) {
+    TrainArgs args = parse_train_args(raw);  // parsed for the CPU: this machine has no GPU
+    args.model.device = Device::CUDA;
+    args.model.bf16 = true;
+    args.model.vocab_size = args.vocab_size + 1;
+    args.model.finalize();
+    return plan_memory(args, check_parallel_layout(args, 1));
+  };
+  const RawOptions raw = base(false);
+  RawOptions off = raw;
+  off["no-store-param-remainders"] = {"true"};
+  EXPECT_TRUE(parse_train_args(raw).adam.store_param_remainders);
+  EXPECT_FALSE(parse_train_args(off).adam.store_param_remainders);
+  const MemoryPlan with = gpu_plan(raw), without = gpu_plan(off);
+  EXPECT_GT(without.main_params, 0);
+  // Each tensor rounded to the CUDA cache's block: within a few percent of half.
+  EXPECT_NEAR(with.main_params, without.main_params / 2, 0.03 * without.main_params);
+  EXPECT_EQ(with.weights, without.weights);
+  EXPECT_EQ(with.main_grads, without.main_grads);
+  EXPECT_EQ(with.exp_avg, without.exp_avg);
+  EXPECT_EQ(plan_of(raw).main_params, 0);  // fp32 on the CPU: the weights are the main params
+
+  RawOptions fp8 = raw;
+  fp8["fp8-format"] = {"hybrid"};
+  fp8["fp8-param-gather"] = {"true"};
+  fp8["use-distributed-optimizer"] = {"true"};
+  RawOptions fp8_off = fp8;
+  fp8_off["no-store-param-remainders"] = {"true"};
+  const MemoryPlan fp8_with = gpu_plan(fp8), fp8_without = gpu_plan(fp8_off);
+  // Only the bf16 weights' (embeddings, norms) main params shrink.
+  EXPECT_LT(fp8_with.main_params, fp8_without.main_params);
+  EXPECT_GT(fp8_with.main_params, 0.55 * fp8_without.main_params);
+}
+
 // The dry run prints the plan and allocates no tensor.
 TEST(MemoryPlan, DryRunAllocatesNothing) {
   RawOptions raw = base(true);
