@@ -1,4 +1,5 @@
-// GPU tests of causal GQA attention (cuDNN fused SDPA) and RoPE against the CPU reference ops.
+// GPU tests of causal GQA attention (cuDNN fused SDPA) and RoPE against the CPU reference ops,
+// in BF16 and F16 (and F32 for RoPE).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -13,14 +14,13 @@
 namespace megaton {
 namespace {
 
+using testing::all_finite;
 using testing::allclose;
+using testing::bitwise_equal;
 using testing::poison;
+using testing::poisoned_device;
 using testing::randn;
 using testing::rel_error;
-using testing::all_finite;
-using testing::bitwise_equal;
-using testing::poisoned_device;
-using testing::round_to_bf16;
 using testing::seed_trace;
 using testing::to_device;
 using testing::to_host_f32;
@@ -49,18 +49,20 @@ class CudaAttentionTest : public ::testing::TestWithParam<AttentionCase> {};
 // one for delta = dout . out, and with GQA dk, dv sum Hq/Hkv such terms; each rounding is
 // 2^-9 relative, and the errors add to ~5e-3..1e-2 on these shapes.
 constexpr double kOutRelTol = 1e-2, kLseAtol = 1e-3, kLseRtol = 1e-3, kGradRelTol = 2e-2;
+// F16 (--fp16): the same roundings at 2^-12 instead of 2^-9 relative, so an eighth of the
+// BF16 tolerances; a BF16 computation would exceed them.
+constexpr double kOutRelTolF16 = kOutRelTol / 8, kGradRelTolF16 = kGradRelTol / 8;
 
-TEST_P(CudaAttentionTest, ForwardAndBackwardMatchCpu) {
-  MEGATON_SKIP_WITHOUT_GPU();
-  const AttentionCase c = GetParam();
-  const uint64_t seed = testing::test_seed() + 100;
-  SCOPED_TRACE(seed_trace(seed));
+void check_attention_against_cpu(const AttentionCase& c, DType dtype, uint64_t seed) {
+  SCOPED_TRACE(dtype_name(dtype));
   const Shape q_shape{c.B, c.S, c.Hq, c.D}, kv_shape{c.B, c.S, c.Hkv, c.D};
   const Shape lse_shape{c.B, c.Hq, c.S};
-  Tensor q = round_to_bf16(randn(q_shape, seed));
-  Tensor k = round_to_bf16(randn(kv_shape, seed + 1));
-  Tensor v = round_to_bf16(randn(kv_shape, seed + 2));
-  Tensor dout = round_to_bf16(randn(q_shape, seed + 3));
+  // Values the GPU's dtype holds exactly.
+  auto rounded = [dtype](const Tensor& x) { return x.to(dtype).to(DType::F32); };
+  Tensor q = rounded(randn(q_shape, seed));
+  Tensor k = rounded(randn(kv_shape, seed + 1));
+  Tensor v = rounded(randn(kv_shape, seed + 2));
+  Tensor dout = rounded(randn(q_shape, seed + 3));
 
   Tensor out_ref = Tensor::empty(q_shape), lse_ref = Tensor::empty(lse_shape);
   ops::attention_forward(q, k, v, out_ref, lse_ref);
@@ -68,14 +70,12 @@ TEST_P(CudaAttentionTest, ForwardAndBackwardMatchCpu) {
          dv_ref = Tensor::empty(kv_shape);
   ops::attention_backward(dout, q, k, v, out_ref, lse_ref, dq_ref, dk_ref, dv_ref);
 
-  Tensor q_d = to_device(q, DType::BF16), k_d = to_device(k, DType::BF16),
-         v_d = to_device(v, DType::BF16), dout_d = to_device(dout, DType::BF16);
-  Tensor out_d = poisoned_device(q_shape, DType::BF16),
-         lse_d = poisoned_device(lse_shape, DType::F32);
+  Tensor q_d = to_device(q, dtype), k_d = to_device(k, dtype), v_d = to_device(v, dtype),
+         dout_d = to_device(dout, dtype);
+  Tensor out_d = poisoned_device(q_shape, dtype), lse_d = poisoned_device(lse_shape, DType::F32);
   ops::attention_forward(q_d, k_d, v_d, out_d, lse_d);
-  Tensor dq_d = poisoned_device(q_shape, DType::BF16),
-         dk_d = poisoned_device(kv_shape, DType::BF16),
-         dv_d = poisoned_device(kv_shape, DType::BF16);
+  Tensor dq_d = poisoned_device(q_shape, dtype), dk_d = poisoned_device(kv_shape, dtype),
+         dv_d = poisoned_device(kv_shape, dtype);
   ops::attention_backward(dout_d, q_d, k_d, v_d, out_d, lse_d, dq_d, dk_d, dv_d);
   cuda::synchronize();
 
@@ -86,12 +86,23 @@ TEST_P(CudaAttentionTest, ForwardAndBackwardMatchCpu) {
   ASSERT_TRUE(all_finite(dq, "dq"));
   ASSERT_TRUE(all_finite(dk, "dk"));
   ASSERT_TRUE(all_finite(dv, "dv"));
-  EXPECT_LE(rel_error(out, out_ref), kOutRelTol);
+  const bool f16 = dtype == DType::F16;
+  const double out_tol = f16 ? kOutRelTolF16 : kOutRelTol;
+  const double grad_tol = f16 ? kGradRelTolF16 : kGradRelTol;
+  EXPECT_LE(rel_error(out, out_ref), out_tol);
   // cuDNN's Stats: natural-log logsumexp of the scaled, masked scores, [B, Hq, S].
   EXPECT_TRUE(allclose(lse, lse_ref, kLseAtol, kLseRtol));
-  EXPECT_LE(rel_error(dq, dq_ref), kGradRelTol);
-  EXPECT_LE(rel_error(dk, dk_ref), kGradRelTol);
-  EXPECT_LE(rel_error(dv, dv_ref), kGradRelTol);
+  EXPECT_LE(rel_error(dq, dq_ref), grad_tol);
+  EXPECT_LE(rel_error(dk, dk_ref), grad_tol);
+  EXPECT_LE(rel_error(dv, dv_ref), grad_tol);
+}
+
+TEST_P(CudaAttentionTest, ForwardAndBackwardMatchCpu) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed() + 100;
+  SCOPED_TRACE(seed_trace(seed));
+  for (DType dtype : {DType::BF16, DType::F16})
+    check_attention_against_cpu(GetParam(), dtype, seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -187,20 +198,22 @@ TEST(CudaAttention, RejectsBadArguments) {
 // ---------------------------------------------------------------------------------------
 // RoPE
 
-// CUDA fp32 and bf16 tolerances of ../shared/CONVENTIONS.md. The GPU uses the CPU's fp32
-// frequencies and angles, so fp32 differs only by contraction of the final multiply-adds.
+// CUDA fp32, bf16 and fp16 tolerances of ../shared/CONVENTIONS.md. The GPU uses the CPU's
+// fp32 frequencies and angles, so fp32 differs only by contraction of the final
+// multiply-adds.
 struct RopeTolerance {
   double atol, rtol;
 };
 RopeTolerance rope_tolerance(DType dtype) {
-  return dtype == DType::F32 ? RopeTolerance{1e-5, 1e-4} : RopeTolerance{1e-5, 1e-2};
+  if (dtype == DType::F32) return {1e-5, 1e-4};
+  return dtype == DType::F16 ? RopeTolerance{1e-5, 1e-3} : RopeTolerance{1e-5, 1e-2};
 }
 
 TEST(CudaRope, ForwardAndBackwardMatchCpu) {
   MEGATON_SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed() + 300;
   SCOPED_TRACE(seed_trace(seed));
-  for (DType dtype : {DType::F32, DType::BF16}) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     for (int64_t D : {64, 128}) {
       for (int64_t offset : {0, 5, 4000}) {
         SCOPED_TRACE(std::string(dtype_name(dtype)) + " D=" + std::to_string(D) +
@@ -208,7 +221,7 @@ TEST(CudaRope, ForwardAndBackwardMatchCpu) {
         const float base = offset == 4000 ? 500000.0f : 10000.0f;
         const Shape shape{2, 37, 3, D};
         Tensor x = randn(shape, seed + D + offset);
-        if (dtype == DType::BF16) x = round_to_bf16(x);
+        if (dtype != DType::F32) x = x.to(dtype).to(DType::F32);
         const RopeTolerance tol = rope_tolerance(dtype);
 
         Tensor y_ref = Tensor::empty(shape);
@@ -235,7 +248,7 @@ TEST(CudaRope, InPlaceMatchesOutOfPlace) {
   MEGATON_SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed() + 310;
   SCOPED_TRACE(seed_trace(seed));
-  for (DType dtype : {DType::F32, DType::BF16}) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     SCOPED_TRACE(dtype_name(dtype));
     const Shape shape{2, 19, 4, 64};
     Tensor x_d = to_device(randn(shape, seed), dtype);

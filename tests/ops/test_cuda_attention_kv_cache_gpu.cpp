@@ -1,5 +1,5 @@
 // GPU test of ops::attention_kv_cache (generation's attention over the KV cache) against
-// its CPU twin, F32 and BF16, with poisoned outputs and poisoned cache rows past the last
+// its CPU twin, F32, BF16 and F16, with poisoned outputs and poisoned cache rows past the last
 // query's position (the kernel must neither skip an output nor read such a row).
 #include <fmt/format.h>
 
@@ -20,7 +20,6 @@ using testing::poison;
 using testing::poisoned_device;
 using testing::randn;
 using testing::rel_error;
-using testing::round_to_bf16;
 using testing::seed_trace;
 using testing::to_device;
 using testing::to_host_f32;
@@ -45,7 +44,7 @@ class CudaAttentionKvCacheTest : public ::testing::TestWithParam<KvCacheCase> {
     const Shape q_shape{c.n, c.Hq, c.D}, cache_shape{c.max_positions, c.Hkv, c.D};
     auto input = [&](const Shape& shape, uint64_t s) {
       Tensor t = randn(shape, s);
-      return dtype == DType::BF16 ? round_to_bf16(t) : t;
+      return dtype == DType::F32 ? t : t.to(dtype).to(DType::F32);
     };
     const Tensor q = input(q_shape, seed);
     Tensor key_cache = input(cache_shape, seed + 1), value_cache = input(cache_shape, seed + 2);
@@ -88,6 +87,18 @@ TEST_P(CudaAttentionKvCacheTest, Bf16MatchesCpu) {
   // Same bf16 inputs on both sides and fp32 arithmetic: the GPU rounds only its output.
   EXPECT_LE(rel_error(got, want), 1e-2);
   EXPECT_TRUE(allclose(got, want, 1e-5, 1e-2));
+}
+
+TEST_P(CudaAttentionKvCacheTest, F16MatchesCpu) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed() + 800;
+  SCOPED_TRACE(seed_trace(seed));
+  const auto [got, want] = run(DType::F16, seed);
+  ASSERT_TRUE(all_finite(got, "out"));
+  // F16 inputs on both sides, fp32 arithmetic, one F16 rounding of the output (fp16
+  // tolerances, an eighth of BF16's).
+  EXPECT_LE(rel_error(got, want), 1e-3);
+  EXPECT_TRUE(allclose(got, want, 1e-5, 1e-3));
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -1,6 +1,6 @@
 // CUDA softmax cross-entropy, MoE permutation and padding per group against their CPU
-// twins (the router: test_cuda_moe_router_gpu.cpp): the same (bf16-rounded where BF16 is
-// used) inputs on both devices, outputs poisoned before each CUDA op runs.
+// twins (the router: test_cuda_moe_router_gpu.cpp): the same (rounded to BF16 or F16 where
+// those are used) inputs on both devices, outputs poisoned before each CUDA op runs.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -24,9 +24,10 @@ using testing::randn;
 using testing::rel_error;
 
 // CUDA fp32 tolerances of CONVENTIONS.md (fp32 math on identical inputs, different
-// summation order and exp implementation), and bf16's.
+// summation order and exp implementation), bf16's and fp16's.
 constexpr double kF32Atol = 1e-5, kF32Rtol = 1e-4;
 constexpr double kBf16Atol = 1e-5, kBf16Rtol = 1e-2, kBf16Rel = 1e-2;
+constexpr double kF16Atol = 1e-5, kF16Rtol = 1e-3, kF16Rel = 1e-3;
 
 std::string seed_trace(uint64_t seed) { return "seed " + std::to_string(seed); }
 
@@ -47,13 +48,13 @@ Tensor poisoned_gpu(const Shape& shape, DType dtype) {
   return t;
 }
 
-// The fp32 values a BF16 tensor holds (the CPU reference's input), and that tensor.
+// The fp32 values a BF16 or F16 tensor holds (the CPU reference's input), and that tensor.
 struct Rounded {
   Tensor ref;     // F32 on the CPU
   Tensor device;  // `dtype` on the GPU, the same values
 };
 Rounded as_dtype(const Tensor& f32, DType dtype) {
-  Tensor ref = dtype == DType::BF16 ? f32.to(DType::BF16).to(DType::F32) : f32.clone();
+  Tensor ref = dtype == DType::F32 ? f32.clone() : f32.to(dtype).to(DType::F32);
   return {ref, to_gpu(ref.to(dtype))};
 }
 
@@ -106,6 +107,9 @@ void check_cross_entropy(const CrossEntropyCase& c, uint64_t seed) {
   const Tensor dlogits_f32 = to_cpu(dlogits).to(DType::F32);
   if (bf16) {
     EXPECT_LE(rel_error(dlogits_f32, ref_dlogits), kBf16Rel) << "dlogits";
+  } else if (c.dtype == DType::F16) {  // one rounding of the fp32 gradient
+    EXPECT_TRUE(allclose(dlogits_f32, ref_dlogits, kF16Atol, kF16Rtol)) << "dlogits";
+    EXPECT_LE(rel_error(dlogits_f32, ref_dlogits), kF16Rel) << "dlogits";
   } else {
     EXPECT_TRUE(allclose(dlogits_f32, ref_dlogits, kF32Atol, kF32Rtol)) << "dlogits";
     EXPECT_LE(rel_error(dlogits_f32, ref_dlogits), 1e-5) << "dlogits";
@@ -121,10 +125,12 @@ TEST_F(CudaOpsMoeTest, CrossEntropyMatchesCpu) {
   SCOPED_TRACE(seed_trace(seed));
   // V = 97: rows not a multiple of a 16-byte pack (the element-wise kernels).
   const std::vector<CrossEntropyCase> cases = {
-      {1, 96, DType::F32},     {37, 96, DType::F32},     {4096, 96, DType::F32},
-      {37, 97, DType::F32},    {1, 50304, DType::F32},   {37, 50304, DType::F32},
-      {1, 96, DType::BF16},    {37, 97, DType::BF16},    {4096, 96, DType::BF16},
-      {1, 50304, DType::BF16}, {37, 50304, DType::BF16}, {4096, 50304, DType::BF16},
+      {1, 96, DType::F32},     {37, 96, DType::F32},      {4096, 96, DType::F32},
+      {37, 97, DType::F32},    {1, 50304, DType::F32},    {37, 50304, DType::F32},
+      {1, 96, DType::BF16},    {37, 97, DType::BF16},     {4096, 96, DType::BF16},
+      {1, 50304, DType::BF16}, {37, 50304, DType::BF16},  {4096, 50304, DType::BF16},
+      {1, 96, DType::F16},     {37, 97, DType::F16},      {4096, 96, DType::F16},
+      {37, 50304, DType::F16}, {4096, 50304, DType::F16},
   };
   for (size_t i = 0; i < cases.size(); ++i) check_cross_entropy(cases[i], seed + 10 * i);
 }
@@ -163,11 +169,13 @@ Tensor random_probs(int64_t T, int k, uint64_t seed) {
 }
 
 // A sum of k values: the CPU and GPU add in the same j order in fp32, so F32 agrees to
-// rounding (a fused multiply-add may differ by an ulp); BF16 adds the output's rounding.
+// rounding (a fused multiply-add may differ by an ulp); BF16 and F16 add the output's
+// rounding.
 ::testing::AssertionResult close_sum(const Tensor& gpu, const Tensor& ref, DType dtype) {
   const Tensor got = to_cpu(gpu).to(DType::F32);
-  return dtype == DType::BF16 ? allclose(got, ref, kBf16Atol, kBf16Rtol)
-                              : allclose(got, ref, 1e-6, 1e-6);
+  if (dtype == DType::BF16) return allclose(got, ref, kBf16Atol, kBf16Rtol);
+  if (dtype == DType::F16) return allclose(got, ref, kF16Atol, kF16Rtol);
+  return allclose(got, ref, 1e-6, 1e-6);
 }
 
 void check_permute(const PermuteCase& c, DType dtype, uint64_t seed) {
@@ -215,7 +223,7 @@ void check_permute(const PermuteCase& c, DType dtype, uint64_t seed) {
   EXPECT_TRUE(close_sum(out, ref_out, dtype)) << "unpermute out";
 
   // Unpermute backward: dexpert_out rows are one product each (exact in F32, one bf16
-  // rounding in BF16); dprobs are H-term dot products.
+  // rounding in BF16 or F16); dprobs are H-term dot products.
   const Rounded dout = as_dtype(randn({c.T, c.H}, seed + 5), dtype);
   Tensor ref_dexpert = Tensor::empty({copies, c.H}), ref_dprobs = Tensor::empty({c.T, c.k});
   ops::moe_unpermute_backward(dout.ref, expert_out.ref, ref_map, probs, ref_dexpert, ref_dprobs);
@@ -225,6 +233,9 @@ void check_permute(const PermuteCase& c, DType dtype, uint64_t seed) {
                               dprobs);
   if (dtype == DType::BF16) {
     EXPECT_TRUE(allclose(to_cpu(dexpert).to(DType::F32), ref_dexpert, kBf16Atol, kBf16Rtol))
+        << "dexpert_out";
+  } else if (dtype == DType::F16) {
+    EXPECT_TRUE(allclose(to_cpu(dexpert).to(DType::F32), ref_dexpert, kF16Atol, kF16Rtol))
         << "dexpert_out";
   } else {
     EXPECT_TRUE(bitwise_equal(dexpert, ref_dexpert)) << "dexpert_out";
@@ -257,7 +268,7 @@ TEST_F(CudaOpsMoeTest, PermuteAndUnpermuteMatchCpu) {
       {1, 4, 1, 64, -1},     {37, 8, 2, 97, -1},    {37, 8, 8, 128, -1}, {37, 64, 2, 96, -1},
       {4096, 64, 8, 256, 7}, {4096, 8, 2, 1024, 0}, {4096, 4, 1, 96, 3},
   };
-  for (DType dtype : {DType::F32, DType::BF16})
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16})
     for (size_t i = 0; i < cases.size(); ++i) check_permute(cases[i], dtype, seed + 10 * i);
 }
 
@@ -311,7 +322,7 @@ TEST_F(CudaOpsMoeTest, PadRowsToCapacityMatchesCpu) {
   const std::vector<PadCase> cases = {
       {1, 1, 64, 0}, {4, 37, 97, 0}, {8, 512, 256, 0}, {2000, 3, 96, 0}, {256, 40, 1024, 0},
   };
-  for (DType dtype : {DType::F32, DType::BF16})
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16})
     for (size_t i = 0; i < cases.size(); ++i) check_pad_rows(cases[i], dtype, seed + 10 * i);
 }
 
@@ -327,7 +338,7 @@ TEST_F(CudaOpsMoeTest, PadRowsToTileMatchesCpu) {
       {1000, 40, 96, 16},
       {256, 40, 1024, 16},
   };
-  for (DType dtype : {DType::F32, DType::BF16})
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16})
     for (size_t i = 0; i < cases.size(); ++i) check_pad_rows(cases[i], dtype, seed + 10 * i);
 }
 

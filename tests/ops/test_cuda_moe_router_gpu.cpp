@@ -714,7 +714,8 @@ TEST_F(CudaMoeRouterTest, MulMatchesCpu) {
     DType y, x;
   };
   for (const MulCase& c : {MulCase{DType::F32, DType::F32}, MulCase{DType::BF16, DType::F32},
-                           MulCase{DType::BF16, DType::BF16}}) {
+                           MulCase{DType::BF16, DType::BF16}, MulCase{DType::F16, DType::F32},
+                           MulCase{DType::F16, DType::F16}}) {
     for (int64_t n : {1, 37, 100003}) {
       SCOPED_TRACE(std::string(dtype_name(c.y)) + " *= " + std::string(dtype_name(c.x)) + " n " +
                    std::to_string(n));

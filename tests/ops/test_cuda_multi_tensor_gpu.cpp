@@ -1,5 +1,5 @@
 // CUDA multi-tensor ops against the single-tensor GPU ops (bitwise: multi_tensor_adamw with
-// its BF16/F32 param copies and its grad_scale, multi_tensor_scale_), the sum of squares
+// its BF16/F16/F32 param copies and its grad_scale, multi_tensor_scale_), the sum of squares
 // against an fp64 sum on the CPU and the zero count against the CPU op and the number of
 // zeros planted among random values, NaNs and denormals. Lists have 1..500 tensors of odd sizes,
 // 0-element tensors among them, more tensors than one launch takes, and views offset by
@@ -86,12 +86,12 @@ TEST(CudaMultiTensorSumOfSquares, MatchesCpuFp64AndRepeatsOverListsOf1To500) {
   std::mt19937_64 gen(seed);
   for (size_t count : {1, 2, 7, 159, 160, 161, 333, 500}) {
     const std::vector<int64_t> sizes = random_sizes(count, seed + count);
-    for (DType dtype : {DType::F32, DType::BF16}) {
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
       SCOPED_TRACE(fmt::format("{} tensors, {}", count, dtype_name(dtype)));
       std::vector<Tensor> list;
       double reference = 0.0;
       for (size_t i = 0; i < count; ++i) {
-        // Values as the GPU holds them (BF16-rounded for BF16).
+        // Values as the GPU holds them (rounded for BF16 and F16).
         Tensor host = randn({sizes[i]}, seed + 7919 * i + count, 2.0f).to(dtype).to(DType::F32);
         for (int64_t j = 0; j < host.numel(); ++j)
           reference += double(host.f32()[j]) * host.f32()[j];
@@ -242,7 +242,7 @@ TEST(CudaMultiTensorScale, EqualsSingleTensorScaleBitwise) {
   SEED_TRACE(seed);
   std::mt19937_64 gen(seed);
   const std::vector<int64_t> sizes = random_sizes(170, seed);  // two launches
-  for (DType dtype : {DType::F32, DType::BF16}) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     SCOPED_TRACE(dtype_name(dtype));
     std::vector<Tensor> multi, single;
     for (size_t i = 0; i < sizes.size(); ++i) {
@@ -264,8 +264,12 @@ struct AdamWLists {
   std::vector<Tensor> params, exp_avg, exp_avg_sq, copies;
 };
 
+// The compute copies AdamW may write after the update.
+const DType kCopyDtypes[] = {DType::BF16, DType::F32, DType::F16};
+
 // 150 tensors (three launches of at most 64), one of 1000003 elements (62 chunks); the
-// buffers of each tensor independently aligned or offset; copies none / BF16 / F32. Three
+// buffers of each tensor independently aligned or offset; copies none / BF16 / F32 / F16
+// (--fp16's compute weights: the param rounded to nearest even, as the CPU rounds). Three
 // steps of the multi-tensor op against adamw_step + cast per tensor on the GPU, bitwise,
 // with the copies poisoned before every step; and the params against the CPU op.
 TEST(CudaMultiTensorAdamW, EqualsSingleTensorGpuOpsBitwiseIncludingCopies) {
@@ -297,13 +301,13 @@ TEST(CudaMultiTensorAdamW, EqualsSingleTensorGpuOpsBitwiseIncludingCopies) {
     cpu.exp_avg.push_back(zeros.clone());
     cpu.exp_avg_sq.push_back(zeros.clone());
     cpu.copies.emplace_back();
-    const int kind = int(i % 3);  // 0 no copy, 1 BF16, 2 F32
+    const int kind = int(i % 4);  // 0 no copy, then BF16, F32, F16
     const bool copy_off = gen() % 4 == 0;
     for (AdamWLists* l : {&multi, &single}) {
       if (kind == 0)
         l->copies.emplace_back();
       else
-        l->copies.push_back(upload(zeros, kind == 1 ? DType::BF16 : DType::F32, copy_off));
+        l->copies.push_back(upload(zeros, kCopyDtypes[kind - 1], copy_off));
     }
   }
 
@@ -353,7 +357,7 @@ TEST(CudaMultiTensorAdamW, EqualsSingleTensorGpuOpsBitwiseIncludingCopies) {
 // grad_scale (the folded clipping coefficient) against the path it replaces, on the GPU:
 // scale_ on a copy of each gradient (same alignment), then adamw_step + cast per tensor;
 // bitwise over three steps (scales below one and exactly one), with 100 tensors (two
-// launches), offset views and all three copy kinds. The gradients passed to the
+// launches), offset views and all four copy kinds. The gradients passed to the
 // multi-tensor op keep their bits, and the params match the CPU op with the same scale.
 TEST(CudaMultiTensorAdamW, GradScaleEqualsScalingTheGradsFirstBitwiseAndLeavesGradsUnchanged) {
   SKIP_WITHOUT_GPU();
@@ -374,7 +378,7 @@ TEST(CudaMultiTensorAdamW, GradScaleEqualsScalingTheGradsFirstBitwiseAndLeavesGr
     Tensor zeros = Tensor::zeros({sizes[i]});
     const bool p_off = gen() % 4 == 0, state_off = gen() % 8 == 0, copy_off = gen() % 4 == 0;
     grad_offset[i] = gen() % 4 == 0;
-    const int kind = int(i % 3);  // 0 no copy, 1 BF16, 2 F32
+    const int kind = int(i % 4);  // 0 no copy, then BF16, F32, F16
     for (AdamWLists* l : {&multi, &single}) {
       l->params.push_back(upload(p, DType::F32, p_off));
       l->exp_avg.push_back(upload(zeros, DType::F32, state_off));
@@ -382,7 +386,7 @@ TEST(CudaMultiTensorAdamW, GradScaleEqualsScalingTheGradsFirstBitwiseAndLeavesGr
       if (kind == 0)
         l->copies.emplace_back();
       else
-        l->copies.push_back(upload(zeros, kind == 1 ? DType::BF16 : DType::F32, copy_off));
+        l->copies.push_back(upload(zeros, kCopyDtypes[kind - 1], copy_off));
     }
     cpu.params.push_back(p.clone());
     cpu.exp_avg.push_back(zeros.clone());
@@ -430,6 +434,38 @@ TEST(CudaMultiTensorAdamW, GradScaleEqualsScalingTheGradsFirstBitwiseAndLeavesGr
     SCOPED_TRACE(fmt::format("tensor {} of {} elements", i, sizes[i]));
     EXPECT_TRUE(allclose(multi.params[i].to(Device::CPU), cpu.params[i], kF32Atol, kF32Rtol));
     EXPECT_TRUE(allclose(multi.exp_avg[i].to(Device::CPU), cpu.exp_avg[i], kF32Atol, kF32Rtol));
+  }
+}
+
+// The precision-aware optimizer's kernel (BF16 moments) writes the same copies: F16 and
+// BF16 copies are the updated fp32 param rounded to nearest even, F32 copies the param.
+TEST(CudaMultiTensorAdamW, PrecisionAwareUpdateWritesEveryCopyDtype) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed();
+  SEED_TRACE(seed);
+  const std::vector<int64_t> sizes = {1000, 37, 4099, 0, 65537};
+  AdamWLists l;
+  std::vector<Tensor> grads;
+  std::vector<float> weight_decays;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    Tensor zeros = Tensor::zeros({sizes[i]});
+    l.params.push_back(upload(randn({sizes[i]}, seed + i, 0.5f), DType::F32, i == 1));
+    l.exp_avg.push_back(upload(zeros, DType::BF16, false));
+    l.exp_avg_sq.push_back(upload(zeros, DType::BF16, i == 2));
+    l.copies.push_back(upload(zeros, kCopyDtypes[i % 3], i == 4));
+    grads.push_back(upload(randn({sizes[i]}, seed + 100 + i, 0.1f), DType::F32, false));
+    weight_decays.push_back(0.1f);
+  }
+  for (int64_t step = 1; step <= 2; ++step) {
+    for (Tensor& copy : l.copies) poison(copy);
+    ops::multi_tensor_adamw(l.params, grads, l.exp_avg, l.exp_avg_sq, l.copies, weight_decays,
+                            1e-2f, 0.9f, 0.95f, 1e-8f, step, 1.0f);
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    SCOPED_TRACE(fmt::format("tensor {} of {} elements, {} copy", i, sizes[i],
+                             dtype_name(l.copies[i].dtype())));
+    const Tensor param = l.params[i].to(Device::CPU);
+    EXPECT_TRUE(bitwise_equal(l.copies[i], param.to(l.copies[i].dtype())));
   }
 }
 

@@ -1,8 +1,9 @@
 // CUDA norms, activations, dropout and embedding against the CPU reference ops.
 //
-// Inputs are random, seeded and rounded to BF16, so the CPU reference (fp32 on those
-// values) and the GPU (BF16 or F32 copies of the same values) see identical numbers; what
-// differs is only fp32-vs-fp64 arithmetic and, for BF16 runs, the rounding of outputs.
+// Inputs are random, seeded and rounded to values BF16 and F16 both hold exactly, so the
+// CPU reference (fp32 on those values) and the GPU (F32, BF16 or F16 copies of the same
+// values) see identical numbers; what differs is only fp32-vs-fp64 arithmetic and, for
+// BF16 and F16 runs, the rounding of outputs.
 // Outputs are poisoned with NaN first, so an element a kernel skips fails the check.
 #ifdef MEGATON_WITH_CUDA
 
@@ -32,6 +33,9 @@ using testing::rel_error;
 // rtol 2e-2 elementwise; F32 outputs are "CUDA fp32". Statistics and main grads are F32
 // sums whose only error is fp32 vs the CPU's fp64 accumulation.
 constexpr double kBf16WholeRel = 1e-2, kBf16Atol = 1e-2, kBf16Rtol = 2e-2;
+// F16 outputs: one rounding, 2^-11 relative (fp16 1e-5/1e-3), far below BF16's: an F16
+// output computed or stored as BF16 fails these.
+constexpr double kF16WholeRel = 1e-3, kF16Atol = 1e-5, kF16Rtol = 1e-3;
 constexpr double kF32WholeRel = 1e-5, kF32Atol = 1e-5, kF32Rtol = 1e-4;
 constexpr double kStatRel = 1e-4;
 // Main grads elementwise: sums of ~1000 O(1) products, |value| ~ 30; fp32 summation
@@ -50,11 +54,12 @@ std::string shape_trace(int64_t rows, int64_t cols, DType dtype) {
          std::string(dtype_name(dtype));
 }
 
-// N(mean, std) values rounded to BF16, held in fp32.
+// N(mean, std) values rounded to BF16, then to F16 (which changes only values below F16's
+// normal range, |x| < 2^-14), held in fp32: exact in both 16-bit types.
 Tensor randn_bf16_values(const Shape& shape, uint64_t seed, float std = 1.0f, float mean = 0.0f) {
   Tensor t = randn(shape, seed, std);
   for (int64_t i = 0; i < t.numel(); ++i) t.f32()[i] += mean;
-  return t.to(DType::BF16).to(DType::F32);
+  return t.to(DType::BF16).to(DType::F16).to(DType::F32);
 }
 
 // A device copy of the fp32 host tensor t in `dtype`.
@@ -72,9 +77,16 @@ Tensor host_f32(const Tensor& gpu) { return gpu.to(Device::CPU).to(DType::F32); 
 void expect_output_close(const Tensor& gpu, const Tensor& ref, DType dtype, const char* what) {
   SCOPED_TRACE(what);
   Tensor got = host_f32(gpu);
-  const bool bf16 = dtype == DType::BF16;
-  EXPECT_LE(rel_error(got, ref), bf16 ? kBf16WholeRel : kF32WholeRel);
-  EXPECT_TRUE(allclose(got, ref, bf16 ? kBf16Atol : kF32Atol, bf16 ? kBf16Rtol : kF32Rtol));
+  if (dtype == DType::BF16) {
+    EXPECT_LE(rel_error(got, ref), kBf16WholeRel);
+    EXPECT_TRUE(allclose(got, ref, kBf16Atol, kBf16Rtol));
+  } else if (dtype == DType::F16) {
+    EXPECT_LE(rel_error(got, ref), kF16WholeRel);
+    EXPECT_TRUE(allclose(got, ref, kF16Atol, kF16Rtol));
+  } else {
+    EXPECT_LE(rel_error(got, ref), kF32WholeRel);
+    EXPECT_TRUE(allclose(got, ref, kF32Atol, kF32Rtol));
+  }
 }
 
 // An F32 statistic (mean, rstd): whole-tensor rel error, and every element written.
@@ -100,8 +112,11 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 struct NormDtypes {
   DType act, weight;
 };
-const NormDtypes kNormDtypes[] = {
-    {DType::F32, DType::F32}, {DType::BF16, DType::BF16}, {DType::BF16, DType::F32}};
+const NormDtypes kNormDtypes[] = {{DType::F32, DType::F32},
+                                  {DType::BF16, DType::BF16},
+                                  {DType::BF16, DType::F32},
+                                  {DType::F16, DType::F16},
+                                  {DType::F16, DType::F32}};
 
 // ------------------------------------------------------------------------- RMSNorm
 
@@ -319,7 +334,7 @@ TEST(CudaActivation, SwigluForwardBackwardMatchCpu) {
   const uint64_t seed = testing::test_seed();
   SEED_TRACE(seed);
   for (auto [rows, ffn] : kShapes) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
       SCOPED_TRACE(shape_trace(rows, ffn, dtype) + " (F)");
       Tensor x = randn_bf16_values({rows, 2 * ffn}, seed + 1, 2.0f);
       Tensor dy = randn_bf16_values({rows, ffn}, seed + 2);
@@ -347,7 +362,7 @@ TEST(CudaActivation, GeluForwardBackwardMatchCpu) {
   const uint64_t seed = testing::test_seed();
   SEED_TRACE(seed);
   for (auto [rows, cols] : kShapes) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
       SCOPED_TRACE(shape_trace(rows, cols, dtype));
       Tensor x = randn_bf16_values({rows, cols}, seed + 1, 2.0f);
       Tensor dy = randn_bf16_values({rows, cols}, seed + 2);
@@ -374,7 +389,7 @@ TEST(CudaActivation, SigmoidGateForwardBackwardMatchCpu) {
   const uint64_t seed = testing::test_seed();
   SEED_TRACE(seed);
   for (auto [rows, cols] : kShapes) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
       SCOPED_TRACE(shape_trace(rows, cols, dtype));
       Tensor x = randn_bf16_values({rows, cols}, seed + 1, 2.0f);
       Tensor dy = randn_bf16_values({rows, cols}, seed + 2);
@@ -417,7 +432,7 @@ TEST(CudaDropout, MaskEqualsCpuMaskBitForBit) {
   const uint64_t drop_seed = 0x1234abcd5678ull ^ seed, stream = 7;
   for (auto [rows, cols] : kShapes) {
     for (float p : {0.0f, 0.1f, 0.5f}) {
-      for (DType dtype : {DType::F32, DType::BF16}) {
+      for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
         SCOPED_TRACE(shape_trace(rows, cols, dtype) + " p " + std::to_string(p));
         // N(0, 1) inputs have no zeros, so a zero output marks a dropped element.
         Tensor x = randn_bf16_values({rows, cols}, seed + 1);
@@ -450,7 +465,7 @@ TEST(CudaDropout, InPlaceEqualsOutOfPlace) {
   SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed();
   SEED_TRACE(seed);
-  for (DType dtype : {DType::F32, DType::BF16}) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     SCOPED_TRACE(dtype_name(dtype));
     Tensor x = randn_bf16_values({33, 257}, seed + 1);
     Tensor xg = on_gpu(x, dtype), yg = poisoned_gpu({33, 257}, dtype);
@@ -470,7 +485,7 @@ TEST(CudaEmbedding, ForwardBackwardMatchCpu) {
   // A small vocabulary so ids repeat many times: backward must sum repeated rows.
   const int64_t vocab = 50;
   for (auto [tokens, hidden] : kShapes) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
       SCOPED_TRACE(shape_trace(tokens, hidden, dtype) + " (tokens, hidden)");
       // One case with [B, S] ids and a [B, S, H] output.
       Shape ids_shape = tokens == 256 ? Shape{4, 64} : Shape{tokens};
@@ -510,7 +525,7 @@ TEST(CudaEmbedding, DeterministicBackwardRepeatsBitForBit) {
   ops::set_deterministic(true);
   const int64_t vocab = 50;
   for (auto [tokens, hidden] : kShapes) {
-    for (DType dtype : {DType::F32, DType::BF16}) {
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
       SCOPED_TRACE(shape_trace(tokens, hidden, dtype) + " (tokens, hidden)");
       Tensor ids = randint({tokens}, int32_t(vocab), seed + 1);
       Tensor dout = randn_bf16_values({tokens, hidden}, seed + 3);

@@ -1,6 +1,7 @@
 // CUDA elementwise ops, reductions and AdamW (cast, add_, scale_, bias_add_,
-// bias_backward, sum, sum_of_squares, adamw_step) against the CPU ops. Inputs are rounded
-// to BF16 first so the F32 CPU op sees exactly what the GPU sees in either dtype.
+// bias_backward, sum, sum_of_squares, adamw_step) against the CPU ops, in F32, BF16 and
+// F16. Inputs are rounded to values BF16 and F16 hold exactly, so the F32 CPU op sees
+// exactly what the GPU sees in any dtype.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -26,12 +27,15 @@ using testing::randn;
 #define SKIP_WITHOUT_GPU() \
   if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device"
 
-// CONVENTIONS.md: CUDA fp32 and bf16 elementwise tolerances.
+// CONVENTIONS.md: CUDA fp32, bf16 and fp16 elementwise tolerances.
 constexpr double kF32Atol = 1e-5, kF32Rtol = 1e-4;
 constexpr double kBF16Atol = 1e-5, kBF16Rtol = 1e-2;
+constexpr double kF16Atol = 1e-5, kF16Rtol = 1e-3;
 
+// N(0, 1) values BF16 and F16 both hold exactly (BF16-rounded, then F16-rounded: only
+// values below F16's normal range change).
 Tensor bf16_exact(const Shape& shape, uint64_t seed) {
-  return randn(shape, seed).to(DType::BF16).to(DType::F32);
+  return randn(shape, seed).to(DType::BF16).to(DType::F16).to(DType::F32);
 }
 Tensor on_gpu(const Tensor& host, DType dtype) { return host.to(dtype).to(Device::CUDA); }
 Tensor on_host(const Tensor& device) { return device.to(Device::CPU).to(DType::F32); }
@@ -39,11 +43,12 @@ std::string name(DType d) { return std::string(dtype_name(d)); }
 
 // Elementwise check of an output of dtype `out` (no long sums involved).
 ::testing::AssertionResult close_for(DType out, const Tensor& got, const Tensor& ref) {
-  return out == DType::BF16 ? allclose(got, ref, kBF16Atol, kBF16Rtol)
-                            : allclose(got, ref, kF32Atol, kF32Rtol);
+  if (out == DType::BF16) return allclose(got, ref, kBF16Atol, kBF16Rtol);
+  if (out == DType::F16) return allclose(got, ref, kF16Atol, kF16Rtol);
+  return allclose(got, ref, kF32Atol, kF32Rtol);
 }
 
-const std::vector<DType> kFloatTypes = {DType::F32, DType::BF16};
+const std::vector<DType> kFloatTypes = {DType::F32, DType::BF16, DType::F16};
 
 // --------------------------------------------------------------------------------- cast
 
@@ -90,7 +95,7 @@ TEST(CudaAdd, AllDtypeCombinations) {
   }
 }
 
-TEST(CudaScale, F32AndBF16) {
+TEST(CudaScale, F32BF16AndF16) {
   SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed();
   SEED_TRACE(seed);
@@ -126,7 +131,7 @@ TEST(CudaBiasAdd, MatchesCpu) {
   }
 }
 
-// dbias accumulates in F32 from F32 or BF16 dy; the sums are fp64 on both sides.
+// dbias accumulates in F32 from F32, BF16 or F16 dy; the sums are fp64 on both sides.
 TEST(CudaBiasBackward, AccumulatesMatchingCpu) {
   SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed();

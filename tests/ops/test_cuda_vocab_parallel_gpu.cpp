@@ -1,5 +1,5 @@
 // CUDA vocab-parallel embedding and cross entropy against their CPU twins: the same
-// (bf16-rounded where BF16 is used) inputs on both devices, outputs poisoned with NaN
+// (rounded to BF16 or F16 where those are used) inputs on both devices, outputs poisoned with NaN
 // before each CUDA op runs, at shapes that take the packed and the element-wise kernels.
 #include <gtest/gtest.h>
 
@@ -24,28 +24,29 @@ using testing::poisoned_device;
 using testing::randint;
 using testing::randn;
 using testing::rel_error;
-using testing::round_to_bf16;
 using testing::seed_trace;
 using testing::to_device;
 using testing::to_host_f32;
 
-// CONVENTIONS.md: CUDA fp32 against the CPU; bf16 outputs as whole tensors.
+// CONVENTIONS.md: CUDA fp32 against the CPU; bf16 outputs as whole tensors; fp16 outputs
+// elementwise and as whole tensors (one rounding, 2^-12 relative).
 constexpr double kF32Atol = 1e-5, kF32Rtol = 1e-4;
 constexpr double kBf16Rel = 1e-2;
+constexpr double kF16Atol = 1e-5, kF16Rtol = 1e-3, kF16Rel = 1e-3;
 // Main grads: fp32 sums of up to ~1000 O(1) values in atomic order; as the embedding
 // test of test_cuda_pointwise_gpu.cpp.
 constexpr double kMainGradAtol = 1e-3, kMainGradRtol = 1e-4, kMainGradRel = 1e-4;
 
 std::string dtype_str(DType dtype) { return std::string(dtype_name(dtype)); }
 
-// Both devices' inputs: fp32 values (bf16-rounded for a BF16 run) on the CPU, and the
-// same values in `dtype` on the GPU.
+// Both devices' inputs: fp32 values (rounded to `dtype` for a BF16 or F16 run) on the CPU,
+// and the same values in `dtype` on the GPU.
 struct Input {
   Tensor cpu;     // F32
   Tensor device;  // dtype
 };
 Input input(const Tensor& f32, DType dtype) {
-  Tensor cpu = dtype == DType::BF16 ? round_to_bf16(f32) : f32.clone();
+  Tensor cpu = dtype == DType::F32 ? f32.clone() : f32.to(dtype).to(DType::F32);
   return {cpu, to_device(cpu, dtype)};
 }
 
@@ -65,7 +66,7 @@ TEST(CudaVocabParallelEmbedding, ForwardBackwardMatchCpu) {
       {7, 33, 13, 5}, {256, 1024, 50, 25}, {300, 1001, 17, 40}, {1000, 4096, 64, 0}, {5, 8, 1, 3}};
   for (const EmbeddingCase& c : cases) {
     const int32_t vocab = int32_t(c.vocab_start + c.vocab_local + 11);
-    for (DType dtype : {DType::F32, DType::BF16}) {
+    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
       SCOPED_TRACE("tokens " + std::to_string(c.tokens) + " hidden " + std::to_string(c.hidden) +
                    " shard [" + std::to_string(c.vocab_start) + ", " +
                    std::to_string(c.vocab_start + c.vocab_local) + ") " + dtype_str(dtype));
@@ -129,7 +130,7 @@ std::string describe(const CrossEntropyCase& c) {
 // 25152 = 50304 / 2, one of two GPT-2 vocabulary shards.
 std::vector<CrossEntropyCase> cross_entropy_cases() {
   std::vector<CrossEntropyCase> cases;
-  for (DType dtype : {DType::F32, DType::BF16}) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     cases.push_back({1, 96, 0, dtype});
     cases.push_back({37, 97, 100, dtype});
     cases.push_back({4096, 96, 48, dtype});
@@ -246,6 +247,9 @@ TEST(CudaVocabParallelCrossEntropy, BackwardMatchesCpu) {
     EXPECT_TRUE(all_finite(got, "dlogits"));
     if (c.dtype == DType::BF16) {
       EXPECT_LE(rel_error(got, ref), kBf16Rel) << "dlogits";
+    } else if (c.dtype == DType::F16) {
+      EXPECT_TRUE(allclose(got, ref, kF16Atol, kF16Rtol)) << "dlogits";
+      EXPECT_LE(rel_error(got, ref), kF16Rel) << "dlogits";
     } else {
       EXPECT_TRUE(allclose(got, ref, kF32Atol, kF32Rtol)) << "dlogits";
       EXPECT_LE(rel_error(got, ref), 1e-5) << "dlogits";
@@ -266,7 +270,7 @@ TEST(CudaVocabParallelCrossEntropy, CombinedShardsMatchFullVocabularyCpu) {
   SCOPED_TRACE(seed_trace(seed));
   const int64_t T = 53, V = 1001;
   const std::vector<std::pair<int64_t, int64_t>> shards = {{0, 333}, {333, 400}, {733, 268}};
-  for (DType dtype : {DType::F32, DType::BF16}) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     SCOPED_TRACE(dtype_str(dtype));
     const Input logits = input(randn({T, V}, seed, 2.0f), dtype);
     const Tensor labels = randint({T}, int32_t(V), seed + 1);
