@@ -114,6 +114,9 @@ const std::vector<OptionSpec>& train_option_specs() {
        "optimizer: fp32 or bf16 (the update math stays fp32)"},
       {"exp-avg-sq-dtype", "dtype Adam's second moment is stored in with the precision-aware "
        "optimizer: fp32 or bf16 (the update math stays fp32)"},
+      {"no-store-param-remainders",
+       "keep whole fp32 main params beside bf16 weights, not their low 16 bits (Megatron's "
+       "store_param_remainders, on by default: lossless, 2 bytes per parameter less)", true},
       {"clip-grad", "clip gradients to this global L2 norm (0: off)"},
       {"check-for-nan-in-loss-and-grad",
        "stop when the loss or the gradient norm is NaN or inf, naming the iteration and rank "
@@ -194,6 +197,13 @@ const std::vector<OptionSpec>& train_option_specs() {
                             "(selective granularity)", false, true},
       {"recompute-activations", "Megatron's older name of recompute-granularity selective", true},
       {"moe-layer-recompute", "deprecated: recompute-modules moe (selective)", true},
+      // activation offloading (docs/memory.md)
+      {"cpu-offloading", "offload the saved activations of the first cpu-offloading-num-layers "
+                         "layers to host memory", true},
+      {"cpu-offloading-num-layers", "layers whose activations are offloaded (0 .. num-layers - "
+                                    "1; > 0 turns cpu-offloading on)"},
+      {"cpu-offloading-retain-pinned-cpu-buffers", "Megatron's: the pinned buffers are kept "
+                                                   "for the next step (always in Megaton)", true},
       // parallelism (docs/parallelism.md)
       {"tensor-model-parallel-size", "tensor parallel ranks (tp)"},
       {"pipeline-model-parallel-size", "pipeline stages (pp)"},
@@ -519,6 +529,9 @@ namespace {
 // and refusals (optim::check_precision_aware_config).
 void parse_precision_aware_args(const Reader& r, optim::AdamWConfig& c) {
   r.get("use-precision-aware-optimizer", c.use_precision_aware_optimizer);
+  bool no_remainders = false;
+  r.get("no-store-param-remainders", no_remainders);
+  c.store_param_remainders = !no_remainders;
   const std::pair<const char*, std::vector<std::string>> choices[] = {
       {"main-params-dtype", {"fp32", "fp16"}},
       {"main-grads-dtype", {"fp32", "bf16"}},
@@ -810,6 +823,40 @@ void parse_recompute_args(const Reader& r, TrainArgs& a) {
          "supported with fp8-recipe delayed (a re-run forward would update the amax history "
          "again): use fp8-recipe tensorwise or blockwise");
 }
+
+// --cpu-offloading, --cpu-offloading-num-layers (Megatron's arguments.py: a count > 0 turns
+// cpu_offloading on; TransformerConfig.__post_init__'s checks and messages). After the
+// recompute, pipeline and CUDA graph flags.
+void parse_cpu_offloading_args(const Reader& r, TrainArgs& a) {
+  CpuOffloadingConfig& c = a.model.cpu_offloading;
+  r.get("cpu-offloading", c.enabled);
+  r.get("cpu-offloading-num-layers", c.num_layers);
+  bool retain = false;
+  r.get("cpu-offloading-retain-pinned-cpu-buffers", retain);
+  if (retain)
+    a.no_effect.push_back("--cpu-offloading-retain-pinned-cpu-buffers: Megaton always keeps "
+                          "the pinned buffers for the next step");
+  if (c.num_layers > 0) c.enabled = true;
+  if (!c.enabled) {
+    c = CpuOffloadingConfig{};
+    return;
+  }
+  if (c.num_layers < 0 || c.num_layers >= a.model.num_layers)
+    fail("CPU offloading can be done only for layers less than num-layers ({}): "
+         "cpu-offloading-num-layers is {}", a.model.num_layers, c.num_layers);
+  if (a.parallel.pipeline_model_parallel_size > 1)
+    fail("Currently there is no support for Pipeline parallelism with CPU offloading "
+         "(pipeline-model-parallel-size {})", a.parallel.pipeline_model_parallel_size);
+  if (a.model.recompute.granularity != RecomputeGranularity::None)
+    fail("CPU offloading does not work when activation recomputation is enabled "
+         "(recompute-granularity)");
+  if (a.cuda_graph_impl != "none")
+    fail("cpu-offloading with cuda-graph-impl {} is not supported in Megaton yet (the copy "
+         "stream is not captured)", a.cuda_graph_impl);
+  if (c.num_layers == 0)
+    a.no_effect.push_back("--cpu-offloading: cpu-offloading-num-layers is 0, no layer is "
+                          "offloaded");
+}
 }  // namespace
 
 TrainArgs parse_train_args(const RawOptions& raw) {
@@ -999,6 +1046,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   parse_fp8_args(r, a.model, a.no_effect);
   parse_mixed_precision_args(r, a);
   parse_recompute_args(r, a);
+  parse_cpu_offloading_args(r, a);
   // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.
   if (a.model.fp8.param_gather && !p.use_distributed_optimizer)
     fail("fp8-param-gather needs use-distributed-optimizer (the FP8 weights are what its "
