@@ -100,20 +100,22 @@ TEST_F(CommTest, AllReduceIntegers) {
   }
 }
 
-TEST_F(CommTest, AllReduceBf16SumsInFp32) {
-  for (const Group* g : {&grid.world(), &grid.dp()}) {
-    SCOPED_TRACE(g->describe());
-    Tensor t = input(me, 64, 20).to(DType::BF16);
-    comm().all_reduce(t, *g);
-    // The documented result: the fp32 sum of the bf16 inputs, rounded to bf16 once.
-    Tensor sum = Tensor::zeros({64});
-    for (int r : g->ranks) {
-      Tensor x = input(r, 64, 20).to(DType::BF16).to(DType::F32);
-      for (int i = 0; i < 64; ++i) sum.f32()[i] += x.f32()[i];
+// bf16 and fp16 (--fp16's sequence-parallel reductions) alike.
+TEST_F(CommTest, AllReduceBf16AndFp16SumInFp32) {
+  for (DType half : {DType::BF16, DType::F16})
+    for (const Group* g : {&grid.world(), &grid.dp()}) {
+      SCOPED_TRACE(g->describe() + " " + std::string(dtype_name(half)));
+      Tensor t = input(me, 64, 20).to(half);
+      comm().all_reduce(t, *g);
+      // The documented result: the fp32 sum of the 16-bit inputs, rounded once.
+      Tensor sum = Tensor::zeros({64});
+      for (int r : g->ranks) {
+        Tensor x = input(r, 64, 20).to(half).to(DType::F32);
+        for (int i = 0; i < 64; ++i) sum.f32()[i] += x.f32()[i];
+      }
+      EXPECT_EQ(t.dtype(), half);
+      EXPECT_TRUE(allclose(t, sum.to(half), 1e-5, half == DType::F16 ? 2e-3 : 1e-2));
     }
-    EXPECT_EQ(t.dtype(), DType::BF16);
-    EXPECT_TRUE(allclose(t, sum.to(DType::BF16), 1e-5, 1e-2));
-  }
 }
 
 TEST_F(CommTest, ReduceScatter) {
@@ -384,8 +386,8 @@ TEST_F(CommTest, ArgumentMistakesThrowBeforeSending) {
   EXPECT_THROW(comm().all_to_allv(t, counts, wrong, counts, grid.tp()), InternalError);
   EXPECT_THROW(comm().broadcast(t, 2, grid.tp()), InternalError);
   EXPECT_THROW(comm().send(t, grid.tp().rank, grid.tp()), InternalError);
-  Tensor f16 = Tensor::zeros({6}, DType::F16);
-  EXPECT_THROW(comm().all_reduce(f16, grid.tp()), InternalError);
+  Tensor f8 = Tensor::zeros({6}, DType::F8E4M3);
+  EXPECT_THROW(comm().all_reduce(f8, grid.tp()), InternalError);
   Tensor b16 = Tensor::zeros({6}, DType::BF16);
   EXPECT_THROW(comm().all_reduce(b16, grid.tp(), ReduceOp::Max), InternalError);
   Group stranger{"other", {me == 0 ? 1 : 0}, -1};
