@@ -45,7 +45,9 @@ NamedTensors gather_named_tensors(Comm& comm, const Group& g, const NamedTensors
   NamedTensors out;
   for (int member = 0; member < g.size(); ++member) {
     if (member == root) {
-      for (const auto& [name, t] : mine) out.emplace_back(name, t.to(dev));
+      // The root's own tensors stay where they are (host ones, e.g. offloaded optimizer
+      // state, are not copied to the device only to be written from the host).
+      for (const auto& [name, t] : mine) out.emplace_back(name, t);
       continue;
     }
     Tensor length = Tensor::empty({1}, DType::I64, dev);

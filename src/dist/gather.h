@@ -12,7 +12,8 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
 // Every member's `mine` (names, shapes, dtypes may differ between members; tensors
 // contiguous, on any device) arrives at member `root` of g, concatenated in member
-// order, as tensors on the Comm's device; the other members get an empty list. Point to
+// order, as tensors on the Comm's device (root's own tensors: where they are); the other
+// members get an empty list. Point to
 // point over g (Comm::send/recv), one member at a time: meant for checkpoints, not for
 // the training step. Collective over g.
 NamedTensors gather_named_tensors(Comm& comm, const Group& g, const NamedTensors& mine,

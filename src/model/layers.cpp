@@ -100,7 +100,13 @@ Param make_constant_param(const std::string& name, const Shape& shape, float val
 void refresh_compute_weight(Param& p) {
   // An FP8 weight (--fp8-param-gather) is requantized by the distributed optimizer.
   MEGATON_CHECK(!p.fp8_param, "refresh_compute_weight on the FP8 weight '{}'", p.name);
-  if (p.weight.raw() != p.main_param.raw()) ops::cast(p.main_param, p.weight);
+  if (p.weight.raw() == p.main_param.raw()) return;
+  // An offloaded main param (--optimizer-cpu-offload) is on the host: cast there, then copy.
+  if (p.main_param.device() != p.weight.device())
+    p.weight.copy_from(p.main_param.dtype() == p.weight.dtype() ? p.main_param
+                                                                : p.main_param.to(p.weight.dtype()));
+  else
+    ops::cast(p.main_param, p.weight);
 }
 
 Linear::Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias_on,

@@ -100,7 +100,8 @@ bool stores_param_remainder(const AdamWConfig& config, const Param& p) {
   if (p.main_param_remainder.defined()) return true;
   return config.store_param_remainders && p.weight.defined() &&
          p.weight.dtype() == DType::BF16 && p.main_param.defined() &&
-         p.main_param.dtype() == DType::F32 && p.main_param.raw() != p.weight.raw();
+         p.main_param.dtype() == DType::F32 && p.main_param.raw() != p.weight.raw() &&
+         p.main_param.device() == p.weight.device();  // not an offloaded (host) main param
 }
 
 Tensor main_param_value(const Param& p) {
@@ -120,9 +121,17 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
   std::set<std::string> names;
   exp_avg_.reserve(params_.size());
   exp_avg_sq_.reserve(params_.size());
-  for (Param* p : params_) {
-    MEGATON_CHECK(p != nullptr, "null Param in the optimizer's list");
-    if (stores_param_remainder(config_, *p) && !p->main_param_remainder.defined()) {
+  for (Param* p : params_) MEGATON_CHECK(p != nullptr, "null Param in the optimizer's list");
+  offloaded_.assign(params_.size(), 0);
+  if (config_.optimizer_cpu_offload) {
+    MEGATON_CHECK(config_.optimizer_offload_fraction >= 0 && config_.optimizer_offload_fraction <= 1,
+                  "optimizer offload fraction {}", config_.optimizer_offload_fraction);
+    offloaded_ = choose_offloaded_params(params_, config_.optimizer_offload_fraction);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param* p = params_[i];
+    // An offloaded param's main param goes to the host whole (OptimizerOffload below).
+    if (!offloaded_[i] && stores_param_remainder(config_, *p) && !p->main_param_remainder.defined()) {
       // Before this param's moments are allocated, so the fp32 main param is free first.
       p->main_param_remainder = Tensor::empty(p->weight.shape(), DType::I16, p->weight.device());
       ops::split_param_remainders(p->main_param, p->weight, p->main_param_remainder);
@@ -147,11 +156,17 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
                   dtype_name(p->main_grad.dtype()), shape_str(p->main_grad.shape()),
                   shape_str(p->weight.shape()));
     MEGATON_CHECK(names.insert(p->name).second, "two params named '{}'", p->name);
-    exp_avg_.push_back(Tensor::zeros(p->weight.shape(), config_.exp_avg_dtype, p->weight.device()));
-    exp_avg_sq_.push_back(
-        Tensor::zeros(p->weight.shape(), config_.exp_avg_sq_dtype, p->weight.device()));
+    // (An offloaded param's moments are made on the host by OptimizerOffload.)
+    exp_avg_.push_back(offloaded_[i] ? Tensor()
+                                     : Tensor::zeros(p->weight.shape(), config_.exp_avg_dtype,
+                                                     p->weight.device()));
+    exp_avg_sq_.push_back(offloaded_[i] ? Tensor()
+                                        : Tensor::zeros(p->weight.shape(), config_.exp_avg_sq_dtype,
+                                                        p->weight.device()));
     rounding_keys_.push_back(moment_rounding_key(*p, 0, 1, 0));
   }
+  if (config_.optimizer_cpu_offload)
+    offload_ = std::make_unique<OptimizerOffload>(params_, offloaded_, config_, exp_avg_, exp_avg_sq_);
   state_ = Tensor::zeros({2}, DType::I64,
                          params_.empty() ? state_device : params_[0]->weight.device());
 }
@@ -161,6 +176,7 @@ AdamW::SplitLists AdamW::lists() const {
   // reassigned a Param's tensors since the last step.
   SplitLists out;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (offloaded_[i]) continue;  // updated on the host (OptimizerOffload)
     const Param* p = params_[i];
     const bool remainder = p->main_param_remainder.defined();
     Lists& l = remainder ? out.remainder : out.fp32;
@@ -182,7 +198,18 @@ AdamW::SplitLists AdamW::lists() const {
   return out;
 }
 
+AdamW::~AdamW() = default;
+
+std::vector<float> AdamW::weight_decays() const {
+  std::vector<float> out;
+  for (const Param* p : params_) out.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
+  return out;
+}
+
 void AdamW::step(const Tensor& control) {
+  // The offloaded params' grads and the control values go to the host first; their update
+  // runs there while the device runs its own (queued below).
+  if (offload_) offload_->start(control);
   SplitLists s = lists();
   Lists& f = s.fp32;
   if (!f.masters.empty())
@@ -194,6 +221,9 @@ void AdamW::step(const Tensor& control) {
     ops::multi_tensor_adamw_param_remainder(r.masters, r.copies, r.grads, r.exp_avg, r.exp_avg_sq,
                                             r.weight_decays, config_.adam_beta1,
                                             config_.adam_beta2, config_.adam_eps, control, r.keys);
+  if (offload_)
+    offload_->finish(weight_decays(), rounding_keys_, exp_avg_, exp_avg_sq_, config_.adam_beta1,
+                     config_.adam_beta2, config_.adam_eps, 0.0f, 0, 1.0f);
 }
 
 int64_t AdamW::step_count() const { return state_.to(Device::CPU).i64()[0]; }
@@ -201,6 +231,7 @@ int64_t AdamW::step_count() const { return state_.to(Device::CPU).i64()[0]; }
 void AdamW::step(float lr, float grad_scale) {
   const int64_t step = step_count() + 1;
   set_step_count(step);
+  if (offload_) offload_->start(Tensor());
   SplitLists s = lists();
   Lists& f = s.fp32;
   if (!f.masters.empty())
@@ -213,6 +244,9 @@ void AdamW::step(float lr, float grad_scale) {
                                             r.weight_decays, lr, config_.adam_beta1,
                                             config_.adam_beta2, config_.adam_eps, step, grad_scale,
                                             r.keys);
+  if (offload_)
+    offload_->finish(weight_decays(), rounding_keys_, exp_avg_, exp_avg_sq_, config_.adam_beta1,
+                     config_.adam_beta2, config_.adam_eps, lr, step, grad_scale);
 }
 
 void AdamW::set_step_count(int64_t count) {

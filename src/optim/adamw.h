@@ -1,6 +1,7 @@
 // AdamW: Megatron's default optimizer over fp32 main parameters and main gradients.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -8,6 +9,7 @@
 #include "core/tensor.h"
 #include "model/param.h"
 #include "ops/adam_precision_math.h"
+#include "optim/optimizer_offload.h"
 
 namespace megaton::optim {
 
@@ -35,6 +37,12 @@ struct AdamWConfig {
   // such param, where Megatron does only under the precision-aware optimizer. FP8 weights
   // (--fp8-param-gather) and fp16 ones keep the fp32 main param.
   bool store_param_remainders = true;
+  // Megatron's --optimizer-cpu-offload and --optimizer-offload-fraction (HybridDeviceOptimizer;
+  // optim/optimizer_offload.h): the fp32 main params, the moments and the update of the
+  // first `optimizer_offload_fraction` of the elements (whole params, in list order) on
+  // the host, overlapped with the device's update of the rest.
+  bool optimizer_cpu_offload = false;
+  double optimizer_offload_fraction = 1.0;
 };
 
 // Whether AdamW with `config` keeps p's main param as a remainder: config says so, p's
@@ -92,6 +100,7 @@ class AdamW {
   // there are params, else this one (a rank whose shard holds no parameter).
   explicit AdamW(std::vector<Param*> params, AdamWConfig config = {},
                  Device state_device = Device::CPU);
+  ~AdamW();
 
   // One update of every main_param (the weight itself when main_param is undefined; the
   // (weight, remainder) pair when main_param_remainder is defined) from
@@ -131,6 +140,9 @@ class AdamW {
 
   const AdamWConfig& config() const { return config_; }
   const std::vector<Param*>& params() const { return params_; }
+  // Elements whose state and update are on the host (config.optimizer_cpu_offload; 0
+  // without). Their Param::main_param is then a host tensor.
+  int64_t offloaded_numel() const { return offload_ ? offload_->numel() : 0; }
 
  private:
   std::vector<Param*> params_;
@@ -139,6 +151,10 @@ class AdamW {
   std::vector<Tensor> exp_avg_sq_;
   Tensor state_;  // I64 [2]: step count, stopped
   std::vector<ops::MomentRoundingKey> rounding_keys_;
+  // --optimizer-cpu-offload: which params are on the host, and their half of the step.
+  std::vector<uint8_t> offloaded_;
+  std::unique_ptr<OptimizerOffload> offload_;
+  std::vector<float> weight_decays() const;
   // The lists multi_tensor_adamw (fp32 main params) and
   // multi_tensor_adamw_param_remainder (remainders: `masters` holds the BF16 weights,
   // `copies` the remainders) take, each with its params' moments and keys.

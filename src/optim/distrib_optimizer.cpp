@@ -15,6 +15,18 @@
 
 namespace megaton::optim {
 
+namespace {
+// ops::cast of src into dst (its dtype), also when src is on the host and dst on the device
+// (an offloaded moment, --optimizer-cpu-offload): converted on the host, then copied.
+void cast_into(const Tensor& src, Tensor& dst) {
+  if (src.device() == dst.device()) {
+    ops::cast(src, dst);
+    return;
+  }
+  dst.copy_from(src.dtype() == dst.dtype() ? src : src.to(dst.dtype()));
+}
+}  // namespace
+
 const dist::Group& DistributedAdamW::group_of(const ParamAndGradBuffer& b) const {
   return b.is_expert() ? grid_.edp() : grid_.dp_cp();
 }
@@ -223,15 +235,18 @@ double DistributedAdamW::norm_over_model(bool main_params) {
     if (!grads.empty()) sum_sq = ops::multi_tensor_sum_of_squares(grads);
   } else {
     // Remainder pairs are joined a piece at a time; the others are read as they are.
-    std::vector<Tensor> plain;
+    std::vector<Tensor> plain, host;  // host: main params offloaded to the host
     std::vector<const Param*> joined;
     for (const Param* p : counted_params()) {
       if (p->main_param_remainder.defined())
         joined.push_back(p);
+      else if (p->main_param.defined() && p->main_param.device() != p->weight.device())
+        host.push_back(p->main_param);
       else
         plain.push_back(p->main_param.defined() ? p->main_param : p->weight);
     }
     if (!plain.empty()) sum_sq = ops::multi_tensor_sum_of_squares(plain);
+    if (!host.empty()) sum_sq += ops::multi_tensor_sum_of_squares(host);
     sum_sq += remainder_sum_of_squares(joined);
   }
   // Every rank's partial sum, added in rank order: the same fp64 result everywhere.
@@ -323,8 +338,8 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
           main.copy_from(sp.main_param);
         Tensor m = full[1].rows(piece.buffer_offset, piece.numel);
         Tensor v = full[2].rows(piece.buffer_offset, piece.numel);
-        ops::cast(*state[2 * i].second, m);
-        ops::cast(*state[2 * i + 1].second, v);
+        cast_into(*state[2 * i].second, m);
+        cast_into(*state[2 * i + 1].second, v);
       }
       for (Tensor& t : full) comm_.all_reduce(t, g);
       if (g.rank != 0) continue;

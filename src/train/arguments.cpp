@@ -114,6 +114,18 @@ const std::vector<OptionSpec>& train_option_specs() {
        "optimizer: fp32 or bf16 (the update math stays fp32)"},
       {"exp-avg-sq-dtype", "dtype Adam's second moment is stored in with the precision-aware "
        "optimizer: fp32 or bf16 (the update math stays fp32)"},
+      {"optimizer-cpu-offload", "keep the fp32 main params and Adam moments of "
+                                "optimizer-offload-fraction of the elements in host memory "
+                                "and update them there (needs use-precision-aware-optimizer)",
+       true},
+      {"optimizer-offload-fraction", "fraction of the optimizer's elements offloaded, whole "
+                                     "params in order (default 1.0)"},
+      {"overlap-cpu-optimizer-d2h-h2d", "Megatron's: the offloaded copies overlap the device "
+                                        "step (always in Megaton)", true},
+      {"use-torch-optimizer-for-cpu-offload", "Megatron's: the host update is Megaton's own "
+                                              "AdamW", true},
+      {"no-pin-cpu-grads", "Megatron's: the host buffers are always pinned", true},
+      {"no-pin-cpu-params", "Megatron's: the host buffers are always pinned", true},
       {"no-store-param-remainders",
        "keep whole fp32 main params beside bf16 weights, not their low 16 bits (Megatron's "
        "store_param_remainders, on by default: lossless, 2 bytes per parameter less)", true},
@@ -586,6 +598,44 @@ void parse_mixed_precision_args(const Reader& r, TrainArgs& a) {
          "Megaton yet (the scale changes between steps); give a static --loss-scale");
 }
 
+// --optimizer-cpu-offload and its options (Megatron's arguments.py: the offload needs the
+// precision-aware optimizer; with FP8 param gather, Megatron needs the delayed recipe,
+// which Megaton does not offload yet). After the precision-aware, FP8 and CUDA graph flags.
+void parse_optimizer_offload_args(const Reader& r, TrainArgs& a) {
+  optim::AdamWConfig& c = a.adam;
+  r.get("optimizer-cpu-offload", c.optimizer_cpu_offload);
+  r.get("optimizer-offload-fraction", c.optimizer_offload_fraction);
+  const char* switches[][2] = {
+      {"overlap-cpu-optimizer-d2h-h2d", "the copies always run on a side stream, overlapped "
+                                        "with the device's update"},
+      {"use-torch-optimizer-for-cpu-offload", "the host update is Megaton's AdamW (the CPU "
+                                              "twin of the device kernel)"},
+      {"no-pin-cpu-grads", "the host buffers are always pinned"},
+      {"no-pin-cpu-params", "the host buffers are always pinned"}};
+  for (auto [key, why] : switches) {
+    bool on = false;
+    r.get(key, on);
+    if (on) a.no_effect.push_back(std::string("--") + key + ": " + why);
+  }
+  if (!c.optimizer_cpu_offload) {
+    if (r.has("optimizer-offload-fraction"))
+      a.no_effect.push_back("--optimizer-offload-fraction: no --optimizer-cpu-offload");
+    return;
+  }
+  if (!(c.optimizer_offload_fraction >= 0 && c.optimizer_offload_fraction <= 1))
+    fail("optimizer-offload-fraction must be in [0, 1] (got {})", c.optimizer_offload_fraction);
+  if (!c.use_precision_aware_optimizer)
+    fail("The optimizer cpu offload must be used in conjunction with "
+         "`--use-precision-aware-optimizer`, as Megatron's hybrid device optimizer reuses "
+         "its code path");
+  if (a.model.fp8.param_gather)
+    fail("optimizer-cpu-offload with fp8-param-gather is not supported in Megaton yet (the "
+         "FP8 weights are quantized from device main params)");
+  if (a.cuda_graph_impl != "none")
+    fail("optimizer-cpu-offload with cuda-graph-impl {} is not supported in Megaton yet (the "
+         "host update waits for the device each step)", a.cuda_graph_impl);
+}
+
 // --cuda-graph-impl and its options, with Megatron's rules (arguments.py): the old
 // --cuda-graph-scope is --cuda-graph-modules, except its value full_iteration, which selects
 // the implementation; modules are empty with full_iteration; warmup steps are positive.
@@ -1047,6 +1097,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   parse_mixed_precision_args(r, a);
   parse_recompute_args(r, a);
   parse_cpu_offloading_args(r, a);
+  parse_optimizer_offload_args(r, a);
   // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.
   if (a.model.fp8.param_gather && !p.use_distributed_optimizer)
     fail("fp8-param-gather needs use-distributed-optimizer (the FP8 weights are what its "

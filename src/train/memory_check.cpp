@@ -53,8 +53,10 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   const double main_b = adam.store_param_remainders && m.compute_dtype() == DType::BF16
                             ? 2.0
                             : double(dtype_size(adam.main_params_dtype));
+  // --optimizer-cpu-offload: that fraction of the moments and main params is on the host.
+  const double on_device = adam.optimizer_cpu_offload ? 1.0 - adam.optimizer_offload_fraction : 1.0;
   auto bytes_per_element = [&](double shards) {
-    return cb + grad_b + moments_b / shards + (cb < 4 ? main_b / shards : 0.0);
+    return cb + grad_b + on_device * (moments_b / shards + (cb < 4 ? main_b / shards : 0.0));
   };
   const double dense_b = bytes_per_element(dense_shards);
   const double expert_b = bytes_per_element(expert_shards);

@@ -482,6 +482,12 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
         m.cpu_offloading.num_layers,
         chunk_memory(x, cl, true, pp == 1, true).offloaded / double(1 << 30)));
   }
+  if (args.adam.optimizer_cpu_offload)
+    notes.push_back(fmt::format(
+        "optimizer CPU offload: {:.0f}% of the elements' main params and Adam moments, {:.2f} "
+        "GiB, in pinned host memory (not counted above; whole params, so the device keeps up "
+        "to one param more or less)",
+        100 * args.adam.optimizer_offload_fraction, plan.offloaded_optimizer_bytes / double(1 << 30)));
   if (m.fp8.enabled)
     notes.push_back("FP8: saved inputs as FP8 x^T, each expert padded to the FP8 multiple on "
                     "average; the transient quantized copies are not counted");

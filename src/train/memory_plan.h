@@ -49,6 +49,9 @@ struct MemoryPlan {
   // statistics, the optimizer's step state, FP8 scales, the trainer's batch buffers.
   double weights = 0, main_params = 0, main_grads = 0, exp_avg = 0, exp_avg_sq = 0;
   double other_state = 0;
+  // --optimizer-cpu-offload: the main params and moments held in pinned host memory
+  // instead (left out of the terms above).
+  double offloaded_optimizer_bytes = 0;
 
   // The peak beyond the persistent bytes, split at its moment:
   double activations = 0;            // what the peak's micro-batch saved on its chunk

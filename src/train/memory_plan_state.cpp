@@ -169,6 +169,15 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
       }
     }
   }
+  // --optimizer-cpu-offload: the offloaded fraction's main params and moments are on the
+  // host (whole params are chosen, so the device keeps up to one param less than this).
+  if (args.adam.optimizer_cpu_offload) {
+    const double keep = 1.0 - args.adam.optimizer_offload_fraction;
+    plan.offloaded_optimizer_bytes = (plan.main_params + plan.exp_avg + plan.exp_avg_sq) * (1 - keep);
+    plan.main_params *= keep;
+    plan.exp_avg *= keep;
+    plan.exp_avg_sq *= keep;
+  }
   // Other state made with the model and the trainer: the AdamW step state (I64 [2]), the
   // learning rate, the batch buffers of every local micro-batch (no pipeline), each MoE
   // layer's router statistics (tokens per expert, metric sums, the last loss, the expert

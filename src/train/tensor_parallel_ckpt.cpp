@@ -78,8 +78,11 @@ dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
       if (g.rank == 0) out.emplace_back(name, t);
       continue;
     }
-    Tensor gathered = Tensor::empty({t.numel() * g.size()}, t.dtype(), t.device());
-    mp.comm->all_gather(t, gathered, g);
+    // The collective runs on the communicator's device (a host tensor, e.g. an offloaded
+    // main param, is copied there first).
+    const Tensor src = t.device() == mp.comm->device() ? t : t.to(mp.comm->device());
+    Tensor gathered = Tensor::empty({t.numel() * g.size()}, t.dtype(), src.device());
+    mp.comm->all_gather(src, gathered, g);
     if (g.rank == 0) out.emplace_back(name, unshard(gathered, *p, g.size()));
   }
   return out;

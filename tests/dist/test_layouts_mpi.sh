@@ -56,9 +56,11 @@ router_flags() {  # NAME
 # "RC=full|block|sel" recomputes activations: whole layers in groups of 2 (uniform), the
 # first layer of each model chunk (block), or every selective module; "FP16=1" scales the
 # loss as --fp16 does (dynamic, from 1024, doubling every 2 clean steps; the CPU computes
-# fp32, so the scaled gradients and their unscaling are what differs from one rank).
+# fp32, so the scaled gradients and their unscaling are what differs from one rank);
+# "OFF=1" offloads half of the optimizer's elements to host buffers (--optimizer-cpu-offload
+# --optimizer-offload-fraction 0.5, with the precision-aware optimizer it needs).
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0
   local setting
   for setting in $1; do
     case $setting in
@@ -76,6 +78,7 @@ use_variant() {  # "VAR=value ..."
       PAO=*) PAO=${setting#*=} ;;
       RC=*) RC=${setting#*=} ;;
       FP16=*) FP16=${setting#*=} ;;
+      OFF=*) OFF=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -94,6 +97,7 @@ run() {  # NAME NP FLAGS...
   [ -z "$FP8" ] || model+=(--fp8-format hybrid --fp8-recipe "$FP8" --kv-channels 16)
   [ "$PAO" = 0 ] || model+=(--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)
   [ "$FP16" = 0 ] || model+=(--fp16 --initial-loss-scale 1024 --loss-scale-window 2)
+  [ "$OFF" = 0 ] || model+=(--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5)
   case $RC in
     full) model+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 2) ;;
     block) model+=(--recompute-granularity full --recompute-method block --recompute-num-layers 1) ;;
@@ -245,6 +249,11 @@ layouts=(
   "tp2-sp-fp16|2|--tensor-model-parallel-size 2 --sequence-parallel|FP16=1"
   "ep2-alltoall-fp16|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|FP16=1"
   "pp2-interleaved-fp16|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 FP16=1"
+  # Optimizer offloading (issue 18): a rank's first half of its AdamW elements (its shard's
+  # pieces under the distributed optimizer) updated from host buffers; checkpoints gather
+  # host main params and moments.
+  "dp2-distributed-optimizer-offload|2|--use-distributed-optimizer|OFF=1"
+  "tp2-sp-ep2-offload|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|OFF=1"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -271,6 +280,7 @@ resumes=(
   "dp2-distopt-to-one-rank-bf16-states|2|--use-distributed-optimizer|1||PAO=1"
   # The dynamic loss scaler's scale and trackers go through the checkpoint.
   "dp2-distopt-to-one-rank-fp16|2|--use-distributed-optimizer|1||FP16=1"
+  "dp2-distopt-to-one-rank-offload|2|--use-distributed-optimizer|1||OFF=1"
   "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed RTOL=1e-3"
 )
 for entry in "${layouts[@]}"; do

@@ -251,6 +251,22 @@ TEST_F(CliErrors, LossScalingFlags) {
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
+// --optimizer-cpu-offload: Megatron's requirement of the precision-aware optimizer, the
+// fraction's range, and what Megaton does not offload yet; one line and exit 2 each.
+TEST_F(CliErrors, OptimizerOffloadFlags) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--optimizer-cpu-offload",
+       "The optimizer cpu offload must be used in conjunction with "
+       "`--use-precision-aware-optimizer`"},
+      {"--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 1.5",
+       "optimizer-offload-fraction must be in [0, 1] (got 1.5)"},
+      {"--use-precision-aware-optimizer --optimizer-cpu-offload --cuda-graph-impl full_iteration",
+       "optimizer-cpu-offload with cuda-graph-impl full_iteration is not supported in Megaton yet"},
+  };
+  for (const auto& [flags, needle] : cases)
+    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
+}
+
 TEST_F(CliErrors, BadAlltoAllExchangeSetting) {
   expect_user_error("train --config " + config(std::string(kModel) + "num-experts: 4\n"),
                     "MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got 'yes')",
@@ -281,6 +297,15 @@ TEST_F(CliErrors, NonFiniteFloatFlags) {
 // host buffers of its own).
 TEST_F(CliErrors, CpuOffloadingTrains) {
   EXPECT_EQ(run(kMock + " --train-iters 2 --cpu-offloading-num-layers 1"), 0)
+      << (stderr_lines.empty() ? "" : stderr_lines.back());
+}
+
+// Offloading all of the optimizer's elements trains (the host update on the CPU backend is
+// the same update: tests/optim/test_optimizer_offload.cpp).
+TEST_F(CliErrors, OptimizerOffloadTrains) {
+  EXPECT_EQ(run(kMock + " --train-iters 2 --lr 1e-3 --use-precision-aware-optimizer "
+                        "--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d"),
+            0)
       << (stderr_lines.empty() ? "" : stderr_lines.back());
 }
 
