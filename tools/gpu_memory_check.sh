@@ -8,7 +8,7 @@
 #   cp ../shared/bench/torch_gpt.py gpu-bundle/
 #   mkdir -p gpu-carry; tar -cJf gpu-carry/bundle.tar.xz gpu-bundle
 # (carry gpu-carry and data/). Run there, from the repository root with $OUT set:
-#   bash tools/gpu_memory_check.sh tests|recompute|bench|llama8b|plan
+#   bash tools/gpu_memory_check.sh tests|recompute|bench|llama8b|fp16|offload
 set -u
 [ -d gpu-bundle ] || tar -xJf gpu-carry/bundle.tar.xz
 export LD_LIBRARY_PATH=$PWD/gpu-bundle/lib NCCL_NVLS_ENABLE=0
@@ -62,5 +62,30 @@ llama8b)  # the whole Llama-3-8B on one GPU (PyTorch's reference runs out of mem
     --variant "bf16-states+selective=--recompute-granularity selective $LEAN_STATES" \
     --variant "bf16-states+full=--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 $LEAN_STATES" \
     --out $OUT/llama8b.md
+  ;;
+fp16)  # --fp16 from Megatron's default scale 2^32 on the small configs: skips, then trains
+  for model in DENSE MOE; do
+    args=${!model}
+    for prec in bf16 fp16; do
+      flags=""; [ $prec = fp16 ] && flags="--fp16"
+      a=${args/--bf16/}
+      [ $prec = bf16 ] && a="$args"
+      timeout 200 $B/megaton $a $flags --train-iters 40 --log-metrics-file $OUT/m_${model}_$prec.jsonl > $OUT/o_${model}_$prec.txt 2>&1
+      echo "== $model $prec rc=$? $(grep -oE 'per iteration \(ms\): [0-9.]+|peak memory \(MB\): [0-9.]+' $OUT/o_${model}_$prec.txt | tail -2 | paste -sd' ')"
+      python3 -c "import json,sys; m=[json.loads(l) for l in open(sys.argv[1])]; s=[r['iteration'] for r in m if r.get('skipped')]; print('   skipped', s, 'loss 1/20/40', [round(m[i]['lm_loss'],4) for i in (0,19,39)], 'scale', m[-1].get('loss_scale'))" $OUT/m_${model}_$prec.jsonl
+    done
+  done
+  ;;
+offload)  # --optimizer-cpu-offload: speed and peak on llama-1.3B, and the curve against none
+  python3 bench/gpu_bench.py --megaton $B/megaton --configs llama-1.3B --iters 12 --no-torch \
+    --variant "offload-0.5=--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5" \
+    --variant "offload-1.0=--use-precision-aware-optimizer --optimizer-cpu-offload" \
+    --out $OUT/offload.md
+  for f in none "--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5"; do
+    n=$([ "$f" = none ] && echo none || echo half)
+    [ "$f" = none ] && f=""
+    timeout 200 $B/megaton $DENSE --train-iters 20 $f --log-metrics-file $OUT/off_$n.jsonl > $OUT/off_$n.txt 2>&1; echo "== offload $n rc=$?"
+  done
+  python3 -c "import json; a=[json.loads(l) for l in open('$OUT/off_none.jsonl')]; b=[json.loads(l) for l in open('$OUT/off_half.jsonl')]; print('   max relative loss difference over 20 steps', max(abs(x['lm_loss']-y['lm_loss'])/x['lm_loss'] for x,y in zip(a,b)))"
   ;;
 esac
