@@ -77,7 +77,7 @@ fp16)  # --fp16 from Megatron's default scale 2^32 on the small configs: skips, 
   done
   ;;
 offload)  # --optimizer-cpu-offload: speed and peak on llama-1.3B, and the curve against none
-  python3 bench/gpu_bench.py --megaton $B/megaton --configs llama-1.3B --iters 12 --no-torch \
+  python3 bench/gpu_bench.py --megaton $B/megaton --torch-script gpu-bundle/torch_gpt.py --configs llama-1.3B --iters 12 --no-torch \
     --variant "offload-0.5=--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5" \
     --variant "offload-1.0=--use-precision-aware-optimizer --optimizer-cpu-offload" \
     --out $OUT/offload.md
