@@ -36,8 +36,8 @@ using megaton::testing::test_seed;
   return ::testing::AssertionSuccess();
 }
 
-// A bf16 model's params (fp32 main param, bf16 weight) or an fp32 one's (the weight is
-// the main param).
+// A bf16 (or fp16) model's params (fp32 main param, 16-bit weight) or an fp32 one's (the
+// weight is the main param).
 struct Model {
   std::vector<std::unique_ptr<Param>> owned;
   std::vector<Param*> params;
@@ -138,6 +138,7 @@ void check_offload_equals_device(DType weight_dtype, double fraction) {
 TEST(OptimizerOffload, UpdatesEqualTheDeviceUpdateBitForBit) {
   for (double fraction : {0.5, 1.0}) {
     check_offload_equals_device(DType::BF16, fraction);
+    check_offload_equals_device(DType::F16, fraction);  // --fp16's compute weights
     check_offload_equals_device(DType::F32, fraction);
   }
 }

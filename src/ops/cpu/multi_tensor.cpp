@@ -194,8 +194,10 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
     if (!copy.defined()) continue;
     MEGATON_CHECK(copy.device() == Device::CPU,
                   "{}: param_copies[{}] is on the GPU, params on the CPU", op, i);
-    MEGATON_CHECK(copy.dtype() == DType::F32 || copy.dtype() == DType::BF16,
-                  "{}: param_copies[{}] must be F32 or BF16, got {}", op, i,
+    // F16: an --fp16 run's compute weights (the host half of --optimizer-cpu-offload).
+    MEGATON_CHECK(copy.dtype() == DType::F32 || copy.dtype() == DType::BF16 ||
+                      copy.dtype() == DType::F16,
+                  "{}: param_copies[{}] must be F32, BF16 or F16, got {}", op, i,
                   dtype_name(copy.dtype()));
     MEGATON_CHECK(copy.numel() == params[i].numel(),
                   "{}: param_copies[{}] {} has {} elements, param has {}", op, i,
