@@ -362,6 +362,24 @@ Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool s
   return dfc1;
 }
 
+Tensor mlp_activation_weighted(const Tensor& fc1_out, const Tensor& probs, bool swiglu) {
+  const int64_t ffn = swiglu ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
+  Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
+  if (swiglu) ops::weighted_swiglu_forward(fc1_out, probs, act);
+  else ops::weighted_gelu_forward(fc1_out, probs, act);
+  return act;
+}
+
+Tensor mlp_activation_weighted_backward(const Tensor& dact, const Tensor& fc1_out,
+                                        const Tensor& probs, bool swiglu, Tensor& dprobs,
+                                        Tensor* act) {
+  Tensor dfc1 = empty_like(dact, fc1_out.shape());
+  dprobs = Tensor::empty({fc1_out.dim(0)}, DType::F32, dact.device());
+  if (swiglu) ops::weighted_swiglu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+  else ops::weighted_gelu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+  return dfc1;
+}
+
 // The activation output (the input of linear_fc2, [T, ffn]) is not kept: backward
 // recomputes it from fc1's output, saving ffn x T activations per layer. (Megatron keeps it
 // in a dense MLP and offers its recompute for the experts only, recompute module moe_act.)

@@ -219,6 +219,17 @@ Tensor mlp_activation(const Tensor& fc1_out, bool swiglu);
 Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool swiglu,
                                Tensor* act = nullptr);
 
+// The MoE experts' activation weighted by each row's routing probability (Megatron's
+// weighted_bias_swiglu_impl in TEGroupedMLP): act(fc1_out[r]) * probs[r], probs F32 [R]
+// (0 for a padding row), in fc1_out's dtype (ops::weighted_swiglu_forward).
+Tensor mlp_activation_weighted(const Tensor& fc1_out, const Tensor& probs, bool swiglu);
+// Its backward: d fc1_out from dact [R, F]; writes dprobs [R] F32 (allocated here):
+// dprobs[r] = <dact[r], act(fc1_out[r])>. act (optional, [R, F], allocated by the caller)
+// receives the weighted activation again, the bits of mlp_activation_weighted.
+Tensor mlp_activation_weighted_backward(const Tensor& dact, const Tensor& fc1_out,
+                                        const Tensor& probs, bool swiglu, Tensor& dprobs,
+                                        Tensor* act = nullptr);
+
 // Megatron's MLP: linear_fc1 -> SwiGLU or GeLU -> linear_fc2. With SwiGLU, fc1 produces
 // [gate | up] (2 * ffn outputs). fc2 is initialised with output_std (Megatron's
 // scaled_init_method: init_method_std / sqrt(2 * num_layers)).

@@ -78,25 +78,38 @@ std::vector<Tensor> MoELayer::expert_grads(Param Expert::*w) const {
   return out;
 }
 
-void MoELayer::expert_bias_forward(Tensor& y, Param Expert::*bias) {
+void MoELayer::expert_bias_forward(Tensor& y, Param Expert::*bias, const Tensor& probs) {
   if (cfg_.disable_bias_linear) return;
   int64_t start = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
     int64_t n = saved_.expert_rows[e];
     if (n > 0) {
       Tensor rows = y.rows(start, n);
-      ops::bias_add_(rows, (experts[e].*bias).weight);
+      const Tensor& b = (experts[e].*bias).weight;
+      if (probs.defined()) ops::weighted_bias_add_(rows, b, probs.rows(start, n));
+      else ops::bias_add_(rows, b);
     }
     start += n;
   }
 }
 
-void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias) {
+void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias, const Tensor& probs,
+                                    Tensor* dprobs) {
   if (cfg_.disable_bias_linear) return;
   int64_t start = 0;
   for (size_t e = 0; e < experts.size(); ++e) {
     int64_t n = saved_.expert_rows[e];
-    if (n > 0) ops::bias_backward(dy.rows(start, n), (experts[e].*bias).main_grad);
+    if (n > 0) {
+      Param& b = experts[e].*bias;
+      if (!probs.defined()) {
+        ops::bias_backward(dy.rows(start, n), b.main_grad);
+      } else {
+        Tensor dprobs_rows;
+        if (dprobs) dprobs_rows = dprobs->rows(start, n);
+        ops::weighted_bias_backward(dy.rows(start, n), b.weight, probs.rows(start, n), b.main_grad,
+                                    dprobs ? &dprobs_rows : nullptr);
+      }
+    }
     start += n;
   }
 }
@@ -220,10 +233,12 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
       router.forward(x, ctx, mp_.tp_size() > 1 ? int64_t(mp_.tp_rank()) * tokens : 0);
   if (!ctx.recompute) s.aux_loss = router.last_loss_tensor();  // a re-run keeps the first
 
-  // The kept copies routed to this rank's experts, grouped by local expert; padded to a
-  // fixed size per expert: each rank of the expert-model-parallel group sends an expert at
-  // most `capacity` copies (all ranks have the same token count, hence capacity).
-  s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices);
+  // The kept copies routed to this rank's experts, grouped by local expert, with their
+  // probabilities; padded to a fixed size per expert: each rank of the expert-model-parallel
+  // group sends an expert at most `capacity` copies (all ranks have the same token count,
+  // hence capacity).
+  Tensor expert_probs;
+  s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices, expert_probs);
   s.expert_counts = dispatcher_->tokens_per_local_expert_device();
   s.tokens_per_local_expert = dispatcher_->tokens_per_local_expert();
   s.expert_rows = s.tokens_per_local_expert;
@@ -239,6 +254,8 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   s.padded = s.expert_rows != s.tokens_per_local_expert;
   s.expert_in = pad_expert_rows(s.expert_in);
   const int64_t rows = s.expert_in.dim(0);
+  // A padding row's probability is 0: its activation, output and gradients are zeros.
+  s.expert_probs = pad_expert_rows(expert_probs.view({expert_probs.numel(), 1})).view({rows});
   s.fc1_out = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
   // FP8 weight gradients read each expert's FP8 x^T kept here, not expert_in.
   const bool fp8_keeps_input = fc1_fp8_.enabled() && cfg_.fp8.wgrad;
@@ -249,10 +266,15 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   Tensor expert_out = !s.padded
                           ? dispatcher_->new_exchanged_rows({rows, hidden}, x.dtype(), x.device())
                           : empty_like(x, {rows, hidden});
-  // fc2's input, the activation, is recomputed in backward: FP8 keeps only its scales.
-  experts_forward(&Expert::fc2_weight, mlp_activation(s.fc1_out, cfg_.swiglu), false, expert_out);
-  // Row-parallel fc2: the partial outputs are summed over etp, the bias counted once.
-  if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias);
+  // fc2's input, the activation weighted by the rows' probabilities (Megatron's
+  // TEGroupedMLP: weighted_bias_swiglu_impl; the combine then adds the outputs unweighted,
+  // keeping no copy of them), is recomputed in backward: FP8 keeps only its scales.
+  experts_forward(&Expert::fc2_weight,
+                  mlp_activation_weighted(s.fc1_out, s.expert_probs, cfg_.swiglu), false,
+                  expert_out);
+  // Row-parallel fc2: the partial outputs are summed over etp, the bias (weighted by the
+  // probabilities, Megatron's _apply_bias) counted once.
+  if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias, s.expert_probs);
 
   Tensor out = dispatcher_->combine(unpad_expert_rows(expert_out));
   if (splits_rows()) out = gather_sequence(out, mp_);
@@ -289,28 +311,39 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
     const int64_t tp = mp_.tp_size();
     dy = dy_in.rows(mp_.tp_rank() * (dy_in.dim(0) / tp), dy_in.dim(0) / tp);
   }
-  Tensor dprobs;
   // The padding rows' output gradient is zero (a padding row is no copy's).
-  Tensor dexpert_out = pad_expert_rows(dispatcher_->combine_backward(dy, dprobs));
+  Tensor dexpert_out = pad_expert_rows(dispatcher_->combine_backward(dy));
 
-  // linear_fc2 of every local expert; its input, the activation, is recomputed (not kept).
-  // Where the weight-gradient GEMMs ask for it after every expert's input gradient (all
-  // but the blockwise FP8 recipe, which runs expert by expert), the activation's backward
-  // writes it in the same pass; otherwise it is recomputed on its own.
+  // linear_fc2 of every local expert; its input, the weighted activation, is recomputed (not
+  // kept). Where the weight-gradient GEMMs ask for it after every expert's input gradient
+  // (all but the blockwise FP8 recipe, which runs expert by expert), the activation's
+  // backward writes it in the same pass; otherwise it is recomputed on its own.
   const int64_t rows = dexpert_out.dim(0);
   Tensor dact = empty_like(dy, {rows, experts[0].fc2_weight.weight.dim(1)});
-  Tensor dfc1;  // the activation's backward, inside fc2's backward or after it
+  Tensor dfc1;          // the activation's backward, inside fc2's backward or after it
+  Tensor dexpert_probs;  // [rows] F32: the probabilities' gradient, this rank's f slice
   const bool input_after_dgrad = !fc1_fp8_.enabled() || cfg_.fp8.recipe != Fp8Recipe::Blockwise;
   experts_backward(&Expert::fc2_weight, dexpert_out, [&] {
-    if (!input_after_dgrad) return mlp_activation(s.fc1_out, cfg_.swiglu);
+    if (!input_after_dgrad) return mlp_activation_weighted(s.fc1_out, s.expert_probs, cfg_.swiglu);
     Tensor act = empty_like(dact, dact.shape());
-    dfc1 = mlp_activation_backward(dact, s.fc1_out, cfg_.swiglu, &act);
+    dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs, cfg_.swiglu,
+                                            dexpert_probs, &act);
     return act;
   }, dact);
-  // dexpert_out is whole on every ETP rank: each computes the same fc2 bias gradient.
-  expert_bias_backward(dexpert_out, &Expert::fc2_bias);
-  // activation (unless done above) and linear_fc1.
-  if (!dfc1.defined()) dfc1 = mlp_activation_backward(dact, s.fc1_out, cfg_.swiglu);
+  // activation (unless done above): dfc1 and the probabilities' gradient,
+  // dprobs[r] = <dact[r], act(fc1_out[r])> (Megatron's weighted_swiglu_back).
+  if (!dfc1.defined())
+    dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs, cfg_.swiglu,
+                                            dexpert_probs);
+  // The weighted fc2 bias: dexpert_out is whole on every ETP rank, so each computes the same
+  // bias gradient; the probabilities' part <dy[r], b2> is added once, on ETP rank 0 (the
+  // rank that added the bias), before the dispatcher sums the partial dprobs over ETP.
+  expert_bias_backward(dexpert_out, &Expert::fc2_bias, s.expert_probs,
+                       mp_.etp_rank() == 0 ? &dexpert_probs : nullptr);
+  // Back to [T, k] for the router (the padding rows' entries dropped).
+  Tensor dprobs = dispatcher_->probs_backward(
+      unpad_expert_rows(dexpert_probs.view({rows, 1})));
+  dexpert_probs = Tensor();
   const Shape in_shape = {rows, dy.dim(1)};
   Tensor dexpert_in = !s.padded ? dispatcher_->new_exchanged_rows(in_shape, dy.dtype(), dy.device())
                                 : empty_like(dy, in_shape);
@@ -349,7 +382,8 @@ void MoELayer::restore_saved(Activations&& saved) {
 void MoELayer::for_each_saved_tensor(Activations& saved,
                                      const std::function<void(Tensor&)>& fn) const {
   Saved& s = saved.moe;
-  for (Tensor* slot : {&s.x, &s.expert_in, &s.fc1_out, &s.expert_counts, &s.recompute_input})
+  for (Tensor* slot :
+       {&s.x, &s.expert_in, &s.fc1_out, &s.expert_probs, &s.expert_counts, &s.recompute_input})
     fn(*slot);
   for_each_tensor(s.fc1_fp8, fn);
   for_each_tensor(s.fc2_fp8, fn);

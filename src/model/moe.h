@@ -1,4 +1,5 @@
-// MoELayer: Megatron's top-k router, token permutation, grouped expert MLPs, weighted combine.
+// MoELayer: Megatron's top-k router, token permutation, grouped expert MLPs (routing
+// probabilities applied after the activation), combine.
 #pragma once
 #include <any>
 #include <functional>
@@ -23,11 +24,17 @@ namespace megaton {
 // Experts run as grouped GEMMs over the tokens sorted by expert (one call for all local
 // experts, Megatron's GroupedMLP); their parameters keep SequentialMLP's names with the
 // global expert index, "<prefix>.experts.local_experts.<e>.linear_fc1/.linear_fc2".
+// The routing probabilities are applied inside the experts, after the activation, as in
+// Megatron's TEGroupedMLP: y_r = fc2(act(fc1(x_r)) * p_r) + p_r b2 (the fc2 bias scaled by
+// the probability, _apply_bias), and the dispatcher's combine adds a token's rows
+// unweighted. The probabilities' gradient is <dact_r, act(fc1(x_r))> (+ <dy_r, b2>), from
+// the activation recomputed in backward: no expert output is kept (docs/memory.md).
 // Copies dropped by capacity reach no expert (token_dispatcher.h): the expert input holds
 // the kept copies only. --moe-pad-expert-input-to-capacity then pads each local expert's
-// input with zero rows to exactly capacity x (ranks of the expert-model-parallel group,
-// ep x etp) rows, the most its copies can number (ops::moe_pad_rows), and
-// strips the padding from the expert output and, in backward, from the input gradient.
+// input with zero rows (of probability 0) to exactly capacity x (ranks of the
+// expert-model-parallel group, ep x etp) rows, the most its copies can number
+// (ops::moe_pad_rows), and strips the padding from the expert output and, in backward,
+// from the input gradient.
 // Megatron instead pads at the source rank with zero-probability copies, which are
 // exchanged; a zero-weight row adds nothing to the output nor to any gradient (its output
 // gradient is 0), so the numbers are the same, but the communication is not padded here.
@@ -108,6 +115,10 @@ class MoELayer {
     // with FP8 weight gradients, which keep each expert's FP8 x^T instead.
     Tensor expert_in;
     Tensor fc1_out;         // [R, fc1 outputs / etp]; the activation is recomputed
+    // [R] fp32: each row's routing probability (0 on padding rows), applied after the
+    // activation (Megatron's TEGroupedMLP), so no expert output is kept for the
+    // probabilities' gradient (docs/memory.md, "MoE: probabilities inside the experts").
+    Tensor expert_probs;
     Tensor aux_loss;        // last_aux_loss_tensor()
     // [local experts], host; empty when the counts stayed on the device (expert_counts).
     std::vector<int64_t> tokens_per_local_expert;
@@ -159,12 +170,15 @@ class MoELayer {
   int64_t first_local_expert() const { return first_local_expert_; }
 
  private:
-  // Adds (forward) or reduces (backward) each expert's bias on its rows.
-  void expert_bias_forward(Tensor& y, Param Expert::*bias);
-  void expert_bias_backward(const Tensor& dy, Param Expert::*bias);
+  // Adds (forward) or reduces (backward) each expert's bias on its rows; with probs ([rows]
+  // F32) the bias scaled by each row's probability (fc2's, Megatron's _apply_bias), whose
+  // backward also adds <dy[r], bias> to dprobs[r] when given.
+  void expert_bias_forward(Tensor& y, Param Expert::*bias, const Tensor& probs = Tensor());
+  void expert_bias_backward(const Tensor& dy, Param Expert::*bias, const Tensor& probs = Tensor(),
+                            Tensor* dprobs = nullptr);
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
   std::vector<Tensor> expert_grads(Param Expert::*w) const;
-  // Rows [R, H] grouped by local expert -> [sum(expert_rows), H] with zero padding rows
+  // Rows [R, W] grouped by local expert -> [sum(expert_rows), W] with zero padding rows
   // (to capacity, FP8 multiples), and back (the padding dropped). Both return their
   // argument when the last forward did not pad.
   Tensor pad_expert_rows(const Tensor& rows) const;

@@ -118,12 +118,13 @@ MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts, cons
     : MoETokenDispatcher(num_experts, mp) {}
 
 Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,
-                                            const Tensor& indices) {
+                                            const Tensor& indices, Tensor& expert_probs) {
   const int64_t tokens = x.dim(0), hidden = x.dim(1), k = indices.dim(1);
   const int64_t E = num_experts_, L = num_local_experts_;
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int ep_rank = mp_.ep_rank(), etp_rank = mp_.etp_rank();
-  saved_.probs = probs;
+  saved_.tokens = tokens;
+  saved_.topk = k;
   saved_.pull = ep > 1 && etp == 1 && pulls();
   // When pulling, moe_permute writes straight into the buffer the other ranks read (as do
   // combine's and the backward's producers: new_exchanged_rows).
@@ -133,8 +134,12 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   // neither counted nor sent.
   Tensor counts = Tensor::empty({E + 1}, DType::I64, x.device());
   ops::moe_permute(x, indices, int(E + 1), permuted, saved_.row_id_map, counts);
+  // The copies' probabilities in the same order (probs viewed [T k, 1]: copy c's is row c).
+  Tensor permuted_probs = Tensor::empty({tokens * k, 1}, DType::F32, x.device());
+  ops::moe_permute_rows(probs.view({tokens * k, 1}), saved_.row_id_map, 1, permuted_probs);
   const Tensor expert_counts = counts.rows(0, E);
   if (device_counts_) {
+    expert_probs = permuted_probs.view({tokens * k});
     // One expert rank, nothing dropped: every copy is kept and stays where moe_permute
     // put it; the counts stay on the device.
     saved_.device_counts = expert_counts;
@@ -213,13 +218,16 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
       }
   }
   // The kept copies: the first rows of permuted (all of them without dropping).
-  return to_experts(permuted.rows(0, sum_of(saved_.send_rows)));
+  const int64_t kept = sum_of(saved_.send_rows);
+  Tensor probs_in = to_experts(permuted_probs.rows(0, kept), false);
+  expert_probs = probs_in.view({probs_in.dim(0)});
+  return to_experts(permuted.rows(0, kept), saved_.pull);
 }
 
-Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
+Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted, bool pull) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
-  if (saved_.pull) {  // the chunks land in their groups
+  if (pull) {  // the chunks land in their groups
     Tensor grouped = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
     mp_.comm->pull_rows(permuted, saved_.to_experts_runs, grouped, mp_.ep());
     return grouped;
@@ -243,10 +251,10 @@ Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted) const {
   return rows;
 }
 
-Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
+Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped, bool pull) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
-  if (saved_.pull) {  // each chunk comes back from its group
+  if (pull) {  // each chunk comes back from its group
     Tensor back = local_copies_buffer(grouped);
     mp_.comm->pull_rows(grouped, saved_.from_experts_runs, back, mp_.ep());
     return back;
@@ -280,38 +288,42 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped) const {
 Tensor MoEAlltoAllTokenDispatcher::local_copies_buffer(const Tensor& like) const {
   const int64_t kept = sum_of(saved_.send_rows), copies = saved_.row_id_map.dim(0);
   Tensor buffer = empty_as(like, {copies, like.dim(1)});
-  // Unpermute weights the dropped copies' rows by probability 0 (0 x uninitialised memory
-  // could be NaN) and permute_backward adds them: zeros.
+  // Unpermute and permute_backward add the dropped copies' rows: zeros.
   buffer.rows(kept, copies - kept).zero();
   return buffer;
 }
 
 Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
-  const int64_t tokens = saved_.probs.dim(0);
-  saved_.combined = from_experts(expert_out);
-  Tensor out = empty_as(expert_out, {tokens, expert_out.dim(1)});
-  ops::moe_unpermute(saved_.combined, saved_.row_id_map, saved_.probs, out);
+  const Tensor by_copy = from_experts(expert_out, saved_.pull);
+  Tensor out = empty_as(expert_out, {saved_.tokens, expert_out.dim(1)});
+  // Unweighted: the experts applied the probabilities (Megatron's unpermute without probs).
+  ops::moe_permute_backward(by_copy, saved_.row_id_map, int(saved_.topk), out);
   return out;
 }
 
-Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
-  const int64_t tokens = saved_.probs.dim(0), k = saved_.probs.dim(1);
-  Tensor dcombined = new_exchanged_rows({tokens * k, dout.dim(1)}, dout.dtype(), dout.device());
-  dprobs = Tensor::empty({tokens, k}, DType::F32, dout.device());
-  ops::moe_unpermute_backward(dout, saved_.combined, saved_.row_id_map, saved_.probs, dcombined,
-                              dprobs);
-  saved_.combined = Tensor();
-  return to_experts(dcombined.rows(0, sum_of(saved_.send_rows)));  // the kept copies
+Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout) {
+  const int64_t copies = saved_.tokens * saved_.topk;
+  Tensor dcombined = new_exchanged_rows({copies, dout.dim(1)}, dout.dtype(), dout.device());
+  ops::moe_permute_rows(dout, saved_.row_id_map, int(saved_.topk), dcombined);
+  return to_experts(dcombined.rows(0, sum_of(saved_.send_rows)), saved_.pull);  // the kept copies
+}
+
+Tensor MoEAlltoAllTokenDispatcher::probs_backward(const Tensor& dexpert_probs) {
+  // Back the way the probabilities came, the partial sums over etp added on the way.
+  const Tensor by_copy = from_experts(dexpert_probs.view({dexpert_probs.numel(), 1}), false);
+  Tensor dprobs = Tensor::empty({saved_.tokens, saved_.topk}, DType::F32, dexpert_probs.device());
+  Tensor dprobs_by_copy = dprobs.view({saved_.tokens * saved_.topk, 1});
+  ops::moe_permute_backward(by_copy, saved_.row_id_map, 1, dprobs_by_copy);
+  return dprobs;
 }
 
 Tensor MoEAlltoAllTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
-  return permute_backward(from_experts(dexpert_in));
+  return permute_backward(from_experts(dexpert_in, saved_.pull));
 }
 
 Tensor MoEAlltoAllTokenDispatcher::permute_backward(const Tensor& dpermuted) {
-  const int64_t tokens = saved_.probs.dim(0), k = saved_.probs.dim(1);
-  Tensor dx = empty_as(dpermuted, {tokens, dpermuted.dim(1)});
-  ops::moe_permute_backward(dpermuted, saved_.row_id_map, int(k), dx);
+  Tensor dx = empty_as(dpermuted, {saved_.tokens, dpermuted.dim(1)});
+  ops::moe_permute_backward(dpermuted, saved_.row_id_map, int(saved_.topk), dx);
   saved_ = {};  // the micro-batch's routing is used up
   return dx;
 }
@@ -349,7 +361,7 @@ void MoEAlltoAllTokenDispatcher::restore_saved(std::any&& saved) {
 void MoEAlltoAllTokenDispatcher::for_each_saved_tensor(
     std::any& saved, const std::function<void(Tensor&)>& fn) const {
   Saved& s = saved_of<Saved>(saved, "all-to-all");
-  for (Tensor* slot : {&s.probs, &s.row_id_map, &s.device_counts, &s.combined}) fn(*slot);
+  for (Tensor* slot : {&s.row_id_map, &s.device_counts}) fn(*slot);
 }
 
 // ---- all-gather ----
@@ -380,24 +392,29 @@ Tensor reduce_scatter_blocks(const ModelParallel& mp, const Tensor& x, const dis
 }  // namespace
 
 Tensor MoEAllGatherTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,
-                                             const Tensor& indices) {
+                                             const Tensor& indices, Tensor& expert_probs) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   saved_.tokens = x.dim(0);
+  saved_.topk = indices.dim(1);
   const int64_t k = indices.dim(1), rows = g.size() * saved_.tokens * k;
   Tensor x_all = gather_rows(mp_, x, g);
   Tensor indices_all = gather_rows(mp_, indices, g);
-  saved_.probs_all = gather_rows(mp_, probs, g);
+  const Tensor probs_all = gather_rows(mp_, probs, g);
   // Every gathered copy is sorted by expert; the local experts' copies are one block. Group
   // E holds the copies dropped by capacity (index E), after every expert's: never local.
   Tensor permuted = empty_as(x, {rows, x.dim(1)});
   saved_.row_id_map = Tensor::empty({rows}, DType::I32, x.device());
   Tensor counts = Tensor::empty({num_experts_ + 1}, DType::I64, x.device());
   ops::moe_permute(x_all, indices_all, int(num_experts_ + 1), permuted, saved_.row_id_map, counts);
+  // The gathered copies' probabilities in the same order ([G T k, 1]: copy c's is row c).
+  Tensor permuted_probs = Tensor::empty({rows, 1}, DType::F32, x.device());
+  ops::moe_permute_rows(probs_all.view({rows, 1}), saved_.row_id_map, 1, permuted_probs);
   if (device_counts_) {  // one expert rank, nothing dropped: all copies, counts on the device
     saved_.device_counts = counts.rows(0, num_experts_);
     saved_.first_row = 0;
     saved_.local_rows = rows;
     saved_.tokens_per_local_expert.clear();
+    expert_probs = permuted_probs.view({rows});
     return permuted;
   }
   saved_.device_counts = Tensor();
@@ -406,7 +423,12 @@ Tensor MoEAllGatherTokenDispatcher::dispatch(const Tensor& x, const Tensor& prob
   saved_.tokens_per_local_expert.assign(host.begin() + first_local_expert_,
                                         host.begin() + first_local_expert_ + num_local_experts_);
   saved_.local_rows = sum_of(saved_.tokens_per_local_expert);
-  if (saved_.local_rows == rows) return permuted;
+  if (saved_.local_rows == rows) {
+    expert_probs = permuted_probs.view({rows});
+    return permuted;
+  }
+  expert_probs =
+      permuted_probs.rows(saved_.first_row, saved_.local_rows).clone().view({saved_.local_rows});
   return permuted.rows(saved_.first_row, saved_.local_rows).clone();
 }
 
@@ -424,30 +446,39 @@ Tensor MoEAllGatherTokenDispatcher::scatter_local(const Tensor& local) const {
 Tensor MoEAllGatherTokenDispatcher::combine(const Tensor& expert_out) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   // Copies of other ranks' experts contribute zeros here; the reduce-scatter adds them in.
-  saved_.expert_out_all = scatter_local(expert_out);
+  const Tensor expert_out_all = scatter_local(expert_out);
   Tensor out_all = empty_as(expert_out, {g.size() * saved_.tokens, expert_out.dim(1)});
-  ops::moe_unpermute(saved_.expert_out_all, saved_.row_id_map, saved_.probs_all, out_all);
+  // Unweighted: the experts applied the probabilities (Megatron's unpermute without probs).
+  ops::moe_permute_backward(expert_out_all, saved_.row_id_map, int(saved_.topk), out_all);
   return reduce_scatter_blocks(mp_, out_all, g);
 }
 
-Tensor MoEAllGatherTokenDispatcher::combine_backward(const Tensor& dout, Tensor& dprobs) {
+Tensor MoEAllGatherTokenDispatcher::combine_backward(const Tensor& dout) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
-  const int64_t k = saved_.probs_all.dim(1), rows = saved_.row_id_map.dim(0);
+  const int64_t rows = saved_.row_id_map.dim(0);
   Tensor dout_all = gather_rows(mp_, dout, g);
   Tensor dexpert_out_all = empty_as(dout, {rows, dout.dim(1)});
-  Tensor dprobs_all = Tensor::empty({g.size() * saved_.tokens, k}, DType::F32, dout.device());
-  ops::moe_unpermute_backward(dout_all, saved_.expert_out_all, saved_.row_id_map, saved_.probs_all,
-                              dexpert_out_all, dprobs_all);
-  saved_.expert_out_all = Tensor();
-  // A copy's dprobs is nonzero only where its expert ran (partial sums under etp).
-  dprobs = reduce_scatter_blocks(mp_, dprobs_all, g);
+  ops::moe_permute_rows(dout_all, saved_.row_id_map, int(saved_.topk), dexpert_out_all);
   if (saved_.local_rows == rows) return dexpert_out_all;
   return dexpert_out_all.rows(saved_.first_row, saved_.local_rows).clone();
 }
 
+Tensor MoEAllGatherTokenDispatcher::probs_backward(const Tensor& dexpert_probs) {
+  const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
+  const int64_t rows = saved_.row_id_map.dim(0);
+  const Tensor dpermuted = scatter_local(dexpert_probs.view({dexpert_probs.numel(), 1}));
+  Tensor dprobs_all = Tensor::empty({g.size() * saved_.tokens, saved_.topk}, DType::F32,
+                                    dexpert_probs.device());
+  Tensor dprobs_by_copy = dprobs_all.view({rows, 1});
+  ops::moe_permute_backward(dpermuted, saved_.row_id_map, 1, dprobs_by_copy);
+  // A copy's gradient is nonzero only on the ranks of its expert (partial sums under etp):
+  // the sum over the group, each rank's block.
+  return reduce_scatter_blocks(mp_, dprobs_all, g);
+}
+
 Tensor MoEAllGatherTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
-  const int64_t k = saved_.probs_all.dim(1);
+  const int64_t k = saved_.topk;
   Tensor dpermuted = scatter_local(dexpert_in);
   Tensor dx_all = empty_as(dexpert_in, {g.size() * saved_.tokens, dexpert_in.dim(1)});
   ops::moe_permute_backward(dpermuted, saved_.row_id_map, int(k), dx_all);
@@ -464,7 +495,7 @@ void MoEAllGatherTokenDispatcher::restore_saved(std::any&& saved) {
 void MoEAllGatherTokenDispatcher::for_each_saved_tensor(
     std::any& saved, const std::function<void(Tensor&)>& fn) const {
   Saved& s = saved_of<Saved>(saved, "all-gather");
-  for (Tensor* slot : {&s.device_counts, &s.probs_all, &s.row_id_map, &s.expert_out_all}) fn(*slot);
+  for (Tensor* slot : {&s.device_counts, &s.row_id_map}) fn(*slot);
 }
 
 AlltoAllExchange alltoall_exchange_from_env() {

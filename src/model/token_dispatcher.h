@@ -13,11 +13,19 @@
 // probability 0. It is permuted into an extra group E, sorted after every expert's, and
 // goes to no expert: it is not exchanged, not counted in tokens_per_local_expert() and not
 // computed, so the expert input holds the kept copies only. In combine its expert output is
-// a zero row (weighted by its probability 0), and in backward its gradient is zero. Without
-// dropping the extra group is empty and the results are those of a dispatch over E groups.
+// a zero row, and in backward its gradients are zero. Without dropping the extra group is
+// empty and the results are those of a dispatch over E groups.
+//
+// Routing probabilities travel with the copies (Megatron's dispatchers permute and send the
+// probs alongside the hidden states): dispatch hands the experts each row's probability,
+// which they apply after their activation (MoELayer, Megatron's TEGroupedMLP), and combine
+// adds the experts' outputs unweighted, keeping nothing for backward but its index map.
+// The probabilities' gradient comes back from the experts by row and returns to [T, k]
+// order the way the rows came (probs_backward).
 //
 // Each dispatcher runs one micro-batch at a time: dispatch, combine, then in backward
-// combine_backward and dispatch_backward, all with the state the forward calls saved (its
+// combine_backward, probs_backward and dispatch_backward, all with the state the forward
+// calls saved (its
 // `Saved saved_`, which take_saved / restore_saved move out and back so a pipeline can keep
 // several micro-batches in flight). Every rank of the expert groups must make the same calls
 // in the same order, also when none of its local experts receives a copy (its expert input
@@ -41,16 +49,24 @@ class MoETokenDispatcher {
   // x [T, H] (compute dtype), probs [T, k] fp32, indices [T, k] int32 global expert ids in
   // [0, E], E marking a dropped copy (whose probability must be 0), all on the model's
   // device. Returns the expert input [R, H] (x's dtype): rows grouped by local expert,
-  // tokens_per_local_expert()[l] rows for local expert l, R their sum. Saves the routing for
-  // the other calls. Collective over the expert groups (ep, etp).
-  virtual Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices) = 0;
-  // expert_out [R, H] (the expert output of the dispatched rows; with etp > 1 this rank's
-  // partial sum, its slice of the row-parallel fc2) -> out [T, H]:
-  // out[t] = sum_j probs[t, j] * (expert output of copy (t, j), summed over ETP).
+  // tokens_per_local_expert()[l] rows for local expert l, R their sum; writes expert_probs
+  // [R] fp32 (allocated here), the probability of each of those rows' copies. Saves the
+  // routing for the other calls. Collective over the expert groups (ep, etp).
+  virtual Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices,
+                          Tensor& expert_probs) = 0;
+  // expert_out [R, H] (the expert output of the dispatched rows, already weighted by their
+  // probabilities; with etp > 1 this rank's partial sum, its slice of the row-parallel fc2)
+  // -> out [T, H]: out[t] = sum_j (expert output of copy (t, j), summed over ETP), added in
+  // j order. Keeps nothing for backward beyond dispatch's index map.
   virtual Tensor combine(const Tensor& expert_out) = 0;
-  // dout [T, H] (gradient of combine's output) -> gradient of expert_out [R, H]; writes
-  // dprobs [T, k] fp32 (allocated here).
-  virtual Tensor combine_backward(const Tensor& dout, Tensor& dprobs) = 0;
+  // dout [T, H] (gradient of combine's output) -> gradient of expert_out [R, H]: each row
+  // its token's dout.
+  virtual Tensor combine_backward(const Tensor& dout) = 0;
+  // dexpert_probs [R] fp32 (gradient of dispatch's expert_probs; with etp > 1 this rank's
+  // partial sums, which are summed over ETP here) -> dprobs [T, k] fp32 (gradient of
+  // dispatch's probs; 0 for a dropped copy). Between combine_backward and
+  // dispatch_backward. Collective over the expert groups.
+  virtual Tensor probs_backward(const Tensor& dexpert_probs) = 0;
   // dexpert_in [R, H] (gradient of dispatch's result; with etp > 1 this rank's partial
   // sum) -> dx [T, H] (gradient of dispatch's x, without the router's part).
   virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
@@ -101,8 +117,10 @@ class MoETokenDispatcher {
 // EP rank the copies of its experts (uneven all-to-all over ep), all-gather them over etp
 // when etp > 1, and regroup the received chunks (ordered by ETP member, EP member, local
 // expert) by local expert. combine and the backward run the exact reverse (chunks ungrouped,
-// reduce-scatter over etp, the all-to-all back, unpermute weighted by probs). Dropped
-// copies (the last rows of the permuted order) are left out of every exchange.
+// reduce-scatter over etp, the all-to-all back, unpermute: a sum over each token's copies).
+// The probabilities take the same way as [rows, 1] fp32 tensors, always through the
+// all-to-all (a pulling exchange reads only its rows' buffer). Dropped copies (the last rows
+// of the permuted order) are left out of every exchange.
 // With etp 1 the exchange may instead pull (mp.alltoall_exchange; by default where the EP
 // group has peer memory): each rank reads the chunks of its experts out of the other
 // ranks' permuted copies straight into expert order, and back (Comm::pull_rows), so there
@@ -110,9 +128,11 @@ class MoETokenDispatcher {
 class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
-  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices) override;
+  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices,
+                  Tensor& expert_probs) override;
   Tensor combine(const Tensor& expert_out) override;
-  Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
+  Tensor combine_backward(const Tensor& dout) override;
+  Tensor probs_backward(const Tensor& dexpert_probs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
   // When pulling: the slot of Comm::pull_input, which the exchange reads in place (also
   // used here for the rows that dispatch and combine_backward send).
@@ -127,7 +147,8 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
                              const std::function<void(Tensor&)>& fn) const override;
 
   struct Saved {
-    Tensor probs, row_id_map;  // [T, k] fp32; [T k] int32 (moe_permute's map)
+    int64_t tokens = 0, topk = 0;  // T, k
+    Tensor row_id_map;              // [T k] int32 (moe_permute's map)
     Tensor device_counts;      // [L] int64 on the device (device counts only)
     // When pulling (etp 1, ep > 1; empty otherwise), the transfers of each direction:
     // to_experts_runs fill the expert input (chunk (EP member i, local expert l) from the
@@ -135,7 +156,6 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
     // (member i, its local expert l) from member i's expert rows).
     std::vector<dist::PullRun> to_experts_runs, from_experts_runs;
     bool pull = false;  // whether this micro-batch's exchanges pull (the runs above)
-    Tensor combined;    // expert output by copy [T k, H] (combine's, for its backward)
     // Per EP member: rows sent / received (kept copies; their sum sent: the kept copies).
     std::vector<int64_t> send_rows, recv_rows;
     std::vector<int64_t> etp_rows;  // per ETP member: rows after the all-to-all
@@ -148,9 +168,10 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   // The kept local copies sorted by global expert [sum(send_rows), H] -> the expert input
   // [R, H] (all-to-all over ep, all-gather over etp, chunks grouped by local expert), and
   // back (chunks ungrouped, sum over etp, all-to-all back) to all local copies [T k, H],
-  // the dropped ones' rows zeros, with the counts of the last dispatch.
-  Tensor to_experts(const Tensor& permuted) const;
-  Tensor from_experts(const Tensor& rows) const;
+  // the dropped ones' rows zeros, with the counts of the last dispatch. pull: by the pulling
+  // exchange (rows in Comm::pull_input's buffer), else all-to-all and regrouping.
+  Tensor to_experts(const Tensor& permuted, bool pull) const;
+  Tensor from_experts(const Tensor& rows, bool pull) const;
   // The gradient of all local copies [T k, H] -> dx [T, H]; ends the micro-batch's routing.
   Tensor permute_backward(const Tensor& dpermuted);
   // A new [T k, H] buffer (like's dtype and device) for rows by local copy, the kept
@@ -166,16 +187,18 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
 };
 
 // Megatron's MoEAllGatherTokenDispatcher: all-gather the tokens and their routing over the
-// expert-model-parallel group (etp x ep), keep the copies routed to the local experts, and
-// after the experts scatter the weighted outputs back to the gathered token rows and
-// reduce-scatter them (a sum) to each rank's tokens. Dropped copies are no local expert's:
-// they get zero rows like the other ranks' copies.
+// expert-model-parallel group (etp x ep), keep the copies routed to the local experts (and
+// their probabilities), and after the experts scatter their outputs back to the gathered
+// token rows and reduce-scatter them (a sum) to each rank's tokens. Dropped copies are no
+// local expert's: they get zero rows like the other ranks' copies.
 class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAllGatherTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
-  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices) override;
+  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices,
+                  Tensor& expert_probs) override;
   Tensor combine(const Tensor& expert_out) override;
-  Tensor combine_backward(const Tensor& dout, Tensor& dprobs) override;
+  Tensor combine_backward(const Tensor& dout) override;
+  Tensor probs_backward(const Tensor& dexpert_probs) override;
   Tensor dispatch_backward(const Tensor& dexpert_in) override;
   const std::vector<int64_t>& tokens_per_local_expert() const override {
     return saved_.tokens_per_local_expert;
@@ -187,19 +210,18 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
                              const std::function<void(Tensor&)>& fn) const override;
 
   struct Saved {
-    int64_t tokens = 0;  // T of this rank
+    int64_t tokens = 0, topk = 0;  // T of this rank, k
     Tensor device_counts;  // [L] int64 on the device (device counts only)
     // The local experts' copies are rows [first_row, first_row + local_rows) of the
     // gathered copies sorted by expert.
     int64_t first_row = 0, local_rows = 0;
-    Tensor probs_all, row_id_map;  // gathered [G T, k] fp32; [G T k] int32
-    Tensor expert_out_all;         // expert output by gathered copy [G T k, H] (combine's)
+    Tensor row_id_map;  // [G T k] int32 (moe_permute's map of the gathered copies)
     std::vector<int64_t> tokens_per_local_expert;  // [L]
   };
 
  private:
-  // [G T k, H] with `rows` at the local experts' copies and zeros elsewhere (rows itself
-  // when the local experts are all experts).
+  // [G T k, W] with `rows` [local rows, W] at the local experts' copies and zeros elsewhere
+  // (rows itself when the local experts are all experts).
   Tensor scatter_local(const Tensor& rows) const;
 
   Saved saved_;

@@ -84,6 +84,17 @@ void scale_(Tensor& x, float s);
 void bias_add_(Tensor& y, const Tensor& bias);
 // dbias[:] += sum_t dy[t, :] (accumulates). dy [T, N], dbias [N].
 void bias_backward(const Tensor& dy, Tensor& dbias);
+// The MoE experts' fc2 bias scaled by each row's routing probability (Megatron's
+// TEGroupedMLP._apply_bias: output + bias * permuted_probs, in fp32, then rounded):
+// y[r, :] += weights[r] * bias[:]. y [R, N] (CPU: F32; GPU: F32, BF16 or F16), bias [N]
+// (any of those dtypes on the GPU), weights F32 [R].
+void weighted_bias_add_(Tensor& y, const Tensor& bias, const Tensor& weights);
+// Its gradient: dbias[:] += sum_r weights[r] dy[r, :] (fp64 sums in a fixed order, as
+// bias_backward) and, when dweights is given, dweights[r] += <dy[r, :], bias> (fp32 on the
+// GPU, fp64 on the CPU, accumulated into the F32 [R] tensor). dbias F32 [N].
+// InternalError on a shape, dtype or device mismatch.
+void weighted_bias_backward(const Tensor& dy, const Tensor& bias, const Tensor& weights,
+                            Tensor& dbias, Tensor* dweights = nullptr);
 // sum of x^2 over all elements, accumulated in fp64.
 double sum_of_squares(const Tensor& x);
 // sum of all elements, fp64 accumulation.
@@ -151,6 +162,27 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y = 
 void gelu_forward(const Tensor& x, Tensor& y);
 // y (optional, x's shape): also writes gelu_forward's output, as swiglu_backward's y.
 void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y = nullptr);
+// Row-weighted activations: the MoE experts' activation with the routing probabilities
+// applied, Megatron's weighted_bias_swiglu_impl / weighted_swiglu (fusions/
+// fused_bias_swiglu.py, used by TEGroupedMLP in transformer/moe/experts.py): fc1's output
+// activated, then row r scaled by weights[r], its routing probability (0 for a padding
+// row), so that the combine adds the experts' outputs unweighted.
+//   forward:  y[r, :] = act(x[r, :]) * weights[r]
+//   backward: dx[r, :] = act'(x[r, :]) (dy[r, :] * weights[r]),
+//             dweights[r] = sum_f dy[r, f] act(x[r, :])[f]
+// act: SwiGLU (x [R, 2F] = [gate | up], y [R, F]) or exact GeLU (x, y [R, F]). x, y, dy, dx
+// one dtype (CPU: F32; GPU: F32, BF16 or F16), weights and dweights F32 [R]; the math is
+// fp32 with one rounding of each output (act * weights is not rounded before the
+// product), dweights summed per row in fp32 (CPU: fp64) in a fixed order and overwritten.
+// backward's y (optional, the forward's shape) receives the forward output again, the same
+// bits: the experts recompute fc2's input this way instead of keeping it.
+// InternalError on a shape, dtype or device mismatch.
+void weighted_swiglu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
+void weighted_swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                              Tensor& dx, Tensor& dweights, Tensor* y = nullptr);
+void weighted_gelu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
+void weighted_gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                            Tensor& dx, Tensor& dweights, Tensor* y = nullptr);
 // Sigmoid row gate (Megatron's SharedExpertMLP with --moe-shared-expert-gate, whose
 // output is MLP(x) * sigmoid(x gate_weight^T)): y[t, :] = x[t, :] * sigmoid(logits[t]).
 // x, y [T, H] one float dtype (fp32 on the CPU); logits fp32 with T elements ([T] or
@@ -519,6 +551,14 @@ void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor
                  Tensor& row_id_map, Tensor& tokens_per_expert);
 // dx[t, :] = sum over permuted rows r of token t of dpermuted[r, :]; dx [T, H] overwritten.
 void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx);
+// permuted[r, :] = x[row_id_map[r] / k, :]: moe_permute's gather with a map it made
+// (the gradient of moe_permute_backward: the MoE combine's backward). With k = 1 and x a
+// [T k, 1] view of the probs [T, k], permuted[r] = probs of copy row_id_map[r] (the
+// routing probabilities in permuted order; moe_permute_backward with k = 1 is then the
+// way back). x [T, H], permuted [T*k, H], one dtype (CPU: F32; GPU: F32, BF16 or F16);
+// row_id_map [T*k] int32. InternalError on a shape, dtype or device mismatch or a map
+// entry outside [0, T k).
+void moe_permute_rows(const Tensor& x, const Tensor& row_id_map, int k, Tensor& permuted);
 // out[t, :] = sum_j probs[t, j] * expert_out[r(t, j), :]; expert_out [T*k, H]; out [T, H].
 void moe_unpermute(const Tensor& expert_out, const Tensor& row_id_map, const Tensor& probs,
                    Tensor& out);

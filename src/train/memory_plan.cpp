@@ -171,21 +171,16 @@ void moe_memory(const Dims& x, const Keeps& k, bool fp8, bool training, LayerMem
                              m.disable_bias_linear && !fp8;
   if (device_counts) routing += x.bytes(E + 1, kI64);
   out.kept_full += routing;
-  // Dispatcher state: probs (a clone under dropping; gathered over G by all-gather),
-  // row_id_map, and combine's expert output by copy.
-  double dispatcher = 0, combined = 0;
-  if (allgather) {
-    dispatcher += (x.G > 1 ? x.bytes(x.G * copies, kF32) : er.dropping ? x.bytes(copies, kF32) : 0) +
-                  x.bytes(x.G * copies, kI32);
-    combined = x.G == 1 && !er.dropping ? x.act(R, x.H) : x.act(x.G * copies, x.H);
-  } else {
-    dispatcher += (er.dropping ? x.bytes(copies, kF32) : 0) + x.bytes(copies, kI32);
-    combined = x.ep == 1 && x.etp == 1 && !er.dropping ? x.act(R, x.H) : x.act(copies, x.H);
-  }
+  // Dispatcher state: row_id_map only (of the gathered copies by all-gather). The experts
+  // keep their rows' probabilities [R] fp32 (applied after the activation, Megatron's
+  // TEGroupedMLP), so combine keeps no expert output: the probabilities' gradient is
+  // <dact, act> from the recomputed activation.
+  const double dispatcher = x.bytes(allgather ? x.G * copies : copies, kI32);
+  const double expert_probs = x.bytes(R, kF32);
   const bool keeps_expert_in = !(fp8 && m.fp8.wgrad);
   const double expert_in = keeps_expert_in ? x.act(R, x.H) : x.bytes(R * x.H, 1);
   double whole = x.act(x.Tl, x.H)  // the MoE input (pre_mlp_layernorm's output)
-                 + routing + dispatcher + combined + expert_in + x.act(R, f1);
+                 + routing + dispatcher + expert_probs + expert_in + x.act(R, f1);
   if (m.moe_shared_expert_intermediate_size > 0) {
     LayerMemory shared;
     mlp_memory(x, double(m.moe_shared_expert_intermediate_size), true, k.shared_fc1_out, fp8,
@@ -194,14 +189,15 @@ void moe_memory(const Dims& x, const Keeps& k, bool fp8, bool training, LayerMem
     if (m.moe_shared_expert_gate) whole += x.act(x.Tl, x.H) + x.bytes(x.Tl, kF32);
     out.backward = std::max(out.backward, shared.backward + x.act(Tm, x.H));
   }
-  // MoELayer::backward: dy, dprobs, the expert output's gradient (combine's saved output
-  // freed), dact, the remade activation or dexpert_in, dfc1; the all-gather dispatcher
-  // with G > 1 first gathers dy and makes the gradient of every gathered copy.
+  // MoELayer::backward: dy, dprobs, the expert output's gradient, dact, dfc1, then the
+  // remade weighted activation with the probabilities' gradient by row (fc2's weight
+  // gradient), or later dexpert_in; the all-gather dispatcher with G > 1 first gathers dy
+  // and makes the gradient of every gathered copy.
   const double dy = x.act(x.Tl, x.H) + x.bytes(copies, kF32);
-  double b = dy + x.act(R, x.H) + x.act(R, f) + x.act(R, f1) + std::max(x.act(R, f), x.act(R, x.H)) -
-             combined;
+  double b = x.act(x.Tl, x.H) + x.act(R, x.H) + x.act(R, f) + x.act(R, f1) +
+             std::max(x.act(R, f) + x.bytes(R, kF32), x.act(R, x.H) + x.bytes(copies, kF32));
   if (allgather && x.G > 1)
-    b = std::max(b, dy + x.act(x.G * Tm, x.H) + x.act(x.G * copies, x.H) + x.act(R, x.H) - combined);
+    b = std::max(b, dy + x.act(x.G * Tm, x.H) + x.act(x.G * copies, x.H) + x.act(R, x.H));
   if (!allgather && (x.ep > 1 || er.dropping)) b += x.act(copies, x.H);  // dcombined
   b = std::max(b, dy + x.act(Tm, x.H) + 2 * x.bytes(Tm * E, kF32));  // router backward
   if (k.moe_whole) {

@@ -3,6 +3,7 @@
 // tied embeddings) and for the MoE aux-loss gradient injected into the router.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -60,11 +61,14 @@ std::vector<float> routing_of(GPTModel& model) {
   return out;
 }
 
-void check_gradients(GPTConfig cfg, bool training = false) {
+// prepare (optional): changes the model's parameters before the check.
+void check_gradients(GPTConfig cfg, bool training = false,
+                     const std::function<void(GPTModel&)>& prepare = {}) {
   cfg.finalize();
   uint64_t seed = testing::test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   GPTModel model(cfg, seed);
+  if (prepare) prepare(model);
   const int64_t B = 2, S = cfg.seq_length;
   Tensor tokens = testing::randint({B, S}, int32_t(cfg.vocab_size), seed + 1);
   Tensor labels = testing::randint({B, S}, int32_t(cfg.vocab_size), seed + 2);
@@ -162,6 +166,25 @@ TEST(ModelGradients, MoEBiasesGelu) {
   c.moe_router_pre_softmax = true;  // Megatron requires it with top-1 softmax
   c.moe_aux_loss_coeff = 0.1f;
   check_gradients(c);
+}
+
+// Nonzero biases (they start at zero): the experts scale the fc2 bias by the routing
+// probability (Megatron's _apply_bias), so the router's gradient takes <dy, b2> too.
+TEST(ModelGradients, MoENonzeroBiasesSwiglu) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.disable_bias_linear = false;
+  c.swiglu = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 8;
+  c.moe_router_topk = 2;
+  c.moe_aux_loss_coeff = 0.1f;
+  check_gradients(c, false, [](GPTModel& model) {
+    uint64_t stream = 0;
+    for (Param* p : model.params())
+      if (p->is_expert && p->weight.ndim() == 1) ops::fill_normal(p->weight, 77, stream++);
+  });
 }
 
 // Megatron's other router options through the whole model: sigmoid scores with group-limited

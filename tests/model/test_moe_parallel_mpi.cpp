@@ -62,6 +62,18 @@ GPTConfig moe_config() {
   return c;
 }
 
+// Nonzero fc2 biases (a function of the global expert index, the same in every layout):
+// the experts scale them by the routing probability, so the probabilities' gradient takes
+// <dy, b2> (added once under etp).
+void set_fc2_biases(MoELayer& layer) {
+  for (size_t l = 0; l < layer.experts.size(); ++l) {
+    Tensor& b = layer.experts[l].fc2_bias.weight;
+    const double g = double(layer.first_local_expert() + int64_t(l));
+    for (int64_t h = 0; h < b.numel(); ++h)
+      b.f32()[h] = float(0.2 * std::sin(1.3 * (g + 1) + 0.7 * double(h)));
+  }
+}
+
 // Main grads (zeroed) for a layer's params, as the model's grad buffer would give them.
 void attach_grads(MoELayer& layer) {
   std::vector<Param*> params;
@@ -153,6 +165,7 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   // The parallel layer.
   MoELayer layer(prefix, cfg, seed, mp);
   attach_grads(layer);
+  set_fc2_biases(layer);
   if (layout.skewed) skew_router(layer);
   Tensor out = layer.forward(my_x, ForwardContext{});
   const int64_t local = cfg.num_experts / layout.ep;
@@ -200,6 +213,7 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
     auto [gx, gdy] = group_tokens(members);
     MoELayer ref(prefix, cfg, seed);
     attach_grads(ref);
+    set_fc2_biases(ref);
     if (layout.skewed) skew_router(ref);
     Tensor o = ref.forward(gx, ForwardContext{});
     Tensor d = ref.backward(gdy);

@@ -1,4 +1,5 @@
-// SwiGLU and exact (erf) GeLU, forward and backward, on the CPU.
+// SwiGLU and exact (erf) GeLU, plain and row-weighted (MoE experts), and the sigmoid row
+// gate, forward and backward, on the CPU.
 #include <cmath>
 #include <utility>
 
@@ -89,6 +90,65 @@ void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
   }
 }
 
+// The row-weighted activations (ops.h): y = act(x) w_t, dx = act'(x) (dy w_t),
+// dw_t = sum_f dy act(x) (fp64 sum). act(x) is computed as the unweighted forward does.
+void weighted_swiglu_forward(const float* x, const float* w, float* y, int64_t rows,
+                             int64_t ffn) {
+#pragma omp parallel for schedule(static) if (rows * ffn >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* gate = x + t * 2 * ffn;
+    const float* up = gate + ffn;
+    float* yr = y + t * ffn;
+    for (int64_t j = 0; j < ffn; ++j) yr[j] = gate[j] * sigmoid(gate[j]) * up[j] * w[t];
+  }
+}
+
+void weighted_swiglu_backward(const float* dy, const float* x, const float* w, float* dx,
+                              float* dw, int64_t rows, int64_t ffn) {
+#pragma omp parallel for schedule(static) if (rows * ffn >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* gate = x + t * 2 * ffn;
+    const float* up = gate + ffn;
+    const float* dyr = dy + t * ffn;
+    float* dgate = dx + t * 2 * ffn;
+    float* dup = dgate + ffn;
+    double dot = 0.0;
+    for (int64_t j = 0; j < ffn; ++j) {
+      const float g = gate[j], u = up[j], s = sigmoid(g), d = dyr[j] * w[t];
+      dot += double(dyr[j]) * (g * s * u);
+      dgate[j] = d * u * s * (1.0f + g * (1.0f - s));
+      dup[j] = d * g * s;
+    }
+    dw[t] = float(dot);
+  }
+}
+
+void weighted_gelu_forward(const float* x, const float* w, float* y, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = x[t * cols + j];
+      y[t * cols + j] = 0.5f * v * (1.0f + std::erf(v * kInvSqrt2)) * w[t];
+    }
+}
+
+void weighted_gelu_backward(const float* dy, const float* x, const float* w, float* dx, float* dw,
+                            int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    double dot = 0.0;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t i = t * cols + j;
+      const float v = x[i];
+      const float cdf = 0.5f * (1.0f + std::erf(v * kInvSqrt2));
+      const float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
+      dot += double(dy[i]) * (0.5f * v * (1.0f + std::erf(v * kInvSqrt2)));
+      dx[i] = dy[i] * w[t] * (cdf + v * pdf);
+    }
+    dw[t] = float(dot);
+  }
+}
+
 // y[t, :] = x[t, :] * sigmoid(logits[t]).
 void sigmoid_gate_forward(const float* x, const float* logits, float* y, int64_t rows,
                           int64_t hidden) {
@@ -176,6 +236,79 @@ void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
     cpu::gelu_forward(x.f32(), y->f32(), x.numel());
   }
   cpu::gelu_backward(dy.f32(), x.f32(), dx.f32(), x.numel());
+}
+
+namespace {
+// weights, dweights: F32 [rows] (any shape of that many elements).
+void check_row_weights(const Tensor& w, int64_t rows, const char* op, const char* name) {
+  check_f32(w, op, name);
+  MEGATON_CHECK(w.numel() == rows, "{}: {} {} must have {} elements, one per row", op, name,
+                shape_str(w.shape()), rows);
+}
+}  // namespace
+
+void weighted_swiglu_forward(const Tensor& x, const Tensor& weights, Tensor& y) {
+  MEGATON_CUDA_DISPATCH(x, cuda::weighted_swiglu_forward(x, weights, y));
+  const char* op = "weighted_swiglu_forward";
+  check_f32(x, op, "x");
+  check_f32(y, op, "y");
+  auto [rows, ffn] = swiglu_shape(x, y, op, "y");
+  check_row_weights(weights, rows, op, "weights");
+  cpu::weighted_swiglu_forward(x.f32(), weights.f32(), y.f32(), rows, ffn);
+}
+
+void weighted_swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                              Tensor& dx, Tensor& dweights, Tensor* y) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::weighted_swiglu_backward(dy, x, weights, dx, dweights, y));
+  const char* op = "weighted_swiglu_backward";
+  check_f32(dy, op, "dy");
+  check_f32(x, op, "x");
+  check_f32(dx, op, "dx");
+  auto [rows, ffn] = swiglu_shape(x, dy, op, "dy");
+  check_same_shape(dx, x, op, "dx", "x");
+  check_row_weights(weights, rows, op, "weights");
+  check_row_weights(dweights, rows, op, "dweights");
+  if (y) {
+    check_f32(*y, op, "y");
+    check_same_shape(*y, dy, op, "y", "dy");
+    cpu::weighted_swiglu_forward(x.f32(), weights.f32(), y->f32(), rows, ffn);
+  }
+  cpu::weighted_swiglu_backward(dy.f32(), x.f32(), weights.f32(), dx.f32(), dweights.f32(), rows,
+                                ffn);
+}
+
+void weighted_gelu_forward(const Tensor& x, const Tensor& weights, Tensor& y) {
+  MEGATON_CUDA_DISPATCH(x, cuda::weighted_gelu_forward(x, weights, y));
+  const char* op = "weighted_gelu_forward";
+  check_f32(x, op, "x");
+  check_f32(y, op, "y");
+  check_same_shape(y, x, op, "y", "x");
+  MEGATON_CHECK(x.ndim() >= 1, "{}: x must be [R, F]", op);
+  const int64_t cols = x.dim(-1), rows = cols ? x.numel() / cols : 0;
+  check_row_weights(weights, rows, op, "weights");
+  cpu::weighted_gelu_forward(x.f32(), weights.f32(), y.f32(), rows, cols);
+}
+
+void weighted_gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights, Tensor& dx,
+                            Tensor& dweights, Tensor* y) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::weighted_gelu_backward(dy, x, weights, dx, dweights, y));
+  const char* op = "weighted_gelu_backward";
+  check_f32(dy, op, "dy");
+  check_f32(x, op, "x");
+  check_f32(dx, op, "dx");
+  check_same_shape(dy, x, op, "dy", "x");
+  check_same_shape(dx, x, op, "dx", "x");
+  MEGATON_CHECK(x.ndim() >= 1, "{}: x must be [R, F]", op);
+  const int64_t cols = x.dim(-1), rows = cols ? x.numel() / cols : 0;
+  check_row_weights(weights, rows, op, "weights");
+  check_row_weights(dweights, rows, op, "dweights");
+  if (y) {
+    check_f32(*y, op, "y");
+    check_same_shape(*y, x, op, "y", "x");
+    cpu::weighted_gelu_forward(x.f32(), weights.f32(), y->f32(), rows, cols);
+  }
+  cpu::weighted_gelu_backward(dy.f32(), x.f32(), weights.f32(), dx.f32(), dweights.f32(), rows,
+                              cols);
 }
 
 void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y) {

@@ -103,6 +103,29 @@ void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor
     std::memcpy(dst + r * H, src + (map[r] / k) * H, sizeof(float) * H);
 }
 
+void moe_permute_rows(const Tensor& x, const Tensor& row_id_map, int k, Tensor& permuted) {
+  MEGATON_CUDA_DISPATCH(x, cuda::moe_permute_rows(x, row_id_map, k, permuted));
+  check_f32_cpu(x, "x");
+  check_f32_cpu(permuted, "permuted");
+  MEGATON_CHECK(k >= 1, "moe_permute: k {} must be >= 1", k);
+  MEGATON_CHECK(x.ndim() == 2, "moe_permute: x must be [T, H], got {}", shape_str(x.shape()));
+  const int64_t T = x.dim(0), H = x.dim(1), copies = T * k;
+  check_shape(permuted, {copies, H}, "permuted");
+  check_i32_cpu(row_id_map, "row_id_map");
+  check_shape(row_id_map, {copies}, "row_id_map");
+  const int32_t* map = row_id_map.i32();
+  for (int64_t r = 0; r < copies; ++r)
+    MEGATON_CHECK(map[r] >= 0 && map[r] < copies,
+                  "moe_permute: row_id_map[{}] = {} is out of range ({} copies)", r, map[r],
+                  copies);
+  const float* src = x.f32();
+  float* dst = permuted.f32();
+  if (H == 0) return;
+#pragma omp parallel for schedule(static) if (copies * H >= kParallelMin)
+  for (int64_t r = 0; r < copies; ++r)
+    std::memcpy(dst + r * H, src + (map[r] / k) * H, sizeof(float) * H);
+}
+
 void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx) {
   MEGATON_CUDA_DISPATCH(dpermuted, cuda::moe_permute_backward(dpermuted, row_id_map, k, dx));
   check_f32_cpu(dpermuted, "dpermuted");

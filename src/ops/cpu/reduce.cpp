@@ -1,5 +1,5 @@
 // Elementwise updates and reductions on the CPU: add_, scale_, bias_add_, bias_backward,
-// sum_of_squares, sum, dot.
+// their row-weighted forms (MoE experts), sum_of_squares, sum, dot.
 #include <algorithm>
 #include <vector>
 
@@ -121,6 +121,65 @@ void bias_backward(const Tensor& dy, Tensor& dbias) {
   require_cpu("bias_backward", {&dy, &dbias});
   int64_t cols = dbias.dim(0);
   cpu::bias_backward(dy.f32(), dbias.f32(), cols ? dy.numel() / cols : 0, cols);
+}
+
+// Megatron's TEGroupedMLP._apply_bias (transformer/moe/experts.py): the expert bias scaled
+// by each row's routing probability.
+void weighted_bias_add_(Tensor& y, const Tensor& bias, const Tensor& weights) {
+  MEGATON_CUDA_DISPATCH(y, cuda::weighted_bias_add_(y, bias, weights));
+  const char* op = "weighted_bias_add_";
+  check_f32(y, op, "y");
+  check_f32(bias, op, "bias");
+  check_f32(weights, op, "weights");
+  MEGATON_CHECK(y.ndim() >= 1 && bias.ndim() == 1 && bias.dim(0) == y.dim(-1),
+                "{}: y {} with bias {} (bias must be [N], N = last dim of y)", op,
+                shape_str(y.shape()), shape_str(bias.shape()));
+  const int64_t cols = bias.dim(0), rows = cols ? y.numel() / cols : 0;
+  MEGATON_CHECK(weights.numel() == rows, "{}: weights {} must have {} elements, one per row", op,
+                shape_str(weights.shape()), rows);
+  require_cpu(op, {&y, &bias, &weights});
+  float* yp = y.f32();
+  const float *b = bias.f32(), *w = weights.f32();
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = 0; j < cols; ++j) yp[t * cols + j] += w[t] * b[j];
+}
+
+void weighted_bias_backward(const Tensor& dy, const Tensor& bias, const Tensor& weights,
+                            Tensor& dbias, Tensor* dweights) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::weighted_bias_backward(dy, bias, weights, dbias, dweights));
+  const char* op = "weighted_bias_backward";
+  check_f32(dy, op, "dy");
+  check_f32(bias, op, "bias");
+  check_f32(weights, op, "weights");
+  check_f32(dbias, op, "dbias");
+  MEGATON_CHECK(dy.ndim() >= 1 && bias.ndim() == 1 && bias.dim(0) == dy.dim(-1) &&
+                    dbias.shape() == bias.shape(),
+                "{}: dy {} with bias {} and dbias {} (both [N], N = last dim of dy)", op,
+                shape_str(dy.shape()), shape_str(bias.shape()), shape_str(dbias.shape()));
+  const int64_t cols = bias.dim(0), rows = cols ? dy.numel() / cols : 0;
+  MEGATON_CHECK(weights.numel() == rows, "{}: weights {} must have {} elements, one per row", op,
+                shape_str(weights.shape()), rows);
+  if (dweights) {
+    check_f32(*dweights, op, "dweights");
+    MEGATON_CHECK(dweights->numel() == rows, "{}: dweights {} must have {} elements", op,
+                  shape_str(dweights->shape()), rows);
+  }
+  require_cpu(op, {&dy, &bias, &weights, &dbias});
+  const float *g = dy.f32(), *b = bias.f32(), *w = weights.f32();
+  // Columns summed over rows in row order (bias_backward's order), rows' dots apart.
+  std::vector<double> acc(cols, 0.0);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = 0; j < cols; ++j) acc[j] += double(w[t]) * g[t * cols + j];
+  for (int64_t j = 0; j < cols; ++j) dbias.f32()[j] += float(acc[j]);
+  if (!dweights) return;
+  float* dw = dweights->f32();
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    double dot = 0.0;
+    for (int64_t j = 0; j < cols; ++j) dot += double(g[t * cols + j]) * b[j];
+    dw[t] += float(dot);
+  }
 }
 
 double sum_of_squares(const Tensor& x) {

@@ -43,6 +43,9 @@ void add_(Tensor& y, const Tensor& x, float alpha);
 void scale_(Tensor& x, float s);
 void bias_add_(Tensor& y, const Tensor& bias);
 void bias_backward(const Tensor& dy, Tensor& dbias);
+void weighted_bias_add_(Tensor& y, const Tensor& bias, const Tensor& weights);
+void weighted_bias_backward(const Tensor& dy, const Tensor& bias, const Tensor& weights,
+                            Tensor& dbias, Tensor* dweights);
 double sum_of_squares(const Tensor& x);
 double sum(const Tensor& x);
 void dot(const Tensor& a, const Tensor& b, Tensor& out);
@@ -66,6 +69,12 @@ void swiglu_forward(const Tensor& x, Tensor& y);
 void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y);
 void gelu_forward(const Tensor& x, Tensor& y);
 void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y);
+void weighted_swiglu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
+void weighted_swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                              Tensor& dx, Tensor& dweights, Tensor* y);
+void weighted_gelu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
+void weighted_gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                            Tensor& dx, Tensor& dweights, Tensor* y);
 void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y);
 void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logits, Tensor& dx,
                            Tensor& dlogits);
@@ -141,6 +150,7 @@ void moe_mark_dropped(const Tensor& indices, const Tensor& keep, int64_t num_exp
 void fill_normal(Tensor& t, uint64_t seed, uint64_t stream);
 void fill_uniform(Tensor& t, float lo, float hi, uint64_t seed, uint64_t stream);
 void mul_(Tensor& y, const Tensor& x);
+void moe_permute_rows(const Tensor& x, const Tensor& row_id_map, int k, Tensor& permuted);
 void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor& permuted,
                  Tensor& row_id_map, Tensor& tokens_per_expert);
 void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx);

@@ -476,6 +476,27 @@ void moe_permute(const Tensor& x, const Tensor& indices, int num_experts, Tensor
   });
 }
 
+void moe_permute_rows(const Tensor& x, const Tensor& row_id_map, int k, Tensor& permuted) {
+  check_float(x, "x");
+  check_dtype(permuted, x.dtype(), "permuted");
+  MEGATON_CHECK(k >= 1, "moe_permute: k {} must be >= 1", k);
+  MEGATON_CHECK(x.ndim() == 2, "moe_permute: x must be [T, H], got {}", shape_str(x.shape()));
+  const int64_t T = x.dim(0), H = x.dim(1), copies = T * k;
+  check_copies(copies);
+  check_shape(permuted, {copies, H}, "permuted");
+  check_dtype(row_id_map, DType::I32, "row_id_map");
+  check_shape(row_id_map, {copies}, "row_id_map");
+  if (copies == 0 || H == 0) return;
+  dispatch_rows(x.dtype(), H, {x.raw(), permuted.raw()}, [&](auto tag, auto pack) {
+    using T_ = decltype(tag);
+    permute_rows_kernel<T_, decltype(pack)::value>
+        <<<row_blocks(copies), kWarpsPerBlock * 32, 0, ::megaton::cuda::stream()>>>(
+            static_cast<const T_*>(x.raw()), row_id_map.i32(), copies, H, k,
+            static_cast<T_*>(permuted.raw()));
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
 void moe_permute_backward(const Tensor& dpermuted, const Tensor& row_id_map, int k, Tensor& dx) {
   check_float(dx, "dx");
   check_dtype(dpermuted, dx.dtype(), "dpermuted");

@@ -1,6 +1,7 @@
 // Elementwise updates, casts and reductions on the GPU: cast, add_, scale_, bias_add_,
-// bias_backward, sum_of_squares, sum. F32, BF16 or F16 tensors; arithmetic in fp32, sums
-// over many elements in fp64 with a fixed reduction order (the same bits on every run).
+// bias_backward and their row-weighted forms (MoE experts), sum_of_squares, sum. F32, BF16
+// or F16 tensors; arithmetic in fp32, sums over many elements in fp64 with a fixed
+// reduction order (the same bits on every run).
 #include <algorithm>
 #include <utility>
 
@@ -69,13 +70,15 @@ __global__ void bias_add_kernel(Y* y, const B* bias, int64_t n, int64_t cols) {
 }
 
 // bias_backward, pass 1. Block (32, 8) sums columns [32 * blockIdx.x, +32) over its slice
-// of rows: blockIdx.y takes rows [rows_per_slice * blockIdx.y, +rows_per_slice), and
-// within it threadIdx.y every 8th row. The 8 partials are added in threadIdx.y order, so
+// of rows (each row scaled by weights[row] when given: weighted_bias_backward): blockIdx.y
+// takes rows [rows_per_slice * blockIdx.y, +rows_per_slice), and within it threadIdx.y
+// every 8th row. The 8 partials are added in threadIdx.y order, so
 // partials[blockIdx.y, col] depends only on the shape.
 constexpr int kBiasCols = 32, kBiasRowThreads = 8;
 template <typename T>
 __global__ void bias_backward_partials(const T* dy, int64_t rows, int64_t cols,
-                                       int64_t rows_per_slice, double* partials) {
+                                       int64_t rows_per_slice, double* partials,
+                                       const float* weights = nullptr) {
   __shared__ double sums[kBiasRowThreads][kBiasCols];
   const int64_t col = int64_t(blockIdx.x) * kBiasCols + threadIdx.x;
   const int64_t row_begin = int64_t(blockIdx.y) * rows_per_slice;
@@ -83,7 +86,7 @@ __global__ void bias_backward_partials(const T* dy, int64_t rows, int64_t cols,
   double acc = 0.0;
   if (col < cols)
     for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kBiasRowThreads)
-      acc += load(dy, r * cols + col);
+      acc += weights ? double(weights[r]) * load(dy, r * cols + col) : load(dy, r * cols + col);
   sums[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
@@ -101,6 +104,28 @@ __global__ void bias_backward_finish(const double* partials, int64_t slices, int
     for (int64_t s = 0; s < slices; ++s) total += partials[s * cols + col];
     dbias[col] += float(total);
   }
+}
+
+// y[i] += weights[row] * bias[col] in fp32, rounded once (weighted_bias_add_).
+template <typename Y, typename B>
+__global__ void weighted_bias_add_kernel(Y* y, const B* bias, const float* weights, int64_t n,
+                                         int64_t cols) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads())
+    store(y, i, load(y, i) + weights[i / cols] * load(bias, i % cols));
+}
+
+// weighted_bias_backward's row dots: dweights[r] += <dy[r, :], bias>, one warp per row,
+// lane-strided partial sums then the warp's butterfly (a fixed order).
+template <typename T, typename B>
+__global__ void row_dot_bias_kernel(const T* dy, const B* bias, int64_t rows, int64_t cols,
+                                    float* dweights) {
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  float dot = 0.0f;
+  for (int64_t j = lane; j < cols; j += 32) dot += load(dy, r * cols + j) * load(bias, j);
+  for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  if (lane == 0) dweights[r] += dot;
 }
 
 // Sum over the block of one double per thread, in a fixed tree order; valid in thread 0.
@@ -255,14 +280,9 @@ void bias_add_(Tensor& y, const Tensor& bias) {
   });
 }
 
-void bias_backward(const Tensor& dy, Tensor& dbias) {
-  check_float(dy, "bias_backward", "dy");
-  check_float(dbias, "bias_backward", "dbias");
-  MEGATON_CHECK(dbias.dtype() == DType::F32, "bias_backward: dbias must be F32 (main_grad), got {}",
-                dtype_name(dbias.dtype()));
-  MEGATON_CHECK(dy.ndim() >= 1 && dbias.ndim() == 1 && dbias.dim(0) == dy.dim(-1),
-                "bias_backward: dy {} with dbias {} (dbias must be [N], N = last dim of dy)",
-                shape_str(dy.shape()), shape_str(dbias.shape()));
+namespace {
+// dbias[:] += sum_r w_r dy[r, :] (w_r = weights[r], or 1 without weights).
+void column_sums(const Tensor& dy, const float* weights, Tensor& dbias) {
   const int64_t cols = dbias.dim(0);
   const int64_t rows = cols ? dy.numel() / cols : 0;
   if (cols == 0 || rows == 0) return;
@@ -279,12 +299,82 @@ void bias_backward(const Tensor& dy, Tensor& dbias) {
     using T = decltype(t);
     bias_backward_partials<<<dim3(unsigned(column_blocks), unsigned(slices)),
                              dim3(kBiasCols, kBiasRowThreads), 0, stream>>>(
-        static_cast<const T*>(dy.raw()), rows, cols, rows_per_slice, partial_sums_ptr);
+        static_cast<const T*>(dy.raw()), rows, cols, rows_per_slice, partial_sums_ptr, weights);
     MEGATON_CUDA_CHECK_LAUNCH();
   });
   bias_backward_finish<<<blocks_for(cols), kThreads, 0, stream>>>(partial_sums_ptr, slices, cols,
                                                                   dbias.f32());
   MEGATON_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void bias_backward(const Tensor& dy, Tensor& dbias) {
+  check_float(dy, "bias_backward", "dy");
+  check_float(dbias, "bias_backward", "dbias");
+  MEGATON_CHECK(dbias.dtype() == DType::F32, "bias_backward: dbias must be F32 (main_grad), got {}",
+                dtype_name(dbias.dtype()));
+  MEGATON_CHECK(dy.ndim() >= 1 && dbias.ndim() == 1 && dbias.dim(0) == dy.dim(-1),
+                "bias_backward: dy {} with dbias {} (dbias must be [N], N = last dim of dy)",
+                shape_str(dy.shape()), shape_str(dbias.shape()));
+  column_sums(dy, nullptr, dbias);
+}
+
+void weighted_bias_add_(Tensor& y, const Tensor& bias, const Tensor& weights) {
+  const char* op = "weighted_bias_add_";
+  check_float(y, op, "y");
+  check_float(bias, op, "bias");
+  detail::check_dtype(weights, DType::F32, op, "weights");
+  MEGATON_CHECK(y.ndim() >= 1 && bias.ndim() == 1 && bias.dim(0) == y.dim(-1),
+                "{}: y {} with bias {} (bias must be [N], N = last dim of y)", op,
+                shape_str(y.shape()), shape_str(bias.shape()));
+  const int64_t n = y.numel(), cols = bias.dim(0), rows = cols ? n / cols : 0;
+  MEGATON_CHECK(weights.numel() == rows, "{}: weights {} must have {} elements, one per row", op,
+                shape_str(weights.shape()), rows);
+  if (n == 0) return;
+  with_float_type(y.dtype(), [&](auto yt) {
+    with_float_type(bias.dtype(), [&](auto bt) {
+      using Y = decltype(yt);
+      using B = decltype(bt);
+      weighted_bias_add_kernel<<<blocks_for(n), kThreads, 0, ::megaton::cuda::stream()>>>(
+          static_cast<Y*>(y.raw()), static_cast<const B*>(bias.raw()), weights.f32(), n, cols);
+      MEGATON_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void weighted_bias_backward(const Tensor& dy, const Tensor& bias, const Tensor& weights,
+                            Tensor& dbias, Tensor* dweights) {
+  const char* op = "weighted_bias_backward";
+  check_float(dy, op, "dy");
+  check_float(bias, op, "bias");
+  detail::check_dtype(weights, DType::F32, op, "weights");
+  detail::check_dtype(dbias, DType::F32, op, "dbias");
+  MEGATON_CHECK(dy.ndim() >= 1 && bias.ndim() == 1 && bias.dim(0) == dy.dim(-1) &&
+                    dbias.shape() == bias.shape(),
+                "{}: dy {} with bias {} and dbias {} (both [N], N = last dim of dy)", op,
+                shape_str(dy.shape()), shape_str(bias.shape()), shape_str(dbias.shape()));
+  const int64_t cols = bias.dim(0), rows = cols ? dy.numel() / cols : 0;
+  MEGATON_CHECK(weights.numel() == rows, "{}: weights {} must have {} elements, one per row", op,
+                shape_str(weights.shape()), rows);
+  if (dweights) {
+    detail::check_dtype(*dweights, DType::F32, op, "dweights");
+    MEGATON_CHECK(dweights->numel() == rows, "{}: dweights {} must have {} elements", op,
+                  shape_str(dweights->shape()), rows);
+  }
+  column_sums(dy, weights.f32(), dbias);
+  if (!dweights || rows == 0) return;
+  constexpr int kRowsPerBlock = kThreads / 32;
+  with_float_type(dy.dtype(), [&](auto dt) {
+    with_float_type(bias.dtype(), [&](auto bt) {
+      using T = decltype(dt);
+      using B = decltype(bt);
+      row_dot_bias_kernel<<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), kThreads, 0,
+                            ::megaton::cuda::stream()>>>(static_cast<const T*>(dy.raw()),
+                                                         static_cast<const B*>(bias.raw()), rows,
+                                                         cols, dweights->f32());
+      MEGATON_CUDA_CHECK_LAUNCH();
+    });
+  });
 }
 
 double sum_of_squares(const Tensor& x) { return reduce_all<true>(x, "sum_of_squares"); }
