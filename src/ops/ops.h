@@ -652,8 +652,9 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale);
 //   exp_avg, exp_avg_sq: moments, numel of params[i], updated in place: fp32, or bf16
 //                  (the precision-aware optimizer: updated in fp32 and stored by
 //                  stochastic rounding; ops/adam_precision.h, keyed overloads there).
-//   param_copies:  per param either undefined (no copy) or a BF16 or F32 tensor with the
-//                  numel of params[i], overwritten with the updated param.
+//   param_copies:  per param either undefined (no copy) or a BF16, F16 or F32 tensor with
+//                  the numel of params[i], overwritten with the updated param (rounded to
+//                  nearest even).
 //   weight_decays: per param (0 for biases and norm weights).
 //   lr, beta1, beta2, eps, step: as adamw_step (step 1-based, betas in [0, 1)).
 //   grad_scale:    factor applied to every gradient element in fp32 as it is read: the
