@@ -175,6 +175,7 @@ AdamW::SplitLists AdamW::lists() const {
   // Rebuilt on every step (handles only, no copies of data): the trainer may have
   // reassigned a Param's tensors since the last step.
   SplitLists out;
+  const std::vector<float> decays = weight_decays();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (offloaded_[i]) continue;  // updated on the host (OptimizerOffload)
     const Param* p = params_[i];
@@ -192,7 +193,7 @@ AdamW::SplitLists AdamW::lists() const {
     l.grads.push_back(p->main_grad);
     l.exp_avg.push_back(exp_avg_[i]);
     l.exp_avg_sq.push_back(exp_avg_sq_[i]);
-    l.weight_decays.push_back(p->no_weight_decay ? 0.0f : config_.weight_decay);
+    l.weight_decays.push_back(decays[i]);
     l.keys.push_back(rounding_keys_[i]);
   }
   return out;
