@@ -16,9 +16,12 @@ namespace megaton::ops {
 //                  are split over ranks or listed. Unused by tensors whose two moments
 //                  are F32 (the fp32-state update, bitwise as ops.h's).
 //   step:          also the random bits' counter (each step draws new bits).
-// The same bits on the CPU and the GPU. The ops.h overloads (no keys) key tensor i by
-// {param_key = i, offset 0, run 0, base 0}: deterministic, but the bits then follow the
-// list's order; optim::AdamW always passes its params' keys. Checks as ops.h's, plus the
+// The same bits on the CPU and the GPU. grads may be F32 or BF16 (--main-grads-dtype bf16)
+// in every multi_tensor_adamw overload, these and ops.h's: a BF16 main grad is widened to
+// fp32 as it is read (exact), so its update is bitwise that of an F32 grad holding the
+// same values; nothing else depends on the grads' dtype.
+// The ops.h overloads (no keys) key tensor i by {param_key = i, offset 0, run 0, base 0}:
+// deterministic, but the bits then follow the list's order; optim::AdamW always passes its params' keys. Checks as ops.h's, plus the
 // list length of rounding_keys and each key's values (>= 0): InternalError.
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,

@@ -28,7 +28,8 @@ void join_param_remainders(const Tensor& weight, const Tensor& remainder, Tensor
 // stored as (weight, remainder) pairs. For each tensor i of the lists:
 //   params[i]:     BF16, n_i elements: the compute weight, read and written
 //   remainders[i]: I16, n_i elements: its remainder, read and written
-//   grads[i]:      F32, n_i elements: the main grad (times grad_scale as it is read)
+//   grads[i]:      F32 or BF16 (--main-grads-dtype bf16), n_i elements: the main grad,
+//                  widened to fp32 and times grad_scale as it is read
 //   exp_avg[i], exp_avg_sq[i]: F32 or BF16, n_i elements, read and written (a BF16 moment
 //                  stored by stochastic rounding with rounding_keys[i], as there)
 //   weight_decays[i]: decoupled weight decay (0 for biases and norms)

@@ -150,7 +150,9 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
                         master.shape() == p->weight.shape(),
                     "param '{}' needs an fp32 main_param (or fp32 weight)", p->name);
     }
-    MEGATON_CHECK(p->main_grad.defined() && p->main_grad.dtype() == DType::F32 &&
+    // A BF16 main grad (--main-grads-dtype bf16) is widened to fp32 as the update reads it.
+    MEGATON_CHECK(p->main_grad.defined() &&
+                      (p->main_grad.dtype() == DType::F32 || p->main_grad.dtype() == DType::BF16) &&
                       p->main_grad.shape() == p->weight.shape(),
                   "param '{}': main_grad {} {} does not match weight {}", p->name,
                   dtype_name(p->main_grad.dtype()), shape_str(p->main_grad.shape()),

@@ -90,12 +90,12 @@ class AdamW {
  public:
   // `params` are not owned and must outlive the optimizer. Each needs a defined fp32
   // weight, a separate fp32 main_param, or a BF16 weight with its I16
-  // main_param_remainder; a main_grad of the same shape; and a unique name (state keys
-  // derive from it); otherwise InternalError (a bug in the model code, not a user
-  // mistake). Where stores_param_remainder(config, *p) and p has no remainder yet, the
-  // constructor splits p->main_param into p->weight (rewritten, rounded as
-  // ops::split_param_remainders rounds) and a new p->main_param_remainder, and releases
-  // p->main_param.
+  // main_param_remainder; a main_grad of the same shape (F32, or BF16 read widened to
+  // fp32); and a unique name (state keys derive from it); otherwise InternalError (a bug
+  // in the model code, not a user mistake). Where stores_param_remainder(config, *p) and
+  // p has no remainder yet, the constructor splits p->main_param into p->weight
+  // (rewritten, rounded as ops::split_param_remainders rounds) and a new
+  // p->main_param_remainder, and releases p->main_param.
   // state_device: where the step count lives (device_state); the params' device when
   // there are params, else this one (a rank whose shard holds no parameter).
   explicit AdamW(std::vector<Param*> params, AdamWConfig config = {},

@@ -41,12 +41,16 @@ OptimizerOffload::OptimizerOffload(const std::vector<Param*>& params,
   for (size_t i = 0; i < params.size(); ++i) {
     if (!offloaded[i]) continue;
     const Param* p = params[i];
-    MEGATON_CHECK(p->main_grad.defined() && p->main_grad.dtype() == DType::F32 &&
+    // The host update reads a BF16 main grad (--main-grads-dtype bf16) as the device's does.
+    MEGATON_CHECK(p->main_grad.defined() &&
+                      (p->main_grad.dtype() == DType::F32 || p->main_grad.dtype() == DType::BF16) &&
                       p->main_grad.device() == p->weight.device(),
-                  "offloaded param '{}' needs an fp32 main_grad on its device", p->name);
+                  "offloaded param '{}' needs an fp32 or bf16 main_grad on its device", p->name);
     const size_t n = size_t(p->weight.numel());
+    const size_t grad_b = dtype_size(p->main_grad.dtype());
     const size_t copy_b = p->weight.dtype() == DType::F32 ? 0 : dtype_size(p->weight.dtype());
-    bytes += aligned(4 * n) * 2 + aligned(avg_b * n) + aligned(sq_b * n) + aligned(copy_b * n);
+    bytes += aligned(4 * n) + aligned(grad_b * n) + aligned(avg_b * n) + aligned(sq_b * n) +
+             aligned(copy_b * n);
   }
   host_.reserve(bytes);
   stream_ = std::make_unique<HostCopyStream>(device_);
@@ -65,7 +69,7 @@ OptimizerOffload::OptimizerOffload(const std::vector<Param*>& params,
     master.copy_from(main_param_value(*p));  // joined from a remainder, or the fp32 weight
     p->main_param = master;
     p->main_param_remainder = Tensor();
-    grads_.push_back(take(shape, DType::F32));
+    grads_.push_back(take(shape, p->main_grad.dtype()));
     exp_avg[i] = take(shape, config.exp_avg_dtype);
     exp_avg[i].zero();
     exp_avg_sq[i] = take(shape, config.exp_avg_sq_dtype);

@@ -30,8 +30,9 @@ class OptimizerOffload {
   // becomes Param::main_param (a host tensor; main_param_remainder is released, the device
   // weight stays, the compute copy the forward reads). Makes their moments on the host,
   // zero, in the config's dtypes: `exp_avg` and `exp_avg_sq` receive them at the params'
-  // indices (the others are left as they are). InternalError when a flagged param has no
-  // main_grad on its device.
+  // indices (the others are left as they are). The host copy of each main grad keeps its
+  // dtype (F32, or BF16 under --main-grads-dtype bf16: widened as the host update reads it).
+  // InternalError when a flagged param has no F32 or BF16 main_grad on its device.
   OptimizerOffload(const std::vector<Param*>& params, const std::vector<uint8_t>& offloaded,
                    const AdamWConfig& config, std::vector<Tensor>& exp_avg,
                    std::vector<Tensor>& exp_avg_sq);

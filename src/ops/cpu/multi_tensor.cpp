@@ -3,9 +3,9 @@
 // or synchronization cost to save, so each is the single-tensor op (or, for count_zeros, a
 // plain loop) applied to the list in order (and therefore bitwise equal to it); the GPU
 // versions (ops/cuda/multi_tensor.cu) are where the batching happens. multi_tensor_adamw
-// with bf16 moments (the precision-aware optimizer) updates each element by
-// adamw_precision_update and stores the moments stochastically rounded
-// (ops/adam_precision_math.h) instead.
+// reads F32 or BF16 main grads (a BF16 one widened to fp32 as it is read); with bf16 moments (the
+// precision-aware optimizer) updates each element by adamw_precision_update and stores the moments
+// stochastically rounded (ops/adam_precision_math.h) instead.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
+#include "ops/cpu/adam_state_ref.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
 #ifdef MEGATON_WITH_CUDA
@@ -35,30 +36,14 @@ void check_list(const std::vector<Tensor>& list, Device device, const char* op, 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kParallelMin = 1 << 15;
 
-// A moment of the precision-aware update: F32 or BF16, read widened to fp32, written
-// stochastically rounded (bf16_round_stochastic) with the given 16 random bits.
-struct MomentRef {
-  float* f32 = nullptr;
-  uint16_t* bf16 = nullptr;
-  explicit MomentRef(Tensor& t)
-      : f32(t.dtype() == DType::F32 ? t.f32() : nullptr),
-        bf16(t.dtype() == DType::BF16 ? static_cast<uint16_t*>(t.raw()) : nullptr) {}
-  float load(int64_t i) const { return f32 ? f32[i] : bf16_to_float(bf16[i]); }
-  void store(int64_t i, float v, uint32_t random16) const {
-    if (f32) f32[i] = v;
-    else
-      bf16[i] = bf16_round_stochastic(v, random16);
-  }
-};
-
 // The precision-aware update of one tensor (adam_precision_math.h), the gradient scaled
 // as it is read; the random bits of its moments from `key` at `step`.
 void adamw_precision_tensor(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                             float lr, float weight_decay, const AdamPrecisionConstants& c,
                             const MomentRoundingKey& key, int64_t step) {
   float* p = param.f32();
-  const float* g = grad.f32();
-  const MomentRef m(exp_avg), v(exp_avg_sq);
+  const cpu_adam::GradRef g(grad);
+  const cpu_adam::MomentRef m(exp_avg), v(exp_avg_sq);
   const float decay = adam_precision_decay(lr, weight_decay);
   const int64_t n = param.numel();
 #pragma omp parallel if (n >= kParallelMin)
@@ -68,7 +53,7 @@ void adamw_precision_tensor(Tensor& param, const Tensor& grad, Tensor& exp_avg, 
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       float pi = p[i], mi = m.load(i), vi = v.load(i);
-      adamw_precision_update(pi, g[i], mi, vi, decay, c);
+      adamw_precision_update(pi, g.load(i), mi, vi, decay, c);
       const uint32_t bits = random.bits(i);
       p[i] = pi;
       m.store(i, mi, bits & 0xFFFFu);
@@ -181,11 +166,12 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   for (size_t i = 0; i < n; ++i) {
     const Tensor* entries[] = {&params[i], &grads[i], &exp_avg[i], &exp_avg_sq[i]};
     for (const Tensor* t : entries) {
-      // The moments may be BF16 (the precision-aware optimizer); params and grads are F32.
-      const bool moment = t == &exp_avg[i] || t == &exp_avg_sq[i];
-      MEGATON_CHECK(t->dtype() == DType::F32 || (moment && t->dtype() == DType::BF16),
-                    "{}: tensor {}: {} in a list that must be F32{}", op, i,
-                    dtype_name(t->dtype()), moment ? " or BF16" : "");
+      // The moments may be BF16 (the precision-aware optimizer), the grads BF16
+      // (--main-grads-dtype bf16, widened as they are read); params are F32.
+      const bool moment_or_grad = t != &params[i];
+      MEGATON_CHECK(t->dtype() == DType::F32 || (moment_or_grad && t->dtype() == DType::BF16),
+                    "{}: tensor {}: {} in a list that must be F32{}", op, i, dtype_name(t->dtype()),
+                    moment_or_grad ? " or BF16" : "");
       MEGATON_CHECK(t->numel() == params[i].numel(),
                     "{}: tensor {}: {} elements in a list, param has {}", op, i, t->numel(),
                     params[i].numel());
@@ -214,9 +200,14 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
     }
     // The scaled gradient in a scratch copy, one tensor at a time (the caller's grads stay
     // as they are): by construction the same bits as scale_ on the grads then adamw_step.
+    // A BF16 grad is widened first (exact), so it updates as its fp32 value would.
     Tensor scaled_grad = grads[i];
+    if (grads[i].dtype() != DType::F32) {
+      scaled_grad = Tensor::empty(grads[i].shape(), DType::F32, Device::CPU);
+      cast(grads[i], scaled_grad);
+    }
     if (grad_scale != 1.0f) {
-      scaled_grad = grads[i].clone();
+      if (scaled_grad.raw() == grads[i].raw()) scaled_grad = grads[i].clone();
       scale_(scaled_grad, grad_scale);
     }
     adamw_step(params[i], scaled_grad, exp_avg[i], exp_avg_sq[i], lr, beta1, beta2, eps,

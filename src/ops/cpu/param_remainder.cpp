@@ -8,6 +8,7 @@
 
 #include "core/dtype.h"
 #include "ops/adam_precision.h"
+#include "ops/cpu/adam_state_ref.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
 #include "ops/param_remainder_math.h"
@@ -34,8 +35,9 @@ void check_entry(const Tensor& t, DType dtype, int64_t numel, Device device, con
                 i, device_name(t.device()), device_name(device));
 }
 
-void check_moment(const Tensor& t, int64_t numel, Device device, const char* op, const char* name,
-                  size_t i) {
+// A moment or a main grad: F32 or BF16.
+void check_f32_or_bf16(const Tensor& t, int64_t numel, Device device, const char* op,
+                       const char* name, size_t i) {
   check_entry(t, t.dtype() == DType::BF16 ? DType::BF16 : DType::F32, numel, device, op, name, i);
 }
 
@@ -65,27 +67,12 @@ void check_remainder_lists(const std::vector<Tensor>& params, const std::vector<
     const int64_t numel = params[i].numel();
     check_entry(params[i], DType::BF16, numel, device, kOp, "params", i);
     check_entry(remainders[i], DType::I16, numel, device, kOp, "remainders", i);
-    check_entry(grads[i], DType::F32, numel, device, kOp, "grads", i);
-    check_moment(exp_avg[i], numel, device, kOp, "exp_avg", i);
-    check_moment(exp_avg_sq[i], numel, device, kOp, "exp_avg_sq", i);
+    // BF16 grads: --main-grads-dtype bf16, widened to fp32 as they are read.
+    check_f32_or_bf16(grads[i], numel, device, kOp, "grads", i);
+    check_f32_or_bf16(exp_avg[i], numel, device, kOp, "exp_avg", i);
+    check_f32_or_bf16(exp_avg_sq[i], numel, device, kOp, "exp_avg_sq", i);
   }
 }
-
-// A moment: F32, or BF16 read widened and written stochastically rounded.
-struct MomentRef {
-  float* f32 = nullptr;
-  uint16_t* bf16 = nullptr;
-  explicit MomentRef(Tensor& t)
-      : f32(t.dtype() == DType::F32 ? t.f32() : nullptr),
-        bf16(t.dtype() == DType::BF16 ? static_cast<uint16_t*>(t.raw()) : nullptr) {}
-  float load(int64_t i) const { return f32 ? f32[i] : bf16_to_float(bf16[i]); }
-  void store(int64_t i, float v, uint32_t random16) const {
-    if (f32)
-      f32[i] = v;
-    else
-      bf16[i] = bf16_round_stochastic(v, random16);
-  }
-};
 
 void adamw_param_remainder_tensor(Tensor& param, Tensor& remainder, const Tensor& grad,
                                   Tensor& exp_avg, Tensor& exp_avg_sq, float lr,
@@ -93,8 +80,8 @@ void adamw_param_remainder_tensor(Tensor& param, Tensor& remainder, const Tensor
                                   const MomentRoundingKey& key, int64_t step) {
   auto* w = static_cast<uint16_t*>(param.raw());
   auto* r = static_cast<uint16_t*>(remainder.raw());
-  const float* g = grad.f32();
-  const MomentRef m(exp_avg), v(exp_avg_sq);
+  const cpu_adam::GradRef g(grad);
+  const cpu_adam::MomentRef m(exp_avg), v(exp_avg_sq);
   const float decay = adam_precision_decay(lr, weight_decay);
   const int64_t n = param.numel();
 #pragma omp parallel if (n >= kParallelMin)
@@ -105,7 +92,7 @@ void adamw_param_remainder_tensor(Tensor& param, Tensor& remainder, const Tensor
     for (int64_t i = 0; i < n; ++i) {
       uint16_t wi = w[i], ri = r[i];
       float mi = m.load(i), vi = v.load(i);
-      adamw_param_remainder_update(wi, ri, g[i], mi, vi, decay, c);
+      adamw_param_remainder_update(wi, ri, g.load(i), mi, vi, decay, c);
       const uint32_t bits = random.bits(i);
       w[i] = wi;
       r[i] = ri;

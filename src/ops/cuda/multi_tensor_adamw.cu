@@ -4,7 +4,8 @@
 // rounded (ops/adam_precision_math.h, adamw_precision_chunks: its own launches, whose
 // per-tensor rounding keys would not fit the fp32 kernel's parameter space). The param
 // copy the layers compute with (param_copies) may be F32, BF16 (--bf16) or F16 (--fp16),
-// rounded to nearest even from the updated fp32 param.
+// rounded to nearest even from the updated fp32 param. The main grads may be F32 or BF16
+// (--main-grads-dtype bf16: widened as they are read, adam_grad_load.cuh).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include "ops/adam_control_math.h"
 #include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
+#include "ops/cuda/adam_grad_load.cuh"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/multi_tensor_adamw.h"
 #include "ops/cuda/multi_tensor_launch.cuh"
@@ -50,11 +52,11 @@ enum CopyKind : uint8_t { kNoCopy = 0, kCopyF32 = 1, kCopyBF16 = 2, kCopyF16 = 3
 // update, adamw_update), otherwise the update of ops/adam_precision_math.h.
 enum MomentKind : uint8_t { kMomentsF32 = 0, kExpAvgBF16 = 1, kExpAvgSqBF16 = 2 };
 
-// Tensors per launch: 59 bytes each.
+// Tensors per launch: 60 bytes each.
 constexpr int kAdamWTensors = 64;
 struct AdamWLaunch {
   float* param[kAdamWTensors];
-  const float* grad[kAdamWTensors];
+  const void* grad[kAdamWTensors];  // float*, or __nv_bfloat16* (grad_bf16)
   float* exp_avg[kAdamWTensors];
   float* exp_avg_sq[kAdamWTensors];
   void* copy[kAdamWTensors];
@@ -62,8 +64,9 @@ struct AdamWLaunch {
   uint32_t first_chunk[kAdamWTensors + 1];
   float weight_decay[kAdamWTensors];
   uint8_t copy_kind[kAdamWTensors];
-  // param, grad and both moments aligned for 4-element packs (16 bytes): the update runs
-  // on packs of 4, otherwise element by element.
+  uint8_t grad_bf16[kAdamWTensors];
+  // param, grad and both moments aligned for 4-element packs (16 bytes; 8 for a BF16
+  // grad): the update runs on packs of 4, otherwise element by element.
   uint8_t vectorized[kAdamWTensors];
   // The copy is aligned for a 4-element store (16 bytes F32, 8 bytes BF16 or F16).
   uint8_t copy_vectorized[kAdamWTensors];
@@ -73,11 +76,11 @@ static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) + sizeof(float*) <=
               kMaxKernelParamBytes);
 
 // The precision-aware launches: AdamWLaunch's fields with the moments' dtypes and the
-// rounding keys (ops/adam_precision_math.h). Tensors per launch: 100 bytes each.
+// rounding keys (ops/adam_precision_math.h). Tensors per launch: 101 bytes each.
 constexpr int kAdamWPrecisionTensors = 32;
 struct AdamWPrecisionLaunch {
   float* param[kAdamWPrecisionTensors];
-  const float* grad[kAdamWPrecisionTensors];
+  const void* grad[kAdamWPrecisionTensors];  // float*, or __nv_bfloat16* (grad_bf16)
   void* exp_avg[kAdamWPrecisionTensors];     // float*, or __nv_bfloat16* (moment_kind)
   void* exp_avg_sq[kAdamWPrecisionTensors];  // float*, or __nv_bfloat16* (moment_kind)
   void* copy[kAdamWPrecisionTensors];
@@ -87,6 +90,7 @@ struct AdamWPrecisionLaunch {
   float weight_decay[kAdamWPrecisionTensors];
   uint8_t copy_kind[kAdamWPrecisionTensors];
   uint8_t moment_kind[kAdamWPrecisionTensors];  // not kMomentsF32
+  uint8_t grad_bf16[kAdamWPrecisionTensors];
   // param, grad and both moments aligned for 4-element packs (16 bytes F32, 8 bytes BF16).
   uint8_t vectorized[kAdamWPrecisionTensors];
   uint8_t copy_vectorized[kAdamWPrecisionTensors];
@@ -113,20 +117,21 @@ struct NoCopy {};
 
 // Elements [begin, end) of one tensor; Copy = float, __nv_bfloat16, __half or NoCopy.
 template <typename Copy>
-__device__ void adamw_chunk(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                            void* copy_raw, int64_t begin, int64_t end, bool vectorized,
-                            bool copy_vectorized, float decay, const AdamWConstants& c) {
+__device__ void adamw_chunk(float* param, const void* grad, bool grad_bf16, float* exp_avg,
+                            float* exp_avg_sq, void* copy_raw, int64_t begin, int64_t end,
+                            bool vectorized, bool copy_vectorized, float decay,
+                            const AdamWConstants& c) {
   [[maybe_unused]] Copy* copy = static_cast<Copy*>(copy_raw);
   for (int64_t i = begin + 4 * int64_t(threadIdx.x); i < end; i += 4 * kThreads) {
     if (vectorized && i + 4 <= end) {
       float4 p = *reinterpret_cast<const float4*>(param + i);
-      const float4 g = *reinterpret_cast<const float4*>(grad + i);
+      const Pack<float, 4> g = detail::load_main_grad_pack(grad, grad_bf16, i);
       float4 m = *reinterpret_cast<const float4*>(exp_avg + i);
       float4 v = *reinterpret_cast<const float4*>(exp_avg_sq + i);
-      adamw_update(p.x, g.x, m.x, v.x, decay, c);
-      adamw_update(p.y, g.y, m.y, v.y, decay, c);
-      adamw_update(p.z, g.z, m.z, v.z, decay, c);
-      adamw_update(p.w, g.w, m.w, v.w, decay, c);
+      adamw_update(p.x, g.v[0], m.x, v.x, decay, c);
+      adamw_update(p.y, g.v[1], m.y, v.y, decay, c);
+      adamw_update(p.z, g.v[2], m.z, v.z, decay, c);
+      adamw_update(p.w, g.v[3], m.w, v.w, decay, c);
       *reinterpret_cast<float4*>(param + i) = p;
       *reinterpret_cast<float4*>(exp_avg + i) = m;
       *reinterpret_cast<float4*>(exp_avg_sq + i) = v;
@@ -146,7 +151,7 @@ __device__ void adamw_chunk(float* param, const float* grad, float* exp_avg, flo
     } else {
       for (int64_t j = i; j < end && j < i + 4; ++j) {
         float p = param[j], m = exp_avg[j], v = exp_avg_sq[j];
-        adamw_update(p, grad[j], m, v, decay, c);
+        adamw_update(p, detail::load_main_grad(grad, grad_bf16, j), m, v, decay, c);
         param[j] = p;
         exp_avg[j] = m;
         exp_avg_sq[j] = v;
@@ -174,10 +179,11 @@ __device__ __forceinline__ T store_moment(float x, uint32_t random16) {
 // as in adamw_chunk. The same element function on packs of 4 and on the scalar tail, so
 // the alignment does not change the bits.
 template <typename Copy, typename M, typename V>
-__device__ void adamw_precision_chunk(float* param, const float* grad, void* exp_avg_raw,
-                                      void* exp_avg_sq_raw, void* copy_raw, int64_t begin,
-                                      int64_t end, bool vectorized, bool copy_vectorized,
-                                      float decay, const AdamPrecisionConstants& c,
+__device__ void adamw_precision_chunk(float* param, const void* grad, bool grad_bf16,
+                                      void* exp_avg_raw, void* exp_avg_sq_raw, void* copy_raw,
+                                      int64_t begin, int64_t end, bool vectorized,
+                                      bool copy_vectorized, float decay,
+                                      const AdamPrecisionConstants& c,
                                       MomentRoundingStream& random) {
   M* exp_avg = static_cast<M*>(exp_avg_raw);
   V* exp_avg_sq = static_cast<V*>(exp_avg_sq_raw);
@@ -185,7 +191,7 @@ __device__ void adamw_precision_chunk(float* param, const float* grad, void* exp
   for (int64_t i = begin + 4 * int64_t(threadIdx.x); i < end; i += 4 * kThreads) {
     if (vectorized && i + 4 <= end) {
       Pack<float, 4> p = load_pack<4>(param + i);
-      const Pack<float, 4> g = load_pack<4>(grad + i);
+      const Pack<float, 4> g = detail::load_main_grad_pack(grad, grad_bf16, i);
       Pack<M, 4> m_pack = load_pack<4>(exp_avg + i);
       Pack<V, 4> v_pack = load_pack<4>(exp_avg_sq + i);
 #pragma unroll
@@ -213,7 +219,7 @@ __device__ void adamw_precision_chunk(float* param, const float* grad, void* exp
     } else {
       for (int64_t j = i; j < end && j < i + 4; ++j) {
         float p = param[j], m = to_float(exp_avg[j]), v = to_float(exp_avg_sq[j]);
-        adamw_precision_update(p, grad[j], m, v, decay, c);
+        adamw_precision_update(p, detail::load_main_grad(grad, grad_bf16, j), m, v, decay, c);
         const uint32_t bits = random.bits(j);
         param[j] = p;
         exp_avg[j] = store_moment<M>(m, bits & 0xFFFFu);
@@ -226,24 +232,27 @@ __device__ void adamw_precision_chunk(float* param, const float* grad, void* exp
 
 // adamw_precision_chunk for the moment dtypes of `kind` (not kMomentsF32).
 template <typename Copy>
-__device__ void adamw_precision_dispatch(uint8_t kind, float* param, const float* grad,
-                                         void* exp_avg, void* exp_avg_sq, void* copy, int64_t begin,
+__device__ void adamw_precision_dispatch(uint8_t kind, float* param, const void* grad,
+                                         bool grad_bf16, void* exp_avg, void* exp_avg_sq, void* copy, int64_t begin,
                                          int64_t end, bool vectorized, bool copy_vectorized,
                                          float decay, const AdamPrecisionConstants& c,
                                          MomentRoundingStream& random) {
   using BF16 = __nv_bfloat16;
   switch (kind) {
     case kExpAvgBF16:
-      adamw_precision_chunk<Copy, BF16, float>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
-                                               vectorized, copy_vectorized, decay, c, random);
+      adamw_precision_chunk<Copy, BF16, float>(param, grad, grad_bf16, exp_avg, exp_avg_sq,
+                                                copy, begin, end, vectorized,
+                                                copy_vectorized, decay, c, random);
       break;
     case kExpAvgSqBF16:
-      adamw_precision_chunk<Copy, float, BF16>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
-                                               vectorized, copy_vectorized, decay, c, random);
+      adamw_precision_chunk<Copy, float, BF16>(param, grad, grad_bf16, exp_avg, exp_avg_sq,
+                                               copy, begin, end, vectorized,
+                                               copy_vectorized, decay, c, random);
       break;
     default:
-      adamw_precision_chunk<Copy, BF16, BF16>(param, grad, exp_avg, exp_avg_sq, copy, begin, end,
-                                              vectorized, copy_vectorized, decay, c, random);
+      adamw_precision_chunk<Copy, BF16, BF16>(param, grad, grad_bf16, exp_avg, exp_avg_sq,
+                                               copy, begin, end, vectorized,
+                                               copy_vectorized, decay, c, random);
   }
 }
 
@@ -268,19 +277,19 @@ __global__ void __launch_bounds__(kThreads)
   float* exp_avg_sq = launch.exp_avg_sq[t];
   switch (launch.copy_kind[t]) {
     case kCopyF32:
-      adamw_chunk<float>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, launch.copy[t],
+      adamw_chunk<float>(launch.param[t], launch.grad[t], launch.grad_bf16[t], exp_avg, exp_avg_sq, launch.copy[t],
                          begin, end, vectorized, copy_vectorized, decay, c);
       break;
     case kCopyBF16:
-      adamw_chunk<__nv_bfloat16>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq,
+      adamw_chunk<__nv_bfloat16>(launch.param[t], launch.grad[t], launch.grad_bf16[t], exp_avg, exp_avg_sq,
                                  launch.copy[t], begin, end, vectorized, copy_vectorized, decay, c);
       break;
     case kCopyF16:
-      adamw_chunk<__half>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, launch.copy[t],
+      adamw_chunk<__half>(launch.param[t], launch.grad[t], launch.grad_bf16[t], exp_avg, exp_avg_sq, launch.copy[t],
                           begin, end, vectorized, copy_vectorized, decay, c);
       break;
     default:
-      adamw_chunk<NoCopy>(launch.param[t], launch.grad[t], exp_avg, exp_avg_sq, nullptr, begin,
+      adamw_chunk<NoCopy>(launch.param[t], launch.grad[t], launch.grad_bf16[t], exp_avg, exp_avg_sq, nullptr, begin,
                           end, vectorized, false, decay, c);
   }
 }
@@ -312,29 +321,29 @@ __global__ void __launch_bounds__(kThreads)
   MomentRoundingStream random(launch.rounding_key[t], step);
   switch (launch.copy_kind[t]) {
     case kCopyF32:
-      adamw_precision_dispatch<float>(moments, launch.param[t], launch.grad[t], launch.exp_avg[t],
+      adamw_precision_dispatch<float>(moments, launch.param[t], launch.grad[t], launch.grad_bf16[t], launch.exp_avg[t],
                                       launch.exp_avg_sq[t], launch.copy[t], begin, end, vectorized,
                                       copy_vectorized, decay, pc, random);
       break;
     case kCopyBF16:
       adamw_precision_dispatch<__nv_bfloat16>(
-          moments, launch.param[t], launch.grad[t], launch.exp_avg[t], launch.exp_avg_sq[t],
+          moments, launch.param[t], launch.grad[t], launch.grad_bf16[t], launch.exp_avg[t], launch.exp_avg_sq[t],
           launch.copy[t], begin, end, vectorized, copy_vectorized, decay, pc, random);
       break;
     case kCopyF16:
-      adamw_precision_dispatch<__half>(moments, launch.param[t], launch.grad[t], launch.exp_avg[t],
+      adamw_precision_dispatch<__half>(moments, launch.param[t], launch.grad[t], launch.grad_bf16[t], launch.exp_avg[t],
                                        launch.exp_avg_sq[t], launch.copy[t], begin, end, vectorized,
                                        copy_vectorized, decay, pc, random);
       break;
     default:
-      adamw_precision_dispatch<NoCopy>(moments, launch.param[t], launch.grad[t], launch.exp_avg[t],
+      adamw_precision_dispatch<NoCopy>(moments, launch.param[t], launch.grad[t], launch.grad_bf16[t], launch.exp_avg[t],
                                        launch.exp_avg_sq[t], nullptr, begin, end, vectorized, false,
                                        decay, pc, random);
   }
 }
 
 // The fields both launch kinds share for list tensor i at slot k of `meta`: the param,
-// its gradient, size, first chunk, weight decay, moments (as `Moment` pointers) and the
+// its gradient (with its dtype), size, first chunk, weight decay, moments (as `Moment` pointers) and the
 // compute copy with its kind and alignment. vectorized is left to the caller (it depends
 // on the moments' dtypes).
 template <typename Launch, typename Moment>
@@ -344,7 +353,8 @@ void fill_launch_slot(Launch& meta, size_t k, size_t i, const LaunchBatch& batch
                       const std::vector<Tensor>& param_copies,
                       const std::vector<float>& weight_decays, int64_t numel) {
   meta.param[k] = params[i].f32();
-  meta.grad[k] = grads[i].f32();
+  meta.grad[k] = grads[i].raw();
+  meta.grad_bf16[k] = grads[i].dtype() == DType::BF16;
   meta.exp_avg[k] = static_cast<Moment*>(exp_avg[i].raw());
   meta.exp_avg_sq[k] = static_cast<Moment*>(exp_avg_sq[i].raw());
   meta.numel[k] = numel;
@@ -386,7 +396,8 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
   std::vector<int64_t> numels_f32(n, 0), numels_precision(n, 0);
   for (size_t i = 0; i < n; ++i) {
     check_listed(params[i], kOp, "params", i, Listed::kF32);
-    check_listed(grads[i], kOp, "grads", i, Listed::kF32);
+    // BF16 grads: --main-grads-dtype bf16, widened as the kernels read them.
+    check_listed(grads[i], kOp, "grads", i, Listed::kF32OrBF16);
     // BF16 moments: the precision-aware optimizer (ops/adam_precision_math.h).
     check_listed(exp_avg[i], kOp, "exp_avg", i, Listed::kF32OrBF16);
     check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, Listed::kF32OrBF16);
@@ -421,7 +432,8 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
       const size_t i = batch.tensors[k];
       fill_launch_slot<AdamWLaunch, float>(meta, k, i, batch, params, grads, exp_avg, exp_avg_sq,
                                            param_copies, weight_decays, numels_f32[i]);
-      meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
+      meta.vectorized[k] = is_aligned(meta.param[k], 16) &&
+                           detail::main_grad_pack_aligned(meta.grad[k], meta.grad_bf16[k]) &&
                            is_aligned(meta.exp_avg[k], 16) && is_aligned(meta.exp_avg_sq[k], 16);
     }
     meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
@@ -443,7 +455,8 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
       const bool v_bf16 = exp_avg_sq[i].dtype() == DType::BF16;
       meta.moment_kind[k] = uint8_t((m_bf16 ? kExpAvgBF16 : 0) | (v_bf16 ? kExpAvgSqBF16 : 0));
       meta.rounding_key[k] = rounding_keys[i];
-      meta.vectorized[k] = is_aligned(meta.param[k], 16) && is_aligned(meta.grad[k], 16) &&
+      meta.vectorized[k] = is_aligned(meta.param[k], 16) &&
+                           detail::main_grad_pack_aligned(meta.grad[k], meta.grad_bf16[k]) &&
                            is_aligned(meta.exp_avg[k], m_bf16 ? 8 : 16) &&
                            is_aligned(meta.exp_avg_sq[k], v_bf16 ? 8 : 16);
     }

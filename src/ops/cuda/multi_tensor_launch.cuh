@@ -75,7 +75,8 @@ std::vector<LaunchBatch> plan_launches(const std::vector<int64_t>& numels, int64
 // The dtypes a list's entries may have.
 enum class Listed : uint8_t {
   kF32,        // main params, main grads
-  kF32OrBF16,  // AdamW moments (BF16: the precision-aware optimizer)
+  kF32OrBF16,  // AdamW moments (BF16: the precision-aware optimizer), main grads read by
+               // AdamW (BF16: --main-grads-dtype bf16)
   kFloat,      // F32, BF16 or F16: the compute weights
 };
 

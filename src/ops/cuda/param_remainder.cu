@@ -10,6 +10,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "ops/adam_precision_math.h"
+#include "ops/cuda/adam_grad_load.cuh"
 #include "ops/cuda/multi_tensor_adamw.h"
 #include "ops/cuda/multi_tensor_launch.cuh"
 #include "ops/param_remainder_math.h"
@@ -41,12 +42,12 @@ __global__ void join_kernel(const uint16_t* weight, const uint16_t* remainder, f
 // Dtypes of a tensor's moments: bit 0 set, exp_avg is BF16; bit 1 set, exp_avg_sq is BF16.
 enum RemainderMoments : uint8_t { kMomentsF32 = 0, kExpAvgBF16 = 1, kExpAvgSqBF16 = 2 };
 
-// Tensors per launch: 98 bytes each (the rounding keys take 40).
+// Tensors per launch: 99 bytes each (the rounding keys take 40).
 constexpr int kRemainderTensors = 32;
 struct AdamWRemainderLaunch {
   uint16_t* weight[kRemainderTensors];     // BF16 bits
   uint16_t* remainder[kRemainderTensors];  // I16
-  const float* grad[kRemainderTensors];
+  const void* grad[kRemainderTensors];     // float*, or __nv_bfloat16* (grad_bf16)
   void* exp_avg[kRemainderTensors];        // float*, or uint16_t* (BF16 bits, moment_kind)
   void* exp_avg_sq[kRemainderTensors];     // float*, or uint16_t* (BF16 bits, moment_kind)
   int64_t numel[kRemainderTensors];
@@ -54,7 +55,8 @@ struct AdamWRemainderLaunch {
   uint32_t first_chunk[kRemainderTensors + 1];
   float weight_decay[kRemainderTensors];
   uint8_t moment_kind[kRemainderTensors];
-  // weight and remainder 8-byte aligned, grad 16, the moments 16 (F32) or 8 (BF16): the
+  uint8_t grad_bf16[kRemainderTensors];
+  // weight and remainder 8-byte aligned, grad 16 (F32) or 8 (BF16), the moments 16 (F32) or 8 (BF16): the
   // update runs on packs of four, otherwise element by element (the same bits).
   uint8_t vectorized[kRemainderTensors];
   int32_t num_tensors;
@@ -81,8 +83,8 @@ __device__ __forceinline__ T store_moment(float x, uint32_t random16) {
 // uint16_t = BF16 bits); element j draws its random bits from `random` whatever thread or
 // pack handles it.
 template <typename M, typename V>
-__device__ void remainder_chunk(uint16_t* weight, uint16_t* remainder, const float* grad,
-                                void* exp_avg_raw, void* exp_avg_sq_raw, int64_t begin,
+__device__ void remainder_chunk(uint16_t* weight, uint16_t* remainder, const void* grad,
+                                bool grad_bf16, void* exp_avg_raw, void* exp_avg_sq_raw, int64_t begin,
                                 int64_t end, bool vectorized, float decay,
                                 const AdamPrecisionConstants& c, MomentRoundingStream& random) {
   M* exp_avg = static_cast<M*>(exp_avg_raw);
@@ -91,7 +93,7 @@ __device__ void remainder_chunk(uint16_t* weight, uint16_t* remainder, const flo
     if (vectorized && i + 4 <= end) {
       Pack<uint16_t, 4> w = load_pack<4>(weight + i);
       Pack<uint16_t, 4> r = load_pack<4>(remainder + i);
-      const Pack<float, 4> g = load_pack<4>(grad + i);
+      const Pack<float, 4> g = detail::load_main_grad_pack(grad, grad_bf16, i);
       Pack<M, 4> m_pack = load_pack<4>(exp_avg + i);
       Pack<V, 4> v_pack = load_pack<4>(exp_avg_sq + i);
 #pragma unroll
@@ -110,7 +112,8 @@ __device__ void remainder_chunk(uint16_t* weight, uint16_t* remainder, const flo
       for (int64_t j = i; j < end && j < i + 4; ++j) {
         uint16_t w = weight[j], r = remainder[j];
         float m = load_moment(exp_avg[j]), v = load_moment(exp_avg_sq[j]);
-        adamw_param_remainder_update(w, r, grad[j], m, v, decay, c);
+        adamw_param_remainder_update(w, r, detail::load_main_grad(grad, grad_bf16, j), m, v, decay,
+                                     c);
         const uint32_t bits = random.bits(j);
         weight[j] = w;
         remainder[j] = r;
@@ -146,21 +149,22 @@ __global__ void __launch_bounds__(kThreads)
   MomentRoundingStream random(launch.rounding_key[t], step);
   uint16_t* w = launch.weight[t];
   uint16_t* r = launch.remainder[t];
-  const float* g = launch.grad[t];
+  const void* g = launch.grad[t];
+  const bool g_bf16 = launch.grad_bf16[t];
   void* m = launch.exp_avg[t];
   void* v = launch.exp_avg_sq[t];
   switch (launch.moment_kind[t]) {
     case kMomentsF32:
-      remainder_chunk<float, float>(w, r, g, m, v, begin, end, vectorized, decay, c, random);
+      remainder_chunk<float, float>(w, r, g, g_bf16, m, v, begin, end, vectorized, decay, c, random);
       break;
     case kExpAvgBF16:
-      remainder_chunk<uint16_t, float>(w, r, g, m, v, begin, end, vectorized, decay, c, random);
+      remainder_chunk<uint16_t, float>(w, r, g, g_bf16, m, v, begin, end, vectorized, decay, c, random);
       break;
     case kExpAvgSqBF16:
-      remainder_chunk<float, uint16_t>(w, r, g, m, v, begin, end, vectorized, decay, c, random);
+      remainder_chunk<float, uint16_t>(w, r, g, g_bf16, m, v, begin, end, vectorized, decay, c, random);
       break;
     default:
-      remainder_chunk<uint16_t, uint16_t>(w, r, g, m, v, begin, end, vectorized, decay, c,
+      remainder_chunk<uint16_t, uint16_t>(w, r, g, g_bf16, m, v, begin, end, vectorized, decay, c,
                                           random);
   }
 }
@@ -206,7 +210,8 @@ void multi_tensor_adamw_param_remainder(
       const bool v_bf16 = exp_avg_sq[i].dtype() == DType::BF16;
       meta.weight[k] = static_cast<uint16_t*>(params[i].raw());
       meta.remainder[k] = static_cast<uint16_t*>(remainders[i].raw());
-      meta.grad[k] = grads[i].f32();
+      meta.grad[k] = grads[i].raw();
+      meta.grad_bf16[k] = grads[i].dtype() == DType::BF16;
       meta.exp_avg[k] = exp_avg[i].raw();
       meta.exp_avg_sq[k] = exp_avg_sq[i].raw();
       meta.numel[k] = numels[i];
@@ -215,7 +220,7 @@ void multi_tensor_adamw_param_remainder(
       meta.weight_decay[k] = weight_decays[i];
       meta.moment_kind[k] = uint8_t((m_bf16 ? kExpAvgBF16 : 0) | (v_bf16 ? kExpAvgSqBF16 : 0));
       meta.vectorized[k] = is_aligned(meta.weight[k], 8) && is_aligned(meta.remainder[k], 8) &&
-                           is_aligned(meta.grad[k], 16) &&
+                           detail::main_grad_pack_aligned(meta.grad[k], meta.grad_bf16[k]) &&
                            is_aligned(meta.exp_avg[k], m_bf16 ? 8 : 16) &&
                            is_aligned(meta.exp_avg_sq[k], v_bf16 ? 8 : 16);
     }
