@@ -5,6 +5,7 @@ packages=(
   build-essential cmake pkg-config     # compiler and build
   libopenblas-dev libopenblas-openmp-dev  # CPU GEMM (the OpenMP build)
   libsentencepiece-dev sentencepiece   # tokenizer
+  libpcre2-dev libutf8proc-dev         # byte-level BPE tokenizers (regex, NFC)
   libyaml-cpp-dev                      # configs/*.yaml
   nlohmann-json3-dev                   # checkpoint metadata, safetensors headers
   libcli11-dev                         # command line

@@ -64,9 +64,17 @@ void add_preprocess_command(CLI::App& app) {
                   "Output prefix; writes <prefix>_<key>_document.bin/.idx per json key")
       ->required();
   cmd->add_option("--tokenizer-type", o.tokenizer_type,
-                  "SentencePieceTokenizer, GPTSentencePieceTokenizer or ByteTokenizer")
+                  "SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer, "
+                  "GPT2BPETokenizer or ByteTokenizer")
       ->required();
-  cmd->add_option("--tokenizer-model", o.tokenizer_model, "SentencePiece .model file");
+  cmd->add_option("--tokenizer-model", o.tokenizer_model,
+                  "SentencePiece .model file, or a tokenizer.json (or its directory, with "
+                  "tokenizer_config.json) for HuggingFaceTokenizer");
+  cmd->add_option("--vocab-file", o.vocab_file, "GPT2BPETokenizer's vocab.json");
+  cmd->add_option("--merge-file", o.merge_file, "GPT2BPETokenizer's merges.txt");
+  cmd->add_flag("!--tokenizer-hf-no-include-special-tokens", o.tokenizer_hf_include_special_tokens,
+                "HuggingFaceTokenizer: no post-processor specials (e.g. Llama-3's "
+                "<|begin_of_text|>) around each document");
   cmd->add_option("--workers", o.workers,
                   fmt::format("Tokenizer threads, 1 to {} (output does not depend on it)",
                               data::kMaxPreprocessWorkers))

@@ -209,7 +209,13 @@ void check_not_empty(const PreprocessResult& result,
 PreprocessResult preprocess(const PreprocessOptions& options,
                             const std::function<void(const PreprocessProgress&)>& on_progress) {
   validate(options);
-  auto tokenizer = make_tokenizer(options.tokenizer_type, options.tokenizer_model);
+  TokenizerOptions t;
+  t.type = options.tokenizer_type;
+  t.model = options.tokenizer_model;
+  t.vocab_file = options.vocab_file;
+  t.merge_file = options.merge_file;
+  t.include_special_tokens = options.tokenizer_hf_include_special_tokens;
+  auto tokenizer = make_tokenizer(t);
   return preprocess(options, *tokenizer, on_progress);
 }
 

@@ -21,9 +21,13 @@ struct PreprocessOptions {
   std::vector<std::string> inputs;
   // --output-prefix: writes <prefix>_<key>_document.bin/.idx per json key.
   std::string output_prefix;
-  // --tokenizer-type / --tokenizer-model (make_tokenizer).
+  // --tokenizer-type / --tokenizer-model / --vocab-file / --merge-file /
+  // --tokenizer-hf-no-include-special-tokens (make_tokenizer's TokenizerOptions).
   std::string tokenizer_type;
   std::string tokenizer_model;
+  std::string vocab_file;
+  std::string merge_file;
+  bool tokenizer_hf_include_special_tokens = true;
   // --workers: tokenizer threads, 1 to kMaxPreprocessWorkers. The output does not depend
   // on it.
   int workers = 1;

@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "data/bpe_tokenizers.h"
 
 namespace megaton::data {
 
@@ -125,13 +126,25 @@ std::string NullTokenizer::decode(std::span<const int32_t> ids) const {
 
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path,
                                           int64_t vocab_size) {
+  TokenizerOptions options;
+  options.type = type;
+  options.model = model_path;
+  options.vocab_size = vocab_size;
+  return make_tokenizer(options);
+}
+
+std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerOptions& o) {
+  const std::string& type = o.type;
   if (type == "NullTokenizer") {
-    if (vocab_size <= 0) fail("--tokenizer-type NullTokenizer needs --vocab-size");
-    return std::make_unique<NullTokenizer>(vocab_size);
+    if (o.vocab_size <= 0) fail("--tokenizer-type NullTokenizer needs --vocab-size");
+    return std::make_unique<NullTokenizer>(o.vocab_size);
   }
   if (type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer")
-    return std::make_unique<SentencePieceTokenizer>(model_path);
+    return std::make_unique<SentencePieceTokenizer>(o.model);
   if (type == "ByteTokenizer") return std::make_unique<ByteTokenizer>();
+  if (type == "GPT2BPETokenizer") return make_gpt2_bpe_tokenizer(o.vocab_file, o.merge_file);
+  if (type == "HuggingFaceTokenizer")
+    return make_huggingface_tokenizer(o.model, o.include_special_tokens);
   std::string valid;
   for (std::string_view t : kTokenizerTypes) valid += (valid.empty() ? "" : ", ") + std::string(t);
   fail("--tokenizer-type '{}': expected one of {}", type, valid);

@@ -39,7 +39,8 @@ class ByteTokenizer final : public Tokenizer {
 
 // --tokenizer-type values accepted by make_tokenizer.
 inline constexpr std::string_view kTokenizerTypes[] = {
-    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "ByteTokenizer", "NullTokenizer"};
+    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",       "ByteTokenizer",             "NullTokenizer"};
 
 // Megatron's NullTokenizer (--tokenizer-type NullTokenizer --vocab-size N): ids 0..N-1
 // written as decimal text, eod = N, vocab_size = N + 1. For --mock-data runs and
@@ -65,6 +66,23 @@ class NullTokenizer final : public Tokenizer {
 // type "NullTokenizer" needs vocab_size (--vocab-size).
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path,
                                           int64_t vocab_size = 0);
+
+// Megatron's tokenizer flags: --tokenizer-type, --tokenizer-model, --vocab-file,
+// --merge-file, --vocab-size (NullTokenizer) and --tokenizer-hf-no-include-special-tokens
+// (include_special_tokens false).
+struct TokenizerOptions {
+  std::string type;
+  std::string model;
+  std::string vocab_file;
+  std::string merge_file;
+  int64_t vocab_size = 0;
+  bool include_special_tokens = true;
+};
+
+// make_tokenizer above for every type, with "GPT2BPETokenizer" (vocab_file and merge_file,
+// make_gpt2_bpe_tokenizer) and "HuggingFaceTokenizer" (model: a tokenizer.json or its
+// directory, make_huggingface_tokenizer; data/bpe_tokenizers.h). Throws as they do.
+std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerOptions& options);
 
 struct SentencePieceTrainOptions {
   // --input-format and --json-keys, as for preprocessing.

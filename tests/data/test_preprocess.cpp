@@ -254,5 +254,38 @@ TEST(Preprocess, ErrorsLeaveNothingBehind) {
   EXPECT_EQ(dir.entries(), (std::vector<std::string>{"bad.jsonl", "broken.jsonl"}));
 }
 
+// Megatron's HuggingFaceTokenizer in preprocessing: each document is
+// tokenizer(text).input_ids (Llama-3's <|begin_of_text|> first) then eod, as
+// preprocess_data.py writes it; --tokenizer-hf-no-include-special-tokens drops the prefix.
+TEST(Preprocess, HuggingFaceTokenizerDocuments) {
+  const std::string model = std::string(MEGATON_SOURCE_DIR) + "/tests/golden/tokenizers/llama3";
+  TempDir dir;
+  const std::vector<std::string> docs = {"Hello world", "It's 2026; we'll train 1,234 models!",
+                                         "caf\u00e9 \u65e5\u672c"};
+  write_text(dir.file("in.jsonl"), to_jsonl(docs));
+  for (bool include : {true, false}) {
+    SCOPED_TRACE(include);
+    PreprocessOptions o = byte_options(dir, {dir.file("in.jsonl")}, include ? "with" : "without");
+    o.tokenizer_type = "HuggingFaceTokenizer";
+    o.tokenizer_model = model;
+    o.tokenizer_hf_include_special_tokens = include;
+    auto result = preprocess(o);
+    IndexedDataset ds(result.output_prefixes.at(0));
+    TokenizerOptions t;
+    t.type = "HuggingFaceTokenizer";
+    t.model = model;
+    t.include_special_tokens = include;
+    auto tok = make_tokenizer(t);
+    ASSERT_EQ(ds.num_sequences(), int64_t(docs.size()));
+    for (size_t d = 0; d < docs.size(); ++d) {
+      std::vector<int32_t> want = tok->encode(docs[d]);
+      want.push_back(tok->eod());
+      auto got = ds.get(int64_t(d));
+      EXPECT_EQ(std::vector<int32_t>(got.begin(), got.end()), want) << "document " << d;
+      EXPECT_EQ(got.front() == 0, include) << "<|begin_of_text|> is id 0 in the golden vocab";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace megaton::data
