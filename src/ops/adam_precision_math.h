@@ -80,21 +80,33 @@ MEGATON_HOST_DEVICE inline float adam_precision_decay(float lr, float weight_dec
 #endif
 }
 
+// One element's moments m and v (widened to fp32) updated in place from the stored
+// gradient `grad`: the first half of adamw_precision_update, alone for the absmax pass of
+// scaled (fp16, fp8) moments (ops/adam_scaled_state_math.h), which must see the bits the
+// update stores. Only beta1, beta2, their complements and grad_scale of c are read.
+MEGATON_HOST_DEVICE inline void adamw_precision_moments(float grad, float& m, float& v,
+                                                        const AdamPrecisionConstants& c) {
+#ifdef __CUDA_ARCH__
+  const float g = __fmul_rn(grad, c.grad_scale);
+  m = __fmaf_rn(c.beta1, m, __fmul_rn(c.one_minus_beta1, g));
+  v = __fmaf_rn(c.beta2, v, __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+#else
+  const float g = grad * c.grad_scale;
+  m = std::fma(c.beta1, m, c.one_minus_beta1 * g);
+  v = std::fma(c.beta2, v, (c.one_minus_beta2 * g) * g);
+#endif
+}
+
 // One element: p (fp32 main param), m and v (the moments widened to fp32) updated in
 // place from the stored gradient `grad`.
 MEGATON_HOST_DEVICE inline void adamw_precision_update(float& p, float grad, float& m, float& v,
                                                        float decay,
                                                        const AdamPrecisionConstants& c) {
+  adamw_precision_moments(grad, m, v, c);
 #ifdef __CUDA_ARCH__
-  const float g = __fmul_rn(grad, c.grad_scale);
-  m = __fmaf_rn(c.beta1, m, __fmul_rn(c.one_minus_beta1, g));
-  v = __fmaf_rn(c.beta2, v, __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
   const float denom = __fmaf_rn(__fsqrt_rn(v), c.inv_sqrt_bc2, c.eps);
   p = __fmaf_rn(-c.step_size, __fdiv_rn(m, denom), __fmul_rn(p, decay));
 #else
-  const float g = grad * c.grad_scale;
-  m = std::fma(c.beta1, m, c.one_minus_beta1 * g);
-  v = std::fma(c.beta2, v, (c.one_minus_beta2 * g) * g);
   const float denom = std::fma(std::sqrt(v), c.inv_sqrt_bc2, c.eps);
   p = std::fma(-c.step_size, m / denom, p * decay);
 #endif

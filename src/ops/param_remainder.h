@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
 
 namespace megaton::ops {
@@ -30,8 +31,9 @@ void join_param_remainders(const Tensor& weight, const Tensor& remainder, Tensor
 //   remainders[i]: I16, n_i elements: its remainder, read and written
 //   grads[i]:      F32 or BF16 (--main-grads-dtype bf16), n_i elements: the main grad,
 //                  widened to fp32 and times grad_scale as it is read
-//   exp_avg[i], exp_avg_sq[i]: F32 or BF16, n_i elements, read and written (a BF16 moment
-//                  stored by stochastic rounding with rounding_keys[i], as there)
+//   exp_avg[i], exp_avg_sq[i]: F32, BF16, F16 or F8E4M3, n_i elements, read and written
+//                  (BF16 stored by stochastic rounding with rounding_keys[i]; F16 and
+//                  F8E4M3 scaled by `scales`, as ops/adam_precision.h's multi_tensor_adamw)
 //   weight_decays[i]: decoupled weight decay (0 for biases and norms)
 // Each element: the fp32 main param joined, the precision-aware update
 // (ops/adam_precision_math.h: fp32 arithmetic with explicit fused multiply-adds, for F32
@@ -46,7 +48,8 @@ void multi_tensor_adamw_param_remainder(
     std::vector<Tensor>& params, std::vector<Tensor>& remainders, const std::vector<Tensor>& grads,
     std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
     const std::vector<float>& weight_decays, float lr, float beta1, float beta2, float eps,
-    int64_t step, float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys);
+    int64_t step, float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys,
+    const AdamMomentScales& scales = {});
 
 // The same update with its step decided on the device: control is adamw_step_control's
 // (F32 [kAdamControlSize] on the params' device): nothing changes when control[kAdamSkip]
@@ -56,6 +59,7 @@ void multi_tensor_adamw_param_remainder(
     std::vector<Tensor>& params, std::vector<Tensor>& remainders, const std::vector<Tensor>& grads,
     std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
     const std::vector<float>& weight_decays, float beta1, float beta2, float eps,
-    const Tensor& control, const std::vector<MomentRoundingKey>& rounding_keys);
+    const Tensor& control, const std::vector<MomentRoundingKey>& rounding_keys,
+    const AdamMomentScales& scales = {});
 
 }  // namespace megaton::ops

@@ -67,6 +67,21 @@ MEGATON_HOST_DEVICE inline uint32_t param_remainder_join(uint16_t weight, uint16
   return (uint32_t(high) << 16) | remainder;
 }
 
+// The fp32 main param of a (weight, remainder) pair.
+MEGATON_HOST_DEVICE inline float param_remainder_value(uint16_t weight, uint16_t remainder) {
+  return param_remainder_bits_float(param_remainder_join(weight, remainder));
+}
+
+// An updated fp32 main param split into its pair, a NaN as the quiet NaN 0x7FC00000 (see
+// adamw_param_remainder_update).
+MEGATON_HOST_DEVICE inline void param_remainder_store(float p, uint16_t& weight,
+                                                      uint16_t& remainder) {
+  uint32_t bits = param_remainder_float_bits(p);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) bits = 0x7FC00000u;
+  weight = param_remainder_weight(bits);
+  remainder = param_remainder_low(bits);
+}
+
 // One element of AdamW over a (weight, remainder) pair: the fp32 main param rebuilt, the
 // precision-aware update (adamw_precision_update: the same fp32 arithmetic, moments m and
 // v widened to fp32 and updated in place), the result split back. A NaN result is stored
@@ -77,12 +92,9 @@ MEGATON_HOST_DEVICE inline void adamw_param_remainder_update(uint16_t& weight,
                                                              uint16_t& remainder, float grad,
                                                              float& m, float& v, float decay,
                                                              const AdamPrecisionConstants& c) {
-  float p = param_remainder_bits_float(param_remainder_join(weight, remainder));
+  float p = param_remainder_value(weight, remainder);
   adamw_precision_update(p, grad, m, v, decay, c);
-  uint32_t bits = param_remainder_float_bits(p);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) bits = 0x7FC00000u;
-  weight = param_remainder_weight(bits);
-  remainder = param_remainder_low(bits);
+  param_remainder_store(p, weight, remainder);
 }
 
 }  // namespace megaton::ops

@@ -67,12 +67,14 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float beta1, float beta2, float eps, const Tensor& control,
-                        const std::vector<MomentRoundingKey>& rounding_keys) {
+                        const std::vector<MomentRoundingKey>& rounding_keys,
+                        const AdamMomentScales& scales) {
   check_rounding_keys(rounding_keys, params.size(), "multi_tensor_adamw");
   if (params.empty()) return;
-  MEGATON_CUDA_DISPATCH(params[0], cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq,
-                                                            param_copies, weight_decays, beta1,
-                                                            beta2, eps, control, rounding_keys));
+  MEGATON_CUDA_DISPATCH(
+      params[0],
+      cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays,
+                               beta1, beta2, eps, control, rounding_keys, scales));
   MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
                     control.numel() == kAdamControlSize && control.device() == Device::CPU,
                 "multi_tensor_adamw: control must be F32 [{}] on the params' device",
@@ -80,7 +82,8 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   const float* c = control.f32();
   if (c[kAdamSkip] != 0.0f) return;
   multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, c[kAdamLr],
-                     beta1, beta2, eps, int64_t(c[kAdamStep]), c[kAdamGradScale], rounding_keys);
+                     beta1, beta2, eps, int64_t(c[kAdamStep]), c[kAdamGradScale], rounding_keys,
+                     scales);
 }
 
 }  // namespace megaton::ops

@@ -33,33 +33,17 @@ void check_list(const std::vector<Tensor>& list, Device device, const char* op, 
   }
 }
 
-// Below this many elements a parallel region costs more than it saves.
-constexpr int64_t kParallelMin = 1 << 15;
+using cpu_adam::kParallelMin;
 
 // The precision-aware update of one tensor (adam_precision_math.h), the gradient scaled
 // as it is read; the random bits of its moments from `key` at `step`.
-void adamw_precision_tensor(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
-                            float lr, float weight_decay, const AdamPrecisionConstants& c,
-                            const MomentRoundingKey& key, int64_t step) {
-  float* p = param.f32();
-  const cpu_adam::GradRef g(grad);
-  const cpu_adam::MomentRef m(exp_avg), v(exp_avg_sq);
-  const float decay = adam_precision_decay(lr, weight_decay);
-  const int64_t n = param.numel();
-#pragma omp parallel if (n >= kParallelMin)
-  {
-    // One stream per thread: it calls Philox once per four consecutive elements.
-    MomentRoundingStream random(key, uint64_t(step));
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      float pi = p[i], mi = m.load(i), vi = v.load(i);
-      adamw_precision_update(pi, g.load(i), mi, vi, decay, c);
-      const uint32_t bits = random.bits(i);
-      p[i] = pi;
-      m.store(i, mi, bits & 0xFFFFu);
-      v.store(i, vi, bits >> 16);
-    }
-  }
+void adamw_precision_tensor(Tensor& param, const Tensor& grad, const AdamStateRef& exp_avg,
+                            const AdamStateRef& exp_avg_sq, float lr, float weight_decay,
+                            const AdamPrecisionConstants& c, const MomentRoundingKey& key,
+                            int64_t step) {
+  cpu_adam::adamw_state_loop(cpu_adam::F32MainParam{param.f32()}, cpu_adam::GradRef(grad), exp_avg,
+                             exp_avg_sq, param.numel(), adam_precision_decay(lr, weight_decay), c,
+                             key, step);
 }
 
 }  // namespace
@@ -108,6 +92,95 @@ void multi_tensor_scale_(std::vector<Tensor>& tensors, float scale) {
   for (Tensor& t : tensors) scale_(t, scale);
 }
 
+AdamStateKind adam_state_kind(DType dtype, const char* op) {
+  switch (dtype) {
+    case DType::F32:
+      return kStateF32;
+    case DType::BF16:
+      return kStateBF16;
+    case DType::F16:
+      return kStateF16;
+    case DType::F8E4M3:
+      return kStateF8E4M3;
+    default:
+      MEGATON_CHECK(false, "{}: a moment must be F32, BF16, F16 or F8_E4M3, got {}", op,
+                    dtype_name(dtype));
+  }
+  return kStateF32;
+}
+
+void check_moment_scales(const AdamMomentScales& scales, const std::vector<Tensor>& exp_avg,
+                         const std::vector<Tensor>& exp_avg_sq, Device device, const char* op) {
+  const size_t n = exp_avg.size();
+  const bool given = !scales.scale.empty() || !scales.absmax.empty();
+  MEGATON_CHECK(!given || (scales.scale.size() == n && scales.absmax.size() == n),
+                "{}: {} scales and {} absmax entries for {} tensors", op, scales.scale.size(),
+                scales.absmax.size(), n);
+  for (size_t i = 0; i < n; ++i) {
+    const bool scaled = state_kind_scaled(adam_state_kind(exp_avg[i].dtype(), op)) ||
+                        state_kind_scaled(adam_state_kind(exp_avg_sq[i].dtype(), op));
+    MEGATON_CHECK(!scaled || given, "{}: tensor {} has an F16 or F8_E4M3 moment and no scales", op,
+                  i);
+    if (!given) continue;
+    for (const Tensor* t : {&scales.scale[i], &scales.absmax[i]})
+      MEGATON_CHECK(
+          t->defined() && t->dtype() == DType::F32 && t->numel() == 2 && t->device() == device,
+          "{}: scales of tensor {} must be F32 [2] on the lists' device", op, i);
+  }
+}
+
+void multi_tensor_adamw_moment_absmax(const std::vector<Tensor>& grads,
+                                      const std::vector<Tensor>& exp_avg,
+                                      const std::vector<Tensor>& exp_avg_sq,
+                                      const AdamMomentScales& scales, float beta1, float beta2,
+                                      float grad_scale, const Tensor& control) {
+  constexpr const char* kOp = "multi_tensor_adamw_moment_absmax";
+  const size_t n = grads.size();
+  MEGATON_CHECK(exp_avg.size() == n && exp_avg_sq.size() == n,
+                "{}: list lengths differ: grads {}, exp_avg {}, exp_avg_sq {}", kOp, n,
+                exp_avg.size(), exp_avg_sq.size());
+  MEGATON_CHECK(beta1 >= 0.0f && beta1 < 1.0f && beta2 >= 0.0f && beta2 < 1.0f,
+                "{}: betas ({}, {}) must be in [0, 1)", kOp, beta1, beta2);
+  if (n == 0) return;
+  MEGATON_CHECK(grads[0].defined(), "{}: grads[0] is undefined", kOp);
+  const Device device = grads[0].device();
+  check_list(grads, device, kOp, "grads");
+  check_list(exp_avg, device, kOp, "exp_avg");
+  check_list(exp_avg_sq, device, kOp, "exp_avg_sq");
+  for (size_t i = 0; i < n; ++i) {
+    MEGATON_CHECK(grads[i].dtype() == DType::F32 || grads[i].dtype() == DType::BF16,
+                  "{}: grads[{}] must be F32 or BF16, got {}", kOp, i,
+                  dtype_name(grads[i].dtype()));
+    MEGATON_CHECK(
+        exp_avg[i].numel() == grads[i].numel() && exp_avg_sq[i].numel() == grads[i].numel(),
+        "{}: tensor {}: moments of {} and {} elements, grad {}", kOp, i, exp_avg[i].numel(),
+        exp_avg_sq[i].numel(), grads[i].numel());
+  }
+  check_moment_scales(scales, exp_avg, exp_avg_sq, device, kOp);
+  if (control.defined())
+    MEGATON_CHECK(control.dtype() == DType::F32 && control.numel() == kAdamControlSize &&
+                      control.device() == device,
+                  "{}: control must be F32 [{}] on the lists' device", kOp, kAdamControlSize);
+  if (scales.empty()) return;
+  MEGATON_CUDA_DISPATCH(grads[0], cuda::multi_tensor_adamw_moment_absmax(
+                                      grads, exp_avg, exp_avg_sq, scales, beta1, beta2, grad_scale,
+                                      control.defined() ? control.f32() : nullptr));
+  // Step 1 and lr 0 stand in: the pass reads only the betas and the gradient scale.
+  const AdamPrecisionConstants c = adam_precision_constants(
+      0.0f, beta1, beta2, 1e-8f, 1, control.defined() ? control.f32()[kAdamGradScale] : grad_scale);
+  for (size_t i = 0; i < n; ++i) {
+    const AdamStateRef m = cpu_adam::state_ref(exp_avg[i], scales, i, 0);
+    const AdamStateRef v = cpu_adam::state_ref(exp_avg_sq[i], scales, i, 1);
+    if (!state_kind_scaled(m.kind) && !state_kind_scaled(v.kind)) continue;
+    uint32_t m_bits = 0, v_bits = 0;
+    cpu_adam::moment_absmax_loop(cpu_adam::GradRef(grads[i]), m, v, grads[i].numel(), c, m_bits,
+                                 v_bits);
+    float* absmax = scales.absmax[i].f32();
+    if (state_kind_scaled(m.kind)) absmax[0] = std::bit_cast<float>(m_bits);
+    if (state_kind_scaled(v.kind)) absmax[1] = std::bit_cast<float>(v_bits);
+  }
+}
+
 std::vector<MomentRoundingKey> list_order_rounding_keys(size_t n) {
   std::vector<MomentRoundingKey> keys(n);
   for (size_t i = 0; i < n; ++i) keys[i].param_key = uint64_t(i);
@@ -139,7 +212,8 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float lr, float beta1, float beta2, float eps, int64_t step,
-                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys) {
+                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys,
+                        const AdamMomentScales& scales) {
   const size_t n = params.size();
   MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
                     param_copies.size() == n && weight_decays.size() == n,
@@ -153,7 +227,7 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   MEGATON_CUDA_DISPATCH(
       params[0],
       cuda::multi_tensor_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr,
-                               beta1, beta2, eps, step, grad_scale, rounding_keys));
+                               beta1, beta2, eps, step, grad_scale, rounding_keys, scales));
   check_list(params, Device::CPU, op, "params");
   check_list(grads, Device::CPU, op, "grads");
   check_list(exp_avg, Device::CPU, op, "exp_avg");
@@ -166,12 +240,17 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   for (size_t i = 0; i < n; ++i) {
     const Tensor* entries[] = {&params[i], &grads[i], &exp_avg[i], &exp_avg_sq[i]};
     for (const Tensor* t : entries) {
-      // The moments may be BF16 (the precision-aware optimizer), the grads BF16
-      // (--main-grads-dtype bf16, widened as they are read); params are F32.
-      const bool moment_or_grad = t != &params[i];
-      MEGATON_CHECK(t->dtype() == DType::F32 || (moment_or_grad && t->dtype() == DType::BF16),
-                    "{}: tensor {}: {} in a list that must be F32{}", op, i, dtype_name(t->dtype()),
-                    moment_or_grad ? " or BF16" : "");
+      // The grads may be BF16 (--main-grads-dtype bf16, widened as they are read), the
+      // moments BF16, F16 or F8_E4M3 (the precision-aware optimizer); params are F32.
+      const bool grad = t == &grads[i];
+      const bool moment = t == &exp_avg[i] || t == &exp_avg_sq[i];
+      const DType d = t->dtype();
+      MEGATON_CHECK(d == DType::F32 || ((grad || moment) && d == DType::BF16) ||
+                        (moment && (d == DType::F16 || d == DType::F8E4M3)),
+                    "{}: tensor {}: {} in a list that must be F32{}", op, i, dtype_name(d),
+                    moment ? ", BF16, F16 or F8_E4M3"
+                    : grad ? " or BF16"
+                           : "");
       MEGATON_CHECK(t->numel() == params[i].numel(),
                     "{}: tensor {}: {} elements in a list, param has {}", op, i, t->numel(),
                     params[i].numel());
@@ -189,11 +268,13 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                   "{}: param_copies[{}] {} has {} elements, param has {}", op, i,
                   shape_str(copy.shape()), copy.numel(), params[i].numel());
   }
+  check_moment_scales(scales, exp_avg, exp_avg_sq, Device::CPU, op);
   const AdamPrecisionConstants constants =
       adam_precision_constants(lr, beta1, beta2, eps, step, grad_scale);
   for (size_t i = 0; i < n; ++i) {
     if (exp_avg[i].dtype() != DType::F32 || exp_avg_sq[i].dtype() != DType::F32) {
-      adamw_precision_tensor(params[i], grads[i], exp_avg[i], exp_avg_sq[i], lr, weight_decays[i],
+      adamw_precision_tensor(params[i], grads[i], cpu_adam::state_ref(exp_avg[i], scales, i, 0),
+                             cpu_adam::state_ref(exp_avg_sq[i], scales, i, 1), lr, weight_decays[i],
                              constants, rounding_keys[i], step);
       if (param_copies[i].defined()) cast(params[i], param_copies[i]);
       continue;
@@ -214,6 +295,8 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                weight_decays[i], step);
     if (param_copies[i].defined()) cast(params[i], param_copies[i]);
   }
+  // After every update: the loops read the old scales.
+  cpu_adam::commit_moment_scales(exp_avg, exp_avg_sq, scales);
 }
 
 }  // namespace megaton::ops

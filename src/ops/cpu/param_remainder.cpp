@@ -19,8 +19,7 @@
 namespace megaton::ops {
 namespace {
 
-// Below this many elements a parallel region costs more than it saves.
-constexpr int64_t kParallelMin = 1 << 15;
+using cpu_adam::kParallelMin;
 
 const char* device_name(Device d) { return d == Device::CPU ? "CPU" : "GPU"; }
 
@@ -35,10 +34,18 @@ void check_entry(const Tensor& t, DType dtype, int64_t numel, Device device, con
                 i, device_name(t.device()), device_name(device));
 }
 
-// A moment or a main grad: F32 or BF16.
+// A main grad: F32 or BF16.
 void check_f32_or_bf16(const Tensor& t, int64_t numel, Device device, const char* op,
                        const char* name, size_t i) {
   check_entry(t, t.dtype() == DType::BF16 ? DType::BF16 : DType::F32, numel, device, op, name, i);
+}
+
+// A moment: F32, BF16, F16 or F8_E4M3 (the last two scaled).
+void check_moment(const Tensor& t, int64_t numel, Device device, const char* op, const char* name,
+                  size_t i) {
+  const DType d = t.defined() ? t.dtype() : DType::F32;
+  const bool known = d == DType::BF16 || d == DType::F16 || d == DType::F8E4M3 || d == DType::F32;
+  check_entry(t, known ? d : DType::F32, numel, device, op, name, i);
 }
 
 // multi_tensor_adamw_param_remainder's checks (both overloads, both devices).
@@ -46,8 +53,8 @@ void check_remainder_lists(const std::vector<Tensor>& params, const std::vector<
                            const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avg,
                            const std::vector<Tensor>& exp_avg_sq,
                            const std::vector<float>& weight_decays,
-                           const std::vector<MomentRoundingKey>& rounding_keys, float beta1,
-                           float beta2) {
+                           const std::vector<MomentRoundingKey>& rounding_keys,
+                           const AdamMomentScales& scales, float beta1, float beta2) {
   constexpr const char* kOp = "multi_tensor_adamw_param_remainder";
   const size_t n = params.size();
   MEGATON_CHECK(remainders.size() == n && grads.size() == n && exp_avg.size() == n &&
@@ -69,37 +76,10 @@ void check_remainder_lists(const std::vector<Tensor>& params, const std::vector<
     check_entry(remainders[i], DType::I16, numel, device, kOp, "remainders", i);
     // BF16 grads: --main-grads-dtype bf16, widened to fp32 as they are read.
     check_f32_or_bf16(grads[i], numel, device, kOp, "grads", i);
-    check_f32_or_bf16(exp_avg[i], numel, device, kOp, "exp_avg", i);
-    check_f32_or_bf16(exp_avg_sq[i], numel, device, kOp, "exp_avg_sq", i);
+    check_moment(exp_avg[i], numel, device, kOp, "exp_avg", i);
+    check_moment(exp_avg_sq[i], numel, device, kOp, "exp_avg_sq", i);
   }
-}
-
-void adamw_param_remainder_tensor(Tensor& param, Tensor& remainder, const Tensor& grad,
-                                  Tensor& exp_avg, Tensor& exp_avg_sq, float lr,
-                                  float weight_decay, const AdamPrecisionConstants& c,
-                                  const MomentRoundingKey& key, int64_t step) {
-  auto* w = static_cast<uint16_t*>(param.raw());
-  auto* r = static_cast<uint16_t*>(remainder.raw());
-  const cpu_adam::GradRef g(grad);
-  const cpu_adam::MomentRef m(exp_avg), v(exp_avg_sq);
-  const float decay = adam_precision_decay(lr, weight_decay);
-  const int64_t n = param.numel();
-#pragma omp parallel if (n >= kParallelMin)
-  {
-    // One stream per thread: one Philox call per four consecutive elements.
-    MomentRoundingStream random(key, uint64_t(step));
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t wi = w[i], ri = r[i];
-      float mi = m.load(i), vi = v.load(i);
-      adamw_param_remainder_update(wi, ri, g.load(i), mi, vi, decay, c);
-      const uint32_t bits = random.bits(i);
-      w[i] = wi;
-      r[i] = ri;
-      m.store(i, mi, bits & 0xFFFFu);
-      v.store(i, vi, bits >> 16);
-    }
-  }
+  check_moment_scales(scales, exp_avg, exp_avg_sq, device, kOp);
 }
 
 }  // namespace
@@ -140,31 +120,39 @@ void multi_tensor_adamw_param_remainder(
     std::vector<Tensor>& params, std::vector<Tensor>& remainders, const std::vector<Tensor>& grads,
     std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
     const std::vector<float>& weight_decays, float lr, float beta1, float beta2, float eps,
-    int64_t step, float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys) {
+    int64_t step, float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys,
+    const AdamMomentScales& scales) {
   constexpr const char* kOp = "multi_tensor_adamw_param_remainder";
   check_remainder_lists(params, remainders, grads, exp_avg, exp_avg_sq, weight_decays,
-                        rounding_keys, beta1, beta2);
+                        rounding_keys, scales, beta1, beta2);
   MEGATON_CHECK(step >= 1, "{}: step {} must be >= 1 (1-based)", kOp, step);
   MEGATON_CHECK(std::isfinite(grad_scale), "{}: grad_scale {} must be finite", kOp, grad_scale);
   if (params.empty()) return;
-  MEGATON_CUDA_DISPATCH(params[0], cuda::multi_tensor_adamw_param_remainder(
-                                       params, remainders, grads, exp_avg, exp_avg_sq,
-                                       weight_decays, lr, beta1, beta2, eps, step, grad_scale,
-                                       nullptr, rounding_keys));
+  MEGATON_CUDA_DISPATCH(
+      params[0], cuda::multi_tensor_adamw_param_remainder(
+                     params, remainders, grads, exp_avg, exp_avg_sq, weight_decays, lr, beta1,
+                     beta2, eps, step, grad_scale, nullptr, rounding_keys, scales));
   const AdamPrecisionConstants constants =
       adam_precision_constants(lr, beta1, beta2, eps, step, grad_scale);
-  for (size_t i = 0; i < params.size(); ++i)
-    adamw_param_remainder_tensor(params[i], remainders[i], grads[i], exp_avg[i], exp_avg_sq[i], lr,
-                                 weight_decays[i], constants, rounding_keys[i], step);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const cpu_adam::RemainderMainParam main{static_cast<uint16_t*>(params[i].raw()),
+                                            static_cast<uint16_t*>(remainders[i].raw())};
+    cpu_adam::adamw_state_loop(
+        main, cpu_adam::GradRef(grads[i]), cpu_adam::state_ref(exp_avg[i], scales, i, 0),
+        cpu_adam::state_ref(exp_avg_sq[i], scales, i, 1), params[i].numel(),
+        adam_precision_decay(lr, weight_decays[i]), constants, rounding_keys[i], step);
+  }
+  cpu_adam::commit_moment_scales(exp_avg, exp_avg_sq, scales);
 }
 
 void multi_tensor_adamw_param_remainder(
     std::vector<Tensor>& params, std::vector<Tensor>& remainders, const std::vector<Tensor>& grads,
     std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
     const std::vector<float>& weight_decays, float beta1, float beta2, float eps,
-    const Tensor& control, const std::vector<MomentRoundingKey>& rounding_keys) {
+    const Tensor& control, const std::vector<MomentRoundingKey>& rounding_keys,
+    const AdamMomentScales& scales) {
   check_remainder_lists(params, remainders, grads, exp_avg, exp_avg_sq, weight_decays,
-                        rounding_keys, beta1, beta2);
+                        rounding_keys, scales, beta1, beta2);
   if (params.empty()) return;
   MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
                     control.numel() == kAdamControlSize && control.device() == params[0].device(),
@@ -172,15 +160,15 @@ void multi_tensor_adamw_param_remainder(
                 "device",
                 kAdamControlSize);
   // Step 1, lr 0 and scale 1 stand in for the host scalars; the kernel reads control's.
-  MEGATON_CUDA_DISPATCH(params[0], cuda::multi_tensor_adamw_param_remainder(
-                                       params, remainders, grads, exp_avg, exp_avg_sq,
-                                       weight_decays, 0.0f, beta1, beta2, eps, 1, 1.0f,
-                                       control.f32(), rounding_keys));
+  MEGATON_CUDA_DISPATCH(
+      params[0], cuda::multi_tensor_adamw_param_remainder(
+                     params, remainders, grads, exp_avg, exp_avg_sq, weight_decays, 0.0f, beta1,
+                     beta2, eps, 1, 1.0f, control.f32(), rounding_keys, scales));
   const float* c = control.f32();
   if (c[kAdamSkip] != 0.0f) return;
   multi_tensor_adamw_param_remainder(params, remainders, grads, exp_avg, exp_avg_sq, weight_decays,
                                      c[kAdamLr], beta1, beta2, eps, int64_t(c[kAdamStep]),
-                                     c[kAdamGradScale], rounding_keys);
+                                     c[kAdamGradScale], rounding_keys, scales);
 }
 
 }  // namespace megaton::ops

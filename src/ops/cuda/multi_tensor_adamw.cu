@@ -17,6 +17,7 @@
 #include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
 #include "ops/cuda/adam_grad_load.cuh"
+#include "ops/cuda/adam_state_chunk.cuh"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/multi_tensor_adamw.h"
 #include "ops/cuda/multi_tensor_launch.cuh"
@@ -47,9 +48,9 @@ __device__ __forceinline__ float adamw_decay(float lr, float weight_decay) {
 // Kinds of param copy (param_copies[i]).
 enum CopyKind : uint8_t { kNoCopy = 0, kCopyF32 = 1, kCopyBF16 = 2, kCopyF16 = 3 };
 
-// Dtypes of a tensor's two moments (the precision-aware optimizer stores them in BF16):
-// bit 0 set: exp_avg is BF16, bit 1 set: exp_avg_sq is BF16; 0: both F32 (the fp32-state
-// update, adamw_update), otherwise the update of ops/adam_precision_math.h.
+// The packed kernels' dispatch on a tensor's two unscaled moments: bit 0 set: exp_avg is
+// BF16, bit 1 set: exp_avg_sq is BF16 (0, both F32, never reaches the precision launches).
+// Tensors with an F16 or F8E4M3 moment take adamw_state_chunk (adam_state_chunk.cuh).
 enum MomentKind : uint8_t { kMomentsF32 = 0, kExpAvgBF16 = 1, kExpAvgSqBF16 = 2 };
 
 // Tensors per launch: 60 bytes each.
@@ -75,21 +76,25 @@ struct AdamWLaunch {
 static_assert(sizeof(AdamWLaunch) + sizeof(AdamWConstants) + sizeof(float*) <=
               kMaxKernelParamBytes);
 
-// The precision-aware launches: AdamWLaunch's fields with the moments' dtypes and the
-// rounding keys (ops/adam_precision_math.h). Tensors per launch: 101 bytes each.
+// The precision-aware launches: AdamWLaunch's fields with the moments' kinds, the
+// rounding keys (ops/adam_precision_math.h) and the scale slots of scaled moments
+// (ops/adam_scaled_state_math.h). Tensors per launch: 118 bytes each.
 constexpr int kAdamWPrecisionTensors = 32;
 struct AdamWPrecisionLaunch {
   float* param[kAdamWPrecisionTensors];
   const void* grad[kAdamWPrecisionTensors];  // float*, or __nv_bfloat16* (grad_bf16)
-  void* exp_avg[kAdamWPrecisionTensors];     // float*, or __nv_bfloat16* (moment_kind)
-  void* exp_avg_sq[kAdamWPrecisionTensors];  // float*, or __nv_bfloat16* (moment_kind)
+  void* exp_avg[kAdamWPrecisionTensors];     // as exp_avg_kind says (AdamStateKind)
+  void* exp_avg_sq[kAdamWPrecisionTensors];  // as exp_avg_sq_kind says
   void* copy[kAdamWPrecisionTensors];
   int64_t numel[kAdamWPrecisionTensors];
   MomentRoundingKey rounding_key[kAdamWPrecisionTensors];
   uint32_t first_chunk[kAdamWPrecisionTensors + 1];
   float weight_decay[kAdamWPrecisionTensors];
   uint8_t copy_kind[kAdamWPrecisionTensors];
-  uint8_t moment_kind[kAdamWPrecisionTensors];  // not kMomentsF32
+  float* scale[kAdamWPrecisionTensors];         // F32 [2] or null (AdamMomentScales)
+  const float* absmax[kAdamWPrecisionTensors];  // F32 [2] or null
+  uint8_t exp_avg_kind[kAdamWPrecisionTensors];
+  uint8_t exp_avg_sq_kind[kAdamWPrecisionTensors];
   uint8_t grad_bf16[kAdamWPrecisionTensors];
   // param, grad and both moments aligned for 4-element packs (16 bytes F32, 8 bytes BF16).
   uint8_t vectorized[kAdamWPrecisionTensors];
@@ -112,8 +117,6 @@ __device__ __forceinline__ void adamw_update(float& p, float grad, float& m, flo
   v = c.beta2 * v + (1.0f - c.beta2) * g * g;
   p = p * decay - c.step_size * m / (sqrtf(v) * c.inv_sqrt_bc2 + c.eps);
 }
-
-struct NoCopy {};
 
 // Elements [begin, end) of one tensor; Copy = float, __nv_bfloat16, __half or NoCopy.
 template <typename Copy>
@@ -317,8 +320,38 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
   const bool vectorized = launch.vectorized[t], copy_vectorized = launch.copy_vectorized[t];
   const float decay = adamw_decay(lr, launch.weight_decay[t]);
-  const uint8_t moments = launch.moment_kind[t];
+  const uint8_t m_kind = launch.exp_avg_kind[t], v_kind = launch.exp_avg_sq_kind[t];
   MomentRoundingStream random(launch.rounding_key[t], step);
+  if (state_kind_scaled(m_kind) || state_kind_scaled(v_kind)) {
+    const AdamStateRef m =
+        device_state_ref(launch.exp_avg[t], m_kind, launch.scale[t], launch.absmax[t], 0);
+    const AdamStateRef v =
+        device_state_ref(launch.exp_avg_sq[t], v_kind, launch.scale[t], launch.absmax[t], 1);
+    float* param = launch.param[t];
+    void* copy = launch.copy[t];
+    const void* grad = launch.grad[t];
+    const bool grad_bf16 = launch.grad_bf16[t];
+    switch (launch.copy_kind[t]) {
+      case kCopyF32:
+        adamw_state_chunk(F32MainParam<float>{param, copy}, grad, grad_bf16, m, v, begin, end,
+                          decay, pc, random);
+        break;
+      case kCopyBF16:
+        adamw_state_chunk(F32MainParam<__nv_bfloat16>{param, copy}, grad, grad_bf16, m, v, begin,
+                          end, decay, pc, random);
+        break;
+      case kCopyF16:
+        adamw_state_chunk(F32MainParam<__half>{param, copy}, grad, grad_bf16, m, v, begin, end,
+                          decay, pc, random);
+        break;
+      default:
+        adamw_state_chunk(F32MainParam<NoCopy>{param, nullptr}, grad, grad_bf16, m, v, begin, end,
+                          decay, pc, random);
+    }
+    return;
+  }
+  const uint8_t moments =
+      uint8_t((m_kind == kStateBF16 ? kExpAvgBF16 : 0) | (v_kind == kStateBF16 ? kExpAvgSqBF16 : 0));
   switch (launch.copy_kind[t]) {
     case kCopyF32:
       adamw_precision_dispatch<float>(moments, launch.param[t], launch.grad[t], launch.grad_bf16[t], launch.exp_avg[t],
@@ -342,24 +375,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The fields both launch kinds share for list tensor i at slot k of `meta`: the param,
-// its gradient (with its dtype), size, first chunk, weight decay, moments (as `Moment` pointers) and the
-// compute copy with its kind and alignment. vectorized is left to the caller (it depends
-// on the moments' dtypes).
-template <typename Launch, typename Moment>
-void fill_launch_slot(Launch& meta, size_t k, size_t i, const LaunchBatch& batch,
-                      std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                      std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
-                      const std::vector<Tensor>& param_copies,
-                      const std::vector<float>& weight_decays, int64_t numel) {
+// The param and its compute copy (kind, alignment) of list tensor i at slot k of `meta`
+// (both launch kinds).
+template <typename Launch>
+void fill_param_slot(Launch& meta, size_t k, size_t i, std::vector<Tensor>& params,
+                     const std::vector<Tensor>& param_copies) {
   meta.param[k] = params[i].f32();
-  meta.grad[k] = grads[i].raw();
-  meta.grad_bf16[k] = grads[i].dtype() == DType::BF16;
-  meta.exp_avg[k] = static_cast<Moment*>(exp_avg[i].raw());
-  meta.exp_avg_sq[k] = static_cast<Moment*>(exp_avg_sq[i].raw());
-  meta.numel[k] = numel;
-  meta.first_chunk[k] = batch.first_chunk[k];
-  meta.weight_decay[k] = weight_decays[i];
   const Tensor& copy = param_copies[i];
   if (copy.defined()) {
     meta.copy[k] = copy.raw();
@@ -377,7 +398,8 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                   std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                   std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                   float lr, float beta1, float beta2, float eps, int64_t step, float grad_scale,
-                  const float* control, const std::vector<MomentRoundingKey>& rounding_keys) {
+                  const float* control, const std::vector<MomentRoundingKey>& rounding_keys,
+                  const AdamMomentScales& scales) {
   constexpr const char* kOp = "multi_tensor_adamw";
   const size_t n = params.size();
   MEGATON_CHECK(grads.size() == n && exp_avg.size() == n && exp_avg_sq.size() == n &&
@@ -398,9 +420,10 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
     check_listed(params[i], kOp, "params", i, Listed::kF32);
     // BF16 grads: --main-grads-dtype bf16, widened as the kernels read them.
     check_listed(grads[i], kOp, "grads", i, Listed::kF32OrBF16);
-    // BF16 moments: the precision-aware optimizer (ops/adam_precision_math.h).
-    check_listed(exp_avg[i], kOp, "exp_avg", i, Listed::kF32OrBF16);
-    check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, Listed::kF32OrBF16);
+    // BF16, F16 and F8E4M3 moments: the precision-aware optimizer
+    // (ops/adam_precision_math.h, ops/adam_scaled_state_math.h).
+    check_listed(exp_avg[i], kOp, "exp_avg", i, Listed::kAdamMoment);
+    check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, Listed::kAdamMoment);
     const int64_t numel = params[i].numel();
     const Tensor* entries[] = {&grads[i], &exp_avg[i], &exp_avg_sq[i]};
     for (const Tensor* t : entries)
@@ -416,6 +439,7 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
         exp_avg[i].dtype() == DType::F32 && exp_avg_sq[i].dtype() == DType::F32;
     (f32_moments ? numels_f32 : numels_precision)[i] = numel;
   }
+  check_moment_scales(scales, exp_avg, exp_avg_sq, Device::CUDA, kOp);
   // The single-tensor op (adam.cu) calls this function, so both get these bits.
   // By squaring, not pow: adamw_step_control computes the same bits on the device.
   const double bias_correction1 = 1.0 - power_by_squaring(double(beta1), step);
@@ -430,8 +454,14 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
     meta.num_tensors = int32_t(batch.tensors.size());
     for (size_t k = 0; k < batch.tensors.size(); ++k) {
       const size_t i = batch.tensors[k];
-      fill_launch_slot<AdamWLaunch, float>(meta, k, i, batch, params, grads, exp_avg, exp_avg_sq,
-                                           param_copies, weight_decays, numels_f32[i]);
+      fill_param_slot(meta, k, i, params, param_copies);
+      meta.grad[k] = grads[i].raw();
+      meta.grad_bf16[k] = grads[i].dtype() == DType::BF16;
+      meta.exp_avg[k] = exp_avg[i].f32();
+      meta.exp_avg_sq[k] = exp_avg_sq[i].f32();
+      meta.numel[k] = numels_f32[i];
+      meta.first_chunk[k] = batch.first_chunk[k];
+      meta.weight_decay[k] = weight_decays[i];
       meta.vectorized[k] = is_aligned(meta.param[k], 16) &&
                            detail::main_grad_pack_aligned(meta.grad[k], meta.grad_bf16[k]) &&
                            is_aligned(meta.exp_avg[k], 16) && is_aligned(meta.exp_avg_sq[k], 16);
@@ -448,13 +478,11 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
     meta.num_tensors = int32_t(batch.tensors.size());
     for (size_t k = 0; k < batch.tensors.size(); ++k) {
       const size_t i = batch.tensors[k];
-      fill_launch_slot<AdamWPrecisionLaunch, void>(meta, k, i, batch, params, grads, exp_avg,
-                                                   exp_avg_sq, param_copies, weight_decays,
-                                                   numels_precision[i]);
+      fill_param_slot(meta, k, i, params, param_copies);
+      fill_state_slot(meta, k, i, batch, grads, exp_avg, exp_avg_sq, weight_decays, rounding_keys,
+                      scales, numels_precision[i]);
       const bool m_bf16 = exp_avg[i].dtype() == DType::BF16;
       const bool v_bf16 = exp_avg_sq[i].dtype() == DType::BF16;
-      meta.moment_kind[k] = uint8_t((m_bf16 ? kExpAvgBF16 : 0) | (v_bf16 ? kExpAvgSqBF16 : 0));
-      meta.rounding_key[k] = rounding_keys[i];
       meta.vectorized[k] = is_aligned(meta.param[k], 16) &&
                            detail::main_grad_pack_aligned(meta.grad[k], meta.grad_bf16[k]) &&
                            is_aligned(meta.exp_avg[k], m_bf16 ? 8 : 16) &&
@@ -464,7 +492,86 @@ void launch_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
     adamw_precision_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(
         meta, precision, lr, uint64_t(step), control);
     MEGATON_CUDA_CHECK_LAUNCH();
+    commit_scales(meta, control);
   }
+}
+
+// ---- the absmax pass of scaled moments (multi_tensor_adamw_moment_absmax) ----
+
+constexpr int kAbsmaxTensors = 48;
+struct AbsmaxLaunch {
+  const void* grad[kAbsmaxTensors];
+  void* exp_avg[kAbsmaxTensors];
+  void* exp_avg_sq[kAbsmaxTensors];
+  const float* scale[kAbsmaxTensors];
+  float* absmax[kAbsmaxTensors];
+  int64_t numel[kAbsmaxTensors];
+  uint32_t first_chunk[kAbsmaxTensors + 1];
+  uint8_t exp_avg_kind[kAbsmaxTensors];
+  uint8_t exp_avg_sq_kind[kAbsmaxTensors];
+  uint8_t grad_bf16[kAbsmaxTensors];
+  int32_t num_tensors;
+};
+static_assert(sizeof(AbsmaxLaunch) + sizeof(AdamPrecisionConstants) + sizeof(float*) <=
+              kMaxKernelParamBytes);
+
+__global__ void zero_absmax_kernel(const __grid_constant__ AbsmaxLaunch launch) {
+  const int t = int(threadIdx.x);
+  if (t >= launch.num_tensors) return;
+  if (state_kind_scaled(launch.exp_avg_kind[t])) launch.absmax[t][0] = 0.0f;
+  if (state_kind_scaled(launch.exp_avg_sq_kind[t])) launch.absmax[t][1] = 0.0f;
+}
+
+// Each block: the new moments of its chunk (adamw_precision_moments, the update's bits),
+// the max of |x|'s bits over the block, one atomicMax per scaled moment. Max is order
+// independent, so the result is the CPU's whatever the schedule.
+__global__ void __launch_bounds__(kThreads)
+    moment_absmax_chunks(const __grid_constant__ AbsmaxLaunch launch,
+                         const AdamPrecisionConstants host_constants, const float* control) {
+  AdamPrecisionConstants c = host_constants;
+  if (control != nullptr) c.grad_scale = control[kAdamGradScale];
+  const int t = tensor_of_block(launch.first_chunk, launch.num_tensors);
+  const int64_t begin = int64_t(blockIdx.x - launch.first_chunk[t]) * kElementwiseChunk;
+  const int64_t end = std::min(launch.numel[t], begin + kElementwiseChunk);
+  const uint8_t m_kind = launch.exp_avg_kind[t], v_kind = launch.exp_avg_sq_kind[t];
+  AdamStateRef m, v;
+  m.data = launch.exp_avg[t];
+  m.kind = m_kind;
+  if (state_kind_scaled(m_kind)) m.scale = launch.scale[t][0];
+  v.data = launch.exp_avg_sq[t];
+  v.kind = v_kind;
+  if (state_kind_scaled(v_kind)) v.scale = launch.scale[t][1];
+  const void* grad = launch.grad[t];
+  const bool grad_bf16 = launch.grad_bf16[t];
+  uint32_t m_max = 0, v_max = 0;
+  for (int64_t j = begin + int64_t(threadIdx.x); j < end; j += kThreads) {
+    float mj = m.load(j), vj = v.load(j);
+    adamw_precision_moments(detail::load_main_grad(grad, grad_bf16, j), mj, vj, c);
+    m_max = max(m_max, absmax_bits(mj));
+    v_max = max(v_max, absmax_bits(vj));
+  }
+  __shared__ uint32_t warp_max[2][kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    m_max = max(m_max, __shfl_xor_sync(0xffffffffu, m_max, offset));
+    v_max = max(v_max, __shfl_xor_sync(0xffffffffu, v_max, offset));
+  }
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  if (lane == 0) {
+    warp_max[0][warp] = m_max;
+    warp_max[1][warp] = v_max;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kThreads / 32; ++w) {
+    m_max = max(m_max, warp_max[0][w]);
+    v_max = max(v_max, warp_max[1][w]);
+  }
+  // Non-negative floats order as their bits: an unsigned max on the bits is the float max.
+  if (state_kind_scaled(m_kind))
+    atomicMax(reinterpret_cast<unsigned int*>(launch.absmax[t]), m_max);
+  if (state_kind_scaled(v_kind))
+    atomicMax(reinterpret_cast<unsigned int*>(launch.absmax[t]) + 1, v_max);
 }
 
 // control's checks (the device-step overloads).
@@ -481,16 +588,17 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         float lr, float beta1, float beta2, float eps, int64_t step,
                         float grad_scale) {
   launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
-               eps, step, grad_scale, nullptr, list_order_rounding_keys(params.size()));
+               eps, step, grad_scale, nullptr, list_order_rounding_keys(params.size()), {});
 }
 
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float lr, float beta1, float beta2, float eps, int64_t step,
-                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys) {
+                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys,
+                        const AdamMomentScales& scales) {
   launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, lr, beta1, beta2,
-               eps, step, grad_scale, nullptr, rounding_keys);
+               eps, step, grad_scale, nullptr, rounding_keys, scales);
 }
 
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
@@ -500,17 +608,64 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
   check_control(control);
   // Step 1, scale 1 and lr 0 pass the host checks; the kernels take the device's values.
   launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, 0.0f, beta1, beta2,
-               eps, 1, 1.0f, control.f32(), list_order_rounding_keys(params.size()));
+               eps, 1, 1.0f, control.f32(), list_order_rounding_keys(params.size()), {});
 }
 
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float beta1, float beta2, float eps, const Tensor& control,
-                        const std::vector<MomentRoundingKey>& rounding_keys) {
+                        const std::vector<MomentRoundingKey>& rounding_keys,
+                        const AdamMomentScales& scales) {
   check_control(control);
   launch_adamw(params, grads, exp_avg, exp_avg_sq, param_copies, weight_decays, 0.0f, beta1, beta2,
-               eps, 1, 1.0f, control.f32(), rounding_keys);
+               eps, 1, 1.0f, control.f32(), rounding_keys, scales);
+}
+
+void multi_tensor_adamw_moment_absmax(const std::vector<Tensor>& grads,
+                                      const std::vector<Tensor>& exp_avg,
+                                      const std::vector<Tensor>& exp_avg_sq,
+                                      const AdamMomentScales& scales, float beta1, float beta2,
+                                      float grad_scale, const float* control) {
+  constexpr const char* kOp = "multi_tensor_adamw_moment_absmax";
+  const size_t n = grads.size();
+  std::vector<int64_t> numels(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    check_listed(grads[i], kOp, "grads", i, Listed::kF32OrBF16);
+    check_listed(exp_avg[i], kOp, "exp_avg", i, Listed::kAdamMoment);
+    check_listed(exp_avg_sq[i], kOp, "exp_avg_sq", i, Listed::kAdamMoment);
+    const bool scaled = state_kind_scaled(adam_state_kind(exp_avg[i].dtype(), kOp)) ||
+                        state_kind_scaled(adam_state_kind(exp_avg_sq[i].dtype(), kOp));
+    if (scaled) numels[i] = grads[i].numel();
+  }
+  // Step 1 and lr 0 stand in: the pass reads only the betas and the gradient scale.
+  const AdamPrecisionConstants c =
+      adam_precision_constants(0.0f, beta1, beta2, 1e-8f, 1, grad_scale);
+  cudaStream_t stream = compute_stream();
+  for (const LaunchBatch& batch :
+       plan_launches(numels, kElementwiseChunk, kAbsmaxTensors, kOp)) {
+    AbsmaxLaunch meta{};
+    meta.num_tensors = int32_t(batch.tensors.size());
+    for (size_t k = 0; k < batch.tensors.size(); ++k) {
+      const size_t i = batch.tensors[k];
+      meta.grad[k] = grads[i].raw();
+      meta.grad_bf16[k] = grads[i].dtype() == DType::BF16;
+      meta.exp_avg[k] = exp_avg[i].raw();
+      meta.exp_avg_sq[k] = exp_avg_sq[i].raw();
+      meta.exp_avg_kind[k] = adam_state_kind(exp_avg[i].dtype(), kOp);
+      meta.exp_avg_sq_kind[k] = adam_state_kind(exp_avg_sq[i].dtype(), kOp);
+      meta.scale[k] = scales.scale[i].f32();
+      meta.absmax[k] = scales.absmax[i].f32();
+      meta.numel[k] = numels[i];
+      meta.first_chunk[k] = batch.first_chunk[k];
+    }
+    meta.first_chunk[batch.tensors.size()] = batch.first_chunk.back();
+    // The slots start at 0 (|x| >= +0 as bits), then every block's atomicMax.
+    zero_absmax_kernel<<<1, kAbsmaxTensors, 0, stream>>>(meta);
+    MEGATON_CUDA_CHECK_LAUNCH();
+    moment_absmax_chunks<<<batch.first_chunk.back(), kThreads, 0, stream>>>(meta, c, control);
+    MEGATON_CUDA_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace megaton::ops::cuda

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
 
 namespace megaton::ops::cuda {
@@ -13,12 +14,21 @@ void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& 
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float lr, float beta1, float beta2, float eps, int64_t step,
-                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys);
+                        float grad_scale, const std::vector<MomentRoundingKey>& rounding_keys,
+                        const AdamMomentScales& scales);
 void multi_tensor_adamw(std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                         std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
                         std::vector<Tensor>& param_copies, const std::vector<float>& weight_decays,
                         float beta1, float beta2, float eps, const Tensor& control,
-                        const std::vector<MomentRoundingKey>& rounding_keys);
+                        const std::vector<MomentRoundingKey>& rounding_keys,
+                        const AdamMomentScales& scales);
+// ops/adam_precision.h's multi_tensor_adamw_moment_absmax (checked by its door); control:
+// null or adamw_step_control's on the GPU.
+void multi_tensor_adamw_moment_absmax(const std::vector<Tensor>& grads,
+                                      const std::vector<Tensor>& exp_avg,
+                                      const std::vector<Tensor>& exp_avg_sq,
+                                      const AdamMomentScales& scales, float beta1, float beta2,
+                                      float grad_scale, const float* control);
 
 // ops/param_remainder.h's ops; their doors (ops/cpu/param_remainder.cpp) check every
 // argument. control: null (the host scalars lr, step, grad_scale) or adamw_step_control's
@@ -30,6 +40,6 @@ void multi_tensor_adamw_param_remainder(
     std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
     const std::vector<float>& weight_decays, float lr, float beta1, float beta2, float eps,
     int64_t step, float grad_scale, const float* control,
-    const std::vector<MomentRoundingKey>& rounding_keys);
+    const std::vector<MomentRoundingKey>& rounding_keys, const AdamMomentScales& scales);
 
 }  // namespace megaton::ops::cuda

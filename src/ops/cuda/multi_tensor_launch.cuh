@@ -74,10 +74,10 @@ std::vector<LaunchBatch> plan_launches(const std::vector<int64_t>& numels, int64
 
 // The dtypes a list's entries may have.
 enum class Listed : uint8_t {
-  kF32,        // main params, main grads
-  kF32OrBF16,  // AdamW moments (BF16: the precision-aware optimizer), main grads read by
-               // AdamW (BF16: --main-grads-dtype bf16)
+  kF32,        // main params
+  kF32OrBF16,  // main grads read by AdamW (BF16: --main-grads-dtype bf16)
   kFloat,      // F32, BF16 or F16: the compute weights
+  kAdamMoment, // F32, BF16, F16 or F8E4M3: AdamW moments (the precision-aware optimizer)
 };
 
 void check_listed(const Tensor& t, const char* op, const char* list, size_t i, Listed allowed) {
@@ -86,11 +86,13 @@ void check_listed(const Tensor& t, const char* op, const char* list, size_t i, L
                 list, i);
   const DType d = t.dtype();
   const bool ok = d == DType::F32 || (allowed != Listed::kF32 && d == DType::BF16) ||
-                  (allowed == Listed::kFloat && d == DType::F16);
+                  (allowed == Listed::kFloat && d == DType::F16) ||
+                  (allowed == Listed::kAdamMoment && (d == DType::F16 || d == DType::F8E4M3));
   MEGATON_CHECK(ok, "{}: {}[{}] must be {}, got {}", op, list, i,
                 allowed == Listed::kF32         ? "F32"
                 : allowed == Listed::kF32OrBF16 ? "F32 or BF16"
-                                                : "F32, BF16 or F16",
+                : allowed == Listed::kFloat     ? "F32, BF16 or F16"
+                                                : "F32, BF16, F16 or F8_E4M3",
                 dtype_name(d));
 }
 

@@ -11,6 +11,7 @@
 #include "core/cuda/cuda_check.h"
 #include "ops/adam_precision_math.h"
 #include "ops/cuda/adam_grad_load.cuh"
+#include "ops/cuda/adam_state_chunk.cuh"
 #include "ops/cuda/multi_tensor_adamw.h"
 #include "ops/cuda/multi_tensor_launch.cuh"
 #include "ops/param_remainder_math.h"
@@ -39,22 +40,27 @@ __global__ void join_kernel(const uint16_t* weight, const uint16_t* remainder, f
 
 // ---- AdamW over (weight, remainder) pairs ----
 
-// Dtypes of a tensor's moments: bit 0 set, exp_avg is BF16; bit 1 set, exp_avg_sq is BF16.
+// The packed chunks' dispatch on two unscaled moments: bit 0 set, exp_avg is BF16; bit 1
+// set, exp_avg_sq is BF16. Tensors with an F16 or F8E4M3 moment take adamw_state_chunk.
 enum RemainderMoments : uint8_t { kMomentsF32 = 0, kExpAvgBF16 = 1, kExpAvgSqBF16 = 2 };
 
-// Tensors per launch: 99 bytes each (the rounding keys take 40).
+// Tensors per launch: 116 bytes each (the rounding keys take 40). The fields from grad on
+// are fill_state_slot's (adam_state_chunk.cuh).
 constexpr int kRemainderTensors = 32;
 struct AdamWRemainderLaunch {
   uint16_t* weight[kRemainderTensors];     // BF16 bits
   uint16_t* remainder[kRemainderTensors];  // I16
   const void* grad[kRemainderTensors];     // float*, or __nv_bfloat16* (grad_bf16)
-  void* exp_avg[kRemainderTensors];        // float*, or uint16_t* (BF16 bits, moment_kind)
-  void* exp_avg_sq[kRemainderTensors];     // float*, or uint16_t* (BF16 bits, moment_kind)
+  void* exp_avg[kRemainderTensors];        // as exp_avg_kind says (AdamStateKind)
+  void* exp_avg_sq[kRemainderTensors];     // as exp_avg_sq_kind says
   int64_t numel[kRemainderTensors];
   MomentRoundingKey rounding_key[kRemainderTensors];
   uint32_t first_chunk[kRemainderTensors + 1];
   float weight_decay[kRemainderTensors];
-  uint8_t moment_kind[kRemainderTensors];
+  float* scale[kRemainderTensors];         // F32 [2] or null (AdamMomentScales)
+  const float* absmax[kRemainderTensors];  // F32 [2] or null
+  uint8_t exp_avg_kind[kRemainderTensors];
+  uint8_t exp_avg_sq_kind[kRemainderTensors];
   uint8_t grad_bf16[kRemainderTensors];
   // weight and remainder 8-byte aligned, grad 16 (F32) or 8 (BF16), the moments 16 (F32) or 8 (BF16): the
   // update runs on packs of four, otherwise element by element (the same bits).
@@ -153,7 +159,16 @@ __global__ void __launch_bounds__(kThreads)
   const bool g_bf16 = launch.grad_bf16[t];
   void* m = launch.exp_avg[t];
   void* v = launch.exp_avg_sq[t];
-  switch (launch.moment_kind[t]) {
+  const uint8_t m_kind = launch.exp_avg_kind[t], v_kind = launch.exp_avg_sq_kind[t];
+  if (state_kind_scaled(m_kind) || state_kind_scaled(v_kind)) {
+    adamw_state_chunk(RemainderMainParam{w, r}, g, g_bf16,
+                      device_state_ref(m, m_kind, launch.scale[t], launch.absmax[t], 0),
+                      device_state_ref(v, v_kind, launch.scale[t], launch.absmax[t], 1), begin,
+                      end, decay, c, random);
+    return;
+  }
+  switch (uint8_t((m_kind == kStateBF16 ? kExpAvgBF16 : 0) |
+                  (v_kind == kStateBF16 ? kExpAvgSqBF16 : 0))) {
     case kMomentsF32:
       remainder_chunk<float, float>(w, r, g, g_bf16, m, v, begin, end, vectorized, decay, c, random);
       break;
@@ -194,7 +209,7 @@ void multi_tensor_adamw_param_remainder(
     std::vector<Tensor>& exp_avg, std::vector<Tensor>& exp_avg_sq,
     const std::vector<float>& weight_decays, float lr, float beta1, float beta2, float eps,
     int64_t step, float grad_scale, const float* control,
-    const std::vector<MomentRoundingKey>& rounding_keys) {
+    const std::vector<MomentRoundingKey>& rounding_keys, const AdamMomentScales& scales) {
   constexpr const char* kOp = "multi_tensor_adamw_param_remainder";
   std::vector<int64_t> numels(params.size());
   for (size_t i = 0; i < params.size(); ++i) numels[i] = params[i].numel();
@@ -210,15 +225,8 @@ void multi_tensor_adamw_param_remainder(
       const bool v_bf16 = exp_avg_sq[i].dtype() == DType::BF16;
       meta.weight[k] = static_cast<uint16_t*>(params[i].raw());
       meta.remainder[k] = static_cast<uint16_t*>(remainders[i].raw());
-      meta.grad[k] = grads[i].raw();
-      meta.grad_bf16[k] = grads[i].dtype() == DType::BF16;
-      meta.exp_avg[k] = exp_avg[i].raw();
-      meta.exp_avg_sq[k] = exp_avg_sq[i].raw();
-      meta.numel[k] = numels[i];
-      meta.rounding_key[k] = rounding_keys[i];
-      meta.first_chunk[k] = batch.first_chunk[k];
-      meta.weight_decay[k] = weight_decays[i];
-      meta.moment_kind[k] = uint8_t((m_bf16 ? kExpAvgBF16 : 0) | (v_bf16 ? kExpAvgSqBF16 : 0));
+      fill_state_slot(meta, k, i, batch, grads, exp_avg, exp_avg_sq, weight_decays, rounding_keys,
+                      scales, numels[i]);
       meta.vectorized[k] = is_aligned(meta.weight[k], 8) && is_aligned(meta.remainder[k], 8) &&
                            detail::main_grad_pack_aligned(meta.grad[k], meta.grad_bf16[k]) &&
                            is_aligned(meta.exp_avg[k], m_bf16 ? 8 : 16) &&
@@ -228,6 +236,7 @@ void multi_tensor_adamw_param_remainder(
     adamw_param_remainder_chunks<<<batch.first_chunk.back(), kThreads, 0, compute_stream()>>>(
         meta, constants, lr, uint64_t(step), control);
     MEGATON_CUDA_CHECK_LAUNCH();
+    commit_scales(meta, control);
   }
 }
 
