@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "model/main_grad.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -126,10 +127,14 @@ Tensor SelfAttention::backward(const Tensor& dy, const std::function<Tensor()>& 
     // Inverse RoPE, the norms' backward and the pack in one pass; the norms' weight (and
     // bias) gradients accumulate into their main grads, which the trainer reduces over
     // tensor parallelism after backward (Param::sequence_parallel, set by Norm).
-    ops::QkNormGrads grads{q_layernorm->weight.main_grad, k_layernorm->weight.main_grad,
-                           q_layernorm->bias.main_grad, k_layernorm->bias.main_grad};
-    ops::qkv_pack_norm_rope_backward(dq, dk, dv, s.qk_norm, ng, qk_norm(), uses_rope(cfg_),
-                                     cfg_.rotary_base, dqkv, grads);
+    accumulate_main_grads({&q_layernorm->weight.main_grad, &k_layernorm->weight.main_grad,
+                           &q_layernorm->bias.main_grad, &k_layernorm->bias.main_grad},
+                          [&](std::vector<Tensor>& g) {
+                            ops::QkNormGrads grads{g[0], g[1], g[2], g[3]};
+                            ops::qkv_pack_norm_rope_backward(dq, dk, dv, s.qk_norm, ng, qk_norm(),
+                                                             uses_rope(cfg_), cfg_.rotary_base,
+                                                             dqkv, grads);
+                          });
     s.qk_norm = {};  // freed before linear_qkv's backward, as the unfused norms' inputs were
   }
   s = {};  // q, k, v, the output and the statistics are used up

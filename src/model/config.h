@@ -92,6 +92,12 @@ struct GPTConfig {
   // --fp16: fp16 compute on the GPU where --bf16 computes in bf16, with the same fp32 main
   // params and grads; the loss is scaled (optim/grad_scaler.h). The CPU computes fp32.
   bool fp16 = false;
+  // The dtype of the main gradients (the ParamAndGradBuffers' grads): F32, or BF16 with
+  // --bf16 and --main-grads-dtype bf16 / --grad-reduce-in-bf16 (Megatron's
+  // accumulate_allreduce_grads_in_fp32 off; docs/memory.md "BF16 main gradients"). Unlike
+  // the compute dtype it applies on the CPU too: the CPU's fp32 gradients are rounded into
+  // bf16 main grads as the GPU's are (model/main_grad.h).
+  DType main_grads_dtype = DType::F32;
   // --fp8-format and the other FP8 flags: the transformer layers' linear GEMMs in FP8
   // (model/fp8.h). The output layer, router, attention, norms and the optimizer stay in
   // bf16 / fp32, as in Transformer Engine.

@@ -2,6 +2,7 @@
 #include "model/fp8_linear.h"
 
 #include "core/error.h"
+#include "model/main_grad.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -79,7 +80,7 @@ void Fp8LinearGemms::backward(const Tensor& dy, const Param& weight, const Saved
   }
   ops::fp8_gemm(dyq.data, dyq.scale_inv, wq_t.data_t, wq_t.scale_inv_t, dx);
   if (!wgrad_) {
-    ops::gemm(dy, true, x(), false, main_grad, 1.0f, 1.0f);
+    gemm_main_grad(dy, true, x(), false, main_grad);
     return;
   }
   // dW [out, in] += dy^T [out, T] @ x [T, in]: both operands K(token)-major. Forward kept
@@ -249,8 +250,8 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
   grouped_fp8_gemm(dyq, false, wq_t, true, group_views(dx, a));
   if (!wgrad) {
     for (size_t i = 0; i < a.index.size(); ++i)
-      ops::gemm(dy.rows(a.start[i], a.rows[i]), true, x_rows(i), false,
-                weights[a.index[i]]->main_grad, 1.0f, 1.0f);
+      gemm_main_grad(dy.rows(a.start[i], a.rows[i]), true, x_rows(i), false,
+                     weights[a.index[i]]->main_grad);
     return;
   }
   // dW_g += dy_g^T @ x_g: both operands K(token)-major. Forward kept x_g^T, or only its

@@ -7,10 +7,14 @@
 #include <utility>
 
 #include "model/kv_cache.h"
+#include "model/main_grad.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
 namespace megaton {
+
+// ParamAndGradBuffer's own_bucket argument for buffers without one.
+static std::vector<const Param*> no_own_bucket() { return {}; }
 
 // Whether a chunk needs the word embeddings: for the lookup (pre_process), or as the
 // tied output layer (post_process without untie_embeddings_and_output_weights).
@@ -98,10 +102,14 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
       dense_shards > 1)
     own_bucket.push_back(&word_embeddings);
   buffers_.reserve(4);
-  buffers_.emplace_back(dense, dense_shards, false, bucket_size, own_bucket);
-  if (!dense_fp8.empty()) buffers_.emplace_back(dense_fp8, dense_shards, false, bucket_size);
-  if (!expert.empty()) buffers_.emplace_back(expert, expert_shards, true, bucket_size);
-  if (!expert_fp8.empty()) buffers_.emplace_back(expert_fp8, expert_shards, true, bucket_size);
+  const DType grads = cfg_.main_grads_dtype;
+  buffers_.emplace_back(dense, dense_shards, false, bucket_size, own_bucket, grads);
+  if (!dense_fp8.empty())
+    buffers_.emplace_back(dense_fp8, dense_shards, false, bucket_size, no_own_bucket(), grads);
+  if (!expert.empty())
+    buffers_.emplace_back(expert, expert_shards, true, bucket_size, no_own_bucket(), grads);
+  if (!expert_fp8.empty())
+    buffers_.emplace_back(expert_fp8, expert_shards, true, bucket_size, no_own_bucket(), grads);
   if (cfg_.cpu_offloading.enabled && cfg_.cpu_offloading.num_layers > 0) {
     std::vector<TransformerLayer*> layers;
     for (auto& layer : layers_) layers.push_back(layer.get());
@@ -419,7 +427,7 @@ Tensor GPTModel::output_loss_backward(const Tensor& dlosses) {
   s.logits = Tensor();
   Tensor dhidden = empty_like(dlogits, {T, H});
   ops::gemm(dlogits, false, out_w.weight, false, dhidden);
-  ops::gemm(dlogits, true, s.final_hidden, false, out_w.main_grad, 1.0f, 1.0f);
+  gemm_main_grad(dlogits, true, s.final_hidden, false, out_w.main_grad);
   dlogits = s.final_hidden = Tensor();
   // Partial over the vocabulary shards: summed (and split into token rows under SP).
   if (mp_.sequence_parallel) dhidden = reduce_scatter_sequence(dhidden, mp_);
@@ -436,23 +444,25 @@ void GPTModel::embed_backward(const Tensor& dx) {
     ops::dropout_backward(dx, demb, s.emb_dropout_p, s.emb_seed, s.emb_stream);
   }
   if (position_embeddings.weight.defined())
-    for_each_position_block(demb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
-      Tensor g = position_embeddings.main_grad.rows(pos, n);
-      Tensor rows = demb.rows(local_row, n);
-      if (rows.dtype() != DType::F32) {
-        Tensor rows_f32 = Tensor::empty(rows.shape(), DType::F32, rows.device());
-        ops::cast(rows, rows_f32);
-        rows = rows_f32;
-      }
-      ops::add_(g, rows);
+    // Every sequence's rows summed in fp32, then rounded once into a BF16 main grad.
+    accumulate_main_grad(position_embeddings.main_grad, [&](Tensor& main_grad) {
+      for_each_position_block(demb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
+        Tensor g = main_grad.rows(pos, n);
+        Tensor rows = demb.rows(local_row, n);
+        if (rows.dtype() != DType::F32) {
+          Tensor rows_f32 = Tensor::empty(rows.shape(), DType::F32, rows.device());
+          ops::cast(rows, rows_f32);
+          rows = rows_f32;
+        }
+        ops::add_(g, rows);
+      });
     });
-  if (mp_.tp_size() == 1) {
-    ops::embedding_backward(demb, s.tokens, word_embeddings.main_grad);
-  } else {
-    // Every token row's gradient (gathered under SP) into this rank's vocabulary rows.
-    if (mp_.sequence_parallel) demb = gather_sequence(demb, mp_);
-    ops::embedding_backward_vocab_range(demb, s.tokens, vocab_start_, word_embeddings.main_grad);
-  }
+  // Every token row's gradient (gathered under SP) into this rank's vocabulary rows.
+  if (mp_.tp_size() > 1 && mp_.sequence_parallel) demb = gather_sequence(demb, mp_);
+  accumulate_main_grad(word_embeddings.main_grad, [&](Tensor& main_grad) {
+    if (mp_.tp_size() == 1) ops::embedding_backward(demb, s.tokens, main_grad);
+    else ops::embedding_backward_vocab_range(demb, s.tokens, vocab_start_, main_grad);
+  });
   s.tokens = Tensor();
 }
 

@@ -5,6 +5,7 @@
 #include <functional>
 #include <cstring>
 
+#include "model/main_grad.h"
 #include "model/tensor_parallel.h"
 #include "ops/fp8.h"
 #include "ops/ops.h"
@@ -192,7 +193,8 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved,
                 "Linear '{}': backward without a saved input", weight.name);
   const bool sp = mp_.sequence_parallel;
   // The bias gradient from this rank's rows of dy (a partial sum under SP for Row).
-  if (bias.weight.defined()) ops::bias_backward(dy, bias.main_grad);
+  if (bias.weight.defined())
+    accumulate_main_grad(bias.main_grad, [&](Tensor& g) { ops::bias_backward(dy, g); });
   const Tensor dy_full = mode_ == TensorParallelMode::Row && sp ? gather_sequence(dy, mp_) : dy;
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
   // The weight gradient's input, asked for after dx is written: every rank's rows of x
@@ -205,7 +207,7 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved,
     fp8_.backward(dy_full, weight, saved.fp8, x_full, fp8_sharding(), dx, weight.main_grad);
   } else {
     ops::gemm(dy_full, false, weight.weight, false, dx);
-    ops::gemm(dy_full, true, x_full(), false, weight.main_grad, 1.0f, 1.0f);
+    gemm_main_grad(dy_full, true, x_full(), false, weight.main_grad);
   }
   if (mode_ == TensorParallelMode::Column) {
     if (sp) dx = reduce_scatter_sequence(dx, mp_);
@@ -324,11 +326,12 @@ Tensor Norm::backward(const Tensor& dy, const Tensor& dresidual) {
   MEGATON_CHECK(saved_.x.defined(), "Norm '{}': backward without a saved input", weight.name);
   const Saved s = take_saved();
   Tensor dx = empty_like(dy, dy.shape());
-  if (kind_ == Normalization::RMSNorm)
-    ops::rmsnorm_backward(dy, s.x, weight.weight, s.rstd, dx, weight.main_grad, dresidual);
-  else
-    ops::layernorm_backward(dy, s.x, weight.weight, s.mean, s.rstd, dx, weight.main_grad,
-                            bias.main_grad, dresidual);
+  accumulate_main_grads({&weight.main_grad, &bias.main_grad}, [&](std::vector<Tensor>& g) {
+    if (kind_ == Normalization::RMSNorm)
+      ops::rmsnorm_backward(dy, s.x, weight.weight, s.rstd, dx, g[0], dresidual);
+    else
+      ops::layernorm_backward(dy, s.x, weight.weight, s.mean, s.rstd, dx, g[0], g[1], dresidual);
+  });
   return dx;
 }
 

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "model/main_grad.h"
 #include "model/saved_tensors.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
@@ -72,9 +73,9 @@ std::vector<Tensor> MoELayer::expert_weights(Param Expert::*w) const {
   return out;
 }
 
-std::vector<Tensor> MoELayer::expert_grads(Param Expert::*w) const {
-  std::vector<Tensor> out;
-  for (const Expert& e : experts) out.push_back((e.*w).main_grad);
+std::vector<Tensor*> MoELayer::expert_grads(Param Expert::*w) {
+  std::vector<Tensor*> out;
+  for (Expert& e : experts) out.push_back(&(e.*w).main_grad);
   return out;
 }
 
@@ -101,14 +102,16 @@ void MoELayer::expert_bias_backward(const Tensor& dy, Param Expert::*bias, const
     int64_t n = saved_.expert_rows[e];
     if (n > 0) {
       Param& b = experts[e].*bias;
-      if (!probs.defined()) {
-        ops::bias_backward(dy.rows(start, n), b.main_grad);
-      } else {
-        Tensor dprobs_rows;
-        if (dprobs) dprobs_rows = dprobs->rows(start, n);
-        ops::weighted_bias_backward(dy.rows(start, n), b.weight, probs.rows(start, n), b.main_grad,
-                                    dprobs ? &dprobs_rows : nullptr);
-      }
+      accumulate_main_grad(b.main_grad, [&](Tensor& g) {
+        if (!probs.defined()) {
+          ops::bias_backward(dy.rows(start, n), g);
+        } else {
+          Tensor dprobs_rows;
+          if (dprobs) dprobs_rows = dprobs->rows(start, n);
+          ops::weighted_bias_backward(dy.rows(start, n), b.weight, probs.rows(start, n), g,
+                                      dprobs ? &dprobs_rows : nullptr);
+        }
+      });
     }
     start += n;
   }
@@ -198,14 +201,18 @@ void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
   const Saved& s = saved_;
   if (s.expert_counts.defined()) {
     ops::grouped_gemm(dout, expert_weights(fc), false, din, s.expert_counts);
-    std::vector<Tensor> grads = expert_grads(fc);
-    ops::grouped_gemm_wgrad(dout, in(), grads, s.expert_counts);
+    const Tensor x = in();
+    accumulate_main_grads(expert_grads(fc), [&](std::vector<Tensor>& grads) {
+      ops::grouped_gemm_wgrad(dout, x, grads, s.expert_counts);
+    });
     return;
   }
   if (!fc1_fp8_.enabled()) {
     ops::grouped_gemm(dout, expert_weights(fc), false, din, s.expert_rows);
-    std::vector<Tensor> grads = expert_grads(fc);
-    ops::grouped_gemm_wgrad(dout, in(), grads, s.expert_rows);
+    const Tensor x = in();
+    accumulate_main_grads(expert_grads(fc), [&](std::vector<Tensor>& grads) {
+      ops::grouped_gemm_wgrad(dout, x, grads, s.expert_rows);
+    });
     return;
   }
   const bool fc1 = fc == &Expert::fc1_weight;

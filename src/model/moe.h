@@ -177,7 +177,7 @@ class MoELayer {
   void expert_bias_backward(const Tensor& dy, Param Expert::*bias, const Tensor& probs = Tensor(),
                             Tensor* dprobs = nullptr);
   std::vector<Tensor> expert_weights(Param Expert::*w) const;
-  std::vector<Tensor> expert_grads(Param Expert::*w) const;
+  std::vector<Tensor*> expert_grads(Param Expert::*w);
   // Rows [R, W] grouped by local expert -> [sum(expert_rows), W] with zero padding rows
   // (to capacity, FP8 multiples), and back (the padding dropped). Both return their
   // argument when the last forward did not pad.

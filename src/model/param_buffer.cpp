@@ -15,10 +15,13 @@ const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
 
 ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_shards,
                                        bool is_expert, int64_t bucket_size,
-                                       const std::vector<const Param*>& own_bucket)
+                                       const std::vector<const Param*>& own_bucket,
+                                       DType grad_dtype)
     : params_(std::move(params)), num_shards_(num_shards), is_expert_(is_expert) {
   MEGATON_CHECK(num_shards >= 1, "ParamAndGradBuffer: {} shards", num_shards);
   MEGATON_CHECK(!params_.empty(), "ParamAndGradBuffer: no params");
+  MEGATON_CHECK(grad_dtype == DType::F32 || grad_dtype == DType::BF16,
+                "ParamAndGradBuffer: grads must be F32 or BF16, got {}", dtype_name(grad_dtype));
   const bool fp8 = params_[0]->fp8_param;
   const DType dtype = fp8 ? DType::F8E4M3 : params_[0]->weight.dtype();
   const Device device = params_[0]->weight.device();
@@ -52,7 +55,7 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   }
   close_bucket();
   weights_ = Tensor::zeros({total}, dtype, device);
-  grads_ = Tensor::zeros({total}, DType::F32, device);
+  grads_ = Tensor::zeros({total}, grad_dtype, device);
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (const Param* p : buckets_[b].params) bucket_index_[p] = int(b);
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -31,7 +31,9 @@ struct BufferBucket {
 class ParamAndGradBuffer {
  public:
   // Moves the params' compute weights into one buffer of their dtype and gives each a
-  // zeroed fp32 main_grad in a second buffer, both laid out alike. As in Megatron the
+  // zeroed main_grad in a second buffer of grad_dtype (F32, or BF16 for Megatron's bf16
+  // grad buffers: --main-grads-dtype bf16 / --grad-reduce-in-bf16; InternalError
+  // otherwise), both laid out alike. As in Megatron the
   // params are laid out in REVERSE of the given (forward) order, so the gradients that
   // backward finishes first fill the first bucket. Each param starts at a multiple of 64
   // elements. A bucket is closed after the param that brings it to bucket_size elements
@@ -48,7 +50,8 @@ class ParamAndGradBuffer {
   // InternalError. is_expert: the buffer of expert parameters (reduced over
   // the expert-data-parallel group), else of dense ones.
   ParamAndGradBuffer(std::vector<Param*> params, int64_t num_shards, bool is_expert,
-                     int64_t bucket_size = 0, const std::vector<const Param*>& own_bucket = {});
+                     int64_t bucket_size = 0, const std::vector<const Param*>& own_bucket = {},
+                     DType grad_dtype = DType::F32);
 
   // The params in the order given to the constructor.
   const std::vector<Param*>& params() const { return params_; }
@@ -61,7 +64,7 @@ class ParamAndGradBuffer {
   int64_t offset(size_t i) const { return offsets_[i]; }
 
   Tensor& weights() { return weights_; }  // [numel] compute dtype
-  Tensor& grads() { return grads_; }      // [numel] fp32
+  Tensor& grads() { return grads_; }      // [numel] grad_dtype (F32 or BF16)
 
   const std::vector<BufferBucket>& buckets() const { return buckets_; }
   // The bucket holding p, or -1 when p is not in this buffer.

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "model/main_grad.h"
 
 namespace megaton {
 
@@ -272,7 +273,7 @@ void TopKRouter::backward(const Tensor& dprobs, float aux_grad_scale, Tensor& dx
   } else {
     ops::gemm(dlogits_compute, false, weight.weight, false, dx, 1.0f, 1.0f);
   }
-  ops::gemm(dlogits_compute, true, saved_.x, false, weight.main_grad, 1.0f, 1.0f);
+  gemm_main_grad(dlogits_compute, true, saved_.x, false, weight.main_grad);
   saved_ = Saved();
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "model/main_grad.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -48,7 +49,7 @@ Tensor SharedExpertMLP::backward(const Tensor& dy) {
   }
   // logits = x w^T: dx += dlogits w, dw += dlogits^T x.
   ops::gemm(dlogits_compute, false, gate_weight.weight, false, dx, 1.0f, 1.0f);
-  ops::gemm(dlogits_compute, true, s.x, false, gate_weight.main_grad, 1.0f, 1.0f);
+  gemm_main_grad(dlogits_compute, true, s.x, false, gate_weight.main_grad);
   return dx;
 }
 

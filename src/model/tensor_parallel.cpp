@@ -41,7 +41,13 @@ void all_reduce_sequence_parallel_grads(const std::vector<Param*>& params,
       total += p->main_grad.numel();
     }
   if (marked.empty()) return;
-  Tensor flat = Tensor::empty({total}, DType::F32, marked[0]->main_grad.device());
+  // In the main grads' dtype: BF16 main grads are summed as BF16 tensors, as Megatron
+  // all-reduces its bf16 grads (the MPI backend sums them in fp32, dist/comm_mpi.cpp).
+  const DType dtype = marked[0]->main_grad.dtype();
+  for (const Param* p : marked)
+    MEGATON_CHECK(p->main_grad.dtype() == dtype, "param '{}': main grad {}, '{}' has {}", p->name,
+                  dtype_name(p->main_grad.dtype()), marked[0]->name, dtype_name(dtype));
+  Tensor flat = Tensor::empty({total}, dtype, marked[0]->main_grad.device());
   int64_t at = 0;
   for (Param* p : marked) {
     flat.rows(at, p->main_grad.numel()).copy_from(p->main_grad.view({p->main_grad.numel()}));

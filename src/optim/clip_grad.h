@@ -1,5 +1,6 @@
 // Gradient clipping by the global L2 norm of the main gradients.
 #pragma once
+#include <cstdint>
 #include <vector>
 
 #include "model/param.h"
@@ -23,5 +24,12 @@ double clip_coefficient(double max_norm, double total_norm);
 // float(clip_coefficient(max_norm, total_norm)) when that is < 1, otherwise nothing
 // changes. Returns the coefficient applied (1 when none).
 double clip_grad_by_norm(const std::vector<Param*>& params, double max_norm, double total_norm);
+
+// Elements exactly zero (+0 or -0) over the main grads (Megatron's count_zeros_fp32 behind
+// --log-num-zeros-in-grad). grads: F32 or BF16, on one device. F32 tensors are counted
+// by ops::multi_tensor_count_zeros in one call; BF16 ones (--main-grads-dtype bf16) are
+// widened (exactly: a bf16 is zero iff its fp32 value is) through an fp32 scratch of at
+// most 2^24 elements (64 MiB) at a time and counted likewise. Empty list: 0.
+int64_t count_zeros_in_grads(const std::vector<Tensor>& grads);
 
 }  // namespace megaton::optim

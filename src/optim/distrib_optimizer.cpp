@@ -12,6 +12,7 @@
 #include "ops/fp8.h"
 #include "ops/ops.h"
 #include "ops/param_remainder.h"
+#include "optim/clip_grad.h"
 
 namespace megaton::optim {
 
@@ -257,7 +258,7 @@ double DistributedAdamW::norm_over_model(bool main_params) {
 
 int64_t DistributedAdamW::num_zeros_in_grad() {
   const std::vector<Tensor> tensors = counted_grads();
-  const int64_t zeros = tensors.empty() ? 0 : ops::multi_tensor_count_zeros(tensors);
+  const int64_t zeros = count_zeros_in_grads(tensors);  // F32 or BF16 main grads
   // Exact in fp64 below 2^53 elements.
   return int64_t(dist::sum_over(comm_, grid_.world(), {double(zeros)})[0]);
 }

@@ -109,7 +109,11 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"main-params-dtype", "dtype of the main params with the precision-aware optimizer: fp32 "
        "(fp16 not supported yet)"},
       {"main-grads-dtype", "dtype of the main grads with the precision-aware optimizer: fp32 "
-       "(bf16 not supported yet)"},
+       "or bf16 (bf16 grad buffers under --bf16: accumulated and reduced in bf16)"},
+      {"grad-reduce-in-bf16", "with --bf16: bf16 grad buffers, accumulated and reduced over "
+       "data-parallel ranks in bf16 (Megatron's)", true},
+      {"accumulate-allreduce-grads-in-fp32", "fp32 grad buffers (the --bf16 default unless "
+       "--grad-reduce-in-bf16 or --main-grads-dtype bf16; Megatron's)", true},
       {"exp-avg-dtype", "dtype Adam's first moment is stored in with the precision-aware "
        "optimizer: fp32 or bf16 (the update math stays fp32)"},
       {"exp-avg-sq-dtype", "dtype Adam's second moment is stored in with the precision-aware "
@@ -556,6 +560,34 @@ void parse_precision_aware_args(const Reader& r, optim::AdamWConfig& c) {
       *fields[i] = optim::precision_aware_dtype(choices[i].first, r.one(choices[i].first),
                                                 choices[i].second);
   optim::check_precision_aware_config(c);
+}
+
+// The main grads' dtype (GPTConfig::main_grads_dtype), as Megatron's arguments.py
+// resolves accumulate_allreduce_grads_in_fp32 under --bf16 (its grad buffers are fp32 when
+// that is set, else the params' bf16; param_and_grad_buffer.py grad_dtype): set, together
+// with --main-grads-dtype bf16, is refused; --grad-reduce-in-bf16 clears it; otherwise it
+// is set when the main grads dtype is fp32. Without --bf16 Megaton keeps fp32 main grads
+// (fp32 runs: the params' dtype, as Megatron; --fp16: fp32 where Megatron's default is
+// fp16 grads), so the two bf16 ways are noted as having no effect.
+void parse_main_grads_dtype(const Reader& r, TrainArgs& a) {
+  bool grad_reduce_in_bf16 = false, accumulate_allreduce_grads_in_fp32 = false;
+  r.get("grad-reduce-in-bf16", grad_reduce_in_bf16);
+  r.get("accumulate-allreduce-grads-in-fp32", accumulate_allreduce_grads_in_fp32);
+  const bool bf16_main_grads = a.adam.main_grads_dtype == DType::BF16;
+  if (!a.model.bf16) {
+    if (grad_reduce_in_bf16)
+      a.no_effect.push_back("--grad-reduce-in-bf16: bf16 grad buffers are for --bf16 runs");
+    if (bf16_main_grads)
+      a.no_effect.push_back("--main-grads-dtype bf16: bf16 grad buffers are for --bf16 runs");
+    a.model.main_grads_dtype = DType::F32;
+    return;
+  }
+  // Megatron's assertion and message (arguments.py, validate_args under args.bf16).
+  if (accumulate_allreduce_grads_in_fp32 && bf16_main_grads)
+    fail("--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set");
+  if (grad_reduce_in_bf16) accumulate_allreduce_grads_in_fp32 = false;
+  else if (!bf16_main_grads) accumulate_allreduce_grads_in_fp32 = true;
+  a.model.main_grads_dtype = accumulate_allreduce_grads_in_fp32 ? DType::F32 : DType::BF16;
 }
 
 // --fp16 and the loss scaler's flags, with Megatron's rules (arguments.py,
@@ -1095,6 +1127,7 @@ TrainArgs parse_train_args(const RawOptions& raw) {
   r.get("dry-run", a.dry_run);
   parse_fp8_args(r, a.model, a.no_effect);
   parse_mixed_precision_args(r, a);
+  parse_main_grads_dtype(r, a);
   parse_recompute_args(r, a);
   parse_cpu_offloading_args(r, a);
   parse_optimizer_offload_args(r, a);

@@ -47,7 +47,7 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   // param is a 2-byte remainder (store_param_remainders; --fp8-param-gather keeps fp32 main
   // params for its FP8 weights, which a lower bound may count at 2).
   const optim::AdamWConfig& adam = args.adam;
-  const double grad_b = double(dtype_size(adam.main_grads_dtype));
+  const double grad_b = double(dtype_size(m.main_grads_dtype));  // the grad buffers' dtype
   const double moments_b =
       double(dtype_size(adam.exp_avg_dtype) + dtype_size(adam.exp_avg_sq_dtype));
   const double main_b = adam.store_param_remainders && m.compute_dtype() == DType::BF16

@@ -328,6 +328,7 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
   MemoryPlan plan;
   plan.device = m.device;
   plan.compute_dtype = m.compute_dtype();
+  plan.main_grads_dtype = m.main_grads_dtype;
   plan.sizes = layout.sizes;
   plan.sequence_parallel = layout.sequence_parallel;
   const dist::ParallelSizes& z = layout.sizes;

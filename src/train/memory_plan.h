@@ -20,6 +20,7 @@ namespace megaton {
 struct MemoryPlan {
   Device device = Device::CPU;
   DType compute_dtype = DType::F32;
+  DType main_grads_dtype = DType::F32;  // GPTConfig::main_grads_dtype
   dist::ParallelSizes sizes;       // resolved: tp, cp, ep, etp, pp, vpp, dp, edp, world
   bool sequence_parallel = false;  // in effect (tp > 1)
   int64_t stage = 0;               // the busiest pipeline stage
@@ -41,8 +42,8 @@ struct MemoryPlan {
 
   // Persistent bytes of the rank (model/param_buffer.h, optim/adamw.h,
   // optim/distrib_optimizer.h): the compute weights (one buffer per dtype and kind:
-  // dense, expert, FP8 under --fp8-param-gather), the fp32 main grads (whole on every
-  // rank), the fp32 main params where the weight is not fp32, or their 16-bit remainders
+  // dense, expert, FP8 under --fp8-param-gather), the main grads (whole on every
+  // rank, in main_grads_dtype; BF16 ones with model/main_grad.h's fp32 scratch), the fp32 main params where the weight is not fp32, or their 16-bit remainders
   // beside bf16 weights (store_param_remainders) (one tensor per parameter,
   // or per piece of this rank's shard under --use-distributed-optimizer) and the Adam
   // moments in their dtypes (same tensors as the main params); other_state: router

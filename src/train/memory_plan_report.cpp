@@ -60,7 +60,10 @@ std::string format_memory_plan(const MemoryPlan& p) {
   };
   const int64_t dense_shards = z.dp * z.cp, expert_shards = z.edp;
   line(fmt::format("weights ({})", dtype_flag(p.compute_dtype)), p.weights);
-  line("main grads (fp32, whole on every data-parallel rank)", p.main_grads);
+  line(p.main_grads_dtype == DType::BF16
+           ? "main grads (bf16, whole on every data-parallel rank; fp32 scratch)"
+           : "main grads (fp32, whole on every data-parallel rank)",
+       p.main_grads);
   line("main params (fp32, or int16 remainders beside bf16)", p.main_params);
   line("Adam exp_avg", p.exp_avg);
   line("Adam exp_avg_sq", p.exp_avg_sq);

@@ -94,6 +94,34 @@ std::vector<ParamShape> chunk_params(const GPTConfig& m, const ChunkLayers& laye
 
 double round_up(double n, double multiple) { return std::ceil(n / multiple) * multiple; }
 
+// Elements of model/main_grad.h's fp32 scratch with BF16 main grads: the largest set of
+// gradients one accumulation into them goes through it for (the pool grows to it and is
+// kept). On the CPU every gradient does (its GEMMs are fp32-only); on CUDA the bf16 GEMMs
+// (linear layers, router, output layer) and the FP8 wgrads accumulate straight into the
+// bf16 main grads, leaving the embeddings' scatter-adds, the norms and biases (at most
+// the widest of H and a fc1 bias) and the experts' grouped wgrads (one layer's fc1 of
+// all local experts: the CUTLASS grouped GEMM writes fp32 only).
+double main_grad_scratch_numel(const GPTConfig& m, const ChunkLayers& cl,
+                               const std::vector<ParamShape>& params, bool pre, double tp,
+                               double etp, double ep) {
+  const double H = double(m.hidden_size);
+  double scratch = 0;
+  if (m.device != Device::CUDA) {
+    for (const ParamShape& p : params)
+      if (!p.expert) scratch = std::max(scratch, p.numel);
+  } else {
+    scratch = std::max(H, (m.swiglu ? 2.0 : 1.0) * double(m.ffn_hidden_size) / tp);
+    if (pre) scratch = std::max(scratch, double(m.padded_vocab_size) / tp * H);
+    if (pre && m.position_embedding_type == PositionEmbedding::LearnedAbsolute)
+      scratch = std::max(scratch, double(m.max_position_embeddings) * H);
+  }
+  const double f1 = (m.swiglu ? 2 : 1) * double(m.moe_ffn_hidden_size);
+  for (int64_t l = cl.first_layer; l < cl.first_layer + cl.num_layers; ++l)
+    if (m.is_moe_layer(l) && !(m.fp8.enabled && m.fp8.layer_in_fp8(l, m.num_layers)))
+      scratch = std::max(scratch, std::floor(double(m.num_experts) / ep) * f1 / etp * H);
+  return scratch;
+}
+
 }  // namespace
 
 void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan) {
@@ -124,6 +152,8 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   const bool remainders = args.adam.store_param_remainders && m.compute_dtype() == DType::BF16;
   const double avg_b = double(dtype_size(args.adam.exp_avg_dtype));
   const double sq_b = double(dtype_size(args.adam.exp_avg_sq_dtype));
+  const double grad_b = double(dtype_size(m.main_grads_dtype));
+  double scratch = 0;  // main_grad_scratch_numel over the chunks (BF16 main grads)
   auto block = [&](double bytes) { return memory_plan_block_bytes(bytes, dev); };
   plan.weights = plan.main_grads = plan.main_params = plan.exp_avg = plan.exp_avg_sq = 0;
   plan.other_state = 0;
@@ -132,6 +162,9 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
     const ChunkLayers cl = chunk_layers(layout.layers_per_stage, vpp, stage, c);
     const std::vector<ParamShape> params =
         chunk_params(m, cl, stage == 0 && c == 0, stage == z.pp - 1 && c == vpp - 1, tp, etp, ep);
+    if (m.main_grads_dtype == DType::BF16)
+      scratch = std::max(scratch, main_grad_scratch_numel(m, cl, params, stage == 0 && c == 0, tp,
+                                                          etp, ep));
     // GPTModel's buffers: dense, dense FP8, expert, expert FP8 (ParamAndGradBuffer), each
     // laid out in reverse order, every param at a multiple of 64 elements, padded to
     // 64 x shards (one bucket: --overlap-grad-reduce cuts more, each padded alike).
@@ -154,7 +187,7 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
       if (sizes.empty()) continue;
       total = round_up(total, 64 * shards);
       plan.weights += block(total * (fp8 ? 1 : cb));
-      plan.main_grads += block(total * 4);
+      plan.main_grads += block(total * grad_b);
       // Main params and moments: per param, or per piece of shard 0 under the distributed
       // optimizer (DistributedAdamW: every rank's shard has the same length).
       const double shard = total / shards;
@@ -169,6 +202,7 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
       }
     }
   }
+  if (scratch > 0) plan.main_grads += block(scratch * 4);
   // --optimizer-cpu-offload: the offloaded fraction's main params and moments are on the
   // host (whole params are chosen, so the device keeps up to one param less than this).
   if (args.adam.optimizer_cpu_offload) {

@@ -1,6 +1,7 @@
 // Elementwise updates and reductions on the CPU: add_, scale_, bias_add_, bias_backward,
 // their row-weighted forms (MoE experts), sum_of_squares, sum, dot.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "ops/dispatch.h"
@@ -29,6 +30,18 @@ namespace cpu {
 void add(float* y, const float* x, float alpha, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// BF16 y: the fp32 sum rounded once to nearest even (a BF16 main grad += an fp32
+// gradient, model/main_grad.h; the CUDA add_kernel computes the same).
+void add(uint16_t* y, const float* x, float alpha, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) y[i] = float_to_bf16(bf16_to_float(y[i]) + alpha * x[i]);
+}
+
+void scale(uint16_t* x, float s, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) x[i] = float_to_bf16(bf16_to_float(x[i]) * s);
 }
 
 void scale(float* x, float s, int64_t n) {
@@ -63,15 +76,18 @@ void bias_backward(const float* dy, float* dbias, int64_t rows, int64_t cols) {
 
 // fp64 sum of f(x[i]) over fixed-size chunks, chunk sums added in order: the result is
 // the same for any thread count (a resumed or re-sharded run logs the same grad norm).
-template <typename F>
-double chunked_sum(const float* x, int64_t n, F f) {
+template <typename T, typename F>
+double chunked_sum(const T* x, int64_t n, F f) {
   constexpr int64_t kChunk = 4096;
   int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(chunks);
 #pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t c = 0; c < chunks; ++c) {
     double s = 0;
-    for (int64_t i = c * kChunk, end = std::min(n, i + kChunk); i < end; ++i) s += f(x[i]);
+    for (int64_t i = c * kChunk, end = std::min(n, i + kChunk); i < end; ++i) {
+      if constexpr (std::is_same_v<T, uint16_t>) s += f(bf16_to_float(x[i]));  // BF16 bits
+      else s += f(x[i]);
+    }
     partial[c] = s;
   }
   double total = 0;
@@ -84,19 +100,23 @@ double chunked_sum(const float* x, int64_t n, F f) {
 
 void add_(Tensor& y, const Tensor& x, float alpha) {
   MEGATON_CUDA_DISPATCH(y, cuda::add_(y, x, alpha));
-  check_f32(y, "add_", "y");
+  // y may also be BF16 (x F32): a BF16 main grad taking an fp32 gradient, rounded once.
+  if (!(y.defined() && y.dtype() == DType::BF16)) check_f32(y, "add_", "y");
   check_f32(x, "add_", "x");
   MEGATON_CHECK(y.numel() == x.numel(), "add_: y {} and x {} differ in numel", shape_str(y.shape()),
                 shape_str(x.shape()));
   require_cpu("add_", {&y, &x});
-  cpu::add(y.f32(), x.f32(), alpha, y.numel());
+  if (y.dtype() == DType::BF16) cpu::add(y.data<uint16_t>(), x.f32(), alpha, y.numel());
+  else cpu::add(y.f32(), x.f32(), alpha, y.numel());
 }
 
 void scale_(Tensor& x, float s) {
   MEGATON_CUDA_DISPATCH(x, cuda::scale_(x, s));
-  check_f32(x, "scale_", "x");
+  // BF16 too (gradient clipping of BF16 main grads): fp32 product rounded once, as on CUDA.
+  if (!(x.defined() && x.dtype() == DType::BF16)) check_f32(x, "scale_", "x");
   require_cpu("scale_", {&x});
-  cpu::scale(x.f32(), s, x.numel());
+  if (x.dtype() == DType::BF16) cpu::scale(x.data<uint16_t>(), s, x.numel());
+  else cpu::scale(x.f32(), s, x.numel());
 }
 
 void bias_add_(Tensor& y, const Tensor& bias) {
@@ -184,9 +204,15 @@ void weighted_bias_backward(const Tensor& dy, const Tensor& bias, const Tensor& 
 
 double sum_of_squares(const Tensor& x) {
   MEGATON_CUDA_DISPATCH(x, cuda::sum_of_squares(x));
+  // BF16 too (the grad norm of BF16 main grads), each element widened exactly.
+  const auto square = [](float v) { return double(v) * v; };
+  if (x.defined() && x.dtype() == DType::BF16) {
+    require_cpu("sum_of_squares", {&x});
+    return cpu::chunked_sum(x.data<uint16_t>(), x.numel(), square);
+  }
   check_f32(x, "sum_of_squares", "x");
   require_cpu("sum_of_squares", {&x});
-  return cpu::chunked_sum(x.f32(), x.numel(), [](float v) { return double(v) * v; });
+  return cpu::chunked_sum(x.f32(), x.numel(), square);
 }
 
 double sum(const Tensor& x) {
