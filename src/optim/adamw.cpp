@@ -49,9 +49,6 @@ void check_precision_aware_config(const AdamWConfig& c) {
     if (!c.use_precision_aware_optimizer)
       fail("option '{}' {} needs --use-precision-aware-optimizer (only fp32 without it)", key,
            flag_dtype_name(dtype));
-    if (std::string_view(key) == "main-grads-dtype")
-      fail("option 'main-grads-dtype' bf16 is not supported in Megaton yet: every backward op "
-           "accumulates weight gradients into fp32 main_grad buffers");
     if (std::string_view(key) == "main-params-dtype")
       fail("option 'main-params-dtype' fp16 is not supported in Megaton yet (Transformer "
            "Engine keeps an fp16 main param with a per-tensor scale); use fp32");

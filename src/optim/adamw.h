@@ -72,8 +72,9 @@ ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_s
 // Megatron's rules for the precision-aware flags (OptimizerConfig.__post_init__): a dtype
 // other than fp32 needs use_precision_aware_optimizer. Then what Megaton does not have yet:
 // fp16 or fp8 moments and fp16 main params (Transformer Engine keeps them with a per-tensor
-// scale), and bf16 main grads (the backward ops accumulate into fp32 main_grad buffers).
-// Throws megaton::Error with one line naming the flag.
+// scale). main_grads_dtype bf16 is accepted (with --bf16, BF16 grad buffers:
+// GPTConfig::main_grads_dtype, model/main_grad.h). Throws megaton::Error with one line
+// naming the flag.
 void check_precision_aware_config(const AdamWConfig& config);
 
 // Decoupled-weight-decay Adam (Loshchilov & Hutter 2019) as Megatron runs it (Apex/TE

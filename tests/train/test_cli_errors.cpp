@@ -163,12 +163,28 @@ TEST_F(CliErrors, PrecisionAwareOptimizerFlags) {
        "option 'exp-avg-sq-dtype' must be one of fp32, fp16, bf16, fp8 (got 'int8')"},
       {"--use-precision-aware-optimizer --main-grads-dtype fp16",
        "option 'main-grads-dtype' must be one of fp32, bf16 (got 'fp16')"},
-      {"--use-precision-aware-optimizer --main-grads-dtype bf16",
-       "option 'main-grads-dtype' bf16 is not supported in Megaton yet"},
       {"--use-precision-aware-optimizer --main-params-dtype fp16",
        "option 'main-params-dtype' fp16 is not supported in Megaton yet"},
       {"--use-precision-aware-optimizer --exp-avg-dtype fp8",
        "option 'exp-avg-dtype' fp8 is not supported in Megaton yet"},
+  };
+  for (const auto& [flags, needle] : cases)
+    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
+}
+
+// BF16 main gradients: the precision-aware switch for --main-grads-dtype bf16
+// (OptimizerConfig), and Megatron's refusal of it beside
+// --accumulate-allreduce-grads-in-fp32 under --bf16 (arguments.py, its message).
+TEST_F(CliErrors, MainGradsDtypeFlags) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--bf16 --main-grads-dtype bf16",
+       "option 'main-grads-dtype' bf16 needs --use-precision-aware-optimizer"},
+      {"--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16 "
+       "--accumulate-allreduce-grads-in-fp32",
+       "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set"},
+      {"--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16 --grad-reduce-in-bf16 "
+       "--accumulate-allreduce-grads-in-fp32",
+       "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set"},
   };
   for (const auto& [flags, needle] : cases)
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
