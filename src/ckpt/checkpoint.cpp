@@ -99,6 +99,30 @@ std::vector<std::string> remove_stale_partial_saves(const std::string& save_dir)
   return removed;
 }
 
+int64_t tracked_iteration(const std::string& dir) {
+  std::ifstream in(fs::path(dir) / kTracker);
+  std::string text;
+  if (!in || !(in >> text) || text.empty() || text.size() > 18 ||
+      text.find_first_not_of("0123456789") != std::string::npos)
+    return -1;
+  return std::stoll(text);
+}
+
+std::string save_checkpoint(const std::string& save_dir, int64_t iteration,
+                            const std::vector<std::pair<std::string, Tensor>>& tensors,
+                            const std::string& metadata_json, const SaveOptions& options) {
+  const int64_t previous = options.save_retain_interval > 0 ? tracked_iteration(save_dir) : -1;
+  save_checkpoint(save_dir, iteration, tensors, metadata_json);
+  if (previous <= 0 || previous == iteration || previous % options.save_retain_interval == 0)
+    return "";
+  const fs::path old_dir = fs::path(save_dir) / iteration_dir_name(previous);
+  std::error_code ec;
+  if (fs::is_symlink(old_dir, ec) || !fs::is_directory(old_dir, ec)) return "";
+  fs::remove_all(old_dir, ec);
+  if (ec) fail("save-retain-interval: cannot remove '{}': {}", old_dir.string(), ec.message());
+  return old_dir.string();
+}
+
 void save_checkpoint(const std::string& save_dir, int64_t iteration,
                      const std::vector<std::pair<std::string, Tensor>>& tensors,
                      const std::string& metadata_json) {

@@ -25,6 +25,26 @@ void save_checkpoint(const std::string& save_dir, int64_t iteration,
                      const std::vector<std::pair<std::string, Tensor>>& tensors,
                      const std::string& metadata_json);
 
+// What save_checkpoint does after the tracker names the new iteration.
+struct SaveOptions {
+  // Megatron's --save-retain-interval (0: keep every checkpoint): the checkpoint the tracker
+  // named before this save is removed once the new one is complete, unless its iteration is
+  // a multiple of the interval, it is this iteration, or it is a symbolic link (Megatron's
+  // checkpointing.py iter_finalize_fn). So the latest checkpoint and every multiple of the
+  // interval stay.
+  int64_t save_retain_interval = 0;
+};
+
+// save_checkpoint above, then the retention of `options`. Returns the iteration directory
+// removed by retention ("" when none).
+std::string save_checkpoint(const std::string& save_dir, int64_t iteration,
+                            const std::vector<std::pair<std::string, Tensor>>& tensors,
+                            const std::string& metadata_json, const SaveOptions& options);
+
+// The iteration <dir>/latest_checkpointed_iteration.txt names, or -1 when there is no
+// readable tracker holding a number.
+int64_t tracked_iteration(const std::string& dir);
+
 // Checks at start-up, before any training time is spent, that `save_dir` can be written:
 // it is a directory that exists and is writable, or the nearest existing ancestor is a
 // writable directory in which it can be created. Creates nothing. Throws megaton::Error
