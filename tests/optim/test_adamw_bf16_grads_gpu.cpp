@@ -122,8 +122,9 @@ TEST(AdamWBf16GradsGpu, Bf16GradsUpdateAsTheirFp32ValuesAndAsTheCpu) {
       EXPECT_TRUE(testing::bitwise_equal(host(gpu_bf.params[i]), host(gpu_f32.params[i])));
       EXPECT_TRUE(testing::bitwise_equal(host(gpu_bf.m[i]), host(gpu_f32.m[i])));
       EXPECT_TRUE(testing::bitwise_equal(host(gpu_bf.v[i]), host(gpu_f32.v[i])));
-      if (gpu_bf.copies[i].defined())
+      if (gpu_bf.copies[i].defined()) {
         EXPECT_TRUE(testing::bitwise_equal(host(gpu_bf.copies[i]), host(gpu_f32.copies[i])));
+      }
       // And the CPU twin's: bitwise where a moment is bf16, within fp32 rounding otherwise.
       if (i % 3 == 0) {
         EXPECT_TRUE(testing::allclose(host(gpu_bf.params[i]), host(cpu_bf.params[i]), 1e-7, 1e-6));
