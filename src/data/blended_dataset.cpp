@@ -107,8 +107,33 @@ void BlendedDataset::get(int64_t index, int32_t* tokens) const {
 
 // ---------------------------------------------------------------------------------------
 
+namespace {
+// The datasets of one split built from a blend used whole for that split (Megatron's
+// BlendedMegatronDatasetBuilder with blend_per_split: each low-level dataset gets the
+// split vector with 1 for its split).
+std::unique_ptr<SampleSource> build_per_split(const GPTDatasetConfig& config, Split split,
+                                              const std::vector<std::pair<double, std::string>>& blend,
+                                              int64_t num_samples) {
+  GPTDatasetConfig whole = config;
+  whole.split = split == Split::Train ? "1,0,0" : split == Split::Valid ? "0,1,0" : "0,0,1";
+  whole.blend = blend;
+  whole.blend_per_split = {};
+  std::array<int64_t, 3> counts{};
+  counts[int(split)] = num_samples;
+  return std::move(build_gpt_datasets(whole, counts)[int(split)]);
+}
+}  // namespace
+
 std::array<std::unique_ptr<SampleSource>, 3> build_gpt_datasets(
     const GPTDatasetConfig& config, std::array<int64_t, 3> num_samples) {
+  const auto& per_split = config.blend_per_split;
+  if (!per_split[0].empty() || !per_split[1].empty() || !per_split[2].empty()) {
+    std::array<std::unique_ptr<SampleSource>, 3> result;
+    for (int s = 0; s < 3; ++s)
+      if (!per_split[s].empty() && num_samples[s] > 0)
+        result[s] = build_per_split(config, static_cast<Split>(s), per_split[s], num_samples[s]);
+    return result;
+  }
   if (config.blend.empty()) fail("--data-path: no datasets given");
   if (config.seq_length < 1) fail("--seq-length {}: expected >= 1", config.seq_length);
   for (int s = 0; s < 3; ++s)

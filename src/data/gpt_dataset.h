@@ -33,6 +33,11 @@ struct GPTDatasetConfig {
   // (weight, path prefix) pairs, e.g. from parse_data_path(--data-path). Weights need
   // not be normalised. With one prefix its weight is ignored.
   std::vector<std::pair<double, std::string>> blend;
+  // Megatron's blend_per_split (--train-data-path, --valid-data-path, --test-data-path or
+  // --per-split-data-args-path): one blend per split, each dataset used whole for its
+  // split (split is then not read). Used instead of `blend` when any is non-empty; an
+  // empty one builds no dataset for that split.
+  std::array<std::vector<std::pair<double, std::string>>, 3> blend_per_split;
   // --split: train, valid, test fractions of the documents, e.g. "969,30,1" or "98/2/0".
   std::string split = "969,30,1";
   // --seq-length: tokens per sample (each sample holds seq_length + 1 tokens).
