@@ -85,9 +85,9 @@ struct GPTConfig {
   int64_t moe_shared_expert_intermediate_size = 0;    // 0: no shared expert
   bool moe_shared_expert_gate = false;
 
-  // Where and in what precision the model runs. --bf16 keeps fp32 main params and main
-  // grads and computes in bf16; it applies on the GPU (the CPU backend is the fp32
-  // reference and ignores it).
+  // Where and in what precision the model runs. --bf16 keeps fp32 main params and (unless
+  // main_grads_dtype below says bf16) main grads and computes in bf16; the compute dtype
+  // applies on the GPU (the CPU backend is the fp32 reference and ignores it).
   bool bf16 = false;
   // --fp16: fp16 compute on the GPU where --bf16 computes in bf16, with the same fp32 main
   // params and grads; the loss is scaled (optim/grad_scaler.h). The CPU computes fp32.

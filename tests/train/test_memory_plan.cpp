@@ -9,6 +9,7 @@
 #include <string>
 
 #include "core/tensor.h"
+#include "model/main_grad.h"
 #include "train/arguments.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
@@ -76,6 +77,10 @@ const Case kCases[] = {
     {"MoEBf16Moments", true,
      {{"use-precision-aware-optimizer", {"true"}}, {"exp-avg-dtype", {"bf16"}},
       {"exp-avg-sq-dtype", {"bf16"}}}},
+    // Scaled moments: fp8 exp_avg (1 byte), fp16 exp_avg_sq (2 bytes), with their scales.
+    {"MoEFp8Fp16Moments", true,
+     {{"use-precision-aware-optimizer", {"true"}}, {"exp-avg-dtype", {"fp8"}},
+      {"exp-avg-sq-dtype", {"fp16"}}}},
     {"MoESelectiveMoeSharedExpert", true,
      {{"moe-shared-expert-intermediate-size", {"256"}}, {"recompute-granularity", {"selective"}},
       {"recompute-modules", {"moe", "shared_experts", "layernorm"}}}},
@@ -83,6 +88,12 @@ const Case kCases[] = {
      {{"recompute-granularity", {"full"}}, {"recompute-method", {"uniform"}},
       {"recompute-num-layers", {"2"}}}},
     {"MoECpuOffloading", true, {{"cpu-offloading-num-layers", {"1"}}}},
+    // BF16 grad buffers (the CPU computes fp32 under --bf16) and the fp32 scratch the
+    // gradients pass through (model/main_grad.h).
+    {"DenseBf16MainGrads", false, {{"bf16", {"true"}}, {"grad-reduce-in-bf16", {"true"}}}},
+    {"MoEBf16MainGrads", true,
+     {{"bf16", {"true"}}, {"use-precision-aware-optimizer", {"true"}},
+      {"main-grads-dtype", {"bf16"}}}},
     {"MoEAlltoAllDistributedOptimizer", true,
      {{"moe-token-dispatcher-type", {"alltoall"}}, {"use-distributed-optimizer", {"true"}}}},
 };
@@ -107,11 +118,16 @@ class PlanAgainstRun : public ::testing::TestWithParam<Case> {};
 TEST_P(PlanAgainstRun, PersistentExactPeakWithinFivePercent) {
   const RawOptions raw = raw_of(GetParam());
   const MemoryPlan plan = plan_of(raw);
+  release_main_grad_scratch();  // another test's scratch would count as held before
   const int64_t before = host_allocator_stats().allocated_bytes;
   reset_peak_host_memory();
   Trainer trainer(parse_train_args(raw), raw);
-  const double persistent = double(host_allocator_stats().allocated_bytes - before);
+  double persistent = double(host_allocator_stats().allocated_bytes - before);
   trainer.train();
+  // BF16 main grads: the pooled fp32 scratch, taken at the first backward and kept.
+  EXPECT_EQ(main_grad_scratch_bytes(Device::CPU) > 0,
+            parse_train_args(raw).model.main_grads_dtype == DType::BF16);
+  persistent += memory_plan_block_bytes(double(main_grad_scratch_bytes(Device::CPU)), Device::CPU);
   const double peak = double(host_allocator_stats().peak_allocated_bytes - before);
   const double built = double(trainer.model().num_parameters());
   std::printf(" plan: persistent %.0f (measured %.0f), peak %.0f (measured %.0f, ratio %.4f) at %s\n",
