@@ -179,7 +179,8 @@ const std::vector<OptionSpec>& train_option_specs() {
       {"no-load-rng", "do not load the RNG state", true},
       {"finetune", "load weights only and start at iteration 0", true},
       {"device", "cpu or cuda (default: cuda when a GPU is visible)"},
-      {"bf16", "bf16 compute with fp32 main params and grads (GPU; the CPU computes fp32)", true},
+      {"bf16", "bf16 compute with fp32 main params and grads (GPU; the CPU computes fp32); bf16 "
+               "grads with grad-reduce-in-bf16 or main-grads-dtype bf16", true},
       {"fp16", "fp16 compute with fp32 main params and grads and a loss scale (GPU; the CPU "
                "computes fp32 and still scales the loss)", true},
       {"loss-scale", "static loss scale (fp16 or bf16); default: dynamic under --fp16"},
