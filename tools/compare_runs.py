@@ -1,12 +1,12 @@
 """Compares two training runs of the same config under different parallel layouts.
 
 Usage: python3 tools/compare_runs.py REF_DIR RUN_DIR [--rtol 1e-5] [--resumed]
-       [--num-zeros-rtol 0]
+       [--num-zeros-atol 0]
 Each DIR holds `metrics.jsonl` (written by `megaton train --log-metrics-file`) and a
 checkpoint directory `save/` (`--save`). Checks, for every iteration, that the lm loss,
 the grad norm, (MoE) the load-balancing loss and (--log-params-norm) the params norm agree to a relative difference <= rtol, and that every parameter of the
 last checkpoint ("model.*" tensors, fp32) agrees as a whole tensor: ||a - b|| / ||b|| <=
-rtol; the logged zero count exactly (--num-zeros-rtol: within that fraction). --resumed: RUN_DIR resumed from a checkpoint, so it logged only the later
+rtol; the logged zero count exactly (--num-zeros-atol: within that many elements). --resumed: RUN_DIR resumed from a checkpoint, so it logged only the later
 iterations (each must be in the reference). Prints the worst differences; exits 1 when a check fails, 2 on unreadable input.
 Pure Python (no numpy): the CI machine runs it.
 """
@@ -54,7 +54,7 @@ def main():
     p.add_argument("--resumed", action="store_true")
     # BF16 main grads: two bf16 partial sums that cancel give an exact zero, so where the
     # rounding points differ (DP halves, TP sums) the zero count moves with them.
-    p.add_argument("--num-zeros-rtol", type=float, default=0.0)
+    p.add_argument("--num-zeros-atol", type=int, default=0)
     a = p.parse_args()
     try:
         ref_m = read_metrics(os.path.join(a.ref, "metrics.jsonl"))
@@ -101,11 +101,11 @@ def main():
                 failures.append(f"iteration {r['iteration']}: {key} {m.get(key)!r} vs "
                                 f"{r.get(key)!r}")
         # Counted once per distinct element on any layout: equal exactly (unless
-        # --num-zeros-rtol allows |run - ref| <= rtol * ref).
+        # --num-zeros-atol allows |run - ref| <= atol elements).
         if ("num_zeros" in r) != ("num_zeros" in m):
             failures.append(f"iteration {r['iteration']}: num zeros logged by one run only")
         elif "num_zeros" in r and not (
-                abs(r["num_zeros"] - m["num_zeros"]) <= a.num_zeros_rtol * r["num_zeros"]):
+                abs(r["num_zeros"] - m["num_zeros"]) <= a.num_zeros_atol):
             failures.append(f"iteration {r['iteration']}: num zeros {m['num_zeros']} vs "
                             f"{r['num_zeros']}")
     if set(ref_w) != set(run_w):
