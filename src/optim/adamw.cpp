@@ -50,14 +50,13 @@ void check_precision_aware_config(const AdamWConfig& c) {
       fail("option '{}' {} needs --use-precision-aware-optimizer (only fp32 without it)", key,
            flag_dtype_name(dtype));
     if (std::string_view(key) == "main-params-dtype")
-      fail("option 'main-params-dtype' fp16 is not supported in Megaton yet (Transformer "
-           "Engine keeps an fp16 main param with a per-tensor scale); use fp32");
-    if (dtype != DType::BF16)
-      fail("option '{}' {} is not supported in Megaton yet (Transformer Engine keeps fp16 and "
-           "fp8 moments with a per-tensor scale); use bf16 or fp32", key,
-           flag_dtype_name(dtype));
+      fail(
+          "option 'main-params-dtype' fp16 is not supported in Megaton yet (Transformer "
+          "Engine keeps an fp16 main param with a per-tensor scale); use fp32");
   }
 }
+
+bool scaled_moment_dtype(DType d) { return d == DType::F16 || d == DType::F8E4M3; }
 
 ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_size,
                                            int64_t offset) {
@@ -111,10 +110,21 @@ Tensor main_param_value(const Param& p) {
 
 AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device)
     : params_(std::move(params)), config_(config) {
-  const auto moment_dtype_ok = [](DType d) { return d == DType::F32 || d == DType::BF16; };
+  const auto moment_dtype_ok = [](DType d) {
+    return d == DType::F32 || d == DType::BF16 || scaled_moment_dtype(d);
+  };
   MEGATON_CHECK(moment_dtype_ok(config_.exp_avg_dtype) && moment_dtype_ok(config_.exp_avg_sq_dtype),
-                "AdamW moments must be F32 or BF16, got {} and {}",
+                "AdamW moments must be F32, BF16, F16 or F8_E4M3, got {} and {}",
                 dtype_name(config_.exp_avg_dtype), dtype_name(config_.exp_avg_sq_dtype));
+  scaled_moments_ =
+      scaled_moment_dtype(config_.exp_avg_dtype) || scaled_moment_dtype(config_.exp_avg_sq_dtype);
+  // The host update has no absmax pass or reduction over ranks for scaled moments.
+  if (scaled_moments_ && config_.optimizer_cpu_offload)
+    fail(
+        "option 'optimizer-cpu-offload' with --exp-avg-dtype {} --exp-avg-sq-dtype {} is not "
+        "supported in Megaton yet (fp16 and fp8 moments are updated on the device only); use "
+        "bf16 or fp32 moments",
+        flag_dtype_name(config_.exp_avg_dtype), flag_dtype_name(config_.exp_avg_sq_dtype));
   std::set<std::string> names;
   exp_avg_.reserve(params_.size());
   exp_avg_sq_.reserve(params_.size());
@@ -166,8 +176,49 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
   }
   if (config_.optimizer_cpu_offload)
     offload_ = std::make_unique<OptimizerOffload>(params_, offloaded_, config_, exp_avg_, exp_avg_sq_);
-  state_ = Tensor::zeros({2}, DType::I64,
-                         params_.empty() ? state_device : params_[0]->weight.device());
+  const Device device = params_.empty() ? state_device : params_[0]->weight.device();
+  state_ = Tensor::zeros({2}, DType::I64, device);
+  if (scaled_moments_) {
+    // Scale 0 with zero moments: the first absmax pass sets them (TE starts its scales at 1
+    // over zero states: the same values).
+    const int64_t n = int64_t(params_.size());
+    moment_scale_ = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, device);
+    own_absmax_ = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, device);
+    MomentAbsmaxSlots slots;
+    for (int64_t i = 0; i < n; ++i) {
+      scale_rows_.push_back(moment_scale_.rows(i, 1).view({2}));
+      slots.rows.push_back(own_absmax_.rows(i, 1).view({2}));
+    }
+    slots.storage = {own_absmax_};
+    absmax_ = std::move(slots);
+  }
+}
+
+void AdamW::set_moment_absmax_slots(MomentAbsmaxSlots slots) {
+  MEGATON_CHECK(slots.rows.size() == params_.size(), "{} absmax slots for {} params",
+                slots.rows.size(), params_.size());
+  for (const Tensor& row : slots.rows)
+    MEGATON_CHECK(row.defined() && row.dtype() == DType::F32 && row.numel() == 2,
+                  "an absmax slot must be F32 [2]");
+  absmax_ = std::move(slots);
+}
+
+void AdamW::moment_absmax_pass(SplitLists& s, float grad_scale, const Tensor& control) {
+  if (!scaled_moments_) return;
+  // Rows of params this rank does not update stay 0 (the identity of the max).
+  for (Tensor& t : absmax_.storage) t.zero();
+  for (Lists* l : {&s.fp32, &s.remainder})
+    if (!l->grads.empty())
+      ops::multi_tensor_adamw_moment_absmax(l->grads, l->exp_avg, l->exp_avg_sq, l->scales,
+                                            config_.adam_beta1, config_.adam_beta2, grad_scale,
+                                            control);
+  if (absmax_.reduce) absmax_.reduce();
+}
+
+Tensor AdamW::moment_scales(size_t i) const {
+  MEGATON_CHECK(scaled_moments_ && i < scale_rows_.size(), "moment scales of param {} of {}", i,
+                scale_rows_.size());
+  return scale_rows_[i];
 }
 
 AdamW::SplitLists AdamW::lists() const {
@@ -194,6 +245,10 @@ AdamW::SplitLists AdamW::lists() const {
     l.exp_avg_sq.push_back(exp_avg_sq_[i]);
     l.weight_decays.push_back(decays[i]);
     l.keys.push_back(rounding_keys_[i]);
+    if (scaled_moments_) {
+      l.scales.scale.push_back(scale_rows_[i]);
+      l.scales.absmax.push_back(absmax_.rows[i]);
+    }
   }
   return out;
 }
@@ -211,16 +266,17 @@ void AdamW::step(const Tensor& control) {
   // runs there while the device runs its own (queued below).
   if (offload_) offload_->start(control);
   SplitLists s = lists();
+  moment_absmax_pass(s, 1.0f, control);
   Lists& f = s.fp32;
   if (!f.masters.empty())
-    ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies,
-                            f.weight_decays, config_.adam_beta1, config_.adam_beta2,
-                            config_.adam_eps, control, f.keys);
+    ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies, f.weight_decays,
+                            config_.adam_beta1, config_.adam_beta2, config_.adam_eps, control,
+                            f.keys, f.scales);
   Lists& r = s.remainder;
   if (!r.masters.empty())
     ops::multi_tensor_adamw_param_remainder(r.masters, r.copies, r.grads, r.exp_avg, r.exp_avg_sq,
-                                            r.weight_decays, config_.adam_beta1,
-                                            config_.adam_beta2, config_.adam_eps, control, r.keys);
+                                            r.weight_decays, config_.adam_beta1, config_.adam_beta2,
+                                            config_.adam_eps, control, r.keys, r.scales);
   if (offload_)
     offload_->finish(weight_decays(), rounding_keys_, exp_avg_, exp_avg_sq_, config_.adam_beta1,
                      config_.adam_beta2, config_.adam_eps, 0.0f, 0, 1.0f);
@@ -233,17 +289,18 @@ void AdamW::step(float lr, float grad_scale) {
   set_step_count(step);
   if (offload_) offload_->start(Tensor());
   SplitLists s = lists();
+  moment_absmax_pass(s, grad_scale, Tensor());
   Lists& f = s.fp32;
   if (!f.masters.empty())
-    ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies,
-                            f.weight_decays, lr, config_.adam_beta1, config_.adam_beta2,
-                            config_.adam_eps, step, grad_scale, f.keys);
+    ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies, f.weight_decays,
+                            lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step,
+                            grad_scale, f.keys, f.scales);
   Lists& r = s.remainder;
   if (!r.masters.empty())
     ops::multi_tensor_adamw_param_remainder(r.masters, r.copies, r.grads, r.exp_avg, r.exp_avg_sq,
                                             r.weight_decays, lr, config_.adam_beta1,
                                             config_.adam_beta2, config_.adam_eps, step, grad_scale,
-                                            r.keys);
+                                            r.keys, r.scales);
   if (offload_)
     offload_->finish(weight_decays(), rounding_keys_, exp_avg_, exp_avg_sq_, config_.adam_beta1,
                      config_.adam_beta2, config_.adam_eps, lr, step, grad_scale);

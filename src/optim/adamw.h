@@ -1,6 +1,7 @@
 // AdamW: Megatron's default optimizer over fp32 main parameters and main gradients.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -8,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "model/param.h"
+#include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
 #include "optim/optimizer_offload.h"
 
@@ -21,9 +23,10 @@ struct AdamWConfig {
   float adam_eps = 1e-8f;
   // Megatron's precision-aware optimizer (--use-precision-aware-optimizer, OptimizerConfig
   // fields of the same names; docs/memory.md "Precision-aware optimizer"): the dtypes the
-  // Adam moments are stored in, F32 or BF16 (the update math stays fp32,
-  // ops/adam_precision_math.h). main_params_dtype and main_grads_dtype are F32 (the
-  // flags' other values are refused by check_precision_aware_config).
+  // Adam moments are stored in, F32, BF16, or F16 / F8E4M3 with a per-tensor scale (the
+  // update math stays fp32, ops/adam_precision_math.h, ops/adam_scaled_state_math.h).
+  // main_params_dtype is F32 (fp16 is refused by check_precision_aware_config);
+  // main_grads_dtype F32 or BF16.
   bool use_precision_aware_optimizer = false;
   DType main_params_dtype = DType::F32;
   DType main_grads_dtype = DType::F32;
@@ -69,12 +72,15 @@ DType precision_aware_dtype(const std::string& key, const std::string& value,
 ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_size,
                                            int64_t offset);
 
+// Whether moments of dtype d are stored with a per-tensor scale (F16, F8E4M3: Transformer
+// Engine's FusedAdam; ops/adam_scaled_state_math.h).
+bool scaled_moment_dtype(DType d);
+
 // Megatron's rules for the precision-aware flags (OptimizerConfig.__post_init__): a dtype
 // other than fp32 needs use_precision_aware_optimizer. Then what Megaton does not have yet:
-// fp16 or fp8 moments and fp16 main params (Transformer Engine keeps them with a per-tensor
-// scale). main_grads_dtype bf16 is accepted (with --bf16, BF16 grad buffers:
-// GPTConfig::main_grads_dtype, model/main_grad.h). Throws megaton::Error with one line
-// naming the flag.
+// fp16 main params (Transformer Engine keeps them with a per-tensor scale). main_grads_dtype bf16
+// is accepted (with --bf16, BF16 grad buffers: GPTConfig::main_grads_dtype, model/main_grad.h).
+// Throws megaton::Error with one line naming the flag.
 void check_precision_aware_config(const AdamWConfig& config);
 
 // Decoupled-weight-decay Adam (Loshchilov & Hutter 2019) as Megatron runs it (Apex/TE
@@ -82,9 +88,10 @@ void check_precision_aware_config(const AdamWConfig& config);
 // ops::multi_tensor_adamw_param_remainder for params whose main param is kept as a
 // remainder (store_param_remainders). Holds one
 // exp_avg and exp_avg_sq per parameter, shaped like its weight, zero at construction, in
-// config.exp_avg_dtype / exp_avg_sq_dtype (fp32 by default; bf16 under the
-// precision-aware optimizer). Params with no_weight_decay (biases, norm weights) get
-// weight decay 0. BF16 moments are stored stochastically rounded, with random bits keyed
+// config.exp_avg_dtype / exp_avg_sq_dtype (fp32 by default; bf16, fp16 or fp8 under the
+// precision-aware optimizer, the last two with a scale per param and moment). Params with
+// no_weight_decay (biases, norm weights) get weight decay 0. BF16, F16 and F8E4M3 moments
+// are stored stochastically rounded, with random bits keyed
 // by each param's rounding key (moment_rounding_key(*param, 0, 1, 0), its whole tensor,
 // unless set_rounding_keys says otherwise).
 class AdamW {
@@ -139,6 +146,30 @@ class AdamW {
   // a count mismatch.
   void set_rounding_keys(std::vector<ops::MomentRoundingKey> keys);
 
+  // fp16 and fp8 moments (config.exp_avg_dtype / exp_avg_sq_dtype F16 or F8E4M3) carry one
+  // fp32 scale per param and moment (ops::AdamMomentScales), set from the absmax of the new
+  // moments each step. Megaton's deviation from Transformer Engine: the absmax is that of
+  // the model's whole parameter, not of the piece this optimizer holds, so the owner of a
+  // shard or tensor-parallel slice reduces it over the ranks holding the other pieces
+  // (docs/memory.md "Scaled optimizer states"). Where each param's absmax goes:
+  //   rows:    one F32 [2] view per param, in order (exp_avg's, exp_avg_sq's absmax);
+  //   storage: the tensors holding the rows, zeroed before each absmax pass (rows of
+  //            params that no list entry writes stay 0, the max's identity);
+  //   reduce:  called after the pass, before the update reads the rows (a max over ranks;
+  //            empty: nothing to reduce).
+  // By default AdamW's own [params, 2] tensor with no reduction (one rank).
+  struct MomentAbsmaxSlots {
+    std::vector<Tensor> rows;
+    std::vector<Tensor> storage;
+    std::function<void()> reduce;
+  };
+  void set_moment_absmax_slots(MomentAbsmaxSlots slots);
+  bool scaled_moments() const { return scaled_moments_; }
+  // Param i's scales, F32 [2] (exp_avg's, exp_avg_sq's; unused for an unscaled moment;
+  // value = stored * scale), a view: writing it sets them (a checkpoint's; DistributedAdamW
+  // writes them as "optimizer.<name>.exp_avg.scale"). InternalError without scaled moments.
+  Tensor moment_scales(size_t i) const;
+
   const AdamWConfig& config() const { return config_; }
   const std::vector<Param*>& params() const { return params_; }
   // Elements whose state and update are on the host (config.optimizer_cpu_offload; 0
@@ -152,6 +183,12 @@ class AdamW {
   std::vector<Tensor> exp_avg_sq_;
   Tensor state_;  // I64 [2]: step count, stopped
   std::vector<ops::MomentRoundingKey> rounding_keys_;
+  // Scaled moments: the scales ([params, 2] F32), their per-param rows, and where the
+  // absmax goes.
+  bool scaled_moments_ = false;
+  Tensor moment_scale_, own_absmax_;
+  std::vector<Tensor> scale_rows_;
+  MomentAbsmaxSlots absmax_;
   // --optimizer-cpu-offload: which params are on the host, and their half of the step.
   std::vector<uint8_t> offloaded_;
   std::unique_ptr<OptimizerOffload> offload_;
@@ -163,11 +200,15 @@ class AdamW {
     std::vector<Tensor> masters, grads, copies, exp_avg, exp_avg_sq;
     std::vector<float> weight_decays;
     std::vector<ops::MomentRoundingKey> keys;
+    ops::AdamMomentScales scales;  // scaled moments: each entry's scale and absmax rows
   };
   struct SplitLists {
     Lists fp32, remainder;
   };
   SplitLists lists() const;
+  // The absmax pass of scaled moments over both lists, then absmax_.reduce; nothing
+  // without scaled moments. control: undefined (host path, grad_scale) or the step's.
+  void moment_absmax_pass(SplitLists& s, float grad_scale, const Tensor& control);
 };
 
 }  // namespace megaton::optim

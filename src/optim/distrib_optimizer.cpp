@@ -19,12 +19,15 @@ namespace megaton::optim {
 namespace {
 // ops::cast of src into dst (its dtype), also when src is on the host and dst on the device
 // (an offloaded moment, --optimizer-cpu-offload): converted on the host, then copied.
+// fp8 moments (which the device cast does not take) go through the host too.
 void cast_into(const Tensor& src, Tensor& dst) {
-  if (src.device() == dst.device()) {
+  const bool fp8 = src.dtype() == DType::F8E4M3 || dst.dtype() == DType::F8E4M3;
+  if (src.device() == dst.device() && !fp8) {
     ops::cast(src, dst);
     return;
   }
-  dst.copy_from(src.dtype() == dst.dtype() ? src : src.to(dst.dtype()));
+  const Tensor host = fp8 ? src.to(Device::CPU) : src;
+  dst.copy_from(host.dtype() == dst.dtype() ? host : host.to(dst.dtype()));
 }
 }  // namespace
 
@@ -55,6 +58,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
       }
     adam_ = std::make_unique<AdamW>(targets, config, comm.device());
     adam_->set_rounding_keys(std::move(keys));
+    plan_moment_absmax();
     return;
   }
   // One AdamW param per piece of a model param inside this rank's shard of each buffer.
@@ -124,6 +128,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
   for (const BufferPiece& piece : shard_pieces_)
     keys.push_back(rounding_key_of(*piece.param, piece.param_offset, grid_));
   adam_->set_rounding_keys(std::move(keys));
+  plan_moment_absmax();
   plan_fp8_weight_casts();
   quantize_fp8_weights();
 }
@@ -305,7 +310,8 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   auto state = adam_->state_tensors();  // exp_avg, exp_avg_sq of each AdamW param in order
   if (!distributed_) {
     size_t index = 0;  // AdamW param index: the buffers' params in order
-    for (ParamAndGradBuffer& b : each_buffer()) {
+    for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+      ParamAndGradBuffer& b = *buffers_[bi];
       const bool writer = group_of(b).rank == 0;
       for (Param* p : b.params()) {
         if (writer && !p->shared) {
@@ -317,6 +323,7 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
         }
         ++index;
       }
+      append_moment_scales(bi, optim_out);
     }
   } else {
     // Each buffer's full main params and moments: every rank writes its pieces into
@@ -324,7 +331,8 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
     for (size_t bi = 0; bi < buffers_.size(); ++bi) {
       ParamAndGradBuffer& b = *buffers_[bi];
       const dist::Group& g = group_of(b);
-      // Assembled in fp32 whatever the moments' dtype (bf16 -> fp32 -> bf16 is exact), then
+      // Assembled in fp32 whatever the moments' dtype (bf16, fp16, fp8 -> fp32 -> back is
+      // exact; fp16 and fp8 as stored, every piece of a param having its one scale), then
       // written in their dtype.
       std::array<Tensor, 3> full;  // main, exp_avg, exp_avg_sq
       for (Tensor& t : full) t = Tensor::zeros({b.numel()}, DType::F32, b.grads().device());
@@ -345,8 +353,12 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
       for (Tensor& t : full) comm_.all_reduce(t, g);
       if (g.rank != 0) continue;
       const AdamWConfig& c = adam_->config();
-      if (c.exp_avg_dtype != DType::F32) full[1] = full[1].to(c.exp_avg_dtype);
-      if (c.exp_avg_sq_dtype != DType::F32) full[2] = full[2].to(c.exp_avg_sq_dtype);
+      // (fp8 on the host: the device cast does not write it.)
+      for (int col = 1; col <= 2; ++col) {
+        const DType d = col == 1 ? c.exp_avg_dtype : c.exp_avg_sq_dtype;
+        if (d == DType::F8E4M3) full[col] = full[col].to(Device::CPU);
+        if (d != DType::F32) full[col] = full[col].to(d);
+      }
       for (size_t k = 0; k < b.params().size(); ++k) {
         const Param* p = b.params()[k];
         if (p->shared) continue;  // the first pipeline stage writes the tied embeddings
@@ -359,6 +371,8 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
       }
     }
   }
+  if (distributed_)  // (replicated, appended per buffer above)
+    for (size_t bi = 0; bi < buffers_.size(); ++bi) append_moment_scales(bi, optim_out);
   for (auto& entry : optim_out) model_out.push_back(std::move(entry));
   return model_out;
 }
@@ -394,29 +408,8 @@ void DistributedAdamW::load_full_state(
       }
     }
   }
-  // An Adam moment in the checkpoint's dtype (F32, BF16 or F16), converted to this run's
-  // (round to nearest even) with one notice on world rank 0.
-  bool noticed = false;
-  auto get_moment = [&](const std::string& name, const Shape& shape, DType dtype) -> Tensor {
-    const Tensor* t = find(name);
-    if (!t) fail("checkpoint '{}' has no tensor '{}'", source, name);
-    const DType stored = t->dtype();
-    if (t->shape() != shape ||
-        (stored != DType::F32 && stored != DType::BF16 && stored != DType::F16))
-      fail("checkpoint '{}': tensor '{}' is {} {}, the optimizer expects F32, BF16 or F16 {}",
-           source, name, dtype_name(stored), shape_str(t->shape()), shape_str(shape));
-    if (stored == dtype) return *t;
-    if (!noticed && grid_.world().rank == 0)
-      fmt::print(" checkpoint '{}' holds the Adam moments in {} ('{}'), this run keeps them in "
-                 "{}: converting\n", source, dtype_name(stored), name, dtype_name(dtype));
-    noticed = true;
-    return t->to(dtype);
-  };
-  auto state = adam_->state_tensors();
   if (!distributed_) {
-    if (optimizer_state)
-      for (auto& [name, t] : state)
-        t->copy_from(get_moment("optimizer." + name, t->shape(), t->dtype()));
+    if (optimizer_state) load_moments(find, source);
     return;
   }
   for (size_t i = 0; i < shard_params_.size(); ++i) {
@@ -434,15 +427,8 @@ void DistributedAdamW::load_full_state(
     } else if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8()) {
       sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
     }
-    if (optimizer_state) {
-      Tensor& m = *state[2 * i].second;
-      Tensor& v = *state[2 * i + 1].second;
-      m.copy_from(slice(get_moment("optimizer." + p->name + ".exp_avg", p->weight.shape(),
-                                   m.dtype())));
-      v.copy_from(slice(get_moment("optimizer." + p->name + ".exp_avg_sq", p->weight.shape(),
-                                   v.dtype())));
-    }
   }
+  if (optimizer_state) load_moments(find, source);
   quantize_fp8_weights();
 }
 

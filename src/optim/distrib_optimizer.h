@@ -96,13 +96,19 @@ class DistributedAdamW {
   // Full fp32 tensors (not sharded over data-parallel ranks) for a checkpoint:
   // "model.<name>" (main params; those kept as remainders joined back into fp32, so a
   // checkpoint is the same with and without remainders) then "optimizer.<name>.exp_avg" /
-  // ".exp_avg_sq", of the params this rank writes: those of buffers where it is rank 0 of
+  // ".exp_avg_sq" in their dtypes (fp16 and fp8 ones followed by their scales,
+  // ".exp_avg.scale" / ".exp_avg_sq.scale", F32 [1]: one per whole parameter), of the
+  // params this rank writes: those of buffers where it is rank 0 of
   // the data-parallel group (the others return none for them), except Param::shared
   // copies, written by the first pipeline stage. Collective over the data-parallel groups.
   std::vector<std::pair<std::string, Tensor>> full_state();
   // Loads full tensors (from a checkpoint; names as in full_state) into this rank's main
-  // params, weights and Adam state. `optimizer_state`: also the Adam moments. Throws
-  // megaton::Error naming `source` and the tensor when one is missing or misshapen.
+  // params, weights and Adam state. `optimizer_state`: also the Adam moments: a moment
+  // stored in another dtype than this run's is converted (unscaled to fp32, then rounded to
+  // nearest, with a new scale from the whole parameter's absmax for fp16 and fp8) with one
+  // notice. Throws megaton::Error naming `source` and the tensor when one is missing or
+  // misshapen. Collective over the (expert-)tensor-parallel groups when converting into
+  // fp16 or fp8 moments.
   void load_full_state(const std::function<const Tensor*(const std::string&)>& find,
                        const std::string& source, bool optimizer_state);
 
@@ -147,6 +153,24 @@ class DistributedAdamW {
   };
   void plan_fp8_weight_casts();
   std::vector<Fp8WeightCast> fp8_casts_;
+  // fp16 and fp8 moments (AdamW::MomentAbsmaxSlots; distrib_optimizer_scales.cpp): per
+  // buffer, the absmax of each of its params' new moments, F32 [params, 2] on the device,
+  // reduced with a max over the buffer's data-parallel group (distributed) and its
+  // (expert-)tensor-parallel group, so every piece of a parameter gets the one-rank scale.
+  std::vector<Tensor> moment_absmax_;
+  // Each AdamW param's buffer and index among that buffer's params.
+  std::vector<std::pair<size_t, size_t>> adam_param_slot_;
+  void plan_moment_absmax();
+  const dist::Group& tp_group_of(const ParamAndGradBuffer& b) const;
+  // full_state's scale entries of buffer bi (written by the group's rank 0; collective over
+  // the data-parallel group when distributed).
+  void append_moment_scales(size_t bi, std::vector<std::pair<std::string, Tensor>>& out);
+  // load_full_state's moments: for AdamW param i (a piece of model param p, elements
+  // [offset, offset + numel) of its slice; the whole slice when replicated) the checkpoint's
+  // moments converted to this run's dtypes, copied into the state, and their scales.
+  struct MomentLoad;
+  void load_moments(const std::function<const Tensor*(const std::string&)>& find,
+                    const std::string& source);
   std::unique_ptr<AdamW> adam_;
 };
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "optim/adamw.h"
 #include "train/memory_plan.h"
 #include "train/pipeline_schedule.h"
 
@@ -154,6 +155,11 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   const double sq_b = double(dtype_size(args.adam.exp_avg_sq_dtype));
   const double grad_b = double(dtype_size(m.main_grads_dtype));
   double scratch = 0;  // main_grad_scratch_numel over the chunks (BF16 main grads)
+  // AdamW's params (pieces under the distributed optimizer) and whether its moments are
+  // scaled (optim::scaled_moment_dtype).
+  double adam_params = 0;
+  const bool scaled_moments = optim::scaled_moment_dtype(args.adam.exp_avg_dtype) ||
+                              optim::scaled_moment_dtype(args.adam.exp_avg_sq_dtype);
   auto block = [&](double bytes) { return memory_plan_block_bytes(bytes, dev); };
   plan.weights = plan.main_grads = plan.main_params = plan.exp_avg = plan.exp_avg_sq = 0;
   plan.other_state = 0;
@@ -185,6 +191,8 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
         if (fp8) plan.other_state += block(2 * 4);  // Param::fp8_scales
       }
       if (sizes.empty()) continue;
+      // fp16 / fp8 moments: DistributedAdamW's absmax of each buffer param (F32 [params, 2]).
+      if (scaled_moments) plan.other_state += block(double(sizes.size()) * 8);
       total = round_up(total, 64 * shards);
       plan.weights += block(total * (fp8 ? 1 : cb));
       plan.main_grads += block(total * grad_b);
@@ -196,6 +204,7 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
                              ? std::max(0.0, std::min(offsets[i] + sizes[i], shard) - offsets[i])
                              : sizes[i];
         if (n <= 0) continue;
+        ++adam_params;
         if (cb != 4 || fp8) plan.main_params += block(n * (remainders && !fp8 ? 2 : main_b));
         plan.exp_avg += block(n * avg_b);
         plan.exp_avg_sq += block(n * sq_b);
@@ -203,6 +212,8 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
     }
   }
   if (scratch > 0) plan.main_grads += block(scratch * 4);
+  // fp16 / fp8 moments: AdamW's scales and absmax, F32 [params, 2] each (optim/adamw.cpp).
+  if (scaled_moments) plan.other_state += 2 * block(std::max(adam_params, 1.0) * 8);
   // --optimizer-cpu-offload: the offloaded fraction's main params and moments are on the
   // host (whole params are chosen, so the device keeps up to one param less than this).
   if (args.adam.optimizer_cpu_offload) {

@@ -67,14 +67,19 @@ dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
                                             const ModelParallel& mp) {
   dist::NamedTensors out;
   for (const auto& [name, t] : entries) {
-    const Param* p = param_of_entry(name, params);
+    // The scale of an fp16 or fp8 moment ("optimizer.<name>.exp_avg.scale"): one per whole
+    // parameter, the same on every tensor-parallel rank (the optimizer reduces its absmax
+    // over the group), written as a replicated tensor.
+    const bool moment_scale =
+        name.ends_with(".exp_avg.scale") || name.ends_with(".exp_avg_sq.scale");
+    const Param* p = param_of_entry(moment_scale ? name.substr(0, name.size() - 6) : name, params);
     MEGATON_CHECK(p != nullptr, "checkpoint entry '{}' belongs to no parameter", name);
     const dist::Group& g = tp_group_of(*p, mp);
     if (g.size() <= 1) {
       out.emplace_back(name, t);
       continue;
     }
-    if (p->tp_split_dim < 0) {  // replicated: the group's rank 0 writes it
+    if (p->tp_split_dim < 0 || moment_scale) {  // replicated: the group's rank 0 writes it
       if (g.rank == 0) out.emplace_back(name, t);
       continue;
     }

@@ -251,11 +251,16 @@ layouts=(
   "dp2-distributed-optimizer-bf16-states|2|--use-distributed-optimizer|PAO=1"
   "tp2-sp-ep2-distributed-optimizer-bf16-states|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall|PAO=1 RTOL=5e-5"
   # fp16 and fp8 moments: one scale per model parameter (its absmax reduced over the DP
-  # shards and the TP slices), so every layout stores what one rank stores.
+  # shards and the TP slices), so every layout stores what one rank stores. As with bf16
+  # states, the layouts' fp32 sums in another order (1e-9 relative) move a few stochastic
+  # roundings; one fp8 step is 6-12% of a moment, so fp8 runs part from one rank by up to
+  # 8.1e-5 (TP2, measured after 3 steps), hence RTOL 2e-4 there. Without the TP reduction
+  # tp2-sp-fp8 parts by 1.1e-1; the DP reduction's effect is below this noise, and
+  # tests/optim/test_scaled_states_mpi.cpp checks it bit for bit instead.
   "dp2-distributed-optimizer-fp16-states|2|--use-distributed-optimizer|PAO=fp16"
-  "dp2-distributed-optimizer-fp8-states|2|--use-distributed-optimizer|PAO=fp8"
+  "dp2-distributed-optimizer-fp8-states|2|--use-distributed-optimizer|PAO=fp8 RTOL=2e-4"
   "tp2-sp-fp16-states|2|--tensor-model-parallel-size 2 --sequence-parallel|PAO=fp16 RTOL=5e-5"
-  "tp2-sp-fp8-states|2|--tensor-model-parallel-size 2 --sequence-parallel|PAO=fp8 RTOL=5e-5"
+  "tp2-sp-fp8-states|2|--tensor-model-parallel-size 2 --sequence-parallel|PAO=fp8 RTOL=2e-4"
   # Activation recomputation (issue 18): the re-run forwards repeat the layouts'
   # collectives (TP/SP gathers, the EP all-to-all) and replay the kept routing; a
   # pipeline stage keeps each in-flight micro-batch's recompute inputs.
@@ -318,8 +323,8 @@ resumes=(
   "dp2-distopt-to-one-rank-bf16-states|2|--use-distributed-optimizer|1||PAO=1"
   # fp16 and fp8 moments with their scales (one per parameter, written by DP rank 0).
   "dp2-distopt-to-one-rank-fp16-states|2|--use-distributed-optimizer|1||PAO=fp16"
-  "dp2-distopt-to-one-rank-fp8-states|2|--use-distributed-optimizer|1||PAO=fp8"
-  "tp2-sp-to-one-rank-fp8-states|2|--tensor-model-parallel-size 2 --sequence-parallel|1||PAO=fp8"
+  "dp2-distopt-to-one-rank-fp8-states|2|--use-distributed-optimizer|1||PAO=fp8 RTOL=2e-4"
+  "tp2-sp-to-one-rank-fp8-states|2|--tensor-model-parallel-size 2 --sequence-parallel|1||PAO=fp8 RTOL=2e-4"
   # The dynamic loss scaler's scale and trackers go through the checkpoint.
   "dp2-distopt-to-one-rank-fp16|2|--use-distributed-optimizer|1||FP16=1"
   "dp2-distopt-to-one-rank-offload|2|--use-distributed-optimizer|1||OFF=1"

@@ -516,7 +516,7 @@ TEST(AdamWPrecision, StochasticRoundingIsLayoutIndependent) {
   }
 }
 
-TEST(AdamWPrecision, FlagRulesAreMegatronsAndUnsupportedDtypesAreRefused) {
+TEST(AdamWPrecision, FlagRulesAreMegatronsAndFp16MainParamsAreRefused) {
   EXPECT_EQ(precision_aware_dtype("exp-avg-dtype", "bf16", {"fp32", "fp16", "bf16", "fp8"}),
             DType::BF16);
   EXPECT_EQ(precision_aware_dtype("exp-avg-dtype", "fp32", {"fp32", "bf16"}), DType::F32);
@@ -529,14 +529,20 @@ TEST(AdamWPrecision, FlagRulesAreMegatronsAndUnsupportedDtypesAreRefused) {
   EXPECT_THROW(check_precision_aware_config(c), Error);  // no switch
   c.use_precision_aware_optimizer = true;
   EXPECT_NO_THROW(check_precision_aware_config(c));
+  // fp16 and fp8 moments (scaled states) with the switch, refused without it.
   for (DType d : {DType::F16, DType::F8E4M3}) {
     AdamWConfig x = c;
     x.exp_avg_sq_dtype = d;
+    EXPECT_NO_THROW(check_precision_aware_config(x));
+    x.exp_avg_dtype = d;
+    x.use_precision_aware_optimizer = false;
     EXPECT_THROW(check_precision_aware_config(x), Error);
   }
+  // bf16 main grads (bf16 grad buffers) with the switch.
   AdamWConfig grads = c;
   grads.main_grads_dtype = DType::BF16;
-  EXPECT_THROW(check_precision_aware_config(grads), Error);
+  EXPECT_NO_THROW(check_precision_aware_config(grads));
+  // fp16 main params: not yet.
   AdamWConfig params = c;
   params.main_params_dtype = DType::F16;
   EXPECT_THROW(check_precision_aware_config(params), Error);

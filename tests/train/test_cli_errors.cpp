@@ -158,15 +158,15 @@ TEST_F(CliErrors, BadFlagValue) {
 TEST_F(CliErrors, PrecisionAwareOptimizerFlags) {
   const std::pair<const char*, const char*> cases[] = {
       {"--exp-avg-dtype bf16", "option 'exp-avg-dtype' bf16 needs --use-precision-aware-optimizer"},
-      {"--main-params-dtype fp16", "option 'main-params-dtype' fp16 needs --use-precision-aware-optimizer"},
+      {"--main-params-dtype fp16",
+       "option 'main-params-dtype' fp16 needs --use-precision-aware-optimizer"},
       {"--use-precision-aware-optimizer --exp-avg-sq-dtype int8",
        "option 'exp-avg-sq-dtype' must be one of fp32, fp16, bf16, fp8 (got 'int8')"},
       {"--use-precision-aware-optimizer --main-grads-dtype fp16",
        "option 'main-grads-dtype' must be one of fp32, bf16 (got 'fp16')"},
       {"--use-precision-aware-optimizer --main-params-dtype fp16",
        "option 'main-params-dtype' fp16 is not supported in Megaton yet"},
-      {"--use-precision-aware-optimizer --exp-avg-dtype fp8",
-       "option 'exp-avg-dtype' fp8 is not supported in Megaton yet"},
+      {"--exp-avg-dtype fp8", "option 'exp-avg-dtype' fp8 needs --use-precision-aware-optimizer"},
   };
   for (const auto& [flags, needle] : cases)
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
@@ -323,6 +323,20 @@ TEST_F(CliErrors, OptimizerOffloadTrains) {
                         "--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d"),
             0)
       << (stderr_lines.empty() ? "" : stderr_lines.back());
+}
+
+// fp16 and fp8 Adam moments (scaled states) train; beside --optimizer-cpu-offload (whose
+// host update has no absmax reduction) they are refused with one line naming both flags.
+TEST_F(CliErrors, ScaledMomentFlags) {
+  const std::string pao = kMock + " --train-iters 2 --lr 1e-3 --use-precision-aware-optimizer";
+  EXPECT_EQ(run(pao + " --exp-avg-dtype fp16 --exp-avg-sq-dtype fp8"), 0)
+      << (stderr_lines.empty() ? "" : stderr_lines.back());
+  expect_user_error(pao + " --exp-avg-dtype fp16 --optimizer-cpu-offload",
+                    "option 'optimizer-cpu-offload' with --exp-avg-dtype fp16 --exp-avg-sq-dtype "
+                    "fp32 is not supported in Megaton yet");
+  expect_user_error(pao + " --exp-avg-sq-dtype fp8 --optimizer-cpu-offload",
+                    "option 'optimizer-cpu-offload' with --exp-avg-dtype fp32 --exp-avg-sq-dtype "
+                    "fp8 is not supported in Megaton yet");
 }
 
 // Class 4: values that used to reach internal checks ("internal error", exit 1).

@@ -1,0 +1,229 @@
+// DistributedAdamW's fp16 and fp8 moments (AdamW's scaled moments): the per-parameter absmax
+// reduced over the ranks that hold pieces of a parameter, the scales in checkpoints, and the
+// checkpoint moments converted between dtypes. docs/memory.md "Scaled optimizer states".
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "core/error.h"
+#include "ops/adam_scaled_state_math.h"
+#include "optim/distrib_optimizer.h"
+
+namespace megaton::optim {
+
+const dist::Group& DistributedAdamW::tp_group_of(const ParamAndGradBuffer& b) const {
+  return b.is_expert() ? grid_.etp() : grid_.tp();
+}
+
+void DistributedAdamW::plan_moment_absmax() {
+  adam_param_slot_.clear();
+  if (!distributed_) {
+    for (size_t bi = 0; bi < buffers_.size(); ++bi)
+      for (size_t k = 0; k < buffers_[bi]->params().size(); ++k)
+        adam_param_slot_.emplace_back(bi, k);
+  } else {
+    for (size_t j = 0; j < shard_pieces_.size(); ++j) {
+      const std::vector<Param*>& params = buffers_[shard_buffer_[j]]->params();
+      const auto at = std::find(params.begin(), params.end(), shard_pieces_[j].param);
+      MEGATON_CHECK(at != params.end(), "shard piece of '{}' outside its buffer",
+                    shard_pieces_[j].param->name);
+      adam_param_slot_.emplace_back(shard_buffer_[j], size_t(at - params.begin()));
+    }
+  }
+  if (!adam_->scaled_moments()) return;
+  AdamW::MomentAbsmaxSlots slots;
+  for (ParamAndGradBuffer& b : each_buffer())
+    moment_absmax_.push_back(Tensor::zeros({std::max<int64_t>(int64_t(b.params().size()), 1), 2},
+                                           DType::F32, b.grads().device()));
+  for (auto [bi, k] : adam_param_slot_)
+    slots.rows.push_back(moment_absmax_[bi].rows(int64_t(k), 1).view({2}));
+  slots.storage = moment_absmax_;
+  // Megaton's deviation from Transformer Engine (whose "tensor" is whatever the optimizer
+  // holds): one scale per model parameter, whatever layout holds it. A buffer's params are
+  // the same, in the same order, on every rank of its data- and tensor-parallel groups, so
+  // one max all-reduce of [params, 2] per group and buffer.
+  slots.reduce = [this] {
+    for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+      const ParamAndGradBuffer& b = *buffers_[bi];
+      if (distributed_ && group_of(b).size() > 1)
+        comm_.all_reduce(moment_absmax_[bi], group_of(b), dist::ReduceOp::Max);
+      if (tp_group_of(b).size() > 1)
+        comm_.all_reduce(moment_absmax_[bi], tp_group_of(b), dist::ReduceOp::Max);
+    }
+  };
+  adam_->set_moment_absmax_slots(std::move(slots));
+}
+
+void DistributedAdamW::append_moment_scales(size_t bi,
+                                            std::vector<std::pair<std::string, Tensor>>& out) {
+  if (!adam_->scaled_moments()) return;
+  ParamAndGradBuffer& b = *buffers_[bi];
+  const dist::Group& g = group_of(b);
+  const int64_t n = int64_t(b.params().size());
+  Tensor scales;
+  if (!distributed_) {
+    if (g.rank != 0) return;
+    scales = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, b.grads().device());
+    for (size_t j = 0; j < adam_param_slot_.size(); ++j)
+      if (adam_param_slot_[j].first == bi)
+        scales.rows(int64_t(adam_param_slot_[j].second), 1)
+            .copy_from(adam_->moment_scales(j).view({1, 2}));
+  } else {
+    // Every piece of a parameter has its scale: the max over the group gathers them.
+    scales = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, b.grads().device());
+    for (size_t j = 0; j < adam_param_slot_.size(); ++j)
+      if (adam_param_slot_[j].first == bi)
+        scales.rows(int64_t(adam_param_slot_[j].second), 1)
+            .copy_from(adam_->moment_scales(j).view({1, 2}));
+    comm_.all_reduce(scales, g, dist::ReduceOp::Max);
+    if (g.rank != 0) return;
+  }
+  const AdamWConfig& c = adam_->config();
+  const bool scaled[2] = {scaled_moment_dtype(c.exp_avg_dtype),
+                          scaled_moment_dtype(c.exp_avg_sq_dtype)};
+  const char* suffix[2] = {".exp_avg.scale", ".exp_avg_sq.scale"};
+  for (int64_t k = 0; k < n; ++k) {
+    const Param* p = b.params()[size_t(k)];
+    if (p->shared) continue;  // the first pipeline stage writes the tied embeddings
+    for (int col = 0; col < 2; ++col)
+      if (scaled[col])
+        out.emplace_back("optimizer." + p->name + suffix[col],
+                         scales.rows(k, 1).view({2}).rows(col, 1));
+  }
+}
+
+namespace {
+
+// A checkpoint moment's values in fp32 on the host: the stored value times its scale.
+Tensor unscaled_values(const Tensor& stored, float scale) {
+  Tensor host = stored.to(Device::CPU);
+  Tensor values = host.dtype() == DType::F32 ? host.clone() : host.to(DType::F32);
+  if (scaled_moment_dtype(stored.dtype()))
+    for (int64_t i = 0; i < values.numel(); ++i) values.f32()[i] *= scale;
+  return values;
+}
+
+}  // namespace
+
+void DistributedAdamW::load_moments(const std::function<const Tensor*(const std::string&)>& find,
+                                    const std::string& source) {
+  const AdamWConfig& c = adam_->config();
+  const DType run[2] = {c.exp_avg_dtype, c.exp_avg_sq_dtype};
+  const char* suffix[2] = {".exp_avg", ".exp_avg_sq"};
+  // The checkpoint's moments of every buffer param (this rank's tensor-parallel slice), their
+  // dtypes and scales.
+  struct Stored {
+    const Tensor* t = nullptr;
+    float scale = 1.0f;
+  };
+  std::vector<std::vector<std::array<Stored, 2>>> stored(buffers_.size());
+  bool convert_to_scaled = false;
+  for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+    for (const Param* p : buffers_[bi]->params()) {
+      std::array<Stored, 2> entry;
+      for (int col = 0; col < 2; ++col) {
+        const std::string name = "optimizer." + p->name + suffix[col];
+        const Tensor* t = find(name);
+        if (!t) fail("checkpoint '{}' has no tensor '{}'", source, name);
+        const DType d = t->dtype();
+        if (t->shape() != p->weight.shape() ||
+            (d != DType::F32 && d != DType::BF16 && d != DType::F16 && d != DType::F8E4M3))
+          fail(
+              "checkpoint '{}': tensor '{}' is {} {}, the optimizer expects F32, BF16, F16 or "
+              "F8_E4M3 {}",
+              source, name, dtype_name(d), shape_str(t->shape()), shape_str(p->weight.shape()));
+        entry[col].t = t;
+        if (scaled_moment_dtype(d)) {
+          const Tensor* s = find(name + ".scale");
+          // An F16 moment without a scale is taken as unscaled (scale 1); fp8 needs one.
+          if (!s && d == DType::F8E4M3)
+            fail("checkpoint '{}' has no tensor '{}' (the scale of an F8_E4M3 moment)", source,
+                 name + ".scale");
+          if (s) {
+            if (s->numel() != 1 || s->dtype() != DType::F32)
+              fail("checkpoint '{}': tensor '{}' is {} {}, expected F32 [1]", source,
+                   name + ".scale", dtype_name(s->dtype()), shape_str(s->shape()));
+            entry[col].scale = float(s->to(Device::CPU).f32()[0]);
+          }
+        }
+        if (d != run[col] && scaled_moment_dtype(run[col])) convert_to_scaled = true;
+      }
+      stored[bi].push_back(entry);
+    }
+  }
+  // New scales where a moment becomes fp16 or fp8: the whole parameter's absmax (a max over
+  // the tensor-parallel group, one all-reduce per buffer), as a training step sets them.
+  std::vector<Tensor> new_scales(buffers_.size());
+  if (convert_to_scaled) {
+    for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+      const size_t n = stored[bi].size();
+      Tensor absmax = Tensor::zeros({std::max<int64_t>(int64_t(n), 1), 2});
+      for (size_t k = 0; k < n; ++k)
+        for (int col = 0; col < 2; ++col) {
+          const Stored& s = stored[bi][k][col];
+          if (s.t->dtype() == run[col] || !scaled_moment_dtype(run[col])) continue;
+          const Tensor values = unscaled_values(*s.t, s.scale);
+          float m = 0.0f;
+          for (int64_t i = 0; i < values.numel(); ++i) m = std::max(m, std::fabs(values.f32()[i]));
+          absmax.f32()[2 * k + col] = m;
+        }
+      const dist::Group& tp = tp_group_of(*buffers_[bi]);
+      if (tp.size() > 1) {
+        Tensor on_device = absmax.to(comm_.device());
+        comm_.all_reduce(on_device, tp, dist::ReduceOp::Max);
+        absmax = on_device.to(Device::CPU);
+      }
+      for (size_t k = 0; k < n; ++k)
+        for (int col = 0; col < 2; ++col)
+          if (scaled_moment_dtype(run[col]))
+            absmax.f32()[2 * k + col] = ops::state_scale_from_absmax(
+                absmax.f32()[2 * k + col], ops::adam_state_kind(run[col], "load_full_state"));
+      new_scales[bi] = absmax;
+    }
+  }
+  bool noticed = false;
+  auto state = adam_->state_tensors();
+  for (size_t j = 0; j < adam_param_slot_.size(); ++j) {
+    const auto [bi, k] = adam_param_slot_[j];
+    int64_t offset = 0, numel = buffers_[bi]->params()[k]->weight.numel();
+    if (distributed_) {
+      offset = shard_pieces_[j].param_offset;
+      numel = shard_pieces_[j].numel;
+    }
+    float scales[2] = {1.0f, 1.0f};
+    for (int col = 0; col < 2; ++col) {
+      const Stored& s = stored[bi][k][col];
+      Tensor& target = *state[2 * j + col].second;
+      auto piece = [&](const Tensor& full) {
+        return full.view({full.numel()}).rows(offset, numel).view(target.shape());
+      };
+      if (s.t->dtype() == run[col]) {
+        target.copy_from(piece(*s.t));
+        scales[col] = s.scale;
+        continue;
+      }
+      if (!noticed && grid_.world().rank == 0)
+        fmt::print(
+            " checkpoint '{}' holds the Adam moments in {} ('{}'), this run keeps them in "
+            "{}: converting\n",
+            source, dtype_name(s.t->dtype()),
+            "optimizer." + buffers_[bi]->params()[k]->name + suffix[col], dtype_name(run[col]));
+      noticed = true;
+      Tensor values = unscaled_values(piece(*s.t), s.scale);
+      if (scaled_moment_dtype(run[col])) {
+        scales[col] = new_scales[bi].f32()[2 * k + col];
+        const float rscale = ops::state_rscale(scales[col]);
+        for (int64_t i = 0; i < values.numel(); ++i) values.f32()[i] *= rscale;
+      }
+      target.copy_from(values.to(run[col]));  // to nearest (fp8: saturating)
+    }
+    if (adam_->scaled_moments()) {
+      Tensor row = Tensor::from({2}, {scales[0], scales[1]});
+      adam_->moment_scales(j).copy_from(row);
+    }
+  }
+}
+
+}  // namespace megaton::optim
