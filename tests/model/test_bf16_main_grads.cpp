@@ -5,7 +5,8 @@
 // fp32 gradients of each micro-batch alone). The tied word embeddings take two
 // accumulations per micro-batch (the output layer's GEMM, then the embedding's
 // scatter-add; Megatron rounds them alike), so they are checked against the whole-tensor
-// bf16 bound (||a - b|| / ||b|| <= 1e-2).
+// bf16 bound (||a - b|| / ||b|| <= 1e-2). With FP8 GEMMs as well (the wgrad GEMM writing
+// the BF16 main grad directly).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -19,9 +20,18 @@
 namespace megaton {
 namespace {
 
-GPTConfig config(const testing::TinyGptVariant& v, DType main_grads) {
+// fp8: the layers' linear GEMMs (and the experts') in FP8 with per-tensor current
+// scaling on the CPU twins, whose wgrad GEMM writes the BF16 main grad itself (fp32 sum,
+// one rounding); every FP8 GEMM dimension a multiple of 16 (as test_recompute.cpp).
+GPTConfig config(const testing::TinyGptVariant& v, DType main_grads, bool fp8 = false) {
   GPTConfig cfg = testing::tiny_gpt_config(v);
   cfg.main_grads_dtype = main_grads;
+  if (fp8) {
+    cfg.fp8.enabled = true;
+    cfg.fp8.recipe = Fp8Recipe::Tensorwise;
+    cfg.seq_length = 8;
+    cfg.moe_ffn_hidden_size = 32;
+  }
   cfg.finalize();
   return cfg;
 }
@@ -69,9 +79,8 @@ std::vector<std::string> param_names(const GPTConfig& cfg) {
 
 class Bf16MainGrads : public ::testing::TestWithParam<testing::TinyGptVariant> {};
 
-TEST_P(Bf16MainGrads, EqualFp32GradsRoundedOncePerMicroBatch) {
-  const testing::TinyGptVariant& v = GetParam();
-  const GPTConfig f32 = config(v, DType::F32), bf16 = config(v, DType::BF16);
+void check_rounded_once_per_micro_batch(const testing::TinyGptVariant& v, bool fp8) {
+  const GPTConfig f32 = config(v, DType::F32, fp8), bf16 = config(v, DType::BF16, fp8);
   const std::vector<MicroBatch> mbs = {micro_batch(f32, 100), micro_batch(f32, 200)};
   // fp32: each micro-batch's gradient alone, and the two accumulated.
   const auto alone = grads_after(f32, mbs, true);
@@ -104,6 +113,14 @@ TEST_P(Bf16MainGrads, EqualFp32GradsRoundedOncePerMicroBatch) {
     // Against the fp32 accumulation: within bf16's resolution.
     EXPECT_LE(testing::rel_error(got[1][i].to(DType::F32), summed[i]), 1e-2);
   }
+}
+
+TEST_P(Bf16MainGrads, EqualFp32GradsRoundedOncePerMicroBatch) {
+  check_rounded_once_per_micro_batch(GetParam(), false);
+}
+
+TEST_P(Bf16MainGrads, Fp8TensorwiseEqualFp32GradsRoundedOncePerMicroBatch) {
+  check_rounded_once_per_micro_batch(GetParam(), true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, Bf16MainGrads, ::testing::ValuesIn(testing::tiny_gpt_variants()),
