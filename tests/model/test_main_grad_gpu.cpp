@@ -155,15 +155,22 @@ TEST(MainGradGpu, Bf16ElementwiseOpsMatchTheCpu) {
 
 // One micro-batch of a tiny bf16 GPT on the GPU: BF16 main grads against the fp32 main
 // grads of the same model and input (bf16 resolution: the GEMMs writing bf16 C may pick
-// other algorithms than those writing fp32).
-TEST(MainGradGpu, TinyGptBf16MainGradsWithinBf16OfFp32) {
-  MEGATON_SKIP_WITHOUT_GPU();
+// other algorithms than those writing fp32). fp8: the linear layers' and experts' GEMMs
+// in FP8 (tensorwise), whose wgrad GEMMs (cuBLASLt, CUTLASS grouped) write the BF16 main
+// grads with beta 1 themselves.
+void check_tiny_gpt(bool fp8) {
   for (const testing::TinyGptVariant& v : testing::tiny_gpt_variants()) {
-    SCOPED_TRACE(v.name);
+    if (fp8 && v.seq_length % 8 != 0) continue;  // 2 x seq_length tokens: a multiple of 16
+    SCOPED_TRACE(v.name + (fp8 ? " fp8" : ""));
     std::vector<std::vector<Tensor>> grads;
     for (DType dtype : {DType::F32, DType::BF16}) {
       GPTConfig cfg = testing::tiny_gpt_config(v, Device::CUDA, /*bf16=*/true);
       cfg.main_grads_dtype = dtype;
+      if (fp8) {
+        cfg.fp8.enabled = true;
+        cfg.fp8.recipe = Fp8Recipe::Tensorwise;
+        cfg.moe_ffn_hidden_size = 32;
+      }
       cfg.finalize();
       GPTModel model(cfg, 1234);
       testing::randomize_params(model, 1241);
@@ -184,6 +191,16 @@ TEST(MainGradGpu, TinyGptBf16MainGradsWithinBf16OfFp32) {
       EXPECT_LE(testing::rel_error(grads[1][i], grads[0][i]), 1e-2) << "param " << i;
     }
   }
+}
+
+TEST(MainGradGpu, TinyGptBf16MainGradsWithinBf16OfFp32) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  check_tiny_gpt(false);
+}
+
+TEST(MainGradGpu, TinyGptFp8Bf16MainGradsWithinBf16OfFp32) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  check_tiny_gpt(true);
 }
 
 }  // namespace
