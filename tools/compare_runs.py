@@ -96,7 +96,7 @@ def main():
                                 f"(relative {d:.2e})")
         # The loss scale and the skips follow from whether any gradient overflowed, which
         # every rank agrees on: equal exactly.
-        for key in ("loss_scale", "skipped"):
+        for key in ("loss_scale", "skipped", "global_batch_size", "consumed_samples"):
             if r.get(key) != m.get(key):
                 failures.append(f"iteration {r['iteration']}: {key} {m.get(key)!r} vs "
                                 f"{r.get(key)!r}")

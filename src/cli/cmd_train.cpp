@@ -4,6 +4,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "dist/runtime.h"
+#include "train/args/flag_table.h"
 #include "train/arguments.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
@@ -22,20 +23,28 @@ void add_train_command(CLI::App& app) {
   auto state = std::make_shared<TrainCommand>();
   CLI::App* cmd = app.add_subcommand("train", "train a GPT model (flags as Megatron-LM's)");
   cmd->add_option("--config", state->config, "YAML file whose keys are the flag names");
-  for (const OptionSpec& spec : train_option_specs()) {
-    if (spec.is_switch) {
-      cmd->add_flag("--" + spec.name, state->switches[spec.name], spec.help);
-    } else {
-      auto* opt = cmd->add_option("--" + spec.name, state->values[spec.name], spec.help);
-      if (spec.multi_value) opt->expected(1, 1 << 20);
-      else opt->expected(1);
+  // --help shows the implemented flags under their group's heading; Megatron's flags that
+  // Megaton takes without effect or refuses parse alike but stay out of it
+  // (docs/megatron-flags.md lists them).
+  for (const ArgGroup& group : train_arg_groups()) {
+    for (const OptionSpec& spec : group.flags) {
+      if (spec.name == "help") continue;  // CLI11's own
+      const std::string heading = spec.rule == FlagRule::Implemented ? group.title : "";
+      if (spec.is_switch) {
+        cmd->add_flag("--" + spec.name, state->switches[spec.name], spec.help)->group(heading);
+      } else {
+        auto* opt = cmd->add_option("--" + spec.name, state->values[spec.name], spec.help);
+        opt->expected(spec.min_values, spec.max_values)->group(heading);
+      }
     }
   }
+  cmd->footer("Megatron-LM's other flags are accepted without effect or refused naming the "
+              "feature: see docs/megatron-flags.md.");
   cmd->callback([cmd, state] {
     RawOptions raw;
     if (!state->config.empty()) raw = read_yaml_options(state->config);
     for (const OptionSpec& spec : train_option_specs()) {
-      if (cmd->count("--" + spec.name) == 0) continue;
+      if (spec.name == "help" || cmd->count("--" + spec.name) == 0) continue;
       raw[spec.name] = spec.is_switch
                            ? std::vector<std::string>{state->switches[spec.name] ? "true" : "false"}
                            : state->values[spec.name];

@@ -171,6 +171,9 @@ class AdamW {
   Tensor moment_scales(size_t i) const;
 
   const AdamWConfig& config() const { return config_; }
+  // The weight decay of the next steps (params without no_weight_decay): Megatron's
+  // scheduler sets it every step (--weight-decay-incr-style, optim::weight_decay).
+  void set_weight_decay(float weight_decay) { config_.weight_decay = weight_decay; }
   const std::vector<Param*>& params() const { return params_; }
   // Elements whose state and update are on the host (config.optimizer_cpu_offload; 0
   // without). Their Param::main_param is then a host tensor.

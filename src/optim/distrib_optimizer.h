@@ -92,6 +92,8 @@ class DistributedAdamW {
 
   int64_t step_count() const { return adam_->step_count(); }
   void set_step_count(int64_t count) { adam_->set_step_count(count); }
+  // AdamW::set_weight_decay.
+  void set_weight_decay(float weight_decay) { adam_->set_weight_decay(weight_decay); }
 
   // Full fp32 tensors (not sharded over data-parallel ranks) for a checkpoint:
   // "model.<name>" (main params; those kept as remainders joined back into fp32, so a

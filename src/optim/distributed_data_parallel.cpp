@@ -38,10 +38,13 @@ DistributedDataParallel::BucketState* DistributedDataParallel::state_of(const Pa
   return it == state_index_.end() ? nullptr : &states_[it->second];
 }
 
-void DistributedDataParallel::start_grad_sync_step() {
+void DistributedDataParallel::start_grad_sync_step(int64_t num_micro_batches) {
+  MEGATON_CHECK(num_micro_batches >= 0, "{} micro-batches in a step", num_micro_batches);
+  if (num_micro_batches > 0) config_.num_micro_batches = num_micro_batches;
   for (BucketState& s : states_) {
     MEGATON_CHECK(!s.grad_work, "a gradient reduction is still running at the start of a step");
     s.reported = 0;
+    s.needed = int64_t(s.buffer->buckets()[s.index].params.size()) * config_.num_micro_batches;
   }
   reports_.clear();
 }

@@ -32,8 +32,10 @@ class DistributedDataParallel {
   DistributedDataParallel(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
                           dist::Comm& comm, DataParallelConfig config);
 
-  // At the start of a step (with zero_grad): no gradient is final yet.
-  void start_grad_sync_step();
+  // At the start of a step (with zero_grad): no gradient is final yet. num_micro_batches
+  // (>= 1, or 0 to keep the configured count): this step's backward passes per parameter,
+  // for a global batch size that changes over the run (a batch-size schedule).
+  void start_grad_sync_step(int64_t num_micro_batches = 0);
 
   // The gradients of `params` are complete for one micro-batch (their layer's backward
   // has run). With overlap_grad_reduce, a bucket whose params have all been reported

@@ -1,14 +1,17 @@
 // TrainArgs: every `megaton train` setting, read from a YAML config and --flags.
 #pragma once
+#include <array>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "data/tokenizer.h"
 #include "dist/grid.h"
 #include "model/config.h"
 #include "optim/adamw.h"
 #include "optim/grad_scaler.h"
 #include "optim/lr_schedule.h"
+#include "train/batch_schedule.h"
 
 namespace megaton {
 
@@ -36,12 +39,33 @@ struct ParallelArgs {
   int64_t distributed_timeout_minutes = 0;
 };
 
+// The run-length and schedule flags as given; parse_train_args turns them into
+// TrainArgs::lr (in samples) and train_iters, as Megatron's get_optimizer_param_scheduler
+// and update_train_iters do. Unset values are 0 (counts), -1 (lengths that may be 0) or
+// empty.
+struct ScheduleFlags {
+  int64_t train_samples = 0;          // --train-samples: sample-based training
+  int64_t lr_warmup_iters = 0;        // --lr-warmup-iters
+  int64_t lr_decay_iters = 0;         // --lr-decay-iters (default: the run)
+  int64_t lr_wsd_decay_iters = -1;    // --lr-wsd-decay-iters
+  int64_t lr_warmup_samples = 0;      // --lr-warmup-samples
+  int64_t lr_decay_samples = 0;       // --lr-decay-samples (default: --train-samples)
+  int64_t lr_wsd_decay_samples = -1;  // --lr-wsd-decay-samples
+  double lr_warmup_fraction = -1;     // --lr-warmup-fraction of the decay
+  double start_weight_decay = -1;     // --start-weight-decay
+  double end_weight_decay = -1;       // --end-weight-decay
+  std::vector<int64_t> rampup_batch_size;  // --rampup-batch-size start increment samples
+  std::string step_batch_size_schedule;    // --step-batch-size-schedule
+};
+
 // Names are Megatron-LM's argument names ('-' -> '_'); defaults are Megatron's unless
 // noted.
 struct TrainArgs {
   GPTConfig model;
   optim::AdamWConfig adam;
+  // The learning-rate and weight-decay schedule, its lengths in samples (from schedule).
   optim::LRScheduleConfig lr;
+  ScheduleFlags schedule;
   // --loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window,
   // --hysteresis: the loss scaler of --fp16 (dynamic unless --loss-scale) or a static
   // scale of --bf16 runs, as Megatron builds them.
@@ -55,17 +79,27 @@ struct TrainArgs {
   std::vector<std::string> warnings;
 
   // Data and tokenizer.
-  std::vector<std::string> data_path;  // one prefix, or "w1 p1 w2 p2 ..."
+  // --data-path, or the tokens of --data-args-path's file: one prefix, or "w1 p1 w2 p2 ...".
+  std::vector<std::string> data_path;
+  // --train-data-path, --valid-data-path, --test-data-path, or --per-split-data-args-path's
+  // JSON: one blend per split, each dataset used whole (empty: none for that split).
+  std::array<std::vector<std::string>, 3> per_split_data_path;
   std::string split = "969,30,1";
+  std::string data_cache_path;  // --data-cache-path: "" = beside each .idx
   std::string tokenizer_type;
   std::string tokenizer_model;
+  std::string vocab_file;  // --vocab-file (GPT2BPETokenizer)
+  std::string merge_file;  // --merge-file (GPT2BPETokenizer)
+  bool tokenizer_hf_include_special_tokens = true;  // off: --tokenizer-hf-no-include-special-tokens
   int64_t vocab_size = 0;  // NullTokenizer only
   bool mock_data = false;
 
   // Batch and iterations.
   int64_t micro_batch_size = 1;
-  int64_t global_batch_size = 0;       // 0: micro_batch_size (x data-parallel size)
-  int64_t train_iters = 0;
+  // Constant, or the ramp's end; with --step-batch-size-schedule its last batch size (then the
+  // evaluation batch). 0 before parsing: micro_batch_size.
+  int64_t global_batch_size = 0;
+  int64_t train_iters = 0;  // --train-iters, or from --train-samples and the batch schedule
   int64_t eval_interval = 1000;
   int64_t eval_iters = 100;
   int64_t log_interval = 100;
@@ -96,6 +130,7 @@ struct TrainArgs {
   // Checkpoints.
   std::string save;
   int64_t save_interval = 0;
+  int64_t save_retain_interval = 0;  // --save-retain-interval (0: keep every checkpoint)
   std::string load;
   bool no_load_optim = false;
   bool no_load_rng = false;
@@ -113,17 +148,41 @@ struct TrainArgs {
 bool cuda_built();
 bool cuda_available();
 
-// A flag's name (without dashes), its help text and whether it is a boolean switch
-// (`--swiglu`) or takes values (`--lr 3e-4`, `--data-path 0.5 a 0.5 b`).
+// How `megaton train` treats a flag: one rule for each of Megatron-LM's flags (issue 19).
+enum class FlagRule : uint8_t {
+  Implemented,  // works with Megatron's meaning
+  NoEffect,     // what Megaton always does, or what does not apply to a native program:
+                // accepted, and listed once at start with the reason
+  Unsupported,  // a feature Megaton does not have: refused, one line naming the feature
+};
+
+// "implemented", "no effect", "unsupported".
+const char* flag_rule_name(FlagRule rule);
+
+// A flag: its name (without dashes), how many values it takes, its rule, and its text (what
+// it does; for NoEffect why it changes nothing; for Unsupported the feature's name).
+// Declared by the flag groups (train/args/flag_table.h).
 struct OptionSpec {
   std::string name;
   std::string help;
-  bool is_switch = false;
-  bool multi_value = false;
+  bool is_switch = false;  // `--swiglu`: no value (true/false in YAML)
+  int min_values = 1;      // otherwise how many values: `--lr 3e-4` 1..1,
+  int max_values = 1;      // `--data-path 0.5 a 0.5 b` 1..kManyValues
+  FlagRule rule = FlagRule::Implemented;
+  // NoEffect only for these values (e.g. --distributed-backend nccl); another value is
+  // refused with `unsupported_value` as the reason. Empty: any value.
+  std::vector<std::string> harmless_values;
+  std::string unsupported_value;
+  std::string group;  // the declaring group's name (set by the registry)
+  bool megatron = true;  // false: Megaton's own flag (--config, --dry-run, ...)
 };
+inline constexpr int kManyValues = 1 << 20;
 
-// Every option `megaton train` understands (for the CLI and for YAML key checking).
+// Every option `megaton train` understands (for the CLI and for YAML key checking): the
+// flags of every group (train/args/flag_table.h), in group order.
 const std::vector<OptionSpec>& train_option_specs();
+// The spec of flag `name` (no dashes), or nullptr.
+const OptionSpec* find_option_spec(const std::string& name);
 
 // Raw values by option name: from YAML (scalars and lists, rendered as strings) then
 // overridden by the command line. Switches hold "true"/"false".
@@ -137,6 +196,13 @@ RawOptions read_yaml_options(const std::string& path);
 // Converts raw values into TrainArgs, checking types and ranges. The model's vocab_size
 // is left 0 (it comes from the tokenizer). Throws megaton::Error naming the key.
 TrainArgs parse_train_args(const RawOptions& raw);
+
+// The batch-size schedule of `args` (BatchSchedule) for micro-batches of
+// micro_batch_size x data_parallel_size samples.
+BatchScheduleConfig batch_schedule_config(const TrainArgs& args, int64_t data_parallel_size);
+
+// The tokenizer the args name (--tokenizer-type and its files), for data::make_tokenizer.
+data::TokenizerOptions tokenizer_options(const TrainArgs& args);
 
 // Megatron's --moe-layer-freq pattern ("[0]*1+[1]*3" -> {0, 1, 1, 1}): lists of integers
 // joined by '+' (concatenation) and '*' (repetition), with parentheses. Throws

@@ -161,9 +161,13 @@ LoadedModel load_model_for_inference(const std::string& load_dir) {
     raw.erase("device");
     LoadedModel out;
     TrainArgs args = parse_train_args(raw);
-    out.tokenizer = data::make_tokenizer(meta.at("tokenizer_type").get<std::string>(),
-                                         meta.at("tokenizer_model").get<std::string>(),
-                                         args.vocab_size);
+    data::TokenizerOptions tok = tokenizer_options(args);
+    tok.type = meta.at("tokenizer_type").get<std::string>();
+    tok.model = meta.at("tokenizer_model").get<std::string>();
+    // Absolute paths, as the checkpoint recorded them (older checkpoints: the args').
+    tok.vocab_file = meta.value("tokenizer_vocab_file", tok.vocab_file);
+    tok.merge_file = meta.value("tokenizer_merge_file", tok.merge_file);
+    out.tokenizer = data::make_tokenizer(tok);
     args.model.vocab_size = out.tokenizer->vocab_size();
     args.model.finalize();
     out.model = std::make_unique<GPTModel>(args.model, args.seed);

@@ -4,39 +4,38 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
-#include <cstdlib>
-
 #include <bit>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "ckpt/checkpoint.h"
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/allocator.h"
 #endif
+#include "data/mock_dataset.h"
 #include "dist/gather.h"
 #include "dist/host_reduce.h"
 #include "dist/runtime.h"
 #include "model/tensor_parallel.h"
 #include "model/token_dispatcher.h"
-#include "train/tensor_parallel_ckpt.h"
-#include "ops/ops.h"
 #include "ops/determinism.h"
+#include "ops/ops.h"
 #include "ops/profiler.h"
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
-#include "data/mock_dataset.h"
 #include "train/flops.h"
 #include "train/generate.h"
 #include "train/memory_check.h"
 #include "train/pipeline_schedule.h"
+#include "train/tensor_parallel_ckpt.h"
 
 namespace megaton {
 
@@ -69,7 +68,7 @@ static void check_file_writable(const char* flag, const std::string& path) {
 
 std::unique_ptr<data::Tokenizer> finish_train_args(TrainArgs& args, int64_t world,
                                                    dist::ValidatedLayout& layout) {
-  auto tokenizer = data::make_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size);
+  auto tokenizer = data::make_tokenizer(tokenizer_options(args));
   args.model.vocab_size = tokenizer->vocab_size();
   // The vocabulary padding depends on the tensor-parallel size (Megatron).
   args.model.tensor_model_parallel_size = args.parallel.tensor_model_parallel_size;
@@ -82,13 +81,22 @@ std::unique_ptr<data::Tokenizer> finish_train_args(TrainArgs& args, int64_t worl
   return tokenizer;
 }
 
-void check_micro_batch_split(const TrainArgs& args, const dist::ParallelSizes& sizes) {
+// Every batch size of the schedule splits into whole micro-batches on each data-parallel
+// rank (BatchSchedule checks; its message names the flag), and into groups of the pipeline
+// size under the interleaved schedule.
+std::unique_ptr<BatchSchedule> check_micro_batch_split(const TrainArgs& args,
+                                                       const dist::ParallelSizes& sizes) {
   const int64_t gbs = args.global_batch_size;
   if (gbs % (args.micro_batch_size * sizes.dp) != 0)
-    fail("global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "
-         "size ({})", gbs, args.micro_batch_size, sizes.dp);
-  check_interleaved_micro_batches(gbs / (args.micro_batch_size * sizes.dp), sizes.pp,
-                                  sizes.vpp.value_or(1));
+    fail(
+        "global-batch-size ({}) is not divisible by micro-batch-size ({}) x data-parallel "
+        "size ({})",
+        gbs, args.micro_batch_size, sizes.dp);
+  auto schedule = std::make_unique<BatchSchedule>(batch_schedule_config(args, sizes.dp));
+  for (auto [threshold, batch] : schedule->steps())
+    check_interleaved_micro_batches(batch / (args.micro_batch_size * sizes.dp), sizes.pp,
+                                    sizes.vpp.value_or(1));
+  return schedule;
 }
 
 Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(std::move(raw)) {
@@ -108,18 +116,21 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   const int64_t gbs = args_.global_batch_size;
   check_memory_fits(args_, layout.sizes);  // before the datasets and the model are built
   check_full_iteration_graph(args_, world);
-  std::array<int64_t, 3> num_samples = {args_.train_iters * gbs, args_.eval_iters * gbs,
+  // The batch-size schedule (checked against the layout below, before anything is built).
+  const int64_t train_samples =
+      BatchSchedule(batch_schedule_config(args_, 1)).consumed_samples_after(args_.train_iters);
+  std::array<int64_t, 3> num_samples = {train_samples, args_.eval_iters * gbs,
                                         args_.eval_iters * gbs};
   if (args_.mock_data) {
     for (int split = 0; split < 3; ++split)
       datasets_[split] = std::make_unique<data::MockGPTDataset>(
-          std::max<int64_t>(num_samples[split], 1), args_.model.seq_length,
-          args_.model.vocab_size, args_.seed, uint64_t(split));
+          std::max<int64_t>(num_samples[split], 1), args_.model.seq_length, args_.model.vocab_size,
+          args_.seed, uint64_t(split));
   } else {
     build_datasets(num_samples);
   }
   const dist::ParallelSizes& sizes = layout.sizes;
-  check_micro_batch_split(args_, sizes);
+  batch_schedule_ = check_micro_batch_split(args_, sizes);
   const int64_t vpp = sizes.vpp.value_or(1);  // model chunks per pipeline rank
   grid_ = std::make_unique<dist::Grid>(sizes, world, dist::world_rank());
   dist::Grid::set_current(*grid_);
@@ -149,22 +160,20 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
     const ChunkLayers layers = chunk_layers(layout.layers_per_stage, vpp, pp_rank, c);
     const PipelineChunk chunk{layers.first_layer, layers.num_layers, pp_rank == 0 && c == 0,
                               pp_rank == sizes.pp - 1 && c == vpp - 1};
-    chunks_.push_back(std::make_unique<GPTModel>(args_.model, args_.seed, mp,
-                                                 distributed ? grid_->dp_cp().size() : 1,
-                                                 distributed ? grid_->edp().size() : 1, chunk,
-                                                 bucket_size));
+    chunks_.push_back(std::make_unique<GPTModel>(
+        args_.model, args_.seed, mp, distributed ? grid_->dp_cp().size() : 1,
+        distributed ? grid_->edp().size() : 1, chunk, bucket_size));
     for (ParamAndGradBuffer& b : chunks_.back()->buffers()) buffers.push_back(&b);
   }
   optim::DataParallelConfig ddp_config;
   ddp_config.use_distributed_optimizer = distributed;
   ddp_config.overlap_grad_reduce = args_.parallel.overlap_grad_reduce;
   ddp_config.overlap_param_gather = args_.parallel.overlap_param_gather;
-  ddp_config.num_micro_batches = gbs / (args_.micro_batch_size * sizes.dp);
+  ddp_config.num_micro_batches = local_micro_batches();
   ddp_ = std::make_unique<optim::DistributedDataParallel>(buffers, *grid_, *comm_, ddp_config);
   for (auto& chunk : chunks_)
-    chunk->set_param_hooks(
-        {[this](std::span<Param* const> ps) { ddp_->wait_param_sync(ps); },
-         [this](std::span<Param* const> ps) { ddp_->grads_ready(ps); }});
+    chunk->set_param_hooks({[this](std::span<Param* const> ps) { ddp_->wait_param_sync(ps); },
+                            [this](std::span<Param* const> ps) { ddp_->grads_ready(ps); }});
   moe_ = std::make_unique<MoEStepBookkeeping>(chunk_pointers(), args_.model, *grid_, *comm_);
   optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
                                                          args_.adam, distributed);
@@ -174,13 +183,16 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   if (!args_.model.fp16 && !args_.model.bf16) scaler_config.loss_scale = 0;
   scaler_ = std::make_unique<optim::GradScaler>(scaler_config,
                                                 args_.model.fp16 && scaler_config.loss_scale == 0);
-  if (sizes.pp > 1) schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
+  if (sizes.pp > 1)
+    schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
   lr_ = Tensor::zeros({1}, DType::F32, args_.model.device);
   // The pipeline schedule loads its micro-batches itself.
-  for (int64_t mb = 0; !schedule_ && mb < local_micro_batches(); ++mb)
+  const int64_t most_micro_batches =
+      batch_schedule_->max_global_batch_size() / (args_.micro_batch_size * sizes.dp);
+  for (int64_t mb = 0; !schedule_ && mb < most_micro_batches; ++mb)
     for (auto* buffers : {&batch_tokens_, &batch_labels_})
-      buffers->push_back(Tensor::empty({args_.micro_batch_size, args_.model.seq_length},
-                                       DType::I32, args_.model.device));
+      buffers->push_back(Tensor::empty({args_.micro_batch_size, args_.model.seq_length}, DType::I32,
+                                       args_.model.device));
   if (args_.cuda_graph_impl == "full_iteration")
     step_graph_ = std::make_unique<FullIterationGraph>(args_.cuda_graph_warmup_steps);
   if (!args_.load.empty()) load();
@@ -208,10 +220,10 @@ std::map<std::string, const Param*> Trainer::params_by_name() const {
 }
 
 PipelineMicroBatches Trainer::pipeline_micro_batches(
-    const data::SampleSource& source, int64_t batch_start,
+    const data::SampleSource& source, int64_t batch_start, int64_t count,
     std::function<ForwardContext(int64_t)> context) const {
   PipelineMicroBatches out;
-  out.count = local_micro_batches();
+  out.count = count;
   out.batch = args_.micro_batch_size;
   out.seq = args_.model.seq_length;
   out.load = [this, &source, batch_start](int64_t mb, Tensor& tokens, Tensor& labels) {
@@ -221,8 +233,12 @@ PipelineMicroBatches Trainer::pipeline_micro_batches(
   return out;
 }
 
+int64_t Trainer::current_global_batch_size() const {
+  return batch_schedule_->global_batch_size(consumed_samples_);
+}
+
 int64_t Trainer::local_micro_batches() const {
-  return args_.global_batch_size / (args_.micro_batch_size * grid_->dp().size());
+  return current_global_batch_size() / (args_.micro_batch_size * grid_->dp().size());
 }
 
 int64_t Trainer::micro_batch_start(int64_t batch_start, int64_t mb) const {
@@ -232,8 +248,12 @@ int64_t Trainer::micro_batch_start(int64_t batch_start, int64_t mb) const {
 
 void Trainer::build_datasets(const std::array<int64_t, 3>& num_samples) {
   data::GPTDatasetConfig data_cfg;
-  data_cfg.blend = data::parse_data_path(args_.data_path);
+  if (!args_.data_path.empty()) data_cfg.blend = data::parse_data_path(args_.data_path);
+  for (int s = 0; s < 3; ++s)
+    if (!args_.per_split_data_path[s].empty())
+      data_cfg.blend_per_split[s] = data::parse_data_path(args_.per_split_data_path[s]);
   data_cfg.split = args_.split;
+  data_cfg.path_to_cache = args_.data_cache_path;
   data_cfg.seq_length = args_.model.seq_length;
   data_cfg.seed = args_.seed;
   datasets_ = data::build_gpt_datasets(data_cfg, num_samples);
@@ -245,8 +265,10 @@ void Trainer::build_datasets(const std::array<int64_t, 3>& num_samples) {
       ds->get(0, sample.data());
       for (int32_t t : sample)
         if (t < 0 || t >= args_.model.vocab_size)
-          fail("data-path: token id {} is outside the tokenizer's vocabulary of {} (was the "
-               "data preprocessed with another tokenizer?)", t, args_.model.vocab_size);
+          fail(
+              "data-path: token id {} is outside the tokenizer's vocabulary of {} (was the "
+              "data preprocessed with another tokenizer?)",
+              t, args_.model.vocab_size);
     }
 }
 
@@ -265,7 +287,7 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
 
 Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   for (auto& chunk : chunks_) chunk->zero_grad();
-  ddp_->start_grad_sync_step();
+  ddp_->start_grad_sync_step(local_micro_batches());
   moe_->start_step();
   const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
   const int64_t dp = grid_->dp().size();
@@ -279,7 +301,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   if (schedule_) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     PipelineMicroBatches batches =
-        pipeline_micro_batches(*datasets_[0], consumed_samples_, [&](int64_t mb) {
+        pipeline_micro_batches(*datasets_[0], consumed_samples_, n_mb, [&](int64_t mb) {
           return ForwardContext{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
         });
     batches.loss_scale = loss_scale;
@@ -294,7 +316,8 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
-    MicroBatchLoss out = chunks_[0]->forward(batch_tokens_[size_t(mb)], batch_labels_[size_t(mb)], ctx);
+    MicroBatchLoss out =
+        chunks_[0]->forward(batch_tokens_[size_t(mb)], batch_labels_[size_t(mb)], ctx);
     int64_t T = out.losses.numel();
     ops::sum(out.losses, mb_sum);
     ops::add_(loss_sum, mb_sum);
@@ -329,7 +352,8 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
 
 void Trainer::stage_step_inputs(double lr) {
   lr_.copy_from(Tensor::from({1}, {float(lr)}));
-  for (size_t mb = 0; mb < batch_tokens_.size(); ++mb) {  // none with a pipeline
+  const size_t n_mb = schedule_ ? 0 : size_t(local_micro_batches());  // none with a pipeline
+  for (size_t mb = 0; mb < n_mb; ++mb) {
     Tensor tokens, labels;
     load_batch(*datasets_[0], micro_batch_start(consumed_samples_, int64_t(mb)),
                args_.micro_batch_size, tokens, labels);
@@ -347,9 +371,9 @@ Trainer::StepOutputs Trainer::run_step(int64_t iteration) {
   // place, and the logged norm is the one before clipping, as in Megatron), the skip of
   // a non-finite step and, under --check-for-nan-in-loss-and-grad, the stop before its
   // update are all decided on the device.
-  out.update = optimizer_->step_on_device(lr_, double(args_.clip_grad), out.loss.sum,
-                                          args_.check_for_nan_in_loss_and_grad,
-                                          scaler_->inv_scale());
+  out.update =
+      optimizer_->step_on_device(lr_, double(args_.clip_grad), out.loss.sum,
+                                 args_.check_for_nan_in_loss_and_grad, scaler_->inv_scale());
   ddp_->start_param_sync();  // the unchanged weights again after a skipped step
   // Expert biases (updated whether or not the step was skipped, as Megatron's
   // finalize_model_grads does) and the routers' metrics.
@@ -361,12 +385,14 @@ double Trainer::evaluate() {
   const auto& valid = datasets_[1];
   if (!valid || args_.eval_iters == 0) return -1;
   ddp_->finish_param_sync();
-  const int64_t n_mb = local_micro_batches(), mbs = args_.micro_batch_size;
+  // Megatron evaluates with the global batch size (its last, under a batch-size schedule).
+  const int64_t n_mb = args_.global_batch_size / (args_.micro_batch_size * grid_->dp().size());
+  const int64_t mbs = args_.micro_batch_size;
   double loss_sum = 0, tokens_sum = 0;
   for (int64_t it = 0; it < args_.eval_iters; ++it) {
     if (schedule_) {
       const PipelineLosses stage = schedule_->forward_backward(
-          pipeline_micro_batches(*valid, it * args_.global_batch_size,
+          pipeline_micro_batches(*valid, it * args_.global_batch_size, n_mb,
                                  [&](int64_t) {
                                    ForwardContext ctx{false, args_.seed, 0, 0};
                                    ctx.forward_only = true;  // evaluation: no backward
@@ -416,8 +442,9 @@ static void print_op_profile(int64_t iterations, double wall_ms) {
 }
 
 static void print_eval(const std::string& where, double loss) {
-  std::string line = fmt::format(" validation loss {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ",
-                                 where, loss, std::exp(std::min(loss, 20.0)));
+  std::string line =
+      fmt::format(" validation loss {} | lm loss value: {:.6E} | lm loss PPL: {:.6E} | ", where,
+                  loss, std::exp(std::min(loss, 20.0)));
   fmt::print("{}\n{}\n{}\n", std::string(line.size(), '-'), line, std::string(line.size(), '-'));
   std::fflush(stdout);
 }
@@ -449,8 +476,13 @@ TrainResult Trainer::train() {
   while (iteration_ < args_.train_iters) {
     auto start = std::chrono::steady_clock::now();
     PendingStep step;
-    step.lr = optim::learning_rate(args_.lr, scheduler_steps_);
-    ++scheduler_steps_;  // taken back by finish_step if the step turns out skipped
+    step.global_batch_size = current_global_batch_size();
+    step.lr = optim::learning_rate(args_.lr, scheduler_samples_);
+    // Megatron's scheduler sets the weight decay with the learning rate.
+    step.weight_decay = optim::weight_decay(args_.lr, scheduler_samples_);
+    if (args_.lr.weight_decay_incr_style != optim::WeightDecayIncrStyle::Constant)
+      optimizer_->set_weight_decay(float(step.weight_decay));
+    scheduler_samples_ += step.global_batch_size;  // taken back by finish_step if skipped
     ++iteration_;
     step.iteration = iteration_;
     stage_step_inputs(step.lr);
@@ -464,10 +496,10 @@ TrainResult Trainer::train() {
         result.cuda_graph_iteration = iteration_;
         result.cuda_graph_nodes = step_graph_->num_nodes();
         if (is_logging_rank())
-          fmt::print(" cuda graph: the training step captured at iteration {} ({} nodes, {} in "
-                     "its memory pool); later steps replay it\n",
-                     iteration_, step_graph_->num_nodes(),
-                     human_bytes(double(step_graph_->pool_bytes())));
+          fmt::print(
+              " cuda graph: the training step captured at iteration {} ({} nodes, {} in "
+              "its memory pool); later steps replay it\n",
+              iteration_, step_graph_->num_nodes(), human_bytes(double(step_graph_->pool_bytes())));
       }
     } else {
       body();
@@ -484,10 +516,10 @@ TrainResult Trainer::train() {
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
     // it (without, the optimizer's kernels may still run when the next iteration starts).
     if (op_profile) ops::profile_flush();
-    consumed_samples_ += args_.global_batch_size;
+    consumed_samples_ += step.global_batch_size;
     step.consumed_samples = consumed_samples_;
-    floating_point_operations_so_far_ += num_floating_point_operations(
-        args_.model, args_.global_batch_size * args_.model.seq_length);
+    floating_point_operations_so_far_ +=
+        num_floating_point_operations(args_.model, step.global_batch_size * args_.model.seq_length);
     // After the update, as Megatron logs it; -1: not logged (a host synchronization).
     step.params_norm = args_.log_params_norm ? optimizer_->params_norm() : -1.0;
     // The previous step, now that this one is queued.
@@ -501,7 +533,8 @@ TrainResult Trainer::train() {
     if (op_profile || scaler_->dynamic()) read_pending();
     if (op_profile) {
       const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count();
       if (++profile_run_iters == kOpProfileWarmupIterations) {
         ops::profile_reset();
       } else if (profile_run_iters > kOpProfileWarmupIterations) {

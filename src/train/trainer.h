@@ -18,6 +18,7 @@
 #include "optim/distributed_data_parallel.h"
 #include "optim/grad_scaler.h"
 #include "train/arguments.h"
+#include "train/batch_schedule.h"
 #include "train/moe_metrics.h"
 #include "train/pipeline_schedule.h"
 #include "train/step_graph.h"
@@ -43,10 +44,12 @@ struct TrainResult {
 // in `layout`). megaton::Error naming the flag on bad values.
 std::unique_ptr<data::Tokenizer> finish_train_args(TrainArgs& args, int64_t world,
                                                    dist::ValidatedLayout& layout);
-// The global batch split into micro-batches: global-batch-size divisible by
-// micro-batch-size x the data-parallel size, and the interleaved schedule's micro-batch
-// groups (check_interleaved_micro_batches). megaton::Error otherwise.
-void check_micro_batch_split(const TrainArgs& args, const dist::ParallelSizes& sizes);
+// The global batch split into micro-batches: global-batch-size, and every batch size of
+// the batch-size schedule, divisible by micro-batch-size x the data-parallel size, and the
+// interleaved schedule's micro-batch groups (check_interleaved_micro_batches). Returns the
+// schedule. megaton::Error otherwise, naming the flag.
+std::unique_ptr<BatchSchedule> check_micro_batch_split(const TrainArgs& args,
+                                                       const dist::ParallelSizes& sizes);
 
 class Trainer {
  public:
@@ -67,9 +70,9 @@ class Trainer {
   // Every param of this rank's chunks by name (checkpoint entries -> params).
   std::map<std::string, const Param*> params_by_name() const;
   // The pipeline schedule's view of the global batch starting at sample batch_start of
-  // `source` (this data-parallel rank's micro-batches).
+  // `source`: this data-parallel rank's `count` micro-batches.
   PipelineMicroBatches pipeline_micro_batches(const data::SampleSource& source,
-                                              int64_t batch_start,
+                                              int64_t batch_start, int64_t count,
                                               std::function<ForwardContext(int64_t)> context) const;
   // One step's forwards and backwards and the gradient reduction. Returns the LM loss
   // summed over the step's tokens on every rank ([1] fp32 on the model's device, reduced
@@ -100,7 +103,9 @@ class Trainer {
   // the steady state (train()).
   struct PendingStep {
     int64_t iteration = 0, consumed_samples = 0;
+    int64_t global_batch_size = 0;  // this iteration's (the batch-size schedule's)
     double lr = 0, tokens = 0;
+    double weight_decay = 0;  // the scheduled weight decay (--weight-decay-incr-style)
     // loss sum, local loss sum, grad norm, local squared sum, control, state, and the MoE
     // metrics (moe.values) when the model has MoE layers
     std::unique_ptr<Readback> values;
@@ -119,7 +124,10 @@ class Trainer {
   };
   void finish_step(PendingStep& step, LogInterval& interval, TrainResult& result);
   // Micro-batches per step on this data-parallel rank.
+  // This iteration's micro-batches on this data-parallel rank (the batch-size schedule at
+  // consumed_samples_).
   int64_t local_micro_batches() const;
+  int64_t current_global_batch_size() const;
   // First sample of local micro-batch `mb` of the global batch starting at `batch_start`:
   // Megatron's MegatronPretrainingSampler order (rank r takes the r-th micro-batch of
   // every data-parallel-size consecutive ones).
@@ -146,7 +154,8 @@ class Trainer {
   // params_norm < 0, num_zeros < 0: not logged. moe: the interval's mean MoE metrics.
   // loss: the mean over the interval's advanced iterations; skipped, nan: the interval's
   // counts (Megatron's, reset at each log line).
-  void log_line(int64_t iteration, int64_t consumed_samples, double ms_per_iter, double lr,
+  void log_line(int64_t iteration, int64_t consumed_samples, int64_t global_batch_size,
+                double ms_per_iter, double lr,
                 double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
                 double params_norm, int64_t skipped, int64_t nan);
 
@@ -168,13 +177,16 @@ class Trainer {
   int64_t skipped_iterations_ = 0, nan_iterations_ = 0;  // over the whole run
   // The loss scaler (--fp16, --loss-scale; a scale of 1 that never changes without them).
   std::unique_ptr<optim::GradScaler> scaler_;
-  // Steps of the learning-rate schedule: the updates applied so far (Megatron's
-  // OptimizerParamScheduler steps only after a successful update). Counted when a step is
-  // queued and taken back when its values show it skipped; under dynamic loss scaling each
-  // step is read before the next is queued, so the count is exact there, elsewhere a
-  // skipped step (a non-finite gradient without --check-for-nan-in-loss-and-grad) is seen
-  // one step late.
-  int64_t scheduler_steps_ = 0;
+  // Steps of the learning-rate and weight-decay schedule, in samples: the global batches of
+  // the updates applied so far (Megatron's OptimizerParamScheduler steps by the batch's
+  // samples, and only after a successful update). Counted when a step is queued and taken
+  // back when its values show it skipped; under dynamic loss scaling each step is read
+  // before the next is queued, so the count is exact there, elsewhere a skipped step (a
+  // non-finite gradient without --check-for-nan-in-loss-and-grad) is seen one step late.
+  int64_t scheduler_samples_ = 0;
+  // The global batch size of each iteration (--rampup-batch-size,
+  // --step-batch-size-schedule, or constant), by samples consumed.
+  std::unique_ptr<BatchSchedule> batch_schedule_;
   // This rank's sum of per-token losses in the last train_step (0 on ranks that compute
   // no loss: pipeline stages before the last), to name the rank of a non-finite loss:
   // [1] fp32 on the model's device.

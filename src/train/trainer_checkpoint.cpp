@@ -1,16 +1,16 @@
 // Trainer checkpoints: save (full tensors whatever the layout), load (under any layout),
 // and the FP8 delayed recipe's state that goes with them.
-#include "train/trainer.h"
-
 #include <cmath>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+
 #include "ckpt/checkpoint.h"
 #include "dist/gather.h"
 #include "model/tensor_parallel.h"
-#include "train/tensor_parallel_ckpt.h"
 #include "ops/ops.h"
+#include "train/tensor_parallel_ckpt.h"
+#include "train/trainer.h"
 
 namespace megaton {
 
@@ -48,10 +48,12 @@ void Trainer::save(int64_t iteration) {
     // the tracker keeps naming the last finite one. Every floating tensor, widened to fp32
     // on the host (the precision-aware optimizer's bf16 moments).
     const Tensor& host = tensors.back().second;
-    if (is_floating(t.dtype()) &&
-        !std::isfinite(ops::sum_of_squares(host.dtype() == DType::F32 ? host : host.to(DType::F32))))
-      fail("not saving iteration {} to '{}': tensor '{}' holds NaN or Inf values (the "
-           "checkpoint the tracker names is unchanged)", iteration, args_.save, name);
+    if (is_floating(t.dtype()) && !std::isfinite(ops::sum_of_squares(
+                                      host.dtype() == DType::F32 ? host : host.to(DType::F32))))
+      fail(
+          "not saving iteration {} to '{}': tensor '{}' holds NaN or Inf values (the "
+          "checkpoint the tracker names is unchanged)",
+          iteration, args_.save, name);
   }
   nlohmann::json meta;
   meta["iteration"] = iteration;
@@ -61,7 +63,7 @@ void Trainer::save(int64_t iteration) {
   meta["floating_point_operations_so_far"] = floating_point_operations_so_far_;
   meta["skipped_iterations"] = skipped_iterations_;
   meta["nan_iterations"] = nan_iterations_;
-  meta["scheduler_steps"] = scheduler_steps_;
+  meta["scheduler_samples"] = scheduler_samples_;
   if (scaler_->dynamic()) {  // Megatron's DynamicGradScaler.state_dict
     const optim::GradScaler::State st = scaler_->state();
     meta["grad_scaler"] = {{"scale", st.scale},
@@ -71,15 +73,23 @@ void Trainer::save(int64_t iteration) {
   meta["rng_seed"] = args_.seed;
   meta["args"] = nlohmann::json::parse(args_to_json(raw_));
   meta["tokenizer_type"] = args_.tokenizer_type;
-  meta["tokenizer_model"] = args_.tokenizer_model.empty()
-                                ? std::string()
-                                : std::filesystem::absolute(args_.tokenizer_model).string();
+  const auto absolute = [](const std::string& path) {
+    return path.empty() ? std::string() : std::filesystem::absolute(path).string();
+  };
+  meta["tokenizer_model"] = absolute(args_.tokenizer_model);
+  meta["tokenizer_vocab_file"] = absolute(args_.vocab_file);
+  meta["tokenizer_merge_file"] = absolute(args_.merge_file);
   meta["global_shapes"] = shapes;
   // The vocabulary rows of the embedding and output layer: real tokens, then padding that
   // depends on the tensor-parallel size (a load under another layout pads or trims it).
   meta["vocab_size"] = args_.model.vocab_size;
   meta["padded_vocab_size"] = args_.model.padded_vocab_size;
-  ckpt::save_checkpoint(args_.save, iteration, tensors, meta.dump(1));
+  ckpt::SaveOptions options;
+  options.save_retain_interval = args_.save_retain_interval;
+  const std::string removed =
+      ckpt::save_checkpoint(args_.save, iteration, tensors, meta.dump(1), options);
+  if (!removed.empty() && is_logging_rank())
+    fmt::print(" removed {} (save-retain-interval {})\n", removed, args_.save_retain_interval);
   fmt::print(" saved checkpoint from iteration {:7} to {}\n", iteration, args_.save);
   std::fflush(stdout);
 }
@@ -91,9 +101,10 @@ void Trainer::load() {
   // Checkpoints from before the vocabulary was recorded have no such field.
   if (meta.contains("vocab_size") && (!meta["vocab_size"].is_number_integer() ||
                                       meta["vocab_size"].get<int64_t>() != args_.model.vocab_size))
-    fail("checkpoint '{}' was trained with a vocabulary of {} tokens, the tokenizer has {} "
-         "(tokenizer-type / tokenizer-model / vocab-size)", ck.path, meta["vocab_size"].dump(),
-         args_.model.vocab_size);
+    fail(
+        "checkpoint '{}' was trained with a vocabulary of {} tokens, the tokenizer has {} "
+        "(tokenizer-type / tokenizer-model / vocab-size)",
+        ck.path, meta["vocab_size"].dump(), args_.model.vocab_size);
   const std::map<std::string, const Param*> by_name = params_by_name();
   // This rank's part of each entry: the vocabulary rows refitted to this layout's padding,
   // then the tensor-parallel slice.
@@ -111,11 +122,14 @@ void Trainer::load() {
           full = fit_padded_vocab_rows(full, args_.model.padded_vocab_size, args_.model.vocab_size,
                                        name, ck.path);
         if (full.shape() != p->full_shape)
-          fail("checkpoint '{}': tensor '{}' is {} {}, the model expects {} {} (whole tensors, "
-               "before the tensor-parallel split)", ck.path, name, dtype_name(full.dtype()),
-               shape_str(full.shape()), dtype_name(DType::F32), shape_str(p->full_shape));
-        part->second = p->tp_split_dim < 0 ? full
-                                           : tensor_parallel_slice(full, *p, chunks_[0]->model_parallel());
+          fail(
+              "checkpoint '{}': tensor '{}' is {} {}, the model expects {} {} (whole tensors, "
+              "before the tensor-parallel split)",
+              ck.path, name, dtype_name(full.dtype()), shape_str(full.shape()),
+              dtype_name(DType::F32), shape_str(p->full_shape));
+        part->second = p->tp_split_dim < 0
+                           ? full
+                           : tensor_parallel_slice(full, *p, chunks_[0]->model_parallel());
         return &part->second;
       },
       ck.path, optimizer_state);
@@ -133,9 +147,10 @@ void Trainer::load() {
     auto it = ck.tensors.find(name);
     if (it == ck.tensors.end() || args_.finetune) continue;
     if (it->second.shape() != t->shape())
-      fail("checkpoint '{}': FP8 state '{}' is {}, this run expects {} "
-           "(--fp8-amax-history-len differs)", ck.path, name, shape_str(it->second.shape()),
-           shape_str(t->shape()));
+      fail(
+          "checkpoint '{}': FP8 state '{}' is {}, this run expects {} "
+          "(--fp8-amax-history-len differs)",
+          ck.path, name, shape_str(it->second.shape()), shape_str(t->shape()));
     t->copy_from(it->second);
   }
   if (args_.finetune) {
@@ -150,9 +165,15 @@ void Trainer::load() {
     skipped_iterations_ = meta.value("skipped_iterations", int64_t(0));
     nan_iterations_ = meta.value("nan_iterations", int64_t(0));
     if (optimizer_state) optimizer_->set_step_count(meta.at("optimizer_step").get<int64_t>());
-    // The schedule's steps: the updates applied (older checkpoints: the iteration). Without
-    // the optimizer state, the iteration, as before.
-    scheduler_steps_ = optimizer_state ? meta.value("scheduler_steps", iteration_) : iteration_;
+    // The schedule's samples: those of the updates applied. Older checkpoints count updates
+    // (scheduler_steps) of a constant batch; without the optimizer state, the consumed
+    // samples.
+    if (!optimizer_state)
+      scheduler_samples_ = consumed_samples_;
+    else if (meta.contains("scheduler_samples"))
+      scheduler_samples_ = meta.at("scheduler_samples").get<int64_t>();
+    else
+      scheduler_samples_ = meta.value("scheduler_steps", iteration_) * args_.global_batch_size;
     // A dynamic scaler resumes its scale and trackers; a checkpoint without them (bf16, or
     // static scaling) starts from --initial-loss-scale, as Megatron without the state.
     if (optimizer_state && meta.contains("grad_scaler")) {
@@ -165,7 +186,8 @@ void Trainer::load() {
   } catch (const nlohmann::json::exception& e) {
     fail("checkpoint metadata in '{}' is missing a field: {}", ck.path, e.what());
   }
-  if (is_logging_rank()) fmt::print(" loaded checkpoint from {} at iteration {}\n", ck.path, iteration_);
+  if (is_logging_rank())
+    fmt::print(" loaded checkpoint from {} at iteration {}\n", ck.path, iteration_);
 }
 
 }  // namespace megaton

@@ -1,18 +1,16 @@
 // What the trainer does with a step's values once it has read them (Trainer::finish_step):
 // the non-finite stop (stop_on_non_finite), the skipped-iteration counts, the metrics file,
 // the log interval and Megatron's log line (log_line) with the MoE fields.
-#include "train/trainer.h"
-
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "dist/host_reduce.h"
 #include "train/flops.h"
+#include "train/trainer.h"
 
 namespace megaton {
 
@@ -20,14 +18,16 @@ namespace megaton {
 // layers) and Megaton's tokens-per-expert balance: min, max, max/mean over experts.
 static std::string moe_log_fields(const MoELayerMetrics& m, bool capacity) {
   std::string out;
-  if (m.load_balancing_loss >= 0) out += fmt::format("load_balancing_loss: {:.6E} | ", m.load_balancing_loss);
+  if (m.load_balancing_loss >= 0)
+    out += fmt::format("load_balancing_loss: {:.6E} | ", m.load_balancing_loss);
   if (m.seq_load_balancing_loss >= 0)
     out += fmt::format("seq_load_balancing_loss: {:.6E} | ", m.seq_load_balancing_loss);
   if (m.global_load_balancing_loss >= 0)
     out += fmt::format("global_load_balancing_loss: {:.6E} | ", m.global_load_balancing_loss);
   if (m.z_loss >= 0) out += fmt::format("z_loss: {:.6E} | ", m.z_loss);
-  out += fmt::format("tokens per expert min/max: {:.0f}/{:.0f} | expert imbalance (max/mean): {:.3f} | ",
-                     m.tokens_min, m.tokens_max, m.imbalance);
+  out += fmt::format(
+      "tokens per expert min/max: {:.0f}/{:.0f} | expert imbalance (max/mean): {:.3f} | ",
+      m.tokens_min, m.tokens_max, m.imbalance);
   if (capacity) out += fmt::format("dropped tokens: {:.4f} | ", m.dropped_fraction);
   return out;
 }
@@ -84,10 +84,11 @@ static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
   scale(sum.mean);
 }
 
-void Trainer::log_line(int64_t iteration, int64_t consumed_samples, double ms_per_iter, double lr,
-                       double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
-                       double params_norm, int64_t skipped, int64_t nan) {
-  int64_t tokens = args_.global_batch_size * args_.model.seq_length;
+void Trainer::log_line(int64_t iteration, int64_t consumed_samples, int64_t global_batch_size,
+                       double ms_per_iter, double lr, double loss, const MoEStepMetrics& moe,
+                       double grad_norm, int64_t num_zeros, double params_norm, int64_t skipped,
+                       int64_t nan) {
+  int64_t tokens = global_batch_size * args_.model.seq_length;
   double flops = num_floating_point_operations(args_.model, tokens);
   std::string line = fmt::format(
       " iteration {:>8}/{:>8} | consumed samples: {:>12} | elapsed time per iteration (ms): "
@@ -95,8 +96,8 @@ void Trainer::log_line(int64_t iteration, int64_t consumed_samples, double ms_pe
       "learning rate: {:.6E} | global batch size: {:>5} | lm loss: {:.6E} | ",
       iteration, args_.train_iters, consumed_samples, ms_per_iter,
       double(tokens) / (ms_per_iter / 1000.0),
-      throughput_per_gpu_tflops(flops, ms_per_iter, grid_->world_size()), lr,
-      args_.global_batch_size, loss);
+      throughput_per_gpu_tflops(flops, ms_per_iter, grid_->world_size()), lr, global_batch_size,
+      loss);
   const bool capacity = args_.model.moe_expert_capacity_factor > 0;
   if (moe_->active()) line += moe_log_fields(moe.mean, capacity);
   // The scale after this step's update, as Megatron logs optimizer.get_loss_scale().
@@ -131,7 +132,8 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   // The MoE metrics on the host now, so the log line reads them without waiting.
   if (step.moe.values.defined()) step.moe.values = values.tensor(6);
   // The device skipped this step's update (and every later one) when it stopped.
-  if (stopped) stop_on_non_finite(step.iteration, loss, grad_norm, local_loss_sum, local_grad_sum_sq);
+  if (stopped)
+    stop_on_non_finite(step.iteration, loss, grad_norm, local_loss_sum, local_grad_sum_sq);
   // Megatron's counts: a skipped iteration (an overflow under loss scaling, or a non-finite
   // gradient without the check) is a nan iteration when its loss is not finite. The loss
   // scaler and the learning-rate schedule see the outcome.
@@ -139,7 +141,7 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   if (skipped) {
     ++skipped_iterations_;
     ++interval.skipped;
-    --scheduler_steps_;
+    scheduler_samples_ -= step.global_batch_size;
   } else {
     ++interval.advanced;
     interval.loss += loss;
@@ -152,8 +154,14 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   result.losses.push_back(loss);
   result.grad_norms.push_back(grad_norm);
   if (!args_.log_metrics_file.empty() && is_logging_rank()) {
-    nlohmann::json line = {{"iteration", step.iteration}, {"lm_loss", loss},
-                           {"grad_norm", grad_norm}, {"lr", step.lr}};
+    nlohmann::json line = {{"iteration", step.iteration},
+                           {"lm_loss", loss},
+                           {"grad_norm", grad_norm},
+                           {"lr", step.lr},
+                           {"global_batch_size", step.global_batch_size},
+                           {"consumed_samples", step.consumed_samples}};
+    if (args_.lr.weight_decay_incr_style != optim::WeightDecayIncrStyle::Constant)
+      line["weight_decay"] = step.weight_decay;
     if (scaler_->active()) line["loss_scale"] = scaler_->scale();  // after this step's update
     if (skipped) line["skipped"] = true;
     if (moe_->active()) add_moe_metrics(line, moe_->read(step.moe), args_.moe_per_layer_logging);
@@ -173,10 +181,10 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     MoEStepMetrics moe_mean;
     for (const PendingMoEMetrics& m : interval.moe) accumulate_moe_metrics(moe_mean, moe_->read(m));
     scale_moe_metrics(moe_mean, 1.0 / double(interval.iterations));
-    log_line(step.iteration, step.consumed_samples, interval.ms / double(interval.iterations),
-             step.lr, interval.loss / double(std::max<int64_t>(interval.advanced, 1)),
-             moe_mean, grad_norm, step.num_zeros, step.params_norm, interval.skipped,
-             interval.nan);
+    log_line(step.iteration, step.consumed_samples, step.global_batch_size,
+             interval.ms / double(interval.iterations), step.lr,
+             interval.loss / double(std::max<int64_t>(interval.advanced, 1)), moe_mean, grad_norm,
+             step.num_zeros, step.params_norm, interval.skipped, interval.nan);
   }
   interval.moe.clear();
   interval.loss = interval.ms = 0;
@@ -200,13 +208,15 @@ void Trainer::stop_on_non_finite(int64_t iteration, double loss, double grad_nor
   const double value = in_loss ? loss : grad_norm;
   std::string ranks;
   for (int64_t r = 0; r < world; ++r)
-    if (flags[size_t(2 * r + (in_loss ? 0 : 1))] > 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    if (flags[size_t(2 * r + (in_loss ? 0 : 1))] > 0)
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   if (ranks.empty()) ranks = "none alone (it arose in the reduction over ranks)";
-  fail("iteration {}: found {} in the {} on rank{} {}; stopped before the update by "
-       "--check-for-nan-in-loss-and-grad (the parameters and checkpoints are those of the "
-       "last finite step; a smaller --lr or --clip-grad may help)",
-       iteration, std::isnan(value) ? "NaN" : "Inf", in_loss ? "loss" : "gradient norm",
-       ranks.find(',') == std::string::npos ? "" : "s", ranks);
+  fail(
+      "iteration {}: found {} in the {} on rank{} {}; stopped before the update by "
+      "--check-for-nan-in-loss-and-grad (the parameters and checkpoints are those of the "
+      "last finite step; a smaller --lr or --clip-grad may help)",
+      iteration, std::isnan(value) ? "NaN" : "Inf", in_loss ? "loss" : "gradient norm",
+      ranks.find(',') == std::string::npos ? "" : "s", ranks);
 }
 
 }  // namespace megaton

@@ -11,16 +11,18 @@ using namespace megaton::optim;
 
 namespace {
 
-// max 1.0, min 0.1, warmup from 0.05 over 10 steps, decay ends at step 110: in the decay
+// Steps are samples (Megatron's scheduler steps); with a global batch of 1 they are
+// iterations. max 1.0, min 0.1, warmup from 0.05 over 10 steps, decay ends at step 110: in the decay
 // phase r = (step - 10) / 100 and lr = 0.1 + 0.9 * coeff.
 LRScheduleConfig base(LRDecayStyle style) {
   LRScheduleConfig c;
   c.lr = 1.0;
   c.min_lr = 0.1;
   c.lr_warmup_init = 0.05;
-  c.lr_warmup_iters = 10;
-  c.lr_decay_iters = 110;
+  c.lr_warmup_steps = 10;
+  c.lr_decay_steps = 110;
   c.lr_decay_style = style;
+  c.wd_incr_steps = 110;
   return c;
 }
 
@@ -41,7 +43,7 @@ TEST(LRSchedule, WarmupIsLinearFromInitForEveryStyle) {
   for (auto style : {LRDecayStyle::Constant, LRDecayStyle::Linear, LRDecayStyle::Cosine,
                      LRDecayStyle::InverseSquareRoot, LRDecayStyle::WSD}) {
     LRScheduleConfig c = base(style);
-    c.lr_wsd_decay_iters = 20;
+    c.lr_wsd_decay_steps = 20;
     SCOPED_TRACE(std::string(lr_decay_style_name(style)));
     EXPECT_NEAR(learning_rate(c, 0), 0.05, kTol);
     EXPECT_NEAR(learning_rate(c, 5), 0.525, kTol);  // 0.05 + 0.95 * 5/10
@@ -52,8 +54,8 @@ TEST(LRSchedule, WarmupIsLinearFromInitForEveryStyle) {
 TEST(LRSchedule, WarmupInitDefaultsToZero) {
   LRScheduleConfig c;
   c.lr = 3e-4;
-  c.lr_warmup_iters = 4;
-  c.lr_decay_iters = 100;
+  c.lr_warmup_steps = 4;
+  c.lr_decay_steps = 100;
   EXPECT_NEAR(learning_rate(c, 0), 0.0, kTol);
   EXPECT_NEAR(learning_rate(c, 1), 7.5e-5, kTol);
 }
@@ -77,8 +79,8 @@ TEST(LRSchedule, Linear) {
 
 TEST(LRSchedule, LinearWithoutWarmupStartsAtLr) {
   LRScheduleConfig c = base(LRDecayStyle::Linear);
-  c.lr_warmup_iters = 0;
-  c.lr_decay_iters = 100;
+  c.lr_warmup_steps = 0;
+  c.lr_decay_steps = 100;
   EXPECT_NEAR(learning_rate(c, 0), 1.0, kTol);
   EXPECT_NEAR(learning_rate(c, 25), 0.775, kTol);
 }
@@ -104,7 +106,7 @@ TEST(LRSchedule, InverseSquareRoot) {
   EXPECT_NEAR(learning_rate(c, 90), 0.4, kTol);  // clamped at min_lr
   // No warmup: sqrt(max(0, 1)) / sqrt(max(step, 1)).
   c.min_lr = 0.0;
-  c.lr_warmup_iters = 0;
+  c.lr_warmup_steps = 0;
   EXPECT_NEAR(learning_rate(c, 0), 1.0, kTol);
   EXPECT_NEAR(learning_rate(c, 1), 1.0, kTol);
   EXPECT_NEAR(learning_rate(c, 4), 0.5, kTol);
@@ -115,7 +117,7 @@ TEST(LRSchedule, WSDIsStableThenAnneals) {
   for (auto wsd : {WSDDecayStyle::Exponential, WSDDecayStyle::Linear, WSDDecayStyle::Cosine,
                    WSDDecayStyle::MinusSqrt}) {
     LRScheduleConfig c = base(LRDecayStyle::WSD);
-    c.lr_wsd_decay_iters = 20;
+    c.lr_wsd_decay_steps = 20;
     c.lr_wsd_decay_style = wsd;
     SCOPED_TRACE(std::string(wsd_decay_style_name(wsd)));
     EXPECT_NEAR(learning_rate(c, 11), 1.0, kTol);
@@ -125,7 +127,7 @@ TEST(LRSchedule, WSDIsStableThenAnneals) {
     EXPECT_NEAR(learning_rate(c, 111), 0.1, kTol);
   }
   LRScheduleConfig c = base(LRDecayStyle::WSD);
-  c.lr_wsd_decay_iters = 20;
+  c.lr_wsd_decay_steps = 20;
   c.lr_wsd_decay_style = WSDDecayStyle::Linear;
   EXPECT_NEAR(learning_rate(c, 100), 0.55, kTol);             // w = 0.5
   EXPECT_NEAR(learning_rate(c, 95), 0.1 + 0.9 * 0.75, kTol);  // w = 0.25
@@ -179,13 +181,48 @@ TEST(LRSchedule, ValidateNamesTheBadFlag) {
   check([](LRScheduleConfig& c) { c.min_lr = -1; }, "--min-lr");
   check([](LRScheduleConfig& c) { c.lr = 0.01; }, "--lr");
   check([](LRScheduleConfig& c) { c.lr_warmup_init = 2; }, "--lr-warmup-init");
-  check([](LRScheduleConfig& c) { c.lr_decay_iters = 0; }, "--lr-decay-iters");
-  check([](LRScheduleConfig& c) { c.lr_warmup_iters = 110; }, "--lr-warmup-iters");
+  check([](LRScheduleConfig& c) { c.lr_decay_steps = 0; }, "--lr-decay-iters");
+  check([](LRScheduleConfig& c) { c.lr_warmup_steps = 110; }, "--lr-warmup-iters");
   check([](LRScheduleConfig& c) { c.lr_decay_style = LRDecayStyle::WSD; }, "--lr-wsd-decay-iters");
   check(
       [](LRScheduleConfig& c) {
         c.lr_decay_style = LRDecayStyle::WSD;
-        c.lr_wsd_decay_iters = 111;
+        c.lr_wsd_decay_steps = 111;
       },
       "--lr-wsd-decay-iters");
+}
+
+TEST(LRSchedule, FractionalWarmup) {
+  // --lr-warmup-fraction 0.05 of a 110-step decay: 5.5 steps, Megatron's float warmup.
+  LRScheduleConfig c = base(LRDecayStyle::Linear);
+  c.lr_warmup_steps = 5.5;
+  EXPECT_NEAR(learning_rate(c, 5), 0.05 + 0.95 * 5 / 5.5, kTol);
+  // Past the warmup: r = (6 - 5.5) / (110 - 5.5).
+  EXPECT_NEAR(learning_rate(c, 6), 0.1 + 0.9 * (1 - 0.5 / 104.5), kTol);
+}
+
+TEST(WeightDecaySchedule, MegatronsIncrementStyles) {
+  // Megatron's get_wd: start 0.0 to end 0.1 over 200 steps.
+  LRScheduleConfig c = base(LRDecayStyle::Linear);
+  c.start_weight_decay = 0.0;
+  c.end_weight_decay = 0.1;
+  c.wd_incr_steps = 200;
+  c.weight_decay_incr_style = WeightDecayIncrStyle::Linear;
+  EXPECT_NEAR(weight_decay(c, 0), 0.0, kTol);
+  EXPECT_NEAR(weight_decay(c, 50), 0.025, kTol);
+  EXPECT_NEAR(weight_decay(c, 200), 0.1, kTol);
+  EXPECT_NEAR(weight_decay(c, 201), 0.1, kTol);  // past the run: the end value
+  c.weight_decay_incr_style = WeightDecayIncrStyle::Cosine;
+  // coeff = (cos(pi (1 - r)) + 1) / 2: r = 0.25 -> (1 - cos(pi/4)) / 2 = 0.1464466...
+  EXPECT_NEAR(weight_decay(c, 50), 0.1 * 0.14644660940672624, kTol);
+  EXPECT_NEAR(weight_decay(c, 100), 0.05, kTol);
+  c.weight_decay_incr_style = WeightDecayIncrStyle::Constant;
+  c.start_weight_decay = c.end_weight_decay = 0.01;
+  EXPECT_NEAR(weight_decay(c, 77), 0.01, kTol);
+  EXPECT_EQ(parse_weight_decay_incr_style("cosine"), WeightDecayIncrStyle::Cosine);
+  std::string e = error_of([] { parse_weight_decay_incr_style("exp"); });
+  EXPECT_NE(e.find("--weight-decay-incr-style"), std::string::npos) << e;
+  c.end_weight_decay = 0.02;
+  e = error_of([&] { validate(c); });
+  EXPECT_NE(e.find("constant"), std::string::npos) << e;
 }

@@ -1,0 +1,56 @@
+// Checkpoint flags: where to save and load, how often, what to keep and what to load
+// (Megatron's "checkpointing" group).
+#include "core/error.h"
+#include "train/args/flag_table.h"
+
+namespace megaton {
+
+namespace {
+
+void parse_checkpoint(const ArgReader& r, TrainArgs& a) {
+  r.get("save", a.save);
+  r.get("save-interval", a.save_interval);
+  if (r.has("persistent-save-interval")) {  // Megatron's other name of --save-interval
+    if (r.has("save-interval"))
+      fail("save-interval and persistent-save-interval name the same setting: give one");
+    r.get("persistent-save-interval", a.save_interval);
+  }
+  r.get("save-retain-interval", a.save_retain_interval);
+  r.get("load", a.load);
+  r.get("no-load-optim", a.no_load_optim);
+  r.get("no-load-rng", a.no_load_rng);
+  r.get("finetune", a.finetune);
+  if (!a.save.empty() && a.save_interval < 0) fail("save-interval must be >= 0");
+  // Megatron's arguments.py: the retained checkpoints are saved ones.
+  if (r.has("save-retain-interval")) {
+    if (a.save_retain_interval <= 0)
+      fail("save-retain-interval must be positive (got {})", a.save_retain_interval);
+    if (a.save_interval <= 0 || a.save_retain_interval % a.save_interval != 0)
+      fail("save-retain-interval ({}) must be a multiple of save-interval ({})",
+           a.save_retain_interval, a.save_interval);
+  }
+}
+
+}  // namespace
+
+std::vector<OptionSpec> checkpoint_megatron_rules();
+
+ArgGroup checkpoint_flags() {
+  ArgGroup g{"checkpoint", "checkpoints", {}, parse_checkpoint};
+  g.flags = {
+      flag("save", "checkpoint directory to write"),
+      flag("save-interval", "save every this many iterations"),
+      flag("persistent-save-interval", "Megatron's other name of --save-interval"),
+      flag("save-retain-interval",
+           "keep the checkpoints of multiples of this iteration; the "
+           "others are removed once a newer save is complete"),
+      flag("load", "checkpoint directory to resume from"),
+      toggle("no-load-optim", "do not load optimizer state"),
+      toggle("no-load-rng", "do not load the RNG state"),
+      toggle("finetune", "load weights only and start at iteration 0"),
+  };
+  for (OptionSpec& s : checkpoint_megatron_rules()) g.flags.push_back(std::move(s));
+  return g;
+}
+
+}  // namespace megaton

@@ -1,0 +1,130 @@
+// Model flags: the transformer's shape, norms, positions, embeddings and dropout
+// (Megatron's "network size", "regularization" and transformer configuration flags).
+#include "core/error.h"
+#include "train/args/flag_table.h"
+
+namespace megaton {
+
+namespace {
+
+void parse_model(const ArgReader& r, TrainArgs& a) {
+  GPTConfig& m = a.model;
+  r.get("num-layers", m.num_layers);
+  r.get("hidden-size", m.hidden_size);
+  r.get("ffn-hidden-size", m.ffn_hidden_size);
+  r.get("num-attention-heads", m.num_attention_heads);
+  r.get("group-query-attention", m.group_query_attention);
+  r.get("num-query-groups", m.num_query_groups);
+  r.get("kv-channels", m.kv_channels);
+  r.get("seq-length", m.seq_length);
+  r.get("max-position-embeddings", m.max_position_embeddings);
+  r.get("make-vocab-size-divisible-by", m.make_vocab_size_divisible_by);
+  std::string norm = "LayerNorm";
+  r.get("normalization", norm);
+  if (norm == "LayerNorm")
+    m.normalization = Normalization::LayerNorm;
+  else if (norm == "RMSNorm")
+    m.normalization = Normalization::RMSNorm;
+  else
+    fail("option 'normalization' must be LayerNorm or RMSNorm (got '{}')", norm);
+  r.get("norm-epsilon", m.norm_epsilon);
+  r.get("qk-layernorm", m.qk_layernorm);
+  r.get("swiglu", m.swiglu);
+  std::string pos = "learned_absolute";
+  r.get("position-embedding-type", pos);
+  if (r.on("use-rotary-position-embeddings")) {  // Megatron's deprecated name
+    if (r.has("position-embedding-type") && pos != "rope")
+      fail("use-rotary-position-embeddings contradicts position-embedding-type {}", pos);
+    pos = "rope";
+  }
+  if (pos == "learned_absolute")
+    m.position_embedding_type = PositionEmbedding::LearnedAbsolute;
+  else if (pos == "rope")
+    m.position_embedding_type = PositionEmbedding::Rope;
+  else
+    fail("option 'position-embedding-type' must be learned_absolute or rope (got '{}')", pos);
+  r.get("rotary-base", m.rotary_base);
+  double rotary_percent = 1.0;
+  r.get("rotary-percent", rotary_percent);
+  if (rotary_percent != 1.0)
+    fail(
+        "rotary-percent {} is not supported in Megaton: RoPE rotates the whole head "
+        "(partial RoPE: issue 20)",
+        rotary_percent);
+  std::string rope_type = "rope";
+  r.get("rope-type", rope_type);
+  if (rope_type != "rope")
+    fail("rope-type {} is not supported in Megaton yet (YaRN: issue 20)", rope_type);
+  // Megatron's deprecated --no-position-embedding: no learned position embedding. A RoPE
+  // model has none anyway; without RoPE, Megatron refuses it as well.
+  if (r.on("no-position-embedding")) {
+    if (m.position_embedding_type != PositionEmbedding::Rope)
+      fail(
+          "no-position-embedding without RoPE is not supported: give position-embedding-type "
+          "rope (Megatron refuses it too)");
+    a.no_effect.push_back(
+        "--no-position-embedding: a RoPE model has no learned position "
+        "embedding");
+  }
+  r.get("untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights);
+  r.get("init-method-std", m.init_method_std);
+  r.get("disable-bias-linear", m.disable_bias_linear);
+  r.get("hidden-dropout", m.hidden_dropout);
+  r.get("attention-dropout", m.attention_dropout);
+  // Sizes that default when unset (0) must be positive when given.
+  for (auto [key, value] : {std::pair{"ffn-hidden-size", m.ffn_hidden_size},
+                            {"num-query-groups", m.num_query_groups},
+                            {"kv-channels", m.kv_channels},
+                            {"max-position-embeddings", m.max_position_embeddings}})
+    if (r.has(key)) check_positive(key, double(value));
+  check_positive("norm-epsilon", m.norm_epsilon);
+  check_positive("rotary-base", m.rotary_base);
+  check_positive("init-method-std", m.init_method_std);
+  check_fraction("hidden-dropout", m.hidden_dropout);
+  check_fraction("attention-dropout", m.attention_dropout);
+}
+
+}  // namespace
+
+std::vector<OptionSpec> model_megatron_rules();
+
+ArgGroup model_flags() {
+  ArgGroup g{"model", "model", {}, parse_model};
+  g.flags = {
+      flag("num-layers", "number of transformer layers"),
+      flag("hidden-size", "transformer hidden size"),
+      flag("ffn-hidden-size", "MLP hidden size (default 4 x hidden-size)"),
+      flag("num-attention-heads", "attention heads"),
+      toggle("group-query-attention", "use grouped-query attention"),
+      flag("num-query-groups", "key/value head groups with group-query-attention"),
+      flag("kv-channels", "head dimension (default hidden-size / num-attention-heads)"),
+      flag("seq-length", "tokens per sample"),
+      flag("max-position-embeddings",
+           "positions of learned_absolute embeddings (default seq-length)"),
+      flag("make-vocab-size-divisible-by", "pad the vocabulary up to a multiple of this"),
+      flag("normalization", "LayerNorm or RMSNorm"),
+      flag("norm-epsilon", "epsilon of the norms"),
+      toggle("qk-layernorm",
+             "normalize each query and key head before RoPE (Qwen3's q_norm/k_norm)"),
+      toggle("swiglu", "SwiGLU MLP instead of GeLU"),
+      flag("position-embedding-type", "learned_absolute or rope"),
+      toggle("use-rotary-position-embeddings",
+             "Megatron's older name of "
+             "--position-embedding-type rope"),
+      toggle("no-position-embedding",
+             "with RoPE: no effect (there is no learned position "
+             "embedding); refused without RoPE, as in Megatron"),
+      flag("rotary-base", "RoPE base"),
+      flag("rotary-percent", "1.0 only: RoPE rotates the whole head (partial RoPE: issue 20)"),
+      flag("rope-type", "rope only (YaRN: issue 20)"),
+      toggle("untie-embeddings-and-output-weights", "separate output layer"),
+      flag("init-method-std", "std of the normal weight init"),
+      toggle("disable-bias-linear", "no biases in linear layers"),
+      flag("hidden-dropout", "dropout after attention, MLP and embedding"),
+      flag("attention-dropout", "dropout on attention probabilities"),
+  };
+  for (OptionSpec& s : model_megatron_rules()) g.flags.push_back(std::move(s));
+  return g;
+}
+
+}  // namespace megaton

@@ -1,0 +1,72 @@
+// Megatron-LM's MoE flags that Megaton accepts without effect or refuses, each with
+// its reason or the feature it names (issue 19: one rule for every Megatron flag;
+// docs/megatron-flags.md lists them all). The implemented ones are in moe_flags.cpp.
+#include "train/args/flag_table.h"
+
+namespace megaton {
+
+std::vector<OptionSpec> moe_megatron_rules() {
+  return {
+      unsupported("overlap-moe-expert-parallel-comm", "0",
+                  "expert-parallel communication overlap (issue 22)"),
+      unsupported("delay-wgrad-compute", "0", "expert-parallel communication overlap (issue 22)"),
+      unsupported("overlap-dispatch-backward-with-experts-wgrad", "0",
+                  "expert-parallel communication overlap (issue 22)"),
+      unsupported("ep-overlap-early-attn-memory-release", "0",
+                  "expert-parallel communication overlap (issue 22)"),
+      unsupported("use-fused-weighted-squared-relu", "0", "squared-ReLU activation"),
+      unsupported("high-priority-a2a-comm-stream", "0",
+                  "expert-parallel communication overlap (issue 22)"),
+      unsupported("moe-shared-expert-overlap", "0",
+                  "shared expert overlapped with the dispatch (issue 22)"),
+      no_effect("use-grouped-gemm-for-shared-expert", "0",
+                "Transformer Engine fusion switch; Megaton's own kernels are used"),
+      unsupported("moe-shared-expert-glu-interleave-size", "1", "block-interleaved GLU weights"),
+      unsupported("moe-enable-routing-replay", "0", "MoE routing replay"),
+      no_effect("moe-router-padding-for-quantization", "0",
+                "Megaton's experts always pad their rows to the FP8 GEMM multiple"),
+      no_effect("moe-router-padding-for-fp8", "0",
+                "Megaton's experts always pad their rows to the FP8 GEMM multiple"),
+      unsupported("moe-router-quantile-balancing-ema", "1", "quantile-balancing router"),
+      unsupported("moe-router-force-biased", "1", "random router bias (benchmarking)"),
+      no_effect("moe-grouped-gemm", "0", "Megaton's grouped GEMM is always used"),
+      no_effect("moe-use-grouped-tensor", "0", "Megaton's grouped GEMM is always used"),
+      no_effect(
+          "moe-single-grouped-weight", "0",
+          "Transformer Engine storage option; Megaton's experts always run as one grouped GEMM"),
+      no_effect(
+          "moe-single-grouped-bias", "0",
+          "Transformer Engine storage option; Megaton's experts always run as one grouped GEMM"),
+      unsupported("moe-enable-deepep", "0", "flex token dispatcher (issue 22)"),
+      unsupported("moe-flex-dispatcher-backend", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-permute-fusion-into-hybridep", "0", "flex token dispatcher (issue 22)"),
+      unsupported("moe-hybridep-pad-uneven-dispatch-inputs", "0",
+                  "flex token dispatcher (issue 22)"),
+      no_effect("moe-permute-fusion", "0", "Megaton's fused kernel is always used"),
+      no_effect("moe-router-fusion", "0", "Megaton's fused kernel is always used"),
+      unsupported("moe-apply-probs-on-input", "0",
+                  "routing probabilities applied to the expert input"),
+      unsupported("moe-latent-size", "1", "MoE latent projections"),
+      unsupported("moe-flex-dispatcher-num-sms", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-deepep-num-sms", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-hybridep-num-sms", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-hybridep-num-blocks-permute", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-hybridep-num-blocks-unpermute", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-hybridep-num-sms-preprocessing", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-ncclep-zero-copy", "0", "flex token dispatcher (issue 22)"),
+      unsupported("moe-dispatch-fwd-dtype", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-combine-bwd-dtype", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-mlp-glu-interleave-size", "1", "block-interleaved GLU weights"),
+      unsupported("moe-expert-rank-capacity-factor", "1", "flex token dispatcher (issue 22)"),
+      unsupported("moe-paged-stash", "0", "paged stash of expert activations"),
+      unsupported("moe-paged-stash-page-size", "1", "paged stash of expert activations"),
+      unsupported("moe-paged-stash-buffer-size-factor-cuda", "1",
+                  "paged stash of expert activations"),
+      unsupported("moe-paged-stash-buffer-size-factor-cpu", "1",
+                  "paged stash of expert activations"),
+      unsupported("moe-use-upcycling", "0", "MoE upcycling from a dense checkpoint"),
+      unsupported("moe-upcycling-granularity", "1", "MoE upcycling from a dense checkpoint"),
+  };
+}
+
+}  // namespace megaton

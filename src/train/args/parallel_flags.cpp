@@ -1,0 +1,95 @@
+// Parallelism flags: the layout (tp, pp, vpp, ep, etp, cp), sequence parallelism, the
+// distributed optimizer and the gradient/parameter communication (Megatron's "distributed"
+// group). The layout itself is checked against the world by check_parallel_layout.
+#include "core/error.h"
+#include "train/args/flag_table.h"
+
+namespace megaton {
+
+namespace {
+
+void parse_parallel(const ArgReader& r, TrainArgs& a) {
+  ParallelArgs& p = a.parallel;
+  r.get("tensor-model-parallel-size", p.tensor_model_parallel_size);
+  r.get("pipeline-model-parallel-size", p.pipeline_model_parallel_size);
+  r.get("expert-model-parallel-size", p.expert_model_parallel_size);
+  r.get("expert-tensor-parallel-size", p.expert_tensor_parallel_size);
+  r.get("context-parallel-size", p.context_parallel_size);
+  r.get("sequence-parallel", p.sequence_parallel);
+  r.get("num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage);
+  r.get("decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers);
+  r.get("decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers);
+  r.get("use-distributed-optimizer", p.use_distributed_optimizer);
+  r.get("overlap-grad-reduce", p.overlap_grad_reduce);
+  r.get("overlap-param-gather", p.overlap_param_gather);
+  r.get("ddp-bucket-size", p.ddp_bucket_size);
+  r.get("distributed-timeout-minutes", p.distributed_timeout_minutes);
+  // Optional counts: 0 means "not set", so a value given must be positive.
+  for (const char* key : {"expert-tensor-parallel-size", "num-layers-per-virtual-pipeline-stage",
+                          "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
+                          "distributed-timeout-minutes", "ddp-bucket-size"}) {
+    int64_t v = 0;
+    r.get(key, v);
+    if (r.has(key) && v <= 0) fail("{} must be positive (got {})", key, v);
+  }
+  // Megatron's arguments.py: the parameter all-gather exists only with the distributed
+  // optimizer, and is overlapped only together with the gradient reduction.
+  if (p.overlap_param_gather && !p.use_distributed_optimizer)
+    fail("overlap-param-gather needs use-distributed-optimizer");
+  if (p.overlap_param_gather && !p.overlap_grad_reduce)
+    fail("overlap-param-gather needs overlap-grad-reduce");
+  int64_t instances = 1;
+  r.get("num-distributed-optimizer-instances", instances);
+  if (instances != 1)
+    fail(
+        "num-distributed-optimizer-instances {} is not supported in Megaton: the distributed "
+        "optimizer shards over the whole data-parallel group (partial sharding)",
+        instances);
+  // Megatron's interleaved schedule runs micro-batches in groups of this size; Megaton's
+  // groups are the pipeline size, Megatron's default.
+  if (r.has("microbatch-group-size-per-virtual-pipeline-stage")) {
+    int64_t group = 0;
+    r.get("microbatch-group-size-per-virtual-pipeline-stage", group);
+    if (group != p.pipeline_model_parallel_size)
+      fail(
+          "microbatch-group-size-per-virtual-pipeline-stage {} is not supported in Megaton: "
+          "the interleaved schedule groups pipeline-model-parallel-size ({}) micro-batches",
+          group, p.pipeline_model_parallel_size);
+  }
+}
+
+}  // namespace
+
+std::vector<OptionSpec> parallel_megatron_rules();
+
+ArgGroup parallel_flags() {
+  ArgGroup g{"parallel", "parallelism", {}, parse_parallel};
+  g.flags = {
+      flag("tensor-model-parallel-size", "tensor parallel ranks (tp)"),
+      flag("pipeline-model-parallel-size", "pipeline stages (pp)"),
+      flag("expert-model-parallel-size", "expert parallel ranks (ep)"),
+      flag("expert-tensor-parallel-size", "tensor parallel ranks of the experts (default tp)"),
+      flag("context-parallel-size", "context parallel ranks (only 1 so far: issue 22)"),
+      toggle("sequence-parallel", "shard activations along the sequence over tp ranks"),
+      flag("num-layers-per-virtual-pipeline-stage",
+           "layers per model chunk (interleaved pipeline)"),
+      flag("microbatch-group-size-per-virtual-pipeline-stage",
+           "micro-batches per group of the interleaved schedule: the pipeline size only"),
+      flag("decoder-first-pipeline-num-layers", "layers of the first pipeline stage"),
+      flag("decoder-last-pipeline-num-layers", "layers of the last pipeline stage"),
+      toggle("use-distributed-optimizer", "shard optimizer state over data-parallel ranks"),
+      flag("num-distributed-optimizer-instances",
+           "1 only: the optimizer shards over the whole "
+           "data-parallel group"),
+      toggle("overlap-grad-reduce", "overlap the gradient reduction with backward"),
+      toggle("overlap-param-gather", "overlap the parameter all-gather with forward"),
+      flag("ddp-bucket-size",
+           "elements per gradient bucket with --overlap-grad-reduce (default "
+           "max(40M, 1M x data-parallel size))"),
+      flag("distributed-timeout-minutes", "deadline of one collective (default: 5 minutes)"),
+  };
+  for (OptionSpec& s : parallel_megatron_rules()) g.flags.push_back(std::move(s));
+  return g;
+}
+
+}  // namespace megaton
