@@ -58,9 +58,32 @@ struct ScheduleFlags {
   std::string step_batch_size_schedule;    // --step-batch-size-schedule
 };
 
+// Megatron's optional logs (train/run_logger.h) and run control; defaults are Megatron's.
+struct LoggingFlags {
+  std::string tensorboard_dir;                // --tensorboard-dir ("" off)
+  int64_t tensorboard_log_interval = 1;       // --tensorboard-log-interval
+  int64_t tensorboard_queue_size = 1000;      // --tensorboard-queue-size: events per flush
+  bool log_timers_to_tensorboard = false;     // iteration time (and throughput) to TensorBoard
+  bool log_validation_ppl_to_tensorboard = false;
+  bool log_memory_to_tensorboard = false;
+  bool log_world_size_to_tensorboard = false;
+  bool log_loss_scale_to_tensorboard = true;  // off: --no-log-loss-scale-to-tensorboard
+  bool log_throughput = false;                // the throughput scalar (the line always has it)
+  int64_t log_memory_interval = 0;            // --log-memory-interval (0 off)
+  bool log_device_memory_used = false;
+  bool log_energy = false;                    // NVML energy per iteration (GPU)
+  bool log_progress = false;                  // <save>/progress.txt
+  // Run control: --exit-duration-in-mins (0 off), --exit-signal-handler with --exit-signal
+  // (default SIGTERM, 15).
+  double exit_duration_in_mins = 0;
+  bool exit_signal_handler = false;
+  int64_t exit_signal = 15;
+};
+
 // Names are Megatron-LM's argument names ('-' -> '_'); defaults are Megatron's unless
 // noted.
 struct TrainArgs {
+  LoggingFlags logging;
   GPTConfig model;
   optim::AdamWConfig adam;
   // The learning-rate and weight-decay schedule, its lengths in samples (from schedule).

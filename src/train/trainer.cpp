@@ -18,7 +18,10 @@
 
 #include "ckpt/checkpoint.h"
 #ifdef MEGATON_WITH_CUDA
+#include <cuda_runtime.h>
+
 #include "core/cuda/allocator.h"
+#include "core/cuda/cuda_check.h"
 #endif
 #include "data/mock_dataset.h"
 #include "dist/gather.h"
@@ -32,6 +35,7 @@
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
 #include "train/flops.h"
+#include "train/run_control.h"
 #include "train/generate.h"
 #include "train/memory_check.h"
 #include "train/pipeline_schedule.h"
@@ -136,6 +140,17 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   dist::Grid::set_current(*grid_);
   comm_ = dist::make_comm(args_.model.device);
   comm_->prepare(*grid_);
+  std::string bus_id;  // the GPU's PCI bus id: NVML's handle for --log-energy
+#ifdef MEGATON_WITH_CUDA
+  if (args_.model.device == Device::CUDA && args_.logging.log_energy) {
+    int device = 0;
+    char id[64] = {};
+    MEGATON_CUDA_CHECK(cudaGetDevice(&device));
+    MEGATON_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof(id), device));
+    bus_id = id;
+  }
+#endif
+  run_logger_ = std::make_unique<RunLogger>(args_, *grid_, *comm_, bus_id);
 
   const bool distributed = args_.parallel.use_distributed_optimizer;
   ModelParallel mp;
@@ -450,6 +465,10 @@ static void print_eval(const std::string& where, double loss) {
 }
 
 TrainResult Trainer::train() {
+  RunControl control(args_.logging, *comm_, *grid_);
+  job_start_ = std::chrono::steady_clock::now();
+  job_start_flops_ = floating_point_operations_so_far_;
+  run_logger_->progress("Starting job");
   TrainResult result;
   if (iteration_ == 0) {
     result.first_valid_loss = evaluate();
@@ -552,6 +571,7 @@ TrainResult Trainer::train() {
       double v = evaluate();
       if (op_profile) ops::profile_discard();  // evaluation is not part of a step
       if (v >= 0 && is_logging_rank()) print_eval(fmt::format("at iteration {}", iteration_), v);
+      if (v >= 0) run_logger_->validation(iteration_, consumed_samples_, v);
     }
     saved_last = false;
     if (save_now) {
@@ -565,6 +585,16 @@ TrainResult Trainer::train() {
       ddp_->finish_param_sync();
       if (op_profile && is_logging_rank()) print_op_profile(profile_counted_iters, profile_wall_ms);
       if (is_logging_rank()) fmt::print("exiting program at iteration {}\n", iteration_);
+      result.final_iteration = iteration_;
+      return result;
+    }
+    // --exit-duration-in-mins, --exit-signal-handler: every rank stops at this iteration.
+    std::string why;
+    if (control.active() && control.should_exit(why)) {
+      read_pending();
+      if (!args_.save.empty() && !saved_last) save(iteration_);
+      ddp_->finish_param_sync();
+      if (is_logging_rank()) fmt::print("{}\n", why);
       result.final_iteration = iteration_;
       return result;
     }

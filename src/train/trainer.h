@@ -21,6 +21,7 @@
 #include "train/batch_schedule.h"
 #include "train/moe_metrics.h"
 #include "train/pipeline_schedule.h"
+#include "train/run_logger.h"
 #include "train/step_graph.h"
 
 namespace megaton {
@@ -154,8 +155,8 @@ class Trainer {
   // params_norm < 0, num_zeros < 0: not logged. moe: the interval's mean MoE metrics.
   // loss: the mean over the interval's advanced iterations; skipped, nan: the interval's
   // counts (Megatron's, reset at each log line).
-  void log_line(int64_t iteration, int64_t consumed_samples, int64_t global_batch_size,
-                double ms_per_iter, double lr,
+  void log_line(const std::string& extra_fields, int64_t iteration, int64_t consumed_samples,
+                int64_t global_batch_size, double ms_per_iter, double lr,
                 double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
                 double params_norm, int64_t skipped, int64_t nan);
 
@@ -177,6 +178,12 @@ class Trainer {
   int64_t skipped_iterations_ = 0, nan_iterations_ = 0;  // over the whole run
   // The loss scaler (--fp16, --loss-scale; a scale of 1 that never changes without them).
   std::unique_ptr<optim::GradScaler> scaler_;
+  // TensorBoard, energy, memory reports, the progress log (train/run_logger.h).
+  std::unique_ptr<RunLogger> run_logger_;
+  // This job's start and the floating-point operations before it (a resumed run's), for
+  // the progress log's job throughput.
+  std::chrono::steady_clock::time_point job_start_ = std::chrono::steady_clock::now();
+  double job_start_flops_ = 0;
   // Steps of the learning-rate and weight-decay schedule, in samples: the global batches of
   // the updates applied so far (Megatron's OptimizerParamScheduler steps by the batch's
   // samples, and only after a successful update). Counted when a step is queued and taken

@@ -91,6 +91,18 @@ void Trainer::save(int64_t iteration) {
   if (!removed.empty() && is_logging_rank())
     fmt::print(" removed {} (save-retain-interval {})\n", removed, args_.save_retain_interval);
   fmt::print(" saved checkpoint from iteration {:7} to {}\n", iteration, args_.save);
+  // Megatron's compute_throughputs_and_append_to_progress_log (the cumulative throughput
+  // over earlier jobs is not kept).
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - job_start_).count();
+  run_logger_->progress(fmt::format(
+      "Saved checkpoint\tIteration: {}\tJob throughput: {:.1f} TFLOP/s/GPU\tFloating-point "
+      "operations: {:.2e}\tTokens (in billions): {:.2f}",
+      iteration,
+      (floating_point_operations_so_far_ - job_start_flops_) / std::max(seconds, 1e-9) / 1e12 /
+          double(grid_->world_size()),
+      floating_point_operations_so_far_,
+      double(consumed_samples_) * double(args_.model.seq_length) / 1e9));
   std::fflush(stdout);
 }
 

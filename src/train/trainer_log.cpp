@@ -84,7 +84,8 @@ static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
   scale(sum.mean);
 }
 
-void Trainer::log_line(int64_t iteration, int64_t consumed_samples, int64_t global_batch_size,
+void Trainer::log_line(const std::string& extra_fields, int64_t iteration,
+                       int64_t consumed_samples, int64_t global_batch_size,
                        double ms_per_iter, double lr, double loss, const MoEStepMetrics& moe,
                        double grad_norm, int64_t num_zeros, double params_norm, int64_t skipped,
                        int64_t nan) {
@@ -101,6 +102,7 @@ void Trainer::log_line(int64_t iteration, int64_t consumed_samples, int64_t glob
   const bool capacity = args_.model.moe_expert_capacity_factor > 0;
   if (moe_->active()) line += moe_log_fields(moe.mean, capacity);
   // The scale after this step's update, as Megatron logs optimizer.get_loss_scale().
+  line += extra_fields;  // the energy fields (RunLogger::log_interval)
   line += fmt::format("loss scale: {:.1f} | grad norm: {:.3f} | ", scaler_->scale(), grad_norm);
   if (num_zeros >= 0) line += fmt::format("num zeros: {} | ", num_zeros);
   if (params_norm >= 0) line += fmt::format("params norm: {:.3f} | ", params_norm);
@@ -171,17 +173,42 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     out << line.dump() << "\n";
     if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
   }
+  if (is_logging_rank()) {
+    RunLogStep r;
+    r.iteration = step.iteration;
+    r.consumed_samples = step.consumed_samples;
+    r.global_batch_size = step.global_batch_size;
+    r.lr = step.lr;
+    r.loss = loss;
+    r.grad_norm = grad_norm;
+    r.loss_scale = scaler_->active() ? scaler_->scale() : -1.0;
+    r.params_norm = step.params_norm;
+    r.num_zeros = step.num_zeros;
+    MoEStepMetrics moe;
+    if (moe_->active()) {
+      moe = moe_->read(step.moe);
+      r.moe = &moe;
+    }
+    run_logger_->step(r);
+  }
   if (moe_->active()) interval.moe.push_back(std::move(step.moe));
   interval.ms += ms;
   ++interval.iterations;
+  run_logger_->memory(step.iteration);
   const bool log_now =
       step.iteration % args_.log_interval == 0 || step.iteration == args_.train_iters;
   if (!log_now) return;
+  const double ms_per_iter = interval.ms / double(interval.iterations);
+  const std::string energy = run_logger_->log_interval(
+      step.iteration, interval.iterations, ms_per_iter,
+      throughput_per_gpu_tflops(num_floating_point_operations(
+                                    args_.model, step.global_batch_size * args_.model.seq_length),
+                                ms_per_iter, grid_->world_size()));
   if (is_logging_rank()) {
     MoEStepMetrics moe_mean;
     for (const PendingMoEMetrics& m : interval.moe) accumulate_moe_metrics(moe_mean, moe_->read(m));
     scale_moe_metrics(moe_mean, 1.0 / double(interval.iterations));
-    log_line(step.iteration, step.consumed_samples, step.global_batch_size,
+    log_line(energy, step.iteration, step.consumed_samples, step.global_batch_size,
              interval.ms / double(interval.iterations), step.lr,
              interval.loss / double(std::max<int64_t>(interval.advanced, 1)), moe_mean, grad_norm,
              step.num_zeros, step.params_norm, interval.skipped, interval.nan);

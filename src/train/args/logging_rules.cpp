@@ -70,26 +70,6 @@ std::vector<OptionSpec> logging_megatron_rules() {
       no_effect(
           "app-tag-run-version", "1",
           "one-logger needs a network; metrics go to --tensorboard-dir and --log-metrics-file"),
-      unsupported("tensorboard-dir", "1", "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("tensorboard-log-interval", "1", "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("tensorboard-queue-size", "1", "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("log-timers-to-tensorboard", "0",
-                  "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("log-validation-ppl-to-tensorboard", "0",
-                  "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("log-memory-to-tensorboard", "0",
-                  "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("log-world-size-to-tensorboard", "0",
-                  "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("no-log-loss-scale-to-tensorboard", "0",
-                  "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("disable-log-loss-scale-to-tensorboard", "0",
-                  "TensorBoard logging (issue 19: not built yet)"),
-      unsupported("log-memory-interval", "1", "memory logging (issue 19: not built yet)"),
-      unsupported("log-device-memory-used", "0", "memory logging (issue 19: not built yet)"),
-      unsupported("log-energy", "0", "energy logging (issue 19: not built yet)"),
-      unsupported("log-progress", "0", "the progress log (issue 19: not built yet)"),
-      unsupported("log-throughput", "0", "throughput logging (issue 19: not built yet)"),
   };
 }
 

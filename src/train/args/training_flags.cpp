@@ -111,6 +111,17 @@ void parse_training(const ArgReader& r, TrainArgs& a) {
   }
   r.get("device", a.device);
   r.get("dry-run", a.dry_run);
+  LoggingFlags& l = a.logging;
+  r.get("exit-duration-in-mins", l.exit_duration_in_mins);
+  if (r.has("exit-duration-in-mins") && !(l.exit_duration_in_mins > 0))
+    fail("exit-duration-in-mins must be positive (got {})", l.exit_duration_in_mins);
+  r.get("exit-signal-handler", l.exit_signal_handler);
+  r.get("exit-signal", l.exit_signal);
+  // Megatron's choices: the catchable signals of Python's signal.Signals.
+  if (l.exit_signal < 1 || l.exit_signal > 64 || l.exit_signal == 9 || l.exit_signal == 19)
+    fail("exit-signal {} is not a signal the handler can catch", l.exit_signal);
+  if (r.has("exit-signal") && !l.exit_signal_handler)
+    a.no_effect.push_back("--exit-signal: no --exit-signal-handler");
 }
 
 }  // namespace
@@ -138,6 +149,12 @@ ArgGroup training_flags() {
       flag("eval-interval", "evaluate every this many iterations"),
       flag("eval-iters", "validation iterations per evaluation"),
       flag("exit-interval", "exit (after saving) when the iteration is a multiple of this"),
+      flag("exit-duration-in-mins", "save and exit 0 once the run has trained this many "
+                                    "minutes (checked every iteration on every rank)"),
+      toggle("exit-signal-handler", "on --exit-signal (SIGTERM): finish the step, save, exit 0 "
+                                    "(Slurm preemption)"),
+      flag("exit-signal", "the signal number --exit-signal-handler catches (default 15, "
+                          "SIGTERM)"),
       flag("seed", "random seed"),
       toggle("deterministic-mode",
              "bitwise-reproducible GPU runs (deterministic embedding and "

@@ -86,11 +86,6 @@ std::vector<OptionSpec> training_megatron_rules() {
       no_effect("rerun-mode", "1", "Megaton has no rerun engine", {"disabled"},
                 "the rerun engine (validate_results, report_stats) is not supported in Megaton"),
       unsupported("check-for-spiky-loss", "0", "Megatron's rerun engine"),
-      unsupported("exit-duration-in-mins", "1",
-                  "exit after a wall-clock duration (issue 19: not built yet)"),
-      unsupported("exit-signal-handler", "0",
-                  "the save-and-exit signal handler (issue 19: not built yet)"),
-      unsupported("exit-signal", "1", "the save-and-exit signal handler (issue 19: not built yet)"),
   };
 }
 
