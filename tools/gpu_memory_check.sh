@@ -76,6 +76,20 @@ fp16)  # --fp16 from Megatron's default scale 2^32 on the small configs: skips, 
     done
   done
   ;;
+states)  # precision-aware states: bf16 main grads, fp16/fp8 moments (speed and peak, llama-1.3B and moe-8x)
+  python3 bench/gpu_bench.py --megaton $B/megaton --torch-script gpu-bundle/torch_gpt.py --configs llama-1.3B,moe-8x-top2 --iters 12 --no-torch \
+    --variant "bf16-grads=--use-precision-aware-optimizer --main-grads-dtype bf16" \
+    --variant "fp16-moments=--use-precision-aware-optimizer --exp-avg-dtype fp16 --exp-avg-sq-dtype fp16" \
+    --variant "fp8-fp16-moments=--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16" \
+    --variant "lean=--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16" \
+    --out $OUT/states.md
+  cat $OUT/states.md
+  ;;
+logs)  # --log-energy and --tensorboard-dir on the GPU: the log line's energy, TensorBoard's own reader
+  timeout 200 $B/megaton ${DENSE/--log-interval 1/--log-interval 4} --train-iters 12 --log-energy --tensorboard-dir $OUT/tb --log-timers-to-tensorboard --log-throughput > $OUT/logs.txt 2>&1
+  echo "== logs rc=$?"; grep -oE "iteration +[0-9]+/.*(energy per GPU[^|]*\|[^|]*\|)" $OUT/logs.txt | grep -oE "iteration +[0-9]+|per iteration \(ms\): [0-9.]+|energy per GPU[^|]*\|[^|]*\|"
+  python3 tools/tensorboard_scalars.py $OUT/tb > $OUT/tb.json && python3 -c "import json; d=json.load(open('$OUT/tb.json')); print(sorted(d)); print('power/gpu', d.get('power/gpu'))"
+  ;;
 offload)  # --optimizer-cpu-offload: speed and peak on llama-1.3B, and the curve against none
   python3 bench/gpu_bench.py --megaton $B/megaton --torch-script gpu-bundle/torch_gpt.py --configs llama-1.3B --iters 12 --no-torch \
     --variant "offload-0.5=--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5" \

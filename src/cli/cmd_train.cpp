@@ -30,11 +30,17 @@ void add_train_command(CLI::App& app) {
     for (const OptionSpec& spec : group.flags) {
       if (spec.name == "help") continue;  // CLI11's own
       const std::string heading = spec.rule == FlagRule::Implemented ? group.title : "";
+      // A flag given twice takes its last value, as argparse does (launch scripts often
+      // append an override to a shared argument list).
       if (spec.is_switch) {
-        cmd->add_flag("--" + spec.name, state->switches[spec.name], spec.help)->group(heading);
+        cmd->add_flag("--" + spec.name, state->switches[spec.name], spec.help)
+            ->group(heading)
+            ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
       } else {
         auto* opt = cmd->add_option("--" + spec.name, state->values[spec.name], spec.help);
         opt->expected(spec.min_values, spec.max_values)->group(heading);
+        if (spec.max_values < kManyValues)
+          opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
       }
     }
   }

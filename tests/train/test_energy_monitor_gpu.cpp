@@ -22,9 +22,10 @@ TEST(EnergyMonitorGpu, BusyGemmsUseEnergy) {
   ASSERT_TRUE(monitor.is_open());
   EXPECT_EQ(EnergyMonitor().lap_millijoules(), 0) << "a closed monitor reads 0";
 
-  Tensor a = Tensor::empty({8192, 8192}, DType::BF16, Device::CUDA);
+  Tensor a32 = Tensor::empty({8192, 8192}, DType::F32, Device::CUDA);
+  ops::fill_uniform(a32, -1.0f, 1.0f, 1, 0);
+  const Tensor a = a32.to(DType::BF16);
   Tensor c = Tensor::empty({8192, 8192}, DType::BF16, Device::CUDA);
-  ops::fill_uniform(a, -1.0f, 1.0f, 1, 0);
   monitor.lap_millijoules();  // start the lap here
   const auto start = std::chrono::steady_clock::now();
   double seconds = 0;
