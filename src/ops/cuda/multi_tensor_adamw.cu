@@ -108,17 +108,22 @@ static_assert(sizeof(AdamWPrecisionLaunch) + sizeof(AdamPrecisionConstants) + 2 
                   sizeof(uint64_t) + sizeof(float*) <=
               kMaxKernelParamBytes);
 
-// One AdamW element update (ops.h adamw_step's formula) from the gradient as stored.
-// ops::adamw_step on the GPU (adam.cu) calls this kernel too, so single- and multi-tensor
-// results are bitwise equal. The clipping scale is its own correctly rounded multiply
-// (__fmul_rn is never contracted into an FMA), so g is bitwise the gradient that scale_
-// would have written, and with grad_scale == 1 it is the stored gradient itself.
+// One AdamW element update (ops.h adamw_step's formula) from the gradient as stored:
+// adamw_precision_update (ops/adam_precision_math.h) on fp32 moments, every operation one
+// correctly rounded __fmul_rn / __fmaf_rn / __fdiv_rn / __fsqrt_rn, so nvcc has nothing
+// left to contract. It must not be written as plain a * b + c: ops::adamw_step on the GPU
+// (adam.cu) runs this kernel's NoCopy instantiation, multi_tensor_adamw with copies its
+// float / BF16 / F16 ones, and nvcc contracts the same expression into different FMAs in
+// different instantiations (the BF16-grad load of adam_grad_load.cuh changed the code
+// around it and the copy instantiations' params moved by 1 ulp against the NoCopy one).
+// The clipping scale is its own rounded multiply, so g is bitwise the gradient that scale_
+// would have written, and with grad_scale == 1 it is the stored gradient itself. The
+// precision-aware kernels run the same function, so an F32 moment gives the same bits there.
 __device__ __forceinline__ void adamw_update(float& p, float grad, float& m, float& v, float decay,
                                              const AdamWConstants& c) {
-  const float g = __fmul_rn(grad, c.grad_scale);
-  m = c.beta1 * m + (1.0f - c.beta1) * g;
-  v = c.beta2 * v + (1.0f - c.beta2) * g * g;
-  p = p * decay - c.step_size * m / (sqrtf(v) * c.inv_sqrt_bc2 + c.eps);
+  const AdamPrecisionConstants pc{c.beta1,     1.0f - c.beta1, c.beta2,       1.0f - c.beta2,
+                                  c.eps,       c.step_size,    c.inv_sqrt_bc2, c.grad_scale};
+  adamw_precision_update(p, grad, m, v, decay, pc);
 }
 
 // Elements [begin, end) of one tensor; Copy = float, __nv_bfloat16, __half or NoCopy.
