@@ -261,9 +261,6 @@ void finish_schedule(const ArgReader& r, TrainArgs& a) {
     fail("can only specify one of lr-warmup-fraction and lr-warmup-{}",
          by_samples ? "samples" : "iters");
   const bool scheduled = !f.rampup_batch_size.empty() || !f.step_batch_size_schedule.empty();
-  if (scheduled && !by_samples)
-    fail("{} needs train-samples: the iterations follow from the samples and the schedule",
-         f.rampup_batch_size.empty() ? "step-batch-size-schedule" : "rampup-batch-size");
   if (scheduled && a.cuda_graph_impl != "none")
     fail(
         "a batch-size schedule with cuda-graph-impl {} is not supported in Megaton (the "
@@ -282,6 +279,10 @@ void finish_schedule(const ArgReader& r, TrainArgs& a) {
     lr.lr_wsd_decay_steps = f.lr_wsd_decay_samples;
     lr.lr_warmup_steps = double(f.lr_warmup_samples);
   } else {
+    // Iteration lengths times the global batch size, as Megatron's scheduler counts them.
+    // With a batch-size schedule that is its last batch size (Megatron multiplies by
+    // micro-batch-size x data-parallel size there, its default global batch size, which
+    // would end the schedule early; docs/launch-scripts.md).
     lr.lr_decay_steps = (f.lr_decay_iters > 0 ? f.lr_decay_iters : a.train_iters) * gbs;
     lr.wd_incr_steps = a.train_iters * gbs;
     lr.lr_wsd_decay_steps = f.lr_wsd_decay_iters >= 0 ? f.lr_wsd_decay_iters * gbs : -1;

@@ -78,6 +78,13 @@ struct LoggingFlags {
   double exit_duration_in_mins = 0;
   bool exit_signal_handler = false;
   int64_t exit_signal = 15;
+  // --profile: cudaProfilerStart at --profile-step-start, cudaProfilerStop at
+  // --profile-step-end on the --profile-ranks (Nsight Systems' capture range
+  // cudaProfilerApi, as Megatron without --use-pytorch-profiler).
+  bool profile = false;
+  int64_t profile_step_start = 10;
+  int64_t profile_step_end = 12;
+  std::vector<int64_t> profile_ranks = {0};
 };
 
 // Names are Megatron-LM's argument names ('-' -> '_'); defaults are Megatron's unless
@@ -156,6 +163,7 @@ struct TrainArgs {
   int64_t save_retain_interval = 0;  // --save-retain-interval (0: keep every checkpoint)
   std::string load;
   bool no_load_optim = false;
+  bool exit_on_missing_checkpoint = false;  // --exit-on-missing-checkpoint
   bool no_load_rng = false;
   bool finetune = false;
 

@@ -4,8 +4,15 @@
 #include <csignal>
 #include <cstring>
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "dist/host_reduce.h"
+#ifdef MEGATON_WITH_CUDA
+#include <cuda_profiler_api.h>
+
+#include "core/cuda/cuda_check.h"
+#endif
 
 namespace megaton {
 
@@ -18,6 +25,11 @@ extern "C" void record_exit_signal(int) { g_signal_received = 1; }
 
 RunControl::RunControl(const LoggingFlags& flags, dist::Comm& comm, const dist::Grid& grid)
     : flags_(flags), comm_(comm), grid_(grid), start_(std::chrono::steady_clock::now()) {
+#ifdef MEGATON_WITH_CUDA
+  profiles_ = flags.profile && comm.device() == Device::CUDA &&
+              std::find(flags.profile_ranks.begin(), flags.profile_ranks.end(),
+                        int64_t(grid.world_rank())) != flags.profile_ranks.end();
+#endif
   if (!flags.exit_signal_handler) return;
   g_signal_received = 0;
   struct sigaction action {};
@@ -32,6 +44,25 @@ RunControl::RunControl(const LoggingFlags& flags, dist::Comm& comm, const dist::
 
 RunControl::~RunControl() {
   if (installed_) sigaction(int(flags_.exit_signal), &g_previous, nullptr);
+#ifdef MEGATON_WITH_CUDA
+  if (profiling_) cudaProfilerStop();  // a run that ended inside the range
+#endif
+}
+
+void RunControl::profile_before_step(int64_t completed) {
+  if (!profiles_ || profiling_ || completed != flags_.profile_step_start) return;
+#ifdef MEGATON_WITH_CUDA
+  MEGATON_CUDA_CHECK(cudaProfilerStart());
+  profiling_ = true;
+#endif
+}
+
+void RunControl::profile_after_step(int64_t completed) {
+  if (!profiling_ || completed != flags_.profile_step_end) return;
+#ifdef MEGATON_WITH_CUDA
+  MEGATON_CUDA_CHECK(cudaProfilerStop());
+  profiling_ = false;
+#endif
 }
 
 bool RunControl::should_exit(std::string& why) {

@@ -29,12 +29,21 @@ class RunControl {
   // X minutes").
   bool should_exit(std::string& why);
 
+  // --profile on a GPU rank of --profile-ranks: cudaProfilerStart when `completed`
+  // iterations are done and the next begins at --profile-step-start (before its step),
+  // cudaProfilerStop when `completed` reaches --profile-step-end (after its step), as
+  // Megatron's train loop (Nsight Systems' capture range cudaProfilerApi).
+  void profile_before_step(int64_t completed);
+  void profile_after_step(int64_t completed);
+
  private:
   const LoggingFlags& flags_;
   dist::Comm& comm_;
   const dist::Grid& grid_;
   std::chrono::steady_clock::time_point start_;
   bool installed_ = false;
+  bool profiling_ = false;
+  bool profiles_ = false;  // --profile and this rank is listed and runs on a GPU
 };
 
 }  // namespace megaton

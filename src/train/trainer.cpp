@@ -495,6 +495,7 @@ TrainResult Trainer::train() {
   while (iteration_ < args_.train_iters) {
     auto start = std::chrono::steady_clock::now();
     PendingStep step;
+    control.profile_before_step(iteration_);
     step.global_batch_size = current_global_batch_size();
     step.lr = optim::learning_rate(args_.lr, scheduler_samples_);
     // Megatron's scheduler sets the weight decay with the learning rate.
@@ -561,6 +562,7 @@ TrainResult Trainer::train() {
         profile_wall_ms += ms;
       }
     }
+    control.profile_after_step(iteration_);
     const bool evaluate_now = args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0 &&
                               iteration_ < args_.train_iters;
     const bool save_now =

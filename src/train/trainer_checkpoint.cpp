@@ -107,6 +107,19 @@ void Trainer::save(int64_t iteration) {
 }
 
 void Trainer::load() {
+  // Megatron's load_checkpoint: a --load directory without a tracker (the first run of a
+  // launch script that saves and loads the same directory) starts from random weights with
+  // a warning, or exits with --exit-on-missing-checkpoint.
+  if (!std::filesystem::exists(std::filesystem::path(args_.load) /
+                               "latest_checkpointed_iteration.txt")) {
+    if (args_.exit_on_missing_checkpoint)
+      fail("--load {}: no checkpoint (latest_checkpointed_iteration.txt), and "
+           "--exit-on-missing-checkpoint is set", args_.load);
+    if (is_logging_rank())
+      fmt::print("WARNING: could not find the metadata file {}/latest_checkpointed_iteration.txt\n"
+                 "    will not load any checkpoints and will start from random\n", args_.load);
+    return;
+  }
   ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(args_.load);
   const bool optimizer_state = !args_.finetune && !args_.no_load_optim;
   auto meta = nlohmann::json::parse(ck.metadata_json);

@@ -94,6 +94,20 @@ TEST_F(BatchScheduleTrain, StepScheduleInTokens) {
   EXPECT_EQ(m.back().at("consumed_samples").get<int64_t>(), 40);
 }
 
+TEST_F(BatchScheduleTrain, IterationBasedStepScheduleUsesTheLastBatchForTheLrLengths) {
+  // 6 iterations of batches 4, 4, 4, 4 (thresholds: 128 tokens = 16 samples), 8, 8; the
+  // warmup of 2 iterations is 2 x 8 samples of the last batch size.
+  RawOptions raw = tiny();
+  raw["step-batch-size-schedule"] = {"0:4 128:8"};
+  raw["train-iters"] = {"6"};
+  raw["lr-warmup-iters"] = {"2"};
+  const auto m = run(raw);
+  EXPECT_EQ(column<int64_t>(m, "global_batch_size"), (std::vector<int64_t>{4, 4, 4, 4, 8, 8}));
+  const auto lr = column<double>(m, "lr");
+  EXPECT_NEAR(lr[1], 1e-3 * 4 / 16, 1e-15);
+  EXPECT_NEAR(lr[3], 1e-3 * 12 / 16, 1e-15);
+}
+
 TEST_F(BatchScheduleTrain, ResumeInTheMiddleOfARampIsExact) {
   RawOptions raw = tiny();
   raw["global-batch-size"] = {"12"};
@@ -165,7 +179,9 @@ TEST_F(BatchScheduleTrain, Refusals) {
   raw["global-batch-size"] = {"12"};
   raw["rampup-batch-size"] = {"4", "4", "16"};
   raw["train-iters"] = {"5"};
-  EXPECT_TRUE(refused(raw, "needs train-samples"));
+  raw["cuda-graph-impl"] = {"full_iteration"};
+  EXPECT_TRUE(refused(raw, "batch-size schedule with cuda-graph-impl full_iteration"));
+  raw.erase("cuda-graph-impl");
   raw["train-samples"] = {"60"};
   EXPECT_TRUE(refused(raw, "give one of train-iters and train-samples"));
   raw.erase("train-iters");

@@ -18,6 +18,7 @@ void parse_checkpoint(const ArgReader& r, TrainArgs& a) {
   r.get("save-retain-interval", a.save_retain_interval);
   r.get("load", a.load);
   r.get("no-load-optim", a.no_load_optim);
+  r.get("exit-on-missing-checkpoint", a.exit_on_missing_checkpoint);
   r.get("no-load-rng", a.no_load_rng);
   r.get("finetune", a.finetune);
   if (!a.save.empty() && a.save_interval < 0) fail("save-interval must be >= 0");
@@ -46,6 +47,8 @@ ArgGroup checkpoint_flags() {
            "others are removed once a newer save is complete"),
       flag("load", "checkpoint directory to resume from"),
       toggle("no-load-optim", "do not load optimizer state"),
+      toggle("exit-on-missing-checkpoint", "with --load: exit (status 2) when the directory has "
+                                           "no checkpoint, instead of starting from random"),
       toggle("no-load-rng", "do not load the RNG state"),
       toggle("finetune", "load weights only and start at iteration 0"),
   };

@@ -100,8 +100,6 @@ std::vector<OptionSpec> checkpoint_megatron_rules() {
                   "tokenizer arguments from the checkpoint (issue 19: not built yet)"),
       unsupported("disable-use-tokenizer-model-from-checkpoint-args", "0",
                   "tokenizer arguments from the checkpoint (issue 19: not built yet)"),
-      unsupported("exit-on-missing-checkpoint", "0",
-                  "exit on a missing checkpoint (issue 19: not built yet)"),
   };
 }
 

@@ -122,6 +122,23 @@ void parse_training(const ArgReader& r, TrainArgs& a) {
     fail("exit-signal {} is not a signal the handler can catch", l.exit_signal);
   if (r.has("exit-signal") && !l.exit_signal_handler)
     a.no_effect.push_back("--exit-signal: no --exit-signal-handler");
+  r.get("profile", l.profile);
+  r.get("profile-step-start", l.profile_step_start);
+  r.get("profile-step-end", l.profile_step_end);
+  if (r.has("profile-ranks")) {
+    l.profile_ranks.clear();
+    for (const std::string& v : r.raw.at("profile-ranks")) {
+      RawOptions one = {{"profile-ranks", {v}}};
+      int64_t rank = 0;
+      ArgReader{one}.get("profile-ranks", rank);
+      l.profile_ranks.push_back(rank);
+    }
+  }
+  if (l.profile && !(l.profile_step_start >= 0 && l.profile_step_end > l.profile_step_start))
+    fail("profile-step-end ({}) must be after profile-step-start ({})", l.profile_step_end,
+         l.profile_step_start);
+  for (const char* key : {"profile-step-start", "profile-step-end", "profile-ranks"})
+    if (r.has(key) && !l.profile) a.no_effect.push_back(std::string("--") + key + ": no --profile");
 }
 
 }  // namespace
@@ -155,6 +172,11 @@ ArgGroup training_flags() {
                                     "(Slurm preemption)"),
       flag("exit-signal", "the signal number --exit-signal-handler catches (default 15, "
                           "SIGTERM)"),
+      toggle("profile", "cudaProfilerStart / Stop around iterations profile-step-start to "
+                        "profile-step-end (nsys --capture-range=cudaProfilerApi)"),
+      flag("profile-step-start", "the iteration the profiled range starts at (default 10)"),
+      flag("profile-step-end", "the iteration the profiled range ends at (default 12)"),
+      values("profile-ranks", "the global ranks that profile (default 0)"),
       flag("seed", "random seed"),
       toggle("deterministic-mode",
              "bitwise-reproducible GPU runs (deterministic embedding and "
