@@ -97,6 +97,9 @@ bool gemm_accumulates_into(const Tensor& a, const Tensor& b, const Tensor& main_
 void gemm_main_grad(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b,
                     Tensor& main_grad) {
   if (gemm_accumulates_into(a, b, main_grad)) {
+    // One rounding into a BF16 main grad on CUDA: ops::cuda::gemm hands cuBLASLt a separate
+    // D (a transient bf16 tensor, copied back), since in place it rounds the product to
+    // bf16 before adding C (docs/memory.md "BF16 main gradients").
     ops::gemm(a, trans_a, b, trans_b, main_grad, 1.0f, 1.0f);
     return;
   }

@@ -80,9 +80,21 @@ inline void hash_combine(size_t& h, uint64_t v) {
 // bias: null, or n elements of c_dtype added to every row of c by cuBLASLt's bias epilogue
 // (to the fp32 result, before c's rounding). Returns false when the bias was not added
 // (no cuBLASLt algorithm with the epilogue: the caller adds it).
+// d: null (the result goes to c, in place), or a buffer of c's dtype and layout (ldc) that
+// receives the result while c is only read: cuBLASLt's out-of-place D, which rounds
+// alpha * acc + beta * c once into a 16-bit type where the in-place call rounds twice (see
+// ops::cuda::gemm in gemm.cpp). With cublasGemmEx (no cuBLASLt algorithm), c is first
+// copied into d and the GEMM runs in place there (two roundings: has_lt_algorithm).
 bool matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
             void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
-            float alpha, float beta, const void* bias = nullptr);
+            float alpha, float beta, const void* bias = nullptr, void* d = nullptr);
+
+// Whether matmul with these arguments (and no bias) runs a cuBLASLt algorithm, rather
+// than cublasGemmEx (which rounds twice into a 16-bit c read with beta != 0, as an
+// in-place cuBLASLt call does; see ops::cuda::gemm in gemm.cpp). Caches the plan.
+bool has_lt_algorithm(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b,
+                      int64_t ldb, const void* c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                      DType ab, DType c_dtype, float beta);
 
 // The same GEMM through the classic cublasGemmEx, which chooses (and caches, bounded)
 // its algorithm itself: for shapes that change from call to call, such as one expert's

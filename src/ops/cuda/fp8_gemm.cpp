@@ -283,10 +283,17 @@ void fp8_gemm(const Tensor& a, const Tensor& a_scale_inv, const Tensor& b,
   std::lock_guard<std::mutex> lock(plan_mutex());
   const Plan& plan = plan_for(key, a_scale, b_scale);
   set_scale_pointers(plan, a_scale, b_scale);
+  // A BF16 or F16 c that is read (beta != 0, the wgrad into a BF16 main grad) gets a
+  // separate D, copied into c after: in place, cuBLASLt rounds the product to c's dtype
+  // before adding C (two roundings; measured, see ops::cuda::gemm in gemm.cpp).
+  Tensor d;
+  if (beta != 0.0f && c.dtype() != DType::F32) d = Tensor::empty(c.shape(), c.dtype(), Device::CUDA);
   MEGATON_CUBLAS_CHECK(cublasLtMatmul(context.handle, plan.desc, &alpha, b.raw(), plan.lt_a,
-                                      a.raw(), plan.lt_b, &beta, c.raw(), plan.lt_c, c.raw(),
-                                      plan.lt_c, &plan.algo, context.workspace, context.workspace_bytes,
+                                      a.raw(), plan.lt_b, &beta, c.raw(), plan.lt_c,
+                                      d.defined() ? d.raw() : c.raw(), plan.lt_c, &plan.algo,
+                                      context.workspace, context.workspace_bytes,
                                       ::megaton::cuda::stream()));
+  if (d.defined()) c.copy_from(d);
 }
 
 }  // namespace megaton::ops::cuda

@@ -212,30 +212,53 @@ const Plan& plan_for(const PlanKey& key) {
 
 }  // namespace
 
-bool matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
-            void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
-            float alpha, float beta, const void* bias) {
+namespace {
+PlanKey plan_key(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b,
+                 int64_t ldb, const void* c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                 DType ab, DType c_dtype, float beta, const void* bias) {
   MEGATON_CHECK(m > 0 && n > 0 && k > 0, "cuBLASLt matmul: empty problem m={} n={} k={}", m, n, k);
   MEGATON_CHECK(supported_dtypes(ab, c_dtype), "cuBLASLt matmul: a/b {} into c {}", dtype_name(ab),
                 dtype_name(c_dtype));
-  PlanKey key{m,
-              n,
-              k,
-              lda,
-              ldb,
-              ldc,
-              trans_a,
-              trans_b,
-              beta == 0,
-              bias != nullptr,
-              ab,
-              c_dtype,
-              alignment_of(a),
-              alignment_of(b),
-              alignment_of(c)};
-  const Plan& plan = plan_for(key);
+  return PlanKey{m,
+                 n,
+                 k,
+                 lda,
+                 ldb,
+                 ldc,
+                 trans_a,
+                 trans_b,
+                 beta == 0,
+                 bias != nullptr,
+                 ab,
+                 c_dtype,
+                 alignment_of(a),
+                 alignment_of(b),
+                 alignment_of(c)};
+}
+}  // namespace
+
+bool has_lt_algorithm(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b,
+                      int64_t ldb, const void* c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                      DType ab, DType c_dtype, float beta) {
+  return !plan_for(plan_key(a, trans_a, lda, b, trans_b, ldb, c, ldc, m, n, k, ab, c_dtype, beta,
+                            nullptr))
+              .use_gemm_ex;
+}
+
+bool matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b, int64_t ldb,
+            void* c, int64_t ldc, int64_t m, int64_t n, int64_t k, DType ab, DType c_dtype,
+            float alpha, float beta, const void* bias, void* d) {
+  if (d == nullptr) d = c;
+  const Plan& plan = plan_for(
+      plan_key(a, trans_a, lda, b, trans_b, ldb, c, ldc, m, n, k, ab, c_dtype, beta, bias));
   if (plan.use_gemm_ex) {
-    gemm_ex(a, trans_a, lda, b, trans_b, ldb, c, ldc, m, n, k, ab, c_dtype, alpha, beta);
+    if (d != c && beta != 0.0f) {  // cublasGemmEx has no separate D: C copied there first
+      const size_t bytes = size_t(dtype_size(c_dtype));
+      MEGATON_CUDA_CHECK(cudaMemcpy2DAsync(d, size_t(ldc) * bytes, c, size_t(ldc) * bytes,
+                                           size_t(n) * bytes, size_t(m), cudaMemcpyDeviceToDevice,
+                                           ::megaton::cuda::stream()));
+    }
+    gemm_ex(a, trans_a, lda, b, trans_b, ldb, d, ldc, m, n, k, ab, c_dtype, alpha, beta);
     return bias == nullptr;
   }
   LtContext& context = lt_context();
@@ -243,7 +266,7 @@ bool matmul(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_
     MEGATON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   MEGATON_CUBLAS_CHECK(cublasLtMatmul(
-      context.handle, plan.desc, &alpha, b, plan.lt_a, a, plan.lt_b, &beta, c, plan.lt_c, c,
+      context.handle, plan.desc, &alpha, b, plan.lt_a, a, plan.lt_b, &beta, c, plan.lt_c, d,
       plan.lt_c, &plan.algo, context.workspace, context.workspace_bytes, ::megaton::cuda::stream()));
   return bias == nullptr || plan.bias_epilogue;
 }
@@ -319,9 +342,35 @@ void gemm_impl(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Ten
     else if (beta != 1.0f)
       scale_(c, beta);
   } else {
+    // A BF16 or F16 c that is read (beta != 0) goes to cuBLASLt as C with a separate D,
+    // then D is copied into c: in place (D == C) cuBLASLt (H200) rounds the product to
+    // c's dtype and then adds C, rounding twice (measured on an H200, cuBLAS 13, every
+    // algorithm its heuristic offers for a 96x160x256 bf16 GEMM with beta 1: D ==
+    // bf16(C + bf16(acc)) in all 15360 elements, up to 225 bf16 ulps from bf16(C + acc)
+    // where C cancels acc), while out of place it gives bf16(C + acc) (one rounding) in
+    // all of them. The temporary is stream-ordered, freed on return.
+    // cublasGemmEx (no cuBLASLt algorithm for the layout) rounds twice in place too and has
+    // no separate D: there the product goes to an fp32 temporary, added into c by add_
+    // (fp32 sum, one rounding; with beta not 1, c is scaled first: one more rounding).
+    // bias is only given with beta == 0 (gemm_bias), so neither path has one.
+    const bool half_read = beta != 0.0f && c.dtype() != DType::F32;
+    if (half_read && !blas::has_lt_algorithm(a.raw(), trans_a, ma.cols, b.raw(), trans_b,
+                                             mb.cols, c.raw(), mc.cols, m, n, k, a.dtype(),
+                                             c.dtype(), beta)) {
+      Tensor acc = Tensor::empty(c.shape(), DType::F32, Device::CUDA);
+      blas::matmul(a.raw(), trans_a, ma.cols, b.raw(), trans_b, mb.cols, acc.raw(), mc.cols, m,
+                   n, k, a.dtype(), DType::F32, alpha, 0.0f);
+      if (beta != 1.0f) scale_(c, beta);
+      add_(c, acc, 1.0f);
+      return;
+    }
+    Tensor d;
+    if (half_read) d = Tensor::empty(c.shape(), c.dtype(), Device::CUDA);
     bias_done = blas::matmul(a.raw(), trans_a, ma.cols, b.raw(), trans_b, mb.cols, c.raw(),
                              mc.cols, m, n, k, a.dtype(), c.dtype(), alpha, beta,
-                             bias.defined() ? bias.raw() : nullptr);
+                             bias.defined() ? bias.raw() : nullptr,
+                             d.defined() ? d.raw() : nullptr);
+    if (d.defined()) c.copy_from(d);
   }
   if (!bias_done) bias_add_(c, bias);
 }
