@@ -136,17 +136,18 @@ std::vector<float> DistributedAdamW::loaded_f16_main_param_scales(
   const size_t n = b.params().size();
   std::vector<float> scales(n, -1.0f);
   // Which of this buffer's params keep fp16 main params: the replicated params themselves,
-  // or (distributed) those with a shard piece of fp16 on some rank: every piece of a buffer
-  // is alike (one dtype per buffer's weights), so ask any AdamW param of the buffer.
+  // or (distributed) those with an fp16 shard piece on some rank of the group (a max over
+  // it: a rank whose shard misses a param learns it from the others).
   std::vector<uint8_t> f16(n, 0);
   bool any = false;
-  if (!distributed_) {
+  if (adam_->config().main_params_dtype != DType::F16) {
+    // (No fp16 main params: only the notice below, for a checkpoint that had them.)
+  } else if (!distributed_) {
     for (size_t k = 0; k < n; ++k) f16[k] = b.params()[k]->main_param_f16.defined();
   } else {
     for (size_t j = 0; j < shard_params_.size(); ++j)
       if (shard_buffer_[j] == bi && shard_params_[j].main_param_f16.defined())
         f16[adam_param_slot_[j].second] = 1;
-    // (A rank whose shard misses a param learns it from the group below.)
     Tensor flags = Tensor::zeros({std::max<int64_t>(int64_t(n), 1)});
     for (size_t k = 0; k < n; ++k) flags.f32()[k] = f16[k];
     if (group_of(b).size() > 1) {
