@@ -21,6 +21,12 @@ struct Param {
   // bits (same shape; ops/param_remainder.h joins the two back into the fp32 value), in
   // place of main_param, which is then undefined. Set by the optimizer; undefined otherwise.
   Tensor main_param_remainder;
+  // --main-params-dtype fp16 (Transformer Engine's FusedAdam master_weight_dtype fp16;
+  // ops/adam_f16_main_param.h): the main param held as this F16 tensor (same shape) with
+  // the per-tensor F32 [1] scale main_param_scale (value = stored * scale), in place of
+  // main_param, which is then undefined. Set by the optimizer; undefined otherwise.
+  Tensor main_param_f16;
+  Tensor main_param_scale;
   Tensor main_grad;
   // Megatron applies no weight decay to biases and normalization weights.
   bool no_weight_decay = false;

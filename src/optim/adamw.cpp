@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/adam_f16_main_param.h"
 #include "ops/adam_precision.h"
 #include "ops/ops.h"
 #include "ops/param_remainder.h"
@@ -49,11 +50,23 @@ void check_precision_aware_config(const AdamWConfig& c) {
     if (!c.use_precision_aware_optimizer)
       fail("option '{}' {} needs --use-precision-aware-optimizer (only fp32 without it)", key,
            flag_dtype_name(dtype));
-    if (std::string_view(key) == "main-params-dtype")
-      fail(
-          "option 'main-params-dtype' fp16 is not supported in Megaton yet (Transformer "
-          "Engine keeps an fp16 main param with a per-tensor scale); use fp32");
   }
+}
+
+void check_main_params_dtype(const AdamWConfig& c, DType compute_dtype) {
+  if (c.main_params_dtype != DType::F16) return;
+  // The host update (OptimizerOffload) keeps fp32 main params and has no absmax pass.
+  if (c.optimizer_cpu_offload)
+    fail(
+        "option 'main-params-dtype' fp16 with --optimizer-cpu-offload is not supported in "
+        "Megaton yet (the host update keeps fp32 main params); use --main-params-dtype fp32");
+  // Transformer Engine's fp16 master is a copy beside the model's bf16/fp16 weights; an
+  // fp32 weight is its own main param.
+  if (compute_dtype != DType::BF16 && compute_dtype != DType::F16)
+    fail(
+        "option 'main-params-dtype' fp16 needs bf16 or fp16 weights (--bf16 or --fp16 on the "
+        "GPU; this run's weights are {}, their own main params); use --main-params-dtype fp32",
+        compute_dtype == DType::F32 ? "fp32" : dtype_name(compute_dtype));
 }
 
 bool scaled_moment_dtype(DType d) { return d == DType::F16 || d == DType::F8E4M3; }
@@ -94,14 +107,28 @@ ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_s
 
 bool stores_param_remainder(const AdamWConfig& config, const Param& p) {
   if (p.main_param_remainder.defined()) return true;
-  return config.store_param_remainders && p.weight.defined() &&
+  return config.store_param_remainders && config.main_params_dtype == DType::F32 &&
+         p.weight.defined() &&
          p.weight.dtype() == DType::BF16 && p.main_param.defined() &&
          p.main_param.dtype() == DType::F32 && p.main_param.raw() != p.weight.raw() &&
          p.main_param.device() == p.weight.device();  // not an offloaded (host) main param
 }
 
+bool stores_f16_main_param(const AdamWConfig& config, const Param& p) {
+  if (p.main_param_f16.defined()) return true;
+  return config.main_params_dtype == DType::F16 && p.weight.defined() &&
+         (p.weight.dtype() == DType::BF16 || p.weight.dtype() == DType::F16) &&
+         p.main_param.defined() && p.main_param.dtype() == DType::F32 &&
+         p.main_param.raw() != p.weight.raw() && p.main_param.device() == p.weight.device();
+}
+
 Tensor main_param_value(const Param& p) {
   if (p.main_param.defined()) return p.main_param;
+  if (p.main_param_f16.defined()) {
+    Tensor out = Tensor::empty(p.main_param_f16.shape(), DType::F32, p.main_param_f16.device());
+    ops::f16_main_param_dequantize(p.main_param_f16, p.main_param_scale, out);
+    return out;
+  }
   if (!p.main_param_remainder.defined()) return p.weight;
   Tensor out = Tensor::empty(p.weight.shape(), DType::F32, p.weight.device());
   ops::join_param_remainders(p.weight, p.main_param_remainder, out);
@@ -125,6 +152,8 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
         "supported in Megaton yet (fp16 and fp8 moments are updated on the device only); use "
         "bf16 or fp32 moments",
         flag_dtype_name(config_.exp_avg_dtype), flag_dtype_name(config_.exp_avg_sq_dtype));
+  if (config_.main_params_dtype == DType::F16 && config_.optimizer_cpu_offload)
+    check_main_params_dtype(config_, DType::BF16);  // (the offload's refusal)
   std::set<std::string> names;
   exp_avg_.reserve(params_.size());
   exp_avg_sq_.reserve(params_.size());
@@ -144,7 +173,28 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
       ops::split_param_remainders(p->main_param, p->weight, p->main_param_remainder);
       p->main_param = Tensor();
     }
-    if (p->main_param_remainder.defined()) {
+    if (!offloaded_[i] && stores_f16_main_param(config_, *p) && !p->main_param_f16.defined()) {
+      p->main_param_f16 = Tensor::empty(p->weight.shape(), DType::F16, p->weight.device());
+      p->main_param_scale = Tensor::zeros({1}, DType::F32, p->weight.device());
+      ops::f16_main_param_quantize(
+          p->main_param, ops::f16_main_param_scale(ops::f16_main_param_absmax(p->main_param)),
+          p->main_param_f16, p->main_param_scale);
+      p->main_param = Tensor();
+    }
+    if (p->main_param_f16.defined()) {
+      f16_main_params_ = true;
+      MEGATON_CHECK(p->weight.defined() &&
+                        (p->weight.dtype() == DType::BF16 || p->weight.dtype() == DType::F16) &&
+                        !p->main_param.defined() && !p->main_param_remainder.defined() &&
+                        p->main_param_f16.dtype() == DType::F16 &&
+                        p->main_param_f16.shape() == p->weight.shape() &&
+                        p->main_param_scale.defined() &&
+                        p->main_param_scale.dtype() == DType::F32 &&
+                        p->main_param_scale.numel() == 1,
+                    "param '{}': a main_param_f16 needs a BF16 or F16 weight of its shape, an "
+                    "F32 [1] main_param_scale and no other main param",
+                    p->name);
+    } else if (p->main_param_remainder.defined()) {
       MEGATON_CHECK(p->weight.defined() && p->weight.dtype() == DType::BF16 &&
                         !p->main_param.defined() &&
                         p->main_param_remainder.dtype() == DType::I16 &&
@@ -178,16 +228,17 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
     offload_ = std::make_unique<OptimizerOffload>(params_, offloaded_, config_, exp_avg_, exp_avg_sq_);
   const Device device = params_.empty() ? state_device : params_[0]->weight.device();
   state_ = Tensor::zeros({2}, DType::I64, device);
-  if (scaled_moments_) {
+  if (scaled_states()) {
     // Scale 0 with zero moments: the first absmax pass sets them (TE starts its scales at 1
     // over zero states: the same values).
     const int64_t n = int64_t(params_.size());
-    moment_scale_ = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, device);
-    own_absmax_ = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, device);
+    if (scaled_moments_)
+      moment_scale_ = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, device);
+    own_absmax_ = Tensor::zeros({std::max<int64_t>(n, 1), 3}, DType::F32, device);
     MomentAbsmaxSlots slots;
     for (int64_t i = 0; i < n; ++i) {
-      scale_rows_.push_back(moment_scale_.rows(i, 1).view({2}));
-      slots.rows.push_back(own_absmax_.rows(i, 1).view({2}));
+      if (scaled_moments_) scale_rows_.push_back(moment_scale_.rows(i, 1).view({2}));
+      slots.rows.push_back(own_absmax_.rows(i, 1).view({3}));
     }
     slots.storage = {own_absmax_};
     absmax_ = std::move(slots);
@@ -198,20 +249,27 @@ void AdamW::set_moment_absmax_slots(MomentAbsmaxSlots slots) {
   MEGATON_CHECK(slots.rows.size() == params_.size(), "{} absmax slots for {} params",
                 slots.rows.size(), params_.size());
   for (const Tensor& row : slots.rows)
-    MEGATON_CHECK(row.defined() && row.dtype() == DType::F32 && row.numel() == 2,
-                  "an absmax slot must be F32 [2]");
+    MEGATON_CHECK(row.defined() && row.dtype() == DType::F32 && row.numel() == 3,
+                  "an absmax slot must be F32 [3]");
   absmax_ = std::move(slots);
 }
 
-void AdamW::moment_absmax_pass(SplitLists& s, float grad_scale, const Tensor& control) {
-  if (!scaled_moments_) return;
+void AdamW::absmax_pass(SplitLists& s, float lr, int64_t step, float grad_scale,
+                        const Tensor& control) {
+  if (!scaled_states()) return;
   // Rows of params this rank does not update stay 0 (the identity of the max).
   for (Tensor& t : absmax_.storage) t.zero();
-  for (Lists* l : {&s.fp32, &s.remainder})
-    if (!l->grads.empty())
-      ops::multi_tensor_adamw_moment_absmax(l->grads, l->exp_avg, l->exp_avg_sq, l->scales,
-                                            config_.adam_beta1, config_.adam_beta2, grad_scale,
-                                            control);
+  if (scaled_moments_)
+    for (Lists* l : {&s.fp32, &s.remainder, &s.f16})
+      if (!l->grads.empty())
+        ops::multi_tensor_adamw_moment_absmax(l->grads, l->exp_avg, l->exp_avg_sq, l->scales,
+                                              config_.adam_beta1, config_.adam_beta2,
+                                              grad_scale, control);
+  const Lists& f = s.f16;
+  if (!f.masters.empty())
+    ops::multi_tensor_adamw_f16_main_param_absmax(
+        f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.scales, f.main_scales, f.weight_decays, lr,
+        config_.adam_beta1, config_.adam_beta2, config_.adam_eps, step, grad_scale, control);
   if (absmax_.reduce) absmax_.reduce();
 }
 
@@ -230,10 +288,16 @@ AdamW::SplitLists AdamW::lists() const {
     if (offloaded_[i]) continue;  // updated on the host (OptimizerOffload)
     const Param* p = params_[i];
     const bool remainder = p->main_param_remainder.defined();
-    Lists& l = remainder ? out.remainder : out.fp32;
+    const bool f16 = p->main_param_f16.defined();
+    Lists& l = remainder ? out.remainder : f16 ? out.f16 : out.fp32;
     if (remainder) {
       l.masters.push_back(p->weight);
       l.copies.push_back(p->main_param_remainder);
+    } else if (f16) {
+      l.masters.push_back(p->main_param_f16);
+      l.copies.push_back(p->weight);
+      l.main_scales.scale.push_back(p->main_param_scale.view({1}));
+      l.main_scales.absmax.push_back(absmax_.rows[i].rows(2, 1));
     } else {
       const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
       l.masters.push_back(master);
@@ -247,7 +311,7 @@ AdamW::SplitLists AdamW::lists() const {
     l.keys.push_back(rounding_keys_[i]);
     if (scaled_moments_) {
       l.scales.scale.push_back(scale_rows_[i]);
-      l.scales.absmax.push_back(absmax_.rows[i]);
+      l.scales.absmax.push_back(absmax_.rows[i].rows(0, 2));
     }
   }
   return out;
@@ -266,7 +330,7 @@ void AdamW::step(const Tensor& control) {
   // runs there while the device runs its own (queued below).
   if (offload_) offload_->start(control);
   SplitLists s = lists();
-  moment_absmax_pass(s, 1.0f, control);
+  absmax_pass(s, 0.0f, 1, 1.0f, control);
   Lists& f = s.fp32;
   if (!f.masters.empty())
     ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies, f.weight_decays,
@@ -277,6 +341,12 @@ void AdamW::step(const Tensor& control) {
     ops::multi_tensor_adamw_param_remainder(r.masters, r.copies, r.grads, r.exp_avg, r.exp_avg_sq,
                                             r.weight_decays, config_.adam_beta1, config_.adam_beta2,
                                             config_.adam_eps, control, r.keys, r.scales);
+  Lists& h = s.f16;
+  if (!h.masters.empty())
+    ops::multi_tensor_adamw_f16_main_param(h.masters, h.copies, h.grads, h.exp_avg, h.exp_avg_sq,
+                                           h.weight_decays, 0.0f, config_.adam_beta1,
+                                           config_.adam_beta2, config_.adam_eps, 1, 1.0f, control,
+                                           h.keys, h.scales, h.main_scales);
   if (offload_)
     offload_->finish(weight_decays(), rounding_keys_, exp_avg_, exp_avg_sq_, config_.adam_beta1,
                      config_.adam_beta2, config_.adam_eps, 0.0f, 0, 1.0f);
@@ -289,7 +359,7 @@ void AdamW::step(float lr, float grad_scale) {
   set_step_count(step);
   if (offload_) offload_->start(Tensor());
   SplitLists s = lists();
-  moment_absmax_pass(s, grad_scale, Tensor());
+  absmax_pass(s, lr, step, grad_scale, Tensor());
   Lists& f = s.fp32;
   if (!f.masters.empty())
     ops::multi_tensor_adamw(f.masters, f.grads, f.exp_avg, f.exp_avg_sq, f.copies, f.weight_decays,
@@ -301,6 +371,12 @@ void AdamW::step(float lr, float grad_scale) {
                                             r.weight_decays, lr, config_.adam_beta1,
                                             config_.adam_beta2, config_.adam_eps, step, grad_scale,
                                             r.keys, r.scales);
+  Lists& h = s.f16;
+  if (!h.masters.empty())
+    ops::multi_tensor_adamw_f16_main_param(h.masters, h.copies, h.grads, h.exp_avg, h.exp_avg_sq,
+                                           h.weight_decays, lr, config_.adam_beta1,
+                                           config_.adam_beta2, config_.adam_eps, step, grad_scale,
+                                           Tensor(), h.keys, h.scales, h.main_scales);
   if (offload_)
     offload_->finish(weight_decays(), rounding_keys_, exp_avg_, exp_avg_sq_, config_.adam_beta1,
                      config_.adam_beta2, config_.adam_eps, lr, step, grad_scale);

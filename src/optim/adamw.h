@@ -9,6 +9,7 @@
 
 #include "core/tensor.h"
 #include "model/param.h"
+#include "ops/adam_f16_main_param.h"
 #include "ops/adam_precision.h"
 #include "ops/adam_precision_math.h"
 #include "optim/optimizer_offload.h"
@@ -25,8 +26,10 @@ struct AdamWConfig {
   // fields of the same names; docs/memory.md "Precision-aware optimizer"): the dtypes the
   // Adam moments are stored in, F32, BF16, or F16 / F8E4M3 with a per-tensor scale (the
   // update math stays fp32, ops/adam_precision_math.h, ops/adam_scaled_state_math.h).
-  // main_params_dtype is F32 (fp16 is refused by check_precision_aware_config);
-  // main_grads_dtype F32 or BF16.
+  // main_params_dtype F32, or F16: the main param of a param whose compute weight is BF16
+  // or F16 beside a separate fp32 main param is then kept in fp16 with a per-tensor scale
+  // (Param::main_param_f16 / main_param_scale; Transformer Engine's master_weight_dtype
+  // fp16, ops/adam_f16_main_param.h); main_grads_dtype F32 or BF16.
   bool use_precision_aware_optimizer = false;
   DType main_params_dtype = DType::F32;
   DType main_grads_dtype = DType::F32;
@@ -38,7 +41,8 @@ struct AdamWConfig {
   // bits (Param::main_param_remainder, 2 bytes instead of 4; the high half is the weight,
   // ops/param_remainder_math.h). Lossless for the main param, so Megaton applies it to every
   // such param, where Megatron does only under the precision-aware optimizer. FP8 weights
-  // (--fp8-param-gather) and fp16 ones keep the fp32 main param.
+  // (--fp8-param-gather) and fp16 ones keep the fp32 main param; with main_params_dtype
+  // F16 no param keeps a remainder (TE: remainders are of fp32 masters only).
   bool store_param_remainders = true;
   // Megatron's --optimizer-cpu-offload and --optimizer-offload-fraction (HybridDeviceOptimizer;
   // optim/optimizer_offload.h): the fp32 main params, the moments and the update of the
@@ -52,10 +56,21 @@ struct AdamWConfig {
 // weight is BF16, and p has a separate fp32 main param (or already its remainder).
 bool stores_param_remainder(const AdamWConfig& config, const Param& p);
 
+// Whether AdamW with `config` keeps p's main param in fp16 with a scale: main_params_dtype
+// is F16, p's weight is BF16 or F16 beside a separate fp32 main param on the same device
+// (or p already has main_param_f16).
+bool stores_f16_main_param(const AdamWConfig& config, const Param& p);
+
 // p's fp32 main param, shaped like p.weight: p.main_param when defined, a new tensor joined
-// from p.weight and p.main_param_remainder when that is defined, else the weight itself
-// (an fp32 run's weight is its main param).
+// from p.weight and p.main_param_remainder when that is defined, or dequantized from
+// p.main_param_f16 and p.main_param_scale (stored * scale) when that is, else the weight
+// itself (an fp32 run's weight is its main param).
 Tensor main_param_value(const Param& p);
+
+// --main-params-dtype fp16 needs a compute weight apart from the main param (BF16 or F16
+// compute: --bf16 or --fp16 on the GPU; the CPU computes fp32) and no
+// --optimizer-cpu-offload. Throws megaton::Error (exit 2) with one line naming the flags.
+void check_main_params_dtype(const AdamWConfig& config, DType compute_dtype);
 
 // The DType of a precision-aware dtype flag's value (Megatron's names: fp32, fp16, bf16,
 // fp8 = e4m3, as Transformer Engine stores an fp8 state). `key` is the flag, for the
@@ -77,8 +92,8 @@ ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_s
 bool scaled_moment_dtype(DType d);
 
 // Megatron's rules for the precision-aware flags (OptimizerConfig.__post_init__): a dtype
-// other than fp32 needs use_precision_aware_optimizer. Then what Megaton does not have yet:
-// fp16 main params (Transformer Engine keeps them with a per-tensor scale). main_grads_dtype bf16
+// other than fp32 needs use_precision_aware_optimizer (fp16 main params: see also
+// check_main_params_dtype, which needs the compute dtype). main_grads_dtype bf16
 // is accepted (with --bf16, BF16 grad buffers: GPTConfig::main_grads_dtype, model/main_grad.h).
 // Throws megaton::Error with one line naming the flag.
 void check_precision_aware_config(const AdamWConfig& config);
@@ -97,13 +112,17 @@ void check_precision_aware_config(const AdamWConfig& config);
 class AdamW {
  public:
   // `params` are not owned and must outlive the optimizer. Each needs a defined fp32
-  // weight, a separate fp32 main_param, or a BF16 weight with its I16
-  // main_param_remainder; a main_grad of the same shape (F32, or BF16 read widened to
+  // weight, a separate fp32 main_param, a BF16 weight with its I16
+  // main_param_remainder, or a BF16/F16 weight with its F16 main_param_f16 and F32 [1]
+  // main_param_scale; a main_grad of the same shape (F32, or BF16 read widened to
   // fp32); and a unique name (state keys derive from it); otherwise InternalError (a bug
   // in the model code, not a user mistake). Where stores_param_remainder(config, *p) and
   // p has no remainder yet, the constructor splits p->main_param into p->weight
   // (rewritten, rounded as ops::split_param_remainders rounds) and a new
-  // p->main_param_remainder, and releases p->main_param.
+  // p->main_param_remainder, and releases p->main_param. Where stores_f16_main_param
+  // and p has no main_param_f16 yet, it quantizes p->main_param into a new
+  // p->main_param_f16 and p->main_param_scale (scale from its own absmax: one rank;
+  // DistributedAdamW converts first with the whole parameter's) and releases p->main_param.
   // state_device: where the step count lives (device_state); the params' device when
   // there are params, else this one (a rank whose shard holds no parameter).
   explicit AdamW(std::vector<Param*> params, AdamWConfig config = {},
@@ -148,16 +167,18 @@ class AdamW {
 
   // fp16 and fp8 moments (config.exp_avg_dtype / exp_avg_sq_dtype F16 or F8E4M3) carry one
   // fp32 scale per param and moment (ops::AdamMomentScales), set from the absmax of the new
-  // moments each step. Megaton's deviation from Transformer Engine: the absmax is that of
+  // moments each step; so do fp16 main params (Param::main_param_scale, from the absmax of
+  // the new main param). Megaton's deviation from Transformer Engine: the absmax is that of
   // the model's whole parameter, not of the piece this optimizer holds, so the owner of a
   // shard or tensor-parallel slice reduces it over the ranks holding the other pieces
   // (docs/memory.md "Scaled optimizer states"). Where each param's absmax goes:
-  //   rows:    one F32 [2] view per param, in order (exp_avg's, exp_avg_sq's absmax);
+  //   rows:    one F32 [3] view per param, in order (exp_avg's, exp_avg_sq's, the fp16
+  //            main param's absmax; unused columns stay 0);
   //   storage: the tensors holding the rows, zeroed before each absmax pass (rows of
   //            params that no list entry writes stay 0, the max's identity);
   //   reduce:  called after the pass, before the update reads the rows (a max over ranks;
   //            empty: nothing to reduce).
-  // By default AdamW's own [params, 2] tensor with no reduction (one rank).
+  // By default AdamW's own [params, 3] tensor with no reduction (one rank).
   struct MomentAbsmaxSlots {
     std::vector<Tensor> rows;
     std::vector<Tensor> storage;
@@ -165,6 +186,9 @@ class AdamW {
   };
   void set_moment_absmax_slots(MomentAbsmaxSlots slots);
   bool scaled_moments() const { return scaled_moments_; }
+  // Whether any state has a scale (scaled moments, or a param with an fp16 main param):
+  // then the absmax slots are used.
+  bool scaled_states() const { return scaled_moments_ || f16_main_params_; }
   // Param i's scales, F32 [2] (exp_avg's, exp_avg_sq's; unused for an unscaled moment;
   // value = stored * scale), a view: writing it sets them (a checkpoint's; DistributedAdamW
   // writes them as "optimizer.<name>.exp_avg.scale"). InternalError without scaled moments.
@@ -189,6 +213,7 @@ class AdamW {
   // Scaled moments: the scales ([params, 2] F32), their per-param rows, and where the
   // absmax goes.
   bool scaled_moments_ = false;
+  bool f16_main_params_ = false;  // some param has main_param_f16
   Tensor moment_scale_, own_absmax_;
   std::vector<Tensor> scale_rows_;
   MomentAbsmaxSlots absmax_;
@@ -196,22 +221,26 @@ class AdamW {
   std::vector<uint8_t> offloaded_;
   std::unique_ptr<OptimizerOffload> offload_;
   std::vector<float> weight_decays() const;
-  // The lists multi_tensor_adamw (fp32 main params) and
+  // The lists multi_tensor_adamw (fp32 main params),
   // multi_tensor_adamw_param_remainder (remainders: `masters` holds the BF16 weights,
-  // `copies` the remainders) take, each with its params' moments and keys.
+  // `copies` the remainders) and multi_tensor_adamw_f16_main_param (`masters` the F16 main
+  // params, `copies` the weights) take, each with its params' moments and keys.
   struct Lists {
     std::vector<Tensor> masters, grads, copies, exp_avg, exp_avg_sq;
     std::vector<float> weight_decays;
     std::vector<ops::MomentRoundingKey> keys;
     ops::AdamMomentScales scales;  // scaled moments: each entry's scale and absmax rows
+    ops::AdamMainParamScales main_scales;  // fp16 main params: scale and absmax
   };
   struct SplitLists {
-    Lists fp32, remainder;
+    Lists fp32, remainder, f16;
   };
   SplitLists lists() const;
-  // The absmax pass of scaled moments over both lists, then absmax_.reduce; nothing
-  // without scaled moments. control: undefined (host path, grad_scale) or the step's.
-  void moment_absmax_pass(SplitLists& s, float grad_scale, const Tensor& control);
+  // The absmax pass of scaled moments over the lists and of the fp16 main params, then
+  // absmax_.reduce; nothing without scaled states. control: undefined (host path: lr,
+  // step, grad_scale) or the step's.
+  void absmax_pass(SplitLists& s, float lr, int64_t step, float grad_scale,
+                   const Tensor& control);
 };
 
 }  // namespace megaton::optim

@@ -2,6 +2,7 @@
 // AdamW, and full-tensor checkpoint state.
 #include "optim/distrib_optimizer.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <unordered_map>
@@ -9,6 +10,7 @@
 #include "core/error.h"
 #include "dist/host_reduce.h"
 #include "model/layers.h"
+#include "ops/adam_f16_main_param.h"
 #include "ops/fp8.h"
 #include "ops/ops.h"
 #include "ops/param_remainder.h"
@@ -49,8 +51,23 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
                                    bool distributed)
     : buffers_(std::move(buffers)), grid_(grid), comm_(comm), distributed_(distributed) {
   std::vector<Param*> targets;
+  // --main-params-dtype fp16: each param's scale from its whole absmax (tensor-parallel
+  // slices included), for every shard or replica alike.
+  std::vector<std::vector<float>> f16_scales(buffers_.size());
+  for (size_t bi = 0; bi < buffers_.size(); ++bi)
+    f16_scales[bi] = initial_f16_main_param_scales(bi, config);
   if (!distributed_) {
     std::vector<ops::MomentRoundingKey> keys;
+    for (size_t bi = 0; bi < buffers_.size(); ++bi)
+      for (size_t k = 0; k < buffers_[bi]->params().size(); ++k) {
+        Param* p = buffers_[bi]->params()[k];
+        if (!stores_f16_main_param(config, *p) || p->main_param_f16.defined()) continue;
+        p->main_param_f16 = Tensor::empty(p->weight.shape(), DType::F16, p->weight.device());
+        p->main_param_scale = Tensor::zeros({1}, DType::F32, p->weight.device());
+        ops::f16_main_param_quantize(p->main_param, f16_scales[bi][k], p->main_param_f16,
+                                     p->main_param_scale);
+        p->main_param = Tensor();
+      }
     for (ParamAndGradBuffer& b : each_buffer())
       for (Param* p : b.params()) {
         targets.push_back(p);
@@ -72,7 +89,9 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
     // rounds every weight as the owner of its piece will (ties away from zero, where the
     // model's cast rounded to nearest even), so that all replicas compute alike before the
     // first all-gather.
-    const bool remainders = config.store_param_remainders && b.weights().dtype() == DType::BF16;
+    const bool remainders = config.store_param_remainders &&
+                            config.main_params_dtype == DType::F32 &&
+                            b.weights().dtype() == DType::BF16;
     buffer_remainders_.push_back(remainders);
     if (remainders)
       for (Param* p : b.params()) {
@@ -101,6 +120,15 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
         sp.weight = sp.main_param;
       } else if (p->main_param.raw() == p->weight.raw()) {
         sp.main_param = sp.weight;  // fp32 run: the weight is the main param
+      } else if (stores_f16_main_param(config, *p)) {
+        // The piece's fp16 main param, with its whole parameter's scale.
+        const std::vector<Param*>& params = b.params();
+        const size_t k = size_t(std::find(params.begin(), params.end(), p) - params.begin());
+        sp.main_param_f16 = Tensor::empty({piece.numel}, DType::F16, p->weight.device());
+        sp.main_param_scale = Tensor::zeros({1}, DType::F32, p->weight.device());
+        ops::f16_main_param_quantize(
+            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel),
+            f16_scales[bi][k], sp.main_param_f16, sp.main_param_scale);
       } else if (buffer_remainders_[bi]) {
         // The piece's fp32 main param as its remainder beside the weight (AdamW keeps it).
         sp.main_param_remainder = Tensor::empty({piece.numel}, DType::I16, p->weight.device());
@@ -244,14 +272,16 @@ double DistributedAdamW::norm_over_model(bool main_params) {
     std::vector<Tensor> plain, host;  // host: main params offloaded to the host
     std::vector<const Param*> joined;
     for (const Param* p : counted_params()) {
-      if (p->main_param_remainder.defined())
+      if (p->main_param_f16.defined())  // dequantized a param at a time
+        sum_sq += ops::sum_of_squares(main_param_value(*p));
+      else if (p->main_param_remainder.defined())
         joined.push_back(p);
       else if (p->main_param.defined() && p->main_param.device() != p->weight.device())
         host.push_back(p->main_param);
       else
         plain.push_back(p->main_param.defined() ? p->main_param : p->weight);
     }
-    if (!plain.empty()) sum_sq = ops::multi_tensor_sum_of_squares(plain);
+    if (!plain.empty()) sum_sq += ops::multi_tensor_sum_of_squares(plain);
     if (!host.empty()) sum_sq += ops::multi_tensor_sum_of_squares(host);
     sum_sq += remainder_sum_of_squares(joined);
   }
@@ -324,6 +354,7 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
         ++index;
       }
       append_moment_scales(bi, optim_out);
+      append_main_param_scales(bi, optim_out);
     }
   } else {
     // Each buffer's full main params and moments: every rank writes its pieces into
@@ -343,6 +374,8 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
         const Param& sp = shard_params_[i];
         if (sp.main_param_remainder.defined())
           ops::join_param_remainders(sp.weight, sp.main_param_remainder, main);
+        else if (sp.main_param_f16.defined())
+          ops::f16_main_param_dequantize(sp.main_param_f16, sp.main_param_scale, main);
         else
           main.copy_from(sp.main_param);
         Tensor m = full[1].rows(piece.buffer_offset, piece.numel);
@@ -372,7 +405,10 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
     }
   }
   if (distributed_)  // (replicated, appended per buffer above)
-    for (size_t bi = 0; bi < buffers_.size(); ++bi) append_moment_scales(bi, optim_out);
+    for (size_t bi = 0; bi < buffers_.size(); ++bi) {
+      append_moment_scales(bi, optim_out);
+      append_main_param_scales(bi, optim_out);
+    }
   for (auto& entry : optim_out) model_out.push_back(std::move(entry));
   return model_out;
 }
@@ -388,13 +424,26 @@ void DistributedAdamW::load_full_state(
            dtype_name(t->dtype()), shape_str(t->shape()), shape_str(shape));
     return *t;
   };
+  // fp16 main params: each param's scale (the checkpoint's, or from its values).
+  std::vector<std::vector<float>> f16_scales(buffers_.size());
+  for (size_t bi = 0; bi < buffers_.size(); ++bi)
+    f16_scales[bi] = loaded_f16_main_param_scales(bi, find, source);
   // Weights (every rank holds all of them) and, replicated, the main params.
   for (size_t bi = 0; bi < buffers_.size(); ++bi) {
     ParamAndGradBuffer& b = *buffers_[bi];
-    for (Param* p : b.params()) {
+    for (size_t k = 0; k < b.params().size(); ++k) {
+      Param* p = b.params()[k];
       const Tensor& full = get("model." + p->name, p->weight.shape());
       if (b.fp8()) continue;  // quantized from the main params below
-      if (p->main_param.defined()) {
+      if (p->main_param_f16.defined() || (distributed_ && f16_scales[bi][k] >= 0)) {
+        // The weight as an update writes it (the fp32 value to nearest); replicated, the
+        // fp16 main param too (distributed: the shard pieces' below).
+        Tensor on_device = full.to(p->weight.device());
+        ops::cast(on_device, p->weight);
+        if (p->main_param_f16.defined())
+          ops::f16_main_param_quantize(on_device, f16_scales[bi][k], p->main_param_f16,
+                                       p->main_param_scale);
+      } else if (p->main_param.defined()) {
         p->main_param.copy_from(full);
         refresh_compute_weight(*p);
       } else if (p->main_param_remainder.defined() || (distributed_ && buffer_remainders_[bi])) {
@@ -424,6 +473,10 @@ void DistributedAdamW::load_full_state(
     if (sp.main_param_remainder.defined()) {
       Tensor piece_main = slice(get("model." + p->name, p->weight.shape())).to(sp.weight.device());
       ops::split_param_remainders(piece_main, sp.weight, sp.main_param_remainder);
+    } else if (sp.main_param_f16.defined()) {
+      Tensor piece_main = slice(get("model." + p->name, p->weight.shape())).to(sp.weight.device());
+      ops::f16_main_param_quantize(piece_main, f16_scales[shard_buffer_[i]][adam_param_slot_[i].second],
+                                   sp.main_param_f16, sp.main_param_scale);
     } else if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8()) {
       sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
     }

@@ -167,6 +167,22 @@ class DistributedAdamW {
   // full_state's scale entries of buffer bi (written by the group's rank 0; collective over
   // the data-parallel group when distributed).
   void append_moment_scales(size_t bi, std::vector<std::pair<std::string, Tensor>>& out);
+  // --main-params-dtype fp16 (distrib_optimizer_scales.cpp): per param of buffer bi, the
+  // fp16 main param's scale, or -1 for a param that keeps another main param.
+  //   initial_...: from the fp32 main params before they are released: each param's absmax
+  //                reduced over the (expert-)tensor-parallel group (collective there).
+  //   loaded_...:  a checkpoint's "optimizer.<name>.main_param.scale" where it has one
+  //                (its fp32 values are then stored * scale exactly), else from the
+  //                checkpoint's values as initial_; one notice on rank 0 when the
+  //                checkpoint's main params and this run's differ in dtype.
+  std::vector<float> initial_f16_main_param_scales(size_t bi, const AdamWConfig& config);
+  std::vector<float> loaded_f16_main_param_scales(
+      size_t bi, const std::function<const Tensor*(const std::string&)>& find,
+      const std::string& source);
+  // full_state's "optimizer.<name>.main_param.scale" entries (F32 [1]) of buffer bi's fp16
+  // main params (rank 0 of the group writes; collective over it when distributed).
+  void append_main_param_scales(size_t bi, std::vector<std::pair<std::string, Tensor>>& out);
+  bool main_params_noticed_ = false;
   // load_full_state's moments: for AdamW param i (a piece of model param p, elements
   // [offset, offset + numel) of its slice; the whole slice when replicated) the checkpoint's
   // moments converted to this run's dtypes, copied into the state, and their scales.

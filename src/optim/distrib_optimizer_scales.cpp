@@ -8,6 +8,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "ops/adam_f16_main_param.h"
 #include "ops/adam_scaled_state_math.h"
 #include "optim/distrib_optimizer.h"
 
@@ -32,18 +33,19 @@ void DistributedAdamW::plan_moment_absmax() {
       adam_param_slot_.emplace_back(shard_buffer_[j], size_t(at - params.begin()));
     }
   }
-  if (!adam_->scaled_moments()) return;
+  if (!adam_->scaled_states()) return;
   AdamW::MomentAbsmaxSlots slots;
+  // Columns: exp_avg, exp_avg_sq, the fp16 main param (AdamW::MomentAbsmaxSlots).
   for (ParamAndGradBuffer& b : each_buffer())
-    moment_absmax_.push_back(Tensor::zeros({std::max<int64_t>(int64_t(b.params().size()), 1), 2},
+    moment_absmax_.push_back(Tensor::zeros({std::max<int64_t>(int64_t(b.params().size()), 1), 3},
                                            DType::F32, b.grads().device()));
   for (auto [bi, k] : adam_param_slot_)
-    slots.rows.push_back(moment_absmax_[bi].rows(int64_t(k), 1).view({2}));
+    slots.rows.push_back(moment_absmax_[bi].rows(int64_t(k), 1).view({3}));
   slots.storage = moment_absmax_;
   // Megaton's deviation from Transformer Engine (whose "tensor" is whatever the optimizer
   // holds): one scale per model parameter, whatever layout holds it. A buffer's params are
   // the same, in the same order, on every rank of its data- and tensor-parallel groups, so
-  // one max all-reduce of [params, 2] per group and buffer.
+  // one max all-reduce of [params, 3] per group and buffer.
   slots.reduce = [this] {
     for (size_t bi = 0; bi < buffers_.size(); ++bi) {
       const ParamAndGradBuffer& b = *buffers_[bi];
@@ -91,6 +93,138 @@ void DistributedAdamW::append_moment_scales(size_t bi,
       if (scaled[col])
         out.emplace_back("optimizer." + p->name + suffix[col],
                          scales.rows(k, 1).view({2}).rows(col, 1));
+  }
+}
+
+namespace {
+
+// max |x| over a tensor's values (F32, any device).
+float absmax_of(const Tensor& values) { return ops::f16_main_param_absmax(values); }
+
+}  // namespace
+
+std::vector<float> DistributedAdamW::initial_f16_main_param_scales(size_t bi,
+                                                                   const AdamWConfig& config) {
+  const ParamAndGradBuffer& b = *buffers_[bi];
+  const size_t n = b.params().size();
+  std::vector<float> scales(n, -1.0f);
+  if (config.main_params_dtype != DType::F16) return scales;
+  Tensor absmax = Tensor::zeros({std::max<int64_t>(int64_t(n), 1)});
+  for (size_t k = 0; k < n; ++k) {
+    const Param* p = b.params()[k];
+    if (b.fp8() || !stores_f16_main_param(config, *p)) continue;
+    absmax.f32()[k] = p->main_param_f16.defined() ? absmax_of(main_param_value(*p))
+                                                  : absmax_of(p->main_param);
+  }
+  // Every rank of the tensor-parallel group decides alike which params are fp16.
+  const dist::Group& tp = tp_group_of(b);
+  if (tp.size() > 1) {
+    Tensor on_device = absmax.to(comm_.device());
+    comm_.all_reduce(on_device, tp, dist::ReduceOp::Max);
+    absmax = on_device.to(Device::CPU);
+  }
+  for (size_t k = 0; k < n; ++k)
+    if (!b.fp8() && stores_f16_main_param(config, *b.params()[k]))
+      scales[k] = ops::f16_main_param_scale(absmax.f32()[k]);
+  return scales;
+}
+
+std::vector<float> DistributedAdamW::loaded_f16_main_param_scales(
+    size_t bi, const std::function<const Tensor*(const std::string&)>& find,
+    const std::string& source) {
+  const ParamAndGradBuffer& b = *buffers_[bi];
+  const size_t n = b.params().size();
+  std::vector<float> scales(n, -1.0f);
+  // Which of this buffer's params keep fp16 main params: the replicated params themselves,
+  // or (distributed) those with an fp16 shard piece on some rank of the group (a max over
+  // it: a rank whose shard misses a param learns it from the others).
+  std::vector<uint8_t> f16(n, 0);
+  bool any = false;
+  if (adam_->config().main_params_dtype != DType::F16) {
+    // (No fp16 main params: only the notice below, for a checkpoint that had them.)
+  } else if (!distributed_) {
+    for (size_t k = 0; k < n; ++k) f16[k] = b.params()[k]->main_param_f16.defined();
+  } else {
+    for (size_t j = 0; j < shard_params_.size(); ++j)
+      if (shard_buffer_[j] == bi && shard_params_[j].main_param_f16.defined())
+        f16[adam_param_slot_[j].second] = 1;
+    Tensor flags = Tensor::zeros({std::max<int64_t>(int64_t(n), 1)});
+    for (size_t k = 0; k < n; ++k) flags.f32()[k] = f16[k];
+    if (group_of(b).size() > 1) {
+      Tensor on_device = flags.to(comm_.device());
+      comm_.all_reduce(on_device, group_of(b), dist::ReduceOp::Max);
+      flags = on_device.to(Device::CPU);
+    }
+    for (size_t k = 0; k < n; ++k) f16[k] = flags.f32()[k] != 0.0f;
+  }
+  Tensor absmax = Tensor::zeros({std::max<int64_t>(int64_t(n), 1)});
+  bool from_values = false;
+  for (size_t k = 0; k < n; ++k) {
+    const Param* p = b.params()[k];
+    const std::string name = "optimizer." + p->name + ".main_param.scale";
+    const Tensor* s = find(name);
+    if (s && (s->numel() != 1 || s->dtype() != DType::F32))
+      fail("checkpoint '{}': tensor '{}' is {} {}, expected F32 [1]", source, name,
+           dtype_name(s->dtype()), shape_str(s->shape()));
+    const bool stored_f16 = s != nullptr;
+    if (!main_params_noticed_ && bool(f16[k]) != stored_f16 && grid_.world().rank == 0) {
+      fmt::print(
+          " checkpoint '{}' holds the main params in {} ('{}'), this run keeps them in {}: "
+          "converting\n",
+          source, stored_f16 ? "F16" : "F32", "model." + p->name, f16[k] ? "F16" : "F32");
+      main_params_noticed_ = true;
+    }
+    any = any || f16[k];
+    if (!f16[k]) continue;
+    if (stored_f16) {
+      scales[k] = s->to(Device::CPU).f32()[0];
+    } else {
+      const Tensor* values = find("model." + p->name);
+      if (values) absmax.f32()[k] = absmax_of(*values);  // (a missing one fails the load)
+      from_values = true;
+    }
+  }
+  if (!any) return scales;
+  // New scales from the values: the whole parameter's absmax, as at construction.
+  const dist::Group& tp = tp_group_of(b);
+  bool reduce = from_values;
+  if (tp.size() > 1) {
+    // Every rank of the group reads the same checkpoint: they agree on from_values.
+    Tensor on_device = absmax.to(comm_.device());
+    if (reduce) comm_.all_reduce(on_device, tp, dist::ReduceOp::Max);
+    absmax = on_device.to(Device::CPU);
+  }
+  for (size_t k = 0; k < n; ++k)
+    if (f16[k] && scales[k] < 0) scales[k] = ops::f16_main_param_scale(absmax.f32()[k]);
+  return scales;
+}
+
+void DistributedAdamW::append_main_param_scales(size_t bi,
+                                                std::vector<std::pair<std::string, Tensor>>& out) {
+  if (adam_->config().main_params_dtype != DType::F16) return;
+  ParamAndGradBuffer& b = *buffers_[bi];
+  const dist::Group& g = group_of(b);
+  const int64_t n = int64_t(b.params().size());
+  // -1 marks a param without an fp16 main param; every piece of a param has its scale, so
+  // a max over the group gathers them (distributed).
+  Tensor scales = Tensor::empty({std::max<int64_t>(n, 1)});
+  scales.fill(-1.0f);
+  for (size_t j = 0; j < adam_param_slot_.size(); ++j) {
+    if (adam_param_slot_[j].first != bi) continue;
+    const Param* p = adam_->params()[j];
+    if (p->main_param_f16.defined())
+      scales.f32()[adam_param_slot_[j].second] = p->main_param_scale.to(Device::CPU).f32()[0];
+  }
+  if (distributed_ && g.size() > 1) {
+    Tensor on_device = scales.to(comm_.device());
+    comm_.all_reduce(on_device, g, dist::ReduceOp::Max);
+    scales = on_device.to(Device::CPU);
+  }
+  if (g.rank != 0) return;
+  for (int64_t k = 0; k < n; ++k) {
+    const Param* p = b.params()[size_t(k)];
+    if (p->shared || scales.f32()[k] < 0) continue;
+    out.emplace_back("optimizer." + p->name + ".main_param.scale", scales.rows(k, 1).clone());
   }
 }
 

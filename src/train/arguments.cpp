@@ -374,6 +374,9 @@ data::TokenizerOptions tokenizer_options(const TrainArgs& a) {
 dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_size) {
   const ParallelArgs& p = a.parallel;
   const GPTConfig& m = a.model;
+  // Here rather than in the flag parsers: it needs the run's device, which a dry run for
+  // --device cuda on a machine without a GPU sets after parsing (cli/cmd_train.cpp).
+  optim::check_main_params_dtype(a.adam, m.compute_dtype());
   dist::LayoutRequest r;
   r.sizes.tp = p.tensor_model_parallel_size;
   r.sizes.cp = p.context_parallel_size;

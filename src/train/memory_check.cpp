@@ -50,7 +50,8 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   const double grad_b = double(dtype_size(m.main_grads_dtype));  // the grad buffers' dtype
   const double moments_b =
       double(dtype_size(adam.exp_avg_dtype) + dtype_size(adam.exp_avg_sq_dtype));
-  const double main_b = adam.store_param_remainders && m.compute_dtype() == DType::BF16
+  const double main_b = adam.store_param_remainders && m.compute_dtype() == DType::BF16 &&
+                                adam.main_params_dtype == DType::F32
                             ? 2.0
                             : double(dtype_size(adam.main_params_dtype));
   // --optimizer-cpu-offload: that fraction of the moments and main params is on the host.

@@ -21,6 +21,7 @@ struct MemoryPlan {
   Device device = Device::CPU;
   DType compute_dtype = DType::F32;
   DType main_grads_dtype = DType::F32;  // GPTConfig::main_grads_dtype
+  DType main_params_dtype = DType::F32;  // AdamWConfig::main_params_dtype
   dist::ParallelSizes sizes;       // resolved: tp, cp, ep, etp, pp, vpp, dp, edp, world
   bool sequence_parallel = false;  // in effect (tp > 1)
   int64_t stage = 0;               // the busiest pipeline stage

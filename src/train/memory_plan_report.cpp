@@ -64,7 +64,10 @@ std::string format_memory_plan(const MemoryPlan& p) {
            ? "main grads (bf16, whole on every data-parallel rank; fp32 scratch)"
            : "main grads (fp32, whole on every data-parallel rank)",
        p.main_grads);
-  line("main params (fp32, or int16 remainders beside bf16)", p.main_params);
+  line(p.main_params_dtype == DType::F16 && p.compute_dtype != DType::F32
+           ? "main params (fp16 + an fp32 scale per param; fp32 beside fp8)"
+           : "main params (fp32, or int16 remainders beside bf16)",
+       p.main_params);
   line("Adam exp_avg", p.exp_avg);
   line("Adam exp_avg_sq", p.exp_avg_sq);
   line("other state (router statistics, step state, batch buffers)", p.other_state);

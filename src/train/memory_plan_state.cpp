@@ -149,8 +149,11 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   const double cb = double(dtype_size(m.compute_dtype()));
   const double main_b = double(dtype_size(args.adam.main_params_dtype));
   // Beside BF16 weights the main param is its 16-bit remainder (store_param_remainders,
-  // DistributedAdamW); beside FP8 and fp16 weights it stays fp32.
-  const bool remainders = args.adam.store_param_remainders && m.compute_dtype() == DType::BF16;
+  // DistributedAdamW); beside FP8 and fp16 weights it stays fp32. --main-params-dtype fp16:
+  // 2 bytes beside BF16 and F16 weights (no remainders), FP8 weights keep fp32.
+  const bool f16_main = args.adam.main_params_dtype == DType::F16 && cb != 4;
+  const bool remainders = args.adam.store_param_remainders && !f16_main &&
+                          m.compute_dtype() == DType::BF16;
   const double avg_b = double(dtype_size(args.adam.exp_avg_dtype));
   const double sq_b = double(dtype_size(args.adam.exp_avg_sq_dtype));
   const double grad_b = double(dtype_size(m.main_grads_dtype));
@@ -160,6 +163,7 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   double adam_params = 0;
   const bool scaled_moments = optim::scaled_moment_dtype(args.adam.exp_avg_dtype) ||
                               optim::scaled_moment_dtype(args.adam.exp_avg_sq_dtype);
+  const bool scaled_states = scaled_moments || f16_main;
   auto block = [&](double bytes) { return memory_plan_block_bytes(bytes, dev); };
   plan.weights = plan.main_grads = plan.main_params = plan.exp_avg = plan.exp_avg_sq = 0;
   plan.other_state = 0;
@@ -191,8 +195,9 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
         if (fp8) plan.other_state += block(2 * 4);  // Param::fp8_scales
       }
       if (sizes.empty()) continue;
-      // fp16 / fp8 moments: DistributedAdamW's absmax of each buffer param (F32 [params, 2]).
-      if (scaled_moments) plan.other_state += block(double(sizes.size()) * 8);
+      // fp16 / fp8 moments, fp16 main params: DistributedAdamW's absmax of each buffer
+      // param (F32 [params, 3]).
+      if (scaled_states) plan.other_state += block(double(sizes.size()) * 12);
       total = round_up(total, 64 * shards);
       plan.weights += block(total * (fp8 ? 1 : cb));
       plan.main_grads += block(total * grad_b);
@@ -205,15 +210,20 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
                              : sizes[i];
         if (n <= 0) continue;
         ++adam_params;
-        if (cb != 4 || fp8) plan.main_params += block(n * (remainders && !fp8 ? 2 : main_b));
+        if (cb != 4 || fp8)
+          plan.main_params += block(n * (fp8 ? 4 : remainders ? 2 : main_b));
+        // Param::main_param_scale, F32 [1] each.
+        if (f16_main && !fp8) plan.main_params += block(4);
         plan.exp_avg += block(n * avg_b);
         plan.exp_avg_sq += block(n * sq_b);
       }
     }
   }
   if (scratch > 0) plan.main_grads += block(scratch * 4);
-  // fp16 / fp8 moments: AdamW's scales and absmax, F32 [params, 2] each (optim/adamw.cpp).
-  if (scaled_moments) plan.other_state += 2 * block(std::max(adam_params, 1.0) * 8);
+  // fp16 / fp8 moments: AdamW's scales, F32 [params, 2]; with fp16 main params too, its
+  // absmax, F32 [params, 3] (optim/adamw.cpp).
+  if (scaled_moments) plan.other_state += block(std::max(adam_params, 1.0) * 8);
+  if (scaled_states) plan.other_state += block(std::max(adam_params, 1.0) * 12);
   // --optimizer-cpu-offload: the offloaded fraction's main params and moments are on the
   // host (whole params are chosen, so the device keeps up to one param less than this).
   if (args.adam.optimizer_cpu_offload) {

@@ -67,12 +67,17 @@ dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
                                             const ModelParallel& mp) {
   dist::NamedTensors out;
   for (const auto& [name, t] : entries) {
-    // The scale of an fp16 or fp8 moment ("optimizer.<name>.exp_avg.scale"): one per whole
-    // parameter, the same on every tensor-parallel rank (the optimizer reduces its absmax
-    // over the group), written as a replicated tensor.
-    const bool moment_scale =
-        name.ends_with(".exp_avg.scale") || name.ends_with(".exp_avg_sq.scale");
-    const Param* p = param_of_entry(moment_scale ? name.substr(0, name.size() - 6) : name, params);
+    // The scale of an fp16 or fp8 moment ("optimizer.<name>.exp_avg.scale") or of an fp16
+    // main param ("optimizer.<name>.main_param.scale"): one per whole parameter, the same on
+    // every tensor-parallel rank (the optimizer reduces its absmax over the group), written
+    // as a replicated tensor.
+    const bool main_param_scale = name.ends_with(".main_param.scale");
+    const bool moment_scale = main_param_scale || name.ends_with(".exp_avg.scale") ||
+                              name.ends_with(".exp_avg_sq.scale");
+    const size_t suffix = main_param_scale ? std::strlen(".main_param.scale")
+                          : moment_scale   ? std::strlen(".scale")
+                                           : 0;
+    const Param* p = param_of_entry(name.substr(0, name.size() - suffix), params);
     MEGATON_CHECK(p != nullptr, "checkpoint entry '{}' belongs to no parameter", name);
     const dist::Group& g = tp_group_of(*p, mp);
     if (g.size() <= 1) {

@@ -14,7 +14,7 @@ namespace megaton {
 // The param a checkpoint entry belongs to: "model.<name>", "optimizer.<name>.exp_avg" or
 // "optimizer.<name>.exp_avg_sq"; null when `params` has no such name, and for the scales of
 // fp16 and fp8 moments ("optimizer.<name>.exp_avg.scale", F32 [1]: not shaped like the
-// param, never sliced).
+// param, never sliced) and of fp16 main params ("optimizer.<name>.main_param.scale").
 const Param* param_of_entry(const std::string& entry,
                             const std::map<std::string, const Param*>& params);
 

@@ -516,7 +516,7 @@ TEST(AdamWPrecision, StochasticRoundingIsLayoutIndependent) {
   }
 }
 
-TEST(AdamWPrecision, FlagRulesAreMegatronsAndFp16MainParamsAreRefused) {
+TEST(AdamWPrecision, FlagRulesAreMegatronsAndFp16MainParamsNeedSeparateWeights) {
   EXPECT_EQ(precision_aware_dtype("exp-avg-dtype", "bf16", {"fp32", "fp16", "bf16", "fp8"}),
             DType::BF16);
   EXPECT_EQ(precision_aware_dtype("exp-avg-dtype", "fp32", {"fp32", "bf16"}), DType::F32);
@@ -542,8 +542,17 @@ TEST(AdamWPrecision, FlagRulesAreMegatronsAndFp16MainParamsAreRefused) {
   AdamWConfig grads = c;
   grads.main_grads_dtype = DType::BF16;
   EXPECT_NO_THROW(check_precision_aware_config(grads));
-  // fp16 main params: not yet.
+  // fp16 main params: with the switch; then only beside bf16 / fp16 weights and without
+  // the host update (check_main_params_dtype, which knows the compute dtype).
   AdamWConfig params = c;
   params.main_params_dtype = DType::F16;
+  EXPECT_NO_THROW(check_precision_aware_config(params));
+  EXPECT_NO_THROW(check_main_params_dtype(params, DType::BF16));
+  EXPECT_NO_THROW(check_main_params_dtype(params, DType::F16));
+  EXPECT_THROW(check_main_params_dtype(params, DType::F32), Error);
+  params.optimizer_cpu_offload = true;
+  EXPECT_THROW(check_main_params_dtype(params, DType::BF16), Error);
+  params.use_precision_aware_optimizer = false;
+  params.optimizer_cpu_offload = false;
   EXPECT_THROW(check_precision_aware_config(params), Error);
 }

@@ -164,8 +164,13 @@ TEST_F(CliErrors, PrecisionAwareOptimizerFlags) {
        "option 'exp-avg-sq-dtype' must be one of fp32, fp16, bf16, fp8 (got 'int8')"},
       {"--use-precision-aware-optimizer --main-grads-dtype fp16",
        "option 'main-grads-dtype' must be one of fp32, bf16 (got 'fp16')"},
+      // fp16 main params need bf16/fp16 weights apart from them: the CPU computes fp32.
       {"--use-precision-aware-optimizer --main-params-dtype fp16",
-       "option 'main-params-dtype' fp16 is not supported in Megaton yet"},
+       "option 'main-params-dtype' fp16 needs bf16 or fp16 weights"},
+      {"--bf16 --use-precision-aware-optimizer --main-params-dtype fp16",
+       "option 'main-params-dtype' fp16 needs bf16 or fp16 weights"},
+      {"--use-precision-aware-optimizer --main-params-dtype fp16 --optimizer-cpu-offload",
+       "option 'main-params-dtype' fp16 with --optimizer-cpu-offload is not supported"},
       {"--exp-avg-dtype fp8", "option 'exp-avg-dtype' fp8 needs --use-precision-aware-optimizer"},
   };
   for (const auto& [flags, needle] : cases)

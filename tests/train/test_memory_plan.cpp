@@ -292,6 +292,34 @@ TEST(MemoryPlan, Bf16MainParamsAreRemainders) {
   EXPECT_GT(fp8_with.main_params, 0.55 * fp8_without.main_params);
 }
 
+// --main-params-dtype fp16 on a bf16 GPU plan: 2-byte main params (no remainders) and a
+// 4-byte scale per param: the remainders' bytes plus the scales; the rest unchanged.
+TEST(MemoryPlan, Fp16MainParamsAreTwoBytesAndAScale) {
+  auto gpu_plan = [](RawOptions raw) {
+    TrainArgs args = parse_train_args(raw);
+    args.model.device = Device::CUDA;
+    args.model.bf16 = true;
+    args.model.vocab_size = args.vocab_size + 1;
+    args.model.finalize();
+    return plan_memory(args, check_parallel_layout(args, 1));
+  };
+  RawOptions off = base(false);
+  off["no-store-param-remainders"] = {"true"};
+  RawOptions f16 = base(false);
+  f16["use-precision-aware-optimizer"] = {"true"};
+  f16["main-params-dtype"] = {"fp16"};
+  const MemoryPlan fp32 = gpu_plan(off), half = gpu_plan(f16);
+  EXPECT_EQ(half.main_params_dtype, DType::F16);
+  EXPECT_NEAR(half.main_params, fp32.main_params / 2, 0.05 * fp32.main_params);
+  EXPECT_GT(half.main_params, gpu_plan(base(false)).main_params);  // + the scales' blocks
+  EXPECT_EQ(half.weights, fp32.weights);
+  EXPECT_EQ(half.exp_avg, fp32.exp_avg);
+  EXPECT_GT(half.other_state, fp32.other_state);  // the absmax slots
+  const std::string report = format_memory_plan(half);
+  EXPECT_NE(report.find("main params (fp16 + an fp32 scale per param"), std::string::npos)
+      << report;
+}
+
 // The dry run prints the plan and allocates no tensor.
 TEST(MemoryPlan, DryRunAllocatesNothing) {
   RawOptions raw = base(true);

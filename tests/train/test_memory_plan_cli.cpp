@@ -78,5 +78,24 @@ TEST(DryRun, BadFlagsFailAsInARun) {
   EXPECT_NE(r.err.find("WORLD_SIZE"), std::string::npos) << r.err;
 }
 
+// --main-params-dtype fp16 needs bf16/fp16 weights apart from the main params: a dry run
+// for --device cuda --bf16 plans it (2-byte main params with their scales); a CPU run
+// (fp32 weights) refuses it in one line, exit 2.
+TEST(DryRun, Fp16MainParamsPlannedForTheGpuRefusedOnTheCpu) {
+  const std::string flags = kFlags + " --dry-run --use-precision-aware-optimizer "
+                                     "--main-params-dtype fp16";
+  std::string gpu = flags;
+  gpu.replace(gpu.find("--device cpu"), 12, "--device cuda --bf16");
+  const Result planned = run(gpu);
+  EXPECT_EQ(planned.status, 0) << planned.err;
+  EXPECT_NE(planned.out.find("main params (fp16 + an fp32 scale per param"), std::string::npos)
+      << planned.out;
+  const Result refused = run(flags + " --bf16");
+  EXPECT_EQ(refused.status, 2);
+  EXPECT_NE(refused.err.find("option 'main-params-dtype' fp16 needs bf16 or fp16 weights"),
+            std::string::npos)
+      << refused.err;
+}
+
 }  // namespace
 }  // namespace megaton
