@@ -81,6 +81,7 @@ states)  # precision-aware states: bf16 main grads, fp16/fp8 moments (speed and 
     --variant "bf16-grads=--use-precision-aware-optimizer --main-grads-dtype bf16" \
     --variant "fp16-moments=--use-precision-aware-optimizer --exp-avg-dtype fp16 --exp-avg-sq-dtype fp16" \
     --variant "fp8-fp16-moments=--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp16" \
+    --variant "fp16-main=--use-precision-aware-optimizer --main-params-dtype fp16" \
     --variant "lean=--use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16" \
     --out $OUT/states.md
   cat $OUT/states.md
