@@ -30,8 +30,9 @@ TEST(ByteTokenizer, RoundTripAndSpecials) {
 }
 
 TEST(MakeTokenizer, UnknownTypeListsValidOnes) {
-  EXPECT_TRUE(throws_error_with([] { make_tokenizer("GPT2BPETokenizer", ""); },
-                                {"GPT2BPETokenizer", "SentencePieceTokenizer", "ByteTokenizer"}));
+  EXPECT_TRUE(throws_error_with([] { make_tokenizer("BertWordPieceCase", ""); },
+                                {"BertWordPieceCase", "SentencePieceTokenizer", "HuggingFaceTokenizer",
+                                 "GPT2BPETokenizer", "ByteTokenizer"}));
 }
 
 TEST(MakeTokenizer, MissingSentencePieceModel) {

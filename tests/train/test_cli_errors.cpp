@@ -126,9 +126,15 @@ TEST_F(CliErrors, RouterOptionsThatClash) {
   }
 }
 
+// Megatron: a --load directory without a checkpoint starts from random weights (with a
+// warning), the first run of a script that saves and loads one directory; with
+// --exit-on-missing-checkpoint it is an error naming the directory.
 TEST_F(CliErrors, MissingCheckpoint) {
-  expect_user_error("train --config " + config(kModel) + " --load " + (dir / "nope").string(),
-                    (dir / "nope").string());
+  const std::string nope = (dir / "nope").string();
+  expect_user_error("train --config " + config(kModel) + " --load " + nope +
+                        " --exit-on-missing-checkpoint",
+                    nope);
+  EXPECT_EQ(run("train --config " + config(kModel) + " --load " + nope), 0);
 }
 
 TEST_F(CliErrors, MissingIndexFile) {
