@@ -81,7 +81,7 @@ void RunLogger::scalar(const std::string& tag, double value, int64_t iteration, 
 }
 
 void RunLogger::step(const RunLogStep& s) {
-  if (!tensorboard_ || s.iteration % args_.logging.tensorboard_log_interval != 0) return;
+  if (!writes_step(s.iteration)) return;
   const int64_t it = s.iteration, samples = s.consumed_samples;
   scalar("learning-rate", s.lr, it, samples);
   scalar("batch-size", double(s.global_batch_size), it, samples);

@@ -40,6 +40,11 @@ class RunLogger {
   // "grad-norm", "num-zeros", "params-norm", the MoE losses, memory; each also " vs
   // samples" against the consumed samples, as Megatron writes them).
   void step(const RunLogStep& step);
+  // Whether step() writes anything at `iteration` (a TensorBoard and its log interval), so
+  // the trainer gathers the step's values only then.
+  bool writes_step(int64_t iteration) const {
+    return tensorboard_ && iteration % args_.logging.tensorboard_log_interval == 0;
+  }
   // Every rank, at each log interval of `iterations` iterations of ms_per_iteration each:
   // the energy lap summed over the world (a collective with --log-energy), and on rank 0
   // "iteration-time" / "throughput" to TensorBoard with --log-timers-to-tensorboard. Returns

@@ -155,7 +155,12 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   scaler_->update(skipped);
   result.losses.push_back(loss);
   result.grad_norms.push_back(grad_norm);
-  if (!args_.log_metrics_file.empty() && is_logging_rank()) {
+  // The step's MoE metrics on the host, read once, and only for what writes them.
+  const bool tensorboard_now = is_logging_rank() && run_logger_->writes_step(step.iteration);
+  const bool metrics_now = !args_.log_metrics_file.empty() && is_logging_rank();
+  MoEStepMetrics moe_step;
+  if (moe_->active() && (metrics_now || tensorboard_now)) moe_step = moe_->read(step.moe);
+  if (metrics_now) {
     nlohmann::json line = {{"iteration", step.iteration},
                            {"lm_loss", loss},
                            {"grad_norm", grad_norm},
@@ -166,14 +171,14 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
       line["weight_decay"] = step.weight_decay;
     if (scaler_->active()) line["loss_scale"] = scaler_->scale();  // after this step's update
     if (skipped) line["skipped"] = true;
-    if (moe_->active()) add_moe_metrics(line, moe_->read(step.moe), args_.moe_per_layer_logging);
+    if (moe_->active()) add_moe_metrics(line, moe_step, args_.moe_per_layer_logging);
     if (step.params_norm >= 0) line["params_norm"] = step.params_norm;
     if (step.num_zeros >= 0) line["num_zeros"] = step.num_zeros;
     std::ofstream out(args_.log_metrics_file, std::ios::app);
     out << line.dump() << "\n";
     if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
   }
-  if (is_logging_rank()) {
+  if (tensorboard_now) {
     RunLogStep r;
     r.iteration = step.iteration;
     r.consumed_samples = step.consumed_samples;
@@ -184,11 +189,7 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     r.loss_scale = scaler_->active() ? scaler_->scale() : -1.0;
     r.params_norm = step.params_norm;
     r.num_zeros = step.num_zeros;
-    MoEStepMetrics moe;
-    if (moe_->active()) {
-      moe = moe_->read(step.moe);
-      r.moe = &moe;
-    }
+    if (moe_->active()) r.moe = &moe_step;
     run_logger_->step(r);
   }
   if (moe_->active()) interval.moe.push_back(std::move(step.moe));
