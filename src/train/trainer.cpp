@@ -261,45 +261,6 @@ int64_t Trainer::micro_batch_start(int64_t batch_start, int64_t mb) const {
   return batch_start + (mb * dp + grid_->dp().rank) * args_.micro_batch_size;
 }
 
-void Trainer::build_datasets(const std::array<int64_t, 3>& num_samples) {
-  data::GPTDatasetConfig data_cfg;
-  if (!args_.data_path.empty()) data_cfg.blend = data::parse_data_path(args_.data_path);
-  for (int s = 0; s < 3; ++s)
-    if (!args_.per_split_data_path[s].empty())
-      data_cfg.blend_per_split[s] = data::parse_data_path(args_.per_split_data_path[s]);
-  data_cfg.split = args_.split;
-  data_cfg.path_to_cache = args_.data_cache_path;
-  data_cfg.seq_length = args_.model.seq_length;
-  data_cfg.seed = args_.seed;
-  datasets_ = data::build_gpt_datasets(data_cfg, num_samples);
-  if (!datasets_[0]) fail("data-path: the train split of '{}' is empty", args_.split);
-  for (const auto& ds : datasets_)
-    if (ds && ds->size() > 0) {
-      // Every token id must fit the model's vocabulary.
-      std::vector<int32_t> sample(args_.model.seq_length + 1);
-      ds->get(0, sample.data());
-      for (int32_t t : sample)
-        if (t < 0 || t >= args_.model.vocab_size)
-          fail(
-              "data-path: token id {} is outside the tokenizer's vocabulary of {} (was the "
-              "data preprocessed with another tokenizer?)",
-              t, args_.model.vocab_size);
-    }
-}
-
-void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
-                         Tensor& tokens, Tensor& labels) const {
-  int64_t seq = args_.model.seq_length;
-  tokens = Tensor::empty({count, seq}, DType::I32);
-  labels = Tensor::empty({count, seq}, DType::I32);
-  std::vector<int32_t> sample(seq + 1);
-  for (int64_t i = 0; i < count; ++i) {
-    source.get((first_sample + i) % source.size(), sample.data());
-    std::copy(sample.begin(), sample.end() - 1, tokens.i32() + i * seq);
-    std::copy(sample.begin() + 1, sample.end(), labels.i32() + i * seq);
-  }
-}
-
 Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   for (auto& chunk : chunks_) chunk->zero_grad();
   ddp_->start_grad_sync_step(local_micro_batches());
