@@ -13,6 +13,7 @@ packages=(
   libgtest-dev libbenchmark-dev        # tests and benchmarks
   libopenmpi-dev openmpi-bin           # MPI: launch (mpirun), CPU collectives, dist tests
   fortunes fortunes-min                # the demo corpus
+  python3-matplotlib                   # tools/plot_loss.py: loss-curve PNGs (Agg backend)
 )
 missing=()
 for p in "${packages[@]}"; do
