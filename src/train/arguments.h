@@ -123,6 +123,9 @@ struct TrainArgs {
   bool tokenizer_hf_include_special_tokens = true;  // off: --tokenizer-hf-no-include-special-tokens
   int64_t vocab_size = 0;  // NullTokenizer only
   bool mock_data = false;
+  // --eod-mask-loss: the predictions made at an end-of-document input token are left out of
+  // the loss (Megatron's loss_mask; train/loss_mask.h).
+  bool eod_mask_loss = false;
 
   // Batch and iterations.
   int64_t micro_batch_size = 1;

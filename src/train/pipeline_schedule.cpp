@@ -171,6 +171,9 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
   std::vector<std::map<int64_t, Tensor>> inputs(vpp), output_grads(vpp);
   std::vector<std::map<int64_t, ChunkActivations>> stashes(vpp);
   std::vector<int64_t> holds(vpp, -1);
+  // With a loss mask: each micro-batch's per-token loss weights, from its forward on the
+  // last stage to its backward there.
+  std::map<int64_t, Tensor> loss_weights;
   PipelineLosses losses;
 
   for (size_t i = 0; i < plan.size(); ++i) {
@@ -201,7 +204,12 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
             losses.aux_losses = Tensor::zeros({1}, DType::F32, out.loss.aux_losses.device());
           ops::add_(losses.aux_losses, out.loss.aux_losses);
         }
-        if (part.post_process) {
+        if (part.post_process && mbs.loss_mask) {
+          LossMask mask = mbs.loss_mask(in.tokens);
+          losses.loss_sum += masked_loss_sum(out.loss.losses, mask.mask);
+          losses.num_tokens += double(mask.num_tokens);
+          if (!forward_only) loss_weights[op.micro_batch] = std::move(mask.weights);
+        } else if (part.post_process) {
           losses.loss_sum += ops::sum(out.loss.losses);
           losses.num_tokens += double(out.loss.losses.numel());
         }
@@ -223,7 +231,18 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
                         op.micro_batch, op.chunk);
         }
         Tensor dout;
-        if (part.post_process) {
+        if (part.post_process && mbs.loss_mask) {
+          // The mean over the micro-batch's unmasked tokens, averaged over micro-batches
+          // (fp32 products, as the trainer's scale_ of the weights without a pipeline).
+          auto weights = loss_weights.find(op.micro_batch);
+          MEGATON_CHECK(weights != loss_weights.end(),
+                        "pipeline: no loss weights for micro-batch {}", op.micro_batch);
+          dout = Tensor::empty({tokens_per_micro_batch});
+          const float scale = float(double(mbs.loss_scale) / double(mbs.count));
+          for (int64_t t = 0; t < tokens_per_micro_batch; ++t)
+            dout.f32()[t] = weights->second.f32()[t] * scale;
+          loss_weights.erase(weights);
+        } else if (part.post_process) {
           // Megatron's default loss: the token mean per micro-batch, averaged over them.
           dout = Tensor::empty({tokens_per_micro_batch});
           dout.fill(float(double(mbs.loss_scale) /
@@ -261,6 +280,9 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
         inputs[c].empty() && output_grads[c].empty() && stashes[c].empty() && holds[c] < 0,
         "pipeline: chunk {} kept {} inputs, {} gradients and {} activation stashes after the step",
         c, inputs[c].size(), output_grads[c].size(), stashes[c].size());
+  MEGATON_CHECK(loss_weights.empty(),
+                "pipeline: {} micro-batches' loss weights left after the step",
+                loss_weights.size());
   return losses;
 }
 

@@ -11,6 +11,7 @@
 #include "dist/comm.h"
 #include "dist/grid.h"
 #include "model/gpt.h"
+#include "train/loss_mask.h"
 
 namespace megaton {
 
@@ -101,6 +102,10 @@ struct PipelineMicroBatches {
   // Fills tokens and labels [B, S] int32 (host) of micro-batch mb (0 <= mb < count).
   // Called only on the ranks whose chunks read them (first and last stage).
   std::function<void(int64_t mb, Tensor& tokens, Tensor& labels)> load;
+  // --eod-mask-loss: the loss mask of a micro-batch from its tokens (as load fills them),
+  // called on the last stage only. Empty: every token's loss counts (and the schedule
+  // runs no extra op).
+  std::function<LossMask(const Tensor& tokens)> loss_mask;
   // The ForwardContext of micro-batch mb (its dropout masks; the backward uses the keys
   // its forward saved).
   std::function<ForwardContext(int64_t mb)> context;
@@ -111,8 +116,10 @@ struct PipelineMicroBatches {
 
 // What this pipeline rank computed in one step.
 struct PipelineLosses {
-  double loss_sum = 0;      // sum of per-token losses (last stage only, else 0)
-  double num_tokens = 0;    // tokens those losses cover (last stage only, else 0)
+  // Sum of per-token losses (times the loss mask with PipelineMicroBatches::loss_mask)
+  // and the tokens they cover (the mask's sum): last stage only, else 0.
+  double loss_sum = 0;
+  double num_tokens = 0;
   // Sum over micro-batches of this rank's MoE layers' aux losses: [1] fp32 on the model's
   // device (no host synchronization), undefined without MoE layers; aux_loss_sum() reads
   // it (0 when undefined).
@@ -143,9 +150,10 @@ class PipelineSchedule {
 
   // One step over mbs.count micro-batches: forwards and (unless forward_only) backwards in
   // pipeline_plan's order, activations [hidden_rows, H] and their gradients (compute dtype)
-  // sent between stages. The loss is Megatron's default: the token mean per micro-batch,
-  // averaged over micro-batches (d loss / d per-token loss = 1 / (B S count)), and the MoE
-  // aux-loss gradient is scaled by 1 / count. Accumulates the chunks' main_grads.
+  // sent between stages. The loss is Megatron's: the token mean per micro-batch, averaged
+  // over micro-batches (d loss / d per-token loss = 1 / (B S count); with a loss mask,
+  // LossMask::weights / count), and the MoE aux-loss gradient is scaled by 1 / count.
+  // Accumulates the chunks' main_grads.
   // Collective over the pipeline group. Throws check_interleaved_micro_batches' Error.
   PipelineLosses forward_backward(const PipelineMicroBatches& mbs, bool forward_only);
 

@@ -37,6 +37,7 @@
 #include "train/flops.h"
 #include "train/run_control.h"
 #include "train/generate.h"
+#include "train/loss_mask.h"
 #include "train/memory_check.h"
 #include "train/pipeline_schedule.h"
 #include "train/tensor_parallel_ckpt.h"
@@ -208,6 +209,10 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
     for (auto* buffers : {&batch_tokens_, &batch_labels_})
       buffers->push_back(Tensor::empty({args_.micro_batch_size, args_.model.seq_length}, DType::I32,
                                        args_.model.device));
+  for (int64_t mb = 0; !schedule_ && args_.eod_mask_loss && mb < most_micro_batches; ++mb)
+    for (auto* buffers : {&batch_loss_masks_, &batch_loss_weights_})
+      buffers->push_back(Tensor::empty({args_.micro_batch_size * args_.model.seq_length},
+                                       DType::F32, args_.model.device));
   if (args_.cuda_graph_impl == "full_iteration")
     step_graph_ = std::make_unique<FullIterationGraph>(args_.cuda_graph_warmup_steps);
   if (!args_.load.empty()) load();
@@ -244,6 +249,10 @@ PipelineMicroBatches Trainer::pipeline_micro_batches(
   out.load = [this, &source, batch_start](int64_t mb, Tensor& tokens, Tensor& labels) {
     load_batch(source, micro_batch_start(batch_start, mb), args_.micro_batch_size, tokens, labels);
   };
+  if (args_.eod_mask_loss)
+    out.loss_mask = [eod = tokenizer_->eod()](const Tensor& tokens) {
+      return eod_loss_mask(tokens, eod);
+    };
   out.context = std::move(context);
   return out;
 }
@@ -288,6 +297,12 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     loss_sum = Tensor::from({1}, {float(stage.loss_sum)}).to(device);
     // The last stage's tokens, known on every stage (micro-batches are all alike).
     tokens_sum = double(n_mb * mbs * args_.model.seq_length);
+    // With the loss mask the counts are the last stage's, and differ between data-parallel
+    // ranks: summed over both here (host collectives), as evaluate() does.
+    if (args_.eod_mask_loss) {
+      const double stages = dist::sum_over(*comm_, grid_->pp(), {stage.num_tokens})[0];
+      tokens_sum = dist::sum_over(*comm_, grid_->dp_cp(), {stages})[0];
+    }
   }
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
@@ -295,12 +310,21 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     MicroBatchLoss out =
         chunks_[0]->forward(batch_tokens_[size_t(mb)], batch_labels_[size_t(mb)], ctx);
     int64_t T = out.losses.numel();
-    ops::sum(out.losses, mb_sum);
+    if (args_.eod_mask_loss) ops::dot(out.losses, batch_loss_masks_[size_t(mb)], mb_sum);
+    else ops::sum(out.losses, mb_sum);
     ops::add_(loss_sum, mb_sum);
-    tokens_sum += double(T);
-    // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
-    Tensor dlosses = Tensor::empty({T}, DType::F32, device);
-    dlosses.fill(float(double(loss_scale) / (double(T) * double(n_mb))));
+    Tensor dlosses;
+    if (args_.eod_mask_loss) {
+      // Megatron's loss with its mask: the mean over the micro-batch's unmasked tokens,
+      // averaged over micro-batches (the staged weights are mask / unmasked tokens).
+      dlosses = batch_loss_weights_[size_t(mb)].clone();
+      ops::scale_(dlosses, float(double(loss_scale) / double(n_mb)));
+    } else {
+      tokens_sum += double(T);
+      // Megatron's default loss: the token mean per micro-batch, averaged over micro-batches.
+      dlosses = Tensor::empty({T}, DType::F32, device);
+      dlosses.fill(float(double(loss_scale) / (double(T) * double(n_mb))));
+    }
     chunks_[0]->backward(dlosses, loss_scale / float(n_mb));
   }
   local_loss_sum_ = loss_sum.clone();
@@ -323,19 +347,32 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   // Every data- and context-parallel rank has as many tokens as this one.
   if (grid_->tp().rank != 0) loss_sum.zero();
   comm_->all_reduce(loss_sum, grid_->tp_dp_cp());
+  // With the loss mask the tokens were summed over the data-parallel ranks already (by the
+  // pipeline branch above, or when the inputs were staged).
+  if (args_.eod_mask_loss) return {loss_sum, schedule_ ? tokens_sum : staged_loss_tokens_};
   return {loss_sum, tokens_sum * double(grid_->tp_dp_cp().size() / grid_->tp().size())};
 }
 
 void Trainer::stage_step_inputs(double lr) {
   lr_.copy_from(Tensor::from({1}, {float(lr)}));
   const size_t n_mb = schedule_ ? 0 : size_t(local_micro_batches());  // none with a pipeline
+  double loss_tokens = 0;
   for (size_t mb = 0; mb < n_mb; ++mb) {
     Tensor tokens, labels;
     load_batch(*datasets_[0], micro_batch_start(consumed_samples_, int64_t(mb)),
                args_.micro_batch_size, tokens, labels);
     batch_tokens_[mb].copy_from(tokens);
     batch_labels_[mb].copy_from(labels);
+    if (args_.eod_mask_loss) {
+      const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
+      batch_loss_masks_[mb].copy_from(mask.mask);
+      batch_loss_weights_[mb].copy_from(mask.weights);
+      loss_tokens += double(mask.num_tokens);
+    }
   }
+  // Each data-parallel rank counts its own micro-batches' tokens.
+  if (args_.eod_mask_loss && !schedule_)
+    staged_loss_tokens_ = dist::sum_over(*comm_, grid_->dp_cp(), {loss_tokens})[0];
 }
 
 Trainer::StepOutputs Trainer::run_step(int64_t iteration) {
@@ -384,8 +421,14 @@ double Trainer::evaluate() {
       ForwardContext ctx{false, args_.seed, 0, 0};
       ctx.forward_only = true;
       MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
-      loss_sum += ops::sum(out.losses);
-      tokens_sum += double(out.losses.numel());
+      if (args_.eod_mask_loss) {
+        const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
+        loss_sum += masked_loss_sum(out.losses, mask.mask);
+        tokens_sum += double(mask.num_tokens);
+      } else {
+        loss_sum += ops::sum(out.losses);
+        tokens_sum += double(out.losses.numel());
+      }
       chunks_[0]->take_activations();  // the logits and the rest: no backward follows
     }
   }
@@ -396,7 +439,8 @@ double Trainer::evaluate() {
     tokens_sum = pipeline_sums[1];
   }
   const std::vector<double> sums = dist::sum_over(*comm_, grid_->dp_cp(), {loss_sum, tokens_sum});
-  return sums[0] / sums[1];
+  // No token in the loss (--eod-mask-loss on all-eod batches): 0, not Megatron's 0 / 0.
+  return sums[1] > 0 ? sums[0] / sums[1] : 0.0;
 }
 
 // MEGATON_OP_PROFILE=1: the first iterations of a run (cuBLASLt heuristics, cuDNN plans,
@@ -487,7 +531,9 @@ TrainResult Trainer::train() {
     }
     const StepOutputs& out = step_outputs_;
     const optim::DistributedAdamW::DeviceStep& update = out.update;
-    step.tokens = out.loss.tokens;
+    // The tokens in the loss; with the loss mask and no pipeline, counted when the inputs
+    // were staged (a replayed step does not run train_step's host code).
+    step.tokens = args_.eod_mask_loss && !schedule_ ? staged_loss_tokens_ : out.loss.tokens;
     step.num_zeros = out.num_zeros;
     step.moe = out.moe;
     std::vector<Tensor> read = {out.loss.sum,        local_loss_sum_, update.grad_norm,

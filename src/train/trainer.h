@@ -87,7 +87,9 @@ class Trainer {
   // The step's inputs that change from step to step, written to device memory before the
   // step runs, so a captured step (FullIterationGraph) reads each step's values: the
   // learning rate (lr_) and, without a pipeline, the micro-batches' tokens and labels
-  // (batch_tokens_, batch_labels_, from consumed_samples_).
+  // (batch_tokens_, batch_labels_, from consumed_samples_) and with --eod-mask-loss their
+  // loss masks and weights (batch_loss_masks_, batch_loss_weights_) and the step's token
+  // count over the data-parallel ranks (staged_loss_tokens_; a host collective).
   void stage_step_inputs(double lr);
   // One whole step on the device: train_step, the number of zero gradients (eager runs
   // only), the optimizer (step_on_device), the parameter all-gather's start and the MoE
@@ -202,6 +204,12 @@ class Trainer {
   // [micro_batch_size, seq_length] I32 per local micro-batch (none with a pipeline).
   Tensor lr_;
   std::vector<Tensor> batch_tokens_, batch_labels_;
+  // --eod-mask-loss without a pipeline: per local micro-batch its LossMask's mask and
+  // weights, F32 [micro_batch_size * seq_length] on the model's device, and the tokens in
+  // the step's loss over all data-parallel ranks (the log line's denominator; a replayed
+  // step does not rerun train_step's host code, so train() reads it from here).
+  std::vector<Tensor> batch_loss_masks_, batch_loss_weights_;
+  double staged_loss_tokens_ = 0;
   // --cuda-graph-impl full_iteration (null otherwise) and the outputs of the captured step,
   // which its replays rewrite.
   std::unique_ptr<FullIterationGraph> step_graph_;

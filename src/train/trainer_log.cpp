@@ -125,7 +125,8 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   const auto now = std::chrono::steady_clock::now();
   const double ms = std::chrono::duration<double, std::milli>(now - interval.last_done).count();
   interval.last_done = now;
-  const double loss = double(values.tensor(0).f32()[0]) / step.tokens;
+  // No token in the loss (--eod-mask-loss on all-eod batches): 0, not Megatron's 0 / 0.
+  const double loss = step.tokens > 0 ? double(values.tensor(0).f32()[0]) / step.tokens : 0.0;
   const double local_loss_sum = values.tensor(1).f32()[0];
   const double grad_norm = std::bit_cast<double>(values.tensor(2).i64()[0]);
   const double local_grad_sum_sq = std::bit_cast<double>(values.tensor(3).i64()[0]);

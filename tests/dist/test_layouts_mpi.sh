@@ -64,8 +64,10 @@ router_flags() {  # NAME
 # --main-grads-dtype bf16; the CPU computes fp32 and rounds each accumulation into them),
 # "MG=reduce" the same through --bf16 --grad-reduce-in-bf16; "ZATOL=n" compares the zero
 # counts within n elements (tools/compare_runs.py --num-zeros-atol; default exact).
+# "EOD=1" leaves the predictions at eod input tokens out of the loss (--eod-mask-loss).
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0
+  EOD=0
   local setting
   for setting in $1; do
     case $setting in
@@ -86,6 +88,7 @@ use_variant() {  # "VAR=value ..."
       OFF=*) OFF=${setting#*=} ;;
       MG=*) MG=${setting#*=} ;;
       ZATOL=*) ZATOL=${setting#*=} ;;
+      EOD=*) EOD=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -109,6 +112,7 @@ run() {  # NAME NP FLAGS...
   esac
   [ "$FP16" = 0 ] || model+=(--fp16 --initial-loss-scale 1024 --loss-scale-window 2)
   [ "$OFF" = 0 ] || model+=(--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5)
+  [ "$EOD" = 0 ] || model+=(--eod-mask-loss)
   case $MG in
     bf16) model+=(--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16) ;;
     reduce) model+=(--bf16 --grad-reduce-in-bf16) ;;
@@ -297,6 +301,15 @@ layouts=(
   # host main params and moments.
   "dp2-distributed-optimizer-offload|2|--use-distributed-optimizer|OFF=1"
   "tp2-sp-ep2-offload|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|OFF=1"
+  # --eod-mask-loss (issue 19): a vocabulary of 7 tokens + eod (8 rows under TP 1 and 2), so
+  # about one input in 8 is eod and each micro-batch leaves out a different number of tokens.
+  # Each DP rank and the last pipeline stage count their micro-batches' tokens; the logged
+  # loss is the global masked sum over the global count, the gradient the mean over
+  # micro-batches of each one's masked token mean, as on one rank.
+  "dp2-eod-mask-loss|2||EOD=1 VOCAB=7 PAD=4"
+  "pp2-eod-mask-loss|2|--pipeline-model-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
+  "pp2-dp2-eod-mask-loss|4|--pipeline-model-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
+  "tp2-sp-eod-mask-loss|2|--tensor-model-parallel-size 2 --sequence-parallel|EOD=1 VOCAB=7 PAD=4"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(

@@ -1,8 +1,8 @@
 // --cuda-graph-impl full_iteration on the demo configs: 50 iterations, with evaluations and
 // a checkpoint between the replays, give the losses, gradient norms and checkpointed
 // tensors of the run without CUDA graphs, bit for bit (both under --deterministic-mode,
-// so that the two runs can be compared bitwise at all); dense, MoE (with the expert bias)
-// and dense FP8. The replayed steps make no host synchronization. Needs data/ from
+// so that the two runs can be compared bitwise at all); dense, MoE (with the expert bias),
+// dense FP8, and dense with --eod-mask-loss (the loss masks staged like the tokens). The replayed steps make no host synchronization. Needs data/ from
 // tools/prepare_fortunes.sh, run from the repository root.
 #include <gtest/gtest.h>
 
@@ -76,6 +76,7 @@ TEST(TrainCudaGraph, FullIterationEqualsTheGraphFreeRun) {
       {"moe", "configs/demo-moe.yaml",
        {{"moe-router-enable-expert-bias", {"true"}}, {"moe-router-score-function", {"sigmoid"}}}},
       {"fp8", "configs/demo-dense.yaml", {{"fp8-format", {"hybrid"}}}},
+      {"eod-mask-loss", "configs/demo-dense.yaml", {{"eod-mask-loss", {"true"}}}},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);

@@ -1,5 +1,6 @@
 // Data flags: the dataset blend (--data-path, its file form, per-split blends), the split,
-// mock data and the index cache (Megatron's "data and dataloader" group).
+// mock data, the index cache and the end-of-document loss mask (Megatron's "data and
+// dataloader" group).
 #include "core/error.h"
 #include "core/printable.h"
 #include "data/data_args.h"
@@ -39,6 +40,7 @@ void parse_data(const ArgReader& r, TrainArgs& a) {
     fail("per-split data paths need a train blend (train-data-path or the JSON's 'train')");
   r.get("split", a.split);
   r.get("mock-data", a.mock_data);
+  r.get("eod-mask-loss", a.eod_mask_loss);
   r.get("data-cache-path", a.data_cache_path);
   std::string loader = "single";
   r.get("dataloader-type", loader);
@@ -81,6 +83,8 @@ ArgGroup data_flags() {
            "single (samples in order; Megatron's cyclic and external are "
            "not supported)"),
       flag("mid-level-dataset-surplus", "Megatron's blend surplus; only its default 0.005"),
+      toggle("eod-mask-loss",
+             "leave the predictions made at end-of-document input tokens out of the loss"),
   };
   for (OptionSpec& s : data_megatron_rules()) g.flags.push_back(std::move(s));
   return g;

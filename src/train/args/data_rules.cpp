@@ -46,8 +46,6 @@ std::vector<OptionSpec> data_megatron_rules() {
       unsupported("fim-eod-token", "1", "fill-in-the-middle (FIM) data"),
       unsupported("enable-msc", "0", "Multi-Storage Client (object storage)"),
       no_effect("disable-msc", "0", "deprecated no-op in Megatron too"),
-      unsupported("eod-mask-loss", "0",
-                  "masking the loss on end-of-document tokens (issue 19: not built yet)"),
       no_effect("no-mmap-bin-files", "0",
                 "Megaton memory-maps the .bin files; reading them instead gives the same tokens"),
   };
