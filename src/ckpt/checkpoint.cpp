@@ -144,39 +144,53 @@ void save_checkpoint(const std::string& save_dir, int64_t iteration,
   write_text_atomic(fs::path(save_dir) / kTracker, std::to_string(iteration) + "\n");
 }
 
-LoadedCheckpoint load_checkpoint(const std::string& load_dir) {
+LoadedCheckpoint read_checkpoint_metadata(const std::string& load_dir, int64_t iteration) {
   if (!fs::is_directory(load_dir)) fail("checkpoint directory '{}' does not exist", load_dir);
   fs::path tracker = fs::path(load_dir) / kTracker;
-  std::ifstream in(tracker);
-  if (!in) fail("checkpoint tracker '{}' does not exist", tracker.string());
-  std::string text;
-  std::getline(in, text);
   LoadedCheckpoint ck;
-  try {
-    size_t used = 0;
-    ck.iteration = std::stoll(text, &used);
-    if (used != text.size() || ck.iteration < 0) throw std::invalid_argument(text);
-  } catch (const std::exception&) {
-    fail("checkpoint tracker '{}' holds '{}', expected an iteration number", tracker.string(),
-         text);
+  if (iteration >= 0) {
+    ck.iteration = iteration;
+  } else {
+    std::ifstream in(tracker);
+    if (!in) fail("checkpoint tracker '{}' does not exist", tracker.string());
+    std::string text;
+    std::getline(in, text);
+    try {
+      size_t used = 0;
+      ck.iteration = std::stoll(text, &used);
+      if (used != text.size() || ck.iteration < 0) throw std::invalid_argument(text);
+    } catch (const std::exception&) {
+      fail("checkpoint tracker '{}' holds '{}', expected an iteration number", tracker.string(),
+           text);
+    }
   }
   fs::path dir = fs::path(load_dir) / iteration_dir_name(ck.iteration);
   ck.path = dir.string();
+  if (iteration >= 0 && !fs::is_directory(dir))
+    fail("checkpoint directory '{}' (iteration {}) does not exist", dir.string(), iteration);
   fs::path meta = dir / kMetadata;
   std::ifstream min(meta, std::ios::binary);
   if (!min) fail("checkpoint metadata '{}' does not exist (unfinished save?)", meta.string());
   ck.metadata_json.assign(std::istreambuf_iterator<char>(min), {});
   if (!nlohmann::json::accept(ck.metadata_json))
     fail("checkpoint metadata '{}' is not valid JSON", meta.string());
-  // The tracker, the directory name and the metadata must name one iteration: a copied or
-  // renamed directory would otherwise resume at the wrong step of the LR schedule and data.
+  // The tracker (or the iteration asked for), the directory name and the metadata must
+  // name one iteration: a copied or renamed directory would otherwise resume at the wrong
+  // step of the LR schedule and data.
   const nlohmann::json parsed = nlohmann::json::parse(ck.metadata_json);
   if (!parsed.is_object()) fail("checkpoint metadata '{}' is not a JSON object", meta.string());
-  if (parsed.contains("iteration") &&
-      (!parsed["iteration"].is_number_integer() || parsed["iteration"].get<int64_t>() != ck.iteration))
-    fail("checkpoint metadata '{}' says iteration {}, but its directory and '{}' say {}",
-         meta.string(), parsed["iteration"].dump(), tracker.string(), ck.iteration);
-  ck.tensors = load_safetensors((dir / kTensors).string()).tensors;
+  if (parsed.contains("iteration") && (!parsed["iteration"].is_number_integer() ||
+                                       parsed["iteration"].get<int64_t>() != ck.iteration))
+    fail("checkpoint metadata '{}' says iteration {}, but its directory and {} say {}",
+         meta.string(), parsed["iteration"].dump(),
+         iteration >= 0 ? std::string("--ckpt-step") : "'" + tracker.string() + "'",
+         ck.iteration);
+  return ck;
+}
+
+LoadedCheckpoint load_checkpoint(const std::string& load_dir, int64_t iteration) {
+  LoadedCheckpoint ck = read_checkpoint_metadata(load_dir, iteration);
+  ck.tensors = load_safetensors((fs::path(ck.path) / kTensors).string()).tensors;
   return ck;
 }
 

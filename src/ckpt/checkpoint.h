@@ -64,9 +64,14 @@ struct LoadedCheckpoint {
   std::string metadata_json;
 };
 
-// Reads the checkpoint named by <load_dir>/latest_checkpointed_iteration.txt. Throws
-// megaton::Error naming the file when the directory, tracker, iteration directory or
-// either file is missing or corrupt.
-LoadedCheckpoint load_checkpoint(const std::string& load_dir);
+// Reads the checkpoint named by <load_dir>/latest_checkpointed_iteration.txt, or, with
+// iteration >= 0 (Megatron's --ckpt-step), <load_dir>/iter_<iteration> whatever the
+// tracker says (no tracker needed). Throws megaton::Error naming the file when the
+// directory, tracker, iteration directory or either file is missing or corrupt.
+LoadedCheckpoint load_checkpoint(const std::string& load_dir, int64_t iteration = -1);
+
+// load_checkpoint without the tensors: the iteration, path and metadata only (the
+// safetensors file is not opened). Same errors.
+LoadedCheckpoint read_checkpoint_metadata(const std::string& load_dir, int64_t iteration = -1);
 
 }  // namespace megaton::ckpt

@@ -6,6 +6,7 @@
 #include "dist/runtime.h"
 #include "train/args/flag_table.h"
 #include "train/arguments.h"
+#include "train/checkpoint_args.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
 
@@ -55,6 +56,11 @@ void add_train_command(CLI::App& app) {
                            ? std::vector<std::string>{state->switches[spec.name] ? "true" : "false"}
                            : state->values[spec.name];
     }
+    // --use-checkpoint-args: the model's arguments from the checkpoint to load.
+    CheckpointArgs from_checkpoint = apply_checkpoint_args(raw);
+    raw = std::move(from_checkpoint.raw);
+    if (dist::world_rank() == 0)
+      for (const std::string& line : from_checkpoint.messages) fmt::print("{}\n", line);
     // A dry run may plan a CUDA run on a machine without a GPU: its flags are checked as a
     // CPU run's, then the plan is made for the device asked for.
     const auto given = [&raw](const char* key, const char* value) {

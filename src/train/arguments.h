@@ -169,6 +169,11 @@ struct TrainArgs {
   bool exit_on_missing_checkpoint = false;  // --exit-on-missing-checkpoint
   bool no_load_rng = false;
   bool finetune = false;
+  // --ckpt-step: the iteration --load reads (0: the tracker's). The model arguments of
+  // --use-checkpoint-args (and its -mp- and tokenizer switches) are applied to the raw
+  // options before parsing (train/checkpoint_args.h); these record that they were asked.
+  int64_t ckpt_step = 0;
+  bool use_checkpoint_args = false;
 
   std::string device;  // "cpu" or "cuda"; empty: cuda when a GPU is visible
 

@@ -110,8 +110,10 @@ void Trainer::load() {
   // Megatron's load_checkpoint: a --load directory without a tracker (the first run of a
   // launch script that saves and loads the same directory) starts from random weights with
   // a warning, or exits with --exit-on-missing-checkpoint.
-  if (!std::filesystem::exists(std::filesystem::path(args_.load) /
-                               "latest_checkpointed_iteration.txt")) {
+  // --ckpt-step names the iteration to read, whatever the tracker says (Megatron's
+  // _load_base_checkpoint); a missing one is an error.
+  if (args_.ckpt_step == 0 && !std::filesystem::exists(std::filesystem::path(args_.load) /
+                                                       "latest_checkpointed_iteration.txt")) {
     if (args_.exit_on_missing_checkpoint)
       fail("--load {}: no checkpoint (latest_checkpointed_iteration.txt), and "
            "--exit-on-missing-checkpoint is set", args_.load);
@@ -120,7 +122,8 @@ void Trainer::load() {
                  "    will not load any checkpoints and will start from random\n", args_.load);
     return;
   }
-  ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(args_.load);
+  ckpt::LoadedCheckpoint ck =
+      ckpt::load_checkpoint(args_.load, args_.ckpt_step > 0 ? args_.ckpt_step : -1);
   const bool optimizer_state = !args_.finetune && !args_.no_load_optim;
   auto meta = nlohmann::json::parse(ck.metadata_json);
   // Checkpoints from before the vocabulary was recorded have no such field.

@@ -65,8 +65,12 @@ router_flags() {  # NAME
 # "MG=reduce" the same through --bf16 --grad-reduce-in-bf16; "ZATOL=n" compares the zero
 # counts within n elements (tools/compare_runs.py --num-zeros-atol; default exact).
 # "EOD=1" leaves the predictions at eod input tokens out of the loss (--eod-mask-loss).
+# "BS=ramp" ramps the global batch size from 4 to 8 after 8 samples (--rampup-batch-size
+# 4 4 8: batches 4, 4, 8), "BS=step" steps it at 128 tokens (--step-batch-size-schedule
+# "0:4 128:8", thresholds in tokens of 16: the same batches); the schedule and the
+# learning rate follow the consumed samples, which compare_runs.py checks exactly.
 use_variant() {  # "VAR=value ..."
-  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0
+  LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
   EOD=0
   local setting
   for setting in $1; do
@@ -89,6 +93,7 @@ use_variant() {  # "VAR=value ..."
       MG=*) MG=${setting#*=} ;;
       ZATOL=*) ZATOL=${setting#*=} ;;
       EOD=*) EOD=${setting#*=} ;;
+      BS=*) BS=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -122,9 +127,20 @@ run() {  # NAME NP FLAGS...
     block) model+=(--recompute-granularity full --recompute-method block --recompute-num-layers 1) ;;
     sel) model+=(--recompute-granularity selective --recompute-modules core_attn layernorm mlp moe shared_experts) ;;
   esac
+  # The step schedule replaces --global-batch-size (Megatron refuses both).
+  local base=()
+  local i
+  for ((i = 0; i < ${#config[@]}; ++i)); do
+    if [ "$BS" = step ] && [ "${config[i]}" = --global-batch-size ]; then ((++i)); continue; fi
+    base+=("${config[i]}")
+  done
+  case $BS in
+    ramp) model+=(--rampup-batch-size 4 4 8) ;;
+    step) model+=(--step-batch-size-schedule "0:4 128:8") ;;
+  esac
   # shellcheck disable=SC2207
   model+=($(router_flags "$ROUTER"))
-  local cmd=("$megaton" train "${config[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
+  local cmd=("$megaton" train "${base[@]}" "${model[@]}" --train-iters "${ITERS:-3}" "$@"
     --save "$dir/$name/save" --save-interval 3 --log-metrics-file "$dir/$name/metrics.jsonl")
   if [ "$np" -gt 1 ]; then cmd=("$mpirun" "$np_flag" "$np" "${mpi_flags[@]}" "${cmd[@]}"); fi
   MEGATON_MOE_ALLTOALL_EXCHANGE=$A2A OMP_NUM_THREADS=1 "${cmd[@]}" >"$dir/$name/out" 2>&1 || {
@@ -310,6 +326,14 @@ layouts=(
   "pp2-eod-mask-loss|2|--pipeline-model-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
   "pp2-dp2-eod-mask-loss|4|--pipeline-model-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
   "tp2-sp-eod-mask-loss|2|--tensor-model-parallel-size 2 --sequence-parallel|EOD=1 VOCAB=7 PAD=4"
+  # Batch-size schedules (issue 19): each step's micro-batches split over the DP ranks
+  # (1 then 2 per rank), the pipeline's micro-batch count changing between steps.
+  "dp2-rampup|2||BS=ramp"
+  "dp2-distributed-optimizer-step-schedule|2|--use-distributed-optimizer|BS=step"
+  "pp2-rampup|2|--pipeline-model-parallel-size 2|BS=ramp"
+  "pp2-interleaved-step-schedule|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 BS=step"
+  "ep2-alltoall-rampup|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|BS=ramp"
+  "tp2-sp-step-schedule|2|--tensor-model-parallel-size 2 --sequence-parallel|BS=step"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -341,6 +365,9 @@ resumes=(
   # The dynamic loss scaler's scale and trackers go through the checkpoint.
   "dp2-distopt-to-one-rank-fp16|2|--use-distributed-optimizer|1||FP16=1"
   "dp2-distopt-to-one-rank-offload|2|--use-distributed-optimizer|1||OFF=1"
+  # Mid-ramp: the third step (batch 8) on another layout, from the schedule's samples.
+  "dp2-rampup-to-pp2|2||2|--pipeline-model-parallel-size 2|BS=ramp"
+  "one-rank-step-schedule-to-ep2|1||2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|BS=step"
   "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed RTOL=1e-3"
 )
 for entry in "${layouts[@]}"; do

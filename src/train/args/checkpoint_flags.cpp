@@ -1,5 +1,7 @@
 // Checkpoint flags: where to save and load, how often, what to keep and what to load
 // (Megatron's "checkpointing" group).
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "train/args/flag_table.h"
 
@@ -21,6 +23,16 @@ void parse_checkpoint(const ArgReader& r, TrainArgs& a) {
   r.get("exit-on-missing-checkpoint", a.exit_on_missing_checkpoint);
   r.get("no-load-rng", a.no_load_rng);
   r.get("finetune", a.finetune);
+  r.get("ckpt-step", a.ckpt_step);
+  if (a.ckpt_step < 0) fail("ckpt-step must be >= 0 (got {})", a.ckpt_step);
+  if (a.ckpt_step > 0 && a.load.empty()) fail("ckpt-step needs --load (the directory to read)");
+  r.get("use-checkpoint-args", a.use_checkpoint_args);
+  if (a.use_checkpoint_args && a.load.empty()) fail("use-checkpoint-args requires --load");
+  if (!a.use_checkpoint_args)
+    for (const char* key : {"use-mp-args-from-checkpoint-args",
+                            "no-use-tokenizer-model-from-checkpoint-args",
+                            "disable-use-tokenizer-model-from-checkpoint-args"})
+      if (r.on(key)) a.warnings.push_back(fmt::format("--{} has no effect without --use-checkpoint-args", key));
   if (!a.save.empty() && a.save_interval < 0) fail("save-interval must be >= 0");
   // Megatron's arguments.py: the retained checkpoints are saved ones.
   if (r.has("save-retain-interval")) {
@@ -51,6 +63,16 @@ ArgGroup checkpoint_flags() {
                                            "no checkpoint, instead of starting from random"),
       toggle("no-load-rng", "do not load the RNG state"),
       toggle("finetune", "load weights only and start at iteration 0"),
+      flag("ckpt-step", "load this iteration from --load instead of the tracker's"),
+      toggle("use-checkpoint-args",
+             "take the model's arguments (shape, attention, MoE, tokenizer) from the "
+             "checkpoint in --load"),
+      toggle("use-mp-args-from-checkpoint-args",
+             "with --use-checkpoint-args: also the tensor-, pipeline- and expert-parallel sizes"),
+      toggle("no-use-tokenizer-model-from-checkpoint-args",
+             "with --use-checkpoint-args: keep this run's tokenizer arguments"),
+      toggle("disable-use-tokenizer-model-from-checkpoint-args",
+             "Megatron's other name of --no-use-tokenizer-model-from-checkpoint-args"),
   };
   for (OptionSpec& s : checkpoint_megatron_rules()) g.flags.push_back(std::move(s));
   return g;

@@ -91,15 +91,6 @@ std::vector<OptionSpec> checkpoint_megatron_rules() {
                 "torch_dist checkpoint option; Megaton writes its own safetensors checkpoints"),
       no_effect("ckpt-drop-redundant-extra-state", "0",
                 "torch_dist checkpoint option; Megaton writes its own safetensors checkpoints"),
-      unsupported("ckpt-step", "1", "loading a chosen iteration (issue 19: not built yet)"),
-      unsupported("use-checkpoint-args", "0",
-                  "model arguments from the checkpoint (issue 19: not built yet)"),
-      unsupported("use-mp-args-from-checkpoint-args", "0",
-                  "model-parallel sizes from the checkpoint (issue 19: not built yet)"),
-      unsupported("no-use-tokenizer-model-from-checkpoint-args", "0",
-                  "tokenizer arguments from the checkpoint (issue 19: not built yet)"),
-      unsupported("disable-use-tokenizer-model-from-checkpoint-args", "0",
-                  "tokenizer arguments from the checkpoint (issue 19: not built yet)"),
   };
 }
 
