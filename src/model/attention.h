@@ -3,6 +3,7 @@
 #include <functional>
 #include <memory>
 
+#include "model/layer_spec.h"
 #include "model/layers.h"
 #include "model/parallel.h"
 #include "ops/ops.h"
@@ -90,5 +91,10 @@ class SelfAttention {
   bool keep_qkv_input_ = true, keep_core_attn_out_ = true;
   Saved saved_;
 };
+
+// SelfAttention as a layer's mixer (model/layer_spec.h; attention_mixer.cpp).
+std::unique_ptr<Mixer> make_self_attention_mixer(const std::string& prefix, const GPTConfig& cfg,
+                                                 int64_t layer, uint64_t seed,
+                                                 const ModelParallel& mp);
 
 }  // namespace megaton

@@ -233,10 +233,10 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
   if (offloading) offload_->finish_forward();
   ChunkOutput out;
   for (auto& layer : layers_) {
-    if (!layer->moe) continue;
+    if (!layer->moe()) continue;
     if (!out.loss.aux_losses.defined())
       out.loss.aux_losses = Tensor::zeros({1}, DType::F32, cfg_.device);
-    ops::add_(out.loss.aux_losses, layer->moe->last_aux_loss_tensor());
+    ops::add_(out.loss.aux_losses, layer->moe()->last_aux_loss_tensor());
   }
   if (!chunk_.post_process) {
     out.hidden = x;
@@ -372,7 +372,7 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
         h = layers_[j]->forward(h, saved_.batch, saved_.seq, ctx);
     }
     if (offload_) offload_->before_backward(i);  // layer i back, layer i - 1 on its way
-    if (layers_[i]->moe) layers_[i]->moe->aux_grad_scale = aux_grad_scale;
+    if (layers_[i]->moe()) layers_[i]->moe()->aux_grad_scale = aux_grad_scale;
     dx = layers_[i]->backward(dx);
     after_backward(layer_params_[i]);
   }

@@ -8,55 +8,62 @@
 
 #include "model/activation_offload.h"
 #include "model/attention.h"
+#include "model/layer_spec.h"
 #include "model/param_buffer.h"
 #include "model/moe.h"
 
 namespace megaton {
 
-// One pre-norm transformer layer (Megatron's TransformerLayer):
-//   h = x + dropout(attention(input_layernorm(x)))
-//   y = h + dropout(mlp_or_moe(pre_mlp_layernorm(h)))
+// One pre-norm decoder layer (Megatron's TransformerLayer), composed from its LayerSpec
+// (model/layer_spec.h: the mixer and MLP kinds):
+//   h = x + dropout(mixer(input_layernorm(x)))
+//   y = h + dropout(mlp(pre_mlp_layernorm(h)))
 class TransformerLayer {
  public:
+  // The layer of `spec` (default: decoder_layer_spec(cfg, layer)).
   TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed, const ModelParallel& mp = {});
+  TransformerLayer(const GPTConfig& cfg, const LayerSpec& spec, int64_t layer, uint64_t seed,
+                   const ModelParallel& mp);
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
   // Inference with a KV cache (generation; one rank, no dropout): x [n, H], the tokens at
   // positions first_position .. first_position + n - 1, -> [n, H]; the layer's keys and
-  // values go to key_cache / value_cache (SelfAttention::forward_inference). Dense layers
-  // save nothing; an MoE layer runs its evaluation forward (MoELayer::forward, training
-  // off), which keeps that forward's routing in its saved state as GPTModel::logits does.
+  // values go to key_cache / value_cache (Mixer::forward_inference). Dense layers save
+  // nothing; an MoE layer runs its evaluation forward (MoELayer::forward, training off),
+  // which keeps that forward's routing in its saved state as GPTModel::logits does.
   Tensor forward_inference(const Tensor& x, int64_t first_position, Tensor& key_cache,
                            Tensor& value_cache);
   void collect_params(std::vector<Param*>& out);
   // The FP8 delayed recipe's state of this layer (checkpoints; Fp8LinearGemms::state):
-  // experts false: its linear layers' (QKV, projection, fc1, fc2, the shared expert's),
-  // the same on every data-parallel rank; true: its routed experts' (this
+  // experts false: its linear layers' (the mixer's, the dense MLP's or the shared
+  // expert's), the same on every data-parallel rank; true: its routed experts' (this
   // expert-parallel rank's experts), the same on every expert-data-parallel rank. Empty
   // for a bf16 layer or another recipe.
   std::vector<std::pair<std::string, Tensor*>> fp8_state(bool experts);
 
-  // The layer's Linear layers: QKV, projection, and fc1, fc2 of its dense MLP or shared
-  // expert.
+  // The layer's Linear layers: the mixer's, then the dense MLP's or shared expert's.
   std::vector<Linear*> linears();
+  const LayerSpec& spec() const { return spec_; }
+  // The MoE layer of an MoE spec, else null.
+  MoELayer* moe() const { return mlp->moe(); }
 
   struct Saved {
     ForwardContext ctx;   // keys the hidden-dropout masks
     float dropout_p = 0;  // hidden dropout of this forward
   };
-  // The layer's saved state with its sub-layers'.
+  // The layer's saved state with its sub-layers' (the mixer's and the MLP's hold their
+  // kind's Activations: SelfAttention::Activations, MLP::Activations,
+  // MoELayer::Activations).
   struct Activations {
     Saved layer;
     Norm::Saved input_layernorm, pre_mlp_layernorm;
-    SelfAttention::Activations self_attention;
-    MLP::Activations mlp;       // dense layer
-    MoELayer::Activations moe;  // MoE layer
+    std::any mixer, mlp;
   };
   Activations take_saved();
   void restore_saved(Activations&& saved);
   // Calls fn on each tensor slot of what the last forward saved for this layer's
-  // backward (its norms', attention's, MLP's or MoE layer's; defined or not), in a fixed
+  // backward (its norms', mixer's, MLP's; defined or not), in a fixed
   // order for a given forward, so activation offloading (model/activation_offload.h) can
   // take the tensors out (assigning Tensor()) and put them back slot by slot. fn may
   // replace a slot's tensor, not the structure around it. MoE aux losses are not visited
@@ -69,10 +76,9 @@ class TransformerLayer {
   void discard_saved();
 
   Norm input_layernorm;
-  SelfAttention self_attention;
+  std::unique_ptr<Mixer> mixer;   // params under "decoder.layers.<i>.self_attention."
   Norm pre_mlp_layernorm;
-  std::unique_ptr<MLP> mlp;        // dense layer
-  std::unique_ptr<MoELayer> moe;   // MoE layer (params under "...mlp.")
+  std::unique_ptr<MlpBlock> mlp;  // params under "decoder.layers.<i>.mlp."
 
  private:
   // branch = residual + dropout(branch + bias) for branch `site` (1: attention, 2: MLP)
@@ -83,6 +89,7 @@ class TransformerLayer {
   Tensor dropout_grad(const Tensor& dy, int site) const;
 
   const GPTConfig& cfg_;
+  LayerSpec spec_;
   ModelParallel mp_;
   int64_t layer_;
   Saved saved_;

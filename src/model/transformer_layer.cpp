@@ -12,56 +12,49 @@ namespace megaton {
 
 TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed,
                                    const ModelParallel& mp)
+    : TransformerLayer(cfg, decoder_layer_spec(cfg, layer), layer, seed, mp) {}
+
+TransformerLayer::TransformerLayer(const GPTConfig& cfg, const LayerSpec& spec, int64_t layer,
+                                   uint64_t seed, const ModelParallel& mp)
     : input_layernorm("decoder.layers." + std::to_string(layer) + ".input_layernorm",
                       cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
                       mp.sequence_parallel && mp.tp_size() > 1),
-      self_attention("decoder.layers." + std::to_string(layer) + ".self_attention", cfg, layer,
-                     seed, mp),
+      mixer(make_mixer(spec.mixer, "decoder.layers." + std::to_string(layer) + ".self_attention",
+                       cfg, layer, seed, mp)),
       pre_mlp_layernorm("decoder.layers." + std::to_string(layer) + ".pre_mlp_layernorm",
                         cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
                         mp.sequence_parallel && mp.tp_size() > 1),
+      mlp(make_mlp_block(spec.mlp, "decoder.layers." + std::to_string(layer) + ".mlp", cfg, layer,
+                         seed, mp)),
       cfg_(cfg),
+      spec_(spec),
       mp_(mp),
       layer_(layer) {
-  std::string prefix = "decoder.layers." + std::to_string(layer) + ".mlp";
-  if (cfg.is_moe_layer(layer)) {
-    moe = std::make_unique<MoELayer>(prefix, cfg, seed, mp, layer);
-  } else {
-    float output_std = cfg.scaled_init_method_std();
-    mlp = std::make_unique<MLP>(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu,
-                                !cfg.disable_bias_linear, cfg.init_method_std, output_std, seed,
-                                Placement::of(cfg), mp);
-  }
-  // FP8: the layer's linear GEMMs (QKV, projection, fc1, fc2, the shared expert's) and
+  // FP8: the layer's linear GEMMs (the mixer's, the dense MLP's or shared expert's) and
   // its routed experts', unless --first-last-layers-bf16 keeps this layer in bf16.
   if (cfg.fp8.layer_in_fp8(layer, cfg.num_layers)) {
     for (Linear* linear : linears()) linear->enable_fp8(cfg.fp8);
-    if (moe) moe->enable_fp8(cfg.fp8);
+    mlp->enable_expert_fp8(cfg.fp8);
   }
   // The branch outputs' biases join the dropout and the residual add (residual_add).
-  self_attention.linear_proj.set_skip_bias_add(true);
-  if (mlp) mlp->linear_fc2.set_skip_bias_add(true);
+  mixer->output_linear().set_skip_bias_add(true);
+  if (Linear* out = mlp->output_linear()) out->set_skip_bias_add(true);
   // Selective recompute: what the sub-layers keep (docs/memory.md). The layernorm outputs
   // are remade from the norms' kept inputs (backward's callbacks); an MoE layer keeps its
   // input either way (its router and dispatcher read it), so only input_layernorm's
   // output is dropped there.
-  const RecomputeConfig& rc = cfg.recompute;
-  const bool layernorm = rc.selective(kRecomputeLayernorm);
-  self_attention.set_recompute(!layernorm, !rc.selective(kRecomputeCoreAttn));
-  if (mlp) mlp->set_recompute(!layernorm, !rc.selective(kRecomputeMlp));
-  if (moe && moe->shared_expert)
-    moe->shared_expert->mlp.set_recompute(true, !rc.selective(kRecomputeSharedExperts));
+  mixer->set_recompute(cfg.recompute);
+  mlp->set_recompute(cfg.recompute);
 }
 
 std::vector<Linear*> TransformerLayer::linears() {
-  std::vector<Linear*> out = {&self_attention.linear_qkv, &self_attention.linear_proj};
-  MLP* dense = mlp ? mlp.get() : moe->shared_expert ? &moe->shared_expert->mlp : nullptr;
-  if (dense) out.insert(out.end(), {&dense->linear_fc1, &dense->linear_fc2});
+  std::vector<Linear*> out = mixer->linears();
+  for (Linear* linear : mlp->linears()) out.push_back(linear);
   return out;
 }
 
 std::vector<std::pair<std::string, Tensor*>> TransformerLayer::fp8_state(bool experts) {
-  if (experts) return moe ? moe->fp8_state() : std::vector<std::pair<std::string, Tensor*>>{};
+  if (experts) return mlp->expert_fp8_state();
   std::vector<std::pair<std::string, Tensor*>> out;
   for (Linear* linear : linears())
     for (auto& entry : linear->fp8_state()) out.push_back(entry);
@@ -72,8 +65,8 @@ Tensor TransformerLayer::forward(const Tensor& x, int64_t batch, int64_t seq,
                                  const ForwardContext& ctx) {
   saved_.ctx = ctx;
   saved_.dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
-  Tensor h = self_attention.forward(input_layernorm.forward(x), batch, seq, ctx);
-  const Tensor& proj_bias = self_attention.linear_proj.bias.weight;
+  Tensor h = mixer->forward(input_layernorm.forward(x), batch, seq, ctx);
+  const Tensor& proj_bias = mixer->output_linear().bias.weight;
   Tensor normed;
   if (saved_.dropout_p == 0.0f && !proj_bias.defined()) {
     normed = pre_mlp_layernorm.forward_add(h, x);  // h += x, then the norm, in one pass
@@ -81,8 +74,9 @@ Tensor TransformerLayer::forward(const Tensor& x, int64_t batch, int64_t seq,
     residual_add(h, proj_bias, x, 1);  // h = x + dropout(h + bias), in one pass
     normed = pre_mlp_layernorm.forward(h);
   }
-  Tensor y = moe ? moe->forward(normed, ctx) : mlp->forward(normed);
-  residual_add(y, mlp ? mlp->linear_fc2.bias.weight : Tensor(), h, 2);
+  Tensor y = mlp->forward(normed, ctx);
+  const Linear* mlp_out = mlp->output_linear();
+  residual_add(y, mlp_out ? mlp_out->bias.weight : Tensor(), h, 2);
   return y;
 }
 
@@ -100,12 +94,12 @@ void TransformerLayer::residual_add(Tensor& branch, const Tensor& bias, const Te
 Tensor TransformerLayer::backward(const Tensor& dy) {
   // dh = dy + d(mlp branch)
   Tensor dm = dropout_grad(dy, 2);
-  Tensor dnormed = moe ? moe->backward(dm) : mlp->backward(dm, [this] {
+  Tensor dnormed = mlp->backward(dm, [this] {
     return pre_mlp_layernorm.recompute_output();  // the layernorm recompute
   });
   // The residual gradients are added inside the norms' backward passes.
   Tensor dh = pre_mlp_layernorm.backward(dnormed, dy);
-  Tensor dattn = self_attention.backward(dropout_grad(dh, 1), [this] {
+  Tensor dattn = mixer->backward(dropout_grad(dh, 1), [this] {
     return input_layernorm.recompute_output();
   });
   Tensor dx = input_layernorm.backward(dattn, dh);
@@ -115,23 +109,15 @@ Tensor TransformerLayer::backward(const Tensor& dy) {
 
 void TransformerLayer::discard_saved() {
   Activations saved = take_saved();
-  if (moe) moe->keep_routing(std::move(saved.moe));
+  mlp->keep_after_discard(std::move(saved.mlp));
 }
 
 Tensor TransformerLayer::forward_inference(const Tensor& x, int64_t first_position,
                                            Tensor& key_cache, Tensor& value_cache) {
-  Tensor h = self_attention.forward_inference(input_layernorm.forward_inference(x),
-                                              first_position, key_cache, value_cache);
+  Tensor h = mixer->forward_inference(input_layernorm.forward_inference(x), first_position,
+                                      key_cache, value_cache);
   ops::add_(h, x);
-  const Tensor normed = pre_mlp_layernorm.forward_inference(h);
-  Tensor y;
-  if (moe) {
-    ForwardContext eval;
-    eval.training = false;  // no jitter, no aux losses, no token counts
-    y = moe->forward(normed, eval);
-  } else {
-    y = mlp->forward_inference(normed);
-  }
+  Tensor y = mlp->forward_inference(pre_mlp_layernorm.forward_inference(h));
   ops::add_(y, h);
   return y;
 }
@@ -140,20 +126,18 @@ TransformerLayer::Activations TransformerLayer::take_saved() {
   Activations out;
   out.layer = std::exchange(saved_, {});
   out.input_layernorm = input_layernorm.take_saved();
-  out.self_attention = self_attention.take_saved();
+  out.mixer = mixer->take_saved();
   out.pre_mlp_layernorm = pre_mlp_layernorm.take_saved();
-  if (moe) out.moe = moe->take_saved();
-  else out.mlp = mlp->take_saved();
+  out.mlp = mlp->take_saved();
   return out;
 }
 
 void TransformerLayer::restore_saved(Activations&& saved) {
   saved_ = std::move(saved.layer);
   input_layernorm.restore_saved(std::move(saved.input_layernorm));
-  self_attention.restore_saved(std::move(saved.self_attention));
+  mixer->restore_saved(std::move(saved.mixer));
   pre_mlp_layernorm.restore_saved(std::move(saved.pre_mlp_layernorm));
-  if (moe) moe->restore_saved(std::move(saved.moe));
-  else mlp->restore_saved(std::move(saved.mlp));
+  mlp->restore_saved(std::move(saved.mlp));
 }
 
 void TransformerLayer::for_each_saved_tensor(const std::function<void(Tensor&)>& fn) {
@@ -166,10 +150,9 @@ void TransformerLayer::for_each_saved_tensor(const std::function<void(Tensor&)>&
   } held{*this, take_saved()};
   Activations& a = held.saved;
   for_each_tensor(a.input_layernorm, fn);
-  for_each_tensor(a.self_attention, fn);
+  mixer->for_each_saved_tensor(a.mixer, fn);
   for_each_tensor(a.pre_mlp_layernorm, fn);
-  if (moe) moe->for_each_saved_tensor(a.moe, fn);
-  else for_each_tensor(a.mlp, fn);
+  mlp->for_each_saved_tensor(a.mlp, fn);
 }
 
 Tensor TransformerLayer::dropout_grad(const Tensor& dy, int site) const {
@@ -182,10 +165,9 @@ Tensor TransformerLayer::dropout_grad(const Tensor& dy, int site) const {
 
 void TransformerLayer::collect_params(std::vector<Param*>& out) {
   input_layernorm.collect_params(out);
-  self_attention.collect_params(out);
+  mixer->collect_params(out);
   pre_mlp_layernorm.collect_params(out);
-  if (moe) moe->collect_params(out);
-  else mlp->collect_params(out);
+  mlp->collect_params(out);
 }
 
 }  // namespace megaton

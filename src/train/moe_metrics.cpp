@@ -19,7 +19,7 @@ MoEStepBookkeeping::MoEStepBookkeeping(std::vector<GPTModel*> chunks, const GPTC
     : cfg_(cfg), grid_(grid), comm_(comm) {
   for (GPTModel* chunk : chunks)
     for (const auto& layer : chunk->layers())
-      if (layer->moe) routers_.push_back({layer->moe->layer_number(), &layer->moe->router});
+      if (layer->moe()) routers_.push_back({layer->moe()->layer_number(), &layer->moe()->router});
 }
 
 void MoEStepBookkeeping::start_step() {

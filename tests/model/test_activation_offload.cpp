@@ -100,9 +100,9 @@ RunResult run(const GPTConfig& cfg, const PipelineChunk& part, bool stash = fals
   }
   for (Param* p : model.params()) r.grads.push_back(p->main_grad.clone());
   for (auto& layer : model.layers()) {
-    if (!layer->moe) continue;
-    r.router_stats.push_back(layer->moe->router.tokens_per_expert().clone());
-    r.router_stats.push_back(layer->moe->router.metric_sums().clone());
+    if (!layer->moe()) continue;
+    r.router_stats.push_back(layer->moe()->router.tokens_per_expert().clone());
+    r.router_stats.push_back(layer->moe()->router.metric_sums().clone());
   }
   return r;
 }
@@ -190,11 +190,13 @@ TEST(OffloadViews, ComeBackAsViews) {
   for (int64_t i = 0; i < 3; ++i) {
     TransformerLayer& layer = *model.layers()[size_t(i)];
     TransformerLayer::Activations a = layer.take_saved();
-    ASSERT_TRUE(a.self_attention.attention.out.defined()) << i;
-    EXPECT_EQ(a.self_attention.attention.out.raw(), a.self_attention.linear_proj.x.raw()) << i;
-    if (layer.moe) {
-      ASSERT_TRUE(a.moe.moe.x.defined()) << i;
-      EXPECT_EQ(a.moe.moe.x.raw(), a.moe.router.x.raw()) << i;
+    const auto& attention = std::any_cast<SelfAttention::Activations&>(a.mixer);
+    ASSERT_TRUE(attention.attention.out.defined()) << i;
+    EXPECT_EQ(attention.attention.out.raw(), attention.linear_proj.x.raw()) << i;
+    if (layer.moe()) {
+      const auto& moe = std::any_cast<MoELayer::Activations&>(a.mlp);
+      ASSERT_TRUE(moe.moe.x.defined()) << i;
+      EXPECT_EQ(moe.moe.x.raw(), moe.router.x.raw()) << i;
     }
     layer.restore_saved(std::move(a));
   }

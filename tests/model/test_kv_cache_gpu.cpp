@@ -50,11 +50,11 @@ class KvCacheGpuTest : public ::testing::TestWithParam<GpuCase> {};
 std::vector<int32_t> routing_of(GPTModel& model) {
   std::vector<int32_t> out;
   for (auto& layer : model.layers()) {
-    if (!layer->moe) continue;
-    MoELayer::Activations saved = layer->moe->take_saved();
+    if (!layer->moe()) continue;
+    MoELayer::Activations saved = layer->moe()->take_saved();
     const Tensor indices = saved.router.indices.to(Device::CPU);
     out.insert(out.end(), indices.i32(), indices.i32() + indices.numel());
-    layer->moe->restore_saved(std::move(saved));
+    layer->moe()->restore_saved(std::move(saved));
   }
   return out;
 }

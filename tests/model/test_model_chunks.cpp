@@ -235,7 +235,7 @@ void check_stashed_micro_batches(const GPTConfig& cfg, const PipelineChunk& part
     }
   }
   bool has_moe = false;
-  for (auto& layer : stashed.layers()) has_moe |= layer->moe != nullptr;
+  for (auto& layer : stashed.layers()) has_moe |= layer->moe() != nullptr;
   if (has_moe) {
     EXPECT_NE(want[0].aux_loss, want[1].aux_loss);  // the routing differs
   }

@@ -48,15 +48,15 @@ double objective(GPTModel& model, const Tensor& tokens, const Tensor& labels, co
 std::vector<float> routing_of(GPTModel& model) {
   std::vector<float> out;
   for (auto& layer : model.layers()) {
-    if (!layer->moe) continue;
-    MoELayer::Activations saved = layer->moe->take_saved();
+    if (!layer->moe()) continue;
+    MoELayer::Activations saved = layer->moe()->take_saved();
     for (const Tensor* t : {&saved.router.indices, &saved.router.keep}) {
       if (!t->defined()) continue;
       std::vector<float> v = t->dtype() == DType::I32 ? t->to(DType::F32).to_vector()
                                                       : t->to_vector();
       out.insert(out.end(), v.begin(), v.end());
     }
-    layer->moe->restore_saved(std::move(saved));
+    layer->moe()->restore_saved(std::move(saved));
   }
   return out;
 }

@@ -116,9 +116,9 @@ RunResult run(const GPTConfig& cfg, const PipelineChunk& part) {
   }
   for (Param* p : model.params()) r.grads.push_back(p->main_grad.clone());
   for (auto& layer : model.layers()) {
-    if (!layer->moe) continue;
-    r.router_stats.push_back(layer->moe->router.tokens_per_expert().clone());
-    r.router_stats.push_back(layer->moe->router.metric_sums().clone());
+    if (!layer->moe()) continue;
+    r.router_stats.push_back(layer->moe()->router.tokens_per_expert().clone());
+    r.router_stats.push_back(layer->moe()->router.metric_sums().clone());
   }
   return r;
 }

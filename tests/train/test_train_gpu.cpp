@@ -210,8 +210,8 @@ TEST(TrainGpu, DeterministicModeRepeatsBitForBit) {
 std::vector<std::vector<float>> expert_biases(GPTModel& model) {
   std::vector<std::vector<float>> out;
   for (auto& layer : model.layers()) {
-    if (!layer->moe) continue;
-    const Tensor& bias = layer->moe->router.expert_bias;
+    if (!layer->moe()) continue;
+    const Tensor& bias = layer->moe()->router.expert_bias;
     EXPECT_EQ(bias.dtype(), DType::F32);
     EXPECT_EQ(bias.device(), Device::CUDA);
     out.push_back(bias.to(Device::CPU).to_vector());
