@@ -339,18 +339,19 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
                                  Tensor& dqkv, QkNormGrads& grads);
 
 // ---- causal self-attention with GQA (ops/cpu/attention.cpp) ----
-// q [B, S, Hq, D], k, v [B, S, Hkv, D], Hq % Hkv == 0 (query head h reads kv head
-// h / (Hq / Hkv)). scores = q k^T / sqrt(D), causal mask, softmax, dropout with
-// probability dropout_p on the probabilities (Philox(seed), stream), out = probs v.
-// out [B, S, Hq, D]; lse [B, Hq, S] = logsumexp of the masked scores (saved for backward).
+// q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], Hq % Hkv == 0 (query head h reads
+// kv head h / (Hq / Hkv)); Dv may differ from D (MLA: 192 and 128). scores = q k^T *
+// softmax_scale (<= 0: 1 / sqrt(D)), causal mask, softmax, dropout with probability
+// dropout_p on the probabilities (Philox(seed), stream), out = probs v. out [B, S, Hq, Dv];
+// lse [B, Hq, S] = logsumexp of the scaled, masked scores (saved for backward).
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        Tensor& lse, float dropout_p = 0.0f, uint64_t seed = 0,
-                       uint64_t stream = 0);
-// dq, dk, dv overwritten.
+                       uint64_t stream = 0, float softmax_scale = 0.0f);
+// dq, dk, dv overwritten (dout, out [B, S, Hq, Dv]).
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
                         Tensor& dv, float dropout_p = 0.0f, uint64_t seed = 0,
-                        uint64_t stream = 0);
+                        uint64_t stream = 0, float softmax_scale = 0.0f);
 
 // ---- attention over a KV cache, inference only (ops/cpu/attention_kv_cache.cpp) ----
 // Generation with a key/value cache (Megatron's inference path over its

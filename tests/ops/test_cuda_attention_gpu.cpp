@@ -30,12 +30,16 @@ using testing::to_host_f32;
 
 struct AttentionCase {
   int64_t B, S, Hq, Hkv, D;
+  int64_t Dv = 0;     // v's head dim (0: D)
+  float scale = 0.0f;  // the softmax scale (0: 1 / sqrt(D))
+  int64_t v_dim() const { return Dv > 0 ? Dv : D; }
 };
 
 std::string case_name(const ::testing::TestParamInfo<AttentionCase>& info) {
   const AttentionCase& c = info.param;
   return "B" + std::to_string(c.B) + "_S" + std::to_string(c.S) + "_Hq" + std::to_string(c.Hq) +
-         "_Hkv" + std::to_string(c.Hkv) + "_D" + std::to_string(c.D);
+         "_Hkv" + std::to_string(c.Hkv) + "_D" + std::to_string(c.D) +
+         (c.Dv > 0 ? "_Dv" + std::to_string(c.Dv) : std::string()) + (c.scale > 0 ? "_scaled" : "");
 }
 
 class CudaAttentionTest : public ::testing::TestWithParam<AttentionCase> {};
@@ -56,27 +60,30 @@ constexpr double kOutRelTolF16 = kOutRelTol / 8, kGradRelTolF16 = kGradRelTol / 
 void check_attention_against_cpu(const AttentionCase& c, DType dtype, uint64_t seed) {
   SCOPED_TRACE(dtype_name(dtype));
   const Shape q_shape{c.B, c.S, c.Hq, c.D}, kv_shape{c.B, c.S, c.Hkv, c.D};
+  const Shape v_shape{c.B, c.S, c.Hkv, c.v_dim()}, o_shape{c.B, c.S, c.Hq, c.v_dim()};
   const Shape lse_shape{c.B, c.Hq, c.S};
   // Values the GPU's dtype holds exactly.
   auto rounded = [dtype](const Tensor& x) { return x.to(dtype).to(DType::F32); };
   Tensor q = rounded(randn(q_shape, seed));
   Tensor k = rounded(randn(kv_shape, seed + 1));
-  Tensor v = rounded(randn(kv_shape, seed + 2));
-  Tensor dout = rounded(randn(q_shape, seed + 3));
+  Tensor v = rounded(randn(v_shape, seed + 2));
+  Tensor dout = rounded(randn(o_shape, seed + 3));
 
-  Tensor out_ref = Tensor::empty(q_shape), lse_ref = Tensor::empty(lse_shape);
-  ops::attention_forward(q, k, v, out_ref, lse_ref);
+  Tensor out_ref = Tensor::empty(o_shape), lse_ref = Tensor::empty(lse_shape);
+  ops::attention_forward(q, k, v, out_ref, lse_ref, 0.0f, 0, 0, c.scale);
   Tensor dq_ref = Tensor::empty(q_shape), dk_ref = Tensor::empty(kv_shape),
-         dv_ref = Tensor::empty(kv_shape);
-  ops::attention_backward(dout, q, k, v, out_ref, lse_ref, dq_ref, dk_ref, dv_ref);
+         dv_ref = Tensor::empty(v_shape);
+  ops::attention_backward(dout, q, k, v, out_ref, lse_ref, dq_ref, dk_ref, dv_ref, 0.0f, 0, 0,
+                          c.scale);
 
   Tensor q_d = to_device(q, dtype), k_d = to_device(k, dtype), v_d = to_device(v, dtype),
          dout_d = to_device(dout, dtype);
-  Tensor out_d = poisoned_device(q_shape, dtype), lse_d = poisoned_device(lse_shape, DType::F32);
-  ops::attention_forward(q_d, k_d, v_d, out_d, lse_d);
+  Tensor out_d = poisoned_device(o_shape, dtype), lse_d = poisoned_device(lse_shape, DType::F32);
+  ops::attention_forward(q_d, k_d, v_d, out_d, lse_d, 0.0f, 0, 0, c.scale);
   Tensor dq_d = poisoned_device(q_shape, dtype), dk_d = poisoned_device(kv_shape, dtype),
-         dv_d = poisoned_device(kv_shape, dtype);
-  ops::attention_backward(dout_d, q_d, k_d, v_d, out_d, lse_d, dq_d, dk_d, dv_d);
+         dv_d = poisoned_device(v_shape, dtype);
+  ops::attention_backward(dout_d, q_d, k_d, v_d, out_d, lse_d, dq_d, dk_d, dv_d, 0.0f, 0, 0,
+                          c.scale);
   cuda::synchronize();
 
   Tensor out = to_host_f32(out_d), lse = to_host_f32(lse_d);
@@ -110,7 +117,11 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(AttentionCase{2, 128, 8, 8, 64},    // MHA
                       AttentionCase{1, 256, 8, 2, 128},   // GQA, D = 128
                       AttentionCase{2, 100, 4, 2, 64},    // S not a tile multiple
-                      AttentionCase{1, 100, 4, 1, 128}),  // MQA, odd S, D = 128
+                      AttentionCase{1, 100, 4, 1, 128},   // MQA, odd S, D = 128
+                      // MLA (DeepSeek-V3): qk head dim 192, v head dim 128, YaRN's scale
+                      // (mscale 1.368888^2 / sqrt(192), docs/research/deepseek-v3.md 2.5).
+                      AttentionCase{1, 128, 4, 4, 192, 128, 0.135234f},
+                      AttentionCase{2, 100, 4, 2, 64, 32, 0.2f}),  // GQA, Dv < D
     case_name);
 
 // cuDNN's dropout mask is its own Philox stream, not the CPU's (see ops/cuda/attention.cpp),

@@ -45,11 +45,14 @@ struct AttentionReference {
   std::vector<double> probs;  // [B, Hq, S, S], after dropout
 };
 
+// v's head dim Dv may differ from q's and k's D; scale <= 0: 1 / sqrt(D).
 AttentionReference reference_attention(const Tensor& q, const Tensor& k, const Tensor& v, float p,
-                                       uint64_t seed, uint64_t stream) {
+                                       uint64_t seed, uint64_t stream, double scale = 0) {
   const int64_t B = q.dim(0), S = q.dim(1), Hq = q.dim(2), D = q.dim(3), Hkv = k.dim(2);
+  const int64_t Dv = v.dim(3);
   const int64_t group = Hq / Hkv;
-  AttentionReference ref{Tensor::empty(q.shape()), Tensor::empty({B, Hq, S}),
+  if (scale <= 0) scale = 1.0 / std::sqrt(double(D));
+  AttentionReference ref{Tensor::empty({B, S, Hq, Dv}), Tensor::empty({B, Hq, S}),
                          std::vector<double>(B * Hq * S * S)};
   const Philox philox(seed);
   const double neg_inf = -std::numeric_limits<double>::infinity();
@@ -63,7 +66,7 @@ AttentionReference reference_attention(const Tensor& q, const Tensor& k, const T
           for (int64_t c = 0; c < D; ++c)
             s += double(q.f32()[((b * S + i) * Hq + h) * D + c]) *
                  k.f32()[((b * S + j) * Hkv + hk) * D + c];
-          scores[j] = j <= i ? s / std::sqrt(double(D)) : neg_inf;
+          scores[j] = j <= i ? s * scale : neg_inf;
         }
         double mx = neg_inf, sum = 0;
         for (double s : scores) mx = std::max(mx, s);
@@ -75,12 +78,12 @@ AttentionReference reference_attention(const Tensor& q, const Tensor& k, const T
           if (p > 0) prob = philox.uniform(stream, index) >= p ? prob / (1.0 - p) : 0.0;
           ref.probs[((b * Hq + h) * S + i) * S + j] = prob;
         }
-        for (int64_t c = 0; c < D; ++c) {
+        for (int64_t c = 0; c < Dv; ++c) {
           double o = 0;
           for (int64_t j = 0; j < S; ++j)
             o += ref.probs[((b * Hq + h) * S + i) * S + j] *
-                 v.f32()[((b * S + j) * Hkv + hk) * D + c];
-          ref.out.f32()[((b * S + i) * Hq + h) * D + c] = float(o);
+                 v.f32()[((b * S + j) * Hkv + hk) * Dv + c];
+          ref.out.f32()[((b * S + i) * Hq + h) * Dv + c] = float(o);
         }
       }
     }
@@ -163,6 +166,48 @@ INSTANTIATE_TEST_SUITE_P(
       return "B" + std::to_string(s.B) + "_S" + std::to_string(s.S) + "_Hq" + std::to_string(s.Hq) +
              "_Hkv" + std::to_string(s.Hkv) + "_D" + std::to_string(s.D);
     });
+
+// MLA's shape: v's head dim differs from q's and k's (DeepSeek-V3: 192 and 128), and the
+// softmax scale is given (YaRN's mscale^2 / sqrt(D)). GQA and dropout as above.
+TEST(Attention, DistinctValueHeadDimAndSoftmaxScale) {
+  const int64_t B = 2, S = 7, Hq = 4, Hkv = 2, D = 6, Dv = 4;
+  const float scale = 0.7f;
+  const uint64_t seed = testing::test_seed() + 30;
+  SCOPED_TRACE(seed_trace(seed));
+  Tensor q = randn({B, S, Hq, D}, seed), k = randn({B, S, Hkv, D}, seed + 1),
+         v = randn({B, S, Hkv, Dv}, seed + 2), w = randn({B, S, Hq, Dv}, seed + 3);
+  for (float p : {0.0f, 0.3f}) {
+    SCOPED_TRACE("dropout_p " + std::to_string(p));
+    Tensor out = Tensor::empty({B, S, Hq, Dv}), lse = Tensor::empty({B, Hq, S});
+    poison(out);
+    ops::attention_forward(q, k, v, out, lse, p, 3, 9, scale);
+    const AttentionReference ref = reference_attention(q, k, v, p, 3, 9, scale);
+    EXPECT_LE(testing::rel_error(out, ref.out), 1e-5);
+    EXPECT_TRUE(allclose(lse, ref.lse, 1e-5, 1e-5));
+    // The default scale is 1 / sqrt(D), not 1 / sqrt(Dv): a given scale changes the result.
+    Tensor out_default = Tensor::empty(out.shape());
+    ops::attention_forward(q, k, v, out_default, lse, p, 3, 9);
+    EXPECT_LE(testing::rel_error(out_default, reference_attention(q, k, v, p, 3, 9).out), 1e-5);
+    EXPECT_GT(testing::rel_error(out_default, out), 1e-3);
+
+    auto loss = [&] {
+      ops::attention_forward(q, k, v, out, lse, p, 3, 9, scale);
+      return dot(w, out);
+    };
+    Tensor fd_q = finite_difference(q, loss), fd_k = finite_difference(k, loss),
+           fd_v = finite_difference(v, loss);
+    ops::attention_forward(q, k, v, out, lse, p, 3, 9, scale);
+    Tensor dq = Tensor::empty(q.shape()), dk = Tensor::empty(k.shape()),
+           dv = Tensor::empty(v.shape());
+    poison(dq);
+    poison(dk);
+    poison(dv);
+    ops::attention_backward(w, q, k, v, out, lse, dq, dk, dv, p, 3, 9, scale);
+    EXPECT_TRUE(allclose(dq, fd_q, kFdAtol, kFdRtol)) << "dq";
+    EXPECT_TRUE(allclose(dk, fd_k, kFdAtol, kFdRtol)) << "dk";
+    EXPECT_TRUE(allclose(dv, fd_v, kFdAtol, kFdRtol)) << "dv";
+  }
+}
 
 // Gradients at a size where finite differences would be slow, against the analytic
 // backward of the naive attention in double: dv = P^T dO, dP = dO v^T, dS = softmax

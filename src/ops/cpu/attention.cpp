@@ -48,11 +48,13 @@ class SingleThreadedBlas {
 };
 
 struct AttentionDims {
-  int64_t B, S, Hq, Hkv, D;
+  int64_t B, S, Hq, Hkv, D, Dv;  // D: q and k head dim; Dv: v and out head dim
   int64_t group() const { return Hq / Hkv; }
-  // Row strides (elements between consecutive sequence positions) of q/out and k/v.
+  // Row strides (elements between consecutive sequence positions) of q, k, v and out.
   int64_t q_row() const { return Hq * D; }
   int64_t kv_row() const { return Hkv * D; }
+  int64_t v_row() const { return Hkv * Dv; }
+  int64_t o_row() const { return Hq * Dv; }
 };
 
 void check_f32_cpu(const Tensor& t, const char* name) {
@@ -73,15 +75,18 @@ AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float
   check_f32_cpu(v, "v");
   MEGATON_CHECK(q.ndim() == 4, "attention: q must be [B, S, Hq, D], got {}", shape_str(q.shape()));
   MEGATON_CHECK(k.ndim() == 4, "attention: k must be [B, S, Hkv, D], got {}", shape_str(k.shape()));
-  AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3)};
-  MEGATON_CHECK(d.Hq > 0 && d.D > 0, "attention: q {} has no heads or an empty head dim",
-                shape_str(q.shape()));
+  MEGATON_CHECK(v.ndim() == 4, "attention: v must be [B, S, Hkv, Dv], got {}", shape_str(v.shape()));
+  AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3)};
+  MEGATON_CHECK(d.Hq > 0 && d.D > 0 && d.Dv > 0,
+                "attention: q {} or v {} has no heads or an empty head dim",
+                shape_str(q.shape()), shape_str(v.shape()));
   MEGATON_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0,
                 "attention: query heads {} must be a multiple of key/value heads {}", d.Hq, d.Hkv);
   check_shape(k, {d.B, d.S, d.Hkv, d.D}, "k");
-  check_shape(v, {d.B, d.S, d.Hkv, d.D}, "v");
-  MEGATON_CHECK(d.S <= INT_MAX && d.q_row() <= INT_MAX,
-                "attention: S {} or Hq * D {} exceed the 32-bit BLAS interface", d.S, d.q_row());
+  check_shape(v, {d.B, d.S, d.Hkv, d.Dv}, "v");
+  MEGATON_CHECK(d.S <= INT_MAX && d.q_row() <= INT_MAX && d.o_row() <= INT_MAX,
+                "attention: S {} or Hq * D {} exceed the 32-bit BLAS interface", d.S,
+                std::max(d.q_row(), d.o_row()));
   MEGATON_CHECK(dropout_p >= 0.0f && dropout_p < 1.0f, "attention: dropout_p {} must be in [0, 1)",
                 dropout_p);
   return d;
@@ -118,16 +123,17 @@ void block_scores(const AttentionDims& d, const float* q_h, const float* k_h, in
 }  // namespace
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                       float dropout_p, uint64_t seed, uint64_t stream) {
-  MEGATON_CUDA_DISPATCH(q, cuda::attention_forward(q, k, v, out, lse, dropout_p, seed, stream));
+                       float dropout_p, uint64_t seed, uint64_t stream, float softmax_scale) {
+  MEGATON_CUDA_DISPATCH(
+      q, cuda::attention_forward(q, k, v, out, lse, dropout_p, seed, stream, softmax_scale));
   const AttentionDims d = check_qkv(q, k, v, dropout_p);
   check_f32_cpu(out, "out");
   check_f32_cpu(lse, "lse");
-  check_shape(out, q.shape(), "out");
+  check_shape(out, {d.B, d.S, d.Hq, d.Dv}, "out");
   check_shape(lse, {d.B, d.Hq, d.S}, "lse");
   if (d.B == 0 || d.S == 0) return;
 
-  const float scale = 1.0f / std::sqrt(float(d.D));
+  const float scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(d.D));
   const AttentionDropout dropout{Philox(seed), stream, dropout_p, 1.0f / (1.0f - dropout_p), d.S};
   const float *qp = q.f32(), *kp = k.f32(), *vp = v.f32();
   float *op = out.f32(), *lp = lse.f32();
@@ -143,8 +149,8 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
       const int64_t b = bh / d.Hq, h = bh % d.Hq, hkv = h / d.group();
       const float* q_h = qp + b * S * d.q_row() + h * d.D;
       const float* k_h = kp + b * S * d.kv_row() + hkv * d.D;
-      const float* v_h = vp + b * S * d.kv_row() + hkv * d.D;
-      float* o_h = op + b * S * d.q_row() + h * d.D;
+      const float* v_h = vp + b * S * d.v_row() + hkv * d.Dv;
+      float* o_h = op + b * S * d.o_row() + h * d.Dv;
       float* lse_h = lp + bh * S;
       for (int64_t i0 = 0; i0 < S; i0 += kBlockRows) {
         const int64_t rows = std::min(kBlockRows, S - i0), cols = i0 + rows;
@@ -175,9 +181,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
           }
         }
         // out[i0 : i0 + rows] = probs[:, :cols] @ v[:cols]
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d.D), int(cols), 1.0f,
-                    probs.data(), int(S), v_h, int(d.kv_row()), 0.0f, o_h + i0 * d.q_row(),
-                    int(d.q_row()));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(d.Dv), int(cols),
+                    1.0f, probs.data(), int(S), v_h, int(d.v_row()), 0.0f, o_h + i0 * d.o_row(),
+                    int(d.o_row()));
       }
     }
   }
@@ -185,8 +191,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
-                        float dropout_p, uint64_t seed, uint64_t stream) {
-  MEGATON_CUDA_DISPATCH(dout, cuda::attention_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, seed, stream));
+                        float dropout_p, uint64_t seed, uint64_t stream, float softmax_scale) {
+  MEGATON_CUDA_DISPATCH(dout, cuda::attention_backward(dout, q, k, v, out, lse, dq, dk, dv,
+                                                       dropout_p, seed, stream, softmax_scale));
   const AttentionDims d = check_qkv(q, k, v, dropout_p);
   check_f32_cpu(dout, "dout");
   check_f32_cpu(out, "out");
@@ -194,17 +201,17 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   check_f32_cpu(dq, "dq");
   check_f32_cpu(dk, "dk");
   check_f32_cpu(dv, "dv");
-  check_shape(dout, q.shape(), "dout");
-  check_shape(out, q.shape(), "out");
+  check_shape(dout, {d.B, d.S, d.Hq, d.Dv}, "dout");
+  check_shape(out, {d.B, d.S, d.Hq, d.Dv}, "out");
   check_shape(lse, {d.B, d.Hq, d.S}, "lse");
   check_shape(dq, q.shape(), "dq");
   check_shape(dk, k.shape(), "dk");
   check_shape(dv, v.shape(), "dv");
   if (d.B == 0 || d.S == 0) return;
 
-  const float scale = 1.0f / std::sqrt(float(d.D));
+  const float scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(d.D));
   const AttentionDropout dropout{Philox(seed), stream, dropout_p, 1.0f / (1.0f - dropout_p), d.S};
-  const int64_t S = d.S, D = d.D;
+  const int64_t S = d.S, D = d.D, Dv = d.Dv;
   const float *qp = q.f32(), *kp = k.f32(), *vp = v.f32(), *dop = dout.f32(), *op = out.f32(),
               *lp = lse.f32();
   float *dqp = dq.f32(), *dkp = dk.f32(), *dvp = dv.f32();
@@ -215,7 +222,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   std::vector<float> dk_heads, dv_heads;
   if (group > 1) {
     dk_heads.resize(d.B * d.Hq * S * D);
-    dv_heads.resize(d.B * d.Hq * S * D);
+    dv_heads.resize(d.B * d.Hq * S * Dv);
   }
   SingleThreadedBlas single_threaded_blas;
   const bool parallel = d.B * d.Hq * S * S * d.D >= kParallelMinWork;
@@ -229,17 +236,18 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
       const int64_t b = bh / d.Hq, h = bh % d.Hq, hkv = h / d.group();
       const float* q_h = qp + b * S * d.q_row() + h * D;
       const float* k_h = kp + b * S * d.kv_row() + hkv * D;
-      const float* v_h = vp + b * S * d.kv_row() + hkv * D;
-      const float* do_h = dop + b * S * d.q_row() + h * D;
-      const float* o_h = op + b * S * d.q_row() + h * D;
+      const float* v_h = vp + b * S * d.v_row() + hkv * Dv;
+      const float* do_h = dop + b * S * d.o_row() + h * Dv;
+      const float* o_h = op + b * S * d.o_row() + h * Dv;
       const float* lse_h = lp + bh * S;
       float* dq_h = dqp + b * S * d.q_row() + h * D;
       float* dk_h = group > 1 ? dk_heads.data() + bh * S * D : dkp + b * S * d.kv_row() + hkv * D;
-      float* dv_h = group > 1 ? dv_heads.data() + bh * S * D : dvp + b * S * d.kv_row() + hkv * D;
-      const int64_t ld_dkv = group > 1 ? D : d.kv_row();
+      float* dv_h =
+          group > 1 ? dv_heads.data() + bh * S * Dv : dvp + b * S * d.v_row() + hkv * Dv;
+      const int64_t ld_dk = group > 1 ? D : d.kv_row(), ld_dv = group > 1 ? Dv : d.v_row();
       for (int64_t s = 0; s < S; ++s) {
-        std::fill(dk_h + s * ld_dkv, dk_h + s * ld_dkv + D, 0.0f);
-        std::fill(dv_h + s * ld_dkv, dv_h + s * ld_dkv + D, 0.0f);
+        std::fill(dk_h + s * ld_dk, dk_h + s * ld_dk + D, 0.0f);
+        std::fill(dv_h + s * ld_dv, dv_h + s * ld_dv + Dv, 0.0f);
       }
       for (int64_t i0 = 0; i0 < S; i0 += kBlockRows) {
         const int64_t rows = std::min(kBlockRows, S - i0), cols = i0 + rows;
@@ -253,13 +261,13 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
           // delta_i = sum_j P_ij dP_ij = dout_i . out_i (also with dropout, since
           // out = (P o M) v and dP = M o (dout v^T)).
           double acc = 0;
-          for (int64_t c = 0; c < D; ++c)
-            acc += double(do_h[i * d.q_row() + c]) * o_h[i * d.q_row() + c];
+          for (int64_t c = 0; c < Dv; ++c)
+            acc += double(do_h[i * d.o_row() + c]) * o_h[i * d.o_row() + c];
           row_dot[r] = float(acc);
         }
         // dP~ = dout v^T, the gradient of the dropped-out probabilities.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(cols), int(D), 1.0f,
-                    do_h + i0 * d.q_row(), int(d.q_row()), v_h, int(d.kv_row()), 0.0f,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(rows), int(cols), int(Dv), 1.0f,
+                    do_h + i0 * d.o_row(), int(d.o_row()), v_h, int(d.v_row()), 0.0f,
                     dprobs.data(), int(S));
         if (dropout_p > 0.0f) {
           // probs becomes P o M (for dv) and dprobs becomes dP = M o dP~, with M the
@@ -287,11 +295,11 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
             for (int64_t j = i + 1; j < cols; ++j) dp_row[j] = 0.0f;
           }
         }
-        // dprobs now holds dS, the gradient of the scores q k^T / sqrt(D).
+        // dprobs now holds dS, the gradient of the scores q k^T * scale.
         // dv[:cols] += (P o M)^T dout[block]
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(D), int(rows), 1.0f,
-                    probs.data(), int(S), do_h + i0 * d.q_row(), int(d.q_row()), 1.0f, dv_h,
-                    int(ld_dkv));
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(Dv), int(rows), 1.0f,
+                    probs.data(), int(S), do_h + i0 * d.o_row(), int(d.o_row()), 1.0f, dv_h,
+                    int(ld_dv));
         // dq[block] = scale * dS k[:cols]
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(rows), int(D), int(cols), scale,
                     dprobs.data(), int(S), k_h, int(d.kv_row()), 0.0f, dq_h + i0 * d.q_row(),
@@ -299,7 +307,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
         // dk[:cols] += scale * dS^T q[block]
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(cols), int(D), int(rows), scale,
                     dprobs.data(), int(S), q_h + i0 * d.q_row(), int(d.q_row()), 1.0f, dk_h,
-                    int(ld_dkv));
+                    int(ld_dk));
       }
     }
 
@@ -310,15 +318,17 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
         for (int64_t s = 0; s < S; ++s) {
           for (int64_t hkv = 0; hkv < d.Hkv; ++hkv) {
             float* dk_row = dkp + (b * S + s) * d.kv_row() + hkv * D;
-            float* dv_row = dvp + (b * S + s) * d.kv_row() + hkv * D;
+            float* dv_row = dvp + (b * S + s) * d.v_row() + hkv * Dv;
             for (int64_t c = 0; c < D; ++c) {
-              float sk = 0.0f, sv = 0.0f;
-              for (int64_t g = 0; g < group; ++g) {
-                const int64_t src = ((b * d.Hq + hkv * group + g) * S + s) * D + c;
-                sk += dk_heads[src];
-                sv += dv_heads[src];
-              }
+              float sk = 0.0f;
+              for (int64_t g = 0; g < group; ++g)
+                sk += dk_heads[((b * d.Hq + hkv * group + g) * S + s) * D + c];
               dk_row[c] = sk;
+            }
+            for (int64_t c = 0; c < Dv; ++c) {
+              float sv = 0.0f;
+              for (int64_t g = 0; g < group; ++g)
+                sv += dv_heads[((b * d.Hq + hkv * group + g) * S + s) * Dv + c];
               dv_row[c] = sv;
             }
           }

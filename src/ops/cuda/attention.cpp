@@ -10,7 +10,9 @@
 // which is the only Stats layout cuDNN below 9.26 reads back correctly in backward.
 //
 // Semantics (cuDNN frontend SDPA_attributes, 1.32):
-//   - scores scale: attn_scale = 1/sqrt(D), applied before the mask and softmax;
+//   - scores scale: attn_scale = softmax_scale (default 1/sqrt(D)), applied before the
+//     mask and softmax; q and k have head dim D, v and out Dv (cuDNN takes d_qk != d_v,
+//     e.g. MLA's 192 / 128, on Hopper from 9.13 for backward);
 //   - causal mask: set_causal_mask (top-left diagonal, right bound 0): query i sees keys
 //     j <= i, the ops.h mask (q and kv have the same S here, so top-left = bottom-right);
 //   - Stats = max + ln(sum exp(s - max)) of the scaled, masked scores, in natural log
@@ -93,7 +95,8 @@ constexpr uint64_t kSeedCounter = ~uint64_t(0);
 // ---- argument checks -------------------------------------------------------------------
 
 struct AttentionDims {
-  int64_t B, S, Hq, Hkv, D;
+  int64_t B, S, Hq, Hkv, D, Dv;  // D: q and k head dim; Dv: v and out head dim
+  float scale;                   // the scores' scale
 };
 
 void check_device_tensor(const Tensor& t, const char* name) {
@@ -116,7 +119,8 @@ void check_shape(const Tensor& t, const Shape& want, const char* name) {
                 shape_str(t.shape()), shape_str(want));
 }
 
-AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float dropout_p) {
+AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float dropout_p,
+                        float softmax_scale) {
   check_device_tensor(q, "q");
   MEGATON_CHECK(q.dtype() == DType::BF16 || q.dtype() == DType::F16,
                 "cuda attention: q must be BF16 or F16 (cuDNN fused attention), got {}",
@@ -127,17 +131,22 @@ AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float
                 shape_str(q.shape()));
   MEGATON_CHECK(k.ndim() == 4, "cuda attention: k must be [B, S, Hkv, D], got {}",
                 shape_str(k.shape()));
-  AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3)};
-  MEGATON_CHECK(d.Hq > 0 && d.D > 0, "cuda attention: q {} has no heads or an empty head dim",
-                shape_str(q.shape()));
+  MEGATON_CHECK(v.ndim() == 4, "cuda attention: v must be [B, S, Hkv, Dv], got {}",
+                shape_str(v.shape()));
+  AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3), 0.0f};
+  d.scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(d.D));
+  MEGATON_CHECK(d.Hq > 0 && d.D > 0 && d.Dv > 0,
+                "cuda attention: q {} or v {} has no heads or an empty head dim",
+                shape_str(q.shape()), shape_str(v.shape()));
   MEGATON_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0,
                 "cuda attention: query heads {} must be a multiple of key/value heads {}", d.Hq,
                 d.Hkv);
   check_shape(k, {d.B, d.S, d.Hkv, d.D}, "k");
-  check_shape(v, {d.B, d.S, d.Hkv, d.D}, "v");
-  // cuDNN's fused kernels: D a multiple of 8 (16-byte rows), at most 256 forward and 128
-  // backward on Hopper with cuDNN 9.14; the frontend reports the exact limit when building.
-  MEGATON_CHECK(d.D % 8 == 0, "cuda attention: head dim {} must be a multiple of 8 for cuDNN", d.D);
+  check_shape(v, {d.B, d.S, d.Hkv, d.Dv}, "v");
+  // cuDNN's fused kernels: head dims multiples of 8 (16-byte rows), at most 256 on Hopper
+  // with cuDNN 9.14; the frontend reports the exact limit when building.
+  MEGATON_CHECK(d.D % 8 == 0 && d.Dv % 8 == 0,
+                "cuda attention: head dims {} and {} must be multiples of 8 for cuDNN", d.D, d.Dv);
   MEGATON_CHECK(dropout_p >= 0.0f && dropout_p < 1.0f,
                 "cuda attention: dropout_p {} must be in [0, 1)", dropout_p);
   return d;
@@ -210,30 +219,35 @@ struct SdpaGraph {
   int64_t workspace_bytes = 0;
 };
 
-// (B, S, Hq, Hkv, D, dtype, dropout_p bits, backward, deterministic)
-using GraphKey =
-    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, uint32_t, bool, bool>;
+// (B, S, Hq, Hkv, D, Dv, scale bits, dtype, dropout_p bits, backward, deterministic)
+using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, int,
+                            uint32_t, bool, bool>;
+
+uint32_t float_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
 
 GraphKey make_key(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
-  uint32_t p_bits;
-  std::memcpy(&p_bits, &dropout_p, sizeof(p_bits));
-  return {d.B, d.S, d.Hq, d.Hkv, d.D, int(dtype), p_bits, backward, backward && deterministic()};
+  return {d.B,        d.S,      d.Hq,     d.Hkv, d.D, d.Dv, float_bits(d.scale), int(dtype),
+          float_bits(dropout_p), backward, backward && deterministic()};
 }
 
 std::string describe(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
-  return fmt::format("attention {}{} B={} S={} Hq={} Hkv={} D={} {} dropout_p={}",
+  return fmt::format("attention {}{} B={} S={} Hq={} Hkv={} D={} Dv={} scale={} {} dropout_p={}",
                      backward ? "backward" : "forward",
                      backward && deterministic() ? " (deterministic)" : "", d.B, d.S, d.Hq,
-                     d.Hkv, d.D, dtype_name(dtype), dropout_p);
+                     d.Hkv, d.D, d.Dv, d.scale, dtype_name(dtype), dropout_p);
 }
 
-// A [B, S, heads, D] tensor in cuDNN's [B, H, S, D] dim order.
+// A [B, S, heads, head_dim] tensor in cuDNN's [B, H, S, D] dim order.
 TensorAttr bshd_tensor(fe::graph::Graph& graph, const char* name, const AttentionDims& d,
-                       int64_t heads) {
+                       int64_t heads, int64_t head_dim) {
   return graph.tensor(fe::graph::Tensor_attributes()
                           .set_name(name)
-                          .set_dim({d.B, heads, d.S, d.D})
-                          .set_stride({d.S * heads * d.D, d.D, heads * d.D, 1}));
+                          .set_dim({d.B, heads, d.S, head_dim})
+                          .set_stride({d.S * heads * head_dim, head_dim, heads * head_dim, 1}));
 }
 
 // lse [B, Hq, S] as cuDNN's packed Stats [B, Hq, S, 1].
@@ -266,14 +280,14 @@ std::unique_ptr<SdpaGraph> build_forward(const AttentionDims& d, DType dtype, fl
   auto g = std::make_unique<SdpaGraph>();
   g->graph = new_graph(dtype);
   fe::graph::Graph& graph = *g->graph;
-  g->q = bshd_tensor(graph, "q", d, d.Hq);
-  g->k = bshd_tensor(graph, "k", d, d.Hkv);
-  g->v = bshd_tensor(graph, "v", d, d.Hkv);
+  g->q = bshd_tensor(graph, "q", d, d.Hq, d.D);
+  g->k = bshd_tensor(graph, "k", d, d.Hkv, d.D);
+  g->v = bshd_tensor(graph, "v", d, d.Hkv, d.Dv);
   auto attributes = fe::graph::SDPA_attributes()
                         .set_name("attention_forward")
                         .set_generate_stats(true)
                         .set_causal_mask(true)
-                        .set_attn_scale(1.0f / std::sqrt(float(d.D)));
+                        .set_attn_scale(d.scale);
   if (dropout_p > 0.0f) {
     g->seed = scalar_int64_tensor(graph, "dropout_seed");
     g->offset = scalar_int64_tensor(graph, "dropout_offset");
@@ -281,8 +295,8 @@ std::unique_ptr<SdpaGraph> build_forward(const AttentionDims& d, DType dtype, fl
   }
   auto [o, stats] = graph.sdpa(g->q, g->k, g->v, attributes);
   o->set_output(true)
-      .set_dim({d.B, d.Hq, d.S, d.D})
-      .set_stride({d.S * d.Hq * d.D, d.D, d.Hq * d.D, 1});
+      .set_dim({d.B, d.Hq, d.S, d.Dv})
+      .set_stride({d.S * d.Hq * d.Dv, d.Dv, d.Hq * d.Dv, 1});
   stats->set_output(true)
       .set_data_type(fe::DataType_t::FLOAT)
       .set_dim(stats_dim(d))
@@ -298,11 +312,11 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
   auto g = std::make_unique<SdpaGraph>();
   g->graph = new_graph(dtype);
   fe::graph::Graph& graph = *g->graph;
-  g->q = bshd_tensor(graph, "q", d, d.Hq);
-  g->k = bshd_tensor(graph, "k", d, d.Hkv);
-  g->v = bshd_tensor(graph, "v", d, d.Hkv);
-  g->o = bshd_tensor(graph, "out", d, d.Hq);
-  g->dout = bshd_tensor(graph, "dout", d, d.Hq);
+  g->q = bshd_tensor(graph, "q", d, d.Hq, d.D);
+  g->k = bshd_tensor(graph, "k", d, d.Hkv, d.D);
+  g->v = bshd_tensor(graph, "v", d, d.Hkv, d.Dv);
+  g->o = bshd_tensor(graph, "out", d, d.Hq, d.Dv);
+  g->dout = bshd_tensor(graph, "dout", d, d.Hq, d.Dv);
   g->stats = graph.tensor(fe::graph::Tensor_attributes()
                               .set_name("lse")
                               .set_dim(stats_dim(d))
@@ -311,7 +325,7 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
   auto attributes = fe::graph::SDPA_backward_attributes()
                         .set_name("attention_backward")
                         .set_causal_mask(true)
-                        .set_attn_scale(1.0f / std::sqrt(float(d.D)));
+                        .set_attn_scale(d.scale);
   if (deterministic()) attributes.set_deterministic_algorithm(true);
   if (dropout_p > 0.0f) {
     g->seed = scalar_int64_tensor(graph, "dropout_seed");
@@ -326,8 +340,8 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
       .set_dim({d.B, d.Hkv, d.S, d.D})
       .set_stride({d.S * d.Hkv * d.D, d.D, d.Hkv * d.D, 1});
   dv->set_output(true)
-      .set_dim({d.B, d.Hkv, d.S, d.D})
-      .set_stride({d.S * d.Hkv * d.D, d.D, d.Hkv * d.D, 1});
+      .set_dim({d.B, d.Hkv, d.S, d.Dv})
+      .set_stride({d.S * d.Hkv * d.Dv, d.Dv, d.Hkv * d.Dv, 1});
   g->dq = dq;
   g->dk = dk;
   g->dv = dv;
@@ -367,13 +381,13 @@ void execute(const SdpaGraph& g, std::unordered_map<TensorAttr, void*>& pack,
 }  // namespace
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                       float dropout_p, uint64_t seed, uint64_t stream) {
-  const AttentionDims d = check_qkv(q, k, v, dropout_p);
+                       float dropout_p, uint64_t seed, uint64_t stream, float softmax_scale) {
+  const AttentionDims d = check_qkv(q, k, v, dropout_p, softmax_scale);
   check_half_tensor(out, q.dtype(), "out");
   check_device_tensor(lse, "lse");
   MEGATON_CHECK(lse.dtype() == DType::F32, "cuda attention: lse must be F32, got {}",
                 dtype_name(lse.dtype()));
-  check_shape(out, q.shape(), "out");
+  check_shape(out, {d.B, d.S, d.Hq, d.Dv}, "out");
   check_shape(lse, {d.B, d.Hq, d.S}, "lse");
   if (d.B == 0 || d.S == 0) return;
 
@@ -386,8 +400,8 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
-                        float dropout_p, uint64_t seed, uint64_t stream) {
-  const AttentionDims d = check_qkv(q, k, v, dropout_p);
+                        float dropout_p, uint64_t seed, uint64_t stream, float softmax_scale) {
+  const AttentionDims d = check_qkv(q, k, v, dropout_p, softmax_scale);
   check_half_tensor(dout, q.dtype(), "dout");
   check_half_tensor(out, q.dtype(), "out");
   check_half_tensor(dq, q.dtype(), "dq");
@@ -396,8 +410,8 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   check_device_tensor(lse, "lse");
   MEGATON_CHECK(lse.dtype() == DType::F32, "cuda attention: lse must be F32, got {}",
                 dtype_name(lse.dtype()));
-  check_shape(dout, q.shape(), "dout");
-  check_shape(out, q.shape(), "out");
+  check_shape(dout, {d.B, d.S, d.Hq, d.Dv}, "dout");
+  check_shape(out, {d.B, d.S, d.Hq, d.Dv}, "out");
   check_shape(lse, {d.B, d.Hq, d.S}, "lse");
   check_shape(dq, q.shape(), "dq");
   check_shape(dk, k.shape(), "dk");

@@ -97,12 +97,12 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
                                  Tensor& dqkv, QkNormGrads& grads);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                       Tensor& lse, float dropout_p, uint64_t seed,
-                       uint64_t stream);
+                       Tensor& lse, float dropout_p, uint64_t seed, uint64_t stream,
+                       float softmax_scale);
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
-                        Tensor& dv, float dropout_p, uint64_t seed,
-                        uint64_t stream);
+                        Tensor& dv, float dropout_p, uint64_t seed, uint64_t stream,
+                        float softmax_scale);
 // Single-query attention over a KV cache, inference only (attention_kv_cache.cu).
 void attention_kv_cache(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
                         int64_t first_position, Tensor& out);
