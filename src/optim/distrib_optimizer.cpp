@@ -307,9 +307,9 @@ void DistributedAdamW::step(float lr, float grad_scale) {
   quantize_fp8_weights();
 }
 
-DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(const Tensor& lr, double max_norm,
-                                                              const Tensor& loss, bool check_nan,
-                                                              float inv_loss_scale) {
+DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(
+    const Tensor& lr, double max_norm, const Tensor& loss, bool check_nan, float inv_loss_scale,
+    std::optional<double> per_token_loss_tokens) {
   const Device device = adam_->device_state().device();
   Tensor mine = Tensor::empty({1}, DType::I64, device);
   ops::multi_tensor_sum_of_squares(counted_grads(), mine);
@@ -326,7 +326,17 @@ DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(const Tensor& lr, 
   // Megatron unscales the main grads (x inv_scale) before the norm and the update; here the
   // factor rides with the data-parallel mean (exact for powers of two).
   const float unscale = grad_mean_scale() * inv_loss_scale;
-  ops::adamw_step_control(parts, double(unscale), max_norm, unscale, loss, check_nan, lr,
+  double norm_scale = double(unscale);
+  float grad_scale = unscale;
+  if (per_token_loss_tokens) {
+    // Megatron-LM d98e8a6 finalize_model_grads: after the data-parallel sum (DDP's
+    // gradient_scaling_factor is 1 with calculate_per_token_loss) every gradient is scaled
+    // by 1 / clamp(num_tokens, min=1) before the optimizer unscales, clips and steps; here
+    // both factors are one, computed in fp64.
+    norm_scale = double(inv_loss_scale) / std::max(*per_token_loss_tokens, 1.0);
+    grad_scale = float(norm_scale);
+  }
+  ops::adamw_step_control(parts, norm_scale, max_norm, grad_scale, loss, check_nan, lr,
                           c.adam_beta1, c.adam_beta2, adam_->device_state(), out.control,
                           out.grad_norm);
   adam_->step(out.control);

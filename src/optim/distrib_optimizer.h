@@ -6,6 +6,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ranges>
 #include <string>
 #include <utility>
@@ -71,8 +72,16 @@ class DistributedAdamW {
   // inv_loss_scale: 1 / the loss scale the gradients carry (optim::GradScaler::inv_scale;
   // 1 without one): the norm, the clipping and the update see the unscaled gradients, and a
   // non-finite norm (an fp16 overflow) skips the step.
-  DeviceStep step_on_device(const Tensor& lr, double max_norm, const Tensor& loss,
-                            bool check_nan, float inv_loss_scale = 1.0f);
+  // per_token_loss_tokens (--calculate-per-token-loss): the main grads are gradients of the
+  // per-token losses summed over the step's micro-batches and summed over the data-parallel
+  // ranks, and are divided by this many loss tokens (the step's, over all data- and
+  // context-parallel ranks; at least 1, as Megatron's finalize_model_grads clamps
+  // num_tokens) instead of by the dp_cp size (grad_mean_scale): folded into the same
+  // factor as inv_loss_scale, so the norm and the clipping see the divided gradients and no
+  // pass over them is added. Unset: the mean loss's gradients (grad_mean_scale).
+  DeviceStep step_on_device(const Tensor& lr, double max_norm, const Tensor& loss, bool check_nan,
+                            float inv_loss_scale = 1.0f,
+                            std::optional<double> per_token_loss_tokens = std::nullopt);
 
   // --fp8-param-gather: writes this rank's shard of every FP8 weight buffer from the fp32
   // main params, one per-tensor scale per weight as Transformer Engine's current scaling

@@ -126,6 +126,11 @@ struct TrainArgs {
   // --eod-mask-loss: the predictions made at an end-of-document input token are left out of
   // the loss (Megatron's loss_mask; train/loss_mask.h).
   bool eod_mask_loss = false;
+  // --calculate-per-token-loss: the step's gradient is that of the summed per-token losses
+  // divided by the step's loss tokens over all micro-batches and data-parallel ranks, not
+  // the mean over micro-batches of each one's token mean (Megatron's forward_step and
+  // finalize_model_grads; docs/launch-scripts.md).
+  bool calculate_per_token_loss = false;
 
   // Batch and iterations.
   int64_t micro_batch_size = 1;

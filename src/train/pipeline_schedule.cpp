@@ -161,7 +161,13 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
   const GPTConfig& cfg = chunks_[0]->config();
   const Shape hidden_shape{chunks_[0]->hidden_rows(mbs.batch, mbs.seq), cfg.hidden_size};
   const int64_t tokens_per_micro_batch = mbs.batch * mbs.seq;
-  const float aux_grad_scale = mbs.loss_scale / float(mbs.count);
+  // Megatron-LM d98e8a6 schedules.py forward_step: MoEAuxLossAutoScaler.set_loss_scale(
+  // loss_scale / num_microbatches), or loss_scale alone with calculate_per_token_loss, when
+  // the router (router.py attach_and_log_load_balancing_loss, apply_z_loss) multiplies each
+  // injected loss by its tokens times the TP x CP size: the micro-batch's B x S tokens.
+  const float aux_grad_scale = mbs.per_token_loss
+                                   ? float(double(mbs.loss_scale) * double(mbs.batch * mbs.seq))
+                                   : mbs.loss_scale / float(mbs.count);
 
   // Per chunk: activations received for micro-batches not yet forwarded, gradients
   // received for their outputs, the saved state (activation stash) of every micro-batch
@@ -208,7 +214,9 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
           LossMask mask = mbs.loss_mask(in.tokens);
           losses.loss_sum += masked_loss_sum(out.loss.losses, mask.mask);
           losses.num_tokens += double(mask.num_tokens);
-          if (!forward_only) loss_weights[op.micro_batch] = std::move(mask.weights);
+          // Per-token loss: the mask itself (the sum's gradient; no division by the tokens).
+          if (!forward_only)
+            loss_weights[op.micro_batch] = std::move(mbs.per_token_loss ? mask.mask : mask.weights);
         } else if (part.post_process) {
           losses.loss_sum += ops::sum(out.loss.losses);
           losses.num_tokens += double(out.loss.losses.numel());
@@ -237,11 +245,19 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
           auto weights = loss_weights.find(op.micro_batch);
           MEGATON_CHECK(weights != loss_weights.end(),
                         "pipeline: no loss weights for micro-batch {}", op.micro_batch);
+          // (Per-token loss: mask x loss_scale, Megatron's forward_step not dividing by
+          // num_tokens nor num_microbatches.)
           dout = Tensor::empty({tokens_per_micro_batch});
-          const float scale = float(double(mbs.loss_scale) / double(mbs.count));
+          const float scale = mbs.per_token_loss
+                                  ? mbs.loss_scale
+                                  : float(double(mbs.loss_scale) / double(mbs.count));
           for (int64_t t = 0; t < tokens_per_micro_batch; ++t)
             dout.f32()[t] = weights->second.f32()[t] * scale;
           loss_weights.erase(weights);
+        } else if (part.post_process && mbs.per_token_loss) {
+          // Per-token loss without a mask: the sum over the tokens, times the loss scale.
+          dout = Tensor::empty({tokens_per_micro_batch});
+          dout.fill(mbs.loss_scale);
         } else if (part.post_process) {
           // Megatron's default loss: the token mean per micro-batch, averaged over them.
           dout = Tensor::empty({tokens_per_micro_batch});

@@ -112,6 +112,11 @@ struct PipelineMicroBatches {
   // The loss scale (optim::GradScaler::scale): the backward starts from the loss times it,
   // and the MoE aux losses' gradients carry it too. 1: no scaling.
   float loss_scale = 1.0f;
+  // --calculate-per-token-loss: the last stage's backward starts from loss_scale times the
+  // mask (1 without one), not divided by the micro-batch's tokens nor by count, and the
+  // MoE aux losses' gradients carry loss_scale x batch x seq (Megatron's router multiplies
+  // them by its tokens); the caller divides the gradients by the step's tokens.
+  bool per_token_loss = false;
 };
 
 // What this pipeline rank computed in one step.
@@ -152,7 +157,8 @@ class PipelineSchedule {
   // pipeline_plan's order, activations [hidden_rows, H] and their gradients (compute dtype)
   // sent between stages. The loss is Megatron's: the token mean per micro-batch, averaged
   // over micro-batches (d loss / d per-token loss = 1 / (B S count); with a loss mask,
-  // LossMask::weights / count), and the MoE aux-loss gradient is scaled by 1 / count.
+  // LossMask::weights / count), and the MoE aux-loss gradient is scaled by 1 / count; with
+  // PipelineMicroBatches::per_token_loss the sum instead (see there).
   // Accumulates the chunks' main_grads.
   // Collective over the pipeline group. Throws check_interleaved_micro_batches' Error.
   PipelineLosses forward_backward(const PipelineMicroBatches& mbs, bool forward_only);

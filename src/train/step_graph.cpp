@@ -29,6 +29,11 @@ void check_full_iteration_graph(const TrainArgs& a, int64_t world_size) {
   if (m.num_experts > 0 && m.moe_expert_capacity_factor > 0)
     fail("{}: moe-expert-capacity-factor sizes the experts' rows on the host each step (a host "
          "synchronization); run it without CUDA graphs", kFlag);
+  if (a.calculate_per_token_loss && a.eod_mask_loss)
+    fail(
+        "{}: calculate-per-token-loss with eod-mask-loss divides the gradients by each "
+        "step's loss tokens, a host value a replayed graph cannot change",
+        kFlag);
   if (a.log_num_zeros_in_grad)
     fail("{}: log-num-zeros-in-grad reads the gradients between backward and the update, "
          "inside the captured step", kFlag);

@@ -290,6 +290,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
           return ForwardContext{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
         });
     batches.loss_scale = loss_scale;
+    batches.per_token_loss = args_.calculate_per_token_loss;
     const PipelineLosses stage = schedule_->forward_backward(batches, /*forward_only=*/false);
     // The LM loss exists on the last stage (the MoE losses are logged from the routers'
     // metrics, MoEStepBookkeeping).
@@ -314,7 +315,26 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     else ops::sum(out.losses, mb_sum);
     ops::add_(loss_sum, mb_sum);
     Tensor dlosses;
-    if (args_.eod_mask_loss) {
+    // The MoE aux losses' gradient scale (Megatron-LM d98e8a6 schedules.py forward_step's
+    // MoEAuxLossAutoScaler.set_loss_scale).
+    float aux_grad_scale = loss_scale / float(n_mb);
+    if (args_.calculate_per_token_loss) {
+      // Megatron's forward_step with calculate_per_token_loss: the micro-batch's masked sum
+      // (loss_func's sum(losses * mask)) is not divided by its num_tokens nor by
+      // num_microbatches; run_step divides the gradients by the step's tokens. The aux-loss
+      // scale is loss_scale alone, and the router (router.py attach_and_log_load_balancing_loss
+      // and apply_z_loss) multiplies each injected loss by its tokens times the TP x CP size,
+      // the micro-batch's B x S tokens: here one factor.
+      if (args_.eod_mask_loss) {
+        dlosses = batch_loss_masks_[size_t(mb)].clone();
+        ops::scale_(dlosses, loss_scale);
+      } else {
+        tokens_sum += double(T);
+        dlosses = Tensor::empty({T}, DType::F32, device);
+        dlosses.fill(loss_scale);
+      }
+      aux_grad_scale = float(double(loss_scale) * double(mbs * args_.model.seq_length));
+    } else if (args_.eod_mask_loss) {
       // Megatron's loss with its mask: the mean over the micro-batch's unmasked tokens,
       // averaged over micro-batches (the staged weights are mask / unmasked tokens).
       dlosses = batch_loss_weights_[size_t(mb)].clone();
@@ -325,7 +345,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
       dlosses = Tensor::empty({T}, DType::F32, device);
       dlosses.fill(float(double(loss_scale) / (double(T) * double(n_mb))));
     }
-    chunks_[0]->backward(dlosses, loss_scale / float(n_mb));
+    chunks_[0]->backward(dlosses, aux_grad_scale);
   }
   local_loss_sum_ = loss_sum.clone();
   // The LM loss exists on the last stage; summed over the pipeline there (before the
@@ -384,9 +404,16 @@ Trainer::StepOutputs Trainer::run_step(int64_t iteration) {
   // place, and the logged norm is the one before clipping, as in Megatron), the skip of
   // a non-finite step and, under --check-for-nan-in-loss-and-grad, the stop before its
   // update are all decided on the device.
-  out.update =
-      optimizer_->step_on_device(lr_, double(args_.clip_grad), out.loss.sum,
-                                 args_.check_for_nan_in_loss_and_grad, scaler_->inv_scale());
+  // --calculate-per-token-loss: the gradients (of the summed losses, summed over the
+  // data-parallel ranks) divided by the step's loss tokens over the data- and context-parallel
+  // ranks (Megatron-LM d98e8a6 finalize_model_grads: num_tokens broadcast from the last
+  // stage and all-reduced over dp_cp, then scale_gradients(1 / num_tokens)), folded into the
+  // optimizer's unscaling. The count is the logged loss's: out.loss.tokens, on the host.
+  std::optional<double> per_token_loss_tokens;
+  if (args_.calculate_per_token_loss) per_token_loss_tokens = out.loss.tokens;
+  out.update = optimizer_->step_on_device(lr_, double(args_.clip_grad), out.loss.sum,
+                                          args_.check_for_nan_in_loss_and_grad,
+                                          scaler_->inv_scale(), per_token_loss_tokens);
   ddp_->start_param_sync();  // the unchanged weights again after a skipped step
   // Expert biases (updated whether or not the step was skipped, as Megatron's
   // finalize_model_grads does) and the routers' metrics.

@@ -65,13 +65,14 @@ router_flags() {  # NAME
 # "MG=reduce" the same through --bf16 --grad-reduce-in-bf16; "ZATOL=n" compares the zero
 # counts within n elements (tools/compare_runs.py --num-zeros-atol; default exact).
 # "EOD=1" leaves the predictions at eod input tokens out of the loss (--eod-mask-loss).
+# "PTL=1" divides the gradients by the step's loss tokens (--calculate-per-token-loss).
 # "BS=ramp" ramps the global batch size from 4 to 8 after 8 samples (--rampup-batch-size
 # 4 4 8: batches 4, 4, 8), "BS=step" steps it at 128 tokens (--step-batch-size-schedule
 # "0:4 128:8", thresholds in tokens of 16: the same batches); the schedule and the
 # learning rate follow the consumed samples, which compare_runs.py checks exactly.
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
-  EOD=0
+  EOD=0 PTL=0
   local setting
   for setting in $1; do
     case $setting in
@@ -93,6 +94,7 @@ use_variant() {  # "VAR=value ..."
       MG=*) MG=${setting#*=} ;;
       ZATOL=*) ZATOL=${setting#*=} ;;
       EOD=*) EOD=${setting#*=} ;;
+      PTL=*) PTL=${setting#*=} ;;
       BS=*) BS=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
@@ -118,6 +120,7 @@ run() {  # NAME NP FLAGS...
   [ "$FP16" = 0 ] || model+=(--fp16 --initial-loss-scale 1024 --loss-scale-window 2)
   [ "$OFF" = 0 ] || model+=(--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5)
   [ "$EOD" = 0 ] || model+=(--eod-mask-loss)
+  [ "$PTL" = 0 ] || model+=(--calculate-per-token-loss)
   case $MG in
     bf16) model+=(--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16) ;;
     reduce) model+=(--bf16 --grad-reduce-in-bf16) ;;
@@ -326,6 +329,17 @@ layouts=(
   "pp2-eod-mask-loss|2|--pipeline-model-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
   "pp2-dp2-eod-mask-loss|4|--pipeline-model-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
   "tp2-sp-eod-mask-loss|2|--tensor-model-parallel-size 2 --sequence-parallel|EOD=1 VOCAB=7 PAD=4"
+  # --calculate-per-token-loss (issue 20): each rank's gradients are of its summed losses,
+  # summed over DP and divided by the step's loss tokens over the DP ranks (counted on the
+  # last stage under PP); with the eod mask the micro-batches' counts differ, so a per-rank
+  # or per-micro-batch division would not match one rank. The aux losses' gradients (EP2)
+  # carry the micro-batch's tokens; FP16 scales the summed losses by the loss scale.
+  "dp2-distributed-optimizer-per-token-eod|2|--use-distributed-optimizer|PTL=1 EOD=1 VOCAB=7 PAD=4"
+  "pp2-per-token-eod|2|--pipeline-model-parallel-size 2|PTL=1 EOD=1 VOCAB=7 PAD=4"
+  "pp2-interleaved-per-token-eod|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 PTL=1 EOD=1 VOCAB=7 PAD=4"
+  "tp2-sp-per-token-eod|2|--tensor-model-parallel-size 2 --sequence-parallel|PTL=1 EOD=1 VOCAB=7 PAD=4"
+  "ep2-alltoall-per-token|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|PTL=1"
+  "dp2-per-token-fp16|2||PTL=1 FP16=1"
   # Batch-size schedules (issue 19): each step's micro-batches split over the DP ranks
   # (1 then 2 per rank), the pipeline's micro-batch count changing between steps.
   "dp2-rampup|2||BS=ramp"

@@ -92,12 +92,11 @@ GPTConfig config_of(const nlohmann::json& c) {
   return cfg;
 }
 
-// Whether the test can run the case: Megaton has no padding mask, no per-token loss
-// scaling, no token dropping yet; forced balancing draws other random numbers than
-// torch; the bf16 case computes its logits in bf16.
+// Whether the test can run the case: Megaton has no padding mask, no token dropping yet;
+// forced balancing draws other random numbers than torch; the bf16 case computes its
+// logits in bf16.
 bool supported(const nlohmann::json& c, std::string* why) {
   if (c.value("padding", false)) return *why = "padding mask", false;
-  if (c.value("calculate_per_token_loss", false)) return *why = "per-token loss", false;
   // Megatron's position policy keeps whichever entries torch.topk returns among equal 0/1
   // values, and padding adds zero-weight entries to the map: only the probs policy
   // without padding has one answer.
@@ -180,11 +179,17 @@ TEST(RouterGolden, EveryRoutingAndLossOptionMatchesMegatron) {
           dprobs.f32()[t * k + j] = e == E ? 1e3f : upstream.f32()[t * E + e];
         }
       Tensor dx = Tensor::zeros({B * S, E});
-      router.backward(dprobs, float(c.at("aux_loss_backward_scale").get<double>()), dx);
+      // --calculate-per-token-loss: Megatron's router multiplies each injected loss by its
+      // tokens x TP x CP size (here B x S); Megaton's trainer passes that factor in the
+      // aux-loss gradient scale.
+      const double per_token = c.value("calculate_per_token_loss", false) ? double(B * S) : 1.0;
+      router.backward(dprobs, float(c.at("aux_loss_backward_scale").get<double>() * per_token), dx);
       expect_close(dx, to_megaton_rows(tensor(p + ".dlogits"), B, S), 1e-7, 2e-5, "dlogits");
       double injected = 0;
       for (const auto& l : c.at("injected_losses")) injected += scalar(p + ".loss." + l.get<std::string>());
-      EXPECT_NEAR(router.last_loss(), injected, 1e-6 * std::abs(injected) + 1e-9) << "injected losses";
+      // (Megatron's recorded injected losses carry the per-token factor.)
+      EXPECT_NEAR(router.last_loss() * per_token, injected, 1e-6 * std::abs(injected) + 1e-9)
+          << "injected losses";
     }
     // Logged values: sums over micro-batches / M (the trainer's scaling for one rank).
     const TopKRouter::Metrics& got = router.metrics();
@@ -204,7 +209,8 @@ TEST(RouterGolden, EveryRoutingAndLossOptionMatchesMegatron) {
     }
     ++run;
   }
-  EXPECT_EQ(run, 44) << "golden cases run (of 70: fn.* and dist.* are tested at op and layout level)";
+  EXPECT_EQ(run, 45)
+      << "golden cases run (of 70: fn.* and dist.* are tested at op and layout level)";
 }
 
 }  // namespace

@@ -84,6 +84,7 @@ void parse_training(const ArgReader& r, TrainArgs& a) {
   r.get("eval-iters", a.eval_iters);
   r.get("exit-interval", a.exit_interval);
   r.get("seed", a.seed);
+  r.get("calculate-per-token-loss", a.calculate_per_token_loss);
   r.get("deterministic-mode", a.deterministic_mode);
   // Megatron asks for NCCL_ALGO to be one of these in deterministic mode (its all-reduce
   // order otherwise depends on the algorithm NCCL picks); the Trainer sets Ring when it is
@@ -178,6 +179,10 @@ ArgGroup training_flags() {
       flag("profile-step-end", "the iteration the profiled range ends at (default 12)"),
       values("profile-ranks", "the global ranks that profile (default 0)"),
       flag("seed", "random seed"),
+      toggle("calculate-per-token-loss",
+             "the gradient of the step's summed per-token losses over its loss tokens on all "
+             "micro-batches and data-parallel ranks, not the mean of micro-batch means "
+             "(Megatron's per-token loss; the logged lm loss is the same)"),
       toggle("deterministic-mode",
              "bitwise-reproducible GPU runs (deterministic embedding and "
              "attention backward; NCCL_ALGO Ring unless set), slower"),

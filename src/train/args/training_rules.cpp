@@ -7,7 +7,6 @@ namespace megaton {
 
 std::vector<OptionSpec> training_megatron_rules() {
   return {
-      unsupported("calculate-per-token-loss", "0", "per-token loss normalization (issue 20)"),
       unsupported("enable-cuda-graph", "0",
                   "per-layer CUDA graphs (--cuda-graph-impl full_iteration is available)"),
       unsupported("external-cuda-graph", "0",
