@@ -28,8 +28,8 @@ TEST(CudaRopeInterleaved, ForwardAndBackwardMatchCpu) {
   for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     SCOPED_TRACE(dtype_name(dtype));
     // Values the dtype holds exactly; positions up to 4096 + 300.
-    const Tensor x = randn({2, 300, 4, 64}, seed).to(dtype).to(DType::F32);
-    const Tensor dy = randn(x.shape(), seed + 1).to(dtype).to(DType::F32);
+    const Tensor x = testing::randn({2, 300, 4, 64}, seed).to(dtype).to(DType::F32);
+    const Tensor dy = testing::randn(x.shape(), seed + 1).to(dtype).to(DType::F32);
     Tensor y = Tensor::empty(x.shape()), dx = Tensor::empty(x.shape());
     ops::rope_interleaved_forward(x, y, inv_freq, scale, 4096);
     ops::rope_interleaved_backward(dy, dx, inv_freq, scale, 4096);
