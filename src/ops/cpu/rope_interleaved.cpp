@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/cpu/rope_tables.h"
 #include "ops/dispatch.h"
 #ifdef MEGATON_WITH_CUDA
 #include "ops/cuda/rope_interleaved.h"
@@ -36,15 +37,8 @@ void check_args(const Tensor& x, const Tensor& y, const std::vector<float>& inv_
 void apply(const Tensor& in, Tensor& out, const std::vector<float>& inv_freq, float scale,
            int64_t position_offset, bool forward) {
   const int64_t B = in.dim(0), S = in.dim(1), heads = in.dim(2), D = in.dim(3), half = D / 2;
-  std::vector<float> cos_table(size_t(S * half)), sin_table(size_t(S * half));
-  for (int64_t s = 0; s < S; ++s) {
-    const float pos = float(s + position_offset);
-    for (int64_t j = 0; j < half; ++j) {
-      const float angle = pos * inv_freq[size_t(j)];
-      cos_table[size_t(s * half + j)] = float(std::cos(double(angle)));
-      sin_table[size_t(s * half + j)] = float(std::sin(double(angle)));
-    }
-  }
+  std::vector<float> cos_table, sin_table;
+  cpu::rope_tables_from_inv_freq(S, inv_freq, position_offset, cos_table, sin_table);
   const float* src = in.f32();
   float* dst = out.f32();
   for (int64_t b = 0; b < B; ++b)

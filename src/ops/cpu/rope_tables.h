@@ -7,20 +7,14 @@
 
 namespace megaton::ops::cpu {
 
-// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2].
-// Computed as HF Llama (LlamaRotaryEmbedding) and Megatron (RotaryEmbedding) do in fp32:
-// inv_freq = 1 / base^(float(2i) / D), angle = float(pos) * inv_freq, both rounded to
-// fp32, so that long positions see the same angle rounding as the references (at
-// position 4096 one fp32 ulp of the angle is ~5e-4). cos/sin of that fp32 angle are then
-// evaluated in double and rounded once. pos = s + position_offset.
-inline void rope_tables(int64_t S, int64_t D, float base, int64_t position_offset,
-                        std::vector<float>& cos_table, std::vector<float>& sin_table) {
-  const int64_t half = D / 2;
-  std::vector<float> inv_freq(half);
-  for (int64_t i = 0; i < half; ++i) {
-    float exponent = float(2 * i) / float(D);
-    inv_freq[i] = 1.0f / std::pow(base, exponent);
-  }
+// cos and sin of angle(s, i) = float(s + position_offset) * inv_freq[i] (one fp32 multiply)
+// for s < S and the inv_freq.size() frequencies, laid out [S, inv_freq.size()]; cos/sin of
+// that fp32 angle are evaluated in double and rounded once (at position 4096 one fp32 ulp
+// of the angle is ~5e-4, so matching the references' fp32 angle is what matters).
+inline void rope_tables_from_inv_freq(int64_t S, const std::vector<float>& inv_freq,
+                                      int64_t position_offset, std::vector<float>& cos_table,
+                                      std::vector<float>& sin_table) {
+  const int64_t half = int64_t(inv_freq.size());
   cos_table.resize(S * half);
   sin_table.resize(S * half);
   for (int64_t s = 0; s < S; ++s) {
@@ -31,6 +25,20 @@ inline void rope_tables(int64_t S, int64_t D, float base, int64_t position_offse
       sin_table[s * half + i] = float(std::sin(double(angle)));
     }
   }
+}
+
+// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2], with RoPE's
+// frequencies computed as HF Llama (LlamaRotaryEmbedding) and Megatron (RotaryEmbedding) do
+// in fp32: inv_freq = 1 / base^(float(2i) / D) (rope_tables_from_inv_freq for the rest).
+inline void rope_tables(int64_t S, int64_t D, float base, int64_t position_offset,
+                        std::vector<float>& cos_table, std::vector<float>& sin_table) {
+  const int64_t half = D / 2;
+  std::vector<float> inv_freq(half);
+  for (int64_t i = 0; i < half; ++i) {
+    float exponent = float(2 * i) / float(D);
+    inv_freq[i] = 1.0f / std::pow(base, exponent);
+  }
+  rope_tables_from_inv_freq(S, inv_freq, position_offset, cos_table, sin_table);
 }
 
 // One head of D values rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,

@@ -15,17 +15,14 @@
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/pointwise_util.cuh"
+#include "ops/cuda/rope_table.cuh"
 
 namespace megaton::ops::cuda {
 namespace {
 
-// Up to D = 512: the frequencies travel as a kernel argument (1 KiB), no device buffer.
-constexpr int kMaxHalfDim = 256;
+constexpr int kMaxHalfDim = detail::kRopeMaxHalfDim;
 constexpr int kThreads = 256;
-
-struct InvFreq {
-  float value[kMaxHalfDim];
-};
+using InvFreq = detail::RopeInvFreq;
 
 // 16-bit values round to nearest even, as the CPU's float_to_bf16 and float_to_fp16.
 template <typename T>
@@ -47,12 +44,7 @@ __global__ void rope_kernel(const T* x, T* y, int64_t S, int heads, int half,
   extern __shared__ float table[];  // cos[half], then sin[half]
   const int64_t row = blockIdx.x;   // b * S + s
   const int64_t s = row % S;
-  const float pos = float(s + position_offset);
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float angle = __fmul_rn(pos, inv_freq.value[i]);  // no contraction, as on the CPU
-    table[i] = float(cos(double(angle)));
-    table[half + i] = float(sin(double(angle)));
-  }
+  detail::fill_rope_table(table, float(s + position_offset), half, inv_freq);
   __syncthreads();
   const int64_t row_start = row * int64_t(heads) * 2 * half;
   for (int pair = threadIdx.x; pair < heads * half; pair += blockDim.x) {

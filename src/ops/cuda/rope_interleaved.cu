@@ -6,17 +6,15 @@
 #include "core/cuda/cuda_check.h"
 #include "core/error.h"
 #include "ops/cuda/pointwise_util.cuh"
+#include "ops/cuda/rope_table.cuh"
 #include "ops/cuda/rope_interleaved.h"
 
 namespace megaton::ops::cuda {
 namespace {
 
-constexpr int kMaxHalfDim = 256;
+constexpr int kMaxHalfDim = detail::kRopeMaxHalfDim;
 constexpr int kThreads = 256;
-
-struct InvFreq {
-  float value[kMaxHalfDim];
-};
+using InvFreq = detail::RopeInvFreq;
 
 // One block per token row (b, s): cos/sin of its position in shared memory, then every
 // (head, pair) of the row. y never aliases x, so pairs may move freely.
@@ -26,12 +24,7 @@ __global__ void rope_interleaved_kernel(const T* x, T* y, int64_t S, int heads, 
                                         InvFreq inv_freq) {
   extern __shared__ float table[];  // cos[half], then sin[half]
   const int64_t row = blockIdx.x;   // b * S + s
-  const float pos = float(row % S + position_offset);
-  for (int j = threadIdx.x; j < half; j += blockDim.x) {
-    const float angle = __fmul_rn(pos, inv_freq.value[j]);  // no contraction, as on the CPU
-    table[j] = float(cos(double(angle)));
-    table[half + j] = float(sin(double(angle)));
-  }
+  detail::fill_rope_table(table, float(row % S + position_offset), half, inv_freq);
   __syncthreads();
   const int64_t row_start = row * int64_t(heads) * 2 * half;
   for (int pair = threadIdx.x; pair < heads * half; pair += blockDim.x) {
