@@ -64,7 +64,9 @@ void GPTConfig::finalize() {
   positive("vocab size (from the tokenizer)", vocab_size);
   positive("make-vocab-size-divisible-by", make_vocab_size_divisible_by);
   if (ffn_hidden_size == 0) ffn_hidden_size = 4 * hidden_size;
-  if (kv_channels == 0) {
+  if (kv_channels == 0 && multi_latent_attention) {
+    kv_channels = v_head_dim;  // unused by MLA, whose head dims are its own fields
+  } else if (kv_channels == 0) {
     if (hidden_size % num_attention_heads != 0)
       fail("hidden-size ({}) is not divisible by num-attention-heads ({}); set kv-channels",
            hidden_size, num_attention_heads);
@@ -86,7 +88,9 @@ void GPTConfig::finalize() {
       seq_length > max_position_embeddings)
     fail("seq-length ({}) exceeds max-position-embeddings ({})", seq_length,
          max_position_embeddings);
-  if (position_embedding_type == PositionEmbedding::Rope && kv_channels % 2 != 0)
+  finalize_mla_mtp();
+  if (!multi_latent_attention && position_embedding_type == PositionEmbedding::Rope &&
+      kv_channels % 2 != 0)
     fail("kv-channels ({}) must be even for rope", kv_channels);
   if (hidden_dropout < 0 || hidden_dropout >= 1)
     fail("hidden-dropout must be in [0, 1) (got {})", hidden_dropout);

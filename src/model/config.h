@@ -9,11 +9,14 @@
 #include "model/cpu_offloading_config.h"
 #include "model/fp8_config.h"
 #include "model/recompute_config.h"
+#include "model/rope_scaling.h"
 
 namespace megaton {
 
 enum class Normalization { LayerNorm, RMSNorm };
 enum class PositionEmbedding { LearnedAbsolute, Rope };
+// --rope-type: how multi-latent attention builds its rotary table (Megatron's rope_type).
+enum class RopeType { Rope, Yarn };
 
 // Field names are Megatron's argument names with '-' -> '_'. Defaults are Megatron's
 // unless noted. Sizes are in elements.
@@ -41,6 +44,30 @@ struct GPTConfig {
   bool swiglu = false;
   PositionEmbedding position_embedding_type = PositionEmbedding::LearnedAbsolute;
   float rotary_base = 10000.0f;
+  // --rope-type (MLA only; Megatron's default for MLA is yarn, which with
+  // --rotary-scaling-factor 1 is plain RoPE) and YaRN's parameters: factor
+  // (--rotary-scaling-factor), --original-max-position-embeddings, --beta-fast,
+  // --beta-slow, --mscale, --mscale-all-dim (model/rope_scaling.h).
+  RopeType rope_type = RopeType::Rope;
+  YarnConfig yarn;
+
+  // Multi-latent attention (DeepSeek-V2/V3; Megatron's MLASelfAttention, model/mla.h):
+  // --multi-latent-attention replaces every layer's self attention. q_lora_rank 0: no q
+  // compression (Megatron's None: linear_q_proj). Per head: the query and key have
+  // qk_head_dim + qk_pos_emb_head_dim values (the latter rotated), the value v_head_dim.
+  bool multi_latent_attention = false;
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 32;
+  int64_t qk_head_dim = 128;
+  int64_t qk_pos_emb_head_dim = 64;
+  int64_t v_head_dim = 128;
+
+  // Multi-token prediction (DeepSeek-V3; Megatron's MultiTokenPredictionBlock, model/mtp.h):
+  // mtp_num_layers depths after the decoder, each predicting one token further; their
+  // mean loss times mtp_loss_scaling_factor joins the objective.
+  int64_t mtp_num_layers = 0;
+  float mtp_loss_scaling_factor = 0.1f;
+
   bool untie_embeddings_and_output_weights = false;
   float init_method_std = 0.02f;
   // The std of the layers that write into the residual stream (attention's linear_proj,
@@ -142,6 +169,10 @@ struct GPTConfig {
   // The MoE experts' widths per expert-tensor-parallel rank (etp: the resolved
   // --expert-tensor-parallel-size) too; their token rows are padded, not checked.
   void check_fp8_dimensions(int64_t tokens_per_micro_batch, int64_t etp) const;
+
+ private:
+  // finalize()'s checks of the MLA, RoPE-type and MTP fields (config_mla.cpp).
+  void finalize_mla_mtp();
 };
 
 }  // namespace megaton

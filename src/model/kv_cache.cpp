@@ -7,11 +7,18 @@ InferenceContext::InferenceContext(const GPTConfig& cfg, int64_t max_sequence_le
     : max_sequence_length(max_sequence_length_in) {
   MEGATON_CHECK(max_sequence_length >= 1, "InferenceContext: max_sequence_length {} must be >= 1",
                 max_sequence_length);
-  const Shape shape{max_sequence_length, cfg.num_query_groups, cfg.kv_channels};
+  // Multi-latent attention caches every head's key (qk + rope values) and value (v values).
+  const bool mla = cfg.multi_latent_attention;
+  const Shape key_shape = mla ? Shape{max_sequence_length, cfg.num_attention_heads,
+                                     cfg.qk_head_dim + cfg.qk_pos_emb_head_dim}
+                              : Shape{max_sequence_length, cfg.num_query_groups, cfg.kv_channels};
+  const Shape value_shape =
+      mla ? Shape{max_sequence_length, cfg.num_attention_heads, cfg.v_head_dim} : key_shape;
   key_value_memory_dict.reserve(size_t(cfg.num_layers));
   for (int64_t layer = 0; layer < cfg.num_layers; ++layer)
-    key_value_memory_dict.push_back({Tensor::empty(shape, cfg.compute_dtype(), cfg.device),
-                                     Tensor::empty(shape, cfg.compute_dtype(), cfg.device)});
+    key_value_memory_dict.push_back(
+        {Tensor::empty(key_shape, cfg.compute_dtype(), cfg.device),
+         Tensor::empty(value_shape, cfg.compute_dtype(), cfg.device)});
 }
 
 int64_t max_inference_positions(const GPTConfig& cfg) {

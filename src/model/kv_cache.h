@@ -17,7 +17,10 @@ namespace megaton {
 // row p = the token at position p, after RoPE (and --qk-layernorm), in the model's compute
 // dtype on its device. It is Megatron's [max_sequence_length, batch, groups, head dim]
 // with a batch of one: a new token's key is one contiguous row (the append is one copy),
-// and a prefill's keys [n, groups, d] are the first n rows, one copy.
+// and a prefill's keys [n, groups, d] are the first n rows, one copy. Multi-latent attention
+// caches [max_sequence_length, num_attention_heads, qk_head_dim + qk_pos_emb_head_dim] keys
+// and [.., num_attention_heads, v_head_dim] values (the expanded form; Megatron's
+// --cache-mla-latents compressed cache is not built).
 class InferenceContext {
  public:
   // One key and one value tensor per layer of cfg (finalize()d), uninitialised: rows at or
@@ -25,7 +28,7 @@ class InferenceContext {
   InferenceContext(const GPTConfig& cfg, int64_t max_sequence_length);
 
   struct LayerCache {
-    Tensor key, value;  // [max_sequence_length, num_query_groups, kv_channels]
+    Tensor key, value;  // [max_sequence_length, num_query_groups, kv_channels] (MLA: above)
   };
   // Index: the layer number (0-based).
   std::vector<LayerCache> key_value_memory_dict;

@@ -3,13 +3,14 @@
 
 #include "core/error.h"
 #include "model/attention.h"
+#include "model/mla.h"
 #include "model/mlp_blocks.h"
 
 namespace megaton {
 
 LayerSpec decoder_layer_spec(const GPTConfig& cfg, int64_t layer) {
   LayerSpec spec;
-  spec.mixer = MixerKind::SelfAttention;
+  spec.mixer = cfg.multi_latent_attention ? MixerKind::MLA : MixerKind::SelfAttention;
   spec.mlp = cfg.is_moe_layer(layer) ? MlpKind::MoE : MlpKind::Dense;
   return spec;
 }
@@ -17,6 +18,7 @@ LayerSpec decoder_layer_spec(const GPTConfig& cfg, int64_t layer) {
 const char* mixer_kind_name(MixerKind kind) {
   switch (kind) {
     case MixerKind::SelfAttention: return "self_attention";
+    case MixerKind::MLA: return "mla";
   }
   return "?";
 }
@@ -34,6 +36,7 @@ std::unique_ptr<Mixer> make_mixer(MixerKind kind, const std::string& prefix,
                                   const ModelParallel& mp) {
   switch (kind) {
     case MixerKind::SelfAttention: return make_self_attention_mixer(prefix, cfg, layer, seed, mp);
+    case MixerKind::MLA: return make_mla_mixer(prefix, cfg, layer, seed, mp);
   }
   MEGATON_CHECK(false, "make_mixer: unknown mixer kind {}", int(kind));
   return nullptr;

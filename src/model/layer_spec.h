@@ -26,6 +26,7 @@ class MoELayer;
 // The token mixer of a layer (Megatron's self_attention slot; HybridModel's "*").
 enum class MixerKind {
   SelfAttention,  // fused-QKV grouped-query attention with RoPE (model/attention.h)
+  MLA,            // multi-latent attention (model/mla.h)
 };
 // The MLP of a layer (Megatron's mlp slot; HybridModel's "-" and "E").
 enum class MlpKind {
@@ -41,7 +42,7 @@ struct LayerSpec {
 // Megatron's get_gpt_decoder_layer_specs: decoder layer `layer`'s spec from the config
 // (MoE where --moe-layer-freq / num_experts say so, GPTConfig::is_moe_layer).
 LayerSpec decoder_layer_spec(const GPTConfig& cfg, int64_t layer);
-const char* mixer_kind_name(MixerKind kind);  // "self_attention"
+const char* mixer_kind_name(MixerKind kind);  // "self_attention", "mla"
 const char* mlp_kind_name(MlpKind kind);      // "dense", "moe"
 
 // A layer's token mixer: [T, H] -> [T, H] rows of one micro-batch (under sequence

@@ -245,6 +245,48 @@ TEST(ModelGradients, QkLayernormRMSNormRopeGqaMoE) {
   check_gradients(c);
 }
 
+// Multi-latent attention (model/mla.h) with q LoRA, its latent RMSNorms (qk_layernorm),
+// YaRN (factor 4 over an original context of 2 positions, mscale != mscale_all_dim) and a
+// value head unlike the query/key head, before an MoE layer with a sigmoid router.
+TEST(ModelGradients, MultiLatentAttentionQLoraYarnMoE) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.swiglu = true;
+  c.disable_bias_linear = true;
+  c.untie_embeddings_and_output_weights = true;
+  c.qk_layernorm = true;
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 6;
+  c.kv_lora_rank = 5;
+  c.qk_head_dim = 3;
+  c.qk_pos_emb_head_dim = 4;
+  c.v_head_dim = 2;
+  c.rope_type = RopeType::Yarn;
+  c.yarn.factor = 4;
+  c.yarn.original_max_position_embeddings = 2;
+  c.yarn.mscale = 1.0;
+  c.yarn.mscale_all_dim = 0.5;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 12;
+  c.moe_router_topk = 2;
+  c.moe_router_score_function = "sigmoid";
+  c.moe_layer_freq = 2;
+  check_gradients(c);
+}
+
+// MLA without q LoRA (linear_q_proj) or latent norms, plain RoPE, LayerNorm and biases.
+TEST(ModelGradients, MultiLatentAttentionWithoutQLoraRope) {
+  GPTConfig c = base_config();
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.multi_latent_attention = true;
+  c.kv_lora_rank = 6;
+  c.qk_head_dim = 4;
+  c.qk_pos_emb_head_dim = 2;
+  c.v_head_dim = 5;
+  check_gradients(c);
+}
+
 // The LayerNorm form of the q/k norms (weight and bias), with learned positions (no RoPE)
 // and linear biases.
 TEST(ModelGradients, QkLayernormLayerNormLearnedPositions) {

@@ -37,9 +37,12 @@ std::vector<Choice> choices() {
       {"moe", selective, RecomputeMethod::None, 0, kRecomputeMoe},
       {"shared_experts", selective, RecomputeMethod::None, 0, kRecomputeSharedExperts},
       {"mlp_layernorm", selective, RecomputeMethod::None, 0, kRecomputeMlp | kRecomputeLayernorm},
+      {"mla_up_proj", selective, RecomputeMethod::None, 0, kRecomputeMlaUpProj},
+      {"mla_up_proj_core_attn", selective, RecomputeMethod::None, 0,
+       kRecomputeMlaUpProj | kRecomputeCoreAttn},
       {"all_selective", selective, RecomputeMethod::None, 0,
        kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMlp | kRecomputeMoe |
-           kRecomputeSharedExperts | kRecomputeMoeAct},
+           kRecomputeSharedExperts | kRecomputeMoeAct | kRecomputeMlaUpProj},
   };
 }
 
@@ -143,7 +146,8 @@ int64_t least_saving(const GPTConfig& cfg, const PipelineChunk& part, const Choi
                    (c.modules & kRecomputeMlp) != 0;
   int64_t bytes = 0;
   for (int64_t l = part.first_layer; l < part.first_layer + layers; ++l) {
-    if (core_attn) bytes += T * cfg.num_attention_heads * cfg.kv_channels * 4;
+    const int64_t head_out = cfg.multi_latent_attention ? cfg.v_head_dim : cfg.kv_channels;
+    if (core_attn) bytes += T * cfg.num_attention_heads * head_out * 4;
     if (mlp && !cfg.is_moe_layer(l)) {
       bytes += T * (cfg.swiglu ? 2 : 1) * cfg.ffn_hidden_size * 4;
       // FP8: the MLP keeps its input x (fp32 here) where fc1 kept its 1-byte FP8 x^T.
@@ -172,7 +176,8 @@ void check_choices(const testing::TinyGptVariant& v, bool capacity, const char* 
       // Every choice that applies to the variant keeps less; moe and shared_experts only
       // apply to MoE models (shared_experts with a shared expert).
       const bool applies = !(c.name == "moe" && !v.moe) &&
-                           !(c.name == "shared_experts" && !v.shared_expert);
+                           !(c.name == "shared_experts" && !v.shared_expert) &&
+                           !(c.name == "mla_up_proj" && !v.mla);
       if (applies) {
         EXPECT_LT(got.held_bytes, want.held_bytes);
         EXPECT_GE(want.held_bytes - got.held_bytes, least_saving(cfg, part, c));

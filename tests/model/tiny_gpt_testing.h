@@ -23,6 +23,9 @@ struct TinyGptVariant {
   bool swiglu = false;
   bool bias = true;
   bool shared_expert = false;  // MoE only
+  // Multi-latent attention (with qk_layernorm: its q/kv latent norms) with q LoRA and
+  // YaRN; no GQA.
+  bool mla = false;
   int64_t seq_length = 8;
   int64_t max_position_embeddings = 0;  // 0: seq_length
 };
@@ -48,6 +51,10 @@ inline std::vector<TinyGptVariant> tiny_gpt_variants() {
   // MoE with learned positions, q/k norms, GeLU, biases, tied output and a shared expert.
   v.push_back({.name = "moe_learned_qk_layernorm_gelu_bias_tied_shared", .moe = true,
                .qk_layernorm = true, .shared_expert = true});
+  // DeepSeek-V3 style: MLA with q LoRA, latent norms and YaRN, MoE with a shared expert.
+  v.push_back({.name = "mla_moe_yarn_rmsnorm_swiglu_shared", .moe = true, .rope = true,
+               .qk_layernorm = true, .untie = true, .rmsnorm = true, .swiglu = true,
+               .bias = false, .shared_expert = true, .mla = true});
   return v;
 }
 
@@ -80,6 +87,22 @@ inline GPTConfig tiny_gpt_config(const TinyGptVariant& v, Device device = Device
     c.moe_router_topk = 2;
     c.moe_aux_loss_coeff = 0.01f;  // a training-only loss: must not matter here
     if (v.shared_expert) c.moe_shared_expert_intermediate_size = 16;
+  }
+  if (v.mla) {
+    // Every width a multiple of 16 (the FP8 GEMMs) and the value head (8) unlike the query
+    // / key head (16 + 16). YaRN with factor 4 over an original context of 4 positions: the
+    // ramp and both mscales take part, mscale != mscale_all_dim (Megatron's bug #1429).
+    c.multi_latent_attention = true;
+    c.q_lora_rank = 16;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 16;
+    c.qk_pos_emb_head_dim = 16;
+    c.v_head_dim = 8;
+    c.rope_type = RopeType::Yarn;
+    c.yarn.factor = 4;
+    c.yarn.original_max_position_embeddings = 4;
+    c.yarn.mscale = 1.0;
+    c.yarn.mscale_all_dim = 0.707;
   }
   c.device = device;
   c.bf16 = bf16;

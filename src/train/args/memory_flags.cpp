@@ -63,10 +63,8 @@ void parse_recompute_args(const ArgReader& r, TrainArgs& a) {
             "recompute-modules: '{}' is not one of core_attn, moe_act, layernorm, mlp, moe, "
             "shared_experts, mla_up_proj",
             printable(name));
-      if (bit == kRecomputeMlaUpProj)
-        fail(
-            "recompute-modules: mla_up_proj needs multi-latent attention, which Megaton does "
-            "not build yet");
+      if (bit == kRecomputeMlaUpProj && !a.model.multi_latent_attention)
+        fail("recompute-modules: mla_up_proj needs multi-latent-attention");
       rc.modules |= bit;
     }
   }

@@ -49,12 +49,34 @@ void parse_model(const ArgReader& r, TrainArgs& a) {
   if (rotary_percent != 1.0)
     fail(
         "rotary-percent {} is not supported in Megaton: RoPE rotates the whole head "
-        "(partial RoPE: issue 20)",
+        "(partial RoPE is not supported)",
         rotary_percent);
-  std::string rope_type = "rope";
+  // Multi-latent attention and its RoPE (--rope-type: Megatron's default is yarn for MLA,
+  // rope otherwise).
+  r.get("multi-latent-attention", m.multi_latent_attention);
+  r.get("q-lora-rank", m.q_lora_rank);
+  if (r.has("q-lora-rank")) check_positive("q-lora-rank", double(m.q_lora_rank));
+  r.get("kv-lora-rank", m.kv_lora_rank);
+  r.get("qk-head-dim", m.qk_head_dim);
+  r.get("qk-pos-emb-head-dim", m.qk_pos_emb_head_dim);
+  r.get("v-head-dim", m.v_head_dim);
+  std::string rope_type = m.multi_latent_attention ? "yarn" : "rope";
   r.get("rope-type", rope_type);
-  if (rope_type != "rope")
-    fail("rope-type {} is not supported in Megaton yet (YaRN: issue 20)", rope_type);
+  if (rope_type == "rope")
+    m.rope_type = RopeType::Rope;
+  else if (rope_type == "yarn")
+    m.rope_type = RopeType::Yarn;
+  else
+    fail("option 'rope-type' must be rope or yarn (got '{}')", rope_type);
+  if (r.has("rope-type") && rope_type == "yarn" && !r.has("rotary-scaling-factor"))
+    fail("rope-type yarn needs rotary-scaling-factor (YaRN's context extension factor)");
+  YarnConfig& y = m.yarn;
+  r.get("rotary-scaling-factor", y.factor);
+  r.get("original-max-position-embeddings", y.original_max_position_embeddings);
+  r.get("beta-fast", y.beta_fast);
+  r.get("beta-slow", y.beta_slow);
+  r.get("mscale", y.mscale);
+  r.get("mscale-all-dim", y.mscale_all_dim);
   // Megatron's deprecated --no-position-embedding: no learned position embedding. A RoPE
   // model has none anyway; without RoPE, Megatron refuses it as well.
   if (r.on("no-position-embedding")) {
@@ -115,8 +137,25 @@ ArgGroup model_flags() {
              "with RoPE: no effect (there is no learned position "
              "embedding); refused without RoPE, as in Megatron"),
       flag("rotary-base", "RoPE base"),
-      flag("rotary-percent", "1.0 only: RoPE rotates the whole head (partial RoPE: issue 20)"),
-      flag("rope-type", "rope only (YaRN: issue 20)"),
+      flag("rotary-percent", "1.0 only: RoPE rotates the whole head (partial RoPE is not supported)"),
+      flag("rope-type",
+           "rope or yarn: multi-latent attention's rotary table (default yarn with "
+           "multi-latent-attention, which at rotary-scaling-factor 1 is plain RoPE)"),
+      toggle("multi-latent-attention",
+             "DeepSeek-V2/V3 multi-latent attention instead of self attention"),
+      flag("q-lora-rank", "MLA: rank of the query's low-rank compression (default none)"),
+      flag("kv-lora-rank", "MLA: rank of the key/value compression (default 32)"),
+      flag("qk-head-dim", "MLA: query/key head dim without the RoPE part (default 128)"),
+      flag("qk-pos-emb-head-dim", "MLA: the query/key RoPE part's head dim (default 64)"),
+      flag("v-head-dim", "MLA: value head dim (default 128)"),
+      flag("rotary-scaling-factor", "YaRN: the context extension factor (default 1)"),
+      own(flag("original-max-position-embeddings",
+               "YaRN: the context the model was trained on (MLATransformerConfig's field; "
+               "default 4096)")),
+      own(flag("beta-fast", "YaRN: rotations where interpolation starts (default 32)")),
+      own(flag("beta-slow", "YaRN: rotations where interpolation is full (default 1)")),
+      flag("mscale", "YaRN: the RoPE part's attention temperature (default 1.0)"),
+      flag("mscale-all-dim", "YaRN: the softmax temperature of the whole head (default 0.0)"),
       toggle("untie-embeddings-and-output-weights", "separate output layer"),
       flag("init-method-std", "std of the normal weight init"),
       toggle("disable-bias-linear", "no biases in linear layers"),
