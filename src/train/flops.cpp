@@ -11,6 +11,16 @@ double num_floating_point_operations(const GPTConfig& c, int64_t tokens) {
   double attention = 2.0 * h * (q + 2.0 * kv)  // linear_qkv
                      + 2.0 * q * h             // linear_proj
                      + 2.0 * s * q;            // causal QK^T and PV: 2 x (2 s q / 2)
+  if (c.multi_latent_attention) {
+    // MLA (Megatron's formula without its norm terms): the q projection(s), the kv down
+    // and up projections, linear_proj, and causal QK^T over qk + rope dims and PV over v.
+    const double n = double(c.num_attention_heads), dq = double(c.qk_head_dim + c.qk_pos_emb_head_dim),
+                 v = double(c.v_head_dim), rq = double(c.q_lora_rank), rkv = double(c.kv_lora_rank);
+    const double q_proj = rq > 0 ? 2.0 * (h * rq + rq * n * dq) : 2.0 * h * n * dq;
+    attention = q_proj + 2.0 * (h * (rkv + double(c.qk_pos_emb_head_dim)) +
+                                rkv * n * (double(c.qk_head_dim) + v)) +
+                2.0 * n * v * h + s * n * (dq + v);
+  }
   auto mlp = [&](double ffn) {
     double fc1 = 2.0 * h * ffn * (c.swiglu ? 2.0 : 1.0);
     return fc1 + 2.0 * ffn * h;

@@ -58,17 +58,53 @@ struct LayerMemory {
 // What the layer's selective recompute keeps (TransformerLayer's constructor).
 struct Keeps {
   bool qkv_input, core_attn_out, mlp_input, fc1_out, shared_fc1_out, moe_whole;
+  bool mla_up_proj_out = true;
 };
 Keeps keeps_of(const RecomputeConfig& rc, bool training) {
   return {!rc.selective(kRecomputeLayernorm), !rc.selective(kRecomputeCoreAttn),
           !rc.selective(kRecomputeLayernorm),  !rc.selective(kRecomputeMlp),
           !rc.selective(kRecomputeSharedExperts),
-          !(training && rc.selective(kRecomputeMoe))};
+          !(training && rc.selective(kRecomputeMoe)), !rc.selective(kRecomputeMlaUpProj)};
+}
+
+// Multi-latent attention's half of a layer (model/mla.cpp MLASelfAttention::forward and
+// backward), its norms and pre_mlp_layernorm; FP8's x^T copies are not counted apart.
+void mla_memory(const Dims& x, const Keeps& k, LayerMemory& out) {
+  const GPTConfig& m = x.m;
+  const double n = x.np / x.tp, T = x.T, dq = double(m.qk_head_dim + m.qk_pos_emb_head_dim),
+               v = double(m.v_head_dim), rq = double(m.q_lora_rank), rkv = double(m.kv_lora_rank);
+  out.input = x.act(x.Tl, x.H);
+  double s = out.input + x.norm_stats(x.Tl);  // input_layernorm: x, rstd (mean)
+  if (k.qkv_input) s += x.act(x.Tl, x.H);     // the down projections' (shared) input
+  // A latent [Tl, r]: kept by its norm (with statistics) and the norm's output by the up
+  // projection (or the mla_up_proj recompute), or, without --qk-layernorm, once.
+  auto latent = [&](double r) {
+    return m.qk_layernorm ? 2 * x.act(x.Tl, r) + x.norm_stats(x.Tl) : x.act(x.Tl, r);
+  };
+  if (rq > 0) s += latent(rq);
+  else if (!k.mla_up_proj_out) s += x.act(T, n * dq);  // linear_q_proj's output q
+  s += latent(rkv);
+  if (k.mla_up_proj_out) s += 2 * x.act(T, n * dq) + x.act(T, n * v);  // query, key, value
+  else s += x.act(x.Tl, double(m.qk_pos_emb_head_dim));                 // k_pe rows
+  if (k.core_attn_out) s += x.act(T, n * v) + x.bytes(x.B * n * x.S, kF32);  // output, lse
+  s += x.act(x.Tl, x.H) + x.norm_stats(x.Tl);  // pre_mlp_layernorm: h = x + attn
+  out.saved += s;
+  // Backward: dy, dh, linear_proj's gathered dy (SP), dout, the remade query/key/value
+  // and output, their gradients, dq and dkv, the up projections' dx and the down
+  // projections' dx and (SP) gathered inputs.
+  double b = 2 * x.act(x.Tl, x.H) + (x.sp ? x.act(T, x.H) : 0) + x.act(T, n * v);
+  if (!k.mla_up_proj_out) b += 2 * x.act(T, n * dq) + x.act(T, n * v);
+  if (!k.core_attn_out) b += x.act(T, n * v) + x.bytes(x.B * n * x.S, kF32);
+  b += 2 * x.act(T, n * dq) + x.act(T, n * v) + x.act(T, n * dq) +
+       x.act(T, n * (double(m.qk_head_dim) + v)) + x.act(x.Tl, x.H);
+  if (!k.qkv_input) b += x.act(x.Tl, x.H);
+  out.backward = std::max(out.backward, b);
 }
 
 // The attention half of a layer and its norms; `fp8`: its linears keep FP8 x^T.
 void attention_memory(const Dims& x, const Keeps& k, bool fp8, LayerMemory& out) {
   const GPTConfig& m = x.m;
+  if (m.multi_latent_attention) return mla_memory(x, k, out);
   const double np = x.np / x.tp, ng = x.ng / x.tp, d = x.d, T = x.T;
   const bool fp8_saves_xt = fp8 && m.fp8.wgrad;
   out.input = x.act(x.Tl, x.H);

@@ -43,13 +43,30 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
     if (with_bias) add(H);
   };
   norm(H);  // input_layernorm
-  add((np + 2 * ng) * d / tp * H, false, fp8);
-  if (bias) add((np + 2 * ng) * d / tp);
-  add(H * np * d / tp, false, fp8);
-  if (bias) add(H);
-  if (m.qk_layernorm) {
-    norm(d);
-    norm(d);
+  if (m.multi_latent_attention) {  // model/mla.cpp's collect_params order
+    const double dq = double(m.qk_head_dim + m.qk_pos_emb_head_dim), v = double(m.v_head_dim);
+    const double rq = double(m.q_lora_rank), rkv = double(m.kv_lora_rank);
+    if (rq == 0) {
+      add(np * dq / tp * H, false, fp8);  // linear_q_proj
+    } else {
+      add(rq * H, false, fp8);  // linear_q_down_proj (replicated)
+      if (m.qk_layernorm) norm(rq);
+      add(np * dq / tp * rq, false, fp8);
+    }
+    add((rkv + double(m.qk_pos_emb_head_dim)) * H, false, fp8);
+    if (m.qk_layernorm) norm(rkv);
+    add(np * (double(m.qk_head_dim) + v) / tp * rkv, false, fp8);
+    add(H * np * v / tp, false, fp8);  // linear_proj
+    if (bias) add(H);
+  } else {
+    add((np + 2 * ng) * d / tp * H, false, fp8);
+    if (bias) add((np + 2 * ng) * d / tp);
+    add(H * np * d / tp, false, fp8);
+    if (bias) add(H);
+    if (m.qk_layernorm) {
+      norm(d);
+      norm(d);
+    }
   }
   norm(H);  // pre_mlp_layernorm
   if (!m.is_moe_layer(layer)) {

@@ -70,9 +70,12 @@ router_flags() {  # NAME
 # 4 4 8: batches 4, 4, 8), "BS=step" steps it at 128 tokens (--step-batch-size-schedule
 # "0:4 128:8", thresholds in tokens of 16: the same batches); the schedule and the
 # learning rate follow the consumed samples, which compare_runs.py checks exactly.
+# "MLA=1" replaces self attention with multi-latent attention (issue 20): q LoRA, the latent
+# norms, YaRN (factor 4 over 4 positions, mscale 1 and mscale_all_dim 0.707), value heads of
+# 4 beside query/key heads of 8 + 8; with "RC=sel" the mla_up_proj recompute joins.
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
-  EOD=0 PTL=0
+  EOD=0 PTL=0 MLA=0
   local setting
   for setting in $1; do
     case $setting in
@@ -96,6 +99,7 @@ use_variant() {  # "VAR=value ..."
       EOD=*) EOD=${setting#*=} ;;
       PTL=*) PTL=${setting#*=} ;;
       BS=*) BS=${setting#*=} ;;
+      MLA=*) MLA=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -121,6 +125,10 @@ run() {  # NAME NP FLAGS...
   [ "$OFF" = 0 ] || model+=(--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 0.5)
   [ "$EOD" = 0 ] || model+=(--eod-mask-loss)
   [ "$PTL" = 0 ] || model+=(--calculate-per-token-loss)
+  [ "$MLA" = 0 ] || model+=(--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16
+    --qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 4 --qk-layernorm --rope-type yarn
+    --rotary-scaling-factor 4 --original-max-position-embeddings 4 --mscale 1.0
+    --mscale-all-dim 0.707)
   case $MG in
     bf16) model+=(--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16) ;;
     reduce) model+=(--bf16 --grad-reduce-in-bf16) ;;
@@ -128,7 +136,8 @@ run() {  # NAME NP FLAGS...
   case $RC in
     full) model+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 2) ;;
     block) model+=(--recompute-granularity full --recompute-method block --recompute-num-layers 1) ;;
-    sel) model+=(--recompute-granularity selective --recompute-modules core_attn layernorm mlp moe shared_experts) ;;
+    sel) model+=(--recompute-granularity selective --recompute-modules core_attn layernorm mlp moe shared_experts)
+      [ "$MLA" = 0 ] || model+=(mla_up_proj) ;;
   esac
   # The step schedule replaces --global-batch-size (Megatron refuses both).
   local base=()
@@ -348,6 +357,15 @@ layouts=(
   "pp2-interleaved-step-schedule|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 BS=step"
   "ep2-alltoall-rampup|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|BS=ramp"
   "tp2-sp-step-schedule|2|--tensor-model-parallel-size 2 --sequence-parallel|BS=step"
+  # Multi-latent attention (issue 20): heads split over TP (k_pe gathered under SP and its
+  # gradient reduce-scattered, all-reduced without SP; the replicated down projections'
+  # and latent norms' gradients summed over TP only under SP), pipeline stages, experts.
+  "mla-tp2-sp|2|--tensor-model-parallel-size 2 --sequence-parallel|MLA=1"
+  "mla-tp2|2|--tensor-model-parallel-size 2|MLA=1"
+  "mla-pp2|2|--pipeline-model-parallel-size 2|MLA=1"
+  "mla-ep2-v3-router|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|MLA=1 ROUTER=v3"
+  "mla-dp2-distributed-optimizer|2|--use-distributed-optimizer|MLA=1"
+  "mla-tp2-sp-recompute|2|--tensor-model-parallel-size 2 --sequence-parallel|MLA=1 RC=sel"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -382,6 +400,8 @@ resumes=(
   # Mid-ramp: the third step (batch 8) on another layout, from the schedule's samples.
   "dp2-rampup-to-pp2|2||2|--pipeline-model-parallel-size 2|BS=ramp"
   "one-rank-step-schedule-to-ep2|1||2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|BS=step"
+  # MLA's replicated down projections and latent norms are written once, loaded whole.
+  "mla-tp2-sp-to-pp2|2|--tensor-model-parallel-size 2 --sequence-parallel|2|--pipeline-model-parallel-size 2|MLA=1"
   "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed RTOL=1e-3"
 )
 for entry in "${layouts[@]}"; do

@@ -201,6 +201,29 @@ TEST_F(CliErrors, MainGradsDtypeFlags) {
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
+// Multi-latent attention and YaRN (issue 20): inconsistent MLA dims, YaRN without a factor
+// or without MLA, one line and exit 2 each.
+TEST_F(CliErrors, MultiLatentAttentionFlags) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--position-embedding-type rope --multi-latent-attention --group-query-attention",
+       "multi-latent-attention does not take group-query-attention"},
+      {"--position-embedding-type rope --multi-latent-attention --rope-type yarn",
+       "rope-type yarn needs rotary-scaling-factor"},
+      {"--position-embedding-type rope --multi-latent-attention --qk-pos-emb-head-dim 7",
+       "qk-pos-emb-head-dim (7) must be even for rope"},
+      {"--position-embedding-type rope --multi-latent-attention --v-head-dim 0",
+       "v-head-dim must be positive with multi-latent-attention"},
+      {"--position-embedding-type rope --q-lora-rank 8",
+       "q-lora-rank, kv-lora-rank, qk-head-dim, qk-pos-emb-head-dim and v-head-dim need "
+       "multi-latent-attention"},
+      {"--position-embedding-type rope --rope-type yarn --rotary-scaling-factor 4",
+       "rope-type yarn needs multi-latent-attention"},
+      {"--multi-latent-attention", "multi-latent-attention needs position-embedding-type rope"},
+  };
+  for (const auto& [flags, needle] : cases)
+    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
+}
+
 // Megatron's recompute checks (TransformerConfig.__post_init__), one line and exit 2 each.
 TEST_F(CliErrors, RecomputeFlags) {
   const std::pair<const char*, const char*> cases[] = {
@@ -220,7 +243,7 @@ TEST_F(CliErrors, RecomputeFlags) {
        "recompute-modules: 'attn' is not one of core_attn, moe_act, layernorm, mlp, moe, "
        "shared_experts, mla_up_proj"},
       {"--recompute-granularity selective --recompute-modules mla_up_proj",
-       "recompute-modules: mla_up_proj needs multi-latent attention"},
+       "recompute-modules: mla_up_proj needs multi-latent-attention"},
       {"--moe-layer-recompute --recompute-granularity full --recompute-method block "
        "--recompute-num-layers 1",
        "moe-layer-recompute cannot be combined with recompute-granularity full"},

@@ -45,6 +45,25 @@ TEST(Flops, MoELayerCountsActiveExperts) {
   EXPECT_DOUBLE_EQ(num_floating_point_operations(c, 3), 3.0 * per_token * 3);
 }
 
+// Multi-latent attention with q LoRA 32, kv LoRA 16, qk 8 + rope 8, v 4 (4 heads) replaces
+// the 36864 of self attention per layer and token by
+//   q down + up 2 x (64 x 32 + 32 x 4 x 16) = 8192, kv down + up 2 x (64 x (16 + 8) +
+//   16 x 4 x (8 + 4)) = 4608, linear_proj 2 x 4 x 4 x 64 = 2048, causal QK^T and PV
+//   32 x 4 x (16 + 4) = 2560: 17408.
+TEST(Flops, MultiLatentAttentionByHand) {
+  GPTConfig c = small_config();
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 32;
+  c.kv_lora_rank = 16;
+  c.qk_head_dim = 8;
+  c.qk_pos_emb_head_dim = 8;
+  c.v_head_dim = 4;
+  c.finalize();
+  const double per_token = 204800.0 - 2 * 36864.0 + 2 * 17408.0;
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(c, 5), 3.0 * per_token * 5);
+}
+
 // Megatron logs FLOPs / (time x world size): eight GPUs sharing an iteration of 8e12
 // FLOPs in one second run 1 TFLOP/s each, not 8.
 TEST(Flops, ThroughputIsPerGpu) {

@@ -218,9 +218,7 @@ TEST_F(LaunchScripts, DeepSeekV3) {
              "--no-gradient-accumulation-fusion --calculate-per-token-loss "
              "--init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer "
              "--megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16",
-         {"multi-latent-attention", "q-lora-rank", "kv-lora-rank", "qk-head-dim",
-          "qk-pos-emb-head-dim", "v-head-dim", "rotary-scaling-factor", "mscale",
-          "mscale-all-dim", "mtp-num-layers", "mtp-loss-scaling-factor",
+         {"mtp-num-layers", "mtp-loss-scaling-factor",
           "use-megatron-fsdp", "data-parallel-sharding-strategy",
           "init-model-with-meta-device", "fsdp-double-buffer", "megatron-fsdp-grad-comm-dtype",
           "megatron-fsdp-main-grads-dtype"}});

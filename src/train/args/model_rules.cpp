@@ -6,6 +6,9 @@
 namespace megaton {
 
 std::vector<OptionSpec> model_megatron_rules() {
+  const char* kSelfAttentionYarn =
+      "YaRN on self attention (--position-embedding-type yarn); multi-latent attention takes "
+      "--rope-type yarn";
   return {
       no_effect("no-initialization", "0",
                 "Megaton always initializes the weights; a loaded checkpoint overwrites them"),
@@ -119,12 +122,12 @@ std::vector<OptionSpec> model_megatron_rules() {
       unsupported("decoder-num-layers", "1", "BERT/T5 models (use --num-layers)"),
       unsupported("window-size", "1", "sliding-window attention"),
       unsupported("window-attn-skip-freq", "1", "sliding-window attention"),
-      unsupported("yarn-original-max-position-embeddings", "1", "YaRN RoPE scaling (issue 20)"),
-      unsupported("yarn-beta-fast", "1", "YaRN RoPE scaling (issue 20)"),
-      unsupported("yarn-beta-slow", "1", "YaRN RoPE scaling (issue 20)"),
-      unsupported("yarn-correction-range-round-to-int", "0", "YaRN RoPE scaling (issue 20)"),
+      unsupported("yarn-original-max-position-embeddings", "1", kSelfAttentionYarn),
+      unsupported("yarn-beta-fast", "1", kSelfAttentionYarn),
+      unsupported("yarn-beta-slow", "1", kSelfAttentionYarn),
+      unsupported("yarn-correction-range-round-to-int", "0", kSelfAttentionYarn),
       no_effect("no-yarn-correction-range-round-to-int", "0",
-                "only tunes YaRN RoPE scaling, which Megaton does not have (issue 20)"),
+                "Megaton's YaRN always rounds the correction range to integers (the default)"),
       unsupported("relative-attention-num-buckets", "1", "relative position embeddings (T5)"),
       unsupported("relative-attention-max-distance", "1", "relative position embeddings (T5)"),
       unsupported("rotary-seq-len-interpolation-factor", "1", "RoPE position interpolation"),
@@ -153,7 +156,8 @@ std::vector<OptionSpec> model_megatron_rules() {
                   "different initial weights on each data-parallel rank"),
       unsupported("init-method-xavier-uniform", "0", "Xavier-uniform initialization"),
       no_effect("disable-jit-fuser", "0", "no TorchScript JIT in a native program"),
-      unsupported("mla-down-proj-fusion", "0", "multi-latent attention (issue 20)"),
+      unsupported("mla-down-proj-fusion", "0",
+                  "a fused q + kv down projection of multi-latent attention (Transformer Engine)"),
       unsupported("linear-attention-freq", "1", "gated delta net (linear attention) layers"),
       unsupported("heterogeneous-layers-config-path", "1", "heterogeneous layer configurations"),
       unsupported("heterogeneous-layers-config-encoded-json", "1",
