@@ -31,6 +31,29 @@ Tensor stack_rows(const std::vector<Tensor>& parts) {
   }
   return out;
 }
+
+// DeepSeek-V2/V3 multi-latent attention (HF DeepseekV3Attention) -> Megatron's
+// MLASelfAttention, local-spec names. One to one, no reordering: both lay out q_b_proj's rows
+// per head as [nope | rope], kv_a_proj_with_mqa's as [kv_lora_rank | rope] and kv_b_proj's
+// per head as [k_nope | v], and both rotate the rope part as interleaved pairs
+// (docs/research/deepseek-v3.md 6.2-6.3).
+void map_mla(const Lookup& in, const std::string& h, const std::string& m,
+             std::map<std::string, Tensor>& out) {
+  auto copy = [&](const std::string& from, const std::string& to) {
+    out[m + to] = in.at(h + from).to(DType::F32);
+  };
+  if (in.has(h + "q_a_proj.weight")) {
+    copy("q_a_proj.weight", "linear_q_down_proj.weight");
+    copy("q_a_layernorm.weight", "q_layernorm.weight");
+    copy("q_b_proj.weight", "linear_q_up_proj.weight");
+  } else {
+    copy("q_proj.weight", "linear_q_proj.weight");  // q_lora_rank None
+  }
+  copy("kv_a_proj_with_mqa.weight", "linear_kv_down_proj.weight");
+  copy("kv_a_layernorm.weight", "kv_layernorm.weight");
+  copy("kv_b_proj.weight", "linear_kv_up_proj.weight");
+  copy("o_proj.weight", "linear_proj.weight");
+}
 }  // namespace
 
 std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>& hf,
@@ -41,22 +64,30 @@ std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>&
   out["embedding.word_embeddings.weight"] = f32(in.at("model.embed_tokens.weight"));
   out["decoder.final_layernorm.weight"] = f32(in.at("model.norm.weight"));
   if (in.has("lm_head.weight")) out["output_layer.weight"] = f32(in.at("lm_head.weight"));
-  int64_t qpg = L.num_attention_heads / L.num_query_groups, d = L.kv_channels;
   for (int64_t i = 0; i < L.num_layers; ++i) {
     std::string h = "model.layers." + std::to_string(i) + ".";
     std::string m = "decoder.layers." + std::to_string(i) + ".";
     out[m + "input_layernorm.weight"] = f32(in.at(h + "input_layernorm.weight"));
     out[m + "pre_mlp_layernorm.weight"] = f32(in.at(h + "post_attention_layernorm.weight"));
-    const Tensor &q = in.at(h + "self_attn.q_proj.weight"), &k = in.at(h + "self_attn.k_proj.weight"),
-                 &v = in.at(h + "self_attn.v_proj.weight");
-    std::vector<Tensor> qkv;
-    for (int64_t g = 0; g < L.num_query_groups; ++g) {
-      qkv.push_back(q.rows(g * qpg * d, qpg * d));
-      qkv.push_back(k.rows(g * d, d));
-      qkv.push_back(v.rows(g * d, d));
+    if (in.has(h + "self_attn.kv_a_proj_with_mqa.weight")) {
+      map_mla(in, h + "self_attn.", m + "self_attention.", out);
+    } else {
+      MEGATON_CHECK(L.num_query_groups > 0 && L.num_attention_heads % L.num_query_groups == 0,
+                    "hf_to_megaton: {} attention heads in {} query groups", L.num_attention_heads,
+                    L.num_query_groups);
+      const int64_t qpg = L.num_attention_heads / L.num_query_groups, d = L.kv_channels;
+      const Tensor &q = in.at(h + "self_attn.q_proj.weight"),
+                   &k = in.at(h + "self_attn.k_proj.weight"),
+                   &v = in.at(h + "self_attn.v_proj.weight");
+      std::vector<Tensor> qkv;
+      for (int64_t g = 0; g < L.num_query_groups; ++g) {
+        qkv.push_back(q.rows(g * qpg * d, qpg * d));
+        qkv.push_back(k.rows(g * d, d));
+        qkv.push_back(v.rows(g * d, d));
+      }
+      out[m + "self_attention.linear_qkv.weight"] = stack_rows(qkv);
+      out[m + "self_attention.linear_proj.weight"] = f32(in.at(h + "self_attn.o_proj.weight"));
     }
-    out[m + "self_attention.linear_qkv.weight"] = stack_rows(qkv);
-    out[m + "self_attention.linear_proj.weight"] = f32(in.at(h + "self_attn.o_proj.weight"));
     // Qwen3's per-head q_norm / k_norm: Megatron's --qk-layernorm.
     if (in.has(h + "self_attn.q_norm.weight")) {
       out[m + "self_attention.q_layernorm.weight"] = f32(in.at(h + "self_attn.q_norm.weight"));
@@ -74,6 +105,18 @@ std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>&
     bool qwen = in.has(h + "mlp.experts.0.gate_proj.weight");
     std::string moe = fused || qwen ? h + "mlp." : h + "block_sparse_moe.";
     out[m + "mlp.router.weight"] = f32(in.at(moe + "gate.weight"));
+    // DeepSeek-V3's e_score_correction_bias (a buffer: no "grad." entry) is the router's
+    // expert bias, Megaton's checkpoint entry "<layer>.mlp.router.expert_bias".
+    if (in.has(moe + "gate.e_score_correction_bias"))
+      out[m + "mlp.router.expert_bias"] = f32(in.at(moe + "gate.e_score_correction_bias"));
+    // DeepSeek-V3's shared experts (n_shared_experts of them, one MLP of their summed width).
+    if (in.has(moe + "shared_experts.gate_proj.weight")) {
+      out[m + "mlp.shared_experts.linear_fc1.weight"] =
+          stack_rows({in.at(moe + "shared_experts.gate_proj.weight"),
+                      in.at(moe + "shared_experts.up_proj.weight")});
+      out[m + "mlp.shared_experts.linear_fc2.weight"] =
+          f32(in.at(moe + "shared_experts.down_proj.weight"));
+    }
     for (int64_t e = 0; e < L.num_experts; ++e) {
       std::string dst = m + "mlp.experts.local_experts." + std::to_string(e) + ".";
       if (fused) {

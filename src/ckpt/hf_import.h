@@ -1,4 +1,5 @@
-// Hugging Face Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE checkpoints -> Megaton names.
+// Hugging Face Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 checkpoints -> Megaton
+// names.
 #pragma once
 #include <map>
 #include <string>
@@ -11,9 +12,10 @@ namespace megaton::ckpt {
 struct HFLayout {
   int64_t num_layers = 0;
   int64_t num_attention_heads = 0;
-  int64_t num_query_groups = 0;  // HF num_key_value_heads
-  int64_t kv_channels = 0;       // HF head_dim
-  int64_t num_experts = 0;       // 0: dense
+  // HF num_key_value_heads and head_dim: the q/k/v_proj interleave; unused by MLA layers.
+  int64_t num_query_groups = 0;
+  int64_t kv_channels = 0;
+  int64_t num_experts = 0;  // 0: dense
 };
 
 // Maps HF tensors (fp32) named as in LlamaForCausalLM / MixtralForCausalLM to Megaton
@@ -28,10 +30,27 @@ struct HFLayout {
 // "k_layernorm" (the model needs qk_layernorm). A layer with "mlp.gate_proj" is dense
 // even when num_experts > 0 (Qwen3-MoE's mlp_only_layers). Only names are mapped: the
 // GPTConfig (e.g. qk_layernorm, moe_ffn_hidden_size) is the caller's.
+// DeepSeek-V3 (DeepseekV3ForCausalLM): a layer with "self_attn.kv_a_proj_with_mqa" is
+// multi-latent attention, mapped one to one (same row layouts, interleaved RoPE on both
+// sides) to Megatron's local-spec MLASelfAttention names under "self_attention.":
+//   q_a_proj [q_lora_rank, H]                 -> linear_q_down_proj
+//   q_a_layernorm [q_lora_rank]               -> q_layernorm
+//   q_b_proj [n*(nope+rope), q_lora_rank]     -> linear_q_up_proj
+//   q_proj [n*(nope+rope), H]                 -> linear_q_proj (q_lora_rank None)
+//   kv_a_proj_with_mqa [kv_lora_rank+rope, H] -> linear_kv_down_proj
+//   kv_a_layernorm [kv_lora_rank]             -> kv_layernorm
+//   kv_b_proj [n*(nope+v), kv_lora_rank]      -> linear_kv_up_proj
+//   o_proj [H, n*v]                           -> linear_proj
+// (the model needs multi_latent_attention and qk_layernorm, which is what creates the two
+// norms in Megatron). Its MoE layers: "mlp.gate.weight" -> "mlp.router.weight",
+// "mlp.gate.e_score_correction_bias" [E] -> "mlp.router.expert_bias" (not a parameter:
+// TopKRouter::expert_bias, needs moe_router_enable_expert_bias; absent from gradients),
+// experts as Qwen3-MoE's (per-expert or fused), "mlp.shared_experts.{gate,up}_proj" ->
+// "mlp.shared_experts.linear_fc1" as [gate; up], "down_proj" -> "linear_fc2"; its first
+// first_k_dense_replace layers are dense ("mlp.gate_proj").
 // `prefix` is prepended to every HF name looked up (e.g. "grad." to map gradients).
 // Throws megaton::Error naming a missing tensor.
 std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>& hf,
-                                            const HFLayout& layout,
-                                            const std::string& prefix = "");
+                                            const HFLayout& layout, const std::string& prefix = "");
 
 }  // namespace megaton::ckpt
