@@ -352,6 +352,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
                         Tensor& dv, float dropout_p = 0.0f, uint64_t seed = 0,
                         uint64_t stream = 0, float softmax_scale = 0.0f);
+// Packed sequences (THD, Megatron's --reset-attention-mask): ops/attention_varlen.h.
 
 // ---- attention over a KV cache, inference only (ops/cpu/attention_kv_cache.cpp) ----
 // Generation with a key/value cache (Megatron's inference path over its
@@ -360,19 +361,22 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 // first_position + n - 1, the new tokens' own included (the caller writes them into the
 // cache first). Query i sees cache rows j <= first_position + i, so the attention is causal
 // by construction; n = 1 is one decode step, first_position = 0 a prefill.
-//   q           [n, Hq, D]: the new tokens' queries, after RoPE (and q_layernorm).
-//   key_cache   [max_positions, Hkv, D]: row j = key of position j (after RoPE).
-//   value_cache [max_positions, Hkv, D]. Rows past first_position + n - 1 are never read
-//               (they may hold anything, NaN included).
-//   out         [n, Hq, D], overwritten: softmax_j(q_i . k_j / sqrt(D)) v_j.
+//   q           [n, Hq, Dqk]: the new tokens' queries, after RoPE (and q_layernorm).
+//   key_cache   [max_positions, Hkv, Dqk]: row j = key of position j (after RoPE).
+//   value_cache [max_positions, Hkv, Dv]; Dv may differ from Dqk (multi-latent attention:
+//               192 and 128). Rows past first_position + n - 1 are never read (they may
+//               hold anything, NaN included).
+//   out         [n, Hq, Dv], overwritten: softmax_j(q_i . k_j * scale) v_j, scale =
+//               softmax_scale, or 1 / sqrt(Dqk) when softmax_scale <= 0 (as
+//               attention_forward; MLA passes YaRN's mscale^2 / sqrt(Dqk)).
 // Hq % Hkv == 0: query head h reads kv head h / (Hq / Hkv) (GQA). No dropout, no lse.
-// Dtypes: q, key_cache, value_cache and out all F32 on the CPU; F32 or BF16 on the GPU
+// Dtypes: q, key_cache, value_cache and out all F32 on the CPU; F32, BF16 or F16 on the GPU
 // (all four the same); scores, softmax and the weighted sum in fp32 on both.
-// GPU: D <= 512 (ops/cuda/attention_kv_cache.cu: one warp per key, D / 32 values a lane).
-// InternalError on a dtype, device or shape mismatch, first_position < 0, or
+// GPU: Dqk, Dv <= 512 (ops/cuda/attention_kv_cache.cu: one warp per key, D / 32 values a
+// lane). InternalError on a dtype, device or shape mismatch, first_position < 0, or
 // first_position + n > max_positions.
 void attention_kv_cache(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
-                        int64_t first_position, Tensor& out);
+                        int64_t first_position, Tensor& out, float softmax_scale = 0.0f);
 
 // ---- softmax cross-entropy (ops/cpu/cross_entropy.cpp) ----
 // losses[t] = logsumexp(logits[t, :]) - logits[t, labels[t]]. logits [T, V]; labels [T]

@@ -1,6 +1,8 @@
 // GPU test of ops::attention_kv_cache (generation's attention over the KV cache) against
-// its CPU twin, F32, BF16 and F16, with poisoned outputs and poisoned cache rows past the last
-// query's position (the kernel must neither skip an output nor read such a row).
+// its CPU twin, F32, BF16 and F16, with equal and with distinct key and value head dims
+// (multi-latent attention) and a given softmax scale, with poisoned outputs and poisoned
+// cache rows past the last query's position (the kernel must neither skip an output nor
+// read such a row).
 #include <fmt/format.h>
 
 #include <string>
@@ -26,13 +28,17 @@ using testing::to_host_f32;
 
 struct KvCacheCase {
   int64_t max_positions, Hq, Hkv, D;
-  int64_t first, n;  // queries at positions [first, first + n)
+  int64_t first, n;    // queries at positions [first, first + n)
+  int64_t Dv = 0;      // value head dim (0: D)
+  float scale = 0.0f;  // softmax scale (0: 1 / sqrt(D))
+  int64_t v_dim() const { return Dv > 0 ? Dv : D; }
 };
 
 std::string case_name(const ::testing::TestParamInfo<KvCacheCase>& info) {
   const KvCacheCase& c = info.param;
-  return fmt::format("max{}_Hq{}_Hkv{}_D{}_first{}_n{}", c.max_positions, c.Hq, c.Hkv, c.D,
-                     c.first, c.n);
+  return fmt::format("max{}_Hq{}_Hkv{}_D{}_first{}_n{}{}{}", c.max_positions, c.Hq, c.Hkv, c.D,
+                     c.first, c.n, c.Dv > 0 ? fmt::format("_Dv{}", c.Dv) : "",
+                     c.scale > 0 ? "_scaled" : "");
 }
 
 class CudaAttentionKvCacheTest : public ::testing::TestWithParam<KvCacheCase> {
@@ -42,12 +48,13 @@ class CudaAttentionKvCacheTest : public ::testing::TestWithParam<KvCacheCase> {
   std::pair<Tensor, Tensor> run(DType dtype, uint64_t seed) {
     const KvCacheCase c = GetParam();
     const Shape q_shape{c.n, c.Hq, c.D}, cache_shape{c.max_positions, c.Hkv, c.D};
+    const Shape value_shape{c.max_positions, c.Hkv, c.v_dim()}, out_shape{c.n, c.Hq, c.v_dim()};
     auto input = [&](const Shape& shape, uint64_t s) {
       Tensor t = randn(shape, s);
       return dtype == DType::F32 ? t : t.to(dtype).to(DType::F32);
     };
     const Tensor q = input(q_shape, seed);
-    Tensor key_cache = input(cache_shape, seed + 1), value_cache = input(cache_shape, seed + 2);
+    Tensor key_cache = input(cache_shape, seed + 1), value_cache = input(value_shape, seed + 2);
     // Rows past the last query's position: NaN.
     const int64_t filled = c.first + c.n;
     if (filled < c.max_positions) {
@@ -56,13 +63,13 @@ class CudaAttentionKvCacheTest : public ::testing::TestWithParam<KvCacheCase> {
       poison(unused_keys);
       poison(unused_values);
     }
-    Tensor want = Tensor::empty(q_shape);
+    Tensor want = Tensor::empty(out_shape);
     poison(want);
-    ops::attention_kv_cache(q, key_cache, value_cache, c.first, want);
+    ops::attention_kv_cache(q, key_cache, value_cache, c.first, want, c.scale);
 
-    Tensor out_d = poisoned_device(q_shape, dtype);
+    Tensor out_d = poisoned_device(out_shape, dtype);
     ops::attention_kv_cache(to_device(q, dtype), to_device(key_cache, dtype),
-                            to_device(value_cache, dtype), c.first, out_d);
+                            to_device(value_cache, dtype), c.first, out_d, c.scale);
     cuda::synchronize();
     return {to_host_f32(out_d), want};
   }
@@ -103,13 +110,17 @@ TEST_P(CudaAttentionKvCacheTest, F16MatchesCpu) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttentionKvCacheTest,
-    ::testing::Values(KvCacheCase{4, 2, 2, 8, 0, 1},        // the first token alone, D < 32
-                      KvCacheCase{64, 8, 2, 128, 37, 1},    // a decode step, GQA, Llama's D
+    ::testing::Values(KvCacheCase{4, 2, 2, 8, 0, 1},          // the first token alone, D < 32
+                      KvCacheCase{64, 8, 2, 128, 37, 1},      // a decode step, GQA, Llama's D
                       KvCacheCase{2048, 4, 1, 128, 1999, 1},  // a long cache, MQA
-                      KvCacheCase{32, 4, 4, 64, 0, 32},     // a prefill filling the cache
-                      KvCacheCase{48, 6, 3, 40, 10, 13},    // a chunk mid-cache, D not /32
-                      KvCacheCase{128, 2, 1, 512, 100, 3},  // the largest D
-                      KvCacheCase{16, 4, 2, 8, 5, 1}),      // the test models' shape
+                      KvCacheCase{32, 4, 4, 64, 0, 32},       // a prefill filling the cache
+                      KvCacheCase{48, 6, 3, 40, 10, 13},      // a chunk mid-cache, D not /32
+                      KvCacheCase{128, 2, 1, 512, 100, 3},    // the largest D
+                      KvCacheCase{16, 4, 2, 8, 5, 1},         // the test models' shape
+                      // MLA (DeepSeek-V3): Dqk 192, Dv 128, YaRN's scale; decode and a chunk.
+                      KvCacheCase{256, 4, 4, 192, 200, 1, 128, 0.135234f},
+                      KvCacheCase{64, 4, 4, 192, 10, 17, 128, 0.135234f},
+                      KvCacheCase{40, 4, 2, 24, 3, 5, 40}),  // Dv > Dqk, in other chunks
     case_name);
 
 TEST(CudaAttentionKvCache, RejectsWhatTheKernelCannotRun) {
@@ -122,6 +133,10 @@ TEST(CudaAttentionKvCache, RejectsWhatTheKernelCannotRun) {
   Tensor cache8 = poisoned_device({4, 1, 8}, DType::BF16);
   Tensor out8 = poisoned_device({2, 2, 8}, DType::BF16);
   EXPECT_THROW(ops::attention_kv_cache(q8, cache8, cache8, 3, out8), InternalError);  // past end
+  // Dv > 512.
+  Tensor wide_values = poisoned_device({4, 1, 520}, DType::BF16);
+  Tensor wide_out = poisoned_device({2, 2, 520}, DType::BF16);
+  EXPECT_THROW(ops::attention_kv_cache(q8, cache8, wide_values, 0, wide_out), InternalError);
   Tensor cache8_f32 = poisoned_device({4, 1, 8}, DType::F32);
   EXPECT_THROW(ops::attention_kv_cache(q8, cache8_f32, cache8_f32, 0, out8), InternalError);
 }

@@ -29,68 +29,34 @@
 //     (--deterministic-mode), which builds it with set_deterministic_algorithm: slower,
 //     and an error naming the shape where this cuDNN has no such engine.
 //
-// Dropout seed. cuDNN's Philox takes a 64-bit seed and a 64-bit offset (a position in the
-// counter sequence). Mapping our `stream` to the offset would make stream s+1 a shifted
-// copy of stream s (correlated masks between the layers that use consecutive streams), so
-// the stream is folded into the seed instead: cudnn_seed = Philox(seed) drawn at counter
-// (kSeedCounter, stream), offset 0. Distinct (seed, stream) pairs get unrelated keys.
+// Dropout seed: ops/cuda/cudnn_sdpa.h (dropout_seed_offset).
 //
 // Caching. A built graph (operation graph + execution plan) is kept per shape, dtype,
 // dropout probability (a compile-time attribute of the graph, so its value is part of the
 // key) and direction; the first call with a new key pays cuDNN's plan build (slow: up to
-// seconds), later calls only execute. One cudnnHandle bound to megaton::cuda::stream(); one
-// workspace buffer grown to the largest graph's need; one small device buffer for the seed and
-// offset.
-#include <cudnn.h>
-
+// seconds), later calls only execute. The handle, workspace, lock and seed buffer are
+// shared with the packed-sequence op (ops/cuda/cudnn_sdpa.h).
+//
+// GCC 12 reports a bogus -Wstringop-overflow (a size near 2^64) in the frontend's
+// ReshapeNode, inlined here, at a libstdc++ line the header's push/pop cannot reach.
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wall"
-#pragma GCC diagnostic ignored "-Wextra"
-#pragma GCC diagnostic ignored "-Wunused-parameter"
-#pragma GCC diagnostic ignored "-Wunused-variable"
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wunused-but-set-variable"
-#pragma GCC diagnostic ignored "-Wsign-compare"
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-#include <cudnn_frontend.h>
-#pragma GCC diagnostic pop
-
-#include "core/cuda/allocator.h"
-#include "core/cuda/cuda_check.h"
-#include "core/rng.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/cudnn_sdpa.h"
 #include "ops/determinism.h"
-
-// MEGATON_CUDNN_CHECK(cudnnSetStream(...)): throws InternalError naming the call, the file
-// and line, and cuDNN's status string.
-#define MEGATON_CUDNN_CHECK(call)                                                     \
-  do {                                                                                \
-    cudnnStatus_t megaton_status_ = (call);                                           \
-    if (megaton_status_ != CUDNN_STATUS_SUCCESS) {                                    \
-      throw ::megaton::InternalError(                                                 \
-          ::fmt::format("{}:{}: {} failed: {} ({})", __FILE__, __LINE__, #call,       \
-                        cudnnGetErrorString(megaton_status_), int(megaton_status_))); \
-    }                                                                                 \
-  } while (0)
 
 namespace megaton::ops::cuda {
 namespace {
 
-namespace fe = cudnn_frontend;
-using TensorAttr = std::shared_ptr<fe::graph::Tensor_attributes>;
-
-// Philox counter (low word) at which cuDNN's dropout seed is drawn: the last one, which no
-// element index of another op's draw at the same (seed, stream) can reach.
-constexpr uint64_t kSeedCounter = ~uint64_t(0);
+namespace fe = sdpa::fe;
+using sdpa::TensorAttr;
 
 // ---- argument checks -------------------------------------------------------------------
 
@@ -100,12 +66,7 @@ struct AttentionDims {
 };
 
 void check_device_tensor(const Tensor& t, const char* name) {
-  MEGATON_CHECK(t.defined(), "cuda attention: {} must be allocated", name);
-  MEGATON_CHECK(t.device() == Device::CUDA, "cuda attention: {} must be a CUDA tensor", name);
-  // cuDNN's SDPA kernels load with 16-byte vectors and TMA; the frontend also checks this
-  // at execute, but here the message names the tensor.
-  MEGATON_CHECK(reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0,
-                "cuda attention: {} data pointer {} is not 16-byte aligned", name, t.raw());
+  sdpa::check_device_tensor(t, "cuda attention", name);
 }
 
 void check_half_tensor(const Tensor& t, DType dtype, const char* name) {
@@ -152,63 +113,6 @@ AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float
   return d;
 }
 
-// ---- cuDNN state -----------------------------------------------------------------------
-
-cudnnHandle_t handle() {
-  static cudnnHandle_t h = [] {
-    cudnnHandle_t created;
-    MEGATON_CUDNN_CHECK(cudnnCreate(&created));
-    // Every Megaton kernel runs on the one compute stream; so do cuDNN's.
-    MEGATON_CUDNN_CHECK(cudnnSetStream(created, ::megaton::cuda::stream()));
-    return created;
-  }();
-  return h;
-}
-
-// Everything below is guarded by one mutex: graph building and the shared buffers are
-// not reentrant (the training step is single-threaded; the lock makes that safe to forget).
-std::mutex& state_mutex() {
-  static std::mutex m;
-  return m;
-}
-
-// The workspace, grown to the largest need seen and never shrunk. Reuse is safe without
-// events: every use is ordered on the single compute stream.
-void* workspace(int64_t bytes) {
-  static void* ptr = nullptr;
-  static size_t capacity = 0;
-  if (size_t(bytes) > capacity) {
-    if (ptr) ::megaton::cuda::device_free(ptr, capacity);
-    ptr = ::megaton::cuda::device_allocate(size_t(bytes));
-    capacity = size_t(bytes);
-  }
-  return ptr;
-}
-
-// [seed, offset] as two int64 on the device (cuDNN reads its Philox seed and offset from
-// device tensors). Rewritten, in stream order, before every dropout launch: the copy
-// queued after an earlier launch cannot overtake it on the same stream.
-int64_t* dropout_seed_offset(uint64_t seed, uint64_t stream) {
-  static int64_t* device_words =
-      static_cast<int64_t*>(::megaton::cuda::device_allocate(2 * sizeof(int64_t)));
-  uint32_t bits[4];
-  Philox(seed).generate(kSeedCounter, stream, bits);
-  const uint64_t cudnn_seed = uint64_t(bits[0]) | (uint64_t(bits[1]) << 32);
-  int64_t host_words[2];
-  std::memcpy(&host_words[0], &cudnn_seed, sizeof(int64_t));
-  host_words[1] = 0;  // offset: streams are separated through the seed, see the file comment
-  // As kernel parameters: in stream order, and the stack array may go out of scope at once.
-  ::megaton::cuda::upload(device_words, host_words, sizeof(host_words));
-  return device_words;
-}
-
-void check_fe(fe::error_t status, const char* step, const std::string& what) {
-  if (status.is_bad()) {
-    throw InternalError(fmt::format("cuDNN frontend {} failed for {}: {} (error code {})", step,
-                                    what, status.get_message(), int(status.get_code())));
-  }
-}
-
 // ---- graphs ------------------------------------------------------------------------------
 
 // One cached cuDNN graph: the built plan and the tensor handles its variant pack names.
@@ -223,15 +127,10 @@ struct SdpaGraph {
 using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, int,
                             uint32_t, bool, bool>;
 
-uint32_t float_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
-}
-
 GraphKey make_key(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
-  return {d.B,        d.S,      d.Hq,     d.Hkv, d.D, d.Dv, float_bits(d.scale), int(dtype),
-          float_bits(dropout_p), backward, backward && deterministic()};
+  const bool deterministic_backward = backward && deterministic();
+  return GraphKey(d.B, d.S, d.Hq, d.Hkv, d.D, d.Dv, sdpa::float_bits(d.scale), int(dtype),
+                  sdpa::float_bits(dropout_p), backward, deterministic_backward);
 }
 
 std::string describe(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
@@ -254,31 +153,10 @@ TensorAttr bshd_tensor(fe::graph::Graph& graph, const char* name, const Attentio
 std::vector<int64_t> stats_dim(const AttentionDims& d) { return {d.B, d.Hq, d.S, 1}; }
 std::vector<int64_t> stats_stride(const AttentionDims& d) { return {d.Hq * d.S, d.S, 1, 1}; }
 
-TensorAttr scalar_int64_tensor(fe::graph::Graph& graph, const char* name) {
-  return graph.tensor(fe::graph::Tensor_attributes()
-                          .set_name(name)
-                          .set_dim({1, 1, 1, 1})
-                          .set_stride({1, 1, 1, 1})
-                          .set_data_type(fe::DataType_t::INT64));
-}
-
-std::shared_ptr<fe::graph::Graph> new_graph(DType dtype) {
-  auto graph = std::make_shared<fe::graph::Graph>();
-  graph->set_io_data_type(dtype == DType::BF16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
-      .set_intermediate_data_type(fe::DataType_t::FLOAT)
-      .set_compute_data_type(fe::DataType_t::FLOAT);
-  return graph;
-}
-
-void build(SdpaGraph& g, const std::string& what) {
-  check_fe(g.graph->build(handle(), {fe::HeurMode_t::A}), "build", what);
-  check_fe(g.graph->get_workspace_size(g.workspace_bytes), "get_workspace_size", what);
-}
-
 std::unique_ptr<SdpaGraph> build_forward(const AttentionDims& d, DType dtype, float dropout_p,
                                          const std::string& what) {
   auto g = std::make_unique<SdpaGraph>();
-  g->graph = new_graph(dtype);
+  g->graph = sdpa::new_graph(dtype);
   fe::graph::Graph& graph = *g->graph;
   g->q = bshd_tensor(graph, "q", d, d.Hq, d.D);
   g->k = bshd_tensor(graph, "k", d, d.Hkv, d.D);
@@ -289,8 +167,8 @@ std::unique_ptr<SdpaGraph> build_forward(const AttentionDims& d, DType dtype, fl
                         .set_causal_mask(true)
                         .set_attn_scale(d.scale);
   if (dropout_p > 0.0f) {
-    g->seed = scalar_int64_tensor(graph, "dropout_seed");
-    g->offset = scalar_int64_tensor(graph, "dropout_offset");
+    g->seed = sdpa::scalar_int64_tensor(graph, "dropout_seed");
+    g->offset = sdpa::scalar_int64_tensor(graph, "dropout_offset");
     attributes.set_dropout(dropout_p, g->seed, g->offset);
   }
   auto [o, stats] = graph.sdpa(g->q, g->k, g->v, attributes);
@@ -303,14 +181,14 @@ std::unique_ptr<SdpaGraph> build_forward(const AttentionDims& d, DType dtype, fl
       .set_stride(stats_stride(d));
   g->o = o;
   g->stats = stats;
-  build(*g, what);
+  sdpa::build(*g->graph, g->workspace_bytes, what);
   return g;
 }
 
 std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, float dropout_p,
                                           const std::string& what) {
   auto g = std::make_unique<SdpaGraph>();
-  g->graph = new_graph(dtype);
+  g->graph = sdpa::new_graph(dtype);
   fe::graph::Graph& graph = *g->graph;
   g->q = bshd_tensor(graph, "q", d, d.Hq, d.D);
   g->k = bshd_tensor(graph, "k", d, d.Hkv, d.D);
@@ -328,8 +206,8 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
                         .set_attn_scale(d.scale);
   if (deterministic()) attributes.set_deterministic_algorithm(true);
   if (dropout_p > 0.0f) {
-    g->seed = scalar_int64_tensor(graph, "dropout_seed");
-    g->offset = scalar_int64_tensor(graph, "dropout_offset");
+    g->seed = sdpa::scalar_int64_tensor(graph, "dropout_seed");
+    g->offset = sdpa::scalar_int64_tensor(graph, "dropout_offset");
     attributes.set_dropout(dropout_p, g->seed, g->offset);
   }
   auto [dq, dk, dv] = graph.sdpa_backward(g->q, g->k, g->v, g->o, g->dout, g->stats, attributes);
@@ -345,7 +223,7 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
   g->dq = dq;
   g->dk = dk;
   g->dv = dv;
-  build(*g, what);
+  sdpa::build(*g->graph, g->workspace_bytes, what);
   return g;
 }
 
@@ -369,13 +247,13 @@ void execute(const SdpaGraph& g, std::unordered_map<TensorAttr, void*>& pack,
              const AttentionDims& d, DType dtype, float dropout_p, uint64_t seed, uint64_t stream,
              bool backward) {
   if (dropout_p > 0.0f) {
-    int64_t* words = dropout_seed_offset(seed, stream);
+    int64_t* words = sdpa::dropout_seed_offset(seed, stream);
     pack[g.seed] = words;
     pack[g.offset] = words + 1;
   }
-  void* ws = workspace(g.workspace_bytes);
-  fe::error_t status = g.graph->execute(handle(), pack, ws);
-  if (status.is_bad()) check_fe(status, "execute", describe(d, dtype, dropout_p, backward));
+  void* ws = sdpa::workspace(g.workspace_bytes);
+  fe::error_t status = g.graph->execute(sdpa::handle(), pack, ws);
+  if (status.is_bad()) sdpa::check_fe(status, "execute", describe(d, dtype, dropout_p, backward));
 }
 
 }  // namespace
@@ -391,7 +269,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   check_shape(lse, {d.B, d.Hq, d.S}, "lse");
   if (d.B == 0 || d.S == 0) return;
 
-  std::lock_guard<std::mutex> lock(state_mutex());
+  std::lock_guard<std::mutex> lock(sdpa::state_mutex());
   const SdpaGraph& g = cached_graph(d, q.dtype(), dropout_p, /*backward=*/false);
   std::unordered_map<TensorAttr, void*> pack = {
       {g.q, q.raw()}, {g.k, k.raw()}, {g.v, v.raw()}, {g.o, out.raw()}, {g.stats, lse.raw()}};
@@ -418,7 +296,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   check_shape(dv, v.shape(), "dv");
   if (d.B == 0 || d.S == 0) return;
 
-  std::lock_guard<std::mutex> lock(state_mutex());
+  std::lock_guard<std::mutex> lock(sdpa::state_mutex());
   const SdpaGraph& g = cached_graph(d, q.dtype(), dropout_p, /*backward=*/true);
   std::unordered_map<TensorAttr, void*> pack = {
       {g.q, q.raw()},   {g.k, k.raw()},       {g.v, v.raw()},

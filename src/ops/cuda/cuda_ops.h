@@ -105,7 +105,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         float softmax_scale);
 // Single-query attention over a KV cache, inference only (attention_kv_cache.cu).
 void attention_kv_cache(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
-                        int64_t first_position, Tensor& out);
+                        int64_t first_position, Tensor& out, float softmax_scale);
 void cross_entropy_forward(const Tensor& logits, const Tensor& labels, Tensor& losses,
                            Tensor& lse);
 void cross_entropy_backward(const Tensor& dlosses, const Tensor& logits, const Tensor& labels,
