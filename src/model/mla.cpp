@@ -271,7 +271,8 @@ Tensor MLASelfAttention::forward_inference(const Tensor& x, int64_t first_positi
                     k_pe.view({1, n_tok, rope}), qk, inv_freq_, rope_scale_, query, key, value,
                     first_position);
   Tensor out = empty_like(q, {n_tok, n, v});
-  MEGATON_CHECK(false, "TEMPORARY-UNTIL-KV-CACHE-SCALE");
+  ops::attention_kv_cache(query.view({n_tok, n, qk + rope}), key_cache, value_cache,
+                          first_position, out, softmax_scale_);
   return linear_proj.forward_inference(out.view({n_tok, n * v}));
 }
 
