@@ -74,7 +74,8 @@ def main():
              "params": 0.0}
     moe_keys = (("seq_load_balancing_loss", "seq load-balancing loss"),
                 ("global_load_balancing_loss", "global load-balancing loss"),
-                ("z_loss", "z-loss"), ("moe_expert_imbalance", "expert imbalance"))
+                ("z_loss", "z-loss"), ("moe_expert_imbalance", "expert imbalance"),
+                ("mtp_1_loss", "mtp_1 loss"), ("mtp_2_loss", "mtp_2 loss"))
     for _, name in moe_keys:
         worst[name] = 0.0
     for m in run_m:

@@ -67,6 +67,9 @@ struct GPTConfig {
   // mean loss times mtp_loss_scaling_factor joins the objective.
   int64_t mtp_num_layers = 0;
   float mtp_loss_scaling_factor = 0.1f;
+  // --calculate-per-token-loss (Megatron's TransformerConfig field): the MTP losses'
+  // gradients are weighted as Megatron's process_mtp_loss does in that mode.
+  bool calculate_per_token_loss = false;
 
   bool untie_embeddings_and_output_weights = false;
   float init_method_std = 0.02f;

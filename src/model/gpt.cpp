@@ -1,5 +1,6 @@
 // GPTModel forward/backward (TransformerLayer: transformer_layer.cpp).
 #include "model/gpt.h"
+#include "model/mtp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -18,8 +19,11 @@ static std::vector<const Param*> no_own_bucket() { return {}; }
 
 // Whether a chunk needs the word embeddings: for the lookup (pre_process), or as the
 // tied output layer (post_process without untie_embeddings_and_output_weights).
+// Multi-token prediction on the last stage looks up embeddings too.
 static bool holds_word_embeddings(const GPTConfig& cfg, const PipelineChunk& chunk) {
-  return chunk.pre_process || (chunk.post_process && !cfg.untie_embeddings_and_output_weights);
+  return chunk.pre_process ||
+         (chunk.post_process &&
+          (!cfg.untie_embeddings_and_output_weights || cfg.mtp_num_layers > 0));
 }
 
 GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
@@ -67,11 +71,17 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   }
   if (chunk_.post_process) {
     final_layernorm.collect_params(tail_grads_);
+    // Multi-token prediction depths, on the last stage (Megatron's default placement).
+    for (int64_t k = 0; k < cfg.mtp_num_layers; ++k) {
+      mtp_.push_back(std::make_unique<MultiTokenPredictionLayer>(cfg_, k, seed, mp_));
+      mtp_.back()->collect_params(tail_grads_);
+    }
     params_.insert(params_.end(), tail_grads_.begin(), tail_grads_.end());
   }
   if (chunk_.post_process && !chunk_.pre_process && word_embeddings.weight.defined()) {
-    // The last stage's copy of the tied embeddings, equal to the first stage's from the
-    // start (drawn by name) and kept equal by summing the two gradients.
+    // The last stage's copy of the tied embeddings (or of the embeddings MTP looks up),
+    // equal to the first stage's from the start (drawn by name) and kept equal by summing
+    // the two gradients.
     word_embeddings.shared = true;
     params_.push_back(&word_embeddings);
     tail_grads_.push_back(&word_embeddings);
@@ -118,6 +128,15 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   }
 }
 
+GPTModel::~GPTModel() = default;
+
+std::vector<TransformerLayer*> GPTModel::all_layers() {
+  std::vector<TransformerLayer*> out;
+  for (auto& layer : layers_) out.push_back(layer.get());
+  for (auto& depth : mtp_) out.push_back(depth->transformer_layer.get());
+  return out;
+}
+
 int64_t GPTModel::num_parameters() const {
   int64_t n = 0;
   for (const Param* p : params_) n += p->weight.numel();
@@ -136,18 +155,9 @@ Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
                     s.seq <= cfg_.max_position_embeddings,
                 "sequence of {} tokens exceeds max_position_embeddings {}", s.seq,
                 cfg_.max_position_embeddings);
-  int64_t T = s.batch * s.seq, H = cfg_.hidden_size;
+  int64_t T = s.batch * s.seq;
   s.tokens = tokens.view({T}).to(cfg_.device);
-  Tensor emb = empty_like(word_embeddings.weight, {T, H});
-  if (mp_.tp_size() == 1) {
-    ops::embedding_forward(s.tokens, word_embeddings.weight, emb);
-  } else {
-    // Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum over
-    // TP is the lookup, whole on every rank or this rank's token rows under SP.
-    ops::embedding_forward_vocab_range(s.tokens, word_embeddings.weight, vocab_start_, emb);
-    if (mp_.sequence_parallel) emb = reduce_scatter_sequence(emb, mp_);
-    else all_reduce_tensor_parallel(emb, mp_);
-  }
+  Tensor emb = embedding_lookup(s.tokens);
   if (position_embeddings.weight.defined())
     for_each_position_block(emb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
       Tensor rows = emb.rows(local_row, n);
@@ -162,6 +172,30 @@ Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
     ops::dropout_forward(emb, x, s.emb_dropout_p, s.emb_seed, s.emb_stream);
   }
   return x;
+}
+
+Tensor GPTModel::embedding_lookup(const Tensor& tokens) {
+  Tensor emb = empty_like(word_embeddings.weight, {tokens.numel(), cfg_.hidden_size});
+  if (mp_.tp_size() == 1) {
+    ops::embedding_forward(tokens, word_embeddings.weight, emb);
+  } else {
+    // Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum over
+    // TP is the lookup, whole on every rank or this rank's token rows under SP.
+    ops::embedding_forward_vocab_range(tokens, word_embeddings.weight, vocab_start_, emb);
+    if (mp_.sequence_parallel) emb = reduce_scatter_sequence(emb, mp_);
+    else all_reduce_tensor_parallel(emb, mp_);
+  }
+  return emb;
+}
+
+void GPTModel::embedding_lookup_backward(const Tensor& dx, const Tensor& tokens) {
+  // Every token row's gradient (gathered under SP) into this rank's vocabulary rows.
+  Tensor demb = dx;
+  if (mp_.tp_size() > 1 && mp_.sequence_parallel) demb = gather_sequence(demb, mp_);
+  accumulate_main_grad(word_embeddings.main_grad, [&](Tensor& main_grad) {
+    if (mp_.tp_size() == 1) ops::embedding_backward(demb, tokens, main_grad);
+    else ops::embedding_backward_vocab_range(demb, tokens, vocab_start_, main_grad);
+  });
 }
 
 void GPTModel::for_each_position_block(
@@ -244,10 +278,10 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
   }
   MEGATON_CHECK(in.labels.defined() && in.labels.numel() == in.batch * in.seq,
                 "forward_chunk: labels must be [{}, {}]", in.batch, in.seq);
-  Tensor aux_losses = out.loss.aux_losses;
   before_forward(tail_forward_);
-  out.loss = output_loss(final_layernorm.forward(x), in.labels);
-  out.loss.aux_losses = aux_losses;
+  const Tensor h0 = final_layernorm.forward(x);
+  out.loss.losses = output_loss(h0, in.labels, saved_.output);
+  if (!mtp_.empty() && !ctx.forward_only) mtp_forward(h0, in, ctx, out.loss);
   return out;
 }
 
@@ -255,21 +289,19 @@ double MicroBatchLoss::aux_loss() const {
   return aux_losses.defined() ? double(aux_losses.to(Device::CPU).f32()[0]) : 0.0;
 }
 
-MicroBatchLoss GPTModel::output_loss(const Tensor& hidden, const Tensor& labels) {
+Tensor GPTModel::output_loss(const Tensor& hidden, const Tensor& labels, OutputLossSaved& s) {
   // The output layer is column-parallel over the vocabulary: every token row is needed.
-  Saved& s = saved_;
   s.final_hidden = hidden;
   if (mp_.sequence_parallel) s.final_hidden = gather_sequence(s.final_hidden, mp_);
-  int64_t T = s.batch * s.seq;
+  const int64_t T = s.final_hidden.dim(0);
   const Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
   s.logits = empty_like(s.final_hidden, {T, out_w.weight.dim(0)});
   ops::gemm(s.final_hidden, false, out_w.weight, true, s.logits);
   s.labels = labels.view({T}).to(cfg_.device);
-  MicroBatchLoss result;
-  result.losses = Tensor::empty({T}, DType::F32, cfg_.device);
+  Tensor losses = Tensor::empty({T}, DType::F32, cfg_.device);
   s.lse = Tensor::empty({T}, DType::F32, cfg_.device);
   if (mp_.tp_size() == 1) {
-    ops::cross_entropy_forward(s.logits, s.labels, result.losses, s.lse);
+    ops::cross_entropy_forward(s.logits, s.labels, losses, s.lse);
   } else {
     // Megatron's vocab_parallel_cross_entropy: max, sum of exponentials and the target
     // logit reduced over the vocabulary shards.
@@ -282,9 +314,9 @@ MicroBatchLoss GPTModel::output_loss(const Tensor& hidden, const Tensor& labels)
     ops::cross_entropy_rescale_sum_exp(row_max, global_max, sum_exp);
     mp_.comm->all_reduce(sum_exp, mp_.tp());
     mp_.comm->all_reduce(target, mp_.tp());
-    ops::cross_entropy_finish(global_max, sum_exp, target, result.losses, s.lse);
+    ops::cross_entropy_finish(global_max, sum_exp, target, losses, s.lse);
   }
-  return result;
+  return losses;
 }
 
 Tensor GPTModel::logits(const Tensor& tokens) {
@@ -355,7 +387,10 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
                 chunk_.first_layer, chunk_.first_layer + chunk_.num_layers);
   Tensor dx = dout;
   if (chunk_.post_process) {
-    dx = final_layernorm.backward(output_loss_backward(dout));
+    Tensor dh = output_loss_backward(dout, saved_.output);
+    // The MTP depths read the final-normed output too (their hnorm).
+    if (!saved_.mtp.empty()) ops::add_(dh, mtp_backward(aux_grad_scale));
+    dx = final_layernorm.backward(dh);
     after_backward(tail_grads_);
   }
   const RecomputeConfig& rc = cfg_.recompute;
@@ -396,6 +431,10 @@ ChunkActivations GPTModel::take_activations() {
   out.final_layernorm_ = final_layernorm.take_saved();
   out.layers_.reserve(layers_.size());
   for (auto& layer : layers_) out.layers_.push_back(layer->take_saved());
+  for (auto& d : mtp_)
+    out.mtp_.push_back({d->enorm.take_saved(), d->hnorm.take_saved(),
+                        d->final_layernorm.take_saved(), d->eh_proj.take_saved(),
+                        d->transformer_layer->take_saved()});
   return out;
 }
 
@@ -411,11 +450,18 @@ void GPTModel::restore_activations(ChunkActivations&& activations) {
   saved_ = std::move(in.model_);
   final_layernorm.restore_saved(std::move(in.final_layernorm_));
   for (size_t i = 0; i < layers_.size(); ++i) layers_[i]->restore_saved(std::move(in.layers_[i]));
+  for (size_t k = 0; k < mtp_.size(); ++k) {
+    ChunkActivations::MtpActivations& a = in.mtp_[k];
+    mtp_[k]->enorm.restore_saved(std::move(a.enorm));
+    mtp_[k]->hnorm.restore_saved(std::move(a.hnorm));
+    mtp_[k]->final_layernorm.restore_saved(std::move(a.final_layernorm));
+    mtp_[k]->eh_proj.restore_saved(std::move(a.eh_proj));
+    mtp_[k]->transformer_layer->restore_saved(std::move(a.layer));
+  }
 }
 
-Tensor GPTModel::output_loss_backward(const Tensor& dlosses) {
-  Saved& s = saved_;
-  int64_t T = s.batch * s.seq, H = cfg_.hidden_size;
+Tensor GPTModel::output_loss_backward(const Tensor& dlosses, OutputLossSaved& s) {
+  const int64_t T = s.final_hidden.dim(0), H = cfg_.hidden_size;
   Param& out_w = output_layer.weight.defined() ? output_layer : word_embeddings;
   // In place: the logits buffer ([T, V/tp], the largest activation) becomes dlogits.
   Tensor dlogits = s.logits;
@@ -457,12 +503,7 @@ void GPTModel::embed_backward(const Tensor& dx) {
         ops::add_(g, rows);
       });
     });
-  // Every token row's gradient (gathered under SP) into this rank's vocabulary rows.
-  if (mp_.tp_size() > 1 && mp_.sequence_parallel) demb = gather_sequence(demb, mp_);
-  accumulate_main_grad(word_embeddings.main_grad, [&](Tensor& main_grad) {
-    if (mp_.tp_size() == 1) ops::embedding_backward(demb, s.tokens, main_grad);
-    else ops::embedding_backward_vocab_range(demb, s.tokens, vocab_start_, main_grad);
-  });
+  embedding_lookup_backward(demb, s.tokens);
   s.tokens = Tensor();
 }
 

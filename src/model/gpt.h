@@ -24,6 +24,10 @@ class TransformerLayer {
   TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed, const ModelParallel& mp = {});
   TransformerLayer(const GPTConfig& cfg, const LayerSpec& spec, int64_t layer, uint64_t seed,
                    const ModelParallel& mp);
+  // With its parameters under `prefix` instead of "decoder.layers.<layer>" (an MTP depth's
+  // "mtp.layers.<k>.transformer_layer"); `layer` keys its dropout streams and MoE layer.
+  TransformerLayer(const GPTConfig& cfg, const LayerSpec& spec, const std::string& prefix,
+                   int64_t layer, uint64_t seed, const ModelParallel& mp);
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   // InternalError when nothing was saved.
   Tensor backward(const Tensor& dy);
@@ -98,6 +102,10 @@ class TransformerLayer {
 // Loss of one micro-batch: per-token losses and the router losses of this forward.
 struct MicroBatchLoss {
   Tensor losses;  // [B*S] cross entropy per token (fp32)
+  // Multi-token prediction (model/mtp.h): [mtp_num_layers] fp32 on the model's device, depth
+  // k's masked mean cross entropy (sum_t mask_k CE_k) / max(N_k, 1) of this micro-batch,
+  // unscaled; undefined without MTP or off the last pipeline stage.
+  Tensor mtp_losses;
   // The sum over MoE layers of the aux loss (with its coefficient): [1] fp32 on the
   // model's device, written by the routers' kernels (no host synchronization); undefined
   // without MoE layers.
@@ -125,6 +133,9 @@ struct ChunkInput {
   // The previous chunk's output (chunks without pre_process): [T, H] in the compute dtype
   // on the model's device, T = B*S, or B*S / tp rows under sequence parallelism.
   Tensor hidden;
+  // The loss mask [B*S] fp32 (host or device; --eod-mask-loss), read by a post_process
+  // chunk's multi-token prediction only (its shifted masks); undefined: every token counts.
+  Tensor loss_mask;
 };
 
 // One micro-batch's output of a model chunk.
@@ -148,6 +159,7 @@ struct ParamHooks {
 
 class ChunkActivations;
 class InferenceContext;
+struct MultiTokenPredictionLayer;
 
 // The GPT model (Megatron's GPTModel), whole or one pipeline model chunk. Parameter
 // names match Megatron core's local spec ("embedding.word_embeddings.weight",
@@ -171,6 +183,7 @@ class GPTModel {
   GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp = {},
            int64_t dense_shards = 1, int64_t expert_shards = 1, const PipelineChunk& chunk = {},
            int64_t bucket_size = 0);
+  ~GPTModel();
   void set_param_hooks(ParamHooks hooks) { hooks_ = std::move(hooks); }
   const ModelParallel& model_parallel() const { return mp_; }
   const PipelineChunk& chunk() const { return chunk_; }
@@ -259,6 +272,11 @@ class GPTModel {
   const GPTConfig& config() const { return cfg_; }
   int64_t num_parameters() const;
   std::vector<std::unique_ptr<TransformerLayer>>& layers() { return layers_; }
+  // The decoder layers, then the MTP depths' transformer layers (post_process chunks with
+  // --mtp-num-layers): every layer with routers, FP8 state or saved activations.
+  std::vector<TransformerLayer*> all_layers();
+  // The MTP depths (post_process chunks only; empty otherwise).
+  std::vector<std::unique_ptr<MultiTokenPredictionLayer>>& mtp_layers() { return mtp_; }
   // The activation offload of --cpu-offloading (null without).
   const ActivationOffload* activation_offload() const { return offload_.get(); }
 
@@ -280,10 +298,28 @@ class GPTModel {
   void after_backward(std::span<Param* const> params) const {
     if (hooks_.after_backward && !params.empty()) hooks_.after_backward(params);
   }
-  // Output layer and cross entropy of the final-normed hidden state (post_process).
-  MicroBatchLoss output_loss(const Tensor& hidden, const Tensor& labels);
-  // Backward of output_loss: dlosses [B*S] -> d hidden (post_process).
-  Tensor output_loss_backward(const Tensor& dlosses);
+  // What the output layer and its cross entropy keep for backward.
+  struct OutputLossSaved {
+    Tensor final_hidden;  // the output layer's input [B*S, H] (gathered under SP)
+    Tensor logits;        // [B*S, V / tp]; becomes dlogits in backward
+    Tensor labels;        // [B*S] int32 on the model's device
+    Tensor lse;           // log-sum-exp of the logits [B*S] fp32
+  };
+  // Output layer and cross entropy of a final-normed hidden state (this rank's rows) against
+  // labels [B*S] (host or device) -> per-token losses [B*S] fp32 (post_process).
+  Tensor output_loss(const Tensor& hidden, const Tensor& labels, OutputLossSaved& s);
+  // Backward of output_loss: dlosses [B*S] -> d hidden (this rank's rows).
+  Tensor output_loss_backward(const Tensor& dlosses, OutputLossSaved& s);
+  // The word-embedding lookup of tokens [B*S] (device) -> [T, H] (this rank's rows under
+  // SP), and its backward into the word embeddings' main_grad (demb: this rank's rows).
+  Tensor embedding_lookup(const Tensor& tokens);
+  void embedding_lookup_backward(const Tensor& demb, const Tensor& tokens);
+  // Multi-token prediction (model/gpt_mtp.cpp): the depths after the main loss, from the
+  // final-normed decoder output h0; fills out.mtp_losses and saved_.mtp.
+  void mtp_forward(const Tensor& h0, const ChunkInput& in, const ForwardContext& ctx,
+                   MicroBatchLoss& out);
+  // Their backward: accumulates the depths' main_grads and returns d h0 (this rank's rows).
+  Tensor mtp_backward(float aux_grad_scale);
   // Backward of embed: accumulates the embedding main_grads (pre_process).
   void embed_backward(const Tensor& dx);
 
@@ -305,6 +341,9 @@ class GPTModel {
   ParamHooks hooks_;
   std::vector<Param*> head_params_, tail_forward_, tail_grads_;
   std::vector<std::vector<Param*>> layer_params_;
+  // Multi-token prediction depths (post_process with --mtp-num-layers) and their params.
+  std::vector<std::unique_ptr<MultiTokenPredictionLayer>> mtp_;
+  std::vector<Param*> mtp_params_;
 
   int64_t vocab_start_ = 0;  // first vocabulary row of this tensor-parallel rank
 
@@ -313,10 +352,18 @@ class GPTModel {
   struct Saved {
     int64_t batch = 0, seq = 0;  // the micro-batch's B and S (0: none held)
     Tensor tokens;               // [B*S] int32 on the model's device (pre_process)
-    Tensor labels;               // [B*S] int32 on the model's device (post_process)
-    Tensor final_hidden;         // the output layer's input [B*S, H] (gathered under SP)
-    Tensor logits;               // [B*S, V / tp]; becomes dlogits in backward
-    Tensor lse;                  // log-sum-exp of the logits [B*S] fp32
+    OutputLossSaved output;      // the main loss (post_process)
+    // Per MTP depth: its output loss, shifted tokens (device), mask (host fp32) and count,
+    // and its embedding dropout key.
+    struct MtpDepth {
+      OutputLossSaved output;
+      Tensor tokens, mask;
+      double num_tokens = 0;
+      float weight = 0;  // d objective / d per-token loss, before the trainer's scale
+      float emb_dropout_p = 0;
+      uint64_t emb_stream = 0;
+    };
+    std::vector<MtpDepth> mtp;
     float emb_dropout_p = 0;     // embedding dropout of this forward
     uint64_t emb_seed = 0;       // its mask's Philox key
     uint64_t emb_stream = 0;     // and stream
@@ -344,6 +391,7 @@ class ChunkActivations {
     model_ = std::exchange(other.model_, {});
     final_layernorm_ = std::exchange(other.final_layernorm_, {});
     layers_ = std::exchange(other.layers_, {});
+    mtp_ = std::exchange(other.mtp_, {});
     return *this;
   }
   ChunkActivations(const ChunkActivations&) = delete;
@@ -357,6 +405,13 @@ class ChunkActivations {
   GPTModel::Saved model_;
   Norm::Saved final_layernorm_;
   std::vector<TransformerLayer::Activations> layers_;
+  // Per MTP depth: enorm, hnorm, final_layernorm, eh_proj and its transformer layer.
+  struct MtpActivations {
+    Norm::Saved enorm, hnorm, final_layernorm;
+    Linear::Saved eh_proj;
+    TransformerLayer::Activations layer;
+  };
+  std::vector<MtpActivations> mtp_;
 };
 
 }  // namespace megaton

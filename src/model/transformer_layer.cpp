@@ -16,16 +16,19 @@ TransformerLayer::TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t
 
 TransformerLayer::TransformerLayer(const GPTConfig& cfg, const LayerSpec& spec, int64_t layer,
                                    uint64_t seed, const ModelParallel& mp)
-    : input_layernorm("decoder.layers." + std::to_string(layer) + ".input_layernorm",
-                      cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
+    : TransformerLayer(cfg, spec, "decoder.layers." + std::to_string(layer), layer, seed, mp) {}
+
+TransformerLayer::TransformerLayer(const GPTConfig& cfg, const LayerSpec& spec,
+                                   const std::string& prefix, int64_t layer, uint64_t seed,
+                                   const ModelParallel& mp)
+    : input_layernorm(prefix + ".input_layernorm", cfg.hidden_size, cfg.normalization,
+                      cfg.norm_epsilon, Placement::of(cfg),
                       mp.sequence_parallel && mp.tp_size() > 1),
-      mixer(make_mixer(spec.mixer, "decoder.layers." + std::to_string(layer) + ".self_attention",
-                       cfg, layer, seed, mp)),
-      pre_mlp_layernorm("decoder.layers." + std::to_string(layer) + ".pre_mlp_layernorm",
-                        cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
+      mixer(make_mixer(spec.mixer, prefix + ".self_attention", cfg, layer, seed, mp)),
+      pre_mlp_layernorm(prefix + ".pre_mlp_layernorm", cfg.hidden_size, cfg.normalization,
+                        cfg.norm_epsilon, Placement::of(cfg),
                         mp.sequence_parallel && mp.tp_size() > 1),
-      mlp(make_mlp_block(spec.mlp, "decoder.layers." + std::to_string(layer) + ".mlp", cfg, layer,
-                         seed, mp)),
+      mlp(make_mlp_block(spec.mlp, prefix + ".mlp", cfg, layer, seed, mp)),
       cfg_(cfg),
       spec_(spec),
       mp_(mp),

@@ -35,6 +35,17 @@ double num_floating_point_operations(const GPTConfig& c, int64_t tokens) {
       per_token += mlp(double(c.ffn_hidden_size));
   }
   per_token += 2.0 * h * double(c.padded_vocab_size);
+  // Multi-token prediction: each depth one more layer of the last decoder layer's kind,
+  // its eh_proj (2h -> h) and its logits (Megatron's mtp term; norms not counted).
+  const int64_t last = c.num_layers - 1;
+  for (int64_t k = 0; k < c.mtp_num_layers; ++k) {
+    per_token += attention + 2.0 * (2.0 * h) * h + 2.0 * h * double(c.padded_vocab_size);
+    if (c.is_moe_layer(last))
+      per_token += double(c.moe_router_topk) * mlp(double(c.moe_ffn_hidden_size)) +
+                   2.0 * h * double(c.num_experts);
+    else
+      per_token += mlp(double(c.ffn_hidden_size));
+  }
   return 3.0 * per_token * double(tokens);
 }
 

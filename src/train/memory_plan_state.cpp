@@ -102,9 +102,26 @@ std::vector<ParamShape> chunk_params(const GPTConfig& m, const ChunkLayers& laye
   for (int64_t l = layers.first_layer; l < layers.first_layer + layers.num_layers; ++l)
     layer_params(m, l, tp, etp, ep, out);
   if (post) {
+    const bool ln = m.normalization == Normalization::LayerNorm;
     out.push_back({H});
-    if (m.normalization == Normalization::LayerNorm) out.push_back({H});
-    if (!pre && !m.untie_embeddings_and_output_weights) out.push_back({V / tp * H});
+    if (ln) out.push_back({H});
+    // MTP depths (model/mtp.h): enorm, hnorm, eh_proj [H, 2H], a layer of the last decoder
+    // layer's kind, final_layernorm.
+    for (int64_t k = 0; k < m.mtp_num_layers; ++k) {
+      for (int i = 0; i < 2; ++i) {
+        out.push_back({H});
+        if (ln) out.push_back({H});
+      }
+      out.push_back({2 * H * H});
+      std::vector<ParamShape> layer;
+      layer_params(m, m.num_layers - 1, tp, etp, ep, layer);
+      out.insert(out.end(), layer.begin(), layer.end());
+      out.push_back({H});
+      if (ln) out.push_back({H});
+    }
+    // The word embeddings' copy: tied output layer, or the MTP depths' lookups.
+    if (!pre && (!m.untie_embeddings_and_output_weights || m.mtp_num_layers > 0))
+      out.push_back({V / tp * H});
     if (m.untie_embeddings_and_output_weights) out.push_back({V / tp * H});
   }
   return out;
@@ -152,7 +169,10 @@ void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan) {
                             (m.disable_bias_linear ? 0 : (m.swiglu ? 2 : 1) * f + H);
   const double idle = std::max<double>(double(m.num_experts - m.moe_router_topk), 0);
   plan.total_parameters = total;
-  plan.active_parameters = total - double(m.num_moe_layers()) * idle * per_expert;
+  // MTP depths are MoE layers when the last decoder layer is.
+  const double moe_layers = double(m.num_moe_layers()) +
+                            (m.is_moe_layer(m.num_layers - 1) ? double(m.mtp_num_layers) : 0.0);
+  plan.active_parameters = total - moe_layers * idle * per_expert;
 }
 
 void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout,

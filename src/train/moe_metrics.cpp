@@ -9,8 +9,19 @@
 namespace megaton {
 
 namespace {
-std::string bias_name(int64_t layer) {
-  return "model.decoder.layers." + std::to_string(layer) + ".mlp.router.expert_bias";
+// The checkpoint name of a router's expert bias: "model.<router prefix>.expert_bias"
+// ("model.decoder.layers.<i>.mlp.router.expert_bias", or an MTP depth's
+// "model.mtp.layers.<k>.transformer_layer.mlp.router.expert_bias").
+std::string bias_name(const TopKRouter& router) {
+  std::string prefix = router.weight.name;
+  if (prefix.ends_with(".weight")) prefix.resize(prefix.size() - 7);
+  return "model." + prefix + ".expert_bias";
+}
+// Layers with a metrics slot: the decoder's, then the MTP depths' (numbered after them, MoE
+// when the last decoder layer is: their spec is its).
+int64_t metric_layers(const GPTConfig& cfg) { return cfg.num_layers + cfg.mtp_num_layers; }
+bool metric_layer_is_moe(const GPTConfig& cfg, int64_t l) {
+  return cfg.is_moe_layer(l < cfg.num_layers ? l : cfg.num_layers - 1);
 }
 }  // namespace
 
@@ -18,7 +29,7 @@ MoEStepBookkeeping::MoEStepBookkeeping(std::vector<GPTModel*> chunks, const GPTC
                                        const dist::Grid& grid, dist::Comm& comm)
     : cfg_(cfg), grid_(grid), comm_(comm) {
   for (GPTModel* chunk : chunks)
-    for (const auto& layer : chunk->layers())
+    for (TransformerLayer* layer : chunk->all_layers())
       if (layer->moe()) routers_.push_back({layer->moe()->layer_number(), &layer->moe()->router});
 }
 
@@ -38,7 +49,7 @@ PendingMoEMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
   PendingMoEMetrics pending;
   pending.num_micro_batches = num_micro_batches;
   if (!active()) return pending;
-  const int64_t E = cfg_.num_experts, L = cfg_.num_layers;
+  const int64_t E = cfg_.num_experts, L = metric_layers(cfg_);
   const Device device = comm_.device();
   // Per layer [aux, seq, global, z, routed copies] then the tokens per expert [L, E],
   // summed over the world (the losses divided by their coefficients; scaled by read()).
@@ -70,14 +81,14 @@ PendingMoEMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
 MoEStepMetrics MoEStepBookkeeping::read(const PendingMoEMetrics& pending) const {
   MoEStepMetrics out;
   if (!active() || !pending.values.defined()) return out;
-  const int64_t E = cfg_.num_experts, L = cfg_.num_layers;
+  const int64_t E = cfg_.num_experts, L = metric_layers(cfg_);
   const Tensor values = pending.values.to(Device::CPU);
   std::vector<double> both(values.f32(), values.f32() + values.numel());
   const double dp = double(grid_.dp().size()), mbs = double(pending.num_micro_batches);
   const double tp_dp_cp = double(grid_.tp_dp_cp().size());
   auto enabled = [&](const char* type) { return cfg_.moe_loss_coeff(type) != 0.0f; };
   for (int64_t l = 0; l < L; ++l) {
-    if (!cfg_.is_moe_layer(l)) continue;
+    if (!metric_layer_is_moe(cfg_, l)) continue;
     MoELayerMetrics m;
     m.layer = l;
     const double* v = &both[size_t(l * kValues)];
@@ -117,7 +128,7 @@ std::vector<std::pair<std::string, Tensor>> MoEStepBookkeeping::expert_bias_stat
   std::vector<std::pair<std::string, Tensor>> out;
   if (grid_.dp().rank != 0 || grid_.tp().rank != 0) return out;
   for (const Entry& e : routers_)
-    if (e.router->expert_bias.defined()) out.emplace_back(bias_name(e.layer), e.router->expert_bias);
+    if (e.router->expert_bias.defined()) out.emplace_back(bias_name(*e.router), e.router->expert_bias);
   return out;
 }
 
@@ -125,7 +136,7 @@ void MoEStepBookkeeping::load_expert_bias(
     const std::function<const Tensor*(const std::string&)>& find, const std::string& source) {
   for (Entry& e : routers_) {
     if (!e.router->expert_bias.defined()) continue;
-    const std::string name = bias_name(e.layer);
+    const std::string name = bias_name(*e.router);
     const Tensor* t = find(name);
     if (!t) fail("checkpoint '{}' has no tensor '{}' (saved without --moe-router-enable-expert-bias?)",
                  source, name);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <numeric>
 
 #include "core/error.h"
@@ -194,6 +195,12 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
         in.batch = mbs.batch;
         in.seq = mbs.seq;
         if (part.pre_process || part.post_process) mbs.load(op.micro_batch, in.tokens, in.labels);
+        // MTP shifts the loss mask with its labels.
+        std::optional<LossMask> mask;
+        if (part.post_process && mbs.loss_mask) {
+          mask = mbs.loss_mask(in.tokens);
+          if (cfg.mtp_num_layers > 0) in.loss_mask = mask->mask;
+        }
         if (!part.pre_process) {
           auto hidden = inputs[op.chunk].find(op.micro_batch);
           MEGATON_CHECK(hidden != inputs[op.chunk].end(),
@@ -210,13 +217,18 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
             losses.aux_losses = Tensor::zeros({1}, DType::F32, out.loss.aux_losses.device());
           ops::add_(losses.aux_losses, out.loss.aux_losses);
         }
-        if (part.post_process && mbs.loss_mask) {
-          LossMask mask = mbs.loss_mask(in.tokens);
-          losses.loss_sum += masked_loss_sum(out.loss.losses, mask.mask);
-          losses.num_tokens += double(mask.num_tokens);
+        if (out.loss.mtp_losses.defined()) {
+          if (!losses.mtp_losses.defined())
+            losses.mtp_losses = Tensor::zeros(out.loss.mtp_losses.shape(), DType::F32,
+                                              out.loss.mtp_losses.device());
+          ops::add_(losses.mtp_losses, out.loss.mtp_losses);
+        }
+        if (mask) {
+          losses.loss_sum += masked_loss_sum(out.loss.losses, mask->mask);
+          losses.num_tokens += double(mask->num_tokens);
           // Per-token loss: the mask itself (the sum's gradient; no division by the tokens).
           if (!forward_only)
-            loss_weights[op.micro_batch] = std::move(mbs.per_token_loss ? mask.mask : mask.weights);
+            loss_weights[op.micro_batch] = std::move(mbs.per_token_loss ? mask->mask : mask->weights);
         } else if (part.post_process) {
           losses.loss_sum += ops::sum(out.loss.losses);
           losses.num_tokens += double(out.loss.losses.numel());
@@ -305,8 +317,10 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
 void all_reduce_embedding_grads(const std::vector<GPTModel*>& chunks, const dist::Grid& grid,
                                 dist::Comm& comm) {
   const dist::Group& group = grid.embedding();
+  // Untied embeddings have a last-stage copy only for multi-token prediction.
   if (grid.pp().size() == 1 || !group.is_member() || chunks.empty() ||
-      chunks[0]->config().untie_embeddings_and_output_weights)
+      (chunks[0]->config().untie_embeddings_and_output_weights &&
+       chunks[0]->config().mtp_num_layers == 0))
     return;
   // The first stage's first chunk holds the embedding, the last stage's last chunk the copy.
   GPTModel* holder = grid.is_pipeline_first_stage() ? chunks.front() : chunks.back();

@@ -129,6 +129,9 @@ struct PipelineLosses {
   // device (no host synchronization), undefined without MoE layers; aux_loss_sum() reads
   // it (0 when undefined).
   Tensor aux_losses;
+  // --mtp-num-layers: the MTP depths' losses summed over micro-batches ([D] fp32 on the
+  // device; last stage only, else undefined).
+  Tensor mtp_losses;
   double aux_loss_sum() const {
     return aux_losses.defined() ? double(aux_losses.to(Device::CPU).f32()[0]) : 0.0;
   }

@@ -86,6 +86,8 @@ void RunLogger::step(const RunLogStep& s) {
   scalar("learning-rate", s.lr, it, samples);
   scalar("batch-size", double(s.global_batch_size), it, samples);
   scalar("lm loss", s.loss, it, samples);
+  for (size_t k = 0; k < s.mtp_losses.size(); ++k)
+    scalar("mtp_" + std::to_string(k + 1) + " loss", s.mtp_losses[k], it, samples);
   if (s.loss_scale >= 0 && args_.logging.log_loss_scale_to_tensorboard)
     scalar("loss-scale", s.loss_scale, it, samples);
   if (args_.logging.log_world_size_to_tensorboard)

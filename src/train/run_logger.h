@@ -23,6 +23,7 @@ struct RunLogStep {
   double params_norm = -1;  // < 0: not computed
   int64_t num_zeros = -1;   // < 0: not counted
   const MoEStepMetrics* moe = nullptr;  // the step's MoE metrics (null without MoE layers)
+  std::vector<double> mtp_losses;       // "mtp_<k> loss" per MTP depth (empty without)
 };
 
 class RunLogger {

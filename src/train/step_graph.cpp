@@ -34,6 +34,9 @@ void check_full_iteration_graph(const TrainArgs& a, int64_t world_size) {
         "{}: calculate-per-token-loss with eod-mask-loss divides the gradients by each "
         "step's loss tokens, a host value a replayed graph cannot change",
         kFlag);
+  if (m.mtp_num_layers > 0)
+    fail("{}: mtp-num-layers builds each micro-batch's shifted tokens and masks on the host, "
+         "which a replayed graph cannot change; run it without CUDA graphs", kFlag);
   if (a.log_num_zeros_in_grad)
     fail("{}: log-num-zeros-in-grad reads the gradients between backward and the update, "
          "inside the captured step", kFlag);

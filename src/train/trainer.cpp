@@ -281,6 +281,9 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   Tensor loss_sum = Tensor::zeros({1}, DType::F32, device);
   Tensor mb_sum = Tensor::empty({1}, DType::F32, device);
   double tokens_sum = 0;
+  // Multi-token prediction: each depth's loss summed over the micro-batches (last stage).
+  const int64_t mtp_depths = args_.model.mtp_num_layers;
+  Tensor mtp_sum = mtp_depths > 0 ? Tensor::zeros({mtp_depths}, DType::F32, device) : Tensor();
   // The backward starts from the loss times the loss scale (1 without one).
   const float loss_scale = scaler_->scale();
   if (schedule_) {
@@ -292,6 +295,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     batches.loss_scale = loss_scale;
     batches.per_token_loss = args_.calculate_per_token_loss;
     const PipelineLosses stage = schedule_->forward_backward(batches, /*forward_only=*/false);
+    if (stage.mtp_losses.defined()) ops::add_(mtp_sum, stage.mtp_losses);
     // The LM loss exists on the last stage (the MoE losses are logged from the routers'
     // metrics, MoEStepBookkeeping).
     // (The schedule sums on the host; its value travels in a small upload.)
@@ -308,8 +312,11 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
-    MicroBatchLoss out =
-        chunks_[0]->forward(batch_tokens_[size_t(mb)], batch_labels_[size_t(mb)], ctx);
+    ChunkInput in{mbs, args_.model.seq_length, batch_tokens_[size_t(mb)],
+                  batch_labels_[size_t(mb)], Tensor()};
+    if (args_.eod_mask_loss && mtp_depths > 0) in.loss_mask = batch_loss_masks_[size_t(mb)];
+    MicroBatchLoss out = chunks_[0]->forward_chunk(in, ctx).loss;
+    if (out.mtp_losses.defined()) ops::add_(mtp_sum, out.mtp_losses);
     int64_t T = out.losses.numel();
     if (args_.eod_mask_loss) ops::dot(out.losses, batch_loss_masks_[size_t(mb)], mb_sum);
     else ops::sum(out.losses, mb_sum);
@@ -367,10 +374,19 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   // Every data- and context-parallel rank has as many tokens as this one.
   if (grid_->tp().rank != 0) loss_sum.zero();
   comm_->all_reduce(loss_sum, grid_->tp_dp_cp());
+  if (mtp_sum.defined()) {
+    // Megatron's MTPLossLoggingHelper: the mean over micro-batches, averaged over DP x CP.
+    if (schedule_) comm_->all_reduce(mtp_sum, grid_->pp());
+    if (grid_->tp().rank != 0) mtp_sum.zero();
+    comm_->all_reduce(mtp_sum, grid_->tp_dp_cp());
+    ops::scale_(mtp_sum, float(1.0 / (double(n_mb) * double(grid_->tp_dp_cp().size() /
+                                                            grid_->tp().size()))));
+  }
   // With the loss mask the tokens were summed over the data-parallel ranks already (by the
   // pipeline branch above, or when the inputs were staged).
-  if (args_.eod_mask_loss) return {loss_sum, schedule_ ? tokens_sum : staged_loss_tokens_};
-  return {loss_sum, tokens_sum * double(grid_->tp_dp_cp().size() / grid_->tp().size())};
+  if (args_.eod_mask_loss)
+    return {loss_sum, schedule_ ? tokens_sum : staged_loss_tokens_, mtp_sum};
+  return {loss_sum, tokens_sum * double(grid_->tp_dp_cp().size() / grid_->tp().size()), mtp_sum};
 }
 
 void Trainer::stage_step_inputs(double lr) {
@@ -517,6 +533,11 @@ TrainResult Trainer::train() {
     std::vector<Tensor> read = {out.loss.sum,        local_loss_sum_, update.grad_norm,
                                 update.local_sum_sq, update.control,  update.state};
     if (step.moe.values.defined()) read.push_back(step.moe.values);  // the log line's
+    step.mtp_index = -1;
+    if (out.loss.mtp_sum.defined()) {
+      step.mtp_index = int64_t(read.size());
+      read.push_back(out.loss.mtp_sum);
+    }
     step.values = std::make_unique<Readback>(read);
     // Waits for the step's GPU work, so with the profiler on the elapsed time below covers
     // it (without, the optimizer's kernels may still run when the next iteration starts).

@@ -82,6 +82,9 @@ class Trainer {
   struct StepLoss {
     Tensor sum;
     double tokens = 0;
+    // --mtp-num-layers: each depth's loss, the mean over the step's micro-batches and the
+    // data-parallel ranks ([mtp_num_layers] fp32 on the device); undefined without MTP.
+    Tensor mtp_sum;
   };
   StepLoss train_step(int64_t iteration);
   // The step's inputs that change from step to step, written to device memory before the
@@ -112,6 +115,7 @@ class Trainer {
     // loss sum, local loss sum, grad norm, local squared sum, control, state, and the MoE
     // metrics (moe.values) when the model has MoE layers
     std::unique_ptr<Readback> values;
+    int64_t mtp_index = -1;  // the MTP losses' tensor in `values` (-1: none)
     PendingMoEMetrics moe;
     int64_t num_zeros = -1;
     double params_norm = -1;
@@ -121,6 +125,7 @@ class Trainer {
   // the log interval and its log line. `interval` carries the log interval's sums.
   struct LogInterval {
     double loss = 0, ms = 0;  // loss: summed over the advanced (not skipped) iterations
+    std::vector<double> mtp_losses;  // per MTP depth, summed like loss
     int64_t iterations = 0, advanced = 0, skipped = 0, nan = 0;
     std::vector<PendingMoEMetrics> moe;  // read by the log line
     std::chrono::steady_clock::time_point last_done;  // when the previous step was read
@@ -159,8 +164,9 @@ class Trainer {
   // counts (Megatron's, reset at each log line).
   void log_line(const std::string& extra_fields, int64_t iteration, int64_t consumed_samples,
                 int64_t global_batch_size, double ms_per_iter, double lr,
-                double loss, const MoEStepMetrics& moe, double grad_norm, int64_t num_zeros,
-                double params_norm, int64_t skipped, int64_t nan);
+                double loss, const std::vector<double>& mtp_losses, const MoEStepMetrics& moe,
+                double grad_norm, int64_t num_zeros, double params_norm, int64_t skipped,
+                int64_t nan);
 
   TrainArgs args_;
   RawOptions raw_;

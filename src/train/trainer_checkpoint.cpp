@@ -17,7 +17,7 @@ namespace megaton {
 std::vector<std::pair<std::string, Tensor*>> Trainer::fp8_state(bool experts) {
   std::vector<std::pair<std::string, Tensor*>> out;
   for (auto& chunk : chunks_)
-    for (auto& layer : chunk->layers())
+    for (TransformerLayer* layer : chunk->all_layers())
       for (auto& entry : layer->fp8_state(experts)) out.push_back(entry);
   return out;
 }

@@ -86,7 +86,8 @@ static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
 
 void Trainer::log_line(const std::string& extra_fields, int64_t iteration,
                        int64_t consumed_samples, int64_t global_batch_size,
-                       double ms_per_iter, double lr, double loss, const MoEStepMetrics& moe,
+                       double ms_per_iter, double lr, double loss,
+                       const std::vector<double>& mtp_losses, const MoEStepMetrics& moe,
                        double grad_norm, int64_t num_zeros, double params_norm, int64_t skipped,
                        int64_t nan) {
   int64_t tokens = global_batch_size * args_.model.seq_length;
@@ -99,6 +100,9 @@ void Trainer::log_line(const std::string& extra_fields, int64_t iteration,
       double(tokens) / (ms_per_iter / 1000.0),
       throughput_per_gpu_tflops(flops, ms_per_iter, grid_->world_size()), lr, global_batch_size,
       loss);
+  // Megatron's MTPLossLoggingHelper keys.
+  for (size_t k = 0; k < mtp_losses.size(); ++k)
+    line += fmt::format("mtp_{} loss: {:.6E} | ", k + 1, mtp_losses[k]);
   const bool capacity = args_.model.moe_expert_capacity_factor > 0;
   if (moe_->active()) line += moe_log_fields(moe.mean, capacity);
   // The scale after this step's update, as Megatron logs optimizer.get_loss_scale().
@@ -134,6 +138,11 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   const bool stopped = values.tensor(5).i64()[1] != 0;
   // The MoE metrics on the host now, so the log line reads them without waiting.
   if (step.moe.values.defined()) step.moe.values = values.tensor(6);
+  std::vector<double> mtp_losses;
+  if (step.mtp_index >= 0) {
+    const Tensor& t = values.tensor(size_t(step.mtp_index));
+    for (int64_t k = 0; k < t.numel(); ++k) mtp_losses.push_back(t.f32()[k]);
+  }
   // The device skipped this step's update (and every later one) when it stopped.
   if (stopped)
     stop_on_non_finite(step.iteration, loss, grad_norm, local_loss_sum, local_grad_sum_sq);
@@ -148,6 +157,8 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
   } else {
     ++interval.advanced;
     interval.loss += loss;
+    interval.mtp_losses.resize(mtp_losses.size(), 0.0);
+    for (size_t k = 0; k < mtp_losses.size(); ++k) interval.mtp_losses[k] += mtp_losses[k];
   }
   if (nan) {
     ++nan_iterations_;
@@ -175,6 +186,8 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     if (moe_->active()) add_moe_metrics(line, moe_step, args_.moe_per_layer_logging);
     if (step.params_norm >= 0) line["params_norm"] = step.params_norm;
     if (step.num_zeros >= 0) line["num_zeros"] = step.num_zeros;
+    for (size_t k = 0; k < mtp_losses.size(); ++k)
+      line[fmt::format("mtp_{}_loss", k + 1)] = mtp_losses[k];
     std::ofstream out(args_.log_metrics_file, std::ios::app);
     out << line.dump() << "\n";
     if (!out) fail("log-metrics-file: cannot write '{}'", args_.log_metrics_file);
@@ -190,6 +203,7 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     r.loss_scale = scaler_->active() ? scaler_->scale() : -1.0;
     r.params_norm = step.params_norm;
     r.num_zeros = step.num_zeros;
+    r.mtp_losses = mtp_losses;
     if (moe_->active()) r.moe = &moe_step;
     run_logger_->step(r);
   }
@@ -210,12 +224,16 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     MoEStepMetrics moe_mean;
     for (const PendingMoEMetrics& m : interval.moe) accumulate_moe_metrics(moe_mean, moe_->read(m));
     scale_moe_metrics(moe_mean, 1.0 / double(interval.iterations));
+    std::vector<double> mtp_mean = interval.mtp_losses;
+    for (double& v : mtp_mean) v /= double(std::max<int64_t>(interval.advanced, 1));
     log_line(energy, step.iteration, step.consumed_samples, step.global_batch_size,
              interval.ms / double(interval.iterations), step.lr,
-             interval.loss / double(std::max<int64_t>(interval.advanced, 1)), moe_mean, grad_norm,
-             step.num_zeros, step.params_norm, interval.skipped, interval.nan);
+             interval.loss / double(std::max<int64_t>(interval.advanced, 1)), mtp_mean,
+             moe_mean, grad_norm, step.num_zeros, step.params_norm, interval.skipped,
+             interval.nan);
   }
   interval.moe.clear();
+  interval.mtp_losses.clear();
   interval.loss = interval.ms = 0;
   interval.iterations = interval.advanced = interval.skipped = interval.nan = 0;
 }

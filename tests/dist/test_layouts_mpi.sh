@@ -73,9 +73,11 @@ router_flags() {  # NAME
 # "MLA=1" replaces self attention with multi-latent attention (issue 20): q LoRA, the latent
 # norms, YaRN (factor 4 over 4 positions, mscale 1 and mscale_all_dim 0.707), value heads of
 # 4 beside query/key heads of 8 + 8; with "RC=sel" the mla_up_proj recompute joins.
+# "MTP=n" adds n multi-token prediction depths (--mtp-num-layers n, loss scale 0.3); their
+# mtp_k losses are compared too.
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
-  EOD=0 PTL=0 MLA=0
+  EOD=0 PTL=0 MLA=0 MTP=0
   local setting
   for setting in $1; do
     case $setting in
@@ -100,6 +102,7 @@ use_variant() {  # "VAR=value ..."
       PTL=*) PTL=${setting#*=} ;;
       BS=*) BS=${setting#*=} ;;
       MLA=*) MLA=${setting#*=} ;;
+      MTP=*) MTP=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -129,6 +132,7 @@ run() {  # NAME NP FLAGS...
     --qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 4 --qk-layernorm --rope-type yarn
     --rotary-scaling-factor 4 --original-max-position-embeddings 4 --mscale 1.0
     --mscale-all-dim 0.707)
+  [ "$MTP" = 0 ] || model+=(--mtp-num-layers "$MTP" --mtp-loss-scaling-factor 0.3)
   case $MG in
     bf16) model+=(--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16) ;;
     reduce) model+=(--bf16 --grad-reduce-in-bf16) ;;
@@ -366,6 +370,17 @@ layouts=(
   "mla-ep2-v3-router|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|MLA=1 ROUTER=v3"
   "mla-dp2-distributed-optimizer|2|--use-distributed-optimizer|MLA=1"
   "mla-tp2-sp-recompute|2|--tensor-model-parallel-size 2 --sequence-parallel|MLA=1 RC=sel"
+  # Multi-token prediction (issue 20): the depths on the last stage with their copy of the
+  # (untied) embeddings, whose gradient is summed with the first stage's; TP/SP, EP, DP.
+  "mtp-pp2|2|--pipeline-model-parallel-size 2|MTP=2"
+  "mtp-pp2-tied|2|--pipeline-model-parallel-size 2|MTP=1 TIED=1"
+  "mtp-pp2-interleaved|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|MTP=1 LAYERS=8"
+  "mtp-tp2-sp|2|--tensor-model-parallel-size 2 --sequence-parallel|MTP=2"
+  "mtp-ep2|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|MTP=1 ROUTER=v3"
+  "mtp-dp2-distributed-optimizer|2|--use-distributed-optimizer|MTP=1"
+  "mtp-pp2-per-token-eod|2|--pipeline-model-parallel-size 2|MTP=1 PTL=1 EOD=1 VOCAB=7 PAD=4"
+  "mtp-dp2-eod|2||MTP=1 EOD=1 VOCAB=7 PAD=4"
+  "mla-mtp-tp2-sp-pp2|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|MLA=1 MTP=1"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
@@ -401,6 +416,8 @@ resumes=(
   "dp2-rampup-to-pp2|2||2|--pipeline-model-parallel-size 2|BS=ramp"
   "one-rank-step-schedule-to-ep2|1||2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|BS=step"
   # MLA's replicated down projections and latent norms are written once, loaded whole.
+  # MTP depths and the expert bias of their router go through the checkpoint.
+  "mtp-pp2-to-tp2-sp|2|--pipeline-model-parallel-size 2|2|--tensor-model-parallel-size 2 --sequence-parallel|MTP=1 ROUTER=v3"
   "mla-tp2-sp-to-pp2|2|--tensor-model-parallel-size 2 --sequence-parallel|2|--pipeline-model-parallel-size 2|MLA=1"
   "tp2-sp-ep2-etp1-fp8-delayed-to-one-rank|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall|1||FP8=delayed RTOL=1e-3"
 )

@@ -39,7 +39,13 @@ double objective(GPTModel& model, const Tensor& tokens, const Tensor& labels, co
                  bool training = false) {
   ForwardContext ctx{training, 1, 0, 0};
   MicroBatchLoss out = model.forward(tokens, labels, ctx);
-  return testing::dot(w, out.losses) + out.aux_loss();
+  double objective = testing::dot(w, out.losses) + out.aux_loss();
+  // Multi-token prediction's depths join with weight mtp_loss_scaling_factor / D each (the
+  // backward's aux scale is 1 here).
+  if (out.mtp_losses.defined())
+    objective += double(model.config().mtp_loss_scaling_factor) /
+                 double(model.config().mtp_num_layers) * ops::sum(out.mtp_losses);
+  return objective;
 }
 
 // Every MoE layer's routing of the last forward: the chosen experts of each token (and
@@ -284,6 +290,41 @@ TEST(ModelGradients, MultiLatentAttentionWithoutQLoraRope) {
   c.qk_head_dim = 4;
   c.qk_pos_emb_head_dim = 2;
   c.v_head_dim = 5;
+  check_gradients(c);
+}
+
+// Multi-token prediction (model/mtp.h), two depths after a dense and an MoE layer (the
+// depths' layers are MoE: the last decoder layer's spec), tied embeddings shared by the
+// depths' lookups and output layer.
+TEST(ModelGradients, MultiTokenPredictionTwoDepthsMoE) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.swiglu = true;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 12;
+  c.moe_router_topk = 2;
+  c.moe_layer_pattern = {0, 1};
+  c.moe_aux_loss_coeff = 0.01f;
+  c.mtp_num_layers = 2;
+  c.mtp_loss_scaling_factor = 0.7f;
+  check_gradients(c);
+}
+
+// MTP with multi-latent attention (DeepSeek-V3's combination), untied output layer.
+TEST(ModelGradients, MultiTokenPredictionWithMla) {
+  GPTConfig c = base_config();
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.untie_embeddings_and_output_weights = true;
+  c.multi_latent_attention = true;
+  c.q_lora_rank = 6;
+  c.kv_lora_rank = 5;
+  c.qk_head_dim = 3;
+  c.qk_pos_emb_head_dim = 4;
+  c.v_head_dim = 2;
+  c.qk_layernorm = true;
+  c.mtp_num_layers = 1;
+  c.mtp_loss_scaling_factor = 0.5f;
   check_gradients(c);
 }
 

@@ -201,9 +201,9 @@ TEST_F(CliErrors, MainGradsDtypeFlags) {
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
-// Multi-latent attention and YaRN (issue 20): inconsistent MLA dims, YaRN without a factor
+// DeepSeek-V3 layers (issue 20): inconsistent MLA dims, YaRN without a factor, MTP limits
 // or without MLA, one line and exit 2 each.
-TEST_F(CliErrors, MultiLatentAttentionFlags) {
+TEST_F(CliErrors, DeepSeekV3Flags) {
   const std::pair<const char*, const char*> cases[] = {
       {"--position-embedding-type rope --multi-latent-attention --group-query-attention",
        "multi-latent-attention does not take group-query-attention"},
@@ -219,6 +219,11 @@ TEST_F(CliErrors, MultiLatentAttentionFlags) {
       {"--position-embedding-type rope --rope-type yarn --rotary-scaling-factor 4",
        "rope-type yarn needs multi-latent-attention"},
       {"--multi-latent-attention", "multi-latent-attention needs position-embedding-type rope"},
+      // Multi-token prediction.
+      {"--mtp-num-layers 1", "mtp-num-layers needs position-embedding-type rope"},
+      {"--position-embedding-type rope --mtp-num-layers -1", "mtp-num-layers must be >= 0"},
+      {"--position-embedding-type rope --mtp-num-layers 1 --mtp-loss-scaling-factor -0.1",
+       "mtp-loss-scaling-factor must be >= 0"},
   };
   for (const auto& [flags, needle] : cases)
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);

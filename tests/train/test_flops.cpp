@@ -64,6 +64,17 @@ TEST(Flops, MultiLatentAttentionByHand) {
   EXPECT_DOUBLE_EQ(num_floating_point_operations(c, 5), 3.0 * per_token * 5);
 }
 
+// Two MTP depths add, each, a dense layer (86016), eh_proj 2 x 128 x 64 = 16384 and the
+// logits 2 x 64 x 256 = 32768 per token.
+TEST(Flops, MultiTokenPredictionDepths) {
+  GPTConfig c = small_config();
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.mtp_num_layers = 2;
+  c.finalize();
+  const double per_token = 204800.0 + 2 * (86016.0 + 16384.0 + 32768.0);
+  EXPECT_DOUBLE_EQ(num_floating_point_operations(c, 7), 3.0 * per_token * 7);
+}
+
 // Megatron logs FLOPs / (time x world size): eight GPUs sharing an iteration of 8e12
 // FLOPs in one second run 1 TFLOP/s each, not 8.
 TEST(Flops, ThroughputIsPerGpu) {

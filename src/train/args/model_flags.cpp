@@ -70,6 +70,8 @@ void parse_model(const ArgReader& r, TrainArgs& a) {
     fail("option 'rope-type' must be rope or yarn (got '{}')", rope_type);
   if (r.has("rope-type") && rope_type == "yarn" && !r.has("rotary-scaling-factor"))
     fail("rope-type yarn needs rotary-scaling-factor (YaRN's context extension factor)");
+  r.get("mtp-num-layers", m.mtp_num_layers);
+  r.get("mtp-loss-scaling-factor", m.mtp_loss_scaling_factor);
   YarnConfig& y = m.yarn;
   r.get("rotary-scaling-factor", y.factor);
   r.get("original-max-position-embeddings", y.original_max_position_embeddings);
@@ -155,6 +157,11 @@ ArgGroup model_flags() {
       own(flag("beta-fast", "YaRN: rotations where interpolation starts (default 32)")),
       own(flag("beta-slow", "YaRN: rotations where interpolation is full (default 1)")),
       flag("mscale", "YaRN: the RoPE part's attention temperature (default 1.0)"),
+      flag("mtp-num-layers",
+           "multi-token prediction depths after the decoder, on the last pipeline stage "
+           "(default none)"),
+      flag("mtp-loss-scaling-factor",
+           "weight of the MTP depths' mean loss in the objective (default 0.1)"),
       flag("mscale-all-dim", "YaRN: the softmax temperature of the whole head (default 0.0)"),
       toggle("untie-embeddings-and-output-weights", "separate output layer"),
       flag("init-method-std", "std of the normal weight init"),

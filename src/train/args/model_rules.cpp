@@ -18,8 +18,6 @@ std::vector<OptionSpec> model_megatron_rules() {
       no_effect("cross-entropy-loss-fusion", "0", "Megaton's fused kernel is always used"),
       no_effect("cross-entropy-fusion-impl", "1", "Megaton's fused kernel is always used"),
       unsupported("mtp-standalone", "0", "multi-token prediction (issue 20)"),
-      unsupported("mtp-num-layers", "1", "multi-token prediction (issue 20)"),
-      unsupported("mtp-loss-scaling-factor", "1", "multi-token prediction (issue 20)"),
       unsupported("mtp-use-repeated-layer", "0", "multi-token prediction with a repeated layer"),
       unsupported("mtp-detach-heads", "0", "multi-token prediction with detached heads"),
       unsupported("mtp-hsm", "0", "multi-token prediction hidden-state mixing"),

@@ -85,6 +85,7 @@ void parse_training(const ArgReader& r, TrainArgs& a) {
   r.get("exit-interval", a.exit_interval);
   r.get("seed", a.seed);
   r.get("calculate-per-token-loss", a.calculate_per_token_loss);
+  a.model.calculate_per_token_loss = a.calculate_per_token_loss;  // MTP's loss weights
   r.get("deterministic-mode", a.deterministic_mode);
   // Megatron asks for NCCL_ALGO to be one of these in deterministic mode (its all-reduce
   // order otherwise depends on the algorithm NCCL picks); the Trainer sets Ring when it is

@@ -1,0 +1,159 @@
+// Multi-token prediction (model/mtp.h): the depths' modules and GPTModel's forward and
+// backward through them on the last pipeline stage.
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "model/gpt.h"
+#include "model/layer_spec.h"
+#include "model/mtp.h"
+#include "ops/mla.h"
+#include "ops/ops.h"
+
+namespace megaton {
+
+namespace {
+std::string depth_prefix(int64_t depth) { return "mtp.layers." + std::to_string(depth); }
+bool partial_over_tp(const ModelParallel& mp) {
+  return mp.sequence_parallel && mp.tp_size() > 1;
+}
+}  // namespace
+
+MultiTokenPredictionLayer::MultiTokenPredictionLayer(const GPTConfig& cfg, int64_t depth,
+                                                     uint64_t seed, const ModelParallel& mp)
+    : enorm(depth_prefix(depth) + ".enorm", cfg.hidden_size, cfg.normalization,
+            cfg.norm_epsilon, Placement::of(cfg), partial_over_tp(mp)),
+      hnorm(depth_prefix(depth) + ".hnorm", cfg.hidden_size, cfg.normalization,
+            cfg.norm_epsilon, Placement::of(cfg), partial_over_tp(mp)),
+      eh_proj(depth_prefix(depth) + ".eh_proj", 2 * cfg.hidden_size, cfg.hidden_size, false,
+              cfg.init_method_std, seed, Placement::of(cfg), TensorParallelMode::None, mp),
+      // The decoder's last layer's spec (Megatron: decoder_layer_specs[-1]); its layer
+      // number follows the decoder's for dropout streams and MoE bookkeeping.
+      transformer_layer(std::make_unique<TransformerLayer>(
+          cfg, decoder_layer_spec(cfg, cfg.num_layers - 1),
+          depth_prefix(depth) + ".transformer_layer", cfg.num_layers + depth, seed, mp)),
+      final_layernorm(depth_prefix(depth) + ".final_layernorm", cfg.hidden_size,
+                      cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
+                      partial_over_tp(mp)) {
+  eh_proj.weight.sequence_parallel = partial_over_tp(mp);
+}
+
+void MultiTokenPredictionLayer::collect_params(std::vector<Param*>& out) {
+  enorm.collect_params(out);
+  hnorm.collect_params(out);
+  eh_proj.collect_params(out);
+  transformer_layer->collect_params(out);
+  final_layernorm.collect_params(out);
+}
+
+MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
+                     int64_t seq, int64_t k) {
+  MEGATON_CHECK(labels.numel() == batch * seq && labels.dtype() == DType::I32 &&
+                    labels.device() == Device::CPU,
+                "mtp_shift: labels must be host int32 [{} x {}]", batch, seq);
+  MEGATON_CHECK(!loss_mask.defined() || (loss_mask.numel() == batch * seq &&
+                                         loss_mask.dtype() == DType::F32 &&
+                                         loss_mask.device() == Device::CPU),
+                "mtp_shift: the loss mask must be host fp32 [{} x {}]", batch, seq);
+  MEGATON_CHECK(k >= 1, "mtp_shift: depth {} must be >= 1", k);
+  MtpShifted out;
+  out.tokens = Tensor::zeros({batch * seq}, DType::I32);
+  out.labels = Tensor::zeros({batch * seq}, DType::I32);
+  out.mask = Tensor::zeros({batch * seq});
+  const int32_t* l = labels.i32();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t s = 0; s + k < seq; ++s) {
+      const int64_t row = b * seq + s, src = b * seq + s + k;
+      out.tokens.i32()[row] = l[src - 1];
+      out.labels.i32()[row] = l[src];
+      out.mask.f32()[row] = loss_mask.defined() ? loss_mask.f32()[src] : 1.0f;
+      out.num_tokens += out.mask.f32()[row];
+    }
+  return out;
+}
+
+void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const ForwardContext& ctx,
+                           MicroBatchLoss& out) {
+  const int64_t B = in.batch, S = in.seq, T = B * S, D = int64_t(mtp_.size());
+  const Tensor labels = in.labels.to(Device::CPU).view({T});
+  const Tensor mask = in.loss_mask.defined() ? in.loss_mask.to(Device::CPU).view({T}) : Tensor();
+  // Megatron's per-token mode weighs depth k by N_0 / N_k (N_0: the main loss's tokens).
+  double n0 = double(T);
+  if (mask.defined()) {
+    n0 = 0;
+    for (int64_t t = 0; t < T; ++t) n0 += mask.f32()[t];
+  }
+  out.mtp_losses = Tensor::zeros({D}, DType::F32, cfg_.device);
+  saved_.mtp.assign(size_t(D), {});
+  Tensor h = h0;
+  for (int64_t k = 1; k <= D; ++k) {
+    MultiTokenPredictionLayer& d = *mtp_[size_t(k - 1)];
+    Saved::MtpDepth& sd = saved_.mtp[size_t(k - 1)];
+    const MtpShifted shifted = mtp_shift(labels, mask, B, S, k);
+    sd.tokens = shifted.tokens.to(cfg_.device);
+    sd.mask = shifted.mask;
+    sd.num_tokens = shifted.num_tokens;
+    // The shifted tokens' embeddings, with the embedding's dropout (its own stream).
+    Tensor e = embedding_lookup(sd.tokens);
+    sd.emb_dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
+    sd.emb_stream = ctx.stream(cfg_.num_layers + k - 1, 7);
+    if (sd.emb_dropout_p > 0) {
+      Tensor dropped = empty_like(e, e.shape());
+      ops::dropout_forward(e, dropped, sd.emb_dropout_p, ctx.seed, sd.emb_stream);
+      e = dropped;
+    }
+    const Tensor en = d.enorm.forward(e), hn = d.hnorm.forward(h);
+    Tensor cat = empty_like(en, {en.dim(0), 2 * cfg_.hidden_size});
+    ops::concat_columns({en, hn}, cat);
+    const Tensor x = d.eh_proj.forward(cat);
+    const Tensor y = d.transformer_layer->forward(x, B, S, ctx);
+    if (MoELayer* moe = d.transformer_layer->moe()) {
+      if (!out.aux_losses.defined()) out.aux_losses = Tensor::zeros({1}, DType::F32, cfg_.device);
+      ops::add_(out.aux_losses, moe->last_aux_loss_tensor());
+    }
+    h = d.final_layernorm.forward(y);
+    const Tensor losses = output_loss(h, shifted.labels, sd.output);
+    // "mtp_k loss": the masked mean, on the device.
+    Tensor slot = out.mtp_losses.rows(k - 1, 1);
+    ops::dot(losses, shifted.mask.to(cfg_.device), slot);
+    ops::scale_(slot, float(1.0 / std::max(sd.num_tokens, 1.0)));
+    // The objective's weight of this depth's per-token losses (Megatron's process_mtp_loss:
+    // scale / N_k, times N_0 / (B S) under per-token loss, where the gradient scale the
+    // trainer passes carries B S).
+    sd.weight = float(double(cfg_.mtp_loss_scaling_factor) / double(D) /
+                      std::max(sd.num_tokens, 1.0) *
+                      (cfg_.calculate_per_token_loss ? n0 / double(T) : 1.0));
+  }
+}
+
+Tensor GPTModel::mtp_backward(float aux_grad_scale) {
+  Tensor dh_next;  // d h_k from depth k + 1's hnorm
+  for (int64_t k = int64_t(mtp_.size()); k >= 1; --k) {
+    MultiTokenPredictionLayer& d = *mtp_[size_t(k - 1)];
+    Saved::MtpDepth& sd = saved_.mtp[size_t(k - 1)];
+    Tensor dlosses = sd.mask.clone();
+    ops::scale_(dlosses, float(double(aux_grad_scale) * double(sd.weight)));
+    Tensor dh = output_loss_backward(dlosses.to(cfg_.device), sd.output);
+    if (dh_next.defined()) ops::add_(dh, dh_next);
+    const Tensor dy = d.final_layernorm.backward(dh);
+    if (MoELayer* moe = d.transformer_layer->moe()) moe->aux_grad_scale = aux_grad_scale;
+    const Tensor dx = d.transformer_layer->backward(dy);
+    const Tensor dcat = d.eh_proj.backward(dx);
+    std::vector<Tensor> parts{empty_like(dcat, {dcat.dim(0), cfg_.hidden_size}),
+                              empty_like(dcat, {dcat.dim(0), cfg_.hidden_size})};
+    ops::split_columns(dcat, parts);
+    Tensor de = d.enorm.backward(parts[0]);
+    if (sd.emb_dropout_p > 0) {
+      Tensor g = empty_like(de, de.shape());
+      ops::dropout_backward(de, g, sd.emb_dropout_p, saved_.ctx.seed, sd.emb_stream);
+      de = g;
+    }
+    embedding_lookup_backward(de, sd.tokens);
+    dh_next = d.hnorm.backward(parts[1]);
+    sd = {};
+  }
+  saved_.mtp.clear();
+  return dh_next;
+}
+
+}  // namespace megaton
