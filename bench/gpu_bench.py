@@ -26,6 +26,29 @@ CONFIGS = {  # name: layers, hidden, heads, ffn, experts, topk, expert ffn, seq,
     # parameter (128 GB) and activations on one H200; its row shows the error.
     "llama3-8B": dict(layers=32, hidden=4096, heads=32, kv=8, ffn=14336, experts=0, topk=0, mffn=0,
                       seq=4096, mbs=1, vocab=128256),
+    # DeepSeek-V3's layer kinds at one H200's size (issue 20): MLA with q LoRA and YaRN, a
+    # dense first layer then 64 experts top-6 in 8 groups (4 kept) with a sigmoid router,
+    # expert bias and one shared expert, one MTP depth. Megaton only: the PyTorch
+    # reference has no MLA. FLOPs: flops_per_token's MLA branch.
+    "deepseek-v3-small": dict(layers=8, hidden=2048, heads=16, ffn=8192, experts=64, topk=6,
+                              mffn=1024, seq=4096, mbs=2, vocab=129280, megaton_only=True,
+                              mla=dict(q_lora=768, kv_lora=512, qk=128, rope=64, v=128),
+                              shared=1024, dense_first=1, mtp=1,
+                              extra=["--multi-latent-attention", "--q-lora-rank", "768",
+                                     "--kv-lora-rank", "512", "--qk-head-dim", "128",
+                                     "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128",
+                                     "--qk-layernorm", "--rotary-scaling-factor", "40",
+                                     "--mscale", "1.0", "--mscale-all-dim", "1.0",
+                                     "--norm-epsilon", "1e-6", "--ffn-hidden-size", "8192",
+                                     "--moe-layer-freq", "[0]*1+[1]*7",
+                                     "--moe-router-score-function", "sigmoid",
+                                     "--moe-router-enable-expert-bias",
+                                     "--moe-router-num-groups", "8", "--moe-router-group-topk", "4",
+                                     "--moe-router-topk-scaling-factor", "2.5",
+                                     "--moe-router-load-balancing-type", "seq_aux_loss",
+                                     "--moe-shared-expert-intermediate-size", "1024",
+                                     "--moe-token-dispatcher-type", "alltoall",
+                                     "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"]),
 }
 VOCAB = 50304
 
@@ -33,6 +56,8 @@ def vocab(c):
     return c.get("vocab") or VOCAB
 
 def flops_per_token(c):
+    if c.get("mla"):
+        return mla_flops_per_token(c)
     h, hd = c["hidden"], c["hidden"] // c["heads"]
     kv = c.get("kv") or c["heads"]
     attn = (c["heads"] + 2 * kv) * hd * h + c["heads"] * hd * h
@@ -42,6 +67,23 @@ def flops_per_token(c):
         per_layer = attn + 3 * h * c["ffn"]
     n_active = c["layers"] * per_layer + vocab(c) * h
     return 6 * n_active + 12 * c["layers"] * h * c["seq"]
+
+def mla_flops_per_token(c):
+    """The same PaLM convention for an MLA model: 6 x active matmul params (MLA's
+    projections, the routed top-k experts, the shared expert, the router, the dense first
+    layers, each MTP depth's layer, eh_proj and logits) + 6 x L x s x heads x (qk + rope + v)
+    for QK^T and PV (not halved by the causal mask, as the reference's 12 L h s)."""
+    h, n, m = c["hidden"], c["heads"], c["mla"]
+    dq = m["qk"] + m["rope"]
+    attn = (h * m["q_lora"] + m["q_lora"] * n * dq + h * (m["kv_lora"] + m["rope"]) +
+            m["kv_lora"] * n * (m["qk"] + m["v"]) + n * m["v"] * h)
+    moe = h * c["experts"] + c["topk"] * 3 * h * c["mffn"] + 3 * h * c.get("shared", 0)
+    dense = 3 * h * c["ffn"]
+    layers = c["layers"] + c.get("mtp", 0)
+    n_dense = c.get("dense_first", 0)
+    n_active = (layers * attn + n_dense * dense + (layers - n_dense) * moe +
+                c.get("mtp", 0) * (2 * h * h + vocab(c) * h) + vocab(c) * h)
+    return 6 * n_active + 6 * layers * c["seq"] * n * (dq + m["v"])
 
 def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_batches=1):
     """One Megaton run; launcher (e.g. mpirun -np 2 ...) and extra flags for parallel
@@ -64,6 +106,7 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
                 "--moe-ffn-hidden-size", str(c["mffn"]), "--moe-aux-loss-coeff", "1e-2"]
     else:
         cmd += ["--ffn-hidden-size", str(c["ffn"])]
+    cmd += c.get("extra", [])
     if c.get("kv"):
         cmd += ["--group-query-attention", "--num-query-groups", str(c["kv"])]
     cmd += list(extra)
@@ -140,7 +183,9 @@ def main():
     for name in a.configs.split(","):
         c = CONFIGS[name]
         f = flops_per_token(c)
-        t = dict(error="not run (--no-torch)") if a.no_torch else run_torch(a.torch_script, name, c)
+        t = (dict(error="not run (--no-torch)") if a.no_torch else
+             dict(error="no PyTorch reference (no MLA there)") if c.get("megaton_only") else
+             run_torch(a.torch_script, name, c))
         new = [row(name, "PyTorch bf16", t, f)]
         m = {}
         if not a.no_default:
@@ -151,7 +196,7 @@ def main():
                                                                       extra=vflags.split()), f, t))
         if a.cuda_graph:
             new.append(row(name, "Megaton bf16 + CUDA graph", run_megaton(a.megaton, c, a.iters, extra=graph), f, t))
-        if a.fp8:
+        if a.fp8 and not c.get("megaton_only"):
             t8 = run_torch(a.torch_script, name, c, "tensorwise")
             new.append(row(name, "PyTorch torchao FP8 tensorwise", t8, f, t))
             for recipe in a.fp8.split(","):
