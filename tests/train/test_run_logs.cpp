@@ -92,6 +92,41 @@ TEST_F(RunLogs, TensorBoardScalarsMatchTheMetrics) {
   EXPECT_NEAR(by_tag["lm loss validation ppl"][0].value, std::exp(v.value), 1e-3 * std::exp(v.value));
 }
 
+// Multi-token prediction's "mtp_<k> loss" (issue 20): per depth in the metrics file, as
+// TensorBoard scalars of the same values, and on the log line; positive cross entropies
+// near the lm loss of an untrained model, not the lm loss itself.
+TEST_F(RunLogs, MtpLossesAreLogged) {
+  RawOptions raw = tiny(2);
+  raw["position-embedding-type"] = {"rope"};
+  raw["mtp-num-layers"] = {"2"};
+  raw["tensorboard-dir"] = {(dir / "tb").string()};
+  raw["log-interval"] = {"1"};
+  ::testing::internal::CaptureStdout();
+  {
+    TrainArgs args = parse_train_args(raw);
+    Trainer(args, raw).train();
+  }
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("| mtp_1 loss: "), std::string::npos) << out;
+  EXPECT_NE(out.find("| mtp_2 loss: "), std::string::npos) << out;
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir / "tb")) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  std::map<std::string, std::vector<testing::Scalar>> by_tag;
+  for (const testing::Scalar& s : testing::read_events(files[0].string()))
+    if (!s.tag.empty()) by_tag[s.tag].push_back(s);
+  const auto m = metrics();
+  ASSERT_EQ(m.size(), 2u);
+  for (size_t i = 0; i < 2; ++i)
+    for (const char* k : {"1", "2"}) {
+      const double v = m[i].at(std::string("mtp_") + k + "_loss").get<double>();
+      EXPECT_GT(v, 0.5 * m[i].at("lm_loss").get<double>());
+      EXPECT_NE(v, m[i].at("lm_loss").get<double>());
+      ASSERT_EQ(by_tag[std::string("mtp_") + k + " loss"].size(), 2u);
+      EXPECT_EQ(by_tag[std::string("mtp_") + k + " loss"][i].value, float(v));
+    }
+}
+
 TEST_F(RunLogs, ProgressLogAndMemoryReport) {
   RawOptions raw = tiny(4);
   raw["save"] = {(dir / "save").string()};
