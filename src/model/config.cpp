@@ -192,8 +192,21 @@ void GPTConfig::check_fp8_dimensions(int64_t tokens_per_micro_batch, int64_t etp
   check("micro-batch-size x seq-length", tokens_per_micro_batch);
   check("hidden-size", hidden_size);
   const std::string per_rank = tp > 1 ? fmt::format(" / tensor-model-parallel-size {}", tp) : "";
-  check("num-attention-heads x kv-channels" + per_rank, query_projection_size() / tp);
-  check("num-query-groups x kv-channels" + per_rank, kv_projection_size() / tp);
+  if (multi_latent_attention) {
+    // MLA's projections (model/mla.h): the replicated down projections' widths, the
+    // column-parallel up projections' and linear_proj's per rank.
+    const int64_t heads = num_attention_heads / tp, dq = qk_head_dim + qk_pos_emb_head_dim;
+    if (q_lora_rank > 0) check("q-lora-rank", q_lora_rank);
+    check("kv-lora-rank", kv_lora_rank);
+    check("kv-lora-rank + qk-pos-emb-head-dim", kv_lora_rank + qk_pos_emb_head_dim);
+    check("num-attention-heads x (qk-head-dim + qk-pos-emb-head-dim)" + per_rank, heads * dq);
+    check("num-attention-heads x (qk-head-dim + v-head-dim)" + per_rank,
+          heads * (qk_head_dim + v_head_dim));
+    check("num-attention-heads x v-head-dim" + per_rank, heads * v_head_dim);
+  } else {
+    check("num-attention-heads x kv-channels" + per_rank, query_projection_size() / tp);
+    check("num-query-groups x kv-channels" + per_rank, kv_projection_size() / tp);
+  }
   // Dense layers (their fc1 / fc2 run in FP8); counted without a loop over num_layers.
   const bool dense_layers =
       num_experts == 0 ||

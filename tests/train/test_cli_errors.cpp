@@ -219,11 +219,20 @@ TEST_F(CliErrors, DeepSeekV3Flags) {
       {"--position-embedding-type rope --rope-type yarn --rotary-scaling-factor 4",
        "rope-type yarn needs multi-latent-attention"},
       {"--multi-latent-attention", "multi-latent-attention needs position-embedding-type rope"},
+      {"--position-embedding-type rope --multi-latent-attention --kv-lora-rank 20 "
+       "--fp8-format hybrid --micro-batch-size 2 --seq-length 16",
+       "kv-lora-rank (20) must be divisible by 16 for FP8 GEMMs"},
       // Multi-token prediction.
       {"--mtp-num-layers 1", "mtp-num-layers needs position-embedding-type rope"},
       {"--position-embedding-type rope --mtp-num-layers -1", "mtp-num-layers must be >= 0"},
       {"--position-embedding-type rope --mtp-num-layers 1 --mtp-loss-scaling-factor -0.1",
        "mtp-loss-scaling-factor must be >= 0"},
+      // Packed sequences.
+      {"--reset-position-ids",
+       "reset-position-ids with position-embedding-type learned_absolute is not supported in "
+       "Megaton"},
+      {"--position-embedding-type rope --mtp-num-layers 1 --reset-attention-mask",
+       "reset-attention-mask with mtp-num-layers is not supported in Megaton"},
   };
   for (const auto& [flags, needle] : cases)
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
