@@ -92,11 +92,15 @@ void mla_memory(const Dims& x, const Keeps& k, LayerMemory& out) {
   // Backward: dy, dh, linear_proj's gathered dy (SP), dout, the remade query/key/value
   // and output, their gradients, dq and dkv, the up projections' dx and the down
   // projections' dx and (SP) gathered inputs.
-  double b = 2 * x.act(x.Tl, x.H) + (x.sp ? x.act(T, x.H) : 0) + x.act(T, n * v);
-  if (!k.mla_up_proj_out) b += 2 * x.act(T, n * dq) + x.act(T, n * v);
-  if (!k.core_attn_out) b += x.act(T, n * v) + x.bytes(x.B * n * x.S, kF32);
-  b += 2 * x.act(T, n * dq) + x.act(T, n * v) + x.act(T, n * dq) +
-       x.act(T, n * (double(m.qk_head_dim) + v)) + x.act(x.Tl, x.H);
+  // Two moments: the attention's backward (dout, the query/key/value gradients, and what
+  // the recomputes remade) and the RoPE assembly's (those gradients, dq and dkv).
+  const double dqkv = 2 * x.act(T, n * dq) + x.act(T, n * v);
+  double attn = x.act(T, n * v) + dqkv;
+  if (!k.mla_up_proj_out) attn += dqkv;
+  if (!k.core_attn_out) attn += x.act(T, n * v) + x.bytes(x.B * n * x.S, kF32);
+  const double rope = dqkv + x.act(T, n * dq) + x.act(T, n * (double(m.qk_head_dim) + v));
+  double b = 2 * x.act(x.Tl, x.H) + (x.sp ? x.act(T, x.H) : 0) + std::max(attn, rope) +
+             x.act(x.Tl, x.H);
   if (!k.qkv_input) b += x.act(x.Tl, x.H);
   out.backward = std::max(out.backward, b);
 }
@@ -322,6 +326,20 @@ ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, boo
     out.backward_logits = logits + vectors;
     out.backward_other = x.act(x.T, x.H) + (x.sp ? x.act(x.Tl, x.H) : 0);
     out.backward_at = "the output layer's backward (logits and d hidden)";
+    // Multi-token prediction (model/gpt_mtp.cpp): per depth its layer's saved state, the
+    // embedding, the two norms' and final norm's inputs and statistics, eh_proj's input
+    // [Tl, 2H], its output layer's input, shifted tokens and labels, all held to backward;
+    // and its logits and loss vectors, alive beside the main ones at the end of the forward.
+    const double D = double(m.mtp_num_layers);
+    if (D > 0) {
+      const double depth = layer_memory(x, m.num_layers - 1, training).saved +
+                           3 * (x.act(x.Tl, x.H) + x.norm_stats(x.Tl)) + x.act(x.Tl, 2 * x.H) +
+                           x.act(x.T, x.H) + 2 * x.bytes(x.T, kI32);
+      tail += D * depth;
+      out.saved += D * depth;
+      out.forward_logits += D * (logits + vectors);
+      out.backward_logits += D * (logits + vectors);
+    }
   }
   if (offload_forward > out.saved + out.forward_logits + out.forward_other) {
     out.forward_logits = 0;

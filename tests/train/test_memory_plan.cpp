@@ -94,6 +94,18 @@ const Case kCases[] = {
     {"MoEBf16MainGrads", true,
      {{"bf16", {"true"}}, {"use-precision-aware-optimizer", {"true"}},
       {"main-grads-dtype", {"bf16"}}}},
+    // Multi-latent attention (issue 20), with and without its up-projection recompute, and
+    // multi-token prediction.
+    {"MoEMla", true,
+     {{"multi-latent-attention", {"true"}}, {"q-lora-rank", {"128"}}, {"kv-lora-rank", {"64"}},
+      {"qk-head-dim", {"64"}}, {"qk-pos-emb-head-dim", {"32"}}, {"v-head-dim", {"64"}},
+      {"qk-layernorm", {"true"}}}},
+    {"MoEMlaSelectiveUpProj", true,
+     {{"multi-latent-attention", {"true"}}, {"q-lora-rank", {"128"}}, {"kv-lora-rank", {"64"}},
+      {"qk-head-dim", {"64"}}, {"qk-pos-emb-head-dim", {"32"}}, {"v-head-dim", {"64"}},
+      {"qk-layernorm", {"true"}}, {"recompute-granularity", {"selective"}},
+      {"recompute-modules", {"mla_up_proj", "core_attn"}}}},
+    {"MoEMtp", true, {{"mtp-num-layers", {"1"}}}},
     {"MoEAlltoAllDistributedOptimizer", true,
      {{"moe-token-dispatcher-type", {"alltoall"}}, {"use-distributed-optimizer", {"true"}}}},
 };
