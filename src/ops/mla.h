@@ -30,20 +30,25 @@ void concat_columns(const std::vector<Tensor>& parts, Tensor& y);
 //   value [B, S, n, v]
 // where qk = qk_head_dim, rope = k_pe.dim(2) and v = kv.dim(3) - qk; rope(x) is
 // ops::rope_interleaved_forward's rotation of the interleaved pairs by position
-// s + position_offset with frequencies inv_freq (rope / 2 of them) and cos/sin scale
-// rope_scale (YaRN's mscale factor, model/rope_scaling.h), left de-interleaved. One float
-// dtype for every tensor (CPU F32; GPU F32, BF16, F16), all contiguous; outputs must not
-// alias inputs. InternalError on a shape, dtype or device mismatch.
+// p + position_offset with frequencies inv_freq (rope / 2 of them) and cos/sin scale
+// rope_scale (YaRN's mscale factor, model/rope_scaling.h), left de-interleaved; p is the
+// row's position s within its sequence, or with position_ids (optional; packed sequences,
+// Megatron's --reset-position-ids: I32 [B*S] on q's device, >= 0) position_ids[b * S + s].
+// One float dtype for every tensor (CPU F32; GPU F32, BF16, F16), all contiguous; outputs
+// must not alias inputs. InternalError on a shape, dtype or device mismatch (position_ids
+// included), a negative position_offset, or (CPU) a negative position id; the GPU does not
+// read the ids on the host (a negative one gives a wrong rotation, never a bad access).
 void mla_qkv_rope(const Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t qk_head_dim,
-                  const std::vector<float>& inv_freq, float rope_scale, Tensor& query,
-                  Tensor& key, Tensor& value, int64_t position_offset = 0);
+                  const std::vector<float>& inv_freq, float rope_scale, Tensor& query, Tensor& key,
+                  Tensor& value, int64_t position_offset = 0,
+                  const Tensor& position_ids = Tensor());
 // Its transpose: dquery, dkey [B, S, n, qk + rope], dvalue [B, S, n, v] -> dq [B, S, n,
 // qk + rope], dkv [B, S, n, qk + v] (overwritten) and dk_pe [B, S, rope], overwritten with
 // the sum over the n heads of each head's inverse-rotated key gradient (accumulated in
-// fp32, rounded once).
+// fp32, rounded once). Positions (position_offset, position_ids) and errors: the forward's.
 void mla_qkv_rope_backward(const Tensor& dquery, const Tensor& dkey, const Tensor& dvalue,
                            int64_t qk_head_dim, const std::vector<float>& inv_freq,
                            float rope_scale, Tensor& dq, Tensor& dkv, Tensor& dk_pe,
-                           int64_t position_offset = 0);
+                           int64_t position_offset = 0, const Tensor& position_ids = Tensor());
 
 }  // namespace megaton::ops

@@ -232,17 +232,25 @@ void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_of
 // the GPU. q, k, v are overwritten and must not alias qkv. batch = B; S = rows / B.
 // Dtypes: F32 on the CPU; F32 or BF16 on the GPU, all four tensors the same dtype.
 // rotary_base is read only when apply_rope (then it must be > 0 and d even; the GPU
-// supports d <= 512 with RoPE, any d without). Throws InternalError on a shape, dtype or
-// device mismatch, or when batch does not match q.
+// supports d <= 512 with RoPE, any d without).
+// position_ids (optional; packed sequences, Megatron's --reset-position-ids): I32 [B*S] on
+// qkv's device, >= 0: token t = b * S + s is rotated by position position_ids[t] instead of
+// s (as rope_forward with position_offset position_ids[t] would rotate that token alone).
+// Undefined: position s. Read only when apply_rope.
+// Throws InternalError on a shape, dtype or device mismatch (position_ids included), when
+// batch does not match q, or (CPU) on a negative position id; the GPU does not check the
+// values (a negative one gives a wrong rotation, never a bad access).
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
-                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base);
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
+                    const Tensor& position_ids = Tensor());
 // The gradient of qkv_split_rope: rope_backward on dq and dk (when apply_rope), then packs
 // dq [B, S, np, d], dk, dv [B, S, ng, d] into dqkv [B*S, ng * (qpg + 2) * d] in the same
 // grouped layout. dqkv is overwritten (every element: the three parts tile each row) and
-// must not alias the inputs; dq, dk, dv are not modified. Same dtypes as the forward.
+// must not alias the inputs; dq, dk, dv are not modified. Same dtypes, position_ids and
+// errors as the forward.
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv);
+                            Tensor& dqkv, const Tensor& position_ids = Tensor());
 
 // ---- fused QKV split + q/k norm + RoPE (ops/cpu/qkv_norm.cpp) ----
 // --qk-layernorm (Megatron-LM SelfAttention's q_layernorm / k_layernorm, Hugging Face
@@ -313,9 +321,11 @@ struct QkNormGrads {
 // InternalError on a shape, dtype or device mismatch (any tensor above, or a norm
 // parameter), batch not matching q, num_query_groups not dividing np, a bias on RMSNorm,
 // a missing mean for LayerNorm, an output overlapping qkv, or the GPU's d limit.
+// position_ids (optional): per-token RoPE positions, as qkv_split_rope's (and its errors).
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
-                         Tensor& k, Tensor& v, QkNormSaved& saved);
+                         Tensor& k, Tensor& v, QkNormSaved& saved,
+                         const Tensor& position_ids = Tensor());
 // The gradient of qkv_split_norm_rope. From dq [B, S, np, d], dk, dv [B, S, ng, d] (the
 // gradients of its q, k, v) and saved (its QkNormSaved, unchanged since), for every query
 // and key head: the inverse RoPE (when apply_rope), then the norm's backward
@@ -331,12 +341,13 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
 // so repeated runs give the same bits.
 // dq, dk, dv, dqkv: one dtype, as the forward's q, k, v; dqkv shares memory with no input;
 // dq, dk, dv and saved are not modified. norm, num_query_groups, apply_rope and
-// rotary_base: the forward's. InternalError as the forward, and on a grads tensor that is
-// not F32 [d] or a bias gradient without a bias.
+// rotary_base and position_ids: the forward's. InternalError as the forward, and on a
+// grads tensor that is not F32 [d] or a bias gradient without a bias.
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
-                                 Tensor& dqkv, QkNormGrads& grads);
+                                 Tensor& dqkv, QkNormGrads& grads,
+                                 const Tensor& position_ids = Tensor());
 
 // ---- causal self-attention with GQA (ops/cpu/attention.cpp) ----
 // q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], Hq % Hkv == 0 (query head h reads

@@ -43,4 +43,22 @@ inline QkvShape check_qkv_shapes(const char* op, const char* grad, const Tensor&
   return sh;
 }
 
+// The optional per-token RoPE positions of the fused QKV and MLA ops (packed sequences):
+// undefined, or I32 [tokens] on `device`; on the CPU also every value >= 0 (the GPU cannot
+// read them without a host synchronization). InternalError naming `op` otherwise.
+inline void check_position_ids(const char* op, const Tensor& position_ids, int64_t tokens,
+                               Device device) {
+  if (!position_ids.defined()) return;
+  MEGATON_CHECK(position_ids.dtype() == DType::I32 && position_ids.shape() == Shape{tokens},
+                "{}: position_ids must be I32 [{}], got {} {}", op, tokens,
+                dtype_name(position_ids.dtype()), shape_str(position_ids.shape()));
+  MEGATON_CHECK(position_ids.device() == device,
+                "{}: position_ids must be on the tensors' device ({})", op,
+                device == Device::CPU ? "CPU" : "CUDA");
+  if (device != Device::CPU) return;
+  const int32_t* p = position_ids.i32();
+  for (int64_t t = 0; t < tokens; ++t)
+    MEGATON_CHECK(p[t] >= 0, "{}: position_ids[{}] = {} is negative", op, t, p[t]);
+}
+
 }  // namespace megaton::ops

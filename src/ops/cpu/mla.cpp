@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "ops/cpu/rope_tables.h"
 #include "ops/dispatch.h"
+#include "ops/qkv_checks.h"
 #ifdef MEGATON_WITH_CUDA
 #include "ops/cuda/mla.h"
 #endif
@@ -50,7 +51,8 @@ struct MlaDims {
 
 MlaDims check_mla(const Tensor& q, const Tensor& kv, const Tensor& k_pe, const Tensor& query,
                   const Tensor& key, const Tensor& value, int64_t qk_head_dim,
-                  const std::vector<float>& inv_freq, int64_t position_offset, const char* op) {
+                  const std::vector<float>& inv_freq, int64_t position_offset,
+                  const Tensor& position_ids, const char* op) {
   MEGATON_CHECK(q.defined() && is_float(q.dtype()) && q.ndim() == 4,
                 "{}: q must be an allocated float [B, S, n, qk + rope]", op);
   for (auto [t, name] : {std::pair{&kv, "kv"}, {&k_pe, "k_pe"}, {&query, "query"},
@@ -74,6 +76,7 @@ MlaDims check_mla(const Tensor& q, const Tensor& kv, const Tensor& k_pe, const T
                 shape_str(query.shape()), shape_str(key.shape()), shape_str(value.shape()));
   MEGATON_CHECK(position_offset >= 0, "{}: position_offset {} must be >= 0", op,
                 position_offset);
+  check_position_ids(op, position_ids, B * S, q.device());
   return {B, S, n, qk, rope, v};
 }
 
@@ -114,15 +117,16 @@ void concat_columns(const std::vector<Tensor>& parts, Tensor& y) {
 }
 
 void mla_qkv_rope(const Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t qk_head_dim,
-                  const std::vector<float>& inv_freq, float rope_scale, Tensor& query,
-                  Tensor& key, Tensor& value, int64_t position_offset) {
+                  const std::vector<float>& inv_freq, float rope_scale, Tensor& query, Tensor& key,
+                  Tensor& value, int64_t position_offset, const Tensor& position_ids) {
   const MlaDims d = check_mla(q, kv, k_pe, query, key, value, qk_head_dim, inv_freq,
-                              position_offset, "mla_qkv_rope");
-  MEGATON_CUDA_DISPATCH(q, cuda::mla_qkv_rope(q, kv, k_pe, qk_head_dim, inv_freq, rope_scale,
-                                              query, key, value, position_offset));
+                              position_offset, position_ids, "mla_qkv_rope");
+  MEGATON_CUDA_DISPATCH(q, cuda::mla_qkv_rope(q, kv, k_pe, qk_head_dim, inv_freq, rope_scale, query,
+                                              key, value, position_offset, position_ids));
   check_cpu(q, "mla_qkv_rope");
-  std::vector<float> cos_t, sin_t;
-  cpu::rope_tables_from_inv_freq(d.S, inv_freq, position_offset, cos_t, sin_t);
+  const cpu::RopeRows table =
+      cpu::rope_rows(inv_freq, d.S, d.B * d.S,
+                     position_ids.defined() ? position_ids.i32() : nullptr, position_offset);
   const int64_t half = d.rope / 2, dq = d.qk + d.rope, dkv = d.qk + d.v;
   // Interleaved pairs (x[2j], x[2j+1]) rotated and left de-interleaved (ops/rope_interleaved.h).
   auto rotate = [&](const float* x, float* y, const float* c, const float* sn) {
@@ -135,7 +139,7 @@ void mla_qkv_rope(const Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t s = 0; s < d.S; ++s) {
       const int64_t row = b * d.S + s;
-      const float *c = cos_t.data() + s * half, *sn = sin_t.data() + s * half;
+      const float *c = table.cos_at(row), *sn = table.sin_at(row);
       std::vector<float> k_rot(size_t(d.rope));
       rotate(k_pe.f32() + row * d.rope, k_rot.data(), c, sn);
       for (int64_t h = 0; h < d.n; ++h) {
@@ -156,16 +160,17 @@ void mla_qkv_rope(const Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t
 void mla_qkv_rope_backward(const Tensor& dquery, const Tensor& dkey, const Tensor& dvalue,
                            int64_t qk_head_dim, const std::vector<float>& inv_freq,
                            float rope_scale, Tensor& dq, Tensor& dkv, Tensor& dk_pe,
-                           int64_t position_offset) {
+                           int64_t position_offset, const Tensor& position_ids) {
   // The forward's check with the roles of inputs and outputs swapped.
   const MlaDims d = check_mla(dq, dkv, dk_pe, dquery, dkey, dvalue, qk_head_dim, inv_freq,
-                              position_offset, "mla_qkv_rope_backward");
-  MEGATON_CUDA_DISPATCH(dquery, cuda::mla_qkv_rope_backward(dquery, dkey, dvalue, qk_head_dim,
-                                                            inv_freq, rope_scale, dq, dkv,
-                                                            dk_pe, position_offset));
+                              position_offset, position_ids, "mla_qkv_rope_backward");
+  MEGATON_CUDA_DISPATCH(
+      dquery, cuda::mla_qkv_rope_backward(dquery, dkey, dvalue, qk_head_dim, inv_freq, rope_scale,
+                                          dq, dkv, dk_pe, position_offset, position_ids));
   check_cpu(dquery, "mla_qkv_rope_backward");
-  std::vector<float> cos_t, sin_t;
-  cpu::rope_tables_from_inv_freq(d.S, inv_freq, position_offset, cos_t, sin_t);
+  const cpu::RopeRows table =
+      cpu::rope_rows(inv_freq, d.S, d.B * d.S,
+                     position_ids.defined() ? position_ids.i32() : nullptr, position_offset);
   const int64_t half = d.rope / 2, dqw = d.qk + d.rope, dkvw = d.qk + d.v;
   // The rotation's transpose, added into dx (re-interleaving the pairs).
   auto unrotate_add = [&](const float* g, float* dx, const float* c, const float* sn) {
@@ -178,7 +183,7 @@ void mla_qkv_rope_backward(const Tensor& dquery, const Tensor& dkey, const Tenso
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t s = 0; s < d.S; ++s) {
       const int64_t row = b * d.S + s;
-      const float *c = cos_t.data() + s * half, *sn = sin_t.data() + s * half;
+      const float *c = table.cos_at(row), *sn = table.sin_at(row);
       // The key's RoPE part was shared by the heads: its gradient is their sum, taken
       // before the (linear) inverse rotation.
       std::vector<float> g_sum(size_t(d.rope), 0.0f), dk_row(size_t(d.rope), 0.0f);

@@ -32,22 +32,23 @@ QkvShape check_qkv_args(const char* op, const char* grad, const Tensor& packed, 
   return sh;
 }
 
-
-
 // Walks the grouped layout: for every token and every head of its packed row, calls
 // move(packed_offset, part, part_offset, cos_s, sin_s), where part is 0, 1, 2 for q, k, v,
 // offsets are in elements, and cos_s, sin_s are the token's RoPE tables for a q or k head
-// under RoPE, null otherwise. Tokens run in parallel; heads never overlap.
+// under RoPE (at position s, or position_ids[t] when given), null otherwise. Tokens run in
+// parallel; heads never overlap.
 template <typename Move>
-void for_each_head(const QkvShape& sh, bool apply_rope, float rotary_base, Move&& move) {
-  const int64_t D = sh.head_dim, half = D / 2, qpg = sh.heads_per_group();
-  std::vector<float> cos_table, sin_table;
-  if (apply_rope) cpu::rope_tables(sh.seq, D, rotary_base, 0, cos_table, sin_table);
+void for_each_head(const QkvShape& sh, bool apply_rope, float rotary_base,
+                   const Tensor& position_ids, Move&& move) {
+  const int64_t D = sh.head_dim, qpg = sh.heads_per_group();
+  cpu::RopeRows rope;
+  if (apply_rope)
+    rope = cpu::rope_rows(cpu::rope_inv_freq(D, rotary_base), sh.seq, sh.tokens(),
+                          position_ids.defined() ? position_ids.i32() : nullptr);
 #pragma omp parallel for schedule(static) if (sh.tokens() * sh.row() >= kParallelMin)
   for (int64_t t = 0; t < sh.tokens(); ++t) {
-    const int64_t s = t % sh.seq;
-    const float* cos_s = apply_rope ? cos_table.data() + s * half : nullptr;
-    const float* sin_s = apply_rope ? sin_table.data() + s * half : nullptr;
+    const float* cos_s = apply_rope ? rope.cos_at(t) : nullptr;
+    const float* sin_s = apply_rope ? rope.sin_at(t) : nullptr;
     for (int64_t g = 0; g < sh.groups; ++g) {
       const int64_t group = t * sh.row() + g * (qpg + 2) * D;
       for (int64_t j = 0; j < qpg; ++j)
@@ -61,18 +62,20 @@ void for_each_head(const QkvShape& sh, bool apply_rope, float rotary_base, Move&
 }  // namespace
 
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
-                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base) {
-  MEGATON_CUDA_DISPATCH(
-      qkv, cuda::qkv_split_rope(qkv, batch, num_query_groups, q, k, v, apply_rope, rotary_base));
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
+                    const Tensor& position_ids) {
+  MEGATON_CUDA_DISPATCH(qkv, cuda::qkv_split_rope(qkv, batch, num_query_groups, q, k, v, apply_rope,
+                                                  rotary_base, position_ids));
   const QkvShape sh =
       check_qkv_args("qkv_split_rope", "", qkv, q, k, v, num_query_groups, apply_rope, rotary_base);
+  check_position_ids("qkv_split_rope", position_ids, sh.tokens(), Device::CPU);
   MEGATON_CHECK(batch == sh.batch, "qkv_split_rope: batch {} does not match q {}", batch,
                 shape_str(q.shape()));
   const float* src = qkv.f32();
   float* dst[3] = {q.f32(), k.f32(), v.f32()};
   const int64_t D = sh.head_dim;
   for_each_head(
-      sh, apply_rope, rotary_base,
+      sh, apply_rope, rotary_base, position_ids,
       [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
         cpu::rope_move_head(src + packed, dst[part] + separate, D, cos_s, sin_s, 1.0f);
       });
@@ -80,16 +83,17 @@ void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, 
 
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv) {
+                            Tensor& dqkv, const Tensor& position_ids) {
   MEGATON_CUDA_DISPATCH(dq, cuda::qkv_pack_rope_backward(dq, dk, dv, num_query_groups, apply_rope,
-                                                         rotary_base, dqkv));
+                                                         rotary_base, dqkv, position_ids));
   const QkvShape sh = check_qkv_args("qkv_pack_rope_backward", "d", dqkv, dq, dk, dv,
                                      num_query_groups, apply_rope, rotary_base);
+  check_position_ids("qkv_pack_rope_backward", position_ids, sh.tokens(), Device::CPU);
   const float* src[3] = {dq.f32(), dk.f32(), dv.f32()};
   float* dst = dqkv.f32();
   const int64_t D = sh.head_dim;
   for_each_head(
-      sh, apply_rope, rotary_base,
+      sh, apply_rope, rotary_base, position_ids,
       [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
         cpu::rope_move_head(src[part] + separate, dst + packed, D, cos_s, sin_s, -1.0f);
       });

@@ -174,16 +174,26 @@ void for_each_head(const QkvShape& sh, Visit&& visit) {
 
 const float* f32_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
 
+// The tokens' cos/sin rows (position s, or position_ids[t]); empty without RoPE.
+cpu::RopeRows rope_rows(const QkvShape& sh, bool apply_rope, float rotary_base,
+                        const Tensor& position_ids) {
+  if (!apply_rope) return {};
+  return cpu::rope_rows(cpu::rope_inv_freq(sh.head_dim, rotary_base), sh.seq, sh.tokens(),
+                        position_ids.defined() ? position_ids.i32() : nullptr);
+}
+
 }  // namespace
 
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
-                         Tensor& k, Tensor& v, QkNormSaved& saved) {
-  MEGATON_CUDA_DISPATCH(qkv, cuda::qkv_split_norm_rope(qkv, batch, num_query_groups, norm,
-                                                       apply_rope, rotary_base, q, k, v, saved));
+                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids) {
+  MEGATON_CUDA_DISPATCH(
+      qkv, cuda::qkv_split_norm_rope(qkv, batch, num_query_groups, norm, apply_rope, rotary_base, q,
+                                     k, v, saved, position_ids));
   const char* op = "qkv_split_norm_rope";
   const QkvShape sh =
       check_args(op, "", qkv, q, k, v, saved, num_query_groups, norm, apply_rope, rotary_base);
+  check_position_ids(op, position_ids, sh.tokens(), Device::CPU);
   MEGATON_CHECK(batch == sh.batch, "{}: batch {} does not match q {}", op, batch,
                 shape_str(q.shape()));
   const bool layernorm = norm.type == QkNormType::LayerNorm;
@@ -192,9 +202,8 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
   if (layernorm) written.insert(written.end(), {&saved.q_mean, &saved.k_mean});
   check_apart(written, {&qkv}, op);
 
-  const int64_t D = sh.head_dim, half = D / 2;
-  std::vector<float> cos_table, sin_table;
-  if (apply_rope) cpu::rope_tables(sh.seq, D, rotary_base, 0, cos_table, sin_table);
+  const int64_t D = sh.head_dim;
+  const cpu::RopeRows rope = rope_rows(sh, apply_rope, rotary_base, position_ids);
   const float* src = qkv.f32();
   float* out[3] = {q.f32(), k.f32(), v.f32()};
   float* input[2] = {saved.q_input.f32(), saved.k_input.f32()};
@@ -214,24 +223,23 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
     std::memcpy(x, src + h.packed, D * sizeof(float));
     norm_row_forward(x, weight[p], bias[p], norm.eps, y, mean[p] ? mean[p] + row : nullptr,
                      rstd[p] + row, D);
-    const int64_t s = t % sh.seq;
-    cpu::rope_move_head(y, out[p] + h.separate, D,
-                        apply_rope ? cos_table.data() + s * half : nullptr,
-                        apply_rope ? sin_table.data() + s * half : nullptr, 1.0f);
+    cpu::rope_move_head(y, out[p] + h.separate, D, apply_rope ? rope.cos_at(t) : nullptr,
+                        apply_rope ? rope.sin_at(t) : nullptr, 1.0f);
   });
 }
 
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
-                                 Tensor& dqkv, QkNormGrads& grads) {
+                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids) {
   MEGATON_CUDA_DISPATCH(
       dq, cuda::qkv_pack_norm_rope_backward(dq, dk, dv, saved, num_query_groups, norm, apply_rope,
-                                            rotary_base, dqkv, grads));
+                                            rotary_base, dqkv, grads, position_ids));
   const char* op = "qkv_pack_norm_rope_backward";
   const QkvShape sh =
       check_args(op, "d", dqkv, dq, dk, dv, saved, num_query_groups, norm, apply_rope, rotary_base);
-  const int64_t D = sh.head_dim, half = D / 2;
+  check_position_ids(op, position_ids, sh.tokens(), Device::CPU);
+  const int64_t D = sh.head_dim;
   const bool layernorm = norm.type == QkNormType::LayerNorm;
   check_f32_shape(grads.q_weight, {D}, op, "grads.q_weight");
   check_f32_shape(grads.k_weight, {D}, op, "grads.k_weight");
@@ -249,16 +257,14 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
   std::vector<float> dq_rows, dk_rows;
   const float* dy[2] = {dq.f32(), dk.f32()};
   if (apply_rope) {
-    std::vector<float> cos_table, sin_table;
-    cpu::rope_tables(sh.seq, D, rotary_base, 0, cos_table, sin_table);
+    const cpu::RopeRows rope = rope_rows(sh, true, rotary_base, position_ids);
     dq_rows.resize(dq.numel());
     dk_rows.resize(dk.numel());
     float* rows[2] = {dq_rows.data(), dk_rows.data()};
     for_each_head(sh, [&](int64_t t, const Head& h, float*) {
       if (h.part == 2) return;
-      const int64_t s = t % sh.seq;
-      cpu::rope_move_head(dy[h.part] + h.separate, rows[h.part] + h.separate, D,
-                          cos_table.data() + s * half, sin_table.data() + s * half, -1.0f);
+      cpu::rope_move_head(dy[h.part] + h.separate, rows[h.part] + h.separate, D, rope.cos_at(t),
+                          rope.sin_at(t), -1.0f);
     });
     dy[0] = dq_rows.data();
     dy[1] = dk_rows.data();

@@ -27,18 +27,60 @@ inline void rope_tables_from_inv_freq(int64_t S, const std::vector<float>& inv_f
   }
 }
 
-// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2], with RoPE's
-// frequencies computed as HF Llama (LlamaRotaryEmbedding) and Megatron (RotaryEmbedding) do
-// in fp32: inv_freq = 1 / base^(float(2i) / D) (rope_tables_from_inv_freq for the rest).
-inline void rope_tables(int64_t S, int64_t D, float base, int64_t position_offset,
-                        std::vector<float>& cos_table, std::vector<float>& sin_table) {
+// RoPE's frequencies computed as HF Llama (LlamaRotaryEmbedding) and Megatron
+// (RotaryEmbedding) do in fp32: inv_freq_i = 1 / base^(float(2i) / D), i < D / 2.
+inline std::vector<float> rope_inv_freq(int64_t D, float base) {
   const int64_t half = D / 2;
   std::vector<float> inv_freq(half);
   for (int64_t i = 0; i < half; ++i) {
     float exponent = float(2 * i) / float(D);
     inv_freq[i] = 1.0f / std::pow(base, exponent);
   }
-  rope_tables_from_inv_freq(S, inv_freq, position_offset, cos_table, sin_table);
+  return inv_freq;
+}
+
+// cos and sin of angle(s, i) for s < S, i < D/2, laid out [S, D/2], with rope_inv_freq's
+// frequencies (rope_tables_from_inv_freq for the rest).
+inline void rope_tables(int64_t S, int64_t D, float base, int64_t position_offset,
+                        std::vector<float>& cos_table, std::vector<float>& sin_table) {
+  rope_tables_from_inv_freq(S, rope_inv_freq(D, base), position_offset, cos_table, sin_table);
+}
+
+// The cos/sin rows of the B*S tokens of a fused op (token t = b * S + s): one row per
+// position s < S shared by the B sequences, or, with per-token position ids (packed
+// sequences), one row per token at position position_ids[t] + position_offset. The
+// values are rope_tables_from_inv_freq's (the same fp32 angle and rounding).
+struct RopeRows {
+  std::vector<float> cos, sin;
+  int64_t half = 0, seq = 1;
+  bool per_token = false;
+  const float* cos_at(int64_t t) const { return cos.data() + row(t) * half; }
+  const float* sin_at(int64_t t) const { return sin.data() + row(t) * half; }
+  int64_t row(int64_t t) const { return per_token ? t : t % seq; }
+};
+
+// position_ids: null (position s) or tokens values.
+inline RopeRows rope_rows(const std::vector<float>& inv_freq, int64_t seq, int64_t tokens,
+                          const int32_t* position_ids, int64_t position_offset = 0) {
+  RopeRows r;
+  r.half = int64_t(inv_freq.size());
+  r.seq = seq > 0 ? seq : 1;
+  if (!position_ids) {
+    rope_tables_from_inv_freq(seq, inv_freq, position_offset, r.cos, r.sin);
+    return r;
+  }
+  r.per_token = true;
+  r.cos.resize(size_t(tokens * r.half));
+  r.sin.resize(size_t(tokens * r.half));
+  for (int64_t t = 0; t < tokens; ++t) {
+    float pos = float(int64_t(position_ids[t]) + position_offset);
+    for (int64_t i = 0; i < r.half; ++i) {
+      float angle = pos * inv_freq[i];
+      r.cos[t * r.half + i] = float(std::cos(double(angle)));
+      r.sin[t * r.half + i] = float(std::sin(double(angle)));
+    }
+  }
+  return r;
 }
 
 // One head of D values rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,

@@ -85,17 +85,18 @@ void bias_dropout_add(const Tensor& x, const Tensor& bias, const Tensor& residua
 void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset);
 void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset);
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
-                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base);
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
+                    const Tensor& position_ids);
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv);
+                            Tensor& dqkv, const Tensor& position_ids);
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
-                         Tensor& k, Tensor& v, QkNormSaved& saved);
+                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids);
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
-                                 Tensor& dqkv, QkNormGrads& grads);
+                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        Tensor& lse, float dropout_p, uint64_t seed, uint64_t stream,
                        float softmax_scale);

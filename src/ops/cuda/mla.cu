@@ -32,18 +32,26 @@ InvFreq pack_freq(const std::vector<float>& inv_freq) {
   return f;
 }
 
+// Row (b, s)'s position: s, or position_ids[b * S + s] (packed sequences).
+__device__ __forceinline__ int64_t position_of(int64_t row, int64_t S,
+                                               const int32_t* position_ids) {
+  return position_ids ? int64_t(position_ids[row]) : row % S;
+}
+
 // One block per token row (b, s): the cos/sin table and the rotated key RoPE part in shared
 // memory, then every head's query, key and value of the row.
 template <typename T>
 __global__ void mla_qkv_rope_kernel(const T* q, const T* kv, const T* k_pe, T* query, T* key,
                                     T* value, int64_t S, int n, int qk, int rope, int v,
-                                    int64_t position_offset, float scale, InvFreq inv_freq) {
+                                    int64_t position_offset, const int32_t* position_ids,
+                                    float scale, InvFreq inv_freq) {
   extern __shared__ float smem[];  // cos[half], sin[half], rotated k_pe[rope]
   const int half = rope / 2;
   float* table = smem;
   float* k_rot = smem + 2 * half;
   const int64_t row = blockIdx.x;
-  detail::fill_rope_table(table, float(row % S + position_offset), half, inv_freq);
+  detail::fill_rope_table(table, float(position_of(row, S, position_ids) + position_offset), half,
+                          inv_freq);
   __syncthreads();
   const T* kp = k_pe + row * rope;
   for (int i = threadIdx.x; i < rope; i += blockDim.x) {
@@ -78,16 +86,18 @@ __global__ void mla_qkv_rope_kernel(const T* q, const T* kv, const T* k_pe, T* q
 }
 
 template <typename T>
-__global__ void mla_qkv_rope_backward_kernel(const T* dquery, const T* dkey, const T* dvalue,
-                                             T* dq, T* dkv, T* dk_pe, int64_t S, int n, int qk,
-                                             int rope, int v, int64_t position_offset,
-                                             float scale, InvFreq inv_freq) {
+__global__ void mla_qkv_rope_backward_kernel(const T* dquery, const T* dkey, const T* dvalue, T* dq,
+                                             T* dkv, T* dk_pe, int64_t S, int n, int qk, int rope,
+                                             int v, int64_t position_offset,
+                                             const int32_t* position_ids, float scale,
+                                             InvFreq inv_freq) {
   extern __shared__ float smem[];  // cos[half], sin[half], the heads' summed key grad[rope]
   const int half = rope / 2;
   float* table = smem;
   float* g_sum = smem + 2 * half;
   const int64_t row = blockIdx.x;
-  detail::fill_rope_table(table, float(row % S + position_offset), half, inv_freq);
+  detail::fill_rope_table(table, float(position_of(row, S, position_ids) + position_offset), half,
+                          inv_freq);
   const int dqw = qk + rope, dkvw = qk + v;
   const int64_t head0 = row * n;
   // The shared key RoPE part's gradient: the sum over heads, in head order (the CPU's).
@@ -150,21 +160,22 @@ void concat_columns(const std::vector<Tensor>& parts, Tensor& y) {
 }
 
 void mla_qkv_rope(const Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t qk_head_dim,
-                  const std::vector<float>& inv_freq, float rope_scale, Tensor& query,
-                  Tensor& key, Tensor& value, int64_t position_offset) {
+                  const std::vector<float>& inv_freq, float rope_scale, Tensor& query, Tensor& key,
+                  Tensor& value, int64_t position_offset, const Tensor& position_ids) {
   const int64_t B = q.dim(0), S = q.dim(1), n = q.dim(2), rope = k_pe.dim(2),
                 qk = qk_head_dim, v = kv.dim(3) - qk;
   check_range(B * S, n, qk + rope + v);
   if (q.numel() == 0) return;
   const InvFreq freq = pack_freq(inv_freq);
+  const int32_t* positions = position_ids.defined() ? position_ids.i32() : nullptr;
   const size_t shared_bytes = size_t(2 * rope) * sizeof(float);
   detail::dispatch_float(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     mla_qkv_rope_kernel<T><<<unsigned(B * S), kThreads, shared_bytes, ::megaton::cuda::stream()>>>(
         static_cast<const T*>(q.raw()), static_cast<const T*>(kv.raw()),
-        static_cast<const T*>(k_pe.raw()), static_cast<T*>(query.raw()),
-        static_cast<T*>(key.raw()), static_cast<T*>(value.raw()), S, int(n), int(qk),
-        int(rope), int(v), position_offset, rope_scale, freq);
+        static_cast<const T*>(k_pe.raw()), static_cast<T*>(query.raw()), static_cast<T*>(key.raw()),
+        static_cast<T*>(value.raw()), S, int(n), int(qk), int(rope), int(v), position_offset,
+        positions, rope_scale, freq);
   });
   MEGATON_CUDA_CHECK_LAUNCH();
 }
@@ -172,12 +183,13 @@ void mla_qkv_rope(const Tensor& q, const Tensor& kv, const Tensor& k_pe, int64_t
 void mla_qkv_rope_backward(const Tensor& dquery, const Tensor& dkey, const Tensor& dvalue,
                            int64_t qk_head_dim, const std::vector<float>& inv_freq,
                            float rope_scale, Tensor& dq, Tensor& dkv, Tensor& dk_pe,
-                           int64_t position_offset) {
+                           int64_t position_offset, const Tensor& position_ids) {
   const int64_t B = dq.dim(0), S = dq.dim(1), n = dq.dim(2), rope = dk_pe.dim(2),
                 qk = qk_head_dim, v = dkv.dim(3) - qk;
   check_range(B * S, n, qk + rope + v);
   if (dq.numel() == 0) return;
   const InvFreq freq = pack_freq(inv_freq);
+  const int32_t* positions = position_ids.defined() ? position_ids.i32() : nullptr;
   const size_t shared_bytes = size_t(2 * rope) * sizeof(float);
   detail::dispatch_float(dq.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -185,8 +197,8 @@ void mla_qkv_rope_backward(const Tensor& dquery, const Tensor& dkey, const Tenso
         <<<unsigned(B * S), kThreads, shared_bytes, ::megaton::cuda::stream()>>>(
             static_cast<const T*>(dquery.raw()), static_cast<const T*>(dkey.raw()),
             static_cast<const T*>(dvalue.raw()), static_cast<T*>(dq.raw()),
-            static_cast<T*>(dkv.raw()), static_cast<T*>(dk_pe.raw()), S, int(n), int(qk),
-            int(rope), int(v), position_offset, rope_scale, freq);
+            static_cast<T*>(dkv.raw()), static_cast<T*>(dk_pe.raw()), S, int(n), int(qk), int(rope),
+            int(v), position_offset, positions, rope_scale, freq);
   });
   MEGATON_CUDA_CHECK_LAUNCH();
 }

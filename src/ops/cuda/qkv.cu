@@ -37,11 +37,17 @@ struct InvFreq {
 };
 
 // Sizes of one call: q [B, S, heads, head_dim], k, v [B, S, groups, head_dim], packed
-// [B*S, groups * (heads_per_group + 2) * head_dim].
+// [B*S, groups * (heads_per_group + 2) * head_dim]; the tokens' RoPE positions
+// (position_ids [B*S], or s = t % seq when null).
 struct QkvDims {
   int64_t seq;
   int heads, groups, heads_per_group, head_dim;
+  const int32_t* position_ids;
 };
+
+__device__ __forceinline__ int64_t position_of(int64_t t, const QkvDims& dims) {
+  return dims.position_ids ? int64_t(dims.position_ids[t]) : t % dims.seq;
+}
 
 // Pointers to the three separate tensors; Elem is T (split writes them) or const T (the
 // backward reads them).
@@ -52,8 +58,8 @@ struct QkvParts {
   Elem* v;
 };
 
-// Fills table[0, half) with cos and table[half, 2 half) with sin of the token's angles.
-// Ends with a barrier: every thread of the block must call it.
+// Fills table[0, half) with cos and table[half, 2 half) with sin of the token's angles at
+// position s. Ends with a barrier: every thread of the block must call it.
 __device__ void fill_rope_table(float* table, int64_t s, int half, const InvFreq& inv_freq) {
   const float pos = float(s);
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -105,10 +111,10 @@ __device__ __forceinline__ void move_pairs(const T* in, T* out, int half, const 
   detail::store_pack<N>(out + half, second);
 }
 
-// One block per token t = b * S + s. With RoPE, the token's cos/sin are computed once
-// into shared memory and threads stride over (packed head slot, N frequencies), each
-// moving N values of both halves of a head; without, threads stride over (slot, N values)
-// and copy. The same kernel walks both directions: split reads the packed row and writes
+// One block per token t = b * S + s (RoPE position s, or position_ids[t]). With RoPE, the token's
+// cos/sin are computed once into shared memory and threads stride over (packed head slot, N
+// frequencies), each moving N values of both halves of a head; without, threads stride over (slot,
+// N values) and copy. The same kernel walks both directions: split reads the packed row and writes
 // q, k, v (sign +1); the backward reads dq, dk, dv and writes the packed row (sign -1, the
 // transpose of a rotation).
 template <typename T, int N, bool kPack>
@@ -117,7 +123,7 @@ __global__ void qkv_kernel(const T* packed_in, T* packed_out, QkvParts<const T> 
   extern __shared__ float table[];  // cos[half], then sin[half]
   const int64_t t = blockIdx.x;
   const int half = dims.head_dim / 2;
-  if (apply_rope) fill_rope_table(table, t % dims.seq, half, inv_freq);
+  if (apply_rope) fill_rope_table(table, position_of(t, dims), half, inv_freq);
   const int chunks = (apply_rope ? half : dims.head_dim) / N;
   const int slots = dims.groups * (dims.heads_per_group + 2);
   const int64_t row_start = t * int64_t(slots) * dims.head_dim;
@@ -146,7 +152,7 @@ __global__ void qkv_kernel(const T* packed_in, T* packed_out, QkvParts<const T> 
 // Door checks shared by both directions; `grad` prefixes the names in messages ("" or "d").
 QkvDims check_qkv_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
                        const Tensor& k, const Tensor& v, int64_t num_query_groups, bool apply_rope,
-                       float rotary_base) {
+                       float rotary_base, const Tensor& position_ids) {
   const std::string q_name = std::string(grad) + "q", k_name = std::string(grad) + "k",
                     v_name = std::string(grad) + "v", qkv_name = std::string(grad) + "qkv";
   detail::check_float(q, op, q_name.c_str());
@@ -163,8 +169,10 @@ QkvDims check_qkv_args(const char* op, const char* grad, const Tensor& packed, c
   if (apply_rope)
     MEGATON_CHECK(sh.head_dim / 2 <= kMaxHalfDim, "{}: head dim {} exceeds the {} supported with RoPE",
                   op, sh.head_dim, 2 * kMaxHalfDim);
-  return QkvDims{sh.seq, int(sh.heads), int(sh.groups), int(sh.heads_per_group()),
-                 int(sh.head_dim)};
+  check_position_ids(op, position_ids, sh.tokens(), Device::CUDA);
+  return QkvDims{sh.seq,           int(sh.heads),
+                 int(sh.groups),   int(sh.heads_per_group()),
+                 int(sh.head_dim), position_ids.defined() ? position_ids.i32() : nullptr};
 }
 
 // Launches qkv_kernel<T, N, kPack> with N = 16 bytes of T when every access can be an
@@ -218,9 +226,10 @@ T* typed(const Tensor& t) {
 }  // namespace
 
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
-                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base) {
+                    Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
+                    const Tensor& position_ids) {
   const QkvDims dims = check_qkv_args("cuda qkv_split_rope", "", qkv, q, k, v, num_query_groups,
-                                      apply_rope, rotary_base);
+                                      apply_rope, rotary_base, position_ids);
   MEGATON_CHECK(batch == q.dim(0), "cuda qkv_split_rope: batch {} does not match q {}", batch,
                 shape_str(q.shape()));
   if (qkv.numel() == 0) return;
@@ -234,9 +243,9 @@ void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, 
 
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv) {
+                            Tensor& dqkv, const Tensor& position_ids) {
   const QkvDims dims = check_qkv_args("cuda qkv_pack_rope_backward", "d", dqkv, dq, dk, dv,
-                                      num_query_groups, apply_rope, rotary_base);
+                                      num_query_groups, apply_rope, rotary_base, position_ids);
   if (dqkv.numel() == 0) return;
   detail::dispatch_float(dqkv.dtype(), [&](auto zero) {
     using T = decltype(zero);

@@ -16,7 +16,8 @@
 // shape only and nothing is atomic: repeated runs give the same bits.
 //
 // RoPE's numbers are those of ops/cuda/qkv.cu (and so of ops/cpu/rope.cpp): inv_freq from
-// the host with the CPU's expression, angle = float(s) * inv_freq without contraction,
+// the host with the CPU's expression, angle = float(s) * inv_freq without contraction (s
+// the token's position: within its sequence, or position_ids[t] for packed sequences),
 // cos/sin of it in double rounded once. The norms' are those of ops/cuda/norm.cu: sums in
 // fp32, 1 / sqrtf(mean + eps), LayerNorm's variance from a second pass over the values.
 
@@ -57,10 +58,15 @@ struct InvFreq {
 
 // Sizes of one call: q [B, S, heads, head_dim], k, v [B, S, groups, head_dim], packed
 // [tokens, slots * head_dim], slots = groups * (heads_per_group + 2).
+// position_ids [tokens]: the tokens' RoPE positions (null: s = t % seq).
 struct QkvDims {
   int64_t tokens, seq;
   int heads, groups, heads_per_group, head_dim;
+  const int32_t* position_ids;
   __host__ __device__ int slots() const { return groups * (heads_per_group + 2); }
+  __device__ int64_t position(int64_t t) const {
+    return position_ids ? int64_t(position_ids[t]) : t % seq;
+  }
 };
 
 // The dtype of the norm parameters.
@@ -154,7 +160,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   load_params(param, params, params.has_bias ? 4 : 2, D);
   const int64_t t = blockIdx.x;
   if (apply_rope)
-    fill_rope_table(table, t % dims.seq, half, inv_freq);
+    fill_rope_table(table, dims.position(t), half, inv_freq);
   else
     __syncthreads();
 
@@ -277,7 +283,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   const int64_t t_begin = int64_t(blockIdx.x) * a.tokens_per_chunk;
   const int64_t t_end = std::min(dims.tokens, t_begin + a.tokens_per_chunk);
   for (int64_t t = t_begin; t < t_end; ++t) {
-    if (apply_rope) fill_rope_table(table, t % dims.seq, half, inv_freq);
+    if (apply_rope) fill_rope_table(table, dims.position(t), half, inv_freq);
     T* row = a.dqkv + t * int64_t(slots) * D;
     for (int slot = warp; slot < slots; slot += warps) {
       const HeadPlace place = place_of(t, slot, dims);
@@ -419,8 +425,8 @@ void check_norm(const QkNorm& norm, int64_t D, const char* op) {
 // Checks of both directions; `grad` prefixes the names of qkv, q, k, v ("" or "d").
 QkvDims check_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
                    const Tensor& k, const Tensor& v, const QkNormSaved& saved,
-                   int64_t num_query_groups, const QkNorm& norm, bool apply_rope,
-                   float rotary_base) {
+                   int64_t num_query_groups, const QkNorm& norm, bool apply_rope, float rotary_base,
+                   const Tensor& position_ids) {
   const std::string g(grad);
   const std::string q_name = g + "q", k_name = g + "k", v_name = g + "v", qkv_name = g + "qkv";
   detail::check_float(q, op, q_name.c_str());
@@ -453,7 +459,9 @@ QkvDims check_args(const char* op, const char* grad, const Tensor& packed, const
     check_f32_shape(saved.q_mean, q_rows, op, "q_mean");
     check_f32_shape(saved.k_mean, k_rows, op, "k_mean");
   }
-  return QkvDims{B * S, S, int(heads), int(groups), int(heads / groups), int(D)};
+  check_position_ids(op, position_ids, B * S, Device::CUDA);
+  const int32_t* positions = position_ids.defined() ? position_ids.i32() : nullptr;
+  return QkvDims{B * S, S, int(heads), int(groups), int(heads / groups), int(D), positions};
 }
 
 // `written` must share memory with none of `read` nor with each other.
@@ -526,10 +534,10 @@ int warps_for(const QkvDims& dims) { return std::min(kMaxWarps, dims.slots()); }
 
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
-                         Tensor& k, Tensor& v, QkNormSaved& saved) {
+                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids) {
   const char* op = "cuda qkv_split_norm_rope";
-  const QkvDims dims =
-      check_args(op, "", qkv, q, k, v, saved, num_query_groups, norm, apply_rope, rotary_base);
+  const QkvDims dims = check_args(op, "", qkv, q, k, v, saved, num_query_groups, norm, apply_rope,
+                                  rotary_base, position_ids);
   MEGATON_CHECK(batch == q.dim(0), "{}: batch {} does not match q {}", op, batch,
                 shape_str(q.shape()));
   const bool layernorm = norm.type == QkNormType::LayerNorm;
@@ -570,10 +578,10 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
-                                 Tensor& dqkv, QkNormGrads& grads) {
+                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids) {
   const char* op = "cuda qkv_pack_norm_rope_backward";
-  const QkvDims dims =
-      check_args(op, "d", dqkv, dq, dk, dv, saved, num_query_groups, norm, apply_rope, rotary_base);
+  const QkvDims dims = check_args(op, "d", dqkv, dq, dk, dv, saved, num_query_groups, norm,
+                                  apply_rope, rotary_base, position_ids);
   const int D = dims.head_dim;
   check_f32_shape(grads.q_weight, {D}, op, "grads.q_weight");
   check_f32_shape(grads.k_weight, {D}, op, "grads.k_weight");
