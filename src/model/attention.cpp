@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "model/core_attention.h"
 #include "model/main_grad.h"
 #include "ops/ops.h"
 
@@ -11,6 +12,11 @@ namespace megaton {
 
 static bool uses_rope(const GPTConfig& cfg) {
   return cfg.position_embedding_type == PositionEmbedding::Rope;
+}
+
+// The per-token RoPE positions of packed documents (--reset-position-ids), or undefined.
+static Tensor position_ids(const std::shared_ptr<const PackedSeqParams>& packed) {
+  return packed ? packed->position_ids : Tensor();
 }
 
 SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer,
@@ -62,12 +68,15 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
                 ng = cfg_.num_query_groups / mp_.tp_size(), d = cfg_.kv_channels;
   Tensor qkv = linear_qkv.forward(x, keep_qkv_input_);
   Saved& s = saved_;
+  s.packed = ctx.packed_seq_params;
+  const Tensor positions = position_ids(s.packed);
   s.q = empty_like(qkv, {batch, seq, np, d});
   s.k = empty_like(qkv, {batch, seq, ng, d});
   s.v = empty_like(qkv, {batch, seq, ng, d});
   if (!q_layernorm) {
     // Megatron's grouped [T, ng, np/ng + 2, d] rows -> q, k, v, with RoPE on q and k.
-    ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, uses_rope(cfg_), cfg_.rotary_base);
+    ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, uses_rope(cfg_), cfg_.rotary_base,
+                        positions);
   } else {
     // Split, normalise each query and key head, then RoPE (Megatron: q_layernorm /
     // k_layernorm before apply_rotary_pos_emb), in one pass. It keeps the split q and k and
@@ -82,14 +91,16 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
       n.k_mean = Tensor::empty({batch * seq * ng}, DType::F32, qkv.device());
     }
     ops::qkv_split_norm_rope(qkv, batch, ng, qk_norm(), uses_rope(cfg_), cfg_.rotary_base, s.q, s.k,
-                             s.v, n);
+                             s.v, n, positions);
   }
   s.out = empty_like(qkv, {batch, seq, np, d});
-  s.lse = Tensor::empty({batch, np, seq}, DType::F32, qkv.device());
+  s.lse = Tensor::empty(core_attention_lse_shape(s.packed.get(), batch, seq, np), DType::F32,
+                        qkv.device());
   s.dropout_p = ctx.training ? cfg_.attention_dropout : 0.0f;
   s.seed = ctx.seed;
   s.stream = ctx.stream(layer_, 0);
-  ops::attention_forward(s.q, s.k, s.v, s.out, s.lse, s.dropout_p, s.seed, s.stream);
+  core_attention_forward(s.q, s.k, s.v, s.out, s.lse, s.packed.get(), s.dropout_p, s.seed,
+                         s.stream);
   Tensor y = linear_proj.forward(s.out.view({batch * seq, np * d}), keep_core_attn_out_);
   if (!keep_core_attn_out_) s.out = s.lse = Tensor();  // remade in backward (core_attn)
   return y;
@@ -111,18 +122,21 @@ Tensor SelfAttention::backward(const Tensor& dy, const std::function<Tensor()>& 
     // core_attn recompute: the attention forward again from the kept q, k, v (the same
     // kernel, inputs and dropout key: the same bits), then linear_proj's backward with it.
     s.out = empty_like(s.q, s.q.shape());
-    s.lse = Tensor::empty({s.q.dim(0), np, s.q.dim(1)}, DType::F32, s.q.device());
-    ops::attention_forward(s.q, s.k, s.v, s.out, s.lse, s.dropout_p, s.seed, s.stream);
+    s.lse = Tensor::empty(core_attention_lse_shape(s.packed.get(), s.q.dim(0), s.q.dim(1), np),
+                          DType::F32, s.q.device());
+    core_attention_forward(s.q, s.k, s.v, s.out, s.lse, s.packed.get(), s.dropout_p, s.seed,
+                           s.stream);
     dout = linear_proj.backward(dy, s.out.view({s.q.dim(0) * s.q.dim(1), np * d}))
                .view(s.out.shape());
   }
   Tensor dq = empty_like(s.q, s.q.shape()), dk = empty_like(s.k, s.k.shape()),
          dv = empty_like(s.v, s.v.shape());
-  ops::attention_backward(dout, s.q, s.k, s.v, s.out, s.lse, dq, dk, dv, s.dropout_p, s.seed,
-                          s.stream);
+  core_attention_backward(dout, s.q, s.k, s.v, s.out, s.lse, s.packed.get(), dq, dk, dv,
+                          s.dropout_p, s.seed, s.stream);
+  const Tensor positions = position_ids(s.packed);
   Tensor dqkv = empty_like(dy, {s.q.dim(0) * s.q.dim(1), (np + 2 * ng) * d});
   if (!q_layernorm) {
-    ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv);
+    ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv, positions);
   } else {
     // Inverse RoPE, the norms' backward and the pack in one pass; the norms' weight (and
     // bias) gradients accumulate into their main grads, which the trainer reduces over
@@ -133,7 +147,7 @@ Tensor SelfAttention::backward(const Tensor& dy, const std::function<Tensor()>& 
                             ops::QkNormGrads grads{g[0], g[1], g[2], g[3]};
                             ops::qkv_pack_norm_rope_backward(dq, dk, dv, s.qk_norm, ng, qk_norm(),
                                                              uses_rope(cfg_), cfg_.rotary_base,
-                                                             dqkv, grads);
+                                                             dqkv, grads, positions);
                           });
     s.qk_norm = {};  // freed before linear_qkv's backward, as the unfused norms' inputs were
   }

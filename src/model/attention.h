@@ -30,7 +30,10 @@ class SelfAttention {
   SelfAttention(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed,
                 const ModelParallel& mp = {});
   // x [B*S, H] -> [B*S, H] (under sequence parallelism this rank's [B*S/tp, H] rows;
-  // batch and seq are always the full micro-batch's).
+  // batch and seq are always the full micro-batch's). With ctx.packed_seq_params, RoPE
+  // rotates each token by its position id (--reset-position-ids) and the documents attend
+  // within themselves only (--reset-attention-mask: ops::attention_varlen_forward over the
+  // B*S rows).
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   // What forward keeps for backward (the recompute flags, set by the owning layer; both
   // true by default). keep_qkv_input false: linear_qkv keeps no copy of its input,
@@ -59,12 +62,16 @@ class SelfAttention {
 
   struct Saved {
     Tensor q, k, v;                 // [B, S, heads, d] after RoPE (this rank's heads, groups)
-    // attention output [B, S, np, d] and the log-sum-exp of the scores [B, np, S] fp32;
-    // undefined when recomputed (keep_core_attn_out false)
+    // attention output [B, S, np, d] and the log-sum-exp of the scores [B, np, S] fp32
+    // ([B*S, np] with packed documents: ops::attention_varlen_forward's layout); undefined
+    // when recomputed (keep_core_attn_out false)
     Tensor out;
     Tensor lse;
     float dropout_p = 0;            // attention dropout of this forward
     uint64_t seed = 0, stream = 0;  // its mask's Philox key and stream
+    // The micro-batch's packed documents (ForwardContext::packed_seq_params), or null: the
+    // backward's RoPE positions and attention boundaries.
+    std::shared_ptr<const PackedSeqParams> packed;
     // With qk_layernorm: q and k as split, before the norms ([B, S, np | ng, d], compute
     // dtype) and the norms' per-head statistics (fp32 [B*S*np | ng]), what the unfused
     // norms kept. Empty without qk_layernorm.

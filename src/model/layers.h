@@ -8,15 +8,17 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/tensor.h"
 #include "model/config.h"
-#include "model/param.h"
 #include "model/fp8_linear.h"
+#include "model/packed_seq_params.h"
 #include "model/parallel.h"
+#include "model/param.h"
 
 namespace megaton {
 
@@ -37,6 +39,10 @@ struct ForwardContext {
   // activations at a time. The model's own state (the logits) stays until the caller
   // drops it (GPTModel::take_activations).
   bool forward_only = false;
+  // The micro-batch's packed documents (--reset-attention-mask, --reset-position-ids), or
+  // null: each sample is one sequence. Shared, so that a context copied for a later
+  // backward or recompute (GPTModel's saved context, a pipeline's stash) holds it alive.
+  std::shared_ptr<const PackedSeqParams> packed_seq_params = nullptr;
   // Random stream for dropout site `site` of layer `layer` (layer -1: embedding).
   uint64_t stream(int64_t layer, int site) const {
     return ((uint64_t(iteration) * 4096 + uint64_t(micro_batch)) * 1024 + uint64_t(layer + 1)) *

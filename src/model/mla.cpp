@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "model/core_attention.h"
 #include "model/rope_scaling.h"
 #include "model/saved_tensors.h"
 #include "model/tensor_parallel.h"
@@ -110,7 +111,7 @@ void MLASelfAttention::assemble_qkv(const Tensor& q, const Tensor& kv, const Ten
   s.value = empty_like(q, {batch, seq, n, v});
   ops::mla_qkv_rope(q.view({batch, seq, n, qk + rope}), kv.view({batch, seq, n, qk + v}),
                     k_pe.view({batch, seq, rope}), qk, inv_freq_, rope_scale_, s.query, s.key,
-                    s.value);
+                    s.value, 0, s.packed ? s.packed->position_ids : Tensor());
 }
 
 Tensor MLASelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
@@ -121,6 +122,7 @@ Tensor MLASelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
   s.held = true;
   s.batch = batch;
   s.seq = seq;
+  s.packed = ctx.packed_seq_params;
   // The query's projection(s).
   Tensor q_up_input;
   Tensor q;
@@ -149,12 +151,13 @@ Tensor MLASelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
   }
   q = kv = Tensor();
   s.out = empty_like(s.query, {batch, seq, n, v});
-  s.lse = Tensor::empty({batch, n, seq}, DType::F32, s.query.device());
+  s.lse = Tensor::empty(core_attention_lse_shape(s.packed.get(), batch, seq, n), DType::F32,
+                        s.query.device());
   s.dropout_p = ctx.training ? cfg_.attention_dropout : 0.0f;
   s.seed = ctx.seed;
   s.stream = ctx.stream(layer_, 0);
-  ops::attention_forward(s.query, s.key, s.value, s.out, s.lse, s.dropout_p, s.seed, s.stream,
-                         softmax_scale_);
+  core_attention_forward(s.query, s.key, s.value, s.out, s.lse, s.packed.get(), s.dropout_p, s.seed,
+                         s.stream, softmax_scale_);
   Tensor y = linear_proj.forward(s.out.view({batch * seq, n * v}), keep_core_attn_out_);
   if (!keep_core_attn_out_) s.out = s.lse = Tensor();
   if (!keep_up_proj_out_) s.query = s.key = s.value = Tensor();
@@ -183,23 +186,24 @@ Tensor MLASelfAttention::backward(const Tensor& dy, const std::function<Tensor()
     dout = linear_proj.backward(dy).view(s.out.shape());
   } else {
     s.out = empty_like(s.query, {batch, seq, n, v});
-    s.lse = Tensor::empty({batch, n, seq}, DType::F32, s.query.device());
-    ops::attention_forward(s.query, s.key, s.value, s.out, s.lse, s.dropout_p, s.seed,
-                           s.stream, softmax_scale_);
+    s.lse = Tensor::empty(core_attention_lse_shape(s.packed.get(), batch, seq, n), DType::F32,
+                          s.query.device());
+    core_attention_forward(s.query, s.key, s.value, s.out, s.lse, s.packed.get(), s.dropout_p,
+                           s.seed, s.stream, softmax_scale_);
     dout = linear_proj.backward(dy, s.out.view({batch * seq, n * v})).view(s.out.shape());
   }
   Tensor dquery = empty_like(s.query, s.query.shape()), dkey = empty_like(s.key, s.key.shape()),
          dvalue = empty_like(s.value, s.value.shape());
-  ops::attention_backward(dout, s.query, s.key, s.value, s.out, s.lse, dquery, dkey, dvalue,
-                          s.dropout_p, s.seed, s.stream, softmax_scale_);
+  core_attention_backward(dout, s.query, s.key, s.value, s.out, s.lse, s.packed.get(), dquery, dkey,
+                          dvalue, s.dropout_p, s.seed, s.stream, softmax_scale_);
   s.query = s.key = s.value = s.out = s.lse = dout = Tensor();
   Tensor dq = empty_like(dquery, {batch * seq, n * (qk + rope)});
   Tensor dkv = empty_like(dquery, {batch * seq, n * (qk + v)});
   Tensor dk_pe = empty_like(dquery, {batch * seq, rope});
   Tensor dq4 = dq.view({batch, seq, n, qk + rope}), dkv4 = dkv.view({batch, seq, n, qk + v}),
          dk_pe3 = dk_pe.view({batch, seq, rope});
-  ops::mla_qkv_rope_backward(dquery, dkey, dvalue, qk, inv_freq_, rope_scale_, dq4, dkv4,
-                             dk_pe3);
+  ops::mla_qkv_rope_backward(dquery, dkey, dvalue, qk, inv_freq_, rope_scale_, dq4, dkv4, dk_pe3, 0,
+                             s.packed ? s.packed->position_ids : Tensor());
   dquery = dkey = dvalue = Tensor();
   // k_pe's gradient from this rank's heads: summed over TP (reduce-scattered to this
   // rank's rows under SP).

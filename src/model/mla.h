@@ -51,7 +51,9 @@ class MLASelfAttention {
   // --recompute-modules mla_up_proj).
   void set_recompute(bool keep_input, bool keep_core_attn_out, bool keep_up_proj_out);
   // x [T, H] (under SP this rank's [T / tp, H] rows; batch and seq the micro-batch's)
-  // -> [T, H] (the same rows), linear_proj's bias left to the caller.
+  // -> [T, H] (the same rows), linear_proj's bias left to the caller. With
+  // ctx.packed_seq_params: RoPE at the tokens' position ids, attention within documents
+  // (as SelfAttention::forward).
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const ForwardContext& ctx);
   // dy [T, H] -> dx [T, H]; accumulates main_grads. InternalError without a forward, or
   // when x is needed and `input` is not given.
@@ -75,6 +77,10 @@ class MLASelfAttention {
     Tensor q_up_input, kv_up_input, k_pe, q;
     float dropout_p = 0;
     uint64_t seed = 0, stream = 0;
+    // The micro-batch's packed documents (ForwardContext::packed_seq_params) or null: the
+    // RoPE positions and attention boundaries of the backward and its recompute. With
+    // documents lse is [B*S, n/tp] (ops::attention_varlen_forward's layout).
+    std::shared_ptr<const PackedSeqParams> packed;
   };
   struct Activations {
     Saved attention;
@@ -92,6 +98,7 @@ class MLASelfAttention {
  private:
   // q [T, n/tp (qk + rope)], kv [T, n/tp (qk + v)] and this rank's k_pe rows -> the
   // attention's query, key and value (k_pe gathered over the sequence under SP).
+  // RoPE positions: s.packed's position ids when it has them.
   void assemble_qkv(const Tensor& q, const Tensor& kv, const Tensor& k_pe_rows, int64_t batch,
                     int64_t seq, Saved& s) const;
   int64_t local_heads() const;

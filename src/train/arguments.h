@@ -126,6 +126,12 @@ struct TrainArgs {
   // --eod-mask-loss: the predictions made at an end-of-document input token are left out of
   // the loss (Megatron's loss_mask; train/loss_mask.h).
   bool eod_mask_loss = false;
+  // --reset-position-ids, --reset-attention-mask: the documents packed into a sample (ended
+  // by eod tokens) get positions restarting at 0 after each eod, and attend within
+  // themselves only (Megatron's _get_ltor_masks_and_position_ids; train/packed_batch.h,
+  // docs/data.md "Packed sequences").
+  bool reset_position_ids = false;
+  bool reset_attention_mask = false;
   // --calculate-per-token-loss: the step's gradient is that of the summed per-token losses
   // divided by the step's loss tokens over all micro-batches and data-parallel ranks, not
   // the mean over micro-batches of each one's token mean (Megatron's forward_step and

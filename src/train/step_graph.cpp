@@ -37,6 +37,12 @@ void check_full_iteration_graph(const TrainArgs& a, int64_t world_size) {
   if (m.mtp_num_layers > 0)
     fail("{}: mtp-num-layers builds each micro-batch's shifted tokens and masks on the host, "
          "which a replayed graph cannot change; run it without CUDA graphs", kFlag);
+  if (a.reset_attention_mask)
+    fail(
+        "{}: reset-attention-mask's document boundaries (how many, the longest) change with "
+        "every micro-batch, host values a replayed graph cannot change; run it without CUDA "
+        "graphs",
+        kFlag);
   if (a.log_num_zeros_in_grad)
     fail("{}: log-num-zeros-in-grad reads the gradients between backward and the update, "
          "inside the captured step", kFlag);

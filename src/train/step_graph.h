@@ -15,8 +15,9 @@ namespace megaton {
 // run, more than one rank, dropout and the router's jitter and forced balance (their
 // random streams are keyed by the iteration on the host), MoE layers under FP8 or an
 // expert capacity (their per-expert counts come to the host), --log-num-zeros-in-grad
-// (read between backward and the update) and MEGATON_OP_PROFILE=1 (it times each op on
-// the host). Nothing when cuda_graph_impl is none.
+// (read between backward and the update), --reset-attention-mask (each micro-batch's
+// document count and longest document are host values of the attention call) and
+// MEGATON_OP_PROFILE=1 (it times each op on the host). Nothing when cuda_graph_impl is none.
 void check_full_iteration_graph(const TrainArgs& args, int64_t world_size);
 
 // The step's graph. run(body) runs `body` (one whole training step: forward, backward,

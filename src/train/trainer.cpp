@@ -213,6 +213,12 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
     for (auto* buffers : {&batch_loss_masks_, &batch_loss_weights_})
       buffers->push_back(Tensor::empty({args_.micro_batch_size * args_.model.seq_length},
                                        DType::F32, args_.model.device));
+  for (int64_t mb = 0; !schedule_ && mb < most_micro_batches; ++mb) {
+    batch_packing_.emplace_back();
+    if (args_.reset_position_ids)
+      batch_position_ids_.push_back(Tensor::empty({args_.micro_batch_size * args_.model.seq_length},
+                                                  DType::I32, args_.model.device));
+  }
   if (args_.cuda_graph_impl == "full_iteration")
     step_graph_ = std::make_unique<FullIterationGraph>(args_.cuda_graph_warmup_steps);
   if (!args_.load.empty()) load();
@@ -254,6 +260,14 @@ PipelineMicroBatches Trainer::pipeline_micro_batches(
       return eod_loss_mask(tokens, eod);
     };
   out.context = std::move(context);
+  // Packed documents: every stage's layers need the micro-batch's packing, also the
+  // stages that load no tokens (it is remade from the samples).
+  if (args_.reset_position_ids || args_.reset_attention_mask)
+    out.context = [this, &source, batch_start, context = std::move(out.context)](int64_t mb) {
+      ForwardContext ctx = context(mb);
+      ctx.packed_seq_params = packing(source, micro_batch_start(batch_start, mb));
+      return ctx;
+    };
   return out;
 }
 
@@ -312,6 +326,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
+    ctx.packed_seq_params = batch_packing_[size_t(mb)];  // null unless documents are packed
     ChunkInput in{mbs, args_.model.seq_length, batch_tokens_[size_t(mb)],
                   batch_labels_[size_t(mb)], Tensor()};
     if (args_.eod_mask_loss && mtp_depths > 0) in.loss_mask = batch_loss_masks_[size_t(mb)];
@@ -399,6 +414,8 @@ void Trainer::stage_step_inputs(double lr) {
                args_.micro_batch_size, tokens, labels);
     batch_tokens_[mb].copy_from(tokens);
     batch_labels_[mb].copy_from(labels);
+    batch_packing_[mb] =
+        packing(tokens, args_.reset_position_ids ? batch_position_ids_[mb] : Tensor());
     if (args_.eod_mask_loss) {
       const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
       batch_loss_masks_[mb].copy_from(mask.mask);

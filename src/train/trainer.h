@@ -144,6 +144,15 @@ class Trainer {
   bool is_logging_rank() const { return grid_->world_rank() == 0; }
   void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
                   Tensor& tokens, Tensor& labels) const;
+  // --reset-position-ids / --reset-attention-mask: the packed documents of a micro-batch's
+  // tokens [micro_batch_size, seq_length] (host I32) on the model's device
+  // (train/packed_batch.h), its position ids written to position_ids_buffer when given;
+  // null when neither flag is on. The second form loads the micro-batch (micro_batch_size
+  // samples from first_sample of source) itself: the pipeline's stages that read no tokens.
+  std::shared_ptr<const PackedSeqParams> packing(const Tensor& tokens,
+                                                 Tensor position_ids_buffer = Tensor()) const;
+  std::shared_ptr<const PackedSeqParams> packing(const data::SampleSource& source,
+                                                 int64_t first_sample) const;
   void save(int64_t iteration);
   // The FP8 delayed recipe's amax histories and scales of this rank's layers, by name
   // (TransformerLayer::fp8_state: the dense linears', or with `experts` the routed
@@ -216,6 +225,12 @@ class Trainer {
   // step does not rerun train_step's host code, so train() reads it from here).
   std::vector<Tensor> batch_loss_masks_, batch_loss_weights_;
   double staged_loss_tokens_ = 0;
+  // --reset-position-ids / --reset-attention-mask without a pipeline: per local
+  // micro-batch its packing (staged with its tokens) and, with --reset-position-ids, the
+  // I32 [micro_batch_size * seq_length] device buffer its position ids live in (fixed
+  // addresses for a captured step).
+  std::vector<std::shared_ptr<const PackedSeqParams>> batch_packing_;
+  std::vector<Tensor> batch_position_ids_;
   // --cuda-graph-impl full_iteration (null otherwise) and the outputs of the captured step,
   // which its replays rewrite.
   std::unique_ptr<FullIterationGraph> step_graph_;

@@ -1,9 +1,11 @@
-// The Trainer's data: the datasets of the three splits and the micro-batches read from them.
+// The Trainer's data: the datasets of the three splits, the micro-batches read from them and
+// their packed documents.
 #include <algorithm>
 
 #include "core/error.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
+#include "train/packed_batch.h"
 #include "train/trainer.h"
 
 namespace megaton {
@@ -45,6 +47,21 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
     std::copy(sample.begin(), sample.end() - 1, tokens.i32() + i * seq);
     std::copy(sample.begin() + 1, sample.end(), labels.i32() + i * seq);
   }
+}
+
+std::shared_ptr<const PackedSeqParams> Trainer::packing(const Tensor& tokens,
+                                                        Tensor position_ids_buffer) const {
+  return packed_seq_params(tokens, tokenizer_->eod(), args_.reset_position_ids,
+                           args_.reset_attention_mask, args_.model.device,
+                           std::move(position_ids_buffer));
+}
+
+std::shared_ptr<const PackedSeqParams> Trainer::packing(const data::SampleSource& source,
+                                                        int64_t first_sample) const {
+  if (!args_.reset_position_ids && !args_.reset_attention_mask) return nullptr;
+  Tensor tokens, labels;
+  load_batch(source, first_sample, args_.micro_batch_size, tokens, labels);
+  return packing(tokens);
 }
 
 }  // namespace megaton

@@ -34,6 +34,7 @@ double Trainer::evaluate() {
       load_batch(*valid, micro_batch_start(it * args_.global_batch_size, mb), mbs, tokens, labels);
       ForwardContext ctx{false, args_.seed, 0, 0};
       ctx.forward_only = true;
+      ctx.packed_seq_params = packing(tokens);  // null unless documents are packed
       MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
       if (args_.eod_mask_loss) {
         const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());

@@ -75,9 +75,11 @@ router_flags() {  # NAME
 # 4 beside query/key heads of 8 + 8; with "RC=sel" the mla_up_proj recompute joins.
 # "MTP=n" adds n multi-token prediction depths (--mtp-num-layers n, loss scale 0.3); their
 # mtp_k losses are compared too.
+# "PACK=1" packs documents (--reset-position-ids --reset-attention-mask): positions restart
+# after each eod and the documents attend within themselves only.
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
-  EOD=0 PTL=0 MLA=0 MTP=0
+  EOD=0 PTL=0 MLA=0 MTP=0 PACK=0
   local setting
   for setting in $1; do
     case $setting in
@@ -103,6 +105,7 @@ use_variant() {  # "VAR=value ..."
       BS=*) BS=${setting#*=} ;;
       MLA=*) MLA=${setting#*=} ;;
       MTP=*) MTP=${setting#*=} ;;
+      PACK=*) PACK=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -133,6 +136,7 @@ run() {  # NAME NP FLAGS...
     --rotary-scaling-factor 4 --original-max-position-embeddings 4 --mscale 1.0
     --mscale-all-dim 0.707)
   [ "$MTP" = 0 ] || model+=(--mtp-num-layers "$MTP" --mtp-loss-scaling-factor 0.3)
+  [ "$PACK" = 0 ] || model+=(--reset-position-ids --reset-attention-mask)
   case $MG in
     bf16) model+=(--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16) ;;
     reduce) model+=(--bf16 --grad-reduce-in-bf16) ;;
@@ -381,6 +385,19 @@ layouts=(
   "mtp-pp2-per-token-eod|2|--pipeline-model-parallel-size 2|MTP=1 PTL=1 EOD=1 VOCAB=7 PAD=4"
   "mtp-dp2-eod|2||MTP=1 EOD=1 VOCAB=7 PAD=4"
   "mla-mtp-tp2-sp-pp2|4|--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2|MLA=1 MTP=1"
+  # Packed documents (issue 20): a vocabulary of 7 tokens + eod, so that about one input in 8
+  # ends a document and every micro-batch packs different ones. Each rank packs its own
+  # micro-batches (DP, EP), the stages that read no tokens pack them from the samples (PP),
+  # every TP rank attends over all B x S rows of its heads (TP + SP); with the eod mask and
+  # per-token loss, under selective recompute (core_attn), and with MLA.
+  "dp2-packed|2||PACK=1 VOCAB=7 PAD=4"
+  "tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|PACK=1 VOCAB=7 PAD=4"
+  "pp2-packed|2|--pipeline-model-parallel-size 2|PACK=1 VOCAB=7 PAD=4"
+  "ep2-alltoall-packed|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|PACK=1 VOCAB=7 PAD=4"
+  "tp2-sp-packed-qk-layernorm-recompute|2|--tensor-model-parallel-size 2 --sequence-parallel|PACK=1 QKN=1 RC=sel VOCAB=7 PAD=4"
+  "pp2-packed-per-token-eod|2|--pipeline-model-parallel-size 2|PACK=1 PTL=1 EOD=1 VOCAB=7 PAD=4"
+  "mla-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|MLA=1 PACK=1 VOCAB=7 PAD=4"
+  "mla-pp2-packed|2|--pipeline-model-parallel-size 2|MLA=1 PACK=1 VOCAB=7 PAD=4"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(

@@ -2,7 +2,9 @@
 // a checkpoint between the replays, give the losses, gradient norms and checkpointed
 // tensors of the run without CUDA graphs, bit for bit (both under --deterministic-mode,
 // so that the two runs can be compared bitwise at all); dense, MoE (with the expert bias),
-// dense FP8, and dense with --eod-mask-loss (the loss masks staged like the tokens). The replayed steps make no host synchronization. Needs data/ from
+// dense FP8, dense with --eod-mask-loss (the loss masks staged like the tokens) and dense
+// with --reset-position-ids (the position ids likewise). The replayed steps make no host
+// synchronization. Needs data/ from
 // tools/prepare_fortunes.sh, run from the repository root.
 #include <gtest/gtest.h>
 
@@ -73,10 +75,13 @@ TEST(TrainCudaGraph, FullIterationEqualsTheGraphFreeRun) {
   };
   const Variant variants[] = {
       {"dense", "configs/demo-dense.yaml", {}},
-      {"moe", "configs/demo-moe.yaml",
+      {"moe",
+       "configs/demo-moe.yaml",
        {{"moe-router-enable-expert-bias", {"true"}}, {"moe-router-score-function", {"sigmoid"}}}},
       {"fp8", "configs/demo-dense.yaml", {{"fp8-format", {"hybrid"}}}},
       {"eod-mask-loss", "configs/demo-dense.yaml", {{"eod-mask-loss", {"true"}}}},
+      // Packed documents' RoPE positions, staged per micro-batch in fixed buffers.
+      {"reset-position-ids", "configs/demo-dense.yaml", {{"reset-position-ids", {"true"}}}},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);

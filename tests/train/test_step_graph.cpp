@@ -96,13 +96,23 @@ TEST(StepGraphArgs, WhatAGraphCannotHoldIsRefused) {
   const Case cases[] = {
       {[](TrainArgs& a) { a.model.hidden_dropout = 0.1f; }, "hidden-dropout 0"},
       {[](TrainArgs& a) { a.model.attention_dropout = 0.1f; }, "attention-dropout 0"},
-      {[](TrainArgs& a) { a.model.num_experts = 4; a.model.moe_input_jitter_eps = 0.01f; },
+      {[](TrainArgs& a) {
+         a.model.num_experts = 4;
+         a.model.moe_input_jitter_eps = 0.01f;
+       },
        "moe-input-jitter-eps"},
-      {[](TrainArgs& a) { a.model.num_experts = 4; a.model.fp8.enabled = true; },
+      {[](TrainArgs& a) {
+         a.model.num_experts = 4;
+         a.model.fp8.enabled = true;
+       },
        "FP8 experts"},
-      {[](TrainArgs& a) { a.model.num_experts = 4; a.model.moe_expert_capacity_factor = 1.0f; },
+      {[](TrainArgs& a) {
+         a.model.num_experts = 4;
+         a.model.moe_expert_capacity_factor = 1.0f;
+       },
        "moe-expert-capacity-factor"},
       {[](TrainArgs& a) { a.log_num_zeros_in_grad = true; }, "log-num-zeros-in-grad"},
+      {[](TrainArgs& a) { a.reset_attention_mask = true; }, "reset-attention-mask"},
   };
   for (const Case& c : cases) {
     TrainArgs a = gpu;
@@ -111,6 +121,10 @@ TEST(StepGraphArgs, WhatAGraphCannotHoldIsRefused) {
     EXPECT_NE(message.find(c.needle), std::string::npos) << "'" << message << "'";
     EXPECT_EQ(message.find('\n'), std::string::npos) << "one line: '" << message << "'";
   }
+  // Packed documents' position ids live in staged buffers: accepted.
+  TrainArgs positions = gpu;
+  positions.reset_position_ids = true;
+  EXPECT_EQ(error_of([&] { check_full_iteration_graph(positions, 1); }), "");
   // Without the flag nothing is checked.
   TrainArgs off = gpu;
   off.cuda_graph_impl = "none";

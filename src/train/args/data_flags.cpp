@@ -1,6 +1,6 @@
 // Data flags: the dataset blend (--data-path, its file form, per-split blends), the split,
-// mock data, the index cache and the end-of-document loss mask (Megatron's "data and
-// dataloader" group).
+// mock data, the index cache, the end-of-document loss mask and the packed documents'
+// positions and attention mask (Megatron's "data and dataloader" group).
 #include "core/error.h"
 #include "core/printable.h"
 #include "data/data_args.h"
@@ -41,6 +41,8 @@ void parse_data(const ArgReader& r, TrainArgs& a) {
   r.get("split", a.split);
   r.get("mock-data", a.mock_data);
   r.get("eod-mask-loss", a.eod_mask_loss);
+  r.get("reset-position-ids", a.reset_position_ids);
+  r.get("reset-attention-mask", a.reset_attention_mask);
   r.get("data-cache-path", a.data_cache_path);
   std::string loader = "single";
   r.get("dataloader-type", loader);
@@ -85,6 +87,10 @@ ArgGroup data_flags() {
       flag("mid-level-dataset-surplus", "Megatron's blend surplus; only its default 0.005"),
       toggle("eod-mask-loss",
              "leave the predictions made at end-of-document input tokens out of the loss"),
+      toggle("reset-position-ids",
+             "restart the positions (RoPE) at 0 after each end-of-document token"),
+      toggle("reset-attention-mask",
+             "documents packed in a sample attend within themselves only (eod ends one)"),
   };
   for (OptionSpec& s : data_megatron_rules()) g.flags.push_back(std::move(s));
   return g;

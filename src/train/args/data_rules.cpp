@@ -23,9 +23,9 @@ std::vector<OptionSpec> data_megatron_rules() {
       unsupported("mask-prob", "1", "BERT/T5 models"),
       unsupported("short-seq-prob", "1", "BERT/T5 models"),
       no_effect("num-workers", "1", "no dataloader worker processes in Megaton"),
-      unsupported("reset-position-ids", "0", "packed sequences (issue 20)"),
-      unsupported("reset-attention-mask", "0", "packed sequences (issue 20)"),
-      unsupported("dataloader-inter-document-masking", "0", "packed sequences (issue 20)"),
+      unsupported("dataloader-inter-document-masking", "0",
+                  "document boundaries from the dataset's index (Megaton finds them at eod "
+                  "tokens: use --reset-attention-mask)"),
       no_effect("no-create-attention-mask-in-dataloader", "0",
                 "Megaton's causal attention takes no attention mask from the data"),
       no_effect("num-dataset-builder-threads", "1",

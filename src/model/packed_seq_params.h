@@ -1,0 +1,29 @@
+// PackedSeqParams: the documents packed into a micro-batch's samples, as the layers see
+// them (Megatron-LM's PackedSeqParams with qkv_format "thd"; --reset-attention-mask and
+// --reset-position-ids, docs/data.md "Packed sequences").
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace megaton {
+
+// The micro-batch's B samples of S tokens are T = B * S token rows (row t = b * S + s, the
+// order of the layers' activations); every sample boundary is a document boundary too.
+struct PackedSeqParams {
+  // --reset-attention-mask: the documents' boundaries over the T rows, I32 [N + 1] on the
+  // model's device: 0 = c0 < c1 < ... < cN = T, document n = rows [c_n, c_n+1), each
+  // ending at its eod token (or at its sample's end). A token attends to the tokens of its
+  // own document at or before it only (ops::attention_varlen_forward). Undefined: causal
+  // attention within each sample (the dense op).
+  Tensor cu_seqlens;
+  // The longest document (rows), >= 1 when cu_seqlens is defined; at most S.
+  int64_t max_seqlen = 0;
+  // --reset-position-ids: each row's RoPE position, I32 [T] on the model's device,
+  // restarting at 0 after each eod. Undefined: row t's position is s = t % S.
+  Tensor position_ids;
+
+  bool reset_attention_mask() const { return cu_seqlens.defined(); }
+};
+
+}  // namespace megaton

@@ -1,0 +1,63 @@
+// A micro-batch's packed documents (train/packed_batch.h).
+#include "train/packed_batch.h"
+
+#include <algorithm>
+#include <span>
+
+#include "core/error.h"
+#include "data/packed_sequence.h"
+
+namespace megaton {
+
+PackedBatch pack_micro_batch(const Tensor& tokens, int32_t eod, bool reset_position_ids) {
+  MEGATON_CHECK(tokens.defined() && tokens.ndim() == 2 && tokens.dtype() == DType::I32 &&
+                    tokens.device() == Device::CPU,
+                "pack_micro_batch: tokens must be [B, S] I32 on the host, got {} {}",
+                dtype_name(tokens.dtype()), shape_str(tokens.shape()));
+  const int64_t B = tokens.dim(0), S = tokens.dim(1);
+  PackedBatch out;
+  out.cu_seqlens.push_back(0);
+  out.position_ids.reserve(size_t(B * S));
+  for (int64_t b = 0; b < B; ++b) {
+    const std::span<const int32_t> sample(tokens.i32() + b * S, size_t(S));
+    const data::PackedSequence p = data::packed_sequence(sample, eod, reset_position_ids);
+    out.position_ids.insert(out.position_ids.end(), p.position_ids.begin(), p.position_ids.end());
+    // p.cu_seqlens = 0, ..., S: its inner boundaries and its end, shifted to the sample's rows.
+    for (size_t i = 1; i < p.cu_seqlens.size(); ++i) {
+      out.cu_seqlens.push_back(int32_t(b * S) + p.cu_seqlens[i]);
+      out.max_seqlen = std::max<int64_t>(out.max_seqlen, p.cu_seqlens[i] - p.cu_seqlens[i - 1]);
+    }
+  }
+  return out;
+}
+
+std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, int32_t eod,
+                                                         bool reset_position_ids,
+                                                         bool reset_attention_mask, Device device,
+                                                         Tensor position_ids_buffer) {
+  if (!reset_position_ids && !reset_attention_mask) return nullptr;
+  const PackedBatch host = pack_micro_batch(tokens, eod, reset_position_ids);
+  auto p = std::make_shared<PackedSeqParams>();
+  if (reset_attention_mask) {
+    p->cu_seqlens = Tensor::from_i32({int64_t(host.cu_seqlens.size())}, host.cu_seqlens).to(device);
+    p->max_seqlen = host.max_seqlen;
+  }
+  if (reset_position_ids) {
+    const Tensor ids = Tensor::from_i32({int64_t(host.position_ids.size())}, host.position_ids);
+    if (position_ids_buffer.defined()) {
+      MEGATON_CHECK(position_ids_buffer.shape() == ids.shape() &&
+                        position_ids_buffer.dtype() == DType::I32 &&
+                        position_ids_buffer.device() == device,
+                    "packed_seq_params: the position ids buffer is {} {}, expected I32 {}",
+                    dtype_name(position_ids_buffer.dtype()), shape_str(position_ids_buffer.shape()),
+                    shape_str(ids.shape()));
+      position_ids_buffer.copy_from(ids);
+      p->position_ids = position_ids_buffer;
+    } else {
+      p->position_ids = ids.to(device);
+    }
+  }
+  return p;
+}
+
+}  // namespace megaton

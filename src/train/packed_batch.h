@@ -1,0 +1,40 @@
+// The packed documents of a micro-batch (Megatron's --reset-position-ids and
+// --reset-attention-mask): from its tokens to the PackedSeqParams the layers read
+// (model/packed_seq_params.h; docs/data.md "Packed sequences").
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/packed_seq_params.h"
+
+namespace megaton {
+
+// A micro-batch's packing on the host.
+//   cu_seqlens: the documents' boundaries over the B * S rows (PackedSeqParams::cu_seqlens):
+//     each sample's data::packed_sequence boundaries shifted by b * S, so every sample
+//     boundary is one; the eod belongs to the document it ends.
+//   max_seqlen: the longest document.
+//   position_ids [B * S]: restarting at 0 after each eod with reset_position_ids, else s.
+struct PackedBatch {
+  std::vector<int32_t> cu_seqlens;
+  int64_t max_seqlen = 0;
+  std::vector<int32_t> position_ids;
+};
+
+// tokens: [B, S] I32 on the host (the micro-batch's input tokens); eod: the tokenizer's
+// end-of-document id. InternalError when tokens is not a 2-d I32 host tensor.
+PackedBatch pack_micro_batch(const Tensor& tokens, int32_t eod, bool reset_position_ids);
+
+// The PackedSeqParams of tokens for the layers: cu_seqlens and max_seqlen with
+// reset_attention_mask, position_ids with reset_position_ids, on `device`; null when
+// neither flag is set (the layers then run unpacked). position_ids_buffer (optional, I32
+// [B * S] on `device`): written in place and used as the position ids (a buffer a captured
+// CUDA graph reads). InternalError as pack_micro_batch, or on a buffer of another shape.
+std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, int32_t eod,
+                                                         bool reset_position_ids,
+                                                         bool reset_attention_mask, Device device,
+                                                         Tensor position_ids_buffer = Tensor());
+
+}  // namespace megaton
