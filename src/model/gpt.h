@@ -353,7 +353,7 @@ class GPTModel {
     int64_t batch = 0, seq = 0;  // the micro-batch's B and S (0: none held)
     Tensor tokens;               // [B*S] int32 on the model's device (pre_process)
     OutputLossSaved output;      // the main loss (post_process)
-    // Per MTP depth: its output loss, shifted tokens (device), mask (host fp32) and count,
+    // Per MTP depth: its output loss, shifted tokens and mask (device) and count,
     // and its embedding dropout key.
     struct MtpDepth {
       OutputLossSaved output;

@@ -91,7 +91,7 @@ void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const Forward
     Saved::MtpDepth& sd = saved_.mtp[size_t(k - 1)];
     const MtpShifted shifted = mtp_shift(labels, mask, B, S, k);
     sd.tokens = shifted.tokens.to(cfg_.device);
-    sd.mask = shifted.mask;
+    sd.mask = shifted.mask.to(cfg_.device);  // read by the loss below and by backward
     sd.num_tokens = shifted.num_tokens;
     // The shifted tokens' embeddings, with the embedding's dropout (its own stream).
     Tensor e = embedding_lookup(sd.tokens);
@@ -115,7 +115,7 @@ void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const Forward
     const Tensor losses = output_loss(h, shifted.labels, sd.output);
     // "mtp_k loss": the masked mean, on the device.
     Tensor slot = out.mtp_losses.rows(k - 1, 1);
-    ops::dot(losses, shifted.mask.to(cfg_.device), slot);
+    ops::dot(losses, sd.mask, slot);
     ops::scale_(slot, float(1.0 / std::max(sd.num_tokens, 1.0)));
     // The objective's weight of this depth's per-token losses (Megatron's process_mtp_loss:
     // scale / N_k, times N_0 / (B S) under per-token loss, where the gradient scale the
@@ -133,7 +133,7 @@ Tensor GPTModel::mtp_backward(float aux_grad_scale) {
     Saved::MtpDepth& sd = saved_.mtp[size_t(k - 1)];
     Tensor dlosses = sd.mask.clone();
     ops::scale_(dlosses, float(double(aux_grad_scale) * double(sd.weight)));
-    Tensor dh = output_loss_backward(dlosses.to(cfg_.device), sd.output);
+    Tensor dh = output_loss_backward(dlosses, sd.output);
     if (dh_next.defined()) ops::add_(dh, dh_next);
     const Tensor dy = d.final_layernorm.backward(dh);
     if (MoELayer* moe = d.transformer_layer->moe()) moe->aux_grad_scale = aux_grad_scale;

@@ -1,6 +1,8 @@
 // MLASelfAttention forward/backward (model/mla.h) and its Mixer adapter.
 #include "model/mla.h"
 
+#include "model/attention_mixer.h"
+
 #include <cmath>
 #include <utility>
 
@@ -328,9 +330,7 @@ void MLASelfAttention::restore_saved(Activations&& a) {
   if (kv_layernorm) kv_layernorm->restore_saved(std::move(a.kv_norm));
 }
 
-namespace {
-
-void for_each_tensor(MLASelfAttention::Activations& a, const SavedTensorVisitor& fn) {
+static void for_each_tensor(MLASelfAttention::Activations& a, const SavedTensorVisitor& fn) {
   MLASelfAttention::Saved& s = a.attention;
   for (Tensor* t : {&s.query, &s.key, &s.value, &s.out, &s.lse, &s.q_up_input, &s.kv_up_input,
                     &s.k_pe, &s.q})
@@ -341,49 +341,18 @@ void for_each_tensor(MLASelfAttention::Activations& a, const SavedTensorVisitor&
   megaton::for_each_tensor(a.kv_norm, fn);
 }
 
-class MLAMixer final : public Mixer {
- public:
-  MLAMixer(const std::string& prefix, const GPTConfig& cfg, int64_t layer, uint64_t seed,
-           const ModelParallel& mp)
-      : attention_(prefix, cfg, layer, seed, mp) {}
-  Tensor forward(const Tensor& x, int64_t batch, int64_t seq,
-                 const ForwardContext& ctx) override {
-    return attention_.forward(x, batch, seq, ctx);
-  }
-  Tensor backward(const Tensor& dy, const std::function<Tensor()>& input) override {
-    return attention_.backward(dy, input);
-  }
-  Tensor forward_inference(const Tensor& x, int64_t first_position, Tensor& key_cache,
-                           Tensor& value_cache) const override {
-    return attention_.forward_inference(x, first_position, key_cache, value_cache);
-  }
-  void collect_params(std::vector<Param*>& out) override { attention_.collect_params(out); }
-  std::vector<Linear*> linears() override { return attention_.linears(); }
-  Linear& output_linear() override { return attention_.linear_proj; }
-  // layernorm: the down projections' input; core_attn: the attention output; mla_up_proj:
-  // the up projections' outputs and the RoPE assembly.
-  void set_recompute(const RecomputeConfig& rc) override {
-    attention_.set_recompute(!rc.selective(kRecomputeLayernorm),
-                             !rc.selective(kRecomputeCoreAttn),
-                             !rc.selective(kRecomputeMlaUpProj));
-  }
-  std::any take_saved() override { return attention_.take_saved(); }
-  void restore_saved(std::any&& saved) override {
-    attention_.restore_saved(std::any_cast<MLASelfAttention::Activations&&>(std::move(saved)));
-  }
-  void for_each_saved_tensor(std::any& saved, const std::function<void(Tensor&)>& fn) override {
-    for_each_tensor(std::any_cast<MLASelfAttention::Activations&>(saved), fn);
-  }
+static std::vector<Linear*> mixer_linears(MLASelfAttention& a) { return a.linears(); }
 
- private:
-  MLASelfAttention attention_;
-};
-
-}  // namespace
+// layernorm: the down projections' input; core_attn: the attention output; mla_up_proj: the
+// up projections' outputs and the RoPE assembly.
+static void apply_recompute(MLASelfAttention& a, const RecomputeConfig& rc) {
+  a.set_recompute(!rc.selective(kRecomputeLayernorm), !rc.selective(kRecomputeCoreAttn),
+                  !rc.selective(kRecomputeMlaUpProj));
+}
 
 std::unique_ptr<Mixer> make_mla_mixer(const std::string& prefix, const GPTConfig& cfg,
                                       int64_t layer, uint64_t seed, const ModelParallel& mp) {
-  return std::make_unique<MLAMixer>(prefix, cfg, layer, seed, mp);
+  return std::make_unique<AttentionMixer<MLASelfAttention>>(prefix, cfg, layer, seed, mp);
 }
 
 }  // namespace megaton

@@ -328,7 +328,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
     ctx.packed_seq_params = batch_packing_[size_t(mb)];  // null unless documents are packed
     ChunkInput in{mbs, args_.model.seq_length, batch_tokens_[size_t(mb)],
-                  batch_labels_[size_t(mb)], Tensor()};
+                  batch_labels_[size_t(mb)], Tensor(), Tensor()};
     if (args_.eod_mask_loss && mtp_depths > 0) in.loss_mask = batch_loss_masks_[size_t(mb)];
     MicroBatchLoss out = chunks_[0]->forward_chunk(in, ctx).loss;
     if (out.mtp_losses.defined()) ops::add_(mtp_sum, out.mtp_losses);

@@ -68,7 +68,7 @@ RunResult run(const GPTConfig& cfg, const PipelineChunk& part, bool stash = fals
   for (int64_t m = 0; m < 2; ++m) {
     const uint64_t s = seed + 100 * uint64_t(m);
     ChunkInput in{B, S, testing::randint({B, S}, int32_t(cfg.vocab_size), s + 1),
-                  testing::randint({B, S}, int32_t(cfg.vocab_size), s + 2), Tensor()};
+                  testing::randint({B, S}, int32_t(cfg.vocab_size), s + 2), Tensor(), Tensor()};
     if (!part.pre_process) in.hidden = testing::randn({T, H}, s + 3);
     const Tensor dout = part.post_process ? testing::randn({T}, s + 4, 0.5f)
                                           : testing::randn({T, H}, s + 5);

@@ -96,7 +96,7 @@ RunResult run(const GPTConfig& cfg, const PipelineChunk& part) {
   for (int64_t m = 0; m < 2; ++m) {
     const uint64_t s = seed + 100 * uint64_t(m);
     ChunkInput ci{B, S, testing::randint({B, S}, int32_t(cfg.vocab_size), s + 1),
-                  testing::randint({B, S}, int32_t(cfg.vocab_size), s + 2), Tensor()};
+                  testing::randint({B, S}, int32_t(cfg.vocab_size), s + 2), Tensor(), Tensor()};
     if (!part.pre_process) ci.hidden = testing::randn({T, H}, s + 3);
     in.push_back(ci);
     dout.push_back(part.post_process ? testing::randn({T}, s + 4, 0.5f)
