@@ -158,11 +158,21 @@ Tensor GPTModel::embed(const Tensor& tokens, const ForwardContext& ctx) {
   int64_t T = s.batch * s.seq;
   s.tokens = tokens.view({T}).to(cfg_.device);
   Tensor emb = embedding_lookup(s.tokens);
-  if (position_embeddings.weight.defined())
+  const PackedSeqParams* packed = ctx.packed_seq_params.get();
+  if (position_embeddings.weight.defined() && packed && packed->position_ids.defined()) {
+    // --reset-position-ids: each row's position restarts after each eod (Megatron's
+    // LanguageModelEmbedding looks position_ids up). Under SP this rank's rows.
+    const int64_t first_row = mp_.sequence_parallel ? mp_.tp_rank() * emb.dim(0) : 0;
+    s.position_ids = packed->position_ids.rows(first_row, emb.dim(0));
+    Tensor positions = empty_like(emb, emb.shape());
+    ops::embedding_forward(s.position_ids, position_embeddings.weight, positions);
+    ops::add_(emb, positions);
+  } else if (position_embeddings.weight.defined()) {
     for_each_position_block(emb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
       Tensor rows = emb.rows(local_row, n);
       ops::add_(rows, position_embeddings.weight.rows(pos, n));
     });
+  }
   s.emb_dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
   s.emb_seed = ctx.seed;
   s.emb_stream = ctx.stream(-1, 0);
@@ -223,7 +233,7 @@ MicroBatchLoss GPTModel::forward(const Tensor& tokens, const Tensor& labels,
                                  const ForwardContext& ctx) {
   MEGATON_CHECK(chunk_.pre_process && chunk_.post_process,
                 "GPTModel::forward needs the whole model, not a pipeline chunk");
-  return forward_chunk({tokens.dim(0), tokens.dim(1), tokens, labels, Tensor()}, ctx).loss;
+  return forward_chunk({tokens.dim(0), tokens.dim(1), tokens, labels, Tensor(), Tensor()}, ctx).loss;
 }
 
 ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& ctx) {
@@ -489,7 +499,11 @@ void GPTModel::embed_backward(const Tensor& dx) {
     demb = empty_like(dx, dx.shape());
     ops::dropout_backward(dx, demb, s.emb_dropout_p, s.emb_seed, s.emb_stream);
   }
-  if (position_embeddings.weight.defined())
+  if (position_embeddings.weight.defined() && s.position_ids.defined())
+    accumulate_main_grad(position_embeddings.main_grad, [&](Tensor& main_grad) {
+      ops::embedding_backward(demb, s.position_ids, main_grad);
+    });
+  else if (position_embeddings.weight.defined())
     // Every sequence's rows summed in fp32, then rounded once into a BF16 main grad.
     accumulate_main_grad(position_embeddings.main_grad, [&](Tensor& main_grad) {
       for_each_position_block(demb.dim(0), [&](int64_t local_row, int64_t pos, int64_t n) {
@@ -504,7 +518,7 @@ void GPTModel::embed_backward(const Tensor& dx) {
       });
     });
   embedding_lookup_backward(demb, s.tokens);
-  s.tokens = Tensor();
+  s.tokens = s.position_ids = Tensor();
 }
 
 }  // namespace megaton

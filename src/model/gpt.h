@@ -352,6 +352,9 @@ class GPTModel {
   struct Saved {
     int64_t batch = 0, seq = 0;  // the micro-batch's B and S (0: none held)
     Tensor tokens;               // [B*S] int32 on the model's device (pre_process)
+    // This rank's rows' learned-position ids under --reset-position-ids ([rows] int32 on the
+    // device); undefined: row i is position i % seq.
+    Tensor position_ids;
     OutputLossSaved output;      // the main loss (post_process)
     // Per MTP depth: its output loss, shifted tokens and mask (device) and count,
     // and its embedding dropout key.

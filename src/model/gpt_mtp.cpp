@@ -47,7 +47,7 @@ void MultiTokenPredictionLayer::collect_params(std::vector<Param*>& out) {
 }
 
 MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
-                     int64_t seq, int64_t k) {
+                     int64_t seq, int64_t k, const std::vector<int32_t>* cu_seqlens) {
   MEGATON_CHECK(labels.numel() == batch * seq && labels.dtype() == DType::I32 &&
                     labels.device() == Device::CPU,
                 "mtp_shift: labels must be host int32 [{} x {}]", batch, seq);
@@ -56,19 +56,34 @@ MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batc
                                          loss_mask.device() == Device::CPU),
                 "mtp_shift: the loss mask must be host fp32 [{} x {}]", batch, seq);
   MEGATON_CHECK(k >= 1, "mtp_shift: depth {} must be >= 1", k);
-  MtpShifted out;
-  out.tokens = Tensor::zeros({batch * seq}, DType::I32);
-  out.labels = Tensor::zeros({batch * seq}, DType::I32);
-  out.mask = Tensor::zeros({batch * seq});
-  const int32_t* l = labels.i32();
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t s = 0; s + k < seq; ++s) {
-      const int64_t row = b * seq + s, src = b * seq + s + k;
-      out.tokens.i32()[row] = l[src - 1];
-      out.labels.i32()[row] = l[src];
-      out.mask.f32()[row] = loss_mask.defined() ? loss_mask.f32()[src] : 1.0f;
-      out.num_tokens += out.mask.f32()[row];
+  const int64_t T = batch * seq;
+  // Every row's segment end: its sample's, or its document's.
+  std::vector<int64_t> segment_end(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) segment_end[size_t(t)] = (t / seq + 1) * seq;
+  if (cu_seqlens && !cu_seqlens->empty()) {
+    const std::vector<int32_t>& cu = *cu_seqlens;
+    MEGATON_CHECK(cu.front() == 0 && cu.back() == T, "mtp_shift: document boundaries must run "
+                  "from 0 to {}, got {} .. {}", T, cu.front(), cu.back());
+    for (size_t n = 0; n + 1 < cu.size(); ++n) {
+      MEGATON_CHECK(cu[n] < cu[n + 1], "mtp_shift: document boundaries {} and {} not increasing",
+                    cu[n], cu[n + 1]);
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t)
+        segment_end[size_t(t)] = std::min<int64_t>(segment_end[size_t(t)], cu[n + 1]);
     }
+  }
+  MtpShifted out;
+  out.tokens = Tensor::zeros({T}, DType::I32);
+  out.labels = Tensor::zeros({T}, DType::I32);
+  out.mask = Tensor::zeros({T});
+  const int32_t* l = labels.i32();
+  for (int64_t row = 0; row < T; ++row) {
+    const int64_t src = row + k;
+    if (src >= segment_end[size_t(row)]) continue;
+    out.tokens.i32()[row] = l[src - 1];
+    out.labels.i32()[row] = l[src];
+    out.mask.f32()[row] = loss_mask.defined() ? loss_mask.f32()[src] : 1.0f;
+    out.num_tokens += out.mask.f32()[row];
+  }
   return out;
 }
 
@@ -83,13 +98,16 @@ void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const Forward
     n0 = 0;
     for (int64_t t = 0; t < T; ++t) n0 += mask.f32()[t];
   }
+  // Packed documents: each depth shifts within its document (Megatron's packed roll).
+  const std::vector<int32_t>* documents =
+      ctx.packed_seq_params ? &ctx.packed_seq_params->cu_seqlens_host : nullptr;
   out.mtp_losses = Tensor::zeros({D}, DType::F32, cfg_.device);
   saved_.mtp.assign(size_t(D), {});
   Tensor h = h0;
   for (int64_t k = 1; k <= D; ++k) {
     MultiTokenPredictionLayer& d = *mtp_[size_t(k - 1)];
     Saved::MtpDepth& sd = saved_.mtp[size_t(k - 1)];
-    const MtpShifted shifted = mtp_shift(labels, mask, B, S, k);
+    const MtpShifted shifted = mtp_shift(labels, mask, B, S, k, documents);
     sd.tokens = shifted.tokens.to(cfg_.device);
     sd.mask = shifted.mask.to(cfg_.device);  // read by the loss below and by backward
     sd.num_tokens = shifted.num_tokens;

@@ -11,7 +11,8 @@
 //
 // The objective adds, per micro-batch, (mtp_loss_scaling_factor / D) x sum_k
 // (sum_t mask_k(t) CE_k(t)) / N_k, where CE_k is the cross entropy of depth k's logits against
-// labels shifted by k, mask_k(t) = loss_mask(t + k) (0 for the last k positions of a sample)
+// labels shifted by k, mask_k(t) = loss_mask(t + k) (0 for the last k positions of a sample, or
+// of a document under --reset-attention-mask)
 // and N_k = sum_t mask_k(t); "mtp_k loss" logs (sum_t mask_k CE_k) / N_k unscaled, and "lm
 // loss" does not include it (Megatron's process_mtp_loss and MTPLossLoggingHelper).
 #pragma once
@@ -42,17 +43,22 @@ struct MultiTokenPredictionLayer {
 
 // The shifted inputs of MTP depth k (1-based) for a micro-batch of B samples of S tokens,
 // from the micro-batch's labels (labels[s] = token s + 1) and loss mask (empty: all ones),
-// host tensors [B, S] / [B * S]:
-//   tokens_k[b, s] = labels[b, s + k - 1]   (the token at s + k)   for s + k < S, else 0
-//   labels_k[b, s] = labels[b, s + k]                              for s + k < S, else 0
-//   mask_k[b, s]   = loss_mask[b, s + k]                           for s + k < S, else 0
-// (Megatron's roll_tensor with zero fill, applied k times.) num_tokens = sum of mask_k.
+// host tensors [B, S] / [B * S]. Row t = b * S + s lies in a segment [start, end): its
+// sample's rows, or, with packed documents (cu_seqlens: the N + 1 document boundaries over
+// the B * S rows, PackedSeqParams::cu_seqlens_host; null or empty: none), its document's:
+//   tokens_k[t] = labels[t + k - 1]   (the token at t + k)   for t + k < end, else 0
+//   labels_k[t] = labels[t + k]                              for t + k < end, else 0
+//   mask_k[t]   = loss_mask[t + k]                           for t + k < end, else 0
+// (Megatron's roll_tensor with zero fill applied k times; with packed sequences its
+// _roll_tensor_packed_seq, which rolls each document on its own.) num_tokens = sum of
+// mask_k. InternalError on tensors of other shapes or devices, k < 1, or boundaries that
+// do not run from 0 to B * S in increasing order.
 struct MtpShifted {
   Tensor tokens, labels;  // [B * S] int32 (host)
   Tensor mask;            // [B * S] fp32 (host)
   double num_tokens = 0;
 };
 MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
-                     int64_t seq, int64_t k);
+                     int64_t seq, int64_t k, const std::vector<int32_t>* cu_seqlens = nullptr);
 
 }  // namespace megaton

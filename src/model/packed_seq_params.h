@@ -3,6 +3,7 @@
 // --reset-position-ids, docs/data.md "Packed sequences").
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -17,9 +18,13 @@ struct PackedSeqParams {
   // own document at or before it only (ops::attention_varlen_forward). Undefined: causal
   // attention within each sample (the dense op).
   Tensor cu_seqlens;
+  // The same boundaries on the host (N + 1 values), for the host-side work that follows the
+  // documents (the MTP depths' per-document shift, model/mtp.h). Empty when cu_seqlens is.
+  std::vector<int32_t> cu_seqlens_host;
   // The longest document (rows), >= 1 when cu_seqlens is defined; at most S.
   int64_t max_seqlen = 0;
-  // --reset-position-ids: each row's RoPE position, I32 [T] on the model's device,
+  // --reset-position-ids: each row's position (RoPE's, or the learned position embedding's
+  // row), I32 [T] on the model's device,
   // restarting at 0 after each eod. Undefined: row t's position is s = t % S.
   Tensor position_ids;
 

@@ -335,16 +335,6 @@ void finish_args(const ArgReader& r, TrainArgs& a) {
         "per-split-data-args-path, or mock-data)");
   if (a.exit_interval < 0) fail("exit-interval must be >= 0 (got {})", a.exit_interval);
   if (a.tokenizer_type.empty()) fail("tokenizer-type is required");
-  // Packed documents (docs/data.md "Packed sequences").
-  if (a.reset_position_ids && a.model.position_embedding_type == PositionEmbedding::LearnedAbsolute)
-    fail(
-        "reset-position-ids with position-embedding-type learned_absolute is not supported in "
-        "Megaton: the position ids reach RoPE only (use rope, or drop reset-position-ids)");
-  if (a.reset_attention_mask && a.model.mtp_num_layers > 0)
-    fail(
-        "reset-attention-mask with mtp-num-layers is not supported in Megaton: the MTP depths "
-        "shift their inputs within the sample, not within each document (Megatron's packed "
-        "roll)");
   optim::validate(a.lr);
 }
 

@@ -40,6 +40,7 @@ std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, i
   auto p = std::make_shared<PackedSeqParams>();
   if (reset_attention_mask) {
     p->cu_seqlens = Tensor::from_i32({int64_t(host.cu_seqlens.size())}, host.cu_seqlens).to(device);
+    p->cu_seqlens_host = host.cu_seqlens;
     p->max_seqlen = host.max_seqlen;
   }
   if (reset_position_ids) {

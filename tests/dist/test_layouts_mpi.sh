@@ -76,10 +76,11 @@ router_flags() {  # NAME
 # "MTP=n" adds n multi-token prediction depths (--mtp-num-layers n, loss scale 0.3); their
 # mtp_k losses are compared too.
 # "PACK=1" packs documents (--reset-position-ids --reset-attention-mask): positions restart
-# after each eod and the documents attend within themselves only.
+# after each eod and the documents attend within themselves only. "POS=learned_absolute"
+# replaces RoPE by learned absolute position embeddings (16 rows).
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
-  EOD=0 PTL=0 MLA=0 MTP=0 PACK=0
+  EOD=0 PTL=0 MLA=0 MTP=0 PACK=0 POS=rope
   local setting
   for setting in $1; do
     case $setting in
@@ -106,6 +107,7 @@ use_variant() {  # "VAR=value ..."
       MLA=*) MLA=${setting#*=} ;;
       MTP=*) MTP=${setting#*=} ;;
       PACK=*) PACK=${setting#*=} ;;
+      POS=*) POS=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -137,6 +139,7 @@ run() {  # NAME NP FLAGS...
     --mscale-all-dim 0.707)
   [ "$MTP" = 0 ] || model+=(--mtp-num-layers "$MTP" --mtp-loss-scaling-factor 0.3)
   [ "$PACK" = 0 ] || model+=(--reset-position-ids --reset-attention-mask)
+  [ "$POS" = rope ] || model+=(--position-embedding-type "$POS" --max-position-embeddings 16)
   case $MG in
     bf16) model+=(--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16) ;;
     reduce) model+=(--bf16 --grad-reduce-in-bf16) ;;
@@ -398,6 +401,11 @@ layouts=(
   "pp2-packed-per-token-eod|2|--pipeline-model-parallel-size 2|PACK=1 PTL=1 EOD=1 VOCAB=7 PAD=4"
   "mla-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|MLA=1 PACK=1 VOCAB=7 PAD=4"
   "mla-pp2-packed|2|--pipeline-model-parallel-size 2|MLA=1 PACK=1 VOCAB=7 PAD=4"
+  # MTP depths shift within each document; learned positions read the restarted ids.
+  "mtp-pp2-packed|2|--pipeline-model-parallel-size 2|MTP=1 PACK=1 VOCAB=7 PAD=4"
+  "mtp-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|MTP=2 PACK=1 VOCAB=7 PAD=4"
+  "learned-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
+  "learned-pp2-packed|2|--pipeline-model-parallel-size 2|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(

@@ -36,6 +36,31 @@ TEST(MultiTokenPrediction, ShiftedInputsByHand) {
   EXPECT_EQ(mtp_shift(labels, Tensor(), 2, 4, 4).num_tokens, 0);
 }
 
+// Packed documents (--reset-attention-mask): each depth shifts within its document
+// (Megatron's _roll_tensor_packed_seq), so no row reads the next document's tokens.
+// Sample 0 holds documents [0, 3) and [3, 4); sample 1 documents [4, 5) and [5, 8).
+TEST(MultiTokenPrediction, ShiftedWithinPackedDocuments) {
+  const Tensor labels = Tensor::from_i32({8}, {1, 2, 3, 4, 5, 6, 7, 8});
+  const Tensor mask = Tensor::from({8}, {1, 1, 1, 1, 1, 1, 0, 1});
+  const std::vector<int32_t> cu{0, 3, 4, 5, 8};
+  MtpShifted k1 = mtp_shift(labels, mask, 2, 4, 1, &cu);
+  EXPECT_EQ(ints(k1.tokens), (std::vector<int32_t>{1, 2, 0, 0, 0, 6, 7, 0}));
+  EXPECT_EQ(ints(k1.labels), (std::vector<int32_t>{2, 3, 0, 0, 0, 7, 8, 0}));
+  EXPECT_EQ(floats(k1.mask), (std::vector<float>{1, 1, 0, 0, 0, 0, 1, 0}));
+  EXPECT_EQ(k1.num_tokens, 3);
+  MtpShifted k2 = mtp_shift(labels, mask, 2, 4, 2, &cu);
+  EXPECT_EQ(ints(k2.tokens), (std::vector<int32_t>{2, 0, 0, 0, 0, 7, 0, 0}));
+  EXPECT_EQ(ints(k2.labels), (std::vector<int32_t>{3, 0, 0, 0, 0, 8, 0, 0}));
+  EXPECT_EQ(k2.num_tokens, 2);
+  // No boundaries (an empty list, as --reset-position-ids alone leaves): the samples'.
+  const std::vector<int32_t> none;
+  EXPECT_EQ(ints(mtp_shift(labels, mask, 2, 4, 1, &none).tokens),
+            ints(mtp_shift(labels, mask, 2, 4, 1).tokens));
+  // Boundaries that do not cover the rows are an internal error.
+  const std::vector<int32_t> short_list{0, 3, 6};
+  EXPECT_THROW(mtp_shift(labels, mask, 2, 4, 1, &short_list), InternalError);
+}
+
 GPTConfig mtp_config() {
   GPTConfig c;
   c.num_layers = 2;

@@ -3,6 +3,7 @@
 // each token the loss, and every parameter the gradient, that running each document as its
 // own sequence (positions from 0) gives. Self attention with GQA (with and without
 // --qk-layernorm) and multi-latent attention with MoE; recomputation replays the same ops.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -31,6 +32,7 @@ TinyGptVariant variant(const std::string& name) {
 GPTConfig config_of(const std::string& name, const RecomputeConfig& recompute = {}) {
   TinyGptVariant v = variant(name);
   v.seq_length = S;
+  if (v.max_position_embeddings) v.max_position_embeddings = std::max<int64_t>(v.max_position_embeddings, S);
   GPTConfig cfg = testing::tiny_gpt_config(v);
   cfg.hidden_dropout = cfg.attention_dropout = 0.0f;
   // The aux loss couples the micro-batch's tokens (its statistics are over all of them):
@@ -55,6 +57,7 @@ std::shared_ptr<const PackedSeqParams> packing(bool attention_mask, bool positio
   auto p = std::make_shared<PackedSeqParams>();
   if (attention_mask) {
     p->cu_seqlens = Tensor::from_i32({int64_t(cu.size())}, cu);
+    p->cu_seqlens_host = cu;
     p->max_seqlen = longest;
   }
   if (position_ids) p->position_ids = Tensor::from_i32({B * S}, positions);
@@ -205,6 +208,73 @@ TEST_P(PackedSequences, RecomputeReplaysThePackedOps) {
     EXPECT_TRUE(testing::allclose(r.losses, reference.losses, 0, 0));
     for (size_t i = 0; i < r.grads.size(); ++i)
       EXPECT_TRUE(testing::allclose(r.grads[i], reference.grads[i], 0, 0)) << "parameter " << i;
+  }
+}
+
+// Learned absolute position embeddings read the restarted position ids (Megatron's
+// LanguageModelEmbedding looks position_ids up): packed equals each document alone, its
+// position embedding rows' gradients included. With the attention mask alone the later
+// documents keep their sample positions, so their losses differ.
+TEST(PackedSequencesLearnedPositions, EqualEachDocumentAsItsOwnSequence) {
+  const GPTConfig cfg = config_of("dense_learned_layernorm_gelu_bias_tied");
+  const uint64_t seed = testing::test_seed() + 110;
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Batch batch = make_batch(cfg, seed + 10);
+  const RunResult documents = run_documents(cfg, batch, seed);
+  expect_close(run_packed(cfg, batch, packing(true, true), seed), documents, 1e-5, 1e-5);
+  const RunResult masked = run_packed(cfg, batch, packing(true, false), seed);
+  EXPECT_GT(max_abs_difference(masked.losses, documents.losses), 1e-3);
+}
+
+// Multi-token prediction on packed documents: each depth shifts within its document, so
+// depth k's loss summed over its counted tokens is the documents' own sums (a document of L
+// tokens counts max(L - k, 0) of them). Without the per-document shift the depths would
+// read the next document's tokens: the plain sample shift gives other losses.
+TEST(PackedSequencesMtp, DepthLossesAreTheDocumentsOwn) {
+  GPTConfig cfg = config_of("dense_rope_rmsnorm_swiglu_gqa_untied");
+  cfg.mtp_num_layers = 2;
+  cfg.finalize();
+  const uint64_t seed = testing::test_seed() + 100;
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Batch batch = make_batch(cfg, seed + 10);
+  auto mtp_sums = [&](std::shared_ptr<const PackedSeqParams> packed) {
+    GPTModel model(cfg, seed);
+    testing::randomize_params(model, seed + 1);
+    ForwardContext ctx{true, seed, 3, 0};
+    ctx.packed_seq_params = std::move(packed);
+    const Tensor mtp = model.forward(batch.tokens, batch.labels, ctx).mtp_losses;
+    std::vector<double> sums;
+    for (int64_t k = 1; k <= 2; ++k) {
+      double counted = 0;
+      for (const auto& sample : kDocuments)
+        for (int64_t length : sample) counted += double(std::max<int64_t>(length - k, 0));
+      // Packed: N_k counts every document's tokens; unpacked: S - k per sample.
+      if (!ctx.packed_seq_params) counted = double(B * (S - k));
+      sums.push_back(double(mtp.item(k - 1)) * counted);
+    }
+    return sums;
+  };
+  std::vector<double> documents(2, 0.0);
+  {
+    GPTModel model(cfg, seed);
+    testing::randomize_params(model, seed + 1);
+    int64_t row = 0;
+    for (const auto& sample : kDocuments)
+      for (int64_t length : sample) {
+        const Tensor tokens = batch.tokens.view({B * S}).rows(row, length).clone().view({1, length});
+        const Tensor labels = batch.labels.view({B * S}).rows(row, length).clone().view({1, length});
+        const Tensor mtp =
+            model.forward(tokens, labels, ForwardContext{true, seed, 3, 0}).mtp_losses;
+        for (int64_t k = 1; k <= 2; ++k)
+          documents[size_t(k - 1)] += double(mtp.item(k - 1)) * double(std::max<int64_t>(length - k, 0));
+        row += length;
+      }
+  }
+  const std::vector<double> packed = mtp_sums(packing(true, true));
+  const std::vector<double> plain = mtp_sums(nullptr);
+  for (size_t k = 0; k < 2; ++k) {
+    EXPECT_NEAR(packed[k], documents[k], 1e-4 * std::fabs(documents[k])) << "depth " << k + 1;
+    EXPECT_GT(std::fabs(plain[k] - documents[k]), 1e-2) << "depth " << k + 1;
   }
 }
 

@@ -227,12 +227,6 @@ TEST_F(CliErrors, DeepSeekV3Flags) {
       {"--position-embedding-type rope --mtp-num-layers -1", "mtp-num-layers must be >= 0"},
       {"--position-embedding-type rope --mtp-num-layers 1 --mtp-loss-scaling-factor -0.1",
        "mtp-loss-scaling-factor must be >= 0"},
-      // Packed sequences.
-      {"--reset-position-ids",
-       "reset-position-ids with position-embedding-type learned_absolute is not supported in "
-       "Megaton"},
-      {"--position-embedding-type rope --mtp-num-layers 1 --reset-attention-mask",
-       "reset-attention-mask with mtp-num-layers is not supported in Megaton"},
   };
   for (const auto& [flags, needle] : cases)
     expect_user_error("train --config " + config(kModel) + " " + flags, needle);
