@@ -76,7 +76,7 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
   if (!q_layernorm) {
     // Megatron's grouped [T, ng, np/ng + 2, d] rows -> q, k, v, with RoPE on q and k.
     ops::qkv_split_rope(qkv, batch, ng, s.q, s.k, s.v, uses_rope(cfg_), cfg_.rotary_base,
-                        positions);
+                        positions, cfg_.rotary_dim());
   } else {
     // Split, normalise each query and key head, then RoPE (Megatron: q_layernorm /
     // k_layernorm before apply_rotary_pos_emb), in one pass. It keeps the split q and k and
@@ -91,7 +91,7 @@ Tensor SelfAttention::forward(const Tensor& x, int64_t batch, int64_t seq,
       n.k_mean = Tensor::empty({batch * seq * ng}, DType::F32, qkv.device());
     }
     ops::qkv_split_norm_rope(qkv, batch, ng, qk_norm(), uses_rope(cfg_), cfg_.rotary_base, s.q, s.k,
-                             s.v, n, positions);
+                             s.v, n, positions, cfg_.rotary_dim());
   }
   s.out = empty_like(qkv, {batch, seq, np, d});
   s.lse = Tensor::empty(core_attention_lse_shape(s.packed.get(), batch, seq, np), DType::F32,
@@ -136,7 +136,8 @@ Tensor SelfAttention::backward(const Tensor& dy, const std::function<Tensor()>& 
   const Tensor positions = position_ids(s.packed);
   Tensor dqkv = empty_like(dy, {s.q.dim(0) * s.q.dim(1), (np + 2 * ng) * d});
   if (!q_layernorm) {
-    ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv, positions);
+    ops::qkv_pack_rope_backward(dq, dk, dv, ng, uses_rope(cfg_), cfg_.rotary_base, dqkv, positions,
+                                cfg_.rotary_dim());
   } else {
     // Inverse RoPE, the norms' backward and the pack in one pass; the norms' weight (and
     // bias) gradients accumulate into their main grads, which the trainer reduces over
@@ -147,7 +148,8 @@ Tensor SelfAttention::backward(const Tensor& dy, const std::function<Tensor()>& 
                             ops::QkNormGrads grads{g[0], g[1], g[2], g[3]};
                             ops::qkv_pack_norm_rope_backward(dq, dk, dv, s.qk_norm, ng, qk_norm(),
                                                              uses_rope(cfg_), cfg_.rotary_base,
-                                                             dqkv, grads, positions);
+                                                             dqkv, grads, positions,
+                                                             cfg_.rotary_dim());
                           });
     s.qk_norm = {};  // freed before linear_qkv's backward, as the unfused norms' inputs were
   }
@@ -181,8 +183,8 @@ Tensor SelfAttention::forward_inference(const Tensor& x, int64_t first_position,
     k = k_layernorm->forward_inference(k.view({n * ng, d})).view(k.shape());
   }
   if (uses_rope(cfg_)) {
-    ops::rope_forward(q, q, cfg_.rotary_base, first_position);
-    ops::rope_forward(k, k, cfg_.rotary_base, first_position);
+    ops::rope_forward(q, q, cfg_.rotary_base, first_position, cfg_.rotary_dim());
+    ops::rope_forward(k, k, cfg_.rotary_base, first_position, cfg_.rotary_dim());
   }
   Tensor key_rows = key_cache.rows(first_position, n), value_rows = value_cache.rows(first_position, n);
   key_rows.copy_from(k);

@@ -89,9 +89,21 @@ void GPTConfig::finalize() {
     fail("seq-length ({}) exceeds max-position-embeddings ({})", seq_length,
          max_position_embeddings);
   finalize_mla_mtp();
-  if (!multi_latent_attention && position_embedding_type == PositionEmbedding::Rope &&
-      kv_channels % 2 != 0)
-    fail("kv-channels ({}) must be even for rope", kv_channels);
+  if (!(rotary_percent > 0.0 && rotary_percent <= 1.0))
+    fail("rotary-percent must be in (0, 1] (got {})", rotary_percent);
+  if (multi_latent_attention && rotary_percent < 1.0)
+    fail("rotary-percent {} with multi-latent-attention is not supported: its RoPE part has "
+         "its own dims (qk-pos-emb-head-dim)", rotary_percent);
+  if (!multi_latent_attention && position_embedding_type == PositionEmbedding::Rope) {
+    if (rotary_percent == 1.0 && kv_channels % 2 != 0)
+      fail("kv-channels ({}) must be even for rope", kv_channels);
+    // Rotate-half pairs channel i with i + R/2: an odd R has no such pairing (Megatron's
+    // arange(0, R, 2) gives (R + 1) / 2 frequencies and it rotates R + 1 channels).
+    const int64_t r = rotary_dim();
+    if (rotary_percent < 1.0 && (r <= 0 || r % 2 != 0))
+      fail("rotary-percent {} gives a rotary dim of {} = int(kv-channels {} x rotary-percent): "
+           "it must be even and positive", rotary_percent, r, kv_channels);
+  }
   if (hidden_dropout < 0 || hidden_dropout >= 1)
     fail("hidden-dropout must be in [0, 1) (got {})", hidden_dropout);
   if (attention_dropout < 0 || attention_dropout >= 1)

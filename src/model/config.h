@@ -44,6 +44,13 @@ struct GPTConfig {
   bool swiglu = false;
   PositionEmbedding position_embedding_type = PositionEmbedding::LearnedAbsolute;
   float rotary_base = 10000.0f;
+  // --rotary-percent (partial RoPE; Megatron's RotaryEmbedding): RoPE rotates the first
+  // rotary_dim() channels of every query and key head and passes the rest through. In
+  // (0, 1]; read only with position_embedding_type rope (learned positions ignore it, as
+  // Megatron does); multi-latent attention takes 1 only (its RoPE dims are its own). A
+  // double, as Megatron's float argument, so int(kv_channels * rotary_percent) truncates
+  // the same product.
+  double rotary_percent = 1.0;
   // --rope-type (MLA only; Megatron's default for MLA is yarn, which with
   // --rotary-scaling-factor 1 is plain RoPE) and YaRN's parameters: factor
   // (--rotary-scaling-factor), --original-max-position-embeddings, --beta-fast,
@@ -147,6 +154,12 @@ struct GPTConfig {
   // Derived values (after finalize()).
   int64_t padded_vocab_size = 0;
   int64_t head_dim() const { return kv_channels; }
+  // The channels of each query / key head that RoPE rotates (Megatron's RotaryEmbedding:
+  // int(kv_channels * rotary_percent) when rotary_percent < 1, else kv_channels); finalize()
+  // makes it even and positive under RoPE.
+  int64_t rotary_dim() const {
+    return rotary_percent < 1.0 ? int64_t(double(kv_channels) * rotary_percent) : kv_channels;
+  }
   int64_t query_projection_size() const { return kv_channels * num_attention_heads; }
   int64_t kv_projection_size() const { return kv_channels * num_query_groups; }
   bool is_moe_layer(int64_t layer) const {

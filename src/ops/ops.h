@@ -212,11 +212,16 @@ void bias_dropout_add(const Tensor& x, const Tensor& bias, const Tensor& residua
 
 // ---- rotary position embedding (ops/cpu/rope.cpp) ----
 // RoPE (Su et al. 2021) in the non-interleaved "rotate half" form of Megatron's default
-// and HF Llama: for i < D/2, inv_freq_i = base^(-2i/D), angle = (s + position_offset) *
-// inv_freq_i, (x_i, x_{i+D/2}) rotated by angle. x, y [B, S, heads, D]; y may alias x.
-void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset = 0);
-// The inverse rotation applied to dy. dx may alias dy.
-void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset = 0);
+// and HF Llama: for i < R/2, inv_freq_i = base^(-2i/R), angle = (s + position_offset) *
+// inv_freq_i, (x_i, x_{i+R/2}) rotated by angle. x, y [B, S, heads, D]; y may alias x.
+// rotary_dim R: the channels rotated, the first R of each head (partial RoPE, Megatron's
+// --rotary-percent: R = int(D * rotary_percent)); the channels [R, D) are copied
+// unchanged. 0: R = D, the whole head. InternalError when R is odd, negative or > D.
+void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset = 0,
+                  int64_t rotary_dim = 0);
+// The inverse rotation applied to dy (the tail [R, D) copied). dx may alias dy.
+void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset = 0,
+                   int64_t rotary_dim = 0);
 
 // ---- fused QKV split + RoPE (ops/cpu/qkv.cpp) ----
 // Megatron's fused linear_qkv output is grouped by query group (Megatron-LM
@@ -231,26 +236,30 @@ void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_of
 // within the sequence, position_offset 0; v is never rotated). One pass, one kernel on
 // the GPU. q, k, v are overwritten and must not alias qkv. batch = B; S = rows / B.
 // Dtypes: F32 on the CPU; F32 or BF16 on the GPU, all four tensors the same dtype.
-// rotary_base is read only when apply_rope (then it must be > 0 and d even; the GPU
-// supports d <= 512 with RoPE, any d without).
+// rotary_base is read only when apply_rope (then it must be > 0 and the rotary dim even;
+// the GPU supports d <= 512 with RoPE, any d without).
 // position_ids (optional; packed sequences, Megatron's --reset-position-ids): I32 [B*S] on
 // qkv's device, >= 0: token t = b * S + s is rotated by position position_ids[t] instead of
 // s (as rope_forward with position_offset position_ids[t] would rotate that token alone).
 // Undefined: position s. Read only when apply_rope.
+// rotary_dim (partial RoPE, as rope_forward's): only the first R channels of each q and k
+// head are rotated (pairs (i, i + R/2), frequencies over R), [R, d) copied; 0: R = d. Read
+// only when apply_rope (then R must be even and 0 < R <= d, InternalError otherwise).
 // Throws InternalError on a shape, dtype or device mismatch (position_ids included), when
 // batch does not match q, or (CPU) on a negative position id; the GPU does not check the
 // values (a negative one gives a wrong rotation, never a bad access).
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
                     Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
-                    const Tensor& position_ids = Tensor());
+                    const Tensor& position_ids = Tensor(), int64_t rotary_dim = 0);
 // The gradient of qkv_split_rope: rope_backward on dq and dk (when apply_rope), then packs
 // dq [B, S, np, d], dk, dv [B, S, ng, d] into dqkv [B*S, ng * (qpg + 2) * d] in the same
 // grouped layout. dqkv is overwritten (every element: the three parts tile each row) and
-// must not alias the inputs; dq, dk, dv are not modified. Same dtypes, position_ids and
-// errors as the forward.
+// must not alias the inputs; dq, dk, dv are not modified. Same dtypes, position_ids,
+// rotary_dim and errors as the forward.
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv, const Tensor& position_ids = Tensor());
+                            Tensor& dqkv, const Tensor& position_ids = Tensor(),
+                            int64_t rotary_dim = 0);
 
 // ---- fused QKV split + q/k norm + RoPE (ops/cpu/qkv_norm.cpp) ----
 // --qk-layernorm (Megatron-LM SelfAttention's q_layernorm / k_layernorm, Hugging Face
@@ -314,18 +323,21 @@ struct QkNormGrads {
 // Splits qkv [B*S, ng * (qpg + 2) * d] into
 //   q [B, S, np, d] = rope(norm_q(query head)), k [B, S, ng, d] = rope(norm_k(key head)),
 //   v [B, S, ng, d] = the value heads (neither normalized nor rotated),
-// rope only when apply_rope (then rotary_base > 0 and d even), and fills saved (q_input,
-// k_input: the heads as split; statistics: see QkNormSaved). batch = B; S = rows / B.
+// rope only when apply_rope (then rotary_base > 0 and the rotary dim even), and fills
+// saved (q_input, k_input: the heads as split; statistics: see QkNormSaved). batch = B;
+// S = rows / B.
 // q, k, v and saved.q_input / k_input: qkv's dtype (F32 on the CPU; F32 or BF16 on the
 // GPU); none may share memory with qkv. GPU: d <= 512.
 // InternalError on a shape, dtype or device mismatch (any tensor above, or a norm
 // parameter), batch not matching q, num_query_groups not dividing np, a bias on RMSNorm,
 // a missing mean for LayerNorm, an output overlapping qkv, or the GPU's d limit.
 // position_ids (optional): per-token RoPE positions, as qkv_split_rope's (and its errors).
+// rotary_dim: partial RoPE, as qkv_split_rope's: the norm covers all d channels of a head,
+// RoPE then rotates its first R (0: all) and leaves [R, d) as normalized.
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
                          Tensor& k, Tensor& v, QkNormSaved& saved,
-                         const Tensor& position_ids = Tensor());
+                         const Tensor& position_ids = Tensor(), int64_t rotary_dim = 0);
 // The gradient of qkv_split_norm_rope. From dq [B, S, np, d], dk, dv [B, S, ng, d] (the
 // gradients of its q, k, v) and saved (its QkNormSaved, unchanged since), for every query
 // and key head: the inverse RoPE (when apply_rope), then the norm's backward
@@ -341,13 +353,13 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
 // so repeated runs give the same bits.
 // dq, dk, dv, dqkv: one dtype, as the forward's q, k, v; dqkv shares memory with no input;
 // dq, dk, dv and saved are not modified. norm, num_query_groups, apply_rope and
-// rotary_base and position_ids: the forward's. InternalError as the forward, and on a
-// grads tensor that is not F32 [d] or a bias gradient without a bias.
+// rotary_base, position_ids and rotary_dim: the forward's. InternalError as the forward,
+// and on a grads tensor that is not F32 [d] or a bias gradient without a bias.
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
                                  Tensor& dqkv, QkNormGrads& grads,
-                                 const Tensor& position_ids = Tensor());
+                                 const Tensor& position_ids = Tensor(), int64_t rotary_dim = 0);
 
 // ---- causal self-attention with GQA (ops/cpu/attention.cpp) ----
 // q [B, S, Hq, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv], Hq % Hkv == 0 (query head h reads

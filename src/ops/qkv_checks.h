@@ -7,27 +7,32 @@
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/rope_dim.h"
 
 namespace megaton::ops {
 
-// Sizes of one call: q [B, S, heads, D], k, v [B, S, groups, D], packed [B*S, row].
+// Sizes of one call: q [B, S, heads, D], k, v [B, S, groups, D], packed [B*S, row];
+// rotary_dim: the channels of each q and k head RoPE rotates (0 without RoPE).
 struct QkvShape {
   int64_t batch, seq, heads, groups, head_dim;
+  int64_t rotary_dim = 0;
   int64_t tokens() const { return batch * seq; }
   int64_t heads_per_group() const { return heads / groups; }
   int64_t row() const { return (heads + 2 * groups) * head_dim; }
 };
 
 // q must be 4-d [B, S, np, d], num_query_groups ng > 0 must divide np, k and v be
-// [B, S, ng, d], packed [B*S, (np + 2 ng) d]; with RoPE d must be even and rotary_base > 0.
-// InternalError naming `op` otherwise; `grad` prefixes the tensors' names in messages
-// ("" for the forward's qkv, q, k, v; "d" for the backward's). Returns the sizes.
+// [B, S, ng, d], packed [B*S, (np + 2 ng) d]; with RoPE rotary_base > 0 and the rotary dim
+// (rotary_dim, 0: d) even and in (0, d] (checked_rotary_dim). InternalError naming `op`
+// otherwise; `grad` prefixes the tensors' names in messages ("" for the forward's qkv, q,
+// k, v; "d" for the backward's). Returns the sizes, the resolved rotary dim with RoPE.
 inline QkvShape check_qkv_shapes(const char* op, const char* grad, const Tensor& packed,
                                  const Tensor& q, const Tensor& k, const Tensor& v,
-                                 int64_t num_query_groups, bool apply_rope, float rotary_base) {
+                                 int64_t num_query_groups, bool apply_rope, float rotary_base,
+                                 int64_t rotary_dim = 0) {
   MEGATON_CHECK(q.ndim() == 4, "{}: {}q must be [B, S, heads, D], got {}", op, grad,
                 shape_str(q.shape()));
-  const QkvShape sh{q.dim(0), q.dim(1), q.dim(2), num_query_groups, q.dim(3)};
+  QkvShape sh{q.dim(0), q.dim(1), q.dim(2), num_query_groups, q.dim(3)};
   MEGATON_CHECK(sh.groups > 0 && sh.heads % sh.groups == 0,
                 "{}: num_query_groups {} must divide the {} query heads", op, sh.groups, sh.heads);
   const Shape kv_shape{sh.batch, sh.seq, sh.groups, sh.head_dim};
@@ -37,7 +42,7 @@ inline QkvShape check_qkv_shapes(const char* op, const char* grad, const Tensor&
   MEGATON_CHECK(packed.shape() == packed_shape, "{}: {}qkv {} must be [B*S, (np + 2 ng) d] = {}",
                 op, grad, shape_str(packed.shape()), shape_str(packed_shape));
   if (apply_rope) {
-    MEGATON_CHECK(sh.head_dim % 2 == 0, "{}: head dim {} must be even for RoPE", op, sh.head_dim);
+    sh.rotary_dim = checked_rotary_dim(op, rotary_dim, sh.head_dim);
     MEGATON_CHECK(rotary_base > 0.0f, "{}: rotary_base {} must be positive", op, rotary_base);
   }
   return sh;

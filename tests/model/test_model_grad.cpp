@@ -361,6 +361,83 @@ TEST(ModelGradients, MoETokenDroppingPaddedToCapacity) {
   check_gradients(c);
 }
 
+// Partial RoPE (--rotary-percent 0.5): RoPE on the first 4 of each head's 8 channels, the
+// other 4 passed through, in the fused split (and, with --qk-layernorm, the fused split +
+// norm) forward and backward.
+TEST(ModelGradients, PartialRopeWithAndWithoutQkLayernorm) {
+  for (bool qk_layernorm : {false, true}) {
+    SCOPED_TRACE(qk_layernorm ? "qk-layernorm" : "no qk-layernorm");
+    GPTConfig c = base_config();
+    c.normalization = Normalization::RMSNorm;
+    c.position_embedding_type = PositionEmbedding::Rope;
+    c.rotary_percent = 0.5;
+    c.swiglu = true;
+    c.disable_bias_linear = true;
+    c.group_query_attention = true;
+    c.num_query_groups = 2;
+    c.kv_channels = 8;
+    c.qk_layernorm = qk_layernorm;
+    check_gradients(c);
+  }
+}
+
+// Megatron's rotary dim: int(kv_channels * rotary_percent) below 1, kv_channels at 1; under
+// RoPE it must be even and positive; refused with MLA; ignored with learned positions.
+TEST(ModelConfig, RotaryPercent) {
+  GPTConfig c = base_config();
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.kv_channels = 64;
+  c.rotary_percent = 0.25;
+  ASSERT_NO_THROW(c.finalize());
+  EXPECT_EQ(c.rotary_dim(), 16);
+  c.rotary_percent = 1.0;
+  EXPECT_EQ(c.rotary_dim(), 64);
+  c.rotary_percent = 0.29;  // 64 x 0.29 = 18.56: truncated to 18, as Python's int()
+  EXPECT_EQ(c.rotary_dim(), 18);
+  auto finalized = [](GPTConfig cfg) {
+    cfg.finalize();
+    return cfg;
+  };
+  GPTConfig bad = c;
+  for (double percent : {0.3 /* 19 */, 0.0, -0.5, 1.5, 0.01 /* 0 */}) {
+    bad.rotary_percent = percent;
+    EXPECT_THROW(finalized(bad), Error) << percent;
+  }
+  // Learned positions: a value in range is ignored (Megatron builds no rotary table then).
+  GPTConfig learned = base_config();
+  learned.kv_channels = 64;
+  learned.rotary_percent = 0.3;
+  EXPECT_NO_THROW(finalized(learned));
+  // Multi-latent attention: refused below 1.
+  GPTConfig mla = base_config();
+  mla.position_embedding_type = PositionEmbedding::Rope;
+  mla.multi_latent_attention = true;
+  mla.qk_head_dim = 8;
+  mla.qk_pos_emb_head_dim = 4;
+  mla.v_head_dim = 8;
+  mla.kv_lora_rank = 8;
+  EXPECT_NO_THROW(finalized(mla));
+  mla.rotary_percent = 0.5;
+  EXPECT_THROW(finalized(mla), Error);
+}
+
+// The rotary dim reaches the model: with the same weights, rotating half of each head
+// gives other logits than rotating all of it, and rotary_percent 1 is the default.
+TEST(ModelConfig, RotaryPercentChangesTheModel) {
+  auto logits = [](double percent) {
+    GPTConfig c = base_config();
+    c.position_embedding_type = PositionEmbedding::Rope;
+    c.kv_channels = 8;
+    c.rotary_percent = percent;
+    c.finalize();
+    GPTModel model(c, testing::test_seed());
+    return model.logits(testing::randint({2, c.seq_length}, int32_t(c.vocab_size), 7));
+  };
+  const Tensor full = logits(1.0);
+  EXPECT_TRUE(testing::allclose(logits(1.0), full, 0, 0));
+  EXPECT_FALSE(testing::allclose(logits(0.5), full, 1e-4, 0));
+}
+
 TEST(ModelConfig, PadsVocabularyAndRejectsBadShapes) {
   GPTConfig c = base_config();
   c.finalize();

@@ -1,6 +1,7 @@
 // Tiny random GPT models in the variants generation must handle (dense / MoE, learned
-// absolute / RoPE positions, GQA, --qk-layernorm, tied / untied output, LayerNorm /
-// RMSNorm, GeLU / SwiGLU, with / without biases), for the KV-cache tests on CPU and GPU.
+// absolute / RoPE positions, partial RoPE, GQA, --qk-layernorm, tied / untied output,
+// LayerNorm / RMSNorm, GeLU / SwiGLU, with / without biases), for the KV-cache tests on CPU
+// and GPU.
 #pragma once
 #include <ostream>
 #include <string>
@@ -26,6 +27,8 @@ struct TinyGptVariant {
   // Multi-latent attention (with qk_layernorm: its q/kv latent norms) with q LoRA and
   // YaRN; no GQA.
   bool mla = false;
+  // --rotary-percent with RoPE: 0.5 rotates 4 of each head's 8 channels.
+  double rotary_percent = 1.0;
   int64_t seq_length = 8;
   int64_t max_position_embeddings = 0;  // 0: seq_length
 };
@@ -55,6 +58,11 @@ inline std::vector<TinyGptVariant> tiny_gpt_variants() {
   v.push_back({.name = "mla_moe_yarn_rmsnorm_swiglu_shared", .moe = true, .rope = true,
                .qk_layernorm = true, .untie = true, .rmsnorm = true, .swiglu = true,
                .bias = false, .shared_expert = true, .mla = true});
+  // Partial RoPE (GPT-NeoX / Pythia style: --rotary-percent), with and without q/k norms.
+  v.push_back({.name = "dense_partial_rope_rmsnorm_swiglu_gqa", .rope = true, .gqa = true,
+               .rmsnorm = true, .swiglu = true, .bias = false, .rotary_percent = 0.5});
+  v.push_back({.name = "dense_partial_rope_qk_layernorm_bias", .rope = true,
+               .qk_layernorm = true, .rotary_percent = 0.5});
   return v;
 }
 
@@ -77,6 +85,7 @@ inline GPTConfig tiny_gpt_config(const TinyGptVariant& v, Device device = Device
   c.qk_layernorm = v.qk_layernorm;
   c.swiglu = v.swiglu;
   c.position_embedding_type = v.rope ? PositionEmbedding::Rope : PositionEmbedding::LearnedAbsolute;
+  c.rotary_percent = v.rotary_percent;
   c.untie_embeddings_and_output_weights = v.untie;
   c.disable_bias_linear = !v.bias;
   c.hidden_dropout = c.attention_dropout = 0.1f;  // inference must not apply them

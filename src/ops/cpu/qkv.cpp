@@ -19,7 +19,7 @@ constexpr int64_t kParallelMin = int64_t(1) << 15;
 // the forward's qkv, q, k, v; "d" for the backward's).
 QkvShape check_qkv_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
                         const Tensor& k, const Tensor& v, int64_t num_query_groups, bool apply_rope,
-                        float rotary_base) {
+                        float rotary_base, int64_t rotary_dim) {
   MEGATON_CHECK(packed.defined() && q.defined() && k.defined() && v.defined(),
                 "{}: {}qkv, {}q, {}k and {}v must be allocated", op, grad, grad, grad, grad);
   for (const Tensor* t : {&packed, &q, &k, &v}) {
@@ -27,23 +27,22 @@ QkvShape check_qkv_args(const char* op, const char* grad, const Tensor& packed, 
     MEGATON_CHECK(t->dtype() == DType::F32, "{}: {}qkv, {}q, {}k, {}v must be F32, got {}", op,
                   grad, grad, grad, grad, dtype_name(t->dtype()));
   }
-  const QkvShape sh = check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope,
-                                      rotary_base);
-  return sh;
+  return check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope, rotary_base,
+                          rotary_dim);
 }
 
 // Walks the grouped layout: for every token and every head of its packed row, calls
 // move(packed_offset, part, part_offset, cos_s, sin_s), where part is 0, 1, 2 for q, k, v,
 // offsets are in elements, and cos_s, sin_s are the token's RoPE tables for a q or k head
-// under RoPE (at position s, or position_ids[t] when given), null otherwise. Tokens run in
-// parallel; heads never overlap.
+// under RoPE (at position s, or position_ids[t] when given; sh.rotary_dim / 2 frequencies
+// over the rotary dim), null otherwise. Tokens run in parallel; heads never overlap.
 template <typename Move>
 void for_each_head(const QkvShape& sh, bool apply_rope, float rotary_base,
                    const Tensor& position_ids, Move&& move) {
   const int64_t D = sh.head_dim, qpg = sh.heads_per_group();
   cpu::RopeRows rope;
   if (apply_rope)
-    rope = cpu::rope_rows(cpu::rope_inv_freq(D, rotary_base), sh.seq, sh.tokens(),
+    rope = cpu::rope_rows(cpu::rope_inv_freq(sh.rotary_dim, rotary_base), sh.seq, sh.tokens(),
                           position_ids.defined() ? position_ids.i32() : nullptr);
 #pragma omp parallel for schedule(static) if (sh.tokens() * sh.row() >= kParallelMin)
   for (int64_t t = 0; t < sh.tokens(); ++t) {
@@ -63,11 +62,11 @@ void for_each_head(const QkvShape& sh, bool apply_rope, float rotary_base,
 
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
                     Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
-                    const Tensor& position_ids) {
+                    const Tensor& position_ids, int64_t rotary_dim) {
   MEGATON_CUDA_DISPATCH(qkv, cuda::qkv_split_rope(qkv, batch, num_query_groups, q, k, v, apply_rope,
-                                                  rotary_base, position_ids));
-  const QkvShape sh =
-      check_qkv_args("qkv_split_rope", "", qkv, q, k, v, num_query_groups, apply_rope, rotary_base);
+                                                  rotary_base, position_ids, rotary_dim));
+  const QkvShape sh = check_qkv_args("qkv_split_rope", "", qkv, q, k, v, num_query_groups,
+                                     apply_rope, rotary_base, rotary_dim);
   check_position_ids("qkv_split_rope", position_ids, sh.tokens(), Device::CPU);
   MEGATON_CHECK(batch == sh.batch, "qkv_split_rope: batch {} does not match q {}", batch,
                 shape_str(q.shape()));
@@ -77,17 +76,19 @@ void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, 
   for_each_head(
       sh, apply_rope, rotary_base, position_ids,
       [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
-        cpu::rope_move_head(src + packed, dst[part] + separate, D, cos_s, sin_s, 1.0f);
+        cpu::rope_move_head(src + packed, dst[part] + separate, D, cos_s, sin_s, 1.0f,
+                            sh.rotary_dim);
       });
 }
 
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv, const Tensor& position_ids) {
+                            Tensor& dqkv, const Tensor& position_ids, int64_t rotary_dim) {
   MEGATON_CUDA_DISPATCH(dq, cuda::qkv_pack_rope_backward(dq, dk, dv, num_query_groups, apply_rope,
-                                                         rotary_base, dqkv, position_ids));
+                                                         rotary_base, dqkv, position_ids,
+                                                         rotary_dim));
   const QkvShape sh = check_qkv_args("qkv_pack_rope_backward", "d", dqkv, dq, dk, dv,
-                                     num_query_groups, apply_rope, rotary_base);
+                                     num_query_groups, apply_rope, rotary_base, rotary_dim);
   check_position_ids("qkv_pack_rope_backward", position_ids, sh.tokens(), Device::CPU);
   const float* src[3] = {dq.f32(), dk.f32(), dv.f32()};
   float* dst = dqkv.f32();
@@ -95,7 +96,8 @@ void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv
   for_each_head(
       sh, apply_rope, rotary_base, position_ids,
       [&](int64_t packed, int part, int64_t separate, const float* cos_s, const float* sin_s) {
-        cpu::rope_move_head(src[part] + separate, dst + packed, D, cos_s, sin_s, -1.0f);
+        cpu::rope_move_head(src[part] + separate, dst + packed, D, cos_s, sin_s, -1.0f,
+                            sh.rotary_dim);
       });
 }
 

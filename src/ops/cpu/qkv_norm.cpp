@@ -68,14 +68,14 @@ void check_saved(const QkNormSaved& saved, const QkvShape& sh, QkNormType type, 
 QkvShape check_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
                     const Tensor& k, const Tensor& v, const QkNormSaved& saved,
                     int64_t num_query_groups, const QkNorm& norm, bool apply_rope,
-                    float rotary_base) {
+                    float rotary_base, int64_t rotary_dim) {
   const std::string g(grad);
   check_f32(packed, op, (g + "qkv").c_str());
   check_f32(q, op, (g + "q").c_str());
   check_f32(k, op, (g + "k").c_str());
   check_f32(v, op, (g + "v").c_str());
   const QkvShape sh = check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope,
-                                      rotary_base);
+                                      rotary_base, rotary_dim);
   check_norm(norm, sh.head_dim, op);
   check_saved(saved, sh, norm.type, op);
   return sh;
@@ -174,11 +174,12 @@ void for_each_head(const QkvShape& sh, Visit&& visit) {
 
 const float* f32_or_null(const Tensor& t) { return t.defined() ? t.f32() : nullptr; }
 
-// The tokens' cos/sin rows (position s, or position_ids[t]); empty without RoPE.
+// The tokens' cos/sin rows (position s, or position_ids[t]; sh.rotary_dim / 2 frequencies
+// over the rotary dim); empty without RoPE.
 cpu::RopeRows rope_rows(const QkvShape& sh, bool apply_rope, float rotary_base,
                         const Tensor& position_ids) {
   if (!apply_rope) return {};
-  return cpu::rope_rows(cpu::rope_inv_freq(sh.head_dim, rotary_base), sh.seq, sh.tokens(),
+  return cpu::rope_rows(cpu::rope_inv_freq(sh.rotary_dim, rotary_base), sh.seq, sh.tokens(),
                         position_ids.defined() ? position_ids.i32() : nullptr);
 }
 
@@ -186,13 +187,14 @@ cpu::RopeRows rope_rows(const QkvShape& sh, bool apply_rope, float rotary_base,
 
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
-                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids) {
+                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids,
+                         int64_t rotary_dim) {
   MEGATON_CUDA_DISPATCH(
       qkv, cuda::qkv_split_norm_rope(qkv, batch, num_query_groups, norm, apply_rope, rotary_base, q,
-                                     k, v, saved, position_ids));
+                                     k, v, saved, position_ids, rotary_dim));
   const char* op = "qkv_split_norm_rope";
-  const QkvShape sh =
-      check_args(op, "", qkv, q, k, v, saved, num_query_groups, norm, apply_rope, rotary_base);
+  const QkvShape sh = check_args(op, "", qkv, q, k, v, saved, num_query_groups, norm, apply_rope,
+                                 rotary_base, rotary_dim);
   check_position_ids(op, position_ids, sh.tokens(), Device::CPU);
   MEGATON_CHECK(batch == sh.batch, "{}: batch {} does not match q {}", op, batch,
                 shape_str(q.shape()));
@@ -224,20 +226,21 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
     norm_row_forward(x, weight[p], bias[p], norm.eps, y, mean[p] ? mean[p] + row : nullptr,
                      rstd[p] + row, D);
     cpu::rope_move_head(y, out[p] + h.separate, D, apply_rope ? rope.cos_at(t) : nullptr,
-                        apply_rope ? rope.sin_at(t) : nullptr, 1.0f);
+                        apply_rope ? rope.sin_at(t) : nullptr, 1.0f, sh.rotary_dim);
   });
 }
 
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
-                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids) {
+                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids,
+                                 int64_t rotary_dim) {
   MEGATON_CUDA_DISPATCH(
       dq, cuda::qkv_pack_norm_rope_backward(dq, dk, dv, saved, num_query_groups, norm, apply_rope,
-                                            rotary_base, dqkv, grads, position_ids));
+                                            rotary_base, dqkv, grads, position_ids, rotary_dim));
   const char* op = "qkv_pack_norm_rope_backward";
-  const QkvShape sh =
-      check_args(op, "d", dqkv, dq, dk, dv, saved, num_query_groups, norm, apply_rope, rotary_base);
+  const QkvShape sh = check_args(op, "d", dqkv, dq, dk, dv, saved, num_query_groups, norm,
+                                 apply_rope, rotary_base, rotary_dim);
   check_position_ids(op, position_ids, sh.tokens(), Device::CPU);
   const int64_t D = sh.head_dim;
   const bool layernorm = norm.type == QkNormType::LayerNorm;
@@ -264,7 +267,7 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
     for_each_head(sh, [&](int64_t t, const Head& h, float*) {
       if (h.part == 2) return;
       cpu::rope_move_head(dy[h.part] + h.separate, rows[h.part] + h.separate, D, rope.cos_at(t),
-                          rope.sin_at(t), -1.0f);
+                          rope.sin_at(t), -1.0f, sh.rotary_dim);
     });
     dy[0] = dq_rows.data();
     dy[1] = dk_rows.data();

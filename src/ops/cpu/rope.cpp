@@ -5,6 +5,7 @@
 #include "ops/dispatch.h"
 #include "ops/ops.h"
 #include "ops/cpu/rope_tables.h"
+#include "ops/rope_dim.h"
 
 namespace megaton::ops {
 namespace {
@@ -13,8 +14,9 @@ namespace {
 // costs more than the work (and much more on a loaded machine).
 constexpr int64_t kParallelMin = int64_t(1) << 15;
 
-void check_rope_args(const Tensor& x, const Tensor& y, const char* x_name, const char* y_name,
-                     float base, int64_t position_offset) {
+// Returns the rotary dim (rotary_dim, or the whole head for 0).
+int64_t check_rope_args(const Tensor& x, const Tensor& y, const char* x_name, const char* y_name,
+                        float base, int64_t position_offset, int64_t rotary_dim) {
   MEGATON_CHECK(x.defined() && y.defined(), "rope: {} and {} must be allocated", x_name, y_name);
   MEGATON_CHECK(x.device() == Device::CPU && y.device() == Device::CPU,
                 "rope: only the CPU backend is built");
@@ -25,18 +27,21 @@ void check_rope_args(const Tensor& x, const Tensor& y, const char* x_name, const
                 shape_str(x.shape()));
   MEGATON_CHECK(y.shape() == x.shape(), "rope: {} {} must match {} {}", y_name,
                 shape_str(y.shape()), x_name, shape_str(x.shape()));
-  MEGATON_CHECK(x.dim(3) % 2 == 0, "rope: head dim {} must be even", x.dim(3));
   MEGATON_CHECK(base > 0.0f, "rope: base {} must be positive", base);
   MEGATON_CHECK(position_offset >= 0, "rope: position_offset {} must be >= 0", position_offset);
+  return checked_rotary_dim("rope", rotary_dim, x.dim(3));
 }
 
-// y = rotate(x, sign * angle): sign = +1 forward, -1 backward (the transpose of a
-// rotation is the rotation by the opposite angle). Safe when y aliases x: each pair is
-// read completely before it is written.
-void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset, float sign) {
-  const int64_t B = x.dim(0), S = x.dim(1), heads = x.dim(2), D = x.dim(3), half = D / 2;
+// y = rotate(x, sign * angle) on the first R = rotary_dim channels of each head, the
+// channels [R, D) copied: sign = +1 forward, -1 backward (the transpose of a rotation is
+// the rotation by the opposite angle). Safe when y aliases x: each pair is read completely
+// before it is written.
+void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset, float sign,
+                int64_t rotary_dim) {
+  const int64_t B = x.dim(0), S = x.dim(1), heads = x.dim(2), D = x.dim(3);
+  const int64_t half = rotary_dim / 2;
   std::vector<float> cos_table, sin_table;
-  cpu::rope_tables(S, D, base, position_offset, cos_table, sin_table);
+  cpu::rope_tables(S, rotary_dim, base, position_offset, cos_table, sin_table);
   const float* src = x.f32();
   float* dst = y.f32();
 #pragma omp parallel for collapse(2) schedule(static) if (x.numel() >= kParallelMin)
@@ -54,6 +59,8 @@ void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset,
           out[i] = x1 * c[i] - x2 * si;
           out[i + half] = x2 * c[i] + x1 * si;
         }
+        if (out != in)
+          for (int64_t i = rotary_dim; i < D; ++i) out[i] = in[i];
       }
     }
   }
@@ -61,16 +68,18 @@ void rope_apply(const Tensor& x, Tensor& y, float base, int64_t position_offset,
 
 }  // namespace
 
-void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset) {
-  MEGATON_CUDA_DISPATCH(x, cuda::rope_forward(x, y, base, position_offset));
-  check_rope_args(x, y, "x", "y", base, position_offset);
-  rope_apply(x, y, base, position_offset, 1.0f);
+void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset,
+                  int64_t rotary_dim) {
+  MEGATON_CUDA_DISPATCH(x, cuda::rope_forward(x, y, base, position_offset, rotary_dim));
+  const int64_t r = check_rope_args(x, y, "x", "y", base, position_offset, rotary_dim);
+  rope_apply(x, y, base, position_offset, 1.0f, r);
 }
 
-void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset) {
-  MEGATON_CUDA_DISPATCH(dy, cuda::rope_backward(dy, dx, base, position_offset));
-  check_rope_args(dy, dx, "dy", "dx", base, position_offset);
-  rope_apply(dy, dx, base, position_offset, -1.0f);
+void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset,
+                   int64_t rotary_dim) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::rope_backward(dy, dx, base, position_offset, rotary_dim));
+  const int64_t r = check_rope_args(dy, dx, "dy", "dx", base, position_offset, rotary_dim);
+  rope_apply(dy, dx, base, position_offset, -1.0f, r);
 }
 
 }  // namespace megaton::ops

@@ -28,7 +28,8 @@ inline void rope_tables_from_inv_freq(int64_t S, const std::vector<float>& inv_f
 }
 
 // RoPE's frequencies computed as HF Llama (LlamaRotaryEmbedding) and Megatron
-// (RotaryEmbedding) do in fp32: inv_freq_i = 1 / base^(float(2i) / D), i < D / 2.
+// (RotaryEmbedding) do in fp32: inv_freq_i = 1 / base^(float(2i) / D), i < D / 2. With
+// partial RoPE D is the rotary dim (Megatron: int(kv_channels * rotary_percent)).
 inline std::vector<float> rope_inv_freq(int64_t D, float base) {
   const int64_t half = D / 2;
   std::vector<float> inv_freq(half);
@@ -83,22 +84,26 @@ inline RopeRows rope_rows(const std::vector<float>& inv_freq, int64_t seq, int64
   return r;
 }
 
-// One head of D values rotated by sign * angle (rope.cpp's rope_apply: sign +1 forward,
-// -1 backward) with one position's cos_s / sin_s [D / 2], or copied when cos_s is null:
-// the fused QKV ops' per-head move (qkv.cpp, qkv_norm.cpp).
+// One head of D values with its first rotary_dim channels rotated by sign * angle
+// (rope.cpp's rope_apply: sign +1 forward, -1 backward; pairs (i, i + rotary_dim / 2)) with
+// one position's cos_s / sin_s [rotary_dim / 2] and the channels [rotary_dim, D) copied
+// (partial RoPE, Megatron's --rotary-percent); the whole head copied when cos_s is null:
+// the fused QKV ops' per-head move (qkv.cpp, qkv_norm.cpp). rotary_dim even, <= D.
 inline void rope_move_head(const float* in, float* out, int64_t D, const float* cos_s,
-                           const float* sin_s, float sign) {
+                           const float* sin_s, float sign, int64_t rotary_dim) {
   if (!cos_s) {
     std::memcpy(out, in, D * sizeof(float));
     return;
   }
-  const int64_t half = D / 2;
+  const int64_t half = rotary_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
     float x1 = in[i], x2 = in[i + half];
     float si = sign * sin_s[i];
     out[i] = x1 * cos_s[i] - x2 * si;
     out[i + half] = x2 * cos_s[i] + x1 * si;
   }
+  if (rotary_dim < D)
+    std::memcpy(out + rotary_dim, in + rotary_dim, (D - rotary_dim) * sizeof(float));
 }
 
 }  // namespace megaton::ops::cpu

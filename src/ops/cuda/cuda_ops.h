@@ -82,21 +82,26 @@ void dropout_forward(const Tensor& x, Tensor& y, float p, uint64_t seed, uint64_
 void dropout_backward(const Tensor& dy, Tensor& dx, float p, uint64_t seed, uint64_t stream);
 void bias_dropout_add(const Tensor& x, const Tensor& bias, const Tensor& residual, Tensor& out,
                       float p, uint64_t seed, uint64_t stream);
-void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset);
-void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset);
+// rotary_dim (the RoPE ops): the channels rotated, 0 = the whole head (ops.h).
+void rope_forward(const Tensor& x, Tensor& y, float base, int64_t position_offset,
+                  int64_t rotary_dim);
+void rope_backward(const Tensor& dy, Tensor& dx, float base, int64_t position_offset,
+                   int64_t rotary_dim);
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
                     Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
-                    const Tensor& position_ids);
+                    const Tensor& position_ids, int64_t rotary_dim);
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv, const Tensor& position_ids);
+                            Tensor& dqkv, const Tensor& position_ids, int64_t rotary_dim);
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
-                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids);
+                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids,
+                         int64_t rotary_dim);
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
-                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids);
+                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids,
+                                 int64_t rotary_dim);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        Tensor& lse, float dropout_p, uint64_t seed, uint64_t stream,
                        float softmax_scale);

@@ -3,10 +3,11 @@
 //
 // Replaces 3 * num_query_groups strided copies plus two RoPE launches per layer and
 // direction. The numbers are those of ops/cuda/rope.cu (and so of ops/cpu/rope.cpp):
-// inv_freq_i = 1 / base^(float(2i) / D) is computed on the host with the CPU's expression
-// and passed as a kernel argument, angle = float(s) * inv_freq_i is one fp32 multiply
-// without contraction, and cos/sin of that fp32 angle are evaluated in double and rounded
-// once per (token, frequency).
+// inv_freq_i = 1 / base^(float(2i) / R) (R the rotary dim: the head dim, or fewer channels
+// with partial RoPE) is computed on the host with the CPU's expression and passed as a
+// kernel argument, angle = float(s) * inv_freq_i is one fp32 multiply without contraction,
+// and cos/sin of that fp32 angle are evaluated in double and rounded once per (token,
+// frequency).
 
 #include <cuda_bf16.h>
 
@@ -38,11 +39,13 @@ struct InvFreq {
 
 // Sizes of one call: q [B, S, heads, head_dim], k, v [B, S, groups, head_dim], packed
 // [B*S, groups * (heads_per_group + 2) * head_dim]; the tokens' RoPE positions
-// (position_ids [B*S], or s = t % seq when null).
+// (position_ids [B*S], or s = t % seq when null); rotary_dim: the channels of each q and k
+// head RoPE rotates (even, <= head_dim; 0 without RoPE).
 struct QkvDims {
   int64_t seq;
   int heads, groups, heads_per_group, head_dim;
   const int32_t* position_ids;
+  int rotary_dim;
 };
 
 __device__ __forceinline__ int64_t position_of(int64_t t, const QkvDims& dims) {
@@ -112,24 +115,29 @@ __device__ __forceinline__ void move_pairs(const T* in, T* out, int half, const 
 }
 
 // One block per token t = b * S + s (RoPE position s, or position_ids[t]). With RoPE, the token's
-// cos/sin are computed once into shared memory and threads stride over (packed head slot, N
-// frequencies), each moving N values of both halves of a head; without, threads stride over (slot,
-// N values) and copy. The same kernel walks both directions: split reads the packed row and writes
-// q, k, v (sign +1); the backward reads dq, dk, dv and writes the packed row (sign -1, the
+// cos/sin are computed once into shared memory. Threads stride over (packed head slot, chunk):
+// the first half / N chunks of a head (half = rotary_dim / 2) each move N values of both halves
+// of its rotary channels (rotated for q and k, copied for v); the remaining (head_dim -
+// rotary_dim) / N chunks copy N values of the tail [rotary_dim, head_dim) (partial RoPE; all of
+// the head without RoPE). The same kernel walks both directions: split reads the packed row and
+// writes q, k, v (sign +1); the backward reads dq, dk, dv and writes the packed row (sign -1, the
 // transpose of a rotation).
 template <typename T, int N, bool kPack>
 __global__ void qkv_kernel(const T* packed_in, T* packed_out, QkvParts<const T> parts_in,
-                           QkvParts<T> parts_out, QkvDims dims, bool apply_rope, InvFreq inv_freq) {
+                           QkvParts<T> parts_out, QkvDims dims, InvFreq inv_freq) {
   extern __shared__ float table[];  // cos[half], then sin[half]
   const int64_t t = blockIdx.x;
-  const int half = dims.head_dim / 2;
-  if (apply_rope) fill_rope_table(table, position_of(t, dims), half, inv_freq);
-  const int chunks = (apply_rope ? half : dims.head_dim) / N;
+  const int half = dims.rotary_dim / 2;
+  if (half > 0) fill_rope_table(table, position_of(t, dims), half, inv_freq);
+  const int pair_chunks = half / N;
+  const int chunks = pair_chunks + (dims.head_dim - dims.rotary_dim) / N;
   const int slots = dims.groups * (dims.heads_per_group + 2);
   const int64_t row_start = t * int64_t(slots) * dims.head_dim;
   const float sign = kPack ? -1.0f : 1.0f;
   for (int item = threadIdx.x; item < slots * chunks; item += blockDim.x) {
-    const int slot = item / chunks, i = (item % chunks) * N;
+    const int slot = item / chunks, chunk = item % chunks;
+    const bool pairs = chunk < pair_chunks;
+    const int i = pairs ? chunk * N : dims.rotary_dim + (chunk - pair_chunks) * N;
     const HeadPlace place = place_of(t, slot, dims);
     const T* in;
     T* out;
@@ -140,7 +148,7 @@ __global__ void qkv_kernel(const T* packed_in, T* packed_out, QkvParts<const T> 
       in = packed_in + row_start + int64_t(slot) * dims.head_dim + i;
       out = part_pointer(parts_out, place.part) + place.offset + i;
     }
-    if (apply_rope) {
+    if (pairs) {
       const bool rotate = place.part != 2;  // v is never rotated
       move_pairs<T, N>(in, out, half, table + i, table + half + i, rotate, sign);
     } else {
@@ -152,7 +160,7 @@ __global__ void qkv_kernel(const T* packed_in, T* packed_out, QkvParts<const T> 
 // Door checks shared by both directions; `grad` prefixes the names in messages ("" or "d").
 QkvDims check_qkv_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
                        const Tensor& k, const Tensor& v, int64_t num_query_groups, bool apply_rope,
-                       float rotary_base, const Tensor& position_ids) {
+                       float rotary_base, const Tensor& position_ids, int64_t rotary_dim) {
   const std::string q_name = std::string(grad) + "q", k_name = std::string(grad) + "k",
                     v_name = std::string(grad) + "v", qkv_name = std::string(grad) + "qkv";
   detail::check_float(q, op, q_name.c_str());
@@ -162,54 +170,55 @@ QkvDims check_qkv_args(const char* op, const char* grad, const Tensor& packed, c
   detail::check_same_dtype(k, q, op, k_name.c_str(), q_name.c_str());
   detail::check_same_dtype(v, q, op, v_name.c_str(), q_name.c_str());
   detail::check_same_dtype(packed, q, op, qkv_name.c_str(), q_name.c_str());
-  const QkvShape sh =
-      check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope, rotary_base);
+  const QkvShape sh = check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope,
+                                      rotary_base, rotary_dim);
   MEGATON_CHECK(sh.row() <= INT32_MAX, "{}: {} values per token exceed int32", op, sh.row());
   MEGATON_CHECK(sh.tokens() <= INT32_MAX, "{}: B * S {} exceeds the grid limit", op, sh.tokens());
-  if (apply_rope)
-    MEGATON_CHECK(sh.head_dim / 2 <= kMaxHalfDim, "{}: head dim {} exceeds the {} supported with RoPE",
-                  op, sh.head_dim, 2 * kMaxHalfDim);
+  MEGATON_CHECK(sh.rotary_dim / 2 <= kMaxHalfDim,
+                "{}: rotary dim {} exceeds the {} supported with RoPE", op, sh.rotary_dim,
+                2 * kMaxHalfDim);
   check_position_ids(op, position_ids, sh.tokens(), Device::CUDA);
-  return QkvDims{sh.seq,           int(sh.heads),
-                 int(sh.groups),   int(sh.heads_per_group()),
-                 int(sh.head_dim), position_ids.defined() ? position_ids.i32() : nullptr};
+  return QkvDims{sh.seq,
+                 int(sh.heads),
+                 int(sh.groups),
+                 int(sh.heads_per_group()),
+                 int(sh.head_dim),
+                 position_ids.defined() ? position_ids.i32() : nullptr,
+                 int(sh.rotary_dim)};
 }
 
 // Launches qkv_kernel<T, N, kPack> with N = 16 bytes of T when every access can be an
 // aligned 16-byte pack, else one value (or pair) per item.
 template <typename T, bool kPack>
 void launch(const T* packed_in, T* packed_out, QkvParts<const T> parts_in, QkvParts<T> parts_out,
-            const QkvDims& dims, int64_t tokens, bool apply_rope, float rotary_base) {
-  const int D = dims.head_dim, half = D / 2;
+            const QkvDims& dims, int64_t tokens, float rotary_base) {
+  const int D = dims.head_dim, R = dims.rotary_dim, half = R / 2;
   InvFreq inv_freq{};
-  if (apply_rope) {
-    for (int i = 0; i < half; ++i) {
-      // Exactly ops/cpu/rope.cpp's rope_tables.
-      float exponent = float(2 * i) / float(D);
-      inv_freq.value[i] = 1.0f / std::pow(rotary_base, exponent);
-    }
+  for (int i = 0; i < half; ++i) {
+    // Exactly ops/cpu/rope_tables.h's rope_inv_freq over the rotary dim.
+    float exponent = float(2 * i) / float(R);
+    inv_freq.value[i] = 1.0f / std::pow(rotary_base, exponent);
   }
   constexpr int kWide = detail::kPackElems<T>;
-  // Every access starts at a multiple of the span each item walks (half with RoPE, else
-  // D) plus i, a multiple of N, elements from a base pointer: aligned bases and
-  // span % N == 0 make every pack aligned.
-  const int span = apply_rope ? half : D;
-  const bool wide = span % kWide == 0 &&
+  // Every access starts at a multiple of D (a head) plus i: a multiple of N below half,
+  // i + half for a pair's second value, R + a multiple of N in the tail. Aligned bases,
+  // half % N == 0 and (D - R) % N == 0 (so D % N == 0 too) make every pack aligned.
+  const bool wide = half % kWide == 0 && (D - R) % kWide == 0 &&
                     detail::pack_aligned<kWide>(packed_in ? packed_in : packed_out) &&
                     detail::pack_aligned<kWide>(parts_in.q ? parts_in.q : parts_out.q) &&
                     detail::pack_aligned<kWide>(parts_in.k ? parts_in.k : parts_out.k) &&
                     detail::pack_aligned<kWide>(parts_in.v ? parts_in.v : parts_out.v);
   const int64_t slots = int64_t(dims.groups) * (dims.heads_per_group + 2);
-  const int64_t items = slots * span / (wide ? kWide : 1);
+  const int64_t items = slots * (half + D - R) / (wide ? kWide : 1);
   const int threads = int(std::min<int64_t>(kMaxThreads, (items + 31) / 32 * 32));
-  const size_t shared_bytes = apply_rope ? 2 * size_t(half) * sizeof(float) : 0;
+  const size_t shared_bytes = 2 * size_t(half) * sizeof(float);
   cudaStream_t stream = detail::compute_stream();
   if (wide) {
     qkv_kernel<T, kWide, kPack><<<unsigned(tokens), threads, shared_bytes, stream>>>(
-        packed_in, packed_out, parts_in, parts_out, dims, apply_rope, inv_freq);
+        packed_in, packed_out, parts_in, parts_out, dims, inv_freq);
   } else {
     qkv_kernel<T, 1, kPack><<<unsigned(tokens), threads, shared_bytes, stream>>>(
-        packed_in, packed_out, parts_in, parts_out, dims, apply_rope, inv_freq);
+        packed_in, packed_out, parts_in, parts_out, dims, inv_freq);
   }
   MEGATON_CUDA_CHECK_LAUNCH();
 }
@@ -227,30 +236,30 @@ T* typed(const Tensor& t) {
 
 void qkv_split_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups, Tensor& q,
                     Tensor& k, Tensor& v, bool apply_rope, float rotary_base,
-                    const Tensor& position_ids) {
+                    const Tensor& position_ids, int64_t rotary_dim) {
   const QkvDims dims = check_qkv_args("cuda qkv_split_rope", "", qkv, q, k, v, num_query_groups,
-                                      apply_rope, rotary_base, position_ids);
+                                      apply_rope, rotary_base, position_ids, rotary_dim);
   MEGATON_CHECK(batch == q.dim(0), "cuda qkv_split_rope: batch {} does not match q {}", batch,
                 shape_str(q.shape()));
   if (qkv.numel() == 0) return;
   detail::dispatch_float(qkv.dtype(), [&](auto zero) {
     using T = decltype(zero);
     launch<T, false>(typed<T>(qkv), nullptr, {nullptr, nullptr, nullptr},
-                     {typed<T>(q), typed<T>(k), typed<T>(v)}, dims, qkv.dim(0), apply_rope,
-                     rotary_base);
+                     {typed<T>(q), typed<T>(k), typed<T>(v)}, dims, qkv.dim(0), rotary_base);
   });
 }
 
 void qkv_pack_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                             int64_t num_query_groups, bool apply_rope, float rotary_base,
-                            Tensor& dqkv, const Tensor& position_ids) {
-  const QkvDims dims = check_qkv_args("cuda qkv_pack_rope_backward", "d", dqkv, dq, dk, dv,
-                                      num_query_groups, apply_rope, rotary_base, position_ids);
+                            Tensor& dqkv, const Tensor& position_ids, int64_t rotary_dim) {
+  const QkvDims dims =
+      check_qkv_args("cuda qkv_pack_rope_backward", "d", dqkv, dq, dk, dv, num_query_groups,
+                     apply_rope, rotary_base, position_ids, rotary_dim);
   if (dqkv.numel() == 0) return;
   detail::dispatch_float(dqkv.dtype(), [&](auto zero) {
     using T = decltype(zero);
     launch<T, true>(nullptr, typed<T>(dqkv), {typed<T>(dq), typed<T>(dk), typed<T>(dv)},
-                    {nullptr, nullptr, nullptr}, dims, dqkv.dim(0), apply_rope, rotary_base);
+                    {nullptr, nullptr, nullptr}, dims, dqkv.dim(0), rotary_base);
   });
 }
 

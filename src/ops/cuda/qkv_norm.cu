@@ -6,20 +6,23 @@
 // weight-gradient reductions) and the two RoPE launches of the unfused path: one kernel
 // forward; one kernel plus a small reduction kernel backward.
 //
-// Work split: one warp per head (a row of d <= 512 values). Lane l holds the values
-// i = l + 32 m (m < K) of the head's first ceil(d/2) and their partners i + ceil(d/2), so
-// that the RoPE pair (i, i + d/2) sits in one lane (d even with RoPE) and the row's sums
-// are one warp reduction. The forward runs one block per token; the backward one block
-// per chunk of consecutive tokens, whose warps keep per-lane weight-gradient sums in
-// registers, combine them in the block in warp order and write one partial row per chunk;
-// a second kernel adds the chunks in order. The chunks and the warps' heads depend on the
-// shape only and nothing is atomic: repeated runs give the same bits.
+// Work split: one warp per head (a row of d <= 512 values). Lane l holds the value pairs
+// i = l + 32 m (m < K) of rope_table.cuh's head_channels: the RoPE pair (i, i + R/2) of the
+// first R (rotary dim, even) channels for i < R/2, two channels of the unrotated tail
+// [R, d) otherwise (R = d: the pairs (i, i + d/2); no RoPE: (i, i + ceil(d/2))), so that a
+// RoPE pair sits in one lane and the row's sums are one warp reduction. The forward runs
+// one block per token; the backward one block per chunk of consecutive tokens, whose warps
+// keep per-lane weight-gradient sums in registers, combine them in the block in warp order
+// and write one partial row per chunk; a second kernel adds the chunks in order. The
+// chunks and the warps' heads depend on the shape only and nothing is atomic: repeated
+// runs give the same bits.
 //
-// RoPE's numbers are those of ops/cuda/qkv.cu (and so of ops/cpu/rope.cpp): inv_freq from
-// the host with the CPU's expression, angle = float(s) * inv_freq without contraction (s
-// the token's position: within its sequence, or position_ids[t] for packed sequences),
-// cos/sin of it in double rounded once. The norms' are those of ops/cuda/norm.cu: sums in
-// fp32, 1 / sqrtf(mean + eps), LayerNorm's variance from a second pass over the values.
+// RoPE's numbers are those of ops/cuda/qkv.cu (and so of ops/cpu/rope.cpp): inv_freq over
+// the rotary dim from the host with the CPU's expression, angle = float(s) * inv_freq
+// without contraction (s the token's position: within its sequence, or position_ids[t] for
+// packed sequences), cos/sin of it in double rounded once. The norms' are those of
+// ops/cuda/norm.cu: sums in fp32, 1 / sqrtf(mean + eps), LayerNorm's variance from a second
+// pass over the values.
 
 #include <algorithm>
 #include <cmath>
@@ -33,6 +36,7 @@
 #include "ops/cuda/cuda_ops.h"
 #include "ops/qkv_checks.h"
 #include "ops/cuda/pointwise_util.cuh"
+#include "ops/cuda/rope_table.cuh"
 #include "ops/norm_checks.h"
 #include "ops/ops.h"
 
@@ -41,28 +45,29 @@ namespace {
 
 using detail::compute_stream;
 using detail::from_float;
+using detail::HeadChannels;
+using detail::head_channels;
 using detail::to_float;
 using detail::warp_sum;
 
 constexpr int kMaxHeadDim = 512;
-constexpr int kMaxHalfDim = kMaxHeadDim / 2;
 constexpr int kMaxWarps = 8;
 // Backward: at most this many token chunks (partial rows of the weight gradients).
 constexpr int64_t kMaxChunks = 1024;
 // The finalize kernel's block: 32 columns x kFinalizeRows chunk strides.
 constexpr int kFinalizeRows = 8;
 
-struct InvFreq {
-  float value[kMaxHalfDim];
-};
+using InvFreq = detail::RopeInvFreq;  // kMaxHeadDim / 2 frequencies
 
 // Sizes of one call: q [B, S, heads, head_dim], k, v [B, S, groups, head_dim], packed
 // [tokens, slots * head_dim], slots = groups * (heads_per_group + 2).
-// position_ids [tokens]: the tokens' RoPE positions (null: s = t % seq).
+// position_ids [tokens]: the tokens' RoPE positions (null: s = t % seq). rotary_dim: the
+// channels of each q and k head RoPE rotates (even, <= head_dim; 0 without RoPE).
 struct QkvDims {
   int64_t tokens, seq;
   int heads, groups, heads_per_group, head_dim;
   const int32_t* position_ids;
+  int rotary_dim;
   __host__ __device__ int slots() const { return groups * (heads_per_group + 2); }
   __device__ int64_t position(int64_t t) const {
     return position_ids ? int64_t(position_ids[t]) : t % seq;
@@ -99,15 +104,10 @@ __device__ __forceinline__ HeadPlace place_of(int64_t t, int slot, const QkvDims
   return {r == dims.heads_per_group ? 1 : 2, (t * dims.groups + g) * D};
 }
 
-// qkv.cu's fill_rope_table: table[0, half) = cos, table[half, 2 half) = sin of position
-// s's angles. Ends with a barrier: every thread of the block must call it.
+// rope_table.cuh's fill_rope_table at position s: table[0, half) = cos, table[half,
+// 2 half) = sin. Ends with a barrier: every thread of the block must call it.
 __device__ void fill_rope_table(float* table, int64_t s, int half, const InvFreq& inv_freq) {
-  const float pos = float(s);
-  for (int i = threadIdx.x; i < half; i += blockDim.x) {
-    const float angle = __fmul_rn(pos, inv_freq.value[i]);
-    table[i] = float(cos(double(angle)));
-    table[half + i] = float(sin(double(angle)));
-  }
+  detail::fill_rope_table(table, float(s), half, inv_freq);
   __syncthreads();
 }
 
@@ -147,19 +147,18 @@ struct ForwardArgs {
 };
 
 // One block per token; warp w handles the token's packed heads w, w + warps, ...
-// Query / key heads: copy to q_input / k_input, normalize, rotate (apply_rope), store;
-// value heads: copy.
+// Query / key heads: copy to q_input / k_input, normalize, rotate the first rotary_dim
+// channels (none without RoPE), store; value heads: copy.
 template <typename T, int K, bool kLayerNorm>
 __global__ void __launch_bounds__(kMaxWarps * 32)
-    qkv_norm_forward_kernel(ForwardArgs<T> a, QkvDims dims, NormParams params, bool apply_rope,
-                            InvFreq inv_freq) {
+    qkv_norm_forward_kernel(ForwardArgs<T> a, QkvDims dims, NormParams params, InvFreq inv_freq) {
   extern __shared__ float shared[];
-  const int D = dims.head_dim, first = (D + 1) / 2, half = D / 2;
+  const int D = dims.head_dim, R = dims.rotary_dim, half = R / 2;
   float* param = shared;  // q_weight, k_weight, q_bias, k_bias: [4][D]
   float* table = shared + 4 * D;
   load_params(param, params, params.has_bias ? 4 : 2, D);
   const int64_t t = blockIdx.x;
-  if (apply_rope)
+  if (half > 0)
     fill_rope_table(table, dims.position(t), half, inv_freq);
   else
     __syncthreads();
@@ -186,16 +185,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     float sum = 0.0f;
 #pragma unroll
     for (int m = 0; m < K; ++m) {
-      const int i = lane + 32 * m;
+      const HeadChannels ch = head_channels(lane + 32 * m, D, R);
       x1[m] = x2[m] = 0.0f;
-      if (i < first) {
-        const T v1 = src[i];
-        input[i] = v1;
+      if (ch.has_a) {
+        const T v1 = src[ch.a];
+        input[ch.a] = v1;
         x1[m] = to_float(v1);
       }
-      if (i + first < D) {
-        const T v2 = src[i + first];
-        input[i + first] = v2;
+      if (ch.has_b) {
+        const T v2 = src[ch.b];
+        input[ch.b] = v2;
         x2[m] = to_float(v2);
       }
       sum += x1[m] + x2[m];
@@ -205,8 +204,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     float ss = 0.0f;
 #pragma unroll
     for (int m = 0; m < K; ++m) {
-      const int i = lane + 32 * m;
-      const float d1 = i < first ? x1[m] - mu : 0.0f, d2 = i + first < D ? x2[m] - mu : 0.0f;
+      const HeadChannels ch = head_channels(lane + 32 * m, D, R);
+      const float d1 = ch.has_a ? x1[m] - mu : 0.0f, d2 = ch.has_b ? x2[m] - mu : 0.0f;
       ss += d1 * d1 + d2 * d2;
     }
     const float r = 1.0f / sqrtf(warp_sum(ss) * inv_d + params.eps);
@@ -214,21 +213,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 #pragma unroll
     for (int m = 0; m < K; ++m) {
       const int i = lane + 32 * m;
-      const bool has1 = i < first, has2 = i + first < D;
-      float y1 = has1 ? (x1[m] - mu) * r * w[i] : 0.0f;
-      float y2 = has2 ? (x2[m] - mu) * r * w[i + first] : 0.0f;
+      const HeadChannels ch = head_channels(i, D, R);
+      float y1 = ch.has_a ? (x1[m] - mu) * r * w[ch.a] : 0.0f;
+      float y2 = ch.has_b ? (x2[m] - mu) * r * w[ch.b] : 0.0f;
       if (params.has_bias) {
-        if (has1) y1 += b[i];
-        if (has2) y2 += b[i + first];
+        if (ch.has_a) y1 += b[ch.a];
+        if (ch.has_b) y2 += b[ch.b];
       }
-      if (apply_rope && i < half) {  // D even: the partner is i + half
+      if (ch.rotated) {  // the pair (i, i + half)
         const float c = table[i], sn = table[half + i];
         const float o1 = y1 * c - y2 * sn, o2 = y2 * c + y1 * sn;
         y1 = o1;
         y2 = o2;
       }
-      if (has1) out[i] = from_float<T>(y1);
-      if (has2) out[i + first] = from_float<T>(y2);
+      if (ch.has_a) out[ch.a] = from_float<T>(y1);
+      if (ch.has_b) out[ch.b] = from_float<T>(y2);
     }
     if (lane == 0) {
       const int64_t norm_row = place.offset / D;
@@ -265,10 +264,9 @@ struct BackwardArgs {
 // of its columns into the q or k sums; at the end the block writes its partial rows.
 template <typename T, int K, bool kLayerNorm>
 __global__ void __launch_bounds__(kMaxWarps * 32)
-    qkv_norm_backward_kernel(BackwardArgs<T> a, QkvDims dims, NormParams params, bool apply_rope,
-                             InvFreq inv_freq) {
+    qkv_norm_backward_kernel(BackwardArgs<T> a, QkvDims dims, NormParams params, InvFreq inv_freq) {
   extern __shared__ float shared[];
-  const int D = dims.head_dim, first = (D + 1) / 2, half = D / 2;
+  const int D = dims.head_dim, R = dims.rotary_dim, half = R / 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   float* param = shared;  // q_weight, k_weight: [2][D]
   float* table = shared + 2 * D;
@@ -283,7 +281,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   const int64_t t_begin = int64_t(blockIdx.x) * a.tokens_per_chunk;
   const int64_t t_end = std::min(dims.tokens, t_begin + a.tokens_per_chunk);
   for (int64_t t = t_begin; t < t_end; ++t) {
-    if (apply_rope) fill_rope_table(table, dims.position(t), half, inv_freq);
+    if (half > 0) fill_rope_table(table, dims.position(t), half, inv_freq);
     T* row = a.dqkv + t * int64_t(slots) * D;
     for (int slot = warp; slot < slots; slot += warps) {
       const HeadPlace place = place_of(t, slot, dims);
@@ -306,9 +304,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 #pragma unroll
       for (int m = 0; m < K; ++m) {
         const int i = lane + 32 * m;
-        const bool has1 = i < first, has2 = i + first < D;
-        float d1 = has1 ? to_float(dy[i]) : 0.0f, d2 = has2 ? to_float(dy[i + first]) : 0.0f;
-        if (apply_rope && i < half) {  // the inverse rotation: by -angle
+        const HeadChannels ch = head_channels(i, D, R);
+        float d1 = ch.has_a ? to_float(dy[ch.a]) : 0.0f, d2 = ch.has_b ? to_float(dy[ch.b]) : 0.0f;
+        if (ch.rotated) {  // the inverse rotation: by -angle
           const float c = table[i], sn = -table[half + i];
           const float o1 = d1 * c - d2 * sn, o2 = d2 * c + d1 * sn;
           d1 = o1;
@@ -316,9 +314,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
         }
         u1[m] = d1;
         u2[m] = d2;
-        xhat1[m] = has1 ? (to_float(x[i]) - mu) * r : 0.0f;
-        xhat2[m] = has2 ? (to_float(x[i + first]) - mu) * r : 0.0f;
-        const float g1 = has1 ? d1 * w[i] : 0.0f, g2 = has2 ? d2 * w[i + first] : 0.0f;
+        xhat1[m] = ch.has_a ? (to_float(x[ch.a]) - mu) * r : 0.0f;
+        xhat2[m] = ch.has_b ? (to_float(x[ch.b]) - mu) * r : 0.0f;
+        const float g1 = ch.has_a ? d1 * w[ch.a] : 0.0f, g2 = ch.has_b ? d2 * w[ch.b] : 0.0f;
         g_sum += g1 + g2;
         gx_sum += g1 * xhat1[m] + g2 * xhat2[m];
       }
@@ -326,10 +324,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
       const float gx_mean = warp_sum(gx_sum) * inv_d;
 #pragma unroll
       for (int m = 0; m < K; ++m) {
-        const int i = lane + 32 * m;
-        if (i < first) dst[i] = from_float<T>(r * (u1[m] * w[i] - g_mean - xhat1[m] * gx_mean));
-        if (i + first < D)
-          dst[i + first] = from_float<T>(r * (u2[m] * w[i + first] - g_mean - xhat2[m] * gx_mean));
+        const HeadChannels ch = head_channels(lane + 32 * m, D, R);
+        if (ch.has_a)
+          dst[ch.a] = from_float<T>(r * (u1[m] * w[ch.a] - g_mean - xhat1[m] * gx_mean));
+        if (ch.has_b)
+          dst[ch.b] = from_float<T>(r * (u2[m] * w[ch.b] - g_mean - xhat2[m] * gx_mean));
         // Lanes past the row hold u = 0: they add nothing.
         if (is_q) {
           wq1[m] += u1[m] * xhat1[m];
@@ -353,9 +352,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
     float* mine = reduce + warp * D;
 #pragma unroll
     for (int m = 0; m < K; ++m) {
-      const int i = lane + 32 * m;
-      if (i < first) mine[i] = c1[m];
-      if (i + first < D) mine[i + first] = c2[m];
+      const HeadChannels ch = head_channels(lane + 32 * m, D, R);
+      if (ch.has_a) mine[ch.a] = c1[m];
+      if (ch.has_b) mine[ch.b] = c2[m];
     }
     __syncthreads();
     float* out = a.partial + (int64_t(blockIdx.x) * accumulators + acc) * D;
@@ -426,7 +425,7 @@ void check_norm(const QkNorm& norm, int64_t D, const char* op) {
 QkvDims check_args(const char* op, const char* grad, const Tensor& packed, const Tensor& q,
                    const Tensor& k, const Tensor& v, const QkNormSaved& saved,
                    int64_t num_query_groups, const QkNorm& norm, bool apply_rope, float rotary_base,
-                   const Tensor& position_ids) {
+                   const Tensor& position_ids, int64_t rotary_dim) {
   const std::string g(grad);
   const std::string q_name = g + "q", k_name = g + "k", v_name = g + "v", qkv_name = g + "qkv";
   detail::check_float(q, op, q_name.c_str());
@@ -436,8 +435,8 @@ QkvDims check_args(const char* op, const char* grad, const Tensor& packed, const
   detail::check_same_dtype(k, q, op, k_name.c_str(), q_name.c_str());
   detail::check_same_dtype(v, q, op, v_name.c_str(), q_name.c_str());
   detail::check_same_dtype(packed, q, op, qkv_name.c_str(), q_name.c_str());
-  const QkvShape sh =
-      check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope, rotary_base);
+  const QkvShape sh = check_qkv_shapes(op, grad, packed, q, k, v, num_query_groups, apply_rope,
+                                      rotary_base, rotary_dim);
   const int64_t B = sh.batch, S = sh.seq, heads = sh.heads, D = sh.head_dim, groups = sh.groups;
   const Shape kv_shape{B, S, groups, D};
   MEGATON_CHECK(D >= 1 && D <= kMaxHeadDim, "{}: head dim {} outside the supported 1..{}", op, D,
@@ -461,7 +460,8 @@ QkvDims check_args(const char* op, const char* grad, const Tensor& packed, const
   }
   check_position_ids(op, position_ids, B * S, Device::CUDA);
   const int32_t* positions = position_ids.defined() ? position_ids.i32() : nullptr;
-  return QkvDims{B * S, S, int(heads), int(groups), int(heads / groups), int(D), positions};
+  return QkvDims{B * S,  S,         int(heads),        int(groups), int(heads / groups),
+                 int(D), positions, int(sh.rotary_dim)};
 }
 
 // `written` must share memory with none of `read` nor with each other.
@@ -477,14 +477,13 @@ void check_apart(const std::vector<const Tensor*>& written, const std::vector<co
   }
 }
 
-InvFreq inverse_frequencies(int D, bool apply_rope, float rotary_base) {
+// The R / 2 frequencies over the rotary dim R (none for R = 0: no RoPE).
+InvFreq inverse_frequencies(int R, float rotary_base) {
   InvFreq inv_freq{};
-  if (apply_rope) {
-    for (int i = 0; i < D / 2; ++i) {
-      // Exactly ops/cpu/rope_tables.h's expression.
-      float exponent = float(2 * i) / float(D);
-      inv_freq.value[i] = 1.0f / std::pow(rotary_base, exponent);
-    }
+  for (int i = 0; i < R / 2; ++i) {
+    // Exactly ops/cpu/rope_tables.h's rope_inv_freq.
+    float exponent = float(2 * i) / float(R);
+    inv_freq.value[i] = 1.0f / std::pow(rotary_base, exponent);
   }
   return inv_freq;
 }
@@ -501,7 +500,7 @@ NormParams norm_params(const QkNorm& norm) {
 }
 
 // Calls f(std::integral_constant<int, K>) with K = the lane's value pairs for head dim D:
-// the smallest of 1, 2, 4, 8 with 32 K >= ceil(D / 2).
+// the smallest of 1, 2, 4, 8 with 32 K >= ceil(D / 2) (head_channels' slots, any R).
 template <typename F>
 void dispatch_pairs(int D, F&& f) {
   const int first = (D + 1) / 2;
@@ -534,10 +533,11 @@ int warps_for(const QkvDims& dims) { return std::min(kMaxWarps, dims.slots()); }
 
 void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_groups,
                          const QkNorm& norm, bool apply_rope, float rotary_base, Tensor& q,
-                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids) {
+                         Tensor& k, Tensor& v, QkNormSaved& saved, const Tensor& position_ids,
+                         int64_t rotary_dim) {
   const char* op = "cuda qkv_split_norm_rope";
   const QkvDims dims = check_args(op, "", qkv, q, k, v, saved, num_query_groups, norm, apply_rope,
-                                  rotary_base, position_ids);
+                                  rotary_base, position_ids, rotary_dim);
   MEGATON_CHECK(batch == q.dim(0), "{}: batch {} does not match q {}", op, batch,
                 shape_str(q.shape()));
   const bool layernorm = norm.type == QkNormType::LayerNorm;
@@ -547,10 +547,10 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
   check_apart(written, {&qkv}, op);
   if (dims.tokens == 0) return;
 
-  const int D = dims.head_dim;
-  const InvFreq inv_freq = inverse_frequencies(D, apply_rope, rotary_base);
+  const int D = dims.head_dim, R = dims.rotary_dim;
+  const InvFreq inv_freq = inverse_frequencies(R, rotary_base);
   const NormParams params = norm_params(norm);
-  const size_t shared_bytes = (4 * size_t(D) + 2 * size_t(D / 2)) * sizeof(float);
+  const size_t shared_bytes = (4 * size_t(D) + size_t(R)) * sizeof(float);
   const int threads = 32 * warps_for(dims);
   detail::dispatch_float(qkv.dtype(), [&](auto zero) {
     using T = decltype(zero);
@@ -568,7 +568,7 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
       dispatch_layernorm(layernorm, [&](auto ln) {
         qkv_norm_forward_kernel<T, decltype(pairs)::value, decltype(ln)::value>
             <<<unsigned(dims.tokens), threads, shared_bytes, compute_stream()>>>(
-                a, dims, params, apply_rope, inv_freq);
+                a, dims, params, inv_freq);
       });
     });
     MEGATON_CUDA_CHECK_LAUNCH();
@@ -578,10 +578,11 @@ void qkv_split_norm_rope(const Tensor& qkv, int64_t batch, int64_t num_query_gro
 void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                  const QkNormSaved& saved, int64_t num_query_groups,
                                  const QkNorm& norm, bool apply_rope, float rotary_base,
-                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids) {
+                                 Tensor& dqkv, QkNormGrads& grads, const Tensor& position_ids,
+                                 int64_t rotary_dim) {
   const char* op = "cuda qkv_pack_norm_rope_backward";
   const QkvDims dims = check_args(op, "d", dqkv, dq, dk, dv, saved, num_query_groups, norm,
-                                  apply_rope, rotary_base, position_ids);
+                                  apply_rope, rotary_base, position_ids, rotary_dim);
   const int D = dims.head_dim;
   check_f32_shape(grads.q_weight, {D}, op, "grads.q_weight");
   check_f32_shape(grads.k_weight, {D}, op, "grads.k_weight");
@@ -597,7 +598,7 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
   if (dims.tokens == 0) return;
 
   const bool layernorm = norm.type == QkNormType::LayerNorm;
-  const InvFreq inv_freq = inverse_frequencies(D, apply_rope, rotary_base);
+  const InvFreq inv_freq = inverse_frequencies(dims.rotary_dim, rotary_base);
   const NormParams params = norm_params(norm);
   const int warps = warps_for(dims);
   // Chunks of consecutive tokens: a function of the shape only (determinism).
@@ -606,7 +607,7 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
   const int accumulators = bias_grads ? 4 : 2;
   Tensor partial = Tensor::empty({chunks, accumulators, D}, DType::F32, Device::CUDA);
   const size_t shared_bytes =
-      (2 * size_t(D) + 2 * size_t(D / 2) + size_t(warps) * D) * sizeof(float);
+      (2 * size_t(D) + size_t(dims.rotary_dim) + size_t(warps) * D) * sizeof(float);
   detail::dispatch_float(dqkv.dtype(), [&](auto zero) {
     using T = decltype(zero);
     BackwardArgs<T> a{typed<T>(dq),
@@ -626,7 +627,7 @@ void qkv_pack_norm_rope_backward(const Tensor& dq, const Tensor& dk, const Tenso
       dispatch_layernorm(layernorm, [&](auto ln) {
         qkv_norm_backward_kernel<T, decltype(pairs)::value, decltype(ln)::value>
             <<<unsigned(chunks), 32 * warps, shared_bytes, compute_stream()>>>(
-                a, dims, params, apply_rope, inv_freq);
+                a, dims, params, inv_freq);
       });
     });
     MEGATON_CUDA_CHECK_LAUNCH();

@@ -44,13 +44,8 @@ void parse_model(const ArgReader& r, TrainArgs& a) {
   else
     fail("option 'position-embedding-type' must be learned_absolute or rope (got '{}')", pos);
   r.get("rotary-base", m.rotary_base);
-  double rotary_percent = 1.0;
-  r.get("rotary-percent", rotary_percent);
-  if (rotary_percent != 1.0)
-    fail(
-        "rotary-percent {} is not supported in Megaton: RoPE rotates the whole head "
-        "(partial RoPE is not supported)",
-        rotary_percent);
+  // Partial RoPE; GPTConfig::finalize checks it against kv-channels and MLA.
+  r.get("rotary-percent", m.rotary_percent);
   // Multi-latent attention and its RoPE (--rope-type: Megatron's default is yarn for MLA,
   // rope otherwise).
   r.get("multi-latent-attention", m.multi_latent_attention);
@@ -139,7 +134,10 @@ ArgGroup model_flags() {
              "with RoPE: no effect (there is no learned position "
              "embedding); refused without RoPE, as in Megatron"),
       flag("rotary-base", "RoPE base"),
-      flag("rotary-percent", "1.0 only: RoPE rotates the whole head (partial RoPE is not supported)"),
+      flag("rotary-percent",
+           "partial RoPE: rotate the first int(kv-channels x rotary-percent) channels of each "
+           "query/key head (in (0, 1], that count even; default 1; 1 only with "
+           "multi-latent-attention)"),
       flag("rope-type",
            "rope or yarn: multi-latent attention's rotary table (default yarn with "
            "multi-latent-attention, which at rotary-scaling-factor 1 is plain RoPE)"),
