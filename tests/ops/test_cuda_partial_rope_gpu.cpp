@@ -61,7 +61,7 @@ TEST(CudaPartialRope, RopeForwardAndBackwardMatchCpu) {
   SCOPED_TRACE(seed_trace(seed));
   for (const Case& c : kCases) {
     for (DType dtype : kDtypes) {
-      SCOPED_TRACE(c.name() + " " + dtype_name(dtype));
+      SCOPED_TRACE(c.name() + " " + std::string(dtype_name(dtype)));
       const Shape shape{2, 37, 3, c.D};
       const int64_t offset = 4000;
       const Tensor x = rounded_to(randn(shape, seed + c.D + c.R), dtype);
@@ -113,7 +113,8 @@ TEST(CudaPartialRope, QkvSplitRopeAndPackMatchCpu) {
   for (const Case& c : kCases) {
     for (DType dtype : kDtypes) {
       for (bool packed : {false, true}) {
-        SCOPED_TRACE(c.name() + " " + dtype_name(dtype) + (packed ? " position ids" : ""));
+        SCOPED_TRACE(c.name() + " " + std::string(dtype_name(dtype)) +
+                     (packed ? " position ids" : ""));
         const Tensor ids = packed ? positions : Tensor();
         const Tensor ids_d = packed ? positions.to(Device::CUDA) : Tensor();
         const Tolerance tol = tolerance(dtype);
@@ -209,7 +210,7 @@ TEST(CudaPartialRope, QkvSplitNormRopeMatchesCpu) {
       for (ops::QkNormType type : {ops::QkNormType::RMSNorm, ops::QkNormType::LayerNorm}) {
         for (bool packed : {false, true}) {
           const bool layernorm = type == ops::QkNormType::LayerNorm;
-          SCOPED_TRACE(c.name() + " " + dtype_name(dtype) +
+          SCOPED_TRACE(c.name() + " " + std::string(dtype_name(dtype)) +
                        (layernorm ? " LayerNorm" : " RMSNorm") + (packed ? " position ids" : ""));
           const Tensor ids = packed ? positions : Tensor();
           const Tensor ids_d = packed ? positions.to(Device::CUDA) : Tensor();
