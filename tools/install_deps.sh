@@ -8,6 +8,7 @@ packages=(
   libpcre2-dev libutf8proc-dev         # byte-level BPE tokenizers (regex, NFC)
   libyaml-cpp-dev                      # configs/*.yaml
   nlohmann-json3-dev                   # checkpoint metadata, safetensors headers
+  zlib1g-dev                           # crc32 checksums of sharded checkpoints
   libcli11-dev                         # command line
   libfmt-dev                           # formatting
   libgtest-dev libbenchmark-dev        # tests and benchmarks

@@ -1,6 +1,7 @@
 // Checkpoint save/load with atomic directory and tracker-file updates.
 #include "ckpt/checkpoint.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -108,12 +109,37 @@ int64_t tracked_iteration(const std::string& dir) {
   return std::stoll(text);
 }
 
-std::string save_checkpoint(const std::string& save_dir, int64_t iteration,
-                            const std::vector<std::pair<std::string, Tensor>>& tensors,
-                            const std::string& metadata_json, const SaveOptions& options) {
-  const int64_t previous = options.save_retain_interval > 0 ? tracked_iteration(save_dir) : -1;
-  save_checkpoint(save_dir, iteration, tensors, metadata_json);
-  if (previous <= 0 || previous == iteration || previous % options.save_retain_interval == 0)
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open '{}' to flush it to disk: {}", path, std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) fail("cannot flush '{}' to disk: {}", path, std::strerror(err));
+}
+
+void write_tracker(const std::string& save_dir, int64_t iteration) {
+  const fs::path tracker = fs::path(save_dir) / kTracker;
+  fs::path tmp = tracker;
+  tmp += fmt::format(".tmp{}", getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) fail("cannot write '{}'", tmp.string());
+    out << iteration << "\n";
+    out.flush();
+    if (!out) fail("cannot write '{}' (disk full?)", tmp.string());
+  }
+  fsync_path(tmp.string());
+  std::error_code ec;
+  fs::rename(tmp, tracker, ec);
+  if (ec) fail("cannot rename '{}' to '{}': {}", tmp.string(), tracker.string(), ec.message());
+  fsync_path(save_dir);
+}
+
+std::string apply_save_retention(const std::string& save_dir, int64_t previous, int64_t iteration,
+                                 const SaveOptions& options) {
+  if (options.save_retain_interval <= 0 || previous <= 0 || previous == iteration ||
+      previous % options.save_retain_interval == 0)
     return "";
   const fs::path old_dir = fs::path(save_dir) / iteration_dir_name(previous);
   std::error_code ec;
@@ -121,6 +147,14 @@ std::string save_checkpoint(const std::string& save_dir, int64_t iteration,
   fs::remove_all(old_dir, ec);
   if (ec) fail("save-retain-interval: cannot remove '{}': {}", old_dir.string(), ec.message());
   return old_dir.string();
+}
+
+std::string save_checkpoint(const std::string& save_dir, int64_t iteration,
+                            const std::vector<std::pair<std::string, Tensor>>& tensors,
+                            const std::string& metadata_json, const SaveOptions& options) {
+  const int64_t previous = options.save_retain_interval > 0 ? tracked_iteration(save_dir) : -1;
+  save_checkpoint(save_dir, iteration, tensors, metadata_json);
+  return apply_save_retention(save_dir, previous, iteration, options);
 }
 
 void save_checkpoint(const std::string& save_dir, int64_t iteration,
@@ -141,7 +175,7 @@ void save_checkpoint(const std::string& save_dir, int64_t iteration,
   write_text_atomic(tmp_dir / kMetadata, metadata_json);
   fs::remove_all(final_dir);
   fs::rename(tmp_dir, final_dir);
-  write_text_atomic(fs::path(save_dir) / kTracker, std::to_string(iteration) + "\n");
+  write_tracker(save_dir, iteration);
 }
 
 LoadedCheckpoint read_checkpoint_metadata(const std::string& load_dir, int64_t iteration) {

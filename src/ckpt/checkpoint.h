@@ -45,6 +45,22 @@ std::string save_checkpoint(const std::string& save_dir, int64_t iteration,
 // readable tracker holding a number.
 int64_t tracked_iteration(const std::string& dir);
 
+// Replaces <save_dir>/latest_checkpointed_iteration.txt with `iteration` atomically (written
+// as a .tmp<PID> file, flushed to disk, renamed, the directory flushed). Throws
+// megaton::Error naming the file when it cannot be written.
+void write_tracker(const std::string& save_dir, int64_t iteration);
+
+// The retention of `options` once the tracker has moved from `previous_iteration` (-1:
+// none) to `iteration`: removes <save_dir>/iter_<previous_iteration> unless SaveOptions says
+// it stays. Returns the directory removed ("" when none). Throws megaton::Error naming the
+// directory when it cannot be removed.
+std::string apply_save_retention(const std::string& save_dir, int64_t previous_iteration,
+                                 int64_t iteration, const SaveOptions& options);
+
+// Flushes a file's or a directory's contents and entries to disk (fsync). Throws
+// megaton::Error naming the path when it cannot be opened or flushed.
+void fsync_path(const std::string& path);
+
 // Checks at start-up, before any training time is spent, that `save_dir` can be written:
 // it is a directory that exists and is writable, or the nearest existing ancestor is a
 // writable directory in which it can be created. Creates nothing. Throws megaton::Error
