@@ -36,10 +36,53 @@ def read_safetensors(path):
     return out
 
 
-def last_checkpoint(save_dir):
+def read_sharded(iteration_dir, metadata):
+    """The "model.*" tensors of a sharded checkpoint (src/ckpt/sharded.h), assembled from
+    the ranks' pieces: each piece is a box of the global tensor at `offsets`, restricted to
+    `flat_range` of the box in row-major order."""
+    out = {}
+    files = {}
+    for name, entry in metadata["sharded_tensors"].items():
+        if not name.startswith("model."):
+            continue
+        if entry["dtype"] != "F32":
+            sys.exit(f"compare_runs: {iteration_dir}: {name} is {entry['dtype']}, expected F32")
+        shape = entry["global_shape"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        values = array.array("f", bytes(4 * numel))
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        for piece in entry["pieces"]:
+            if piece["file"] not in files:
+                with open(os.path.join(iteration_dir, piece["file"]), "rb") as f:
+                    files[piece["file"]] = f.read()
+            begin, end = piece["flat_range"]
+            data = array.array("f")
+            data.frombytes(files[piece["file"]][piece["byte_offset"]:piece["byte_offset"] + 4 * (end - begin)])
+            box, offsets = piece["box_shape"], piece["offsets"]
+            for k in range(begin, end):
+                rest, g = k, 0
+                for i in range(len(box) - 1, -1, -1):
+                    g += (rest % box[i] + offsets[i]) * strides[i]
+                    rest //= box[i]
+                values[g] = data[k - begin]
+        out[name] = values
+    return out
+
+
+def read_checkpoint(save_dir):
+    """The last checkpoint's "model.*" tensors, either format."""
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
         it = int(f.read().strip())
-    return os.path.join(save_dir, f"iter_{it:07d}", "model_optim_rng.safetensors")
+    iteration_dir = os.path.join(save_dir, f"iter_{it:07d}")
+    with open(os.path.join(iteration_dir, "metadata.json")) as f:
+        metadata = json.load(f)
+    if metadata.get("checkpoint_format") == "megaton_sharded":
+        return read_sharded(iteration_dir, metadata)
+    return read_safetensors(os.path.join(iteration_dir, "model_optim_rng.safetensors"))
 
 
 def rel(a, b):
@@ -59,9 +102,9 @@ def main():
     try:
         ref_m = read_metrics(os.path.join(a.ref, "metrics.jsonl"))
         run_m = read_metrics(os.path.join(a.run, "metrics.jsonl"))
-        ref_w = read_safetensors(last_checkpoint(os.path.join(a.ref, "save")))
-        run_w = read_safetensors(last_checkpoint(os.path.join(a.run, "save")))
-    except (OSError, ValueError) as e:
+        ref_w = read_checkpoint(os.path.join(a.ref, "save"))
+        run_w = read_checkpoint(os.path.join(a.run, "save"))
+    except (OSError, ValueError, KeyError) as e:
         print(f"compare_runs: {e}")
         sys.exit(2)
     failures = []

@@ -1,5 +1,6 @@
 // Checkpoint save/load with atomic directory and tracker-file updates.
 #include "ckpt/checkpoint.h"
+#include "ckpt/sharded.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -224,6 +225,12 @@ LoadedCheckpoint read_checkpoint_metadata(const std::string& load_dir, int64_t i
 
 LoadedCheckpoint load_checkpoint(const std::string& load_dir, int64_t iteration) {
   LoadedCheckpoint ck = read_checkpoint_metadata(load_dir, iteration);
+  if (is_sharded_checkpoint(ck.path)) {
+    // Every tensor whole, assembled from the ranks' pieces (generation, tools).
+    ShardedCheckpointReader reader(ck.path);
+    for (const auto& [name, info] : reader.tensors()) ck.tensors.emplace(name, reader.read(name));
+    return ck;
+  }
   ck.tensors = load_safetensors((fs::path(ck.path) / kTensors).string()).tensors;
   return ck;
 }

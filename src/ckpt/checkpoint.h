@@ -80,7 +80,8 @@ struct LoadedCheckpoint {
   std::string metadata_json;
 };
 
-// Reads the checkpoint named by <load_dir>/latest_checkpointed_iteration.txt, or, with
+// Reads the checkpoint named by <load_dir>/latest_checkpointed_iteration.txt (either format:
+// a sharded checkpoint, ckpt/sharded.h, is assembled into whole tensors), or, with
 // iteration >= 0 (Megatron's --ckpt-step), <load_dir>/iter_<iteration> whatever the
 // tracker says (no tracker needed). Throws megaton::Error naming the file when the
 // directory, tracker, iteration directory or either file is missing or corrupt.

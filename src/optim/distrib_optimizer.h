@@ -113,6 +113,25 @@ class DistributedAdamW {
   // the data-parallel group (the others return none for them), except Param::shared
   // copies, written by the first pipeline stage. Collective over the data-parallel groups.
   std::vector<std::pair<std::string, Tensor>> full_state();
+  // This rank's own part of full_state, with no gathering (the sharded checkpoint: each
+  // rank writes what it holds). Entry names are full_state's. For an entry of a model
+  // param, `param` is that param and `data` holds the elements [param_offset, param_offset
+  // + data.numel()) of this rank's (tensor-parallel) slice of it, flattened in row-major
+  // order: the whole slice when the update is replicated (then only data-parallel rank 0 of
+  // the buffer's group returns it), or each piece of the param inside this rank's shards
+  // (distributed). Main params are fp32 (remainders joined, fp16 dequantized), moments in
+  // their dtypes, as full_state writes them; Param::shared copies are left out. Scale
+  // entries (".exp_avg.scale", ".main_param.scale": F32 [1], one per whole param) have a
+  // null `param` and come from rank 0 of the group. Tensors stay where they live (device
+  // or host). Collective over the data-parallel groups (the scales' max).
+  struct LocalStateEntry {
+    std::string name;
+    const Param* param = nullptr;
+    Tensor data;
+    int64_t param_offset = 0;
+  };
+  std::vector<LocalStateEntry> local_state();
+
   // Loads full tensors (from a checkpoint; names as in full_state) into this rank's main
   // params, weights and Adam state. `optimizer_state`: also the Adam moments: a moment
   // stored in another dtype than this run's is converted (unscaled to fp32, then rounded to

@@ -154,6 +154,8 @@ class Trainer {
   std::shared_ptr<const PackedSeqParams> packing(const data::SampleSource& source,
                                                  int64_t first_sample) const;
   void save(int64_t iteration);
+  // The run's metadata.json fields of a checkpoint at `iteration` (a JSON object string).
+  std::string checkpoint_metadata(int64_t iteration) const;
   // The FP8 delayed recipe's amax histories and scales of this rank's layers, by name
   // (TransformerLayer::fp8_state: the dense linears', or with `experts` the routed
   // experts'). Every (expert-)tensor-parallel rank holds the same values (the amaxes are

@@ -1,14 +1,18 @@
-// Trainer checkpoints: save (full tensors whatever the layout), load (under any layout),
+// Trainer checkpoints: save (each rank its own pieces, ckpt/sharded.h), load (under any layout,
+// either format),
 // and the FP8 delayed recipe's state that goes with them.
 #include <cmath>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/sharded.h"
 #include "dist/gather.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
+#include "train/sharded_ckpt.h"
 #include "train/tensor_parallel_ckpt.h"
 #include "train/trainer.h"
 
@@ -22,39 +26,43 @@ std::vector<std::pair<std::string, Tensor*>> Trainer::fp8_state(bool experts) {
   return out;
 }
 
-void Trainer::save(int64_t iteration) {
-  ddp_->finish_param_sync();
-  // Full tensors whatever the layout, gathered and written by world rank 0, so a
-  // checkpoint loads under any other layout. Collective: every rank takes part.
-  const std::map<std::string, const Param*> by_name = params_by_name();
-  dist::NamedTensors local =
-      assemble_tensor_parallel(optimizer_->full_state(), by_name, chunks_[0]->model_parallel());
-  for (auto& entry : moe_->expert_bias_state()) local.push_back(std::move(entry));
-  // The FP8 state once: dense layers' from data- and tensor-parallel rank 0, the experts'
-  // from expert-data- and expert-tensor-parallel rank 0 of each expert-parallel rank.
-  if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
-    for (auto& [name, t] : fp8_state(false)) local.emplace_back(name, *t);
-  if (grid_->edp().rank == 0 && grid_->etp().rank == 0)
-    for (auto& [name, t] : fp8_state(true)) local.emplace_back(name, *t);
-  std::vector<std::pair<std::string, Tensor>> state =
-      dist::gather_named_tensors(*comm_, grid_->world(), local);
-  if (!is_logging_rank()) return;
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  nlohmann::json shapes = nlohmann::json::object();
-  for (auto& [name, t] : state) {
-    if (name.starts_with("model.")) shapes[name] = t.shape();
-    tensors.emplace_back(name, t.to(Device::CPU));
-    // A checkpoint of NaN or inf would become the one a resume starts from: refuse it, so
-    // the tracker keeps naming the last finite one. Every floating tensor, widened to fp32
-    // on the host (the precision-aware optimizer's bf16 moments).
-    const Tensor& host = tensors.back().second;
-    if (is_floating(t.dtype()) && !std::isfinite(ops::sum_of_squares(
-                                      host.dtype() == DType::F32 ? host : host.to(DType::F32))))
-      fail(
-          "not saving iteration {} to '{}': tensor '{}' holds NaN or Inf values (the "
-          "checkpoint the tracker names is unchanged)",
-          iteration, args_.save, name);
-  }
+namespace {
+
+// `s` from member `root` of g on every member (the save's temporary directory).
+std::string broadcast_string(dist::Comm& comm, const dist::Group& g, const std::string& s,
+                             int root) {
+  Tensor length = Tensor::from_i32({1}, {int32_t(s.size())}).to(comm.device());
+  comm.broadcast(length, root, g);
+  const int32_t n = length.to(Device::CPU).i32()[0];
+  if (n == 0) return {};
+  std::vector<int32_t> chars(size_t(n), 0);
+  if (g.rank == root)
+    for (int32_t i = 0; i < n; ++i)
+      chars[size_t(i)] = int32_t(static_cast<unsigned char>(s[size_t(i)]));
+  Tensor t = Tensor::from_i32({n}, chars).to(comm.device());
+  comm.broadcast(t, root, g);
+  const Tensor host = t.to(Device::CPU);
+  std::string out(size_t(n), '\0');
+  for (int32_t i = 0; i < n; ++i) out[size_t(i)] = char(host.i32()[i]);
+  return out;
+}
+
+Tensor string_tensor(const std::string& s) {
+  std::vector<int32_t> chars(s.size());
+  for (size_t i = 0; i < s.size(); ++i) chars[i] = int32_t(static_cast<unsigned char>(s[i]));
+  return Tensor::from_i32({int64_t(chars.size())}, chars);
+}
+
+std::string tensor_string(const Tensor& t) {
+  const Tensor host = t.to(Device::CPU);
+  std::string out(size_t(host.numel()), '\0');
+  for (int64_t i = 0; i < host.numel(); ++i) out[size_t(i)] = char(host.i32()[i]);
+  return out;
+}
+
+}  // namespace
+
+std::string Trainer::checkpoint_metadata(int64_t iteration) const {
   nlohmann::json meta;
   meta["iteration"] = iteration;
   meta["consumed_samples"] = consumed_samples_;
@@ -79,16 +87,72 @@ void Trainer::save(int64_t iteration) {
   meta["tokenizer_model"] = absolute(args_.tokenizer_model);
   meta["tokenizer_vocab_file"] = absolute(args_.vocab_file);
   meta["tokenizer_merge_file"] = absolute(args_.merge_file);
-  meta["global_shapes"] = shapes;
   // The vocabulary rows of the embedding and output layer: real tokens, then padding that
   // depends on the tensor-parallel size (a load under another layout pads or trims it).
   meta["vocab_size"] = args_.model.vocab_size;
   meta["padded_vocab_size"] = args_.model.padded_vocab_size;
-  ckpt::SaveOptions options;
-  options.save_retain_interval = args_.save_retain_interval;
-  const std::string removed =
-      ckpt::save_checkpoint(args_.save, iteration, tensors, meta.dump(1), options);
-  if (!removed.empty() && is_logging_rank())
+  return meta.dump(1);
+}
+
+void Trainer::save(int64_t iteration) {
+  ddp_->finish_param_sync();
+  // Sharded (ckpt/sharded.h): every rank writes the pieces of the global tensors it holds
+  // (its tensor-parallel slices, its distributed-optimizer shards; a replicated tensor by
+  // one rank), rank 0 commits the index. No rank gathers another's state. Collective.
+  const ModelParallel& mp = chunks_[0]->model_parallel();
+  std::vector<ckpt::ShardedPiece> pieces;
+  const std::map<std::string, const Param*> by_name = params_by_name();
+  for (const auto& e : optimizer_->local_state())
+    for (auto& piece : e.param ? sharded_pieces(e.name, e.param, e.data, e.param_offset, mp)
+                               : sharded_scale_pieces(e.name, e.data, by_name, mp))
+      pieces.push_back(std::move(piece));
+  std::vector<std::pair<std::string, Tensor>> whole = moe_->expert_bias_state();
+  // The FP8 state once: dense layers' from data- and tensor-parallel rank 0, the experts'
+  // from expert-data- and expert-tensor-parallel rank 0 of each expert-parallel rank.
+  if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
+    for (auto& [name, t] : fp8_state(false)) whole.emplace_back(name, *t);
+  if (grid_->edp().rank == 0 && grid_->etp().rank == 0)
+    for (auto& [name, t] : fp8_state(true)) whole.emplace_back(name, *t);
+  for (auto& [name, t] : whole)
+    for (auto& piece : sharded_pieces(name, nullptr, t, 0, mp)) pieces.push_back(std::move(piece));
+  // A checkpoint of NaN or inf would become the one a resume starts from: refuse it on
+  // every rank, so the tracker keeps naming the last finite one. Every floating piece,
+  // widened to fp32 (the precision-aware optimizer's bf16 moments).
+  std::string bad;
+  for (const ckpt::ShardedPiece& piece : pieces)
+    if (bad.empty() && is_floating(piece.data.dtype()) &&
+        !std::isfinite(ops::sum_of_squares(
+            piece.data.dtype() == DType::F32 ? piece.data : piece.data.to(DType::F32))))
+      bad = piece.name;
+  Tensor bad_rank =
+      Tensor::from_i32({1}, {bad.empty() ? 0 : grid_->world_rank() + 1}).to(comm_->device());
+  comm_->all_reduce(bad_rank, grid_->world(), dist::ReduceOp::Max);
+  if (const int32_t r = bad_rank.to(Device::CPU).i32()[0]; r > 0)
+    fail(
+        "not saving iteration {} to '{}': {} holds NaN or Inf values (the checkpoint the "
+        "tracker names is unchanged)",
+        iteration, args_.save,
+        bad.empty() ? fmt::format("a tensor of rank {}", r - 1) : fmt::format("tensor '{}'", bad));
+  const dist::Group& world = grid_->world();
+  const std::string tmp = broadcast_string(
+      *comm_, world, world.rank == 0 ? ckpt::begin_sharded_save(args_.save, iteration) : "", 0);
+  const ckpt::RankShardRecord record = ckpt::write_rank_shard(tmp, world.rank, pieces);
+  pieces.clear();
+  const dist::NamedTensors records =
+      dist::gather_named_tensors(*comm_, world, {{"record", string_tensor(record.to_json())}});
+  std::string removed;
+  if (world.rank == 0) {
+    std::vector<ckpt::RankShardRecord> all;
+    for (const auto& [name, t] : records)
+      all.push_back(ckpt::RankShardRecord::from_json(tensor_string(t)));
+    ckpt::SaveOptions options;
+    options.save_retain_interval = args_.save_retain_interval;
+    removed = ckpt::commit_sharded_checkpoint(args_.save, iteration, tmp, all,
+                                              checkpoint_metadata(iteration), options);
+  }
+  comm_->barrier(world);  // no rank goes on before the checkpoint is complete
+  if (!is_logging_rank()) return;
+  if (!removed.empty())
     fmt::print(" removed {} (save-retain-interval {})\n", removed, args_.save_retain_interval);
   fmt::print(" saved checkpoint from iteration {:7} to {}\n", iteration, args_.save);
   // Megatron's compute_throughputs_and_append_to_progress_log (the cumulative throughput
@@ -115,15 +179,26 @@ void Trainer::load() {
   if (args_.ckpt_step == 0 && !std::filesystem::exists(std::filesystem::path(args_.load) /
                                                        "latest_checkpointed_iteration.txt")) {
     if (args_.exit_on_missing_checkpoint)
-      fail("--load {}: no checkpoint (latest_checkpointed_iteration.txt), and "
-           "--exit-on-missing-checkpoint is set", args_.load);
+      fail(
+          "--load {}: no checkpoint (latest_checkpointed_iteration.txt), and "
+          "--exit-on-missing-checkpoint is set",
+          args_.load);
     if (is_logging_rank())
-      fmt::print("WARNING: could not find the metadata file {}/latest_checkpointed_iteration.txt\n"
-                 "    will not load any checkpoints and will start from random\n", args_.load);
+      fmt::print(
+          "WARNING: could not find the metadata file {}/latest_checkpointed_iteration.txt\n"
+          "    will not load any checkpoints and will start from random\n",
+          args_.load);
     return;
   }
-  ckpt::LoadedCheckpoint ck =
-      ckpt::load_checkpoint(args_.load, args_.ckpt_step > 0 ? args_.ckpt_step : -1);
+  const int64_t step = args_.ckpt_step > 0 ? args_.ckpt_step : -1;
+  ckpt::LoadedCheckpoint ck = ckpt::read_checkpoint_metadata(args_.load, step);
+  // A sharded checkpoint is read by offset, each rank only the slices it holds; the
+  // single-file format of earlier versions is read whole.
+  std::optional<ckpt::ShardedCheckpointReader> reader;
+  if (ckpt::is_sharded_checkpoint(ck.path))
+    reader.emplace(ck.path);
+  else
+    ck = ckpt::load_checkpoint(args_.load, step);
   const bool optimizer_state = !args_.finetune && !args_.no_load_optim;
   auto meta = nlohmann::json::parse(ck.metadata_json);
   // Checkpoints from before the vocabulary was recorded have no such field.
@@ -134,18 +209,35 @@ void Trainer::load() {
         "(tokenizer-type / tokenizer-model / vocab-size)",
         ck.path, meta["vocab_size"].dump(), args_.model.vocab_size);
   const std::map<std::string, const Param*> by_name = params_by_name();
-  // This rank's part of each entry: the vocabulary rows refitted to this layout's padding,
-  // then the tensor-parallel slice.
+  const ModelParallel& mp = chunks_[0]->model_parallel();
+  // An entry whole, as stored (scales, expert biases, FP8 state), or null when absent.
+  std::map<std::string, Tensor> wholes;
+  auto whole = [&](const std::string& name) -> const Tensor* {
+    if (!reader) {
+      auto it = ck.tensors.find(name);
+      return it == ck.tensors.end() ? nullptr : &it->second;
+    }
+    if (!reader->tensors().contains(name)) return nullptr;
+    auto [it, fresh] = wholes.try_emplace(name);
+    if (fresh) it->second = reader->read(name);
+    return &it->second;
+  };
+  // This rank's part of each param entry: the vocabulary rows refitted to this layout's
+  // padding, then the tensor-parallel slice.
   std::map<std::string, Tensor> parts;
   optimizer_->load_full_state(
       [&](const std::string& name) -> const Tensor* {
-        auto it = ck.tensors.find(name);
-        if (it == ck.tensors.end()) return nullptr;
         const Param* p = param_of_entry(name, by_name);
-        if (!p) return &it->second;
+        if (!p) return whole(name);
+        if (reader ? !reader->tensors().contains(name) : !ck.tensors.contains(name)) return nullptr;
         auto [part, fresh] = parts.try_emplace(name);
         if (!fresh) return &part->second;
-        Tensor full = it->second;
+        if (reader) {
+          part->second = read_tensor_parallel_slice(
+              *reader, name, *p, mp, args_.model.padded_vocab_size, args_.model.vocab_size);
+          return &part->second;
+        }
+        Tensor full = ck.tensors.at(name);
         if (p->padded_vocab_rows)
           full = fit_padded_vocab_rows(full, args_.model.padded_vocab_size, args_.model.vocab_size,
                                        name, ck.path);
@@ -155,31 +247,24 @@ void Trainer::load() {
               "before the tensor-parallel split)",
               ck.path, name, dtype_name(full.dtype()), shape_str(full.shape()),
               dtype_name(DType::F32), shape_str(p->full_shape));
-        part->second = p->tp_split_dim < 0
-                           ? full
-                           : tensor_parallel_slice(full, *p, chunks_[0]->model_parallel());
+        part->second = p->tp_split_dim < 0 ? full : tensor_parallel_slice(full, *p, mp);
         return &part->second;
       },
       ck.path, optimizer_state);
-  moe_->load_expert_bias(
-      [&](const std::string& name) -> const Tensor* {
-        auto it = ck.tensors.find(name);
-        return it == ck.tensors.end() ? nullptr : &it->second;
-      },
-      ck.path);
+  moe_->load_expert_bias(whole, ck.path);
   // The delayed recipe's amax histories: a checkpoint without them (bf16, or another
   // recipe) starts them afresh, as Transformer Engine does without its extra state.
   std::vector<std::pair<std::string, Tensor*>> fp8_entries = fp8_state(false);
   for (auto& entry : fp8_state(true)) fp8_entries.push_back(entry);
   for (auto& [name, t] : fp8_entries) {
-    auto it = ck.tensors.find(name);
-    if (it == ck.tensors.end() || args_.finetune) continue;
-    if (it->second.shape() != t->shape())
+    const Tensor* stored = args_.finetune ? nullptr : whole(name);
+    if (!stored) continue;
+    if (stored->shape() != t->shape())
       fail(
           "checkpoint '{}': FP8 state '{}' is {}, this run expects {} "
           "(--fp8-amax-history-len differs)",
-          ck.path, name, shape_str(it->second.shape()), shape_str(t->shape()));
-    t->copy_from(it->second);
+          ck.path, name, shape_str(stored->shape()), shape_str(t->shape()));
+    t->copy_from(*stored);
   }
   if (args_.finetune) {
     if (is_logging_rank())

@@ -1,0 +1,137 @@
+// Pieces of tensor-parallel slices for the sharded checkpoint, and reading them back.
+#include "train/sharded_ckpt.h"
+
+#include <algorithm>
+#include <string_view>
+
+#include "core/error.h"
+#include "train/tensor_parallel_ckpt.h"
+
+namespace megaton {
+
+namespace {
+
+const dist::Group& tp_group_of(const Param& p, const ModelParallel& mp) {
+  return p.is_expert ? mp.etp() : mp.tp();
+}
+
+std::vector<int64_t> dims_of(const Shape& s) { return std::vector<int64_t>(s.begin(), s.end()); }
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// The boxes (offsets, shape) of this rank's slice of p, in the slice's row-major order.
+struct Box {
+  std::vector<int64_t> offsets, shape;
+};
+std::vector<Box> slice_boxes(const Param& p, const dist::Group& g) {
+  const std::vector<int64_t> full = dims_of(p.full_shape);
+  Box whole{std::vector<int64_t>(full.size(), 0), full};
+  if (p.tp_split_dim < 0 || g.size() <= 1) return {whole};
+  const size_t d = size_t(p.tp_split_dim);
+  MEGATON_CHECK(d < full.size(), "param {}: split dim {} of {}", p.name, d,
+                shape_str(p.full_shape));
+  if (!p.swiglu_halves) {
+    Box b = whole;
+    b.shape[d] = full[d] / g.size();
+    b.offsets[d] = int64_t(g.rank) * b.shape[d];
+    return {b};
+  }
+  MEGATON_CHECK(d == 0, "param {}: SwiGLU halves split along dim {}", p.name, d);
+  const int64_t half = full[0] / 2, chunk = half / g.size();
+  std::vector<Box> out;
+  for (int64_t h = 0; h < 2; ++h) {
+    Box b = whole;
+    b.shape[0] = chunk;
+    b.offsets[0] = h * half + int64_t(g.rank) * chunk;
+    out.push_back(b);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<ckpt::ShardedPiece> sharded_pieces(const std::string& name, const Param* p,
+                                               const Tensor& data, int64_t param_offset,
+                                               const ModelParallel& mp) {
+  const Tensor host = data.device() == Device::CPU ? data : data.to(Device::CPU);
+  if (!p) {
+    const std::vector<int64_t> shape = dims_of(host.shape());
+    return {
+        ckpt::ShardedPiece{name, shape, std::vector<int64_t>(shape.size(), 0), shape, 0, -1, host}};
+  }
+  const dist::Group& g = tp_group_of(*p, mp);
+  if (p->tp_split_dim < 0 && g.size() > 1 && g.rank != 0) return {};
+  const Tensor flat = host.view({host.numel()});
+  const std::vector<Box> boxes = slice_boxes(*p, g);
+  std::vector<ckpt::ShardedPiece> out;
+  int64_t box_start = 0;  // the box's first element in the slice
+  for (const Box& b : boxes) {
+    const int64_t box_numel = numel_of(b.shape);
+    const int64_t begin = std::max(param_offset, box_start),
+                  end = std::min(param_offset + host.numel(), box_start + box_numel);
+    if (begin < end)
+      out.push_back({name, dims_of(p->full_shape), b.offsets, b.shape, begin - box_start,
+                     end - box_start, flat.rows(begin - param_offset, end - begin).clone()});
+    box_start += box_numel;
+  }
+  MEGATON_CHECK(param_offset >= 0 && param_offset + host.numel() <= box_start,
+                "checkpoint entry {}: elements [{}, {}) outside the {} of this rank's slice", name,
+                param_offset, param_offset + host.numel(), box_start);
+  return out;
+}
+
+std::vector<ckpt::ShardedPiece> sharded_scale_pieces(
+    const std::string& name, const Tensor& data, const std::map<std::string, const Param*>& params,
+    const ModelParallel& mp) {
+  const bool main_param = name.ends_with(".main_param.scale");
+  MEGATON_CHECK(
+      main_param || name.ends_with(".exp_avg.scale") || name.ends_with(".exp_avg_sq.scale"),
+      "checkpoint entry '{}' is not a scale", name);
+  const size_t suffix = std::string_view(main_param ? ".main_param.scale" : ".scale").size();
+  const Param* p = param_of_entry(name.substr(0, name.size() - suffix), params);
+  MEGATON_CHECK(p != nullptr, "checkpoint entry '{}' belongs to no parameter", name);
+  if (tp_group_of(*p, mp).rank != 0) return {};
+  return sharded_pieces(name, nullptr, data, 0, mp);
+}
+
+Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const std::string& name,
+                                  const Param& p, const ModelParallel& mp,
+                                  int64_t padded_vocab_size, int64_t vocab_size) {
+  const auto& info = reader.tensors().at(name);
+  const std::vector<int64_t> full = dims_of(p.full_shape);
+  std::vector<int64_t> saved = info.global_shape;
+  const bool other_padding =
+      p.padded_vocab_rows && !saved.empty() && !full.empty() && saved[0] != full[0];
+  if (other_padding) saved[0] = full[0];
+  if (saved != full)
+    fail(
+        "checkpoint '{}': tensor '{}' is {} {}, the model expects {} (whole tensors, before "
+        "the tensor-parallel split)",
+        reader.path(), name, dtype_name(info.dtype),
+        shape_str(Shape(info.global_shape.begin(), info.global_shape.end())),
+        shape_str(p.full_shape));
+  if (other_padding) {
+    const Tensor whole = fit_padded_vocab_rows(reader.read(name), padded_vocab_size, vocab_size,
+                                               name, reader.path());
+    return tensor_parallel_slice(whole, p, mp);
+  }
+  const std::vector<Box> boxes = slice_boxes(p, tp_group_of(p, mp));
+  if (boxes.size() == 1)
+    return reader.read_box(name, boxes[0].offsets, boxes[0].shape).view(p.weight.shape());
+  // SwiGLU: the gate box's rows, then the up box's.
+  Tensor out = Tensor::empty(p.weight.shape(), info.dtype);
+  Tensor rows = out.view({out.numel()});
+  int64_t at = 0;
+  for (const Box& b : boxes) {
+    const Tensor part = reader.read_box(name, b.offsets, b.shape);
+    rows.rows(at, part.numel()).copy_from(part.view({part.numel()}));
+    at += part.numel();
+  }
+  return out;
+}
+
+}  // namespace megaton
