@@ -14,7 +14,7 @@
 #include <filesystem>
 #include <string>
 
-#include "ckpt/safetensors.h"
+#include "ckpt/checkpoint.h"
 #ifdef MEGATON_WITH_CUDA
 #include "core/cuda/host_sync.h"
 #endif
@@ -47,10 +47,8 @@ RawOptions demo(const std::string& config, int iterations) {
 }
 
 void expect_same_checkpoints(const fs::path& a, const fs::path& b) {
-  const auto load = [](const fs::path& dir) {
-    return ckpt::load_safetensors((dir / "iter_0000050" / "model_optim_rng.safetensors").string());
-  };
-  const ckpt::SafetensorsFile fa = load(a), fb = load(b);
+  const auto load = [](const fs::path& dir) { return ckpt::load_checkpoint(dir.string(), 50); };
+  const ckpt::LoadedCheckpoint fa = load(a), fb = load(b);
   ASSERT_EQ(fa.tensors.size(), fb.tensors.size());
   for (const auto& [name, t] : fa.tensors) {
     auto it = fb.tensors.find(name);
