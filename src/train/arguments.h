@@ -175,6 +175,7 @@ struct TrainArgs {
   std::string save;
   int64_t save_interval = 0;
   int64_t save_retain_interval = 0;  // --save-retain-interval (0: keep every checkpoint)
+  bool async_save = false;           // --async-save (background file writes)
   std::string load;
   bool no_load_optim = false;
   bool exit_on_missing_checkpoint = false;  // --exit-on-missing-checkpoint

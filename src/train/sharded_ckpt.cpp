@@ -57,7 +57,8 @@ std::vector<Box> slice_boxes(const Param& p, const dist::Group& g) {
 std::vector<ckpt::ShardedPiece> sharded_pieces(const std::string& name, const Param* p,
                                                const Tensor& data, int64_t param_offset,
                                                const ModelParallel& mp) {
-  const Tensor host = data.device() == Device::CPU ? data : data.to(Device::CPU);
+  // A copy on the host (the snapshot an --async-save writes while training goes on).
+  const Tensor host = data.device() == Device::CPU ? data.clone() : data.to(Device::CPU);
   if (!p) {
     const std::vector<int64_t> shape = dims_of(host.shape());
     return {
@@ -75,7 +76,7 @@ std::vector<ckpt::ShardedPiece> sharded_pieces(const std::string& name, const Pa
                   end = std::min(param_offset + host.numel(), box_start + box_numel);
     if (begin < end)
       out.push_back({name, dims_of(p->full_shape), b.offsets, b.shape, begin - box_start,
-                     end - box_start, flat.rows(begin - param_offset, end - begin).clone()});
+                     end - box_start, flat.rows(begin - param_offset, end - begin)});
     box_start += box_numel;
   }
   MEGATON_CHECK(param_offset >= 0 && param_offset + host.numel() <= box_start,

@@ -586,6 +586,7 @@ TrainResult Trainer::train() {
       }
     }
     control.profile_after_step(iteration_);
+    finalize_async_save(false);  // commits a background save once every rank has written
     const bool evaluate_now = args_.eval_interval > 0 && iteration_ % args_.eval_interval == 0 &&
                               iteration_ < args_.train_iters;
     const bool save_now =
@@ -607,6 +608,7 @@ TrainResult Trainer::train() {
     if (evaluate_now || save_now) interval.last_done = std::chrono::steady_clock::now();
     if (exit_now) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
+      finalize_async_save(true);
       ddp_->finish_param_sync();
       if (op_profile && is_logging_rank()) print_op_profile(profile_counted_iters, profile_wall_ms);
       if (is_logging_rank()) fmt::print("exiting program at iteration {}\n", iteration_);
@@ -618,6 +620,7 @@ TrainResult Trainer::train() {
     if (control.active() && control.should_exit(why)) {
       read_pending();
       if (!args_.save.empty() && !saved_last) save(iteration_);
+      finalize_async_save(true);
       ddp_->finish_param_sync();
       if (is_logging_rank()) fmt::print("{}\n", why);
       result.final_iteration = iteration_;
@@ -626,6 +629,7 @@ TrainResult Trainer::train() {
   }
   read_pending();
   if (!args_.save.empty() && !saved_last) save(iteration_);
+  finalize_async_save(true);
   ddp_->finish_param_sync();
   if (op_profile && is_logging_rank()) print_op_profile(profile_counted_iters, profile_wall_ms);
   result.last_valid_loss = evaluate();

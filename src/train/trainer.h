@@ -3,10 +3,13 @@
 #include <array>
 #include <chrono>
 #include <functional>
+#include <future>
+#include <optional>
 #include <map>
 #include <memory>
 #include <vector>
 
+#include "ckpt/sharded.h"
 #include "core/readback.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
@@ -156,6 +159,29 @@ class Trainer {
   void save(int64_t iteration);
   // The run's metadata.json fields of a checkpoint at `iteration` (a JSON object string).
   std::string checkpoint_metadata(int64_t iteration) const;
+  // The second half of a save, once every rank's file is written: rank 0 gathers the
+  // records and commits the index, every rank waits for it, rank 0 reports. Collective.
+  // metadata: checkpoint_metadata(iteration) taken when the snapshot was; flops and
+  // consumed_samples: the run's counts then (the progress log's line).
+  struct SaveState {
+    int64_t iteration = 0;
+    std::string tmp, metadata;
+    double flops = 0;
+    int64_t consumed_samples = 0;
+  };
+  void finish_save(const SaveState& state, const ckpt::RankShardRecord& record);
+  // --async-save: commits the save in flight when every rank's background write is done
+  // (blocking: waits for it), or does nothing (none in flight, or not all done yet). A
+  // failed background write on any rank removes the temporary directory and raises
+  // megaton::Error on every rank (the tracker keeps naming the previous checkpoint).
+  // Collective (one all-reduce while a save is in flight).
+  void finalize_async_save(bool blocking);
+  struct AsyncSave {
+    SaveState state;
+    std::future<ckpt::RankShardRecord> record;
+    std::chrono::steady_clock::time_point start;
+  };
+  std::optional<AsyncSave> async_save_;
   // The FP8 delayed recipe's amax histories and scales of this rank's layers, by name
   // (TransformerLayer::fp8_state: the dense linears', or with `experts` the routed
   // experts'). Every (expert-)tensor-parallel rank holds the same values (the amaxes are

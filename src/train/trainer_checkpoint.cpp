@@ -3,6 +3,7 @@
 // and the FP8 delayed recipe's state that goes with them.
 #include <cmath>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -95,6 +96,7 @@ std::string Trainer::checkpoint_metadata(int64_t iteration) const {
 }
 
 void Trainer::save(int64_t iteration) {
+  finalize_async_save(true);  // the next save waits for the previous one
   ddp_->finish_param_sync();
   // Sharded (ckpt/sharded.h): every rank writes the pieces of the global tensors it holds
   // (its tensor-parallel slices, its distributed-optimizer shards; a replicated tensor by
@@ -134,10 +136,77 @@ void Trainer::save(int64_t iteration) {
         iteration, args_.save,
         bad.empty() ? fmt::format("a tensor of rank {}", r - 1) : fmt::format("tensor '{}'", bad));
   const dist::Group& world = grid_->world();
-  const std::string tmp = broadcast_string(
+  SaveState state;
+  state.iteration = iteration;
+  state.tmp = broadcast_string(
       *comm_, world, world.rank == 0 ? ckpt::begin_sharded_save(args_.save, iteration) : "", 0);
-  const ckpt::RankShardRecord record = ckpt::write_rank_shard(tmp, world.rank, pieces);
+  state.metadata = checkpoint_metadata(iteration);
+  state.flops = floating_point_operations_so_far_;
+  state.consumed_samples = consumed_samples_;
+  if (args_.async_save) {
+    // The pieces are host copies (the snapshot): the step goes on while a background
+    // thread writes them; finalize_async_save commits once every rank's file is written.
+    const auto stalled = std::chrono::steady_clock::now();
+    async_save_.emplace();
+    async_save_->state = state;
+    async_save_->start = stalled;
+    async_save_->record = std::async(
+        std::launch::async, [tmp = state.tmp, rank = world.rank, pieces = std::move(pieces)] {
+          return ckpt::write_rank_shard(tmp, rank, pieces);
+        });
+    if (is_logging_rank())
+      fmt::print(" started saving iteration {} to {} in the background\n", iteration, args_.save);
+    return;
+  }
+  const ckpt::RankShardRecord record = ckpt::write_rank_shard(state.tmp, world.rank, pieces);
   pieces.clear();
+  finish_save(state, record);
+}
+
+void Trainer::finalize_async_save(bool blocking) {
+  if (!async_save_) return;
+  const dist::Group& world = grid_->world();
+  AsyncSave& pending = *async_save_;
+  if (!blocking) {
+    // Every rank's write must be done before rank 0 commits: a max of 'not done'.
+    const bool done = pending.record.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    Tensor not_done = Tensor::from_i32({1}, {done ? 0 : 1}).to(comm_->device());
+    comm_->all_reduce(not_done, world, dist::ReduceOp::Max);
+    if (not_done.to(Device::CPU).i32()[0] != 0) return;
+  }
+  ckpt::RankShardRecord record;
+  std::string error;
+  try {
+    record = pending.record.get();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const SaveState state = pending.state;
+  const double write_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - pending.start)
+          .count();
+  async_save_.reset();
+  Tensor failed = Tensor::from_i32({1}, {error.empty() ? 0 : world.rank + 1}).to(comm_->device());
+  comm_->all_reduce(failed, world, dist::ReduceOp::Max);
+  if (const int32_t r = failed.to(Device::CPU).i32()[0]; r > 0) {
+    comm_->barrier(world);  // every rank's writer has stopped
+    if (world.rank == 0) {
+      std::error_code ec;
+      std::filesystem::remove_all(state.tmp, ec);
+    }
+    fail(
+        "the background save of iteration {} to '{}' failed on rank {}{}{} (the checkpoint "
+        "the tracker names is unchanged)",
+        state.iteration, args_.save, r - 1, error.empty() ? "" : ": ", error);
+  }
+  finish_save(state, record);
+  if (is_logging_rank())
+    fmt::print(" (iteration {}: written in the background in {:.1f} ms)\n", state.iteration,
+               write_ms);
+}
+
+void Trainer::finish_save(const SaveState& state, const ckpt::RankShardRecord& record) {
+  const dist::Group& world = grid_->world();
   const dist::NamedTensors records =
       dist::gather_named_tensors(*comm_, world, {{"record", string_tensor(record.to_json())}});
   std::string removed;
@@ -147,14 +216,14 @@ void Trainer::save(int64_t iteration) {
       all.push_back(ckpt::RankShardRecord::from_json(tensor_string(t)));
     ckpt::SaveOptions options;
     options.save_retain_interval = args_.save_retain_interval;
-    removed = ckpt::commit_sharded_checkpoint(args_.save, iteration, tmp, all,
-                                              checkpoint_metadata(iteration), options);
+    removed = ckpt::commit_sharded_checkpoint(args_.save, state.iteration, state.tmp, all,
+                                              state.metadata, options);
   }
   comm_->barrier(world);  // no rank goes on before the checkpoint is complete
   if (!is_logging_rank()) return;
   if (!removed.empty())
     fmt::print(" removed {} (save-retain-interval {})\n", removed, args_.save_retain_interval);
-  fmt::print(" saved checkpoint from iteration {:7} to {}\n", iteration, args_.save);
+  fmt::print(" saved checkpoint from iteration {:7} to {}\n", state.iteration, args_.save);
   // Megatron's compute_throughputs_and_append_to_progress_log (the cumulative throughput
   // over earlier jobs is not kept).
   const double seconds =
@@ -162,11 +231,10 @@ void Trainer::save(int64_t iteration) {
   run_logger_->progress(fmt::format(
       "Saved checkpoint\tIteration: {}\tJob throughput: {:.1f} TFLOP/s/GPU\tFloating-point "
       "operations: {:.2e}\tTokens (in billions): {:.2f}",
-      iteration,
-      (floating_point_operations_so_far_ - job_start_flops_) / std::max(seconds, 1e-9) / 1e12 /
+      state.iteration,
+      (state.flops - job_start_flops_) / std::max(seconds, 1e-9) / 1e12 /
           double(grid_->world_size()),
-      floating_point_operations_so_far_,
-      double(consumed_samples_) * double(args_.model.seq_length) / 1e9));
+      state.flops, double(state.consumed_samples) * double(args_.model.seq_length) / 1e9));
   std::fflush(stdout);
 }
 

@@ -18,6 +18,7 @@ void parse_checkpoint(const ArgReader& r, TrainArgs& a) {
     r.get("persistent-save-interval", a.save_interval);
   }
   r.get("save-retain-interval", a.save_retain_interval);
+  r.get("async-save", a.async_save);
   r.get("load", a.load);
   r.get("no-load-optim", a.no_load_optim);
   r.get("exit-on-missing-checkpoint", a.exit_on_missing_checkpoint);
@@ -29,10 +30,11 @@ void parse_checkpoint(const ArgReader& r, TrainArgs& a) {
   r.get("use-checkpoint-args", a.use_checkpoint_args);
   if (a.use_checkpoint_args && a.load.empty()) fail("use-checkpoint-args requires --load");
   if (!a.use_checkpoint_args)
-    for (const char* key : {"use-mp-args-from-checkpoint-args",
-                            "no-use-tokenizer-model-from-checkpoint-args",
-                            "disable-use-tokenizer-model-from-checkpoint-args"})
-      if (r.on(key)) a.warnings.push_back(fmt::format("--{} has no effect without --use-checkpoint-args", key));
+    for (const char* key :
+         {"use-mp-args-from-checkpoint-args", "no-use-tokenizer-model-from-checkpoint-args",
+          "disable-use-tokenizer-model-from-checkpoint-args"})
+      if (r.on(key))
+        a.warnings.push_back(fmt::format("--{} has no effect without --use-checkpoint-args", key));
   if (!a.save.empty() && a.save_interval < 0) fail("save-interval must be >= 0");
   // Megatron's arguments.py: the retained checkpoints are saved ones.
   if (r.has("save-retain-interval")) {
@@ -57,10 +59,14 @@ ArgGroup checkpoint_flags() {
       flag("save-retain-interval",
            "keep the checkpoints of multiples of this iteration; the "
            "others are removed once a newer save is complete"),
+      toggle("async-save",
+             "write each rank's checkpoint file in a background thread from a host snapshot; "
+             "the index is committed at a later step once every rank's file is written"),
       flag("load", "checkpoint directory to resume from"),
       toggle("no-load-optim", "do not load optimizer state"),
-      toggle("exit-on-missing-checkpoint", "with --load: exit (status 2) when the directory has "
-                                           "no checkpoint, instead of starting from random"),
+      toggle("exit-on-missing-checkpoint",
+             "with --load: exit (status 2) when the directory has "
+             "no checkpoint, instead of starting from random"),
       toggle("no-load-rng", "do not load the RNG state"),
       toggle("finetune", "load weights only and start at iteration 0"),
       flag("ckpt-step", "load this iteration from --load instead of the tracker's"),

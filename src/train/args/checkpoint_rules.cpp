@@ -31,12 +31,16 @@ std::vector<OptionSpec> checkpoint_megatron_rules() {
       no_effect(
           "no-ckpt-fully-parallel-save", "0",
           "torch_dist checkpoint option; Megaton writes its own sharded safetensors checkpoints"),
-      unsupported("async-save", "0", "asynchronous checkpoint saving (issue 21)"),
-      unsupported("async-strategy", "1", "asynchronous checkpoint saving (issue 21)"),
-      unsupported("use-persistent-ckpt-worker", "0", "asynchronous checkpoint saving (issue 21)"),
-      unsupported("async-ckpt-cpu-priority", "1", "asynchronous checkpoint saving (issue 21)"),
-      unsupported("async-ckpt-io-priority", "1", "asynchronous checkpoint saving (issue 21)"),
-      unsupported("async-ckpt-use-cpu-shm", "0", "asynchronous checkpoint saving (issue 21)"),
+      no_effect("async-strategy", "1",
+                "Megaton's --async-save writes each rank's file from one background thread"),
+      no_effect("use-persistent-ckpt-worker", "0",
+                "Megaton's --async-save writes each rank's file from one background thread"),
+      no_effect("async-ckpt-cpu-priority", "1",
+                "Megaton's --async-save writes each rank's file from one background thread"),
+      no_effect("async-ckpt-io-priority", "1",
+                "Megaton's --async-save writes each rank's file from one background thread"),
+      no_effect("async-ckpt-use-cpu-shm", "0",
+                "Megaton's --async-save writes each rank's file from one background thread"),
       no_effect(
           "ckpt-fully-parallel-load", "0",
           "torch_dist checkpoint option; Megaton writes its own sharded safetensors checkpoints"),
@@ -103,7 +107,8 @@ std::vector<OptionSpec> checkpoint_megatron_rules() {
       no_effect("dist-ckpt-format", "1",
                 "deprecated form of --ckpt-format; Megaton always writes its own sharded "
                 "safetensors checkpoints"),
-      unsupported("dist-ckpt-workers", "1", "asynchronous checkpoint saving (issue 21)"),
+      no_effect("dist-ckpt-workers", "1",
+                "Megaton's --async-save writes each rank's file from one background thread"),
       no_effect(
           "ckpt-fully-parallel-save", "0",
           "torch_dist checkpoint option; Megaton writes its own sharded safetensors checkpoints"),
