@@ -97,6 +97,10 @@ std::string Trainer::checkpoint_metadata(int64_t iteration) const {
 
 void Trainer::save(int64_t iteration) {
   finalize_async_save(true);  // the next save waits for the previous one
+  const auto save_start = std::chrono::steady_clock::now();
+  const auto ms_since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+  };
   ddp_->finish_param_sync();
   // Sharded (ckpt/sharded.h): every rank writes the pieces of the global tensors it holds
   // (its tensor-parallel slices, its distributed-optimizer shards; a replicated tensor by
@@ -155,12 +159,18 @@ void Trainer::save(int64_t iteration) {
           return ckpt::write_rank_shard(tmp, rank, pieces);
         });
     if (is_logging_rank())
-      fmt::print(" started saving iteration {} to {} in the background\n", iteration, args_.save);
+      fmt::print(
+          " started saving iteration {} to {} in the background (the step stalled {:.1f} ms for "
+          "the snapshot)\n",
+          iteration, args_.save, ms_since(save_start));
     return;
   }
   const ckpt::RankShardRecord record = ckpt::write_rank_shard(state.tmp, world.rank, pieces);
   pieces.clear();
   finish_save(state, record);
+  if (is_logging_rank())
+    fmt::print(" (iteration {}: the step stalled {:.1f} ms; {} bytes in rank 0's file)\n",
+               iteration, ms_since(save_start), record.file_bytes);
 }
 
 void Trainer::finalize_async_save(bool blocking) {
@@ -239,6 +249,7 @@ void Trainer::finish_save(const SaveState& state, const ckpt::RankShardRecord& r
 }
 
 void Trainer::load() {
+  const auto load_start = std::chrono::steady_clock::now();
   // Megatron's load_checkpoint: a --load directory without a tracker (the first run of a
   // launch script that saves and loads the same directory) starts from random weights with
   // a warning, or exits with --exit-on-missing-checkpoint.
@@ -368,7 +379,10 @@ void Trainer::load() {
     fail("checkpoint metadata in '{}' is missing a field: {}", ck.path, e.what());
   }
   if (is_logging_rank())
-    fmt::print(" loaded checkpoint from {} at iteration {}\n", ck.path, iteration_);
+    fmt::print(
+        " loaded checkpoint from {} at iteration {} ({:.1f} ms)\n", ck.path, iteration_,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - load_start)
+            .count());
 }
 
 }  // namespace megaton
