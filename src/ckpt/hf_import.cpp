@@ -2,6 +2,7 @@
 #include "ckpt/hf_import.h"
 
 #include <cstring>
+#include <set>
 
 #include "core/error.h"
 
@@ -11,10 +12,12 @@ namespace {
 struct Lookup {
   const std::map<std::string, Tensor>& hf;
   const std::string& prefix;
+  std::set<std::string>* used;
   bool has(const std::string& name) const { return hf.count(prefix + name) > 0; }
   const Tensor& at(const std::string& name) const {
     auto it = hf.find(prefix + name);
     if (it == hf.end()) fail("Hugging Face checkpoint has no tensor '{}'", prefix + name);
+    if (used) used->insert(it->first);
     return it->second;
   }
 };
@@ -57,8 +60,9 @@ void map_mla(const Lookup& in, const std::string& h, const std::string& m,
 }  // namespace
 
 std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>& hf,
-                                            const HFLayout& L, const std::string& prefix) {
-  Lookup in{hf, prefix};
+                                            const HFLayout& L, const std::string& prefix,
+                                            std::set<std::string>* used) {
+  Lookup in{hf, prefix, used};
   std::map<std::string, Tensor> out;
   auto f32 = [](const Tensor& t) { return t.to(DType::F32); };
   out["embedding.word_embeddings.weight"] = f32(in.at("model.embed_tokens.weight"));

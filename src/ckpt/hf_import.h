@@ -2,6 +2,7 @@
 // names.
 #pragma once
 #include <map>
+#include <set>
 #include <string>
 
 #include "core/tensor.h"
@@ -49,8 +50,11 @@ struct HFLayout {
 // "mlp.shared_experts.linear_fc1" as [gate; up], "down_proj" -> "linear_fc2"; its first
 // first_k_dense_replace layers are dense ("mlp.gate_proj").
 // `prefix` is prepended to every HF name looked up (e.g. "grad." to map gradients).
+// `used` (when given) receives the HF names the mapping read, so a caller can tell which
+// tensors of the checkpoint it left out.
 // Throws megaton::Error naming a missing tensor.
 std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>& hf,
-                                            const HFLayout& layout, const std::string& prefix = "");
+                                            const HFLayout& layout, const std::string& prefix = "",
+                                            std::set<std::string>* used = nullptr);
 
 }  // namespace megaton::ckpt

@@ -72,6 +72,20 @@ const std::vector<CheckpointArg>& model_args() {
       {{"moe-shared-expert-gate"}, true},
       {{"moe-router-num-groups"}, true},
       {{"moe-router-group-topk"}, true},
+      // Megaton: multi-latent attention and its YaRN table (a DeepSeek-V3 checkpoint,
+      // e.g. one `megaton convert` wrote, is not loadable without them).
+      {{"multi-latent-attention"}, true},
+      {{"q-lora-rank"}, true},
+      {{"kv-lora-rank"}, true},
+      {{"qk-head-dim"}, true},
+      {{"qk-pos-emb-head-dim"}, true},
+      {{"v-head-dim"}, true},
+      {{"rotary-scaling-factor"}, true},
+      {{"original-max-position-embeddings"}, true},
+      {{"beta-fast"}, true},
+      {{"beta-slow"}, true},
+      {{"mscale"}, true},
+      {{"mscale-all-dim"}, true},
   };
   return args;
 }
@@ -210,6 +224,18 @@ CheckpointArgs apply_checkpoint_args(const RawOptions& raw) {
   result.messages.insert(result.messages.begin(),
                          fmt::format("Model arguments from checkpoint {}", ck.path));
   return result;
+}
+
+TrainArgs parse_model_args(RawOptions raw) {
+  // This machine's device (a GPU-trained checkpoint is read on a CPU too); the schedule and
+  // data only a training run needs.
+  raw.erase("device");
+  if (!raw.count("train-iters") && !raw.count("train-samples")) raw["train-iters"] = {"1"};
+  for (const char* data :
+       {"data-path", "data-args-path", "train-data-path", "per-split-data-args-path", "mock-data"})
+    if (raw.count(data)) return parse_train_args(raw);
+  raw["mock-data"] = {"true"};
+  return parse_train_args(raw);
 }
 
 std::vector<std::string> checkpoint_arg_keys() {

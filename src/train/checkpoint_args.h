@@ -36,6 +36,13 @@ struct CheckpointArgs {
 // checkpoint's metadata is unreadable or --ckpt-step names a missing iteration.
 CheckpointArgs apply_checkpoint_args(const RawOptions& raw);
 
+// The TrainArgs of a checkpoint's saved "args" (as raw options) for use outside a training
+// run (generation, conversion): the device this machine's default, and the flags every run must give
+// that the model does not depend on filled in when absent (train-iters 1, mock-data when
+// no data source is named), so the args of a checkpoint `megaton convert` wrote (model
+// and tokenizer flags only) parse too. Throws as parse_train_args.
+TrainArgs parse_model_args(RawOptions raw);
+
 // Every flag apply_checkpoint_args may take from a checkpoint (for the tests: each is one
 // of `megaton train`'s flags).
 std::vector<std::string> checkpoint_arg_keys();

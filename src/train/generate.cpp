@@ -10,6 +10,8 @@
 #include "core/rng.h"
 #include "model/kv_cache.h"
 #include "train/arguments.h"
+#include "train/checkpoint_args.h"
+#include "train/tensor_parallel_ckpt.h"
 
 namespace megaton {
 
@@ -157,10 +159,10 @@ LoadedModel load_model_for_inference(const std::string& load_dir) {
       if (v.is_array()) raw[k] = v.get<std::vector<std::string>>();
       else raw[k] = {v.get<std::string>()};
     }
-    // Generate on whatever this machine has (a GPU-trained checkpoint samples on a CPU).
-    raw.erase("device");
+    // Generate on whatever this machine has (a GPU-trained checkpoint samples on a CPU);
+    // a converted checkpoint's args name no data or schedule.
     LoadedModel out;
-    TrainArgs args = parse_train_args(raw);
+    TrainArgs args = parse_model_args(raw);
     data::TokenizerOptions tok = tokenizer_options(args);
     tok.type = meta.at("tokenizer_type").get<std::string>();
     tok.model = meta.at("tokenizer_model").get<std::string>();
@@ -171,7 +173,28 @@ LoadedModel load_model_for_inference(const std::string& load_dir) {
     args.model.vocab_size = out.tokenizer->vocab_size();
     args.model.finalize();
     out.model = std::make_unique<GPTModel>(args.model, args.seed);
+    // The vocabulary rows as padded here (one tensor-parallel rank): a checkpoint saved
+    // under another TP size (or make-vocab-size-divisible-by) holds another padding.
+    for (const Param* p : out.model->params())
+      if (p->padded_vocab_rows && ck.tensors.count("model." + p->name))
+        ck.tensors["model." + p->name] =
+            fit_padded_vocab_rows(ck.tensors["model." + p->name], args.model.padded_vocab_size,
+                                  args.model.vocab_size, "model." + p->name, ck.path);
     load_model_weights(ck, out.model->params());
+    // The routers' expert biases (--moe-router-enable-expert-bias) choose the experts.
+    for (const auto& layer : out.model->layers()) {
+      MoELayer* moe = layer->moe();
+      if (!moe || !moe->router.expert_bias.defined()) continue;
+      std::string name = "model." + moe->router.weight.name;
+      name.replace(name.size() - std::string_view(".weight").size(), std::string::npos,
+                   ".expert_bias");
+      auto it = ck.tensors.find(name);
+      if (it == ck.tensors.end() || it->second.shape() != moe->router.expert_bias.shape())
+        fail("checkpoint '{}' has no tensor '{}' of shape {}", ck.path, name,
+             shape_str(moe->router.expert_bias.shape()));
+      moe->router.expert_bias.copy_from(
+          it->second.to(DType::F32).to(moe->router.expert_bias.device()));
+    }
     out.iteration = ck.iteration;
     return out;
   } catch (const nlohmann::json::exception& e) {

@@ -89,7 +89,10 @@ class TextStreamer {
 // naming the checkpoint and tensor on a missing name or a shape mismatch.
 void load_model_weights(const ckpt::LoadedCheckpoint& ck, const std::vector<Param*>& params);
 
-// A model and tokenizer rebuilt from a checkpoint's saved args and weights.
+// A model and tokenizer rebuilt from a checkpoint's saved args and weights (one
+// tensor-parallel rank: the vocabulary rows of a checkpoint padded for another TP size are
+// refitted; the routers' expert biases are loaded too). The args need no data or schedule
+// flags (parse_model_args), so a `megaton convert` checkpoint loads.
 struct LoadedModel {
   std::unique_ptr<data::Tokenizer> tokenizer;
   std::unique_ptr<GPTModel> model;
