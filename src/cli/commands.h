@@ -10,5 +10,6 @@ void add_train_command(CLI::App& app);       // cli/cmd_train.cpp
 void add_generate_command(CLI::App& app);    // cli/cmd_generate.cpp
 void add_preprocess_command(CLI::App& app);  // cli/cmd_preprocess.cpp
 void add_tokenizer_command(CLI::App& app);   // cli/cmd_tokenizer.cpp
+void add_convert_command(CLI::App& app);     // cli/cmd_convert.cpp
 
 }  // namespace megaton::cli

@@ -77,6 +77,7 @@ int main(int argc, char** argv) {
   megaton::cli::add_generate_command(app);
   megaton::cli::add_preprocess_command(app);
   megaton::cli::add_tokenizer_command(app);
+  megaton::cli::add_convert_command(app);
   const int status = run(app, argc, argv);
   // A failed rank leaves without MPI_Finalize: its non-zero exit makes mpirun end the
   // job, where finalizing could wait forever on ranks stuck in a collective.
