@@ -287,6 +287,10 @@ void Trainer::load() {
         "checkpoint '{}' was trained with a vocabulary of {} tokens, the tokenizer has {} "
         "(tokenizer-type / tokenizer-model / vocab-size)",
         ck.path, meta["vocab_size"].dump(), args_.model.vocab_size);
+  if (optimizer_state && meta.value("optimizer_state", true) == false)
+    fail("checkpoint '{}' holds no optimizer state (weights only, e.g. from megaton convert): "
+         "load it with --finetune (weights, iteration 0) or --no-load-optim",
+         ck.path);
   const std::map<std::string, const Param*> by_name = params_by_name();
   const ModelParallel& mp = chunks_[0]->model_parallel();
   // An entry whole, as stored (scales, expert biases, FP8 state), or null when absent.
