@@ -145,8 +145,19 @@ std::string apply_save_retention(const std::string& save_dir, int64_t previous, 
   const fs::path old_dir = fs::path(save_dir) / iteration_dir_name(previous);
   std::error_code ec;
   if (fs::is_symlink(old_dir, ec) || !fs::is_directory(old_dir, ec)) return "";
-  fs::remove_all(old_dir, ec);
-  if (ec) fail("save-retain-interval: cannot remove '{}': {}", old_dir.string(), ec.message());
+  // Out of the way under a temporary name first: a process killed while removing the files
+  // then leaves a partial directory that the next save removes (remove_stale_partial_saves),
+  // never an iter_XXXXXXX directory missing some of the files its metadata.json lists.
+  fs::path doomed = old_dir;
+  doomed += fmt::format(".tmp{}", getpid());
+  fs::remove_all(doomed, ec);
+  fs::rename(old_dir, doomed, ec);
+  if (ec)
+    fail("save-retain-interval: cannot rename '{}' to '{}': {}", old_dir.string(), doomed.string(),
+         ec.message());
+  fsync_path(save_dir);
+  fs::remove_all(doomed, ec);
+  if (ec) fail("save-retain-interval: cannot remove '{}': {}", doomed.string(), ec.message());
   return old_dir.string();
 }
 

@@ -52,8 +52,10 @@ void write_tracker(const std::string& save_dir, int64_t iteration);
 
 // The retention of `options` once the tracker has moved from `previous_iteration` (-1:
 // none) to `iteration`: removes <save_dir>/iter_<previous_iteration> unless SaveOptions says
-// it stays. Returns the directory removed ("" when none). Throws megaton::Error naming the
-// directory when it cannot be removed.
+// it stays. The directory is first renamed to iter_<previous_iteration>.tmp<PID>, so an
+// interrupted removal leaves a partial save for remove_stale_partial_saves, not an iteration
+// directory with files missing. Returns the directory removed ("" when none). Throws
+// megaton::Error naming the directory when it cannot be renamed or removed.
 std::string apply_save_retention(const std::string& save_dir, int64_t previous_iteration,
                                  int64_t iteration, const SaveOptions& options);
 
