@@ -54,18 +54,22 @@ std::vector<Box> slice_boxes(const Param& p, const dist::Group& g) {
 
 }  // namespace
 
-std::vector<ckpt::ShardedPiece> sharded_pieces(const std::string& name, const Param* p,
-                                               const Tensor& data, int64_t param_offset,
-                                               const ModelParallel& mp) {
+std::vector<ckpt::ShardedPiece> sharded_pieces(
+    const std::string& name, const Param* p, const Tensor& data, int64_t param_offset,
+    const ModelParallel& mp, const std::function<Tensor(const Tensor&)>& snapshot) {
+  // A replicated param is written by rank 0 of its tensor-parallel group (no copy elsewhere).
+  if (p && p->tp_split_dim < 0 && tp_group_of(*p, mp).size() > 1 && tp_group_of(*p, mp).rank != 0)
+    return {};
   // A copy on the host (the snapshot an --async-save writes while training goes on).
-  const Tensor host = data.device() == Device::CPU ? data.clone() : data.to(Device::CPU);
+  const Tensor host = snapshot                       ? snapshot(data)
+                      : data.device() == Device::CPU ? data.clone()
+                                                     : data.to(Device::CPU);
   if (!p) {
     const std::vector<int64_t> shape = dims_of(host.shape());
     return {
         ckpt::ShardedPiece{name, shape, std::vector<int64_t>(shape.size(), 0), shape, 0, -1, host}};
   }
   const dist::Group& g = tp_group_of(*p, mp);
-  if (p->tp_split_dim < 0 && g.size() > 1 && g.rank != 0) return {};
   const Tensor flat = host.view({host.numel()});
   const std::vector<Box> boxes = slice_boxes(*p, g);
   std::vector<ckpt::ShardedPiece> out;
@@ -87,7 +91,7 @@ std::vector<ckpt::ShardedPiece> sharded_pieces(const std::string& name, const Pa
 
 std::vector<ckpt::ShardedPiece> sharded_scale_pieces(
     const std::string& name, const Tensor& data, const std::map<std::string, const Param*>& params,
-    const ModelParallel& mp) {
+    const ModelParallel& mp, const std::function<Tensor(const Tensor&)>& snapshot) {
   const bool main_param = name.ends_with(".main_param.scale");
   MEGATON_CHECK(
       main_param || name.ends_with(".exp_avg.scale") || name.ends_with(".exp_avg_sq.scale"),
@@ -96,7 +100,7 @@ std::vector<ckpt::ShardedPiece> sharded_scale_pieces(
   const Param* p = param_of_entry(name.substr(0, name.size() - suffix), params);
   MEGATON_CHECK(p != nullptr, "checkpoint entry '{}' belongs to no parameter", name);
   if (tp_group_of(*p, mp).rank != 0) return {};
-  return sharded_pieces(name, nullptr, data, 0, mp);
+  return sharded_pieces(name, nullptr, data, 0, mp, snapshot);
 }
 
 Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const std::string& name,

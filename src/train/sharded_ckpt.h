@@ -2,6 +2,7 @@
 // which global tensors this rank writes, and reading back this rank's tensor-parallel
 // slices from any layout's pieces.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -21,9 +22,10 @@ namespace megaton {
 // group (tp, or etp for experts) is written by the group's rank 0 only (none elsewhere).
 // p null: one piece, the whole of `data` (an expert bias, FP8 state).
 // InternalError when data does not fit p's slice.
-std::vector<ckpt::ShardedPiece> sharded_pieces(const std::string& name, const Param* p,
-                                               const Tensor& data, int64_t param_offset,
-                                               const ModelParallel& mp);
+// snapshot: makes the host copy of `data` the pieces view (null: a new host tensor).
+std::vector<ckpt::ShardedPiece> sharded_pieces(
+    const std::string& name, const Param* p, const Tensor& data, int64_t param_offset,
+    const ModelParallel& mp, const std::function<Tensor(const Tensor&)>& snapshot = nullptr);
 
 // A per-parameter scale entry of the optimizer ("optimizer.<name>.exp_avg.scale",
 // ".exp_avg_sq.scale", ".main_param.scale": F32 [1], the same on every tensor-parallel rank):
@@ -31,7 +33,7 @@ std::vector<ckpt::ShardedPiece> sharded_pieces(const std::string& name, const Pa
 // experts), none elsewhere. InternalError when the name belongs to no param of `params`.
 std::vector<ckpt::ShardedPiece> sharded_scale_pieces(
     const std::string& name, const Tensor& data, const std::map<std::string, const Param*>& params,
-    const ModelParallel& mp);
+    const ModelParallel& mp, const std::function<Tensor(const Tensor&)>& snapshot = nullptr);
 
 // This rank's tensor-parallel slice of param p's checkpoint entry `name` (p.weight's shape,
 // the stored dtype, on the host), read by offset from the pieces of whatever layout wrote

@@ -485,6 +485,7 @@ TrainResult Trainer::train() {
   job_start_ = std::chrono::steady_clock::now();
   job_start_flops_ = floating_point_operations_so_far_;
   run_logger_->progress("Starting job");
+  if (args_.async_save && !args_.save.empty()) reserve_snapshot(checkpoint_entries());
   TrainResult result;
   if (iteration_ == 0) {
     result.first_valid_loss = evaluate();

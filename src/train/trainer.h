@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ckpt/sharded.h"
+#include "core/copy_stream.h"
 #include "core/readback.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
@@ -176,6 +177,17 @@ class Trainer {
   // megaton::Error on every rank (the tracker keeps naming the previous checkpoint).
   // Collective (one all-reduce while a save is in flight).
   void finalize_async_save(bool blocking);
+  // The host copy a save writes from (pinned on the GPU), reused by every save: declared
+  // before async_save_, whose pending write (destroyed first) reads it.
+  std::unique_ptr<HostBuffer> snapshot_buffer_;
+  // What this rank writes to a checkpoint: the optimizer's local state, the routers' expert
+  // biases and the FP8 state it owns (names, tensors where they live). Collective over the
+  // data-parallel groups (DistributedAdamW::local_state).
+  std::vector<optim::DistributedAdamW::LocalStateEntry> checkpoint_entries();
+  // Makes snapshot_buffer_ hold the entries' bytes (64-byte aligned each). With
+  // --async-save the trainer calls it before the first step, so the first save does not
+  // pay for allocating (and pinning) the buffer.
+  void reserve_snapshot(const std::vector<optim::DistributedAdamW::LocalStateEntry>& entries);
   struct AsyncSave {
     SaveState state;
     std::future<ckpt::RankShardRecord> record;

@@ -10,6 +10,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/sharded.h"
+#include "core/copy_stream.h"
 #include "dist/gather.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
@@ -95,6 +96,27 @@ std::string Trainer::checkpoint_metadata(int64_t iteration) const {
   return meta.dump(1);
 }
 
+std::vector<optim::DistributedAdamW::LocalStateEntry> Trainer::checkpoint_entries() {
+  std::vector<optim::DistributedAdamW::LocalStateEntry> entries = optimizer_->local_state();
+  // The expert biases and, once, the FP8 state: dense layers' from data- and tensor-parallel
+  // rank 0, the experts' from expert-data- and expert-tensor-parallel rank 0 of each
+  // expert-parallel rank.
+  for (auto& [name, t] : moe_->expert_bias_state()) entries.push_back({name, nullptr, t, 0});
+  if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
+    for (auto& [name, t] : fp8_state(false)) entries.push_back({name, nullptr, *t, 0});
+  if (grid_->edp().rank == 0 && grid_->etp().rank == 0)
+    for (auto& [name, t] : fp8_state(true)) entries.push_back({name, nullptr, *t, 0});
+  return entries;
+}
+
+void Trainer::reserve_snapshot(
+    const std::vector<optim::DistributedAdamW::LocalStateEntry>& entries) {
+  size_t bytes = 64;
+  for (const auto& e : entries) bytes += (e.data.nbytes() + 63) / 64 * 64;
+  if (!snapshot_buffer_) snapshot_buffer_ = std::make_unique<HostBuffer>(args_.model.device);
+  snapshot_buffer_->reserve(bytes);
+}
+
 void Trainer::save(int64_t iteration) {
   finalize_async_save(true);  // the next save waits for the previous one
   const auto save_start = std::chrono::steady_clock::now();
@@ -106,30 +128,41 @@ void Trainer::save(int64_t iteration) {
   // (its tensor-parallel slices, its distributed-optimizer shards; a replicated tensor by
   // one rank), rank 0 commits the index. No rank gathers another's state. Collective.
   const ModelParallel& mp = chunks_[0]->model_parallel();
-  std::vector<ckpt::ShardedPiece> pieces;
   const std::map<std::string, const Param*> by_name = params_by_name();
-  for (const auto& e : optimizer_->local_state())
-    for (auto& piece : e.param ? sharded_pieces(e.name, e.param, e.data, e.param_offset, mp)
-                               : sharded_scale_pieces(e.name, e.data, by_name, mp))
-      pieces.push_back(std::move(piece));
-  std::vector<std::pair<std::string, Tensor>> whole = moe_->expert_bias_state();
-  // The FP8 state once: dense layers' from data- and tensor-parallel rank 0, the experts'
-  // from expert-data- and expert-tensor-parallel rank 0 of each expert-parallel rank.
-  if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
-    for (auto& [name, t] : fp8_state(false)) whole.emplace_back(name, *t);
-  if (grid_->edp().rank == 0 && grid_->etp().rank == 0)
-    for (auto& [name, t] : fp8_state(true)) whole.emplace_back(name, *t);
-  for (auto& [name, t] : whole)
-    for (auto& piece : sharded_pieces(name, nullptr, t, 0, mp)) pieces.push_back(std::move(piece));
+  std::vector<optim::DistributedAdamW::LocalStateEntry> entries = checkpoint_entries();
   // A checkpoint of NaN or inf would become the one a resume starts from: refuse it on
-  // every rank, so the tracker keeps naming the last finite one. Every floating piece,
-  // widened to fp32 (the precision-aware optimizer's bf16 moments).
+  // every rank, so the tracker keeps naming the last finite one. Every floating tensor,
+  // where it lives (fp32 on the device; other dtypes widened to fp32 on the host).
   std::string bad;
-  for (const ckpt::ShardedPiece& piece : pieces)
-    if (bad.empty() && is_floating(piece.data.dtype()) &&
-        !std::isfinite(ops::sum_of_squares(
-            piece.data.dtype() == DType::F32 ? piece.data : piece.data.to(DType::F32))))
-      bad = piece.name;
+  for (const auto& e : entries) {
+    if (!bad.empty() || !is_floating(e.data.dtype())) continue;
+    const Tensor& t = e.data;
+    const double sum_sq = t.dtype() == DType::F32
+                              ? ops::sum_of_squares(t)
+                              : ops::sum_of_squares(t.to(Device::CPU).to(DType::F32));
+    if (!std::isfinite(sum_sq)) bad = e.name;
+  }
+  // The snapshot: every piece copied once into one host buffer (pinned on the GPU, reused
+  // by the next save, which waits for this one's writes), so a save's copies are DMA into
+  // memory already mapped.
+  reserve_snapshot(entries);
+  size_t snapshot_used = 0;
+  const std::function<Tensor(const Tensor&)> snapshot = [&](const Tensor& t) {
+    Tensor host =
+        Tensor::borrow(snapshot_buffer_->data() + snapshot_used, t.shape(), t.dtype(), Device::CPU);
+    snapshot_used += (t.nbytes() + 63) / 64 * 64;
+    host.copy_from(t);
+    return host;
+  };
+  std::vector<ckpt::ShardedPiece> pieces;
+  for (const auto& e : entries) {
+    const bool scale = !e.param && e.name.starts_with("optimizer.");
+    for (auto& piece : scale
+                           ? sharded_scale_pieces(e.name, e.data, by_name, mp, snapshot)
+                           : sharded_pieces(e.name, e.param, e.data, e.param_offset, mp, snapshot))
+      pieces.push_back(std::move(piece));
+  }
+  entries.clear();
   Tensor bad_rank =
       Tensor::from_i32({1}, {bad.empty() ? 0 : grid_->world_rank() + 1}).to(comm_->device());
   comm_->all_reduce(bad_rank, grid_->world(), dist::ReduceOp::Max);
@@ -288,9 +321,10 @@ void Trainer::load() {
         "(tokenizer-type / tokenizer-model / vocab-size)",
         ck.path, meta["vocab_size"].dump(), args_.model.vocab_size);
   if (optimizer_state && meta.value("optimizer_state", true) == false)
-    fail("checkpoint '{}' holds no optimizer state (weights only, e.g. from megaton convert): "
-         "load it with --finetune (weights, iteration 0) or --no-load-optim",
-         ck.path);
+    fail(
+        "checkpoint '{}' holds no optimizer state (weights only, e.g. from megaton convert): "
+        "load it with --finetune (weights, iteration 0) or --no-load-optim",
+        ck.path);
   const std::map<std::string, const Param*> by_name = params_by_name();
   const ModelParallel& mp = chunks_[0]->model_parallel();
   // An entry whole, as stored (scales, expert biases, FP8 state), or null when absent.
