@@ -21,7 +21,8 @@ std::vector<OptionSpec> checkpoint_megatron_rules() {
       unsupported("pretrained-checkpoint", "1", "a fallback pretrained checkpoint for finetuning"),
       no_effect("ckpt-format", "1",
                 "Megaton writes its own sharded safetensors checkpoints (each rank its pieces; "
-                "docs/checkpoints.md), whatever the format named"),
+                "docs/checkpoints.md), whatever the format named; megaton convert moves them "
+                "to and from Hugging Face"),
       no_effect("auto-detect-ckpt-format", "0",
                 "Megaton reads its sharded checkpoints and its earlier single-file ones alike"),
       unsupported("ckpt-convert-format", "1", "conversion to Megatron's torch checkpoint formats"),
