@@ -11,10 +11,6 @@ namespace megaton {
 
 namespace {
 
-const dist::Group& tp_group_of(const Param& p, const ModelParallel& mp) {
-  return p.is_expert ? mp.etp() : mp.tp();
-}
-
 std::vector<int64_t> dims_of(const Shape& s) { return std::vector<int64_t>(s.begin(), s.end()); }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
@@ -58,7 +54,8 @@ std::vector<ckpt::ShardedPiece> sharded_pieces(
     const std::string& name, const Param* p, const Tensor& data, int64_t param_offset,
     const ModelParallel& mp, const std::function<Tensor(const Tensor&)>& snapshot) {
   // A replicated param is written by rank 0 of its tensor-parallel group (no copy elsewhere).
-  if (p && p->tp_split_dim < 0 && tp_group_of(*p, mp).size() > 1 && tp_group_of(*p, mp).rank != 0)
+  if (p && p->tp_split_dim < 0 && tensor_parallel_group(*p, mp).size() > 1 &&
+      tensor_parallel_group(*p, mp).rank != 0)
     return {};
   // A copy on the host (the snapshot an --async-save writes while training goes on).
   const Tensor host = snapshot                       ? snapshot(data)
@@ -69,7 +66,7 @@ std::vector<ckpt::ShardedPiece> sharded_pieces(
     return {
         ckpt::ShardedPiece{name, shape, std::vector<int64_t>(shape.size(), 0), shape, 0, -1, host}};
   }
-  const dist::Group& g = tp_group_of(*p, mp);
+  const dist::Group& g = tensor_parallel_group(*p, mp);
   const Tensor flat = host.view({host.numel()});
   const std::vector<Box> boxes = slice_boxes(*p, g);
   std::vector<ckpt::ShardedPiece> out;
@@ -99,7 +96,7 @@ std::vector<ckpt::ShardedPiece> sharded_scale_pieces(
   const size_t suffix = std::string_view(main_param ? ".main_param.scale" : ".scale").size();
   const Param* p = param_of_entry(name.substr(0, name.size() - suffix), params);
   MEGATON_CHECK(p != nullptr, "checkpoint entry '{}' belongs to no parameter", name);
-  if (tp_group_of(*p, mp).rank != 0) return {};
+  if (tensor_parallel_group(*p, mp).rank != 0) return {};
   return sharded_pieces(name, nullptr, data, 0, mp, snapshot);
 }
 
@@ -124,7 +121,7 @@ Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const s
                                                name, reader.path());
     return tensor_parallel_slice(whole, p, mp);
   }
-  const std::vector<Box> boxes = slice_boxes(p, tp_group_of(p, mp));
+  const std::vector<Box> boxes = slice_boxes(p, tensor_parallel_group(p, mp));
   if (boxes.size() == 1)
     return reader.read_box(name, boxes[0].offsets, boxes[0].shape).view(p.weight.shape());
   // SwiGLU: the gate box's rows, then the up box's.

@@ -9,11 +9,11 @@
 
 namespace megaton {
 
-namespace {
-
-const dist::Group& tp_group_of(const Param& p, const ModelParallel& mp) {
+const dist::Group& tensor_parallel_group(const Param& p, const ModelParallel& mp) {
   return p.is_expert ? mp.etp() : mp.tp();
 }
+
+namespace {
 
 // The inverse of shard_of: slices [size][...] of one tensor, in rank order, -> full.
 Tensor unshard(const Tensor& gathered, const Param& p, int size) {
@@ -72,14 +72,14 @@ dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
     // every tensor-parallel rank (the optimizer reduces its absmax over the group), written
     // as a replicated tensor.
     const bool main_param_scale = name.ends_with(".main_param.scale");
-    const bool moment_scale = main_param_scale || name.ends_with(".exp_avg.scale") ||
-                              name.ends_with(".exp_avg_sq.scale");
+    const bool moment_scale =
+        main_param_scale || name.ends_with(".exp_avg.scale") || name.ends_with(".exp_avg_sq.scale");
     const size_t suffix = main_param_scale ? std::strlen(".main_param.scale")
                           : moment_scale   ? std::strlen(".scale")
                                            : 0;
     const Param* p = param_of_entry(name.substr(0, name.size() - suffix), params);
     MEGATON_CHECK(p != nullptr, "checkpoint entry '{}' belongs to no parameter", name);
-    const dist::Group& g = tp_group_of(*p, mp);
+    const dist::Group& g = tensor_parallel_group(*p, mp);
     if (g.size() <= 1) {
       out.emplace_back(name, t);
       continue;
@@ -99,7 +99,7 @@ dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
 }
 
 Tensor tensor_parallel_slice(const Tensor& full, const Param& p, const ModelParallel& mp) {
-  const dist::Group& g = tp_group_of(p, mp);
+  const dist::Group& g = tensor_parallel_group(p, mp);
   if (p.tp_split_dim < 0 || g.size() <= 1) return full;
   return shard_of(full, p.tp_split_dim, g.rank, g.size(), p.swiglu_halves);
 }
@@ -112,21 +112,26 @@ Tensor fit_padded_vocab_rows(const Tensor& full, int64_t padded_vocab_size, int6
   const int64_t rows = full.dim(0);
   if (rows == padded_vocab_size) return full;
   if (rows < vocab_size)
-    fail("checkpoint '{}': tensor '{}' has {} vocabulary rows, fewer than the tokenizer's {} "
-         "tokens (was it trained with another tokenizer?)", source, entry, rows, vocab_size);
+    fail(
+        "checkpoint '{}': tensor '{}' has {} vocabulary rows, fewer than the tokenizer's {} "
+        "tokens (was it trained with another tokenizer?)",
+        source, entry, rows, vocab_size);
   const Tensor host = full.device() == Device::CPU ? full : full.to(Device::CPU);
   Shape shape = host.shape();
   shape[0] = padded_vocab_size;
   Tensor out = Tensor::empty(shape, host.dtype());
-  const size_t row_bytes = size_t(host.numel() / std::max<int64_t>(rows, 1)) * dtype_size(host.dtype());
+  const size_t row_bytes =
+      size_t(host.numel() / std::max<int64_t>(rows, 1)) * dtype_size(host.dtype());
   const auto* src = static_cast<const char*>(host.raw());
   auto* dst = static_cast<char*>(out.raw());
   const int64_t kept = std::min(rows, padded_vocab_size);
   std::memcpy(dst, src, size_t(kept) * row_bytes);
   const bool last_row_is_padding = rows > vocab_size;
   for (int64_t r = kept; r < padded_vocab_size; ++r) {
-    if (last_row_is_padding) std::memcpy(dst + r * row_bytes, src + (rows - 1) * row_bytes, row_bytes);
-    else std::memset(dst + r * row_bytes, 0, row_bytes);
+    if (last_row_is_padding)
+      std::memcpy(dst + r * row_bytes, src + (rows - 1) * row_bytes, row_bytes);
+    else
+      std::memset(dst + r * row_bytes, 0, row_bytes);
   }
   return out;
 }

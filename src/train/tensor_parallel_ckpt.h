@@ -6,10 +6,13 @@
 #include <string>
 
 #include "dist/gather.h"
-#include "model/param.h"
 #include "model/parallel.h"
+#include "model/param.h"
 
 namespace megaton {
+
+// The group that splits param p (Param::tp_split_dim): etp for experts, else tp.
+const dist::Group& tensor_parallel_group(const Param& p, const ModelParallel& mp);
 
 // The param a checkpoint entry belongs to: "model.<name>", "optimizer.<name>.exp_avg" or
 // "optimizer.<name>.exp_avg_sq"; null when `params` has no such name, and for the scales of
