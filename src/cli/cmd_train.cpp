@@ -7,6 +7,7 @@
 #include "train/args/flag_table.h"
 #include "train/arguments.h"
 #include "train/checkpoint_args.h"
+#include "train/hf_load.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
 
@@ -45,8 +46,9 @@ void add_train_command(CLI::App& app) {
       }
     }
   }
-  cmd->footer("Megatron-LM's other flags are accepted without effect or refused naming the "
-              "feature: see docs/megatron-flags.md.");
+  cmd->footer(
+      "Megatron-LM's other flags are accepted without effect or refused naming the "
+      "feature: see docs/megatron-flags.md.");
   cmd->callback([cmd, state] {
     RawOptions raw;
     if (!state->config.empty()) raw = read_yaml_options(state->config);
@@ -56,6 +58,10 @@ void add_train_command(CLI::App& app) {
                            ? std::vector<std::string>{state->switches[spec.name] ? "true" : "false"}
                            : state->values[spec.name];
     }
+    // --load of a Hugging Face model directory: imported first, then loaded as any checkpoint.
+    const bool dry_run =
+        raw.count("dry-run") && raw.at("dry-run") == std::vector<std::string>{"true"};
+    std::unique_ptr<StagedHFLoad> hf_load = dry_run ? nullptr : stage_hf_load(raw);
     // --use-checkpoint-args: the model's arguments from the checkpoint to load.
     CheckpointArgs from_checkpoint = apply_checkpoint_args(raw);
     raw = std::move(from_checkpoint.raw);
@@ -80,14 +86,18 @@ void add_train_command(CLI::App& app) {
     if (dist::world_rank() == 0) {
       for (const std::string& w : layout.warnings) fmt::print(stderr, "warning: {}\n", w);
       for (const std::string& w : args.warnings) fmt::print(stderr, "warning: {}\n", w);
-      for (const std::string& n : args.no_effect) fmt::print(stderr, "no effect in Megaton: {}\n", n);
+      for (const std::string& n : args.no_effect)
+        fmt::print(stderr, "no effect in Megaton: {}\n", n);
     }
     if (args.dry_run) {  // the memory plan, then exit 0: nothing is built
       run_dry_run(args, world, stdout, stderr);
       return;
     }
-    Trainer trainer(args, raw);
-    trainer.train();
+    {
+      Trainer trainer(args, raw);
+      trainer.train();
+    }
+    if (hf_load) hf_load->release();
   });
 }
 

@@ -3,6 +3,7 @@
 
 #include <mpi.h>
 
+#include <cstdint>
 #include <cstdlib>
 
 #include "dist/mpi_util.h"
@@ -81,6 +82,19 @@ bool mpi_active() {
 int world_rank() { return state().rank; }
 int world_size() { return state().size; }
 int local_rank() { return state().local_rank; }
+
+std::string broadcast_from_rank0(const std::string& s) {
+  if (!mpi_active()) return s;
+  uint64_t size = s.size();
+  MEGATON_MPI_CHECK(MPI_Bcast(&size, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD));
+  std::string out = world_rank() == 0 ? s : std::string(size, '\0');
+  if (size > 0) MEGATON_MPI_CHECK(MPI_Bcast(out.data(), int(size), MPI_CHAR, 0, MPI_COMM_WORLD));
+  return out;
+}
+
+void world_barrier() {
+  if (mpi_active()) MEGATON_MPI_CHECK(MPI_Barrier(MPI_COMM_WORLD));
+}
 
 void finalize() {
   if (!mpi_active()) return;

@@ -1,5 +1,6 @@
 // Process start and end under mpirun/srun: MPI setup, world rank and size, the local GPU.
 #pragma once
+#include <string>
 
 namespace megaton::dist {
 
@@ -24,6 +25,14 @@ int world_size();
 // Rank among the job's processes on this node (OMPI_COMM_WORLD_LOCAL_RANK,
 // SLURM_LOCALID, MPI_LOCALRANKID, else from MPI's shared-memory split); 0 alone.
 int local_rank();
+
+// World rank 0's `s` on every rank (MPI_Bcast over the world); `s` itself without MPI.
+// For the few steps before a Trainer's groups exist (train/hf_load.h). Throws
+// InternalError when MPI fails.
+std::string broadcast_from_rank0(const std::string& s);
+
+// MPI_Barrier over the world; nothing without MPI.
+void world_barrier();
 
 // MPI_Finalize when init() started MPI; idempotent. Call it on the normal exit path of
 // every rank. After an error a rank exits without it: a non-zero exit makes mpirun end

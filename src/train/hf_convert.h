@@ -20,6 +20,9 @@ struct HFImportOptions {
   std::string save_dir;  // OUT: absent or an empty directory
   TargetLayout target;   // --target-*-parallel-size
   int64_t make_vocab_size_divisible_by = 128;
+  // The checkpoint names the tokenizer files where they are in hf_dir instead of copying
+  // them to OUT/tokenizer/ (`megaton train --load` of a Hugging Face directory).
+  bool tokenizer_in_place = false;
 };
 
 // Reads the Hugging Face model (BF16, F16 or F32 tensors, converted to F32), maps its

@@ -92,7 +92,8 @@ std::map<std::string, Tensor> read_hf_tensors(const fs::path& dir,
   return out;
 }
 
-// The tokenizer the converted checkpoint records, and the files copied for it.
+// The tokenizer the converted checkpoint records, and the files copied for it to `target`
+// (an empty `target`: none copied, the checkpoint names the files in `dir`).
 struct TokenizerChoice {
   std::string type;             // tokenizer-type
   std::string model;            // tokenizer-model, the copy under OUT/tokenizer ("" for none)
@@ -108,9 +109,10 @@ TokenizerChoice choose_tokenizer(const fs::path& dir, int64_t hf_vocab, const fs
     try {
       c.vocab_size = data::make_huggingface_tokenizer(dir.string())->vocab_size();
       c.type = "HuggingFaceTokenizer";
-      c.model = target.string();
-      for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
-        if (fs::exists(dir / f)) c.files.push_back(dir / f);
+      c.model = target.empty() ? fs::absolute(dir).string() : target.string();
+      if (!target.empty())
+        for (const char* f : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+          if (fs::exists(dir / f)) c.files.push_back(dir / f);
     } catch (const Error& e) {
       log(fmt::format("warning: {}/tokenizer.json is not usable by Megaton: {}", dir.string(),
                       e.what()));
@@ -123,8 +125,9 @@ TokenizerChoice choose_tokenizer(const fs::path& dir, int64_t hf_vocab, const fs
       o.model = (dir / "tokenizer.model").string();
       c.vocab_size = data::make_tokenizer(o)->vocab_size();
       c.type = o.type;
-      c.model = (target / "tokenizer.model").string();
-      c.files.push_back(dir / "tokenizer.model");
+      c.model =
+          target.empty() ? fs::absolute(o.model).string() : (target / "tokenizer.model").string();
+      if (!target.empty()) c.files.push_back(dir / "tokenizer.model");
     } catch (const Error& e) {
       log(fmt::format("warning: {}/tokenizer.model is not usable by Megaton: {}", dir.string(),
                       e.what()));
@@ -175,7 +178,8 @@ void import_hf_checkpoint(const HFImportOptions& o, const ConvertLog& log) {
   const HFImport spec = hf_import_config(config, config_path.string());
   for (const std::string& w : spec.warnings) log("warning: " + w);
   StagedDirectory out(o.save_dir, "--save");
-  const fs::path tokenizer_dir = fs::path(out.final_path()) / "tokenizer";
+  const fs::path tokenizer_dir =
+      o.tokenizer_in_place ? fs::path() : fs::path(out.final_path()) / "tokenizer";
   const TokenizerChoice tok = choose_tokenizer(dir, spec.vocab_size, tokenizer_dir, log);
   if (tok.vocab_size > spec.vocab_size)
     fail("{}: the tokenizer has {} tokens, the model's vocab_size is {}", dir.string(),

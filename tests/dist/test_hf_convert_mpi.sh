@@ -5,7 +5,9 @@
 # gives the same safetensors bytes; the first `train --finetune` loss from the original
 # checkpoint, from the one-rank conversion (one process), and from the sharded conversion
 # under mpirun on 2 ranks as TP2 x EP2 with sequence parallelism and as DP2 x EP2 agree
-# (relative 1e-5; the one-process ones exactly).
+# (relative 1e-5; the one-process ones exactly); `train --load` of the Hugging Face
+# directory itself gives the same losses, one process and TP2 x EP2, and leaves nothing in
+# $TMPDIR; without --finetune / --no-load-optim it is one line and exit 2.
 # Usage: test_hf_convert_mpi.sh MEGATON MPIRUN [MPIRUN FLAGS...] (the flags include -n 2)
 set -uo pipefail
 megaton=$1
@@ -57,9 +59,30 @@ first_loss() {  # NAME: the lm_loss of $dir/NAME.jsonl's first line
   --log-metrics-file "$dir/tp2.jsonl" >"$dir/out" 2>"$dir/err" || fail "finetune under TP2 x EP2"
 "${launcher[@]}" "$megaton" "${finetune[@]}" --load "$dir/sharded" --expert-model-parallel-size 2 \
   --log-metrics-file "$dir/dp2.jsonl" >"$dir/out" 2>"$dir/err" || fail "finetune under DP2 x EP2"
+# --load of the Hugging Face directory itself: imported to $TMPDIR first, removed at the end.
+mkdir -p "$dir/tmp"
+TMPDIR="$dir/tmp" "$megaton" "${finetune[@]}" --load "$dir/hf" --log-metrics-file "$dir/hfload.jsonl" \
+  >"$dir/out" 2>"$dir/err" || fail "finetune from --load of the Hugging Face directory"
+grep -q "importing the Hugging Face model" "$dir/out" || fail "no import line for --load of hf"
+TMPDIR="$dir/tmp" "${launcher[@]}" -x TMPDIR "$megaton" "${finetune[@]}" --load "$dir/hf" \
+  --tensor-model-parallel-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 \
+  --sequence-parallel --log-metrics-file "$dir/hftp2.jsonl" >"$dir/out" 2>"$dir/err" ||
+  fail "finetune from --load of the Hugging Face directory under TP2 x EP2"
+[ -z "$(ls -A "$dir/tmp")" ] || fail "--load of hf left $(ls "$dir/tmp") in TMPDIR"
+TMPDIR="$dir/tmp" "$megaton" train --use-checkpoint-args "${run[@]}" --train-iters 1 \
+  --load "$dir/hf" >"$dir/out" 2>"$dir/err"
+status=$?
+[ $status -eq 2 ] || fail "--load of hf without --finetune: exit $status, want 2"
+[ "$(wc -l <"$dir/err")" -eq 1 ] && grep -q -- "--finetune" "$dir/err" ||
+  fail "--load of hf without --finetune: not one line naming --finetune"
+[ -z "$(ls -A "$dir/tmp")" ] || fail "a refused --load of hf left $(ls "$dir/tmp") in TMPDIR"
+rm -f "$dir/err"
+
 want=$(first_loss trained)
-[ "$(first_loss one)" = "$want" ] || fail "one-rank conversion: loss $(first_loss one), want $want"
-for name in tp2 dp2; do
+for name in one hfload; do
+  [ "$(first_loss $name)" = "$want" ] || fail "$name: loss $(first_loss $name), want $want"
+done
+for name in tp2 dp2 hftp2; do
   python3 -c 'import sys; a, b = map(float, sys.argv[1:]); sys.exit(abs(a - b) > 1e-5 * abs(b))' \
     "$(first_loss $name)" "$want" || fail "$name: loss $(first_loss $name), want $want"
 done
