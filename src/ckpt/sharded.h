@@ -154,6 +154,9 @@ class ShardedCheckpointReader {
   const std::string& path() const;                           // the iteration directory
   const std::string& metadata_json() const;                  // the whole metadata.json text
   const std::map<std::string, TensorInfo>& tensors() const;  // name -> dtype, global shape
+  // The bytes the reads below have returned so far (what this reader copied out of the
+  // files; pieces touched only for their checksum are not counted).
+  int64_t bytes_read() const;
 
   // The box [offsets, offsets + box_shape) of tensor `name`: a CPU tensor of shape
   // box_shape and the stored dtype, assembled from every piece overlapping it.

@@ -72,6 +72,7 @@ struct ShardedCheckpointReader::Impl {
   std::map<std::string, TensorInfo> infos;
   std::map<std::string, std::vector<PieceEntry>> pieces;  // the same names as infos
   std::vector<FileEntry> files;
+  int64_t bytes_read = 0;  // bytes copied out by read_flat
 
   std::string file_path(size_t f) const { return (fs::path(path) / files[f].name).string(); }
 
@@ -214,6 +215,7 @@ ShardedCheckpointReader& ShardedCheckpointReader::operator=(ShardedCheckpointRea
 
 const std::string& ShardedCheckpointReader::path() const { return impl_->path; }
 const std::string& ShardedCheckpointReader::metadata_json() const { return impl_->metadata_json; }
+int64_t ShardedCheckpointReader::bytes_read() const { return impl_->bytes_read; }
 const std::map<std::string, ShardedCheckpointReader::TensorInfo>& ShardedCheckpointReader::tensors()
     const {
   return impl_->infos;
@@ -260,6 +262,7 @@ Tensor ShardedCheckpointReader::read_flat(const std::string& name,
     std::memcpy(dst + run.begin * element_size, src + run.src * element_size,
                 run.count * element_size);
   }
+  impl_->bytes_read += out.nbytes();
   return out;
 }
 

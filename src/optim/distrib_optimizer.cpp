@@ -46,9 +46,8 @@ ops::MomentRoundingKey rounding_key_of(const Param& p, int64_t offset, const dis
 }
 }  // namespace
 
-DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
-                                   const dist::Grid& grid, dist::Comm& comm, AdamWConfig config,
-                                   bool distributed)
+DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
+                                   dist::Comm& comm, AdamWConfig config, bool distributed)
     : buffers_(std::move(buffers)), grid_(grid), comm_(comm), distributed_(distributed) {
   std::vector<Param*> targets;
   // --main-params-dtype fp16: each param's scale from its whole absmax (tensor-parallel
@@ -106,8 +105,8 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
     for (const BufferPiece& piece : b.shard_pieces(g.rank)) {
       Param* p = piece.param;
       Param sp;
-      sp.name = fmt::format("{}[{}:{}]", p->name, piece.param_offset,
-                            piece.param_offset + piece.numel);
+      sp.name =
+          fmt::format("{}[{}:{}]", p->name, piece.param_offset, piece.param_offset + piece.numel);
       sp.no_weight_decay = p->no_weight_decay;
       sp.is_expert = p->is_expert;
       sp.weight = b.weights().rows(piece.buffer_offset, piece.numel);
@@ -115,8 +114,8 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
       if (b.fp8()) {
         // AdamW updates the fp32 piece only; quantize_fp8_weights writes the FP8 bytes.
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
-        sp.main_param.copy_from(p->main_param.view({p->main_param.numel()})
-                                    .rows(piece.param_offset, piece.numel));
+        sp.main_param.copy_from(
+            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel));
         sp.weight = sp.main_param;
       } else if (p->main_param.raw() == p->weight.raw()) {
         sp.main_param = sp.weight;  // fp32 run: the weight is the main param
@@ -137,8 +136,8 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers,
             sp.weight, sp.main_param_remainder);
       } else {
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
-        sp.main_param.copy_from(p->main_param.view({p->main_param.numel()})
-                                    .rows(piece.param_offset, piece.numel));
+        sp.main_param.copy_from(
+            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel));
       }
       shard_params_.push_back(std::move(sp));
       shard_pieces_.push_back(piece);
@@ -423,9 +422,9 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   return model_out;
 }
 
-void DistributedAdamW::load_full_state(
-    const std::function<const Tensor*(const std::string&)>& find, const std::string& source,
-    bool optimizer_state) {
+void DistributedAdamW::load_full_state(const std::function<const Tensor*(const std::string&)>& find,
+                                       const std::string& source, bool optimizer_state,
+                                       const RangeReads& ranges) {
   auto get = [&](const std::string& name, const Shape& shape) -> const Tensor& {
     const Tensor* t = find(name);
     if (!t) fail("checkpoint '{}' has no tensor '{}'", source, name);
@@ -468,7 +467,7 @@ void DistributedAdamW::load_full_state(
     }
   }
   if (!distributed_) {
-    if (optimizer_state) load_moments(find, source);
+    if (optimizer_state) load_moments(find, source, ranges);
     return;
   }
   for (size_t i = 0; i < shard_params_.size(); ++i) {
@@ -485,13 +484,14 @@ void DistributedAdamW::load_full_state(
       ops::split_param_remainders(piece_main, sp.weight, sp.main_param_remainder);
     } else if (sp.main_param_f16.defined()) {
       Tensor piece_main = slice(get("model." + p->name, p->weight.shape())).to(sp.weight.device());
-      ops::f16_main_param_quantize(piece_main, f16_scales[shard_buffer_[i]][adam_param_slot_[i].second],
+      ops::f16_main_param_quantize(piece_main,
+                                   f16_scales[shard_buffer_[i]][adam_param_slot_[i].second],
                                    sp.main_param_f16, sp.main_param_scale);
     } else if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8()) {
       sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
     }
   }
-  if (optimizer_state) load_moments(find, source);
+  if (optimizer_state) load_moments(find, source, ranges);
   quantize_fp8_weights();
 }
 

@@ -62,10 +62,10 @@ class DistributedAdamW {
   // step's learning rate, F32 [1] on the model's device (read there, so a CUDA graph of the
   // step takes each step's value). loss: the step's summed LM loss, F32 [1] on the model's
   // device, or undefined. Multi-rank, the per-rank squared sums travel in one all-gather
-  // and are added in rank order, as grad_norm() adds them. Returns the step's record, on the device: grad_norm (I64 [1],
-  // fp64 bits), control (F32 [ops::kAdamControlSize], whether it skipped at kAdamSkip)
-  // and state (I64 [2]: step count and stopped flag after the step, a copy); and this
-  // rank's own squared sum (local_sum_sq, I64 [1] fp64 bits: which ranks hold a NaN).
+  // and are added in rank order, as grad_norm() adds them. Returns the step's record, on the
+  // device: grad_norm (I64 [1], fp64 bits), control (F32 [ops::kAdamControlSize], whether it
+  // skipped at kAdamSkip) and state (I64 [2]: step count and stopped flag after the step, a copy);
+  // and this rank's own squared sum (local_sum_sq, I64 [1] fp64 bits: which ranks hold a NaN).
   struct DeviceStep {
     Tensor grad_norm, control, state, local_sum_sq;
   };
@@ -139,8 +139,21 @@ class DistributedAdamW {
   // notice. Throws megaton::Error naming `source` and the tensor when one is missing or
   // misshapen. Collective over the (expert-)tensor-parallel groups when converting into
   // fp16 or fp8 moments.
+  //
+  // `ranges` (optional, both or neither): how to read a moment without find's whole slice
+  // (the sharded checkpoint reader). `dtype_of` gives an entry's stored dtype (nullopt when
+  // absent) without reading it; `read_range(name, offset, numel)` elements [offset, offset +
+  // numel) of the slice find would return, flattened row-major, as a 1-D host tensor of the
+  // stored dtype. With them a distributed optimizer reads only its shard's pieces of each
+  // moment (a moment converted into fp16 or fp8 is still read whole: its new scale is the
+  // whole parameter's absmax).
+  struct RangeReads {
+    std::function<std::optional<DType>(const std::string&)> dtype_of;
+    std::function<Tensor(const std::string&, int64_t, int64_t)> read_range;
+  };
   void load_full_state(const std::function<const Tensor*(const std::string&)>& find,
-                       const std::string& source, bool optimizer_state);
+                       const std::string& source, bool optimizer_state,
+                       const RangeReads& ranges = {});
 
  private:
   const dist::Group& group_of(const ParamAndGradBuffer& b) const;
@@ -176,10 +189,10 @@ class DistributedAdamW {
   // built once (plan_fp8_weight_casts): views that stay valid for the optimizer's life.
   struct Fp8WeightCast {
     ParamAndGradBuffer* buffer = nullptr;
-    Tensor amax;                               // [weights]: each weight's amax
+    Tensor amax;                                     // [weights]: each weight's amax
     std::vector<Tensor> all_amax, scale, scale_inv;  // per weight: amax slot, fp8_scales rows
     std::vector<Tensor> main, piece_amax, out, piece_scale;  // per piece on this rank
-    std::vector<Tensor> none;                  // undefined, one per piece
+    std::vector<Tensor> none;                                // undefined, one per piece
   };
   void plan_fp8_weight_casts();
   std::vector<Fp8WeightCast> fp8_casts_;
@@ -216,7 +229,7 @@ class DistributedAdamW {
   // moments converted to this run's dtypes, copied into the state, and their scales.
   struct MomentLoad;
   void load_moments(const std::function<const Tensor*(const std::string&)>& find,
-                    const std::string& source);
+                    const std::string& source, const RangeReads& ranges);
   std::unique_ptr<AdamW> adam_;
 };
 

@@ -113,8 +113,8 @@ std::vector<float> DistributedAdamW::initial_f16_main_param_scales(size_t bi,
   for (size_t k = 0; k < n; ++k) {
     const Param* p = b.params()[k];
     if (b.fp8() || !stores_f16_main_param(config, *p)) continue;
-    absmax.f32()[k] = p->main_param_f16.defined() ? absmax_of(main_param_value(*p))
-                                                  : absmax_of(p->main_param);
+    absmax.f32()[k] =
+        p->main_param_f16.defined() ? absmax_of(main_param_value(*p)) : absmax_of(p->main_param);
   }
   // Every rank of the tensor-parallel group decides alike which params are fp16.
   const dist::Group& tp = tp_group_of(b);
@@ -242,16 +242,19 @@ Tensor unscaled_values(const Tensor& stored, float scale) {
 }  // namespace
 
 void DistributedAdamW::load_moments(const std::function<const Tensor*(const std::string&)>& find,
-                                    const std::string& source) {
+                                    const std::string& source, const RangeReads& ranges) {
   const AdamWConfig& c = adam_->config();
   const DType run[2] = {c.exp_avg_dtype, c.exp_avg_sq_dtype};
   const char* suffix[2] = {".exp_avg", ".exp_avg_sq"};
   // The checkpoint's moments of every buffer param (this rank's tensor-parallel slice), their
   // dtypes and scales.
+  // `t` null: read by range (the distributed shard's pieces only).
   struct Stored {
     const Tensor* t = nullptr;
+    DType dtype = DType::F32;
     float scale = 1.0f;
   };
+  const bool by_range = distributed_ && ranges.dtype_of && ranges.read_range;
   std::vector<std::vector<std::array<Stored, 2>>> stored(buffers_.size());
   bool convert_to_scaled = false;
   for (size_t bi = 0; bi < buffers_.size(); ++bi) {
@@ -259,16 +262,22 @@ void DistributedAdamW::load_moments(const std::function<const Tensor*(const std:
       std::array<Stored, 2> entry;
       for (int col = 0; col < 2; ++col) {
         const std::string name = "optimizer." + p->name + suffix[col];
-        const Tensor* t = find(name);
-        if (!t) fail("checkpoint '{}' has no tensor '{}'", source, name);
-        const DType d = t->dtype();
-        if (t->shape() != p->weight.shape() ||
+        // By range, the reader checks the shape on each read.
+        const std::optional<DType> stored_dtype =
+            by_range ? ranges.dtype_of(name) : std::optional<DType>();
+        const Tensor* t = by_range ? nullptr : find(name);
+        if (by_range ? !stored_dtype : !t) fail("checkpoint '{}' has no tensor '{}'", source, name);
+        const DType d = by_range ? *stored_dtype : t->dtype();
+        if (d != run[col] && scaled_moment_dtype(run[col]) && !t) t = find(name);  // whole absmax
+        if ((t && t->shape() != p->weight.shape()) ||
             (d != DType::F32 && d != DType::BF16 && d != DType::F16 && d != DType::F8E4M3))
           fail(
               "checkpoint '{}': tensor '{}' is {} {}, the optimizer expects F32, BF16, F16 or "
               "F8_E4M3 {}",
-              source, name, dtype_name(d), shape_str(t->shape()), shape_str(p->weight.shape()));
+              source, name, dtype_name(d), t ? shape_str(t->shape()) : std::string("?"),
+              shape_str(p->weight.shape()));
         entry[col].t = t;
+        entry[col].dtype = d;
         if (scaled_moment_dtype(d)) {
           const Tensor* s = find(name + ".scale");
           // An F16 moment without a scale is taken as unscaled (scale 1); fp8 needs one.
@@ -297,7 +306,7 @@ void DistributedAdamW::load_moments(const std::function<const Tensor*(const std:
       for (size_t k = 0; k < n; ++k)
         for (int col = 0; col < 2; ++col) {
           const Stored& s = stored[bi][k][col];
-          if (s.t->dtype() == run[col] || !scaled_moment_dtype(run[col])) continue;
+          if (s.dtype == run[col] || !scaled_moment_dtype(run[col])) continue;
           const Tensor values = unscaled_values(*s.t, s.scale);
           float m = 0.0f;
           for (int64_t i = 0; i < values.numel(); ++i) m = std::max(m, std::fabs(values.f32()[i]));
@@ -330,11 +339,12 @@ void DistributedAdamW::load_moments(const std::function<const Tensor*(const std:
     for (int col = 0; col < 2; ++col) {
       const Stored& s = stored[bi][k][col];
       Tensor& target = *state[2 * j + col].second;
-      auto piece = [&](const Tensor& full) {
-        return full.view({full.numel()}).rows(offset, numel).view(target.shape());
-      };
-      if (s.t->dtype() == run[col]) {
-        target.copy_from(piece(*s.t));
+      const std::string name = "optimizer." + buffers_[bi]->params()[k]->name + suffix[col];
+      const Tensor stored_piece =
+          s.t ? s.t->view({s.t->numel()}).rows(offset, numel).view(target.shape())
+              : ranges.read_range(name, offset, numel).view(target.shape());
+      if (s.dtype == run[col]) {
+        target.copy_from(stored_piece);
         scales[col] = s.scale;
         continue;
       }
@@ -342,10 +352,9 @@ void DistributedAdamW::load_moments(const std::function<const Tensor*(const std:
         fmt::print(
             " checkpoint '{}' holds the Adam moments in {} ('{}'), this run keeps them in "
             "{}: converting\n",
-            source, dtype_name(s.t->dtype()),
-            "optimizer." + buffers_[bi]->params()[k]->name + suffix[col], dtype_name(run[col]));
+            source, dtype_name(s.dtype), name, dtype_name(run[col]));
       noticed = true;
-      Tensor values = unscaled_values(piece(*s.t), s.scale);
+      Tensor values = unscaled_values(stored_piece, s.scale);
       if (scaled_moment_dtype(run[col])) {
         scales[col] = new_scales[bi].f32()[2 * k + col];
         const float rscale = ops::state_rscale(scales[col]);

@@ -100,9 +100,12 @@ std::vector<ckpt::ShardedPiece> sharded_scale_pieces(
   return sharded_pieces(name, nullptr, data, 0, mp, snapshot);
 }
 
-Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const std::string& name,
-                                  const Param& p, const ModelParallel& mp,
-                                  int64_t padded_vocab_size, int64_t vocab_size) {
+namespace {
+
+// Checks that checkpoint entry `name` has p's full shape (a padded vocabulary aside);
+// returns whether its vocabulary padding differs from this run's.
+bool check_global_shape(ckpt::ShardedCheckpointReader& reader, const std::string& name,
+                        const Param& p) {
   const auto& info = reader.tensors().at(name);
   const std::vector<int64_t> full = dims_of(p.full_shape);
   std::vector<int64_t> saved = info.global_shape;
@@ -116,11 +119,20 @@ Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const s
         reader.path(), name, dtype_name(info.dtype),
         shape_str(Shape(info.global_shape.begin(), info.global_shape.end())),
         shape_str(p.full_shape));
-  if (other_padding) {
+  return other_padding;
+}
+
+}  // namespace
+
+Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const std::string& name,
+                                  const Param& p, const ModelParallel& mp,
+                                  int64_t padded_vocab_size, int64_t vocab_size) {
+  if (check_global_shape(reader, name, p)) {
     const Tensor whole = fit_padded_vocab_rows(reader.read(name), padded_vocab_size, vocab_size,
                                                name, reader.path());
     return tensor_parallel_slice(whole, p, mp);
   }
+  const auto& info = reader.tensors().at(name);
   const std::vector<Box> boxes = slice_boxes(p, tensor_parallel_group(p, mp));
   if (boxes.size() == 1)
     return reader.read_box(name, boxes[0].offsets, boxes[0].shape).view(p.weight.shape());
@@ -132,6 +144,34 @@ Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const s
     const Tensor part = reader.read_box(name, b.offsets, b.shape);
     rows.rows(at, part.numel()).copy_from(part.view({part.numel()}));
     at += part.numel();
+  }
+  return out;
+}
+
+Tensor read_tensor_parallel_range(ckpt::ShardedCheckpointReader& reader, const std::string& name,
+                                  const Param& p, const ModelParallel& mp,
+                                  int64_t padded_vocab_size, int64_t vocab_size, int64_t offset,
+                                  int64_t numel) {
+  MEGATON_CHECK(offset >= 0 && numel >= 0 && offset + numel <= p.weight.numel(),
+                "read_tensor_parallel_range: [{}, {}) outside {}'s {} elements", offset,
+                offset + numel, name, p.weight.numel());
+  if (check_global_shape(reader, name, p)) {
+    const Tensor slice =
+        read_tensor_parallel_slice(reader, name, p, mp, padded_vocab_size, vocab_size);
+    return slice.view({slice.numel()}).rows(offset, numel).clone();
+  }
+  // The slice is its boxes' elements one after another: read each box's overlap with the
+  // range by offset.
+  Tensor out = Tensor::empty({numel}, reader.tensors().at(name).dtype);
+  int64_t box_start = 0;
+  for (const Box& b : slice_boxes(p, tensor_parallel_group(p, mp))) {
+    const int64_t box_end = box_start + numel_of(b.shape);
+    const int64_t begin = std::max(offset, box_start), end = std::min(offset + numel, box_end);
+    if (begin < end)
+      out.rows(begin - offset, end - begin)
+          .copy_from(
+              reader.read_flat(name, b.offsets, b.shape, begin - box_start, end - box_start));
+    box_start = box_end;
   }
   return out;
 }

@@ -45,4 +45,13 @@ Tensor read_tensor_parallel_slice(ckpt::ShardedCheckpointReader& reader, const s
                                   const Param& p, const ModelParallel& mp,
                                   int64_t padded_vocab_size, int64_t vocab_size);
 
+// Elements [offset, offset + numel) of what read_tensor_parallel_slice returns, flattened
+// row-major (a 1-D host tensor of the stored dtype), reading only the boxes' bytes that
+// hold them (the distributed optimizer's shard of a moment). The same errors, and
+// InternalError for a range outside p.weight's elements.
+Tensor read_tensor_parallel_range(ckpt::ShardedCheckpointReader& reader, const std::string& name,
+                                  const Param& p, const ModelParallel& mp,
+                                  int64_t padded_vocab_size, int64_t vocab_size, int64_t offset,
+                                  int64_t numel);
+
 }  // namespace megaton

@@ -342,6 +342,21 @@ void Trainer::load() {
   // This rank's part of each param entry: the vocabulary rows refitted to this layout's
   // padding, then the tensor-parallel slice.
   std::map<std::string, Tensor> parts;
+  // Sharded: the distributed optimizer reads only its shard's pieces of each moment.
+  optim::DistributedAdamW::RangeReads ranges;
+  if (reader) {
+    ranges.dtype_of = [&](const std::string& name) -> std::optional<DType> {
+      auto it = reader->tensors().find(name);
+      if (it == reader->tensors().end()) return std::nullopt;
+      return it->second.dtype;
+    };
+    ranges.read_range = [&](const std::string& name, int64_t offset, int64_t numel) {
+      const Param* p = param_of_entry(name, by_name);
+      MEGATON_CHECK(p, "checkpoint entry {} belongs to no param", name);
+      return read_tensor_parallel_range(*reader, name, *p, mp, args_.model.padded_vocab_size,
+                                        args_.model.vocab_size, offset, numel);
+    };
+  }
   optimizer_->load_full_state(
       [&](const std::string& name) -> const Tensor* {
         const Param* p = param_of_entry(name, by_name);
@@ -367,7 +382,7 @@ void Trainer::load() {
         part->second = p->tp_split_dim < 0 ? full : tensor_parallel_slice(full, *p, mp);
         return &part->second;
       },
-      ck.path, optimizer_state);
+      ck.path, optimizer_state, ranges);
   moe_->load_expert_bias(whole, ck.path);
   // The delayed recipe's amax histories: a checkpoint without them (bf16, or another
   // recipe) starts them afresh, as Transformer Engine does without its extra state.
@@ -418,9 +433,10 @@ void Trainer::load() {
   }
   if (is_logging_rank())
     fmt::print(
-        " loaded checkpoint from {} at iteration {} ({:.1f} ms)\n", ck.path, iteration_,
+        " loaded checkpoint from {} at iteration {} ({:.1f} ms{})\n", ck.path, iteration_,
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - load_start)
-            .count());
+            .count(),
+        reader ? fmt::format(", {} bytes read by this rank", reader->bytes_read()) : "");
 }
 
 }  // namespace megaton

@@ -413,6 +413,12 @@ resumes=(
   "one-rank-to-dp4-distopt|1||4|--use-distributed-optimizer"
   "ep2-etp2-to-one-rank|4|--expert-model-parallel-size 2 --expert-tensor-parallel-size 2|1|"
   "one-rank-to-dp2-ep2-distopt|1||4|--expert-model-parallel-size 2 --use-distributed-optimizer"
+  # The distributed optimizer reads only its shard of each moment, by offset: across the
+  # TP slice's SwiGLU boxes, and in fp8 with the scales.
+  "tp2-sp-to-tp2-dp2-distopt|2|--tensor-model-parallel-size 2 --sequence-parallel|4|--tensor-model-parallel-size 2 --use-distributed-optimizer"
+  "one-rank-to-dp2-distopt-fp8-states|1||2|--use-distributed-optimizer|PAO=fp8 RTOL=2e-4"
+  # fp32 moments converted into bf16 on load, piece by piece (read by range); fp8 below.
+  "one-rank-to-dp2-distopt-into-bf16-states|1||2|--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16|RTOL=1e-4"
   "tp2-sp-ep2-to-ep4|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1|4|--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall"
   "pp2-distopt-to-dp2|2|--pipeline-model-parallel-size 2 --use-distributed-optimizer|2|"
   "dp2-to-pp4|2||4|--pipeline-model-parallel-size 4"
@@ -527,6 +533,25 @@ if [[ -z "${LAYOUTS_ONLY:-}" || vocab-tp1-to-tp2-step =~ $LAYOUTS_ONLY ]]; then
       echo "ok: vocab-tp1-to-tp2-step equals one rank padded alike: $out"
     else
       echo "FAILED: vocab-tp1-to-tp2-step differs from one rank padded alike:"; echo "$out"; status=1
+    fi
+  else
+    status=1
+  fi
+fi
+# fp32 moments converted into fp8 on load (each scale from the whole parameter's absmax,
+# then the distributed optimizer's pieces): the third step on DP2 with the distributed
+# optimizer equals one rank converting alike (not the fp32 run: fp8 moments round).
+if [[ -z "${LAYOUTS_ONLY:-}" || into-fp8-states =~ $LAYOUTS_ONLY ]]; then
+  use_variant ""
+  fp8_states=(--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8)
+  if { [ -e "$dir/fp32-states-first" ] || ITERS=2 run fp32-states-first 1; } &&
+     run into-fp8-states-dp2-distopt 2 --load "$dir/fp32-states-first/save" \
+       --use-distributed-optimizer "${fp8_states[@]}" &&
+     run into-fp8-states-one-rank 1 --load "$dir/fp32-states-first/save" "${fp8_states[@]}"; then
+    if out=$(python3 "$compare" --resumed "$dir/into-fp8-states-one-rank" "$dir/into-fp8-states-dp2-distopt"); then
+      echo "ok: into-fp8-states (DP2, distributed optimizer) equals one rank converting alike: $out"
+    else
+      echo "FAILED: into-fp8-states differs from one rank converting alike:"; echo "$out"; status=1
     fi
   else
     status=1

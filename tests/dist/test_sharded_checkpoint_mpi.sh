@@ -4,6 +4,8 @@
 #    rank_NNNNN.safetensors holds a quarter of the state; without it (DP2) rank 0 holds
 #    everything and rank 1 nothing. Every layout's files hold the state's bytes exactly once:
 #    main params and both Adam moments, fp32, 3 x 4 bytes x the model's parameter count.
+#    Loading under DP4 with the distributed optimizer, a rank reads the weights and only its
+#    shard of the moments (about 6 bytes x params, not 12).
 # 2. A damaged rank file (truncated, one byte flipped, deleted) makes `megaton train --load`
 #    exit with status 2 and one line naming that file.
 # 3. kill -9 during saves: a 2-rank run saving every iteration (and removing the previous
@@ -109,6 +111,28 @@ quarters tp2-dp2-distributed-optimizer
 save_once dp2 2
 [ $((20 * sizes[1])) -lt "${sizes[0]}" ] ||
   fail "dp2: rank 1's file (${sizes[1]} bytes) is not under 5% of rank 0's (${sizes[0]})"
+
+# Bytes read per rank at load: DP4 with the distributed optimizer reads the weights whole
+# (every rank holds them: 4 bytes x params) and only its shard of each moment (about a quarter
+# of 2 x 4 bytes x params): about 6 bytes x params; without it every rank reads all 12.
+bytes_read() {  # NAME FLAGS...: resume $dir/dp2 on 4 ranks; prints the logging rank's bytes
+  local name=$1
+  shift
+  "$mpirun" "$np_flag" 4 "${mpi_flags[@]}" "$megaton" train "${small[@]}" "$@" --load "$dir/dp2" \
+    --train-iters 2 >"$dir/$name.out" 2>&1 ||
+    { status=$?; tail -5 "$dir/$name.out"; fail "$name: exit status $status"; }
+  sed -nE 's/.*loaded checkpoint from .*, ([0-9]+) bytes read by this rank.*/\1/p' "$dir/$name.out"
+}
+sharded_read=$(bytes_read read-dp4-distributed-optimizer --use-distributed-optimizer)
+whole_read=$(bytes_read read-dp4)
+echo "bytes read at load by one rank of DP4: $sharded_read with the distributed optimizer," \
+  "$whole_read without ($small_params params)"
+[ -n "$sharded_read" ] && [ -n "$whole_read" ] || fail "no 'bytes read' in the load line"
+[ "$whole_read" -eq $((12 * small_params)) ] ||
+  fail "DP4 without the distributed optimizer read $whole_read bytes, expected 12 x params"
+[ $((10 * sharded_read)) -ge $((55 * small_params)) ] &&
+  [ $((10 * sharded_read)) -le $((66 * small_params)) ] ||
+  fail "DP4 with the distributed optimizer read $sharded_read bytes, expected about 6 x params"
 
 echo "bytes per rank: done at ${SECONDS} s"
 
