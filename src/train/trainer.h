@@ -4,9 +4,9 @@
 #include <chrono>
 #include <functional>
 #include <future>
-#include <optional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "ckpt/sharded.h"
@@ -32,10 +32,10 @@ namespace megaton {
 
 // What one run reports back (used by tests and the demo).
 struct TrainResult {
-  std::vector<double> losses;       // lm loss of every iteration run, in order
-  std::vector<double> grad_norms;   // grad norm of every iteration run
-  double first_valid_loss = -1;     // before training (fresh runs), -1 when not evaluated
-  double last_valid_loss = -1;      // after training
+  std::vector<double> losses;      // lm loss of every iteration run, in order
+  std::vector<double> grad_norms;  // grad norm of every iteration run
+  double first_valid_loss = -1;    // before training (fresh runs), -1 when not evaluated
+  double last_valid_loss = -1;     // after training
   int64_t final_iteration = 0;
   // --cuda-graph-impl full_iteration: the iteration whose step was captured and the nodes
   // of the graph (0 when none was captured).
@@ -76,8 +76,8 @@ class Trainer {
   std::map<std::string, const Param*> params_by_name() const;
   // The pipeline schedule's view of the global batch starting at sample batch_start of
   // `source`: this data-parallel rank's `count` micro-batches.
-  PipelineMicroBatches pipeline_micro_batches(const data::SampleSource& source,
-                                              int64_t batch_start, int64_t count,
+  PipelineMicroBatches pipeline_micro_batches(const data::SampleSource& source, int64_t batch_start,
+                                              int64_t count,
                                               std::function<ForwardContext(int64_t)> context) const;
   // One step's forwards and backwards and the gradient reduction. Returns the LM loss
   // summed over the step's tokens on every rank ([1] fp32 on the model's device, reduced
@@ -128,10 +128,10 @@ class Trainer {
   // (stop_on_non_finite) and the skipped-iteration counts, the result, the metrics file,
   // the log interval and its log line. `interval` carries the log interval's sums.
   struct LogInterval {
-    double loss = 0, ms = 0;  // loss: summed over the advanced (not skipped) iterations
+    double loss = 0, ms = 0;         // loss: summed over the advanced (not skipped) iterations
     std::vector<double> mtp_losses;  // per MTP depth, summed like loss
     int64_t iterations = 0, advanced = 0, skipped = 0, nan = 0;
-    std::vector<PendingMoEMetrics> moe;  // read by the log line
+    std::vector<PendingMoEMetrics> moe;               // read by the log line
     std::chrono::steady_clock::time_point last_done;  // when the previous step was read
   };
   void finish_step(PendingStep& step, LogInterval& interval, TrainResult& result);
@@ -171,6 +171,11 @@ class Trainer {
     int64_t consumed_samples = 0;
   };
   void finish_save(const SaveState& state, const ckpt::RankShardRecord& record);
+  // After every rank's write of `state` (collective over the world): when a rank's write
+  // failed (`error` non-empty on it), rank 0 removes the temporary directory once every rank
+  // has stopped and every rank throws megaton::Error naming the iteration, the failing rank
+  // and its error ("background" says which kind of save in the message).
+  void fail_if_a_write_failed(const SaveState& state, const std::string& error, bool background);
   // --async-save: commits the save in flight when every rank's background write is done
   // (blocking: waits for it), or does nothing (none in flight, or not all done yet). A
   // failed background write on any rank removes the temporary directory and raises
@@ -212,10 +217,9 @@ class Trainer {
   // loss: the mean over the interval's advanced iterations; skipped, nan: the interval's
   // counts (Megatron's, reset at each log line).
   void log_line(const std::string& extra_fields, int64_t iteration, int64_t consumed_samples,
-                int64_t global_batch_size, double ms_per_iter, double lr,
-                double loss, const std::vector<double>& mtp_losses, const MoEStepMetrics& moe,
-                double grad_norm, int64_t num_zeros, double params_norm, int64_t skipped,
-                int64_t nan);
+                int64_t global_batch_size, double ms_per_iter, double lr, double loss,
+                const std::vector<double>& mtp_losses, const MoEStepMetrics& moe, double grad_norm,
+                int64_t num_zeros, double params_norm, int64_t skipped, int64_t nan);
 
   TrainArgs args_;
   RawOptions raw_;

@@ -198,8 +198,15 @@ void Trainer::save(int64_t iteration) {
           iteration, args_.save, ms_since(save_start));
     return;
   }
-  const ckpt::RankShardRecord record = ckpt::write_rank_shard(state.tmp, world.rank, pieces);
+  ckpt::RankShardRecord record;
+  std::string error;
+  try {
+    record = ckpt::write_rank_shard(state.tmp, world.rank, pieces);
+  } catch (const Error& e) {  // (an internal error ends the job as it is)
+    error = e.what();
+  }
   pieces.clear();
+  fail_if_a_write_failed(state, error, false);
   finish_save(state, record);
   if (is_logging_rank())
     fmt::print(" (iteration {}: the step stalled {:.1f} ms; {} bytes in rank 0's file)\n",
@@ -229,23 +236,30 @@ void Trainer::finalize_async_save(bool blocking) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - pending.start)
           .count();
   async_save_.reset();
-  Tensor failed = Tensor::from_i32({1}, {error.empty() ? 0 : world.rank + 1}).to(comm_->device());
-  comm_->all_reduce(failed, world, dist::ReduceOp::Max);
-  if (const int32_t r = failed.to(Device::CPU).i32()[0]; r > 0) {
-    comm_->barrier(world);  // every rank's writer has stopped
-    if (world.rank == 0) {
-      std::error_code ec;
-      std::filesystem::remove_all(state.tmp, ec);
-    }
-    fail(
-        "the background save of iteration {} to '{}' failed on rank {}{}{} (the checkpoint "
-        "the tracker names is unchanged)",
-        state.iteration, args_.save, r - 1, error.empty() ? "" : ": ", error);
-  }
+  fail_if_a_write_failed(state, error, true);
   finish_save(state, record);
   if (is_logging_rank())
     fmt::print(" (iteration {}: written in the background in {:.1f} ms)\n", state.iteration,
                write_ms);
+}
+
+void Trainer::fail_if_a_write_failed(const SaveState& state, const std::string& error,
+                                     bool background) {
+  const dist::Group& world = grid_->world();
+  Tensor failed = Tensor::from_i32({1}, {error.empty() ? 0 : world.rank + 1}).to(comm_->device());
+  comm_->all_reduce(failed, world, dist::ReduceOp::Max);
+  const int32_t r = failed.to(Device::CPU).i32()[0];
+  if (r == 0) return;
+  comm_->barrier(world);  // every rank's writer has stopped
+  if (world.rank == 0) {
+    std::error_code ec;
+    std::filesystem::remove_all(state.tmp, ec);
+  }
+  fail(
+      "the {}save of iteration {} to '{}' failed on rank {}{}{} (the checkpoint the tracker "
+      "names is unchanged)",
+      background ? "background " : "", state.iteration, args_.save, r - 1,
+      error.empty() ? "" : ": ", error);
 }
 
 void Trainer::finish_save(const SaveState& state, const ckpt::RankShardRecord& record) {
