@@ -1,9 +1,11 @@
 // Hugging Face Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 checkpoints -> Megaton
 // names.
 #pragma once
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -53,6 +55,21 @@ struct HFLayout {
 // `used` (when given) receives the HF names the mapping read, so a caller can tell which
 // tensors of the checkpoint it left out.
 // Throws megaton::Error naming a missing tensor.
+// The same mapping as a plan, one entry per Megaton tensor, made on demand (megaton convert
+// reading a Hugging Face model by mmap, one tensor at a time). `has` says whether the
+// checkpoint holds an HF name; make(get) returns the Megaton tensor (F32) from the inputs
+// `get` returns (any of BF16, F16, F32; views are fine). `inputs`: the HF names make reads.
+// Throws megaton::Error naming the first missing tensor, as hf_to_megaton.
+using HFHas = std::function<bool(const std::string&)>;
+using HFGet = std::function<Tensor(const std::string&)>;
+struct HFMappedTensor {
+  std::string name;  // Megaton's
+  std::vector<std::string> inputs;
+  std::function<Tensor(const HFGet&)> make;
+};
+std::vector<HFMappedTensor> hf_mapping(const HFLayout& layout, const HFHas& has,
+                                       const std::string& prefix = "");
+
 std::map<std::string, Tensor> hf_to_megaton(const std::map<std::string, Tensor>& hf,
                                             const HFLayout& layout, const std::string& prefix = "",
                                             std::set<std::string>* used = nullptr);

@@ -2,6 +2,7 @@
 #include "ckpt/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -26,6 +28,12 @@ namespace {
 // a corrupt length from turning into a huge allocation.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
+int64_t numel_of(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
 void write_all(std::FILE* f, const void* data, size_t bytes, const std::string& path) {
   if (bytes && std::fwrite(data, 1, bytes, f) != bytes)
     fail("safetensors file '{}': write failed: {}", path, std::strerror(errno));
@@ -36,12 +44,25 @@ void write_all(std::FILE* f, const void* data, size_t bytes, const std::string& 
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorToWrite> specs;
+  specs.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    MEGATON_CHECK(t.defined(), "tensor '{}' for {} is undefined", name, path);
+    MEGATON_CHECK(t.device() == Device::CPU, "tensor '{}' is not on the CPU", name);
+    specs.push_back({name, t.dtype(), t.shape(), [&t] { return t; }});
+  }
+  save_safetensors_streamed(path, specs, metadata);
+}
+
+void save_safetensors_streamed(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                               const std::map<std::string, std::string>& metadata,
+                               const std::function<void(size_t, const Tensor&)>& written) {
   // Largest element size first: the data section starts 8-byte aligned, so every tensor
   // then starts at a multiple of its element size.
   std::vector<size_t> order(tensors.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return dtype_size(tensors[a].second.dtype()) > dtype_size(tensors[b].second.dtype());
+    return dtype_size(tensors[a].dtype) > dtype_size(tensors[b].dtype);
   });
 
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
@@ -53,15 +74,13 @@ void save_safetensors(const std::string& path,
   std::set<std::string> names;
   uint64_t offset = 0;
   for (size_t i : order) {
-    const auto& [name, t] = tensors[i];
-    MEGATON_CHECK(name != "__metadata__", "a tensor may not be named __metadata__ ({})", path);
-    MEGATON_CHECK(names.insert(name).second, "tensor '{}' given twice for {}", name, path);
-    MEGATON_CHECK(t.defined(), "tensor '{}' for {} is undefined", name, path);
-    MEGATON_CHECK(t.device() == Device::CPU, "tensor '{}' is not on the CPU", name);
-    uint64_t bytes = t.nbytes();
-    header[name] = {{"dtype", std::string(dtype_name(t.dtype()))},
-                    {"shape", t.shape()},
-                    {"data_offsets", {offset, offset + bytes}}};
+    const TensorToWrite& t = tensors[i];
+    MEGATON_CHECK(t.name != "__metadata__", "a tensor may not be named __metadata__ ({})", path);
+    MEGATON_CHECK(names.insert(t.name).second, "tensor '{}' given twice for {}", t.name, path);
+    const uint64_t bytes = uint64_t(numel_of(t.shape)) * dtype_size(t.dtype);
+    header[t.name] = {{"dtype", std::string(dtype_name(t.dtype))},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string json = header.dump();
@@ -76,7 +95,18 @@ void save_safetensors(const std::string& path,
     for (int i = 0; i < 8; ++i) length[i] = uint8_t(n >> (8 * i));
     write_all(f, length, 8, tmp);
     write_all(f, json.data(), json.size(), tmp);
-    for (size_t i : order) write_all(f, tensors[i].second.raw(), tensors[i].second.nbytes(), tmp);
+    for (size_t i : order) {
+      const TensorToWrite& spec = tensors[i];
+      const Tensor t = spec.produce();
+      MEGATON_CHECK(t.defined() && t.device() == Device::CPU && t.dtype() == spec.dtype &&
+                        t.numel() == numel_of(spec.shape),
+                    "tensor '{}' for {}: produced {} elements of {}, declared {} of {}", spec.name,
+                    path, t.defined() ? t.numel() : 0,
+                    t.defined() ? dtype_name(t.dtype()) : "nothing", numel_of(spec.shape),
+                    dtype_name(spec.dtype));
+      write_all(f, t.raw(), t.nbytes(), tmp);
+      if (written) written(i, t);
+    }
     if (std::fflush(f) != 0 || ::fsync(fileno(f)) != 0)
       fail("safetensors file '{}': flush failed: {}", tmp, std::strerror(errno));
   } catch (...) {
@@ -95,7 +125,23 @@ void save_safetensors(const std::string& path,
   }
 }
 
-SafetensorsFile load_safetensors(const std::string& path) {
+namespace {
+
+// A read-only mapping of a whole file, unmapped when the last holder lets go.
+std::shared_ptr<void> map_file(const std::string& path, uint64_t size) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail("safetensors file '{}': cannot open: {}", path, std::strerror(errno));
+  void* data = size == 0 ? nullptr : ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (data == MAP_FAILED) fail("safetensors file '{}': cannot map: {}", path, std::strerror(err));
+  return std::shared_ptr<void>(data, [size](void* p) {
+    if (p) ::munmap(p, size);
+  });
+}
+
+// load_safetensors (mapped false) or map_safetensors (true).
+SafetensorsFile read_safetensors(const std::string& path, bool mapped) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("safetensors file '{}': cannot open: {}", path, std::strerror(errno));
   in.seekg(0, std::ios::end);
@@ -133,6 +179,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
     std::string name;
   };
   std::vector<Span> spans;
+  std::map<std::string, std::pair<Shape, DType>> shapes;
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) fail("safetensors file '{}': __metadata__ is not an object", path);
@@ -182,7 +229,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
           "safetensors file '{}': truncated: tensor '{}' ends at data byte {}, but the file "
           "holds {} data bytes",
           path, name, end, data_size);
-    out.tensors[name] = Tensor::empty(shape, dtype);
+    out.tensors[name] = mapped ? Tensor() : Tensor::empty(shape, dtype);
+    shapes[name] = {shape, dtype};
     spans.push_back({begin, end, name});
   }
   // The reference reader demands that the tensors tile the data section exactly: no gap,
@@ -203,6 +251,18 @@ SafetensorsFile load_safetensors(const std::string& path) {
     fail("safetensors file '{}': tensors cover {} data bytes but the file holds {}", path, expect,
          data_size);
 
+  if (mapped) {
+    // Views over the mapping (a const mapping: the tensors are read only).
+    out.mapping = map_file(path, file_size);
+    auto* base = static_cast<uint8_t*>(out.mapping.get());
+    for (const Span& s : spans) {
+      const auto& [shape, dtype] = shapes.at(s.name);
+      out.tensors[s.name] =
+          s.end == s.begin ? Tensor::empty(shape, dtype)
+                           : Tensor::borrow(base + data_start + s.begin, shape, dtype, Device::CPU);
+    }
+    return out;
+  }
   for (const Span& s : spans) {
     Tensor& t = out.tensors[s.name];
     if (s.end == s.begin) continue;
@@ -211,6 +271,20 @@ SafetensorsFile load_safetensors(const std::string& path) {
     if (!in) fail("safetensors file '{}': read failed in tensor '{}'", path, s.name);
   }
   return out;
+}
+
+}  // namespace
+
+SafetensorsFile load_safetensors(const std::string& path) { return read_safetensors(path, false); }
+
+SafetensorsFile map_safetensors(const std::string& path) { return read_safetensors(path, true); }
+
+void release_mapped_pages(const Tensor& view) {
+  if (!view.defined() || view.nbytes() == 0) return;
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (uintptr_t(view.raw()) + page - 1) / page * page;
+  const uintptr_t end = (uintptr_t(view.raw()) + view.nbytes()) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 }  // namespace megaton::ckpt

@@ -193,7 +193,7 @@ RankShardRecord write_rank_shard(const std::string& tmp_iteration_dir, int rank,
   RankShardRecord record;
   record.rank = rank;
   record.file = rank_shard_file_name(rank);
-  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const ShardedPiece& piece = pieces[i];
     PieceRecord p;
@@ -208,28 +208,42 @@ RankShardRecord write_rank_shard(const std::string& tmp_iteration_dir, int rank,
     const std::string problem = sharded_layout::geometry_problem(p.global_shape, range_of(p));
     MEGATON_CHECK(problem.empty(), "write_rank_shard: rank {} piece {} of '{}': {}", rank, i,
                   p.name, problem);
+    const int64_t numel = p.flat_end - p.flat_begin;
     const Tensor& data = piece.data;
-    MEGATON_CHECK(data.defined() && data.device() == Device::CPU,
-                  "write_rank_shard: rank {} piece {} of '{}': data is not a CPU tensor", rank, i,
-                  p.name);
-    MEGATON_CHECK(data.numel() == p.flat_end - p.flat_begin,
-                  "write_rank_shard: rank {} piece {} of '{}': data holds {} elements, the flat "
-                  "range [{}, {}) needs {}",
-                  rank, i, p.name, data.numel(), p.flat_begin, p.flat_end,
-                  p.flat_end - p.flat_begin);
-    p.dtype = data.dtype();
+    if (piece.produce) {
+      MEGATON_CHECK(!data.defined(),
+                    "write_rank_shard: rank {} piece {} of '{}': both data and "
+                    "produce",
+                    rank, i, p.name);
+      p.dtype = piece.dtype;
+    } else {
+      MEGATON_CHECK(data.defined() && data.device() == Device::CPU,
+                    "write_rank_shard: rank {} piece {} of '{}': data is not a CPU tensor", rank, i,
+                    p.name);
+      MEGATON_CHECK(data.numel() == numel,
+                    "write_rank_shard: rank {} piece {} of '{}': data holds {} elements, the flat "
+                    "range [{}, {}) needs {}",
+                    rank, i, p.name, data.numel(), p.flat_begin, p.flat_end, numel);
+      p.dtype = data.dtype();
+    }
     p.key = fmt::format("{}#{}", p.name, i);
-    p.nbytes = data.nbytes();
-    p.crc32 = sharded_layout::crc32_of(data.raw(), p.nbytes);
+    p.nbytes = uint64_t(numel) * dtype_size(p.dtype);
     // A whole box keeps its shape in the file (for tools reading one rank's file); a flat
     // range is 1-D.
     const bool whole_box = p.flat_begin == 0 && p.flat_end == box_numel;
-    tensors.emplace_back(p.key, whole_box ? data.view(p.box_shape) : data.view({data.numel()}));
+    const Shape shape = whole_box ? Shape(p.box_shape.begin(), p.box_shape.end()) : Shape{numel};
+    tensors.push_back(
+        {p.key, p.dtype, shape,
+         piece.produce ? piece.produce : std::function<Tensor()>([&data] { return data; })});
     record.pieces.push_back(std::move(p));
   }
   const std::string path = (fs::path(tmp_iteration_dir) / record.file).string();
-  save_safetensors(path, tensors,
-                   {{"checkpoint_format", kShardedFormatName}, {"rank", std::to_string(rank)}});
+  // Each piece's crc32 from its bytes as they are written.
+  save_safetensors_streamed(
+      path, tensors, {{"checkpoint_format", kShardedFormatName}, {"rank", std::to_string(rank)}},
+      [&](size_t i, const Tensor& t) {
+        record.pieces[i].crc32 = sharded_layout::crc32_of(t.raw(), t.nbytes());
+      });
   fsync_path(tmp_iteration_dir);  // the rename of the file's .tmp into place
 
   // Where save_safetensors put each piece: its header, read back, says.

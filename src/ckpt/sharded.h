@@ -20,6 +20,7 @@
 // (remove_stale_partial_saves).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -46,6 +47,10 @@ struct ShardedPiece {
   // CPU, contiguous, dtype = the global tensor's; numel = flat_end - flat_begin (or the
   // box's numel when flat_end = -1); any shape with that numel.
   Tensor data;
+  // Instead of `data` (left undefined): the piece made when the file reaches it, of dtype
+  // `dtype` (so a writer of many pieces holds one at a time: megaton convert).
+  std::function<Tensor()> produce;
+  DType dtype = DType::F32;
 };
 
 // Where one piece's bytes lie, as recorded by its rank and indexed by metadata.json.
@@ -92,7 +97,8 @@ std::string begin_sharded_save(const std::string& save_dir, int64_t iteration);
 
 // Each rank: writes `pieces` to <tmp_iteration_dir>/rank_<rank, 5 digits>.safetensors
 // (keys name + "#" + index in `pieces`; the file is written under a .tmp name, flushed to
-// disk and renamed; the directory is flushed) and returns its record. Pieces may be of any
+// disk and renamed; the directory is flushed) and returns its record. Pieces with
+// `produce` are made one at a time as the file is written. Pieces may be of any
 // DType and may be empty (flat_begin == flat_end); a rank with no pieces writes a file with
 // none. Throws InternalError when a piece is inconsistent (box outside the global shape,
 // flat range outside the box, data not on the CPU or of the wrong numel, rank < 0);

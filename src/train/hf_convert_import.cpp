@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -68,13 +69,17 @@ std::vector<fs::path> shard_files(const fs::path& dir, std::map<std::string, std
   return out;
 }
 
-// Every tensor of the checkpoint, as stored (BF16, F16 or F32); `file_of` names its file.
-std::map<std::string, Tensor> read_hf_tensors(const fs::path& dir,
-                                              std::map<std::string, std::string>& file_of) {
+// Every tensor of the checkpoint, as stored (BF16, F16 or F32): views of the files mapped
+// read-only (`mappings` keeps them), so nothing is read until a tensor is used; `file_of`
+// names each tensor's file.
+std::map<std::string, Tensor> map_hf_tensors(const fs::path& dir,
+                                             std::map<std::string, std::string>& file_of,
+                                             std::vector<std::shared_ptr<void>>& mappings) {
   std::map<std::string, std::string> index;
   std::map<std::string, Tensor> out;
   for (const fs::path& file : shard_files(dir, index)) {
-    ckpt::SafetensorsFile f = ckpt::load_safetensors(file.string());
+    ckpt::SafetensorsFile f = ckpt::map_safetensors(file.string());
+    mappings.push_back(f.mapping);
     for (auto& [name, t] : f.tensors) {
       if (t.dtype() != DType::BF16 && t.dtype() != DType::F16 && t.dtype() != DType::F32)
         fail("{}: tensor '{}' is {} (BF16, F16 or F32 are converted)", file.string(), name,
@@ -201,12 +206,19 @@ void import_hf_checkpoint(const HFImportOptions& o, const ConvertLog& log) {
   cfg.finalize();
   const dist::ValidatedLayout layout = resolve_target_layout(cfg, t);
 
+  // The model's tensors made one at a time from the mapped files as the rank files are
+  // written (train/layout_writer.h), so a model larger than memory converts.
   std::map<std::string, std::string> file_of;
-  std::map<std::string, Tensor> megaton;
+  std::vector<std::shared_ptr<void>> mappings;
+  const std::map<std::string, Tensor> hf = map_hf_tensors(dir, file_of, mappings);
+  std::map<std::string, ckpt::HFMappedTensor> plan;
   {
-    const std::map<std::string, Tensor> hf = read_hf_tensors(dir, file_of);
     std::set<std::string> used;
-    megaton = ckpt::hf_to_megaton(hf, spec.layout, "", &used);
+    for (ckpt::HFMappedTensor& t :
+         ckpt::hf_mapping(spec.layout, [&hf](const std::string& n) { return hf.count(n) > 0; })) {
+      used.insert(t.inputs.begin(), t.inputs.end());
+      plan.emplace(t.name, std::move(t));
+    }
     int64_t mtp_tensors = 0;
     for (const auto& [name, tensor] : hf) {
       if (used.count(name) || name.ends_with("rotary_emb.inv_freq")) continue;
@@ -221,15 +233,25 @@ void import_hf_checkpoint(const HFImportOptions& o, const ConvertLog& log) {
       log(fmt::format("warning: {} multi-token prediction tensors left out", mtp_tensors));
   }
   // Tied embeddings: some checkpoints store lm_head.weight anyway; the model has none.
-  if (spec.tie_word_embeddings) megaton.erase("output_layer.weight");
-  for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
-    auto it = megaton.find(name);
-    if (it == megaton.end()) continue;
-    if (it->second.ndim() != 2 || it->second.dim(0) != spec.vocab_size)
-      fail("{}: the weights of '{}' are {}, its vocab_size is {}", config_path.string(), name,
-           shape_str(it->second.shape()), spec.vocab_size);
-    it->second = fit_rows(it->second, cfg.padded_vocab_size);
-  }
+  if (spec.tie_word_embeddings) plan.erase("output_layer.weight");
+  TensorSource source;
+  for (const auto& [name, t] : plan) source.names.push_back(name);
+  const ckpt::HFGet get = [&hf](const std::string& name) { return hf.at(name); };
+  source.make = [&](const std::string& name) {
+    const ckpt::HFMappedTensor& entry = plan.at(name);
+    Tensor t = entry.make(get);
+    // An F32 input may come back as the mapped view itself: copy it, then let the mapped
+    // pages go (the process holds one tensor's worth of the files at a time).
+    if (t.raw() == hf.at(entry.inputs[0]).raw()) t = t.clone();
+    for (const std::string& input : entry.inputs) ckpt::release_mapped_pages(hf.at(input));
+    if (name == "embedding.word_embeddings.weight" || name == "output_layer.weight") {
+      if (t.ndim() != 2 || t.dim(0) != spec.vocab_size)
+        fail("{}: the weights of '{}' are {}, its vocab_size is {}", config_path.string(), name,
+             shape_str(t.shape()), spec.vocab_size);
+      t = fit_rows(t, cfg.padded_vocab_size);
+    }
+    return t;
+  };
 
   nlohmann::json meta;
   meta["iteration"] = 0;
@@ -257,7 +279,7 @@ void import_hf_checkpoint(const HFImportOptions& o, const ConvertLog& log) {
                             {"path", fs::absolute(dir).lexically_normal().string()},
                             {"model_type", hf_model_type(spec.family)}};
   meta["hf_config"] = config;
-  write_checkpoint_for_layout(out.path(), 0, megaton, cfg, layout, meta.dump(1));
+  write_checkpoint_for_layout(out.path(), 0, source, cfg, layout, meta.dump(1));
   if (!tok.files.empty()) {
     const fs::path copy_to = fs::path(out.path()) / "tokenizer";
     fs::create_directories(copy_to);
@@ -273,7 +295,7 @@ void import_hf_checkpoint(const HFImportOptions& o, const ConvertLog& log) {
       "for tensor-parallel {}, pipeline-parallel {}, expert-parallel {}, expert-tensor-parallel "
       "{}; tokenizer {}",
       hf_model_type(spec.family), dir.string(), out.final_path(), ckpt::iteration_dir_name(0),
-      megaton.size(), cfg.vocab_size, cfg.padded_vocab_size, layout.sizes.world, layout.sizes.tp,
+      plan.size(), cfg.vocab_size, cfg.padded_vocab_size, layout.sizes.world, layout.sizes.tp,
       layout.sizes.pp, layout.sizes.ep, layout.sizes.etp, tok.type));
   log("no optimizer state: load it with --finetune (weights only, iteration 0) or "
       "--no-load-optim");

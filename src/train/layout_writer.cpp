@@ -64,14 +64,21 @@ void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
                                  const std::map<std::string, Tensor>& tensors, const GPTConfig& cfg,
                                  const dist::ValidatedLayout& layout,
                                  const std::string& run_metadata_json) {
+  TensorSource source;
+  for (const auto& [name, t] : tensors) source.names.push_back(name);
+  source.make = [&tensors](const std::string& name) { return tensors.at(name); };
+  write_checkpoint_for_layout(save_dir, iteration, source, cfg, layout, run_metadata_json);
+}
+
+void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
+                                 const TensorSource& tensors, const GPTConfig& cfg,
+                                 const dist::ValidatedLayout& layout,
+                                 const std::string& run_metadata_json) {
   const std::vector<ParamSpec> specs = model_param_specs(cfg);
+  const std::set<std::string> available(tensors.names.begin(), tensors.names.end());
   std::set<std::string> expected;
   for (const ParamSpec& s : specs) {
-    auto it = tensors.find(s.name);
-    if (it == tensors.end()) fail("the converted model has no tensor '{}'", s.name);
-    if (it->second.shape() != s.full_shape)
-      fail("tensor '{}' is {}, the model's flags make it {}", s.name, shape_str(it->second.shape()),
-           shape_str(s.full_shape));
+    if (!available.count(s.name)) fail("the converted model has no tensor '{}'", s.name);
     expected.insert(s.name);
     if (s.tp_split_dim < 0) continue;
     const int64_t size = s.is_expert ? layout.sizes.etp : layout.sizes.tp;
@@ -81,7 +88,7 @@ void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
            shape_str(s.full_shape), size, s.is_expert ? "expert-" : "",
            s.swiglu_halves ? " of each SwiGLU half" : "");
   }
-  for (const auto& [name, t] : tensors)
+  for (const std::string& name : tensors.names)
     if (!expected.count(name))
       fail("tensor '{}' is not part of the model its flags describe", name);
   std::vector<int64_t> first_layer = {0};
@@ -93,19 +100,50 @@ void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
     const dist::Grid grid(layout.sizes, world, int(rank));
     ModelParallel mp;
     mp.grid = &grid;
+    // This rank's slice of the tensor last made: the pieces of one tensor are consecutive.
+    std::string held_name;
+    Tensor held;
+    auto slice_of = [&](const ParamSpec& s) -> const Tensor& {
+      if (held_name == s.name) return held;
+      held = Tensor();
+      Tensor full = tensors.make(s.name);
+      if (full.shape() != s.full_shape)
+        fail("tensor '{}' is {}, the model's flags make it {}", s.name, shape_str(full.shape()),
+             shape_str(s.full_shape));
+      held = s.router_state ? full : tensor_parallel_slice(full, s.as_param(), mp);
+      held = held.view({held.numel()});
+      held_name = s.name;
+      return held;
+    };
     std::vector<ckpt::ShardedPiece> pieces;
     for (const ParamSpec& s : specs) {
       if (!holds(s, grid, first_layer, cfg)) continue;
-      const Tensor& full = tensors.at(s.name);
+      const std::vector<int64_t> full(s.full_shape.begin(), s.full_shape.end());
+      std::vector<SliceBox> boxes;
       if (s.router_state) {
-        for (auto& piece : sharded_pieces("model." + s.name, nullptr, full, 0, mp))
-          pieces.push_back(std::move(piece));
-        continue;
+        boxes.push_back({std::vector<int64_t>(full.size(), 0), full});
+      } else {
+        const Param p = s.as_param();
+        // A replicated tensor is written by tensor-parallel rank 0 of its group.
+        if (p.tp_split_dim < 0 && tensor_parallel_group(p, mp).rank != 0) continue;
+        boxes = tensor_parallel_boxes(p, mp);
       }
-      const Param p = s.as_param();
-      const Tensor slice = tensor_parallel_slice(full, p, mp);
-      for (auto& piece : sharded_pieces("model." + s.name, &p, slice, 0, mp))
+      int64_t start = 0;  // the box's first element in the slice
+      for (const SliceBox& b : boxes) {
+        int64_t numel = 1;
+        for (int64_t d : b.shape) numel *= d;
+        ckpt::ShardedPiece piece;
+        piece.name = "model." + s.name;
+        piece.global_shape = full;
+        piece.offsets = b.offsets;
+        piece.box_shape = b.shape;
+        piece.dtype = DType::F32;
+        piece.produce = [&slice_of, &s, start, numel] {
+          return slice_of(s).rows(start, numel).to(DType::F32);
+        };
         pieces.push_back(std::move(piece));
+        start += numel;
+      }
     }
     records.push_back(ckpt::write_rank_shard(tmp, int(rank), pieces));
   }

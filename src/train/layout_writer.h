@@ -1,9 +1,12 @@
 // Writing a sharded checkpoint as the ranks of a parallel layout would, without running
 // that layout (one process, no model built): `megaton convert --target-*-parallel-size`.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
+#include "core/tensor.h"
 #include "dist/grid.h"
 #include "model/config.h"
 
@@ -35,6 +38,24 @@ dist::ValidatedLayout resolve_target_layout(const GPTConfig& cfg, const TargetLa
 // or a dimension does not divide among the tensor-parallel ranks; and the writer's errors.
 void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
                                  const std::map<std::string, Tensor>& tensors, const GPTConfig& cfg,
+                                 const dist::ValidatedLayout& layout,
+                                 const std::string& run_metadata_json);
+
+// The tensors of a checkpoint made on demand (megaton convert reading a Hugging Face model
+// by mmap): `names` every tensor `make` can return; make(name) the whole tensor, F32 (it may
+// throw megaton::Error naming what it could not read).
+struct TensorSource {
+  std::vector<std::string> names;
+  std::function<Tensor(const std::string&)> make;
+};
+
+// write_checkpoint_for_layout with each tensor made when a rank file reaches it and
+// released after that file's pieces of it are written: a writer holds one tensor (and its
+// slice) at a time, whatever the model's size. Each rank file calls make() once per tensor
+// it holds. The same files and errors; a shape mismatch is found when the tensor is made
+// (the staged output is then removed by the caller's StagedDirectory).
+void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
+                                 const TensorSource& tensors, const GPTConfig& cfg,
                                  const dist::ValidatedLayout& layout,
                                  const std::string& run_metadata_json);
 

@@ -19,10 +19,7 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
-// The boxes (offsets, shape) of this rank's slice of p, in the slice's row-major order.
-struct Box {
-  std::vector<int64_t> offsets, shape;
-};
+using Box = SliceBox;
 std::vector<Box> slice_boxes(const Param& p, const dist::Group& g) {
   const std::vector<int64_t> full = dims_of(p.full_shape);
   Box whole{std::vector<int64_t>(full.size(), 0), full};
@@ -49,6 +46,10 @@ std::vector<Box> slice_boxes(const Param& p, const dist::Group& g) {
 }
 
 }  // namespace
+
+std::vector<SliceBox> tensor_parallel_boxes(const Param& p, const ModelParallel& mp) {
+  return slice_boxes(p, tensor_parallel_group(p, mp));
+}
 
 std::vector<ckpt::ShardedPiece> sharded_pieces(
     const std::string& name, const Param* p, const Tensor& data, int64_t param_offset,

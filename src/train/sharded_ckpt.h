@@ -13,6 +13,16 @@
 
 namespace megaton {
 
+// A box of a global tensor: global offsets and extent, one per dimension.
+struct SliceBox {
+  std::vector<int64_t> offsets, shape;
+};
+
+// The boxes of this rank's tensor-parallel slice of p (Param::tp_split_dim; the group is
+// tp, or etp for experts), in the slice's row-major order: one box, or two for SwiGLU's
+// [gate; up] halves; the whole tensor when p is not split.
+std::vector<SliceBox> tensor_parallel_boxes(const Param& p, const ModelParallel& mp);
+
 // The pieces of checkpoint entry `name` that this rank writes, on the host. `data` holds
 // the elements [param_offset, param_offset + data.numel()) of this rank's slice of param
 // p (Param::tp_split_dim; the whole param when it is not split), flattened row-major, in
