@@ -49,12 +49,20 @@ std::pair<Tensor, Tensor> split_halves(const Tensor& fc1, const std::string& nam
 }  // namespace
 
 std::map<std::string, Tensor> megaton_to_hf(const std::map<std::string, Tensor>& megaton,
-                                            const HFLayout& L, HFExpertNaming naming) {
+                                            const HFLayout& L, HFExpertNaming naming,
+                                            int64_t part) {
+  MEGATON_CHECK(part >= kHFGlobals && part < L.num_layers, "megaton_to_hf: part {} of {} layers",
+                part, L.num_layers);
   Source in(megaton);
   std::map<std::string, Tensor> out;
-  out["model.embed_tokens.weight"] = in.take("embedding.word_embeddings.weight").clone();
-  out["model.norm.weight"] = in.take("decoder.final_layernorm.weight").clone();
-  if (in.has("output_layer.weight")) out["lm_head.weight"] = in.take("output_layer.weight").clone();
+  if (part == kHFWholeModel || part == kHFGlobals) {
+    out["model.embed_tokens.weight"] = in.take("embedding.word_embeddings.weight").clone();
+    out["model.norm.weight"] = in.take("decoder.final_layernorm.weight").clone();
+    if (in.has("output_layer.weight"))
+      out["lm_head.weight"] = in.take("output_layer.weight").clone();
+  }
+  const int64_t first = part >= 0 ? part : 0;
+  const int64_t end = part >= 0 ? part + 1 : part == kHFWholeModel ? L.num_layers : 0;
   auto copy = [&](const std::string& from, const std::string& to) {
     out[to] = in.take(from).clone();
   };
@@ -65,7 +73,7 @@ std::map<std::string, Tensor> megaton_to_hf(const std::map<std::string, Tensor>&
     out[h + up + ".weight"] = u;
     copy(m + "linear_fc2.weight", h + down + ".weight");
   };
-  for (int64_t i = 0; i < L.num_layers; ++i) {
+  for (int64_t i = first; i < end; ++i) {
     const std::string h = "model.layers." + std::to_string(i) + ".";
     const std::string m = "decoder.layers." + std::to_string(i) + ".";
     copy(m + "input_layernorm.weight", h + "input_layernorm.weight");

@@ -44,7 +44,14 @@ enum class HFExpertNaming {
 // tensor has no Hugging Face counterpart (e.g. a linear bias, learned position
 // embeddings, MTP layers: the caller leaves out what it chooses not to export), or when
 // linear_qkv's rows do not match the layout.
+// `part` maps a part of the model alone (a writer converting one layer at a time):
+// kHFWholeModel everything; kHFGlobals the embedding, final norm and output layer; a layer
+// index i >= 0 decoder layer i. `megaton` then holds that part's tensors only (each must be
+// taken, as for the whole model).
+inline constexpr int64_t kHFWholeModel = -1;
+inline constexpr int64_t kHFGlobals = -2;
 std::map<std::string, Tensor> megaton_to_hf(const std::map<std::string, Tensor>& megaton,
-                                            const HFLayout& layout, HFExpertNaming naming);
+                                            const HFLayout& layout, HFExpertNaming naming,
+                                            int64_t part = kHFWholeModel);
 
 }  // namespace megaton::ckpt

@@ -163,6 +163,11 @@ class ShardedCheckpointReader {
   // The bytes the reads below have returned so far (what this reader copied out of the
   // files; pieces touched only for their checksum are not counted).
   int64_t bytes_read() const;
+  // Lets the kernel drop this process's resident pages of the mapped files (madvise
+  // MADV_DONTNEED; the page cache keeps them, a later read maps them again): a reader going
+  // through a large checkpoint part by part (megaton convert --to hf) then holds only what
+  // it copied out.
+  void release_mapped_pages();
 
   // The box [offsets, offsets + box_shape) of tensor `name`: a CPU tensor of shape
   // box_shape and the stored dtype, assembled from every piece overlapping it.

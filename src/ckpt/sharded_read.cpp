@@ -216,6 +216,12 @@ ShardedCheckpointReader& ShardedCheckpointReader::operator=(ShardedCheckpointRea
 const std::string& ShardedCheckpointReader::path() const { return impl_->path; }
 const std::string& ShardedCheckpointReader::metadata_json() const { return impl_->metadata_json; }
 int64_t ShardedCheckpointReader::bytes_read() const { return impl_->bytes_read; }
+
+void ShardedCheckpointReader::release_mapped_pages() {
+  for (const FileEntry& file : impl_->files)
+    if (file.map && file.map->data && file.bytes > 0)
+      ::madvise(const_cast<uint8_t*>(file.map->data), file.bytes, MADV_DONTNEED);
+}
 const std::map<std::string, ShardedCheckpointReader::TensorInfo>& ShardedCheckpointReader::tensors()
     const {
   return impl_->infos;

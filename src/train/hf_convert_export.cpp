@@ -2,9 +2,11 @@
 // -> a Hugging Face model directory.
 #include <fmt/format.h>
 
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_export.h"
@@ -23,21 +25,111 @@ namespace megaton {
 
 namespace {
 
-// The checkpoint's "model.<name>" tensors by <name>, as stored (sharded: only those are
-// read; the single-file format is read whole).
-std::map<std::string, Tensor> read_model_tensors(const std::string& load_dir,
-                                                 const std::string& iteration_dir) {
-  std::map<std::string, Tensor> out;
-  if (ckpt::is_sharded_checkpoint(iteration_dir)) {
-    ckpt::ShardedCheckpointReader reader(iteration_dir);
-    for (const auto& [name, info] : reader.tensors())
-      if (name.starts_with("model.")) out[name.substr(6)] = reader.read(name);
-    return out;
+// The checkpoint's "model.<name>" tensors by <name>, read one at a time as stored (sharded:
+// by offset; the single-file format of earlier versions is read whole once).
+class ModelTensors {
+ public:
+  ModelTensors(const std::string& load_dir, const std::string& iteration_dir) {
+    if (ckpt::is_sharded_checkpoint(iteration_dir)) {
+      reader_.emplace(iteration_dir);
+      for (const auto& [name, info] : reader_->tensors())
+        if (name.starts_with("model.")) names_.push_back(name.substr(6));
+      return;
+    }
+    ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(load_dir);
+    for (auto& [name, t] : ck.tensors)
+      if (name.starts_with("model.")) {
+        names_.push_back(name.substr(6));
+        whole_[name.substr(6)] = std::move(t);
+      }
   }
-  ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(load_dir);
-  for (auto& [name, t] : ck.tensors)
-    if (name.starts_with("model.")) out[name.substr(6)] = std::move(t);
-  return out;
+  const std::vector<std::string>& names() const { return names_; }
+  Tensor read(const std::string& name) {
+    return reader_ ? reader_->read("model." + name) : whole_.at(name);
+  }
+  // After a part's tensors are read: the files' pages need not stay resident.
+  void release() {
+    if (reader_) reader_->release_mapped_pages();
+  }
+
+ private:
+  std::optional<ckpt::ShardedCheckpointReader> reader_;
+  std::map<std::string, Tensor> whole_;
+  std::vector<std::string> names_;
+};
+
+// Hugging Face's model.safetensors, or shards of at most max_bytes each (a tensor larger
+// than that alone) with model.safetensors.index.json, written as tensors arrive: the writer
+// holds one shard's tensors at a time.
+class ShardWriter {
+ public:
+  ShardWriter(fs::path dir, DType dtype, int64_t max_bytes)
+      : dir_(std::move(dir)), dtype_(dtype), max_bytes_(max_bytes) {}
+
+  void add(const std::string& name, const Tensor& t) {
+    const int64_t bytes = t.numel() * int64_t(dtype_size(dtype_));
+    if (!pending_.empty() && pending_bytes_ + bytes > max_bytes_) flush();
+    pending_.emplace_back(name, t.dtype() == dtype_ ? t : t.to(dtype_));
+    pending_bytes_ += bytes;
+    total_bytes_ += bytes;
+    ++tensors_;
+  }
+
+  // Writes the last shard, names the files (model.safetensors when there is one, else
+  // model-0000i-of-0000N.safetensors) and the index. Returns the number of files.
+  int64_t finish() {
+    flush();
+    const size_t n = std::max<size_t>(shards_.size(), 1);
+    if (shards_.empty()) write_part({});  // a model of no tensors: one empty file
+    nlohmann::json weight_map = nlohmann::json::object();
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      const std::string file = n == 1 ? "model.safetensors"
+                                      : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, n);
+      fs::rename(dir_ / part_name(i), dir_ / file);
+      for (const std::string& name : shards_[i]) weight_map[name] = file;
+    }
+    if (n > 1) {
+      nlohmann::json index = {{"metadata", {{"total_size", total_bytes_}}},
+                              {"weight_map", weight_map}};
+      std::ofstream f(dir_ / "model.safetensors.index.json");
+      f << index.dump(2) << "\n";
+      if (!f.flush()) fail("cannot write {}", (dir_ / "model.safetensors.index.json").string());
+    }
+    return int64_t(n);
+  }
+  int64_t tensors() const { return tensors_; }
+
+ private:
+  static std::string part_name(size_t i) { return fmt::format("part-{:05d}.safetensors", i); }
+  void write_part(const std::vector<std::pair<std::string, Tensor>>& part) {
+    ckpt::save_safetensors((dir_ / part_name(shards_.size())).string(), part, {{"format", "pt"}});
+    std::vector<std::string> names;
+    for (const auto& [name, t] : part) names.push_back(name);
+    shards_.push_back(std::move(names));
+  }
+  void flush() {
+    if (pending_.empty()) return;
+    write_part(pending_);
+    pending_.clear();
+    pending_bytes_ = 0;
+  }
+
+  fs::path dir_;
+  DType dtype_;
+  int64_t max_bytes_;
+  std::vector<std::pair<std::string, Tensor>> pending_;
+  int64_t pending_bytes_ = 0, total_bytes_ = 0, tensors_ = 0;
+  std::vector<std::vector<std::string>> shards_;
+};
+
+// The part of the model (ckpt::megaton_to_hf's `part`) a Megaton tensor belongs to:
+// decoder layer i, else the globals.
+int64_t part_of(const std::string& name) {
+  const std::string prefix = "decoder.layers.";
+  if (name.starts_with(prefix) && name.size() > prefix.size() &&
+      std::isdigit(static_cast<unsigned char>(name[prefix.size()])))
+    return std::atoll(name.c_str() + prefix.size());
+  return ckpt::kHFGlobals;
 }
 
 // The run's tokenizer files, as a Hugging Face directory names them: source -> file name.
@@ -71,44 +163,6 @@ std::vector<std::pair<fs::path, std::string>> tokenizer_files(const nlohmann::js
                       from.string(), name));
   }
   return out;
-}
-
-// Writes `tensors` (cast to `dtype`) as model.safetensors, or as shards of at most
-// max_bytes each with model.safetensors.index.json. Returns the number of files.
-int64_t write_safetensors_shards(const fs::path& dir, const std::map<std::string, Tensor>& tensors,
-                                 DType dtype, int64_t max_bytes) {
-  std::vector<std::vector<std::string>> shards(1);
-  int64_t shard_bytes = 0, total = 0;
-  for (const auto& [name, t] : tensors) {
-    const int64_t bytes = t.numel() * int64_t(dtype_size(dtype));
-    if (!shards.back().empty() && shard_bytes + bytes > max_bytes) {
-      shards.emplace_back();
-      shard_bytes = 0;
-    }
-    shards.back().push_back(name);
-    shard_bytes += bytes;
-    total += bytes;
-  }
-  const size_t n = shards.size();
-  nlohmann::json weight_map = nlohmann::json::object();
-  for (size_t i = 0; i < n; ++i) {
-    const std::string file =
-        n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, n);
-    std::vector<std::pair<std::string, Tensor>> part;
-    for (const std::string& name : shards[i]) {
-      const Tensor& t = tensors.at(name);
-      part.emplace_back(name, t.dtype() == dtype ? t : t.to(dtype));
-      weight_map[name] = file;
-    }
-    ckpt::save_safetensors((dir / file).string(), part, {{"format", "pt"}});
-  }
-  if (n > 1) {
-    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream f(dir / "model.safetensors.index.json");
-    f << index.dump(2) << "\n";
-    if (!f.flush()) fail("cannot write {}", (dir / "model.safetensors.index.json").string());
-  }
-  return int64_t(n);
 }
 
 }  // namespace
@@ -145,23 +199,39 @@ void export_hf_checkpoint(const HFExportOptions& o, const ConvertLog& log) {
   for (const std::string& w : exp.warnings) log("warning: " + w);
   StagedDirectory out(o.out_dir, "--to hf");
 
-  std::map<std::string, Tensor> model = read_model_tensors(o.load_dir, head.path);
-  std::erase_if(model, [](const auto& e) { return e.first.starts_with("mtp."); });
-  for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
-    auto it = model.find(name);
-    if (it == model.end()) continue;
-    if (it->second.ndim() != 2 || it->second.dim(0) < vocab)
-      fail("checkpoint '{}': tensor 'model.{}' is {}, fewer rows than the vocabulary's {}",
-           head.path, name, shape_str(it->second.shape()), vocab);
-    it->second = it->second.rows(0, vocab).clone();  // the padding rows are not exported
+  // One part of the model at a time (the globals, then each decoder layer): read, mapped
+  // to Hugging Face names and handed to the shard writer, so the export holds one layer and
+  // one output shard at a time.
+  ModelTensors model(o.load_dir, head.path);
+  std::map<int64_t, std::vector<std::string>> parts;
+  for (const std::string& name : model.names())
+    if (!name.starts_with("mtp.")) parts[part_of(name)].push_back(name);
+  for (int64_t i = 0; i < cfg.num_layers; ++i)
+    if (!parts.count(i)) fail("checkpoint '{}' has no tensors of decoder layer {}", head.path, i);
+  if (o.max_shard_bytes <= 0) fail("--max-shard-size must be positive (got {})", o.max_shard_bytes);
+  const fs::path dir(out.path());
+  ShardWriter shards(dir, o.dtype, o.max_shard_bytes);
+  for (const auto& [part, names] : parts) {
+    if (part >= cfg.num_layers)
+      fail("checkpoint '{}' has decoder layer {}, its args say {} layers", head.path, part,
+           cfg.num_layers);
+    std::map<std::string, Tensor> tensors;
+    for (const std::string& name : names) tensors[name] = model.read(name);
+    model.release();
+    for (const char* name : {"embedding.word_embeddings.weight", "output_layer.weight"}) {
+      auto it = tensors.find(name);
+      if (it == tensors.end()) continue;
+      if (it->second.ndim() != 2 || it->second.dim(0) < vocab)
+        fail("checkpoint '{}': tensor 'model.{}' is {}, fewer rows than the vocabulary's {}",
+             head.path, name, shape_str(it->second.shape()), vocab);
+      it->second = it->second.rows(0, vocab).clone();  // the padding rows are not exported
+    }
+    if (exp.zero_expert_bias && part >= 0 && cfg.is_moe_layer(part))
+      tensors["decoder.layers." + std::to_string(part) + ".mlp.router.expert_bias"] =
+          Tensor::zeros({cfg.num_experts});
+    for (const auto& [name, t] : ckpt::megaton_to_hf(tensors, exp.layout, exp.naming, part))
+      shards.add(name, t);
   }
-  if (exp.zero_expert_bias)
-    for (int64_t i = 0; i < cfg.num_layers; ++i)
-      if (cfg.is_moe_layer(i))
-        model["decoder.layers." + std::to_string(i) + ".mlp.router.expert_bias"] =
-            Tensor::zeros({cfg.num_experts});
-  const std::map<std::string, Tensor> hf = ckpt::megaton_to_hf(model, exp.layout, exp.naming);
-  model.clear();
 
   nlohmann::json& config = exp.config;
   // Token ids: those of the Hugging Face model this checkpoint came from, else eod as eos.
@@ -182,14 +252,12 @@ void export_hf_checkpoint(const HFExportOptions& o, const ConvertLog& log) {
   const char* dtype_name_hf = o.dtype == DType::BF16 ? "bfloat16" : "float32";
   config["torch_dtype"] = dtype_name_hf;  // transformers 4
   config["dtype"] = dtype_name_hf;        // transformers 5
-  const fs::path dir(out.path());
   {
     std::ofstream f(dir / "config.json");
     f << config.dump(2) << "\n";
     if (!f.flush()) fail("cannot write {}", (dir / "config.json").string());
   }
-  if (o.max_shard_bytes <= 0) fail("--max-shard-size must be positive (got {})", o.max_shard_bytes);
-  const int64_t files = write_safetensors_shards(dir, hf, o.dtype, o.max_shard_bytes);
+  const int64_t files = shards.finish();
   for (const auto& [from, name] : tokenizer_files(meta, log)) {
     std::error_code ec;
     fs::copy_file(from, dir / name, ec);
@@ -197,7 +265,7 @@ void export_hf_checkpoint(const HFExportOptions& o, const ConvertLog& log) {
   }
   out.commit();
   log(fmt::format("exported {} ({}) to {}: {} tensors in {} safetensors file(s), {}, vocabulary {}",
-                  head.path, hf_model_type(exp.family), out.final_path(), hf.size(), files,
+                  head.path, hf_model_type(exp.family), out.final_path(), shards.tensors(), files,
                   dtype_name_hf, vocab));
 }
 
