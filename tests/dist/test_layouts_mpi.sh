@@ -493,6 +493,62 @@ for entry in "${resumes[@]}"; do
   reference_of "$variant" || { status=1; continue; }
   resume "$name" "$src_np" "$src_flags" "$dst_np" "$dst_flags" || status=1
 done
+# The resume matrix (issue 21): nine layouts of the 8-layer model each save after two steps
+# and load under three others for the third, which must equal the one-rank run's third
+# step; every layout is also a destination, and DP2 + distributed optimizer, PP2
+# interleaved and EP2 x TP2 load each other both ways. One save per source, three loads.
+matrix_layouts=(
+  "one-rank|1|"
+  "dp2-distopt|2|--use-distributed-optimizer"
+  "pp2-interleaved|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2"
+  "ep2-tp2-sp|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  "tp2-sp|2|--tensor-model-parallel-size 2 --sequence-parallel"
+  "pp4|4|--pipeline-model-parallel-size 4"
+  "dp2-ep2-distopt|4|--expert-model-parallel-size 2 --use-distributed-optimizer"
+  "pp2-dp2-distopt|4|--pipeline-model-parallel-size 2 --use-distributed-optimizer"
+  "tp2-ep2-etp1|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall"
+)
+# source: its three destinations
+matrix_loads=(
+  "one-rank:dp2-distopt pp2-interleaved ep2-tp2-sp"
+  "dp2-distopt:pp2-interleaved ep2-tp2-sp pp4"
+  "pp2-interleaved:dp2-distopt ep2-tp2-sp tp2-sp"
+  "ep2-tp2-sp:dp2-distopt pp2-interleaved one-rank"
+  "tp2-sp:pp2-dp2-distopt dp2-ep2-distopt tp2-ep2-etp1"
+  "pp4:tp2-sp one-rank dp2-ep2-distopt"
+  "dp2-ep2-distopt:pp4 tp2-ep2-etp1 pp2-interleaved"
+  "pp2-dp2-distopt:ep2-tp2-sp one-rank tp2-sp"
+  "tp2-ep2-etp1:dp2-distopt pp2-dp2-distopt pp4"
+)
+declare -A matrix_np matrix_flags
+for entry in "${matrix_layouts[@]}"; do
+  IFS='|' read -r name np flags <<<"$entry"
+  matrix_np[$name]=$np
+  matrix_flags[$name]=$flags
+done
+if [[ -z "${LAYOUTS_ONLY:-}" || matrix =~ $LAYOUTS_ONLY ]]; then
+  use_variant "LAYERS=8"
+  if reference_of "LAYERS=8"; then
+    for entry in "${matrix_loads[@]}"; do
+      src=${entry%%:*}
+      # shellcheck disable=SC2086
+      ITERS=2 run "matrix-$src" "${matrix_np[$src]}" ${matrix_flags[$src]} || { status=1; continue; }
+      for dst in ${entry#*:}; do
+        name="matrix-$src-to-$dst"
+        # shellcheck disable=SC2086
+        run "$name" "${matrix_np[$dst]}" --load "$dir/matrix-$src/save" ${matrix_flags[$dst]} ||
+          { status=1; continue; }
+        if out=$(python3 "$compare" --resumed --rtol "$RTOL" --num-zeros-atol "$ZATOL" "$dir/$reference" "$dir/$name"); then
+          echo "ok: resume $name: $out"
+        else
+          echo "FAILED: resume $name differs from one rank:"; echo "$out"; status=1
+        fi
+      done
+    done
+  else
+    status=1
+  fi
+fi
 # A vocabulary whose padding changes with the TP size (100 tokens + eod, Megatron's default
 # --make-vocab-size-divisible-by 128: 128 rows under TP 1, 256 under TP 2). A TP1
 # checkpoint passes through another layout without training (loaded, padded to 256 rows,
