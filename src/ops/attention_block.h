@@ -1,0 +1,46 @@
+// Attention of one block of queries against one block of keys, with the log-sum-exp that
+// lets partial results be merged: the building block of context parallelism
+// (model/context_parallel.h), where a rank's queries meet the keys of other ranks' chunks
+// (Transformer Engine's AttnFuncWithCPAndKVP2P / ...KVAllGather; docs/research/
+// context-parallel.md section 2).
+//
+// One sample, token-major: q [Sq, Hq, Dqk], k [Skv, Hkv, Dqk], v [Skv, Hkv, Dv], out
+// [Sq, Hq, Dv], lse [Sq, Hq] F32. Hq % Hkv == 0: query head h reads kv head h / (Hq / Hkv)
+// (GQA). Scores s = q k^T * softmax_scale (<= 0: 1 / sqrt(Dqk)). Mask: with `causal`, query
+// row i (at position q_offset + i) sees key row j (at position kv_offset + j) when
+// kv_offset + j <= q_offset + i (the diagonal aligned by positions: TE's
+// causal_bottom_right when q_offset - kv_offset = Skv - Sq); without it every key. No
+// dropout. CPU, F32 (the reference; the GPU path is cuDNN's, not here yet).
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace megaton::ops {
+
+// out, lse overwritten: lse[i, h] = log sum_j exp(s_ij) over the keys query i sees (natural
+// log), out[i, h] = sum_j exp(s_ij - lse[i, h]) v_j. A query that sees no key gets
+// lse = -inf and out = 0 (it adds nothing when merged).
+// InternalError on a dtype, device or shape mismatch.
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t q_offset,
+                             int64_t kv_offset, bool causal, Tensor& out, Tensor& lse,
+                             float softmax_scale = 0.0f);
+
+// The block's share of the gradients, ADDED to dq [Sq, Hq, Dqk], dk [Skv, Hkv, Dqk] and dv
+// [Skv, Hkv, Dv]: given dout and the MERGED out and lse of the queries' whole attention
+// (over every block of keys), p_ij = exp(s_ij - lse_i) is the block's true probability and
+// D_i = dout_i . out_i the row's whole softmax correction, so summing this over the blocks
+// gives the whole attention's gradients (FlashAttention-2's backward, Dao 2023, Alg. 2).
+// The mask and offsets are the forward's. Errors as the forward.
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, int64_t q_offset,
+                              int64_t kv_offset, bool causal, Tensor& dq, Tensor& dk, Tensor& dv,
+                              float softmax_scale = 0.0f);
+
+// Merges a block's result into a running one, row by row (TE's flash_attn_fwd_out_correction
+// with the lse update of cp.py): lse' = log(exp(lse) + exp(lse_b)), out' = out exp(lse -
+// lse') + out_b exp(lse_b - lse'). out, out_b [S, H, Dv]; lse, lse_b [S, H] F32; a row with
+// lse = -inf takes the other's values. out and lse updated in place.
+void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b);
+
+}  // namespace megaton::ops
