@@ -1,0 +1,372 @@
+// Context parallelism: the dual-chunk split and the attention across a CP group
+// (model/context_parallel.h).
+#include "model/context_parallel.h"
+
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+#include "ops/attention_block.h"
+#include "ops/ops.h"
+
+namespace megaton {
+
+CpCommType parse_cp_comm_type(const std::string& value) {
+  if (value == "p2p") return CpCommType::P2P;
+  if (value == "all_gather" || value == "allgather") return CpCommType::AllGather;
+  if (value == "a2a") return CpCommType::A2A;
+  if (value == "a2a+p2p")
+    fail(
+        "cp-comm-type a2a+p2p (hierarchical context parallelism) is not supported; use p2p, "
+        "all_gather or a2a");
+  fail("cp-comm-type '{}' is not one of p2p, all_gather, a2a", value);
+}
+
+const char* cp_comm_type_name(CpCommType type) {
+  switch (type) {
+    case CpCommType::P2P:
+      return "p2p";
+    case CpCommType::AllGather:
+      return "all_gather";
+    case CpCommType::A2A:
+      return "a2a";
+  }
+  return "?";
+}
+
+std::vector<int64_t> cp_local_positions(int64_t seq_length, int cp, int rank) {
+  MEGATON_CHECK(cp >= 1 && rank >= 0 && rank < cp && seq_length % (2 * cp) == 0,
+                "cp_local_positions: sequence {} over {} context-parallel ranks (rank {})",
+                seq_length, cp, rank);
+  const int64_t c = seq_length / (2 * cp);
+  std::vector<int64_t> out;
+  for (int64_t chunk : {int64_t(rank), int64_t(2 * cp - 1 - rank)})
+    for (int64_t i = 0; i < c; ++i) out.push_back(chunk * c + i);
+  return out;
+}
+
+Tensor cp_split_sequence(const Tensor& x, int cp, int rank) {
+  MEGATON_CHECK(x.ndim() >= 2, "cp_split_sequence: expected [B, S, ...], got {}",
+                shape_str(x.shape()));
+  const Tensor host = x.device() == Device::CPU ? x : x.to(Device::CPU);
+  const int64_t B = x.dim(0), S = x.dim(1);
+  const std::vector<int64_t> rows = cp_local_positions(S, cp, rank);
+  Shape shape = x.shape();
+  shape[1] = int64_t(rows.size());
+  Tensor out = Tensor::empty(shape, x.dtype());
+  const size_t row_bytes = host.nbytes() / size_t(B * S);
+  const auto* src = static_cast<const uint8_t*>(host.raw());
+  auto* dst = static_cast<uint8_t*>(out.raw());
+  for (int64_t b = 0; b < B; ++b)
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::memcpy(dst + (size_t(b) * rows.size() + i) * row_bytes,
+                  src + size_t(b * S + rows[i]) * row_bytes, row_bytes);
+  return out;
+}
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Geometry {
+  int64_t B, L, c, Hq, Hkv, D, Dv;  // L = 2c local rows per sample
+  int N, r;
+};
+
+Geometry geometry_of(const Tensor& q, const Tensor& k, const Tensor& v, const CpAttention& cp) {
+  MEGATON_CHECK(cp.comm && cp.group && cp.group->is_member(),
+                "cp attention: no context-parallel group");
+  MEGATON_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4,
+                "cp attention: q, k, v must be [B, S, heads, D], got {}, {}, {}",
+                shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
+  Geometry g{q.dim(0), q.dim(1), q.dim(1) / 2,     q.dim(2),      k.dim(2),
+             q.dim(3), v.dim(3), cp.group->size(), cp.group->rank};
+  MEGATON_CHECK(g.L % 2 == 0 && k.dim(0) == g.B && k.dim(1) == g.L && v.dim(0) == g.B &&
+                    v.dim(1) == g.L && v.dim(2) == g.Hkv && k.dim(3) == g.D,
+                "cp attention: q {}, k {}, v {} do not fit two chunks of one sequence",
+                shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
+  return g;
+}
+
+// Sample b's rows [first, first + count) of x [B, L, H, D] as [count, H, D] (a view).
+Tensor rows_of(const Tensor& x, int64_t b, int64_t first, int64_t count) {
+  return x.view({x.dim(0) * x.dim(1), x.dim(2), x.dim(3)}).rows(b * x.dim(1) + first, count);
+}
+
+// Sample b's natural-order sequence [S, H, D] from gathered [N, B, L, H, D]: chunk m is
+// member m's first half (m < N) or member 2N-1-m's second half.
+Tensor natural_sequence(const Tensor& gathered, const Geometry& g, int64_t b, int64_t H,
+                        int64_t D) {
+  const int64_t S = 2 * g.N * g.c;
+  Tensor out = Tensor::empty({S, H, D});
+  const Tensor rows = gathered.view({int64_t(g.N) * g.B * g.L, H, D});
+  for (int64_t m = 0; m < 2 * g.N; ++m) {
+    const int64_t owner = m < g.N ? m : 2 * g.N - 1 - m, half = m < g.N ? 0 : 1;
+    out.rows(m * g.c, g.c).copy_from(rows.rows((owner * g.B + b) * g.L + half * g.c, g.c));
+  }
+  return out;
+}
+
+// The inverse: natural-order rows [S, H, D] of sample b written into [N, B, L, H, D].
+void scatter_natural(const Tensor& natural, const Geometry& g, int64_t b, Tensor& gathered) {
+  const int64_t H = natural.dim(1), D = natural.dim(2);
+  Tensor rows = gathered.view({int64_t(g.N) * g.B * g.L, H, D});
+  for (int64_t m = 0; m < 2 * g.N; ++m) {
+    const int64_t owner = m < g.N ? m : 2 * g.N - 1 - m, half = m < g.N ? 0 : 1;
+    Tensor dst = rows.rows((owner * g.B + b) * g.L + half * g.c, g.c);
+    dst.copy_from(natural.rows(m * g.c, g.c));
+  }
+}
+
+// The chunk index of local half h (0: chunk r, 1: chunk 2N-1-r).
+int64_t chunk_of(const Geometry& g, int h) { return h == 0 ? g.r : 2 * g.N - 1 - g.r; }
+
+Tensor gather(const Tensor& x, const Geometry& g, const CpAttention& cp) {
+  Tensor out =
+      Tensor::empty({int64_t(g.N), x.dim(0), x.dim(1), x.dim(2), x.dim(3)}, x.dtype(), x.device());
+  cp.comm->all_gather(x, out, *cp.group);
+  return out;
+}
+
+// ---- all_gather ---------------------------------------------------------------------
+
+void all_gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                        const Geometry& g, const CpAttention& cp, float scale) {
+  const Tensor kg = gather(k, g, cp), vg = gather(v, g, cp);
+  for (int64_t b = 0; b < g.B; ++b) {
+    const Tensor kn = natural_sequence(kg, g, b, g.Hkv, g.D);
+    const Tensor vn = natural_sequence(vg, g, b, g.Hkv, g.Dv);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t chunk = chunk_of(g, h), keys = (chunk + 1) * g.c;
+      Tensor o = rows_of(out, b, h * g.c, g.c);
+      Tensor l = lse.rows(b * g.L + h * g.c, g.c);
+      ops::attention_block_forward(rows_of(q, b, h * g.c, g.c), kn.rows(0, keys), vn.rows(0, keys),
+                                   chunk * g.c, 0, true, o, l, scale);
+    }
+  }
+}
+
+void all_gather_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                         const Geometry& g, const CpAttention& cp, float scale) {
+  const Tensor kg = gather(k, g, cp), vg = gather(v, g, cp);
+  Tensor dkg = Tensor::zeros(kg.shape()), dvg = Tensor::zeros(vg.shape());
+  dq.zero();
+  for (int64_t b = 0; b < g.B; ++b) {
+    const Tensor kn = natural_sequence(kg, g, b, g.Hkv, g.D);
+    const Tensor vn = natural_sequence(vg, g, b, g.Hkv, g.Dv);
+    Tensor dkn = Tensor::zeros(kn.shape()), dvn = Tensor::zeros(vn.shape());
+    for (int h = 0; h < 2; ++h) {
+      const int64_t chunk = chunk_of(g, h), keys = (chunk + 1) * g.c;
+      Tensor dqh = rows_of(dq, b, h * g.c, g.c), dkh = dkn.rows(0, keys), dvh = dvn.rows(0, keys);
+      ops::attention_block_backward(rows_of(dout, b, h * g.c, g.c), rows_of(q, b, h * g.c, g.c),
+                                    kn.rows(0, keys), vn.rows(0, keys),
+                                    rows_of(out, b, h * g.c, g.c), lse.rows(b * g.L + h * g.c, g.c),
+                                    chunk * g.c, 0, true, dqh, dkh, dvh, scale);
+    }
+    scatter_natural(dkn, g, b, dkg);
+    scatter_natural(dvn, g, b, dvg);
+  }
+  // Each rank's rows: the sum of every rank's contributions to them.
+  cp.comm->reduce_scatter(dkg, dk, *cp.group);
+  cp.comm->reduce_scatter(dvg, dv, *cp.group);
+}
+
+// ---- p2p ring -----------------------------------------------------------------------
+
+// The tile of step i (TE's AttnFuncWithCPAndKVP2P): the block of rank j = r - i mod N.
+struct Tile {
+  int64_t q_first, q_rows;    // local query rows
+  int64_t kv_first, kv_rows;  // rows of the block
+  bool causal;
+};
+Tile tile_of(const Geometry& g, int j) {
+  if (j == g.r) return {0, g.L, 0, g.L, true};  // own chunks: causal in local order
+  if (j < g.r) return {0, g.L, 0, g.c, false};  // an earlier rank: its first chunk
+  return {g.c, g.c, 0, g.L, false};             // a later rank: our second chunk only
+}
+
+void ring_pass(Tensor& t, const CpAttention& cp, const Geometry& g) {
+  Tensor next = Tensor::empty(t.shape(), t.dtype(), t.device());
+  cp.comm->send_recv(t, (g.r + 1) % g.N, next, (g.r + g.N - 1) % g.N, *cp.group);
+  t = next;
+}
+
+void p2p_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                 const Geometry& g, const CpAttention& cp, float scale) {
+  out.zero();
+  lse.fill(kNegInf);
+  Tensor kb = k.clone(), vb = v.clone();
+  for (int i = 0; i < g.N; ++i) {
+    const int j = (g.r - i + g.N) % g.N;
+    const Tile t = tile_of(g, j);
+    for (int64_t b = 0; b < g.B; ++b) {
+      Tensor part = Tensor::empty({t.q_rows, g.Hq, g.Dv}), plse = Tensor::empty({t.q_rows, g.Hq});
+      ops::attention_block_forward(
+          rows_of(q, b, t.q_first, t.q_rows), rows_of(kb, b, t.kv_first, t.kv_rows),
+          rows_of(vb, b, t.kv_first, t.kv_rows), 0, 0, t.causal, part, plse, scale);
+      Tensor o = rows_of(out, b, t.q_first, t.q_rows);
+      Tensor l = lse.rows(b * g.L + t.q_first, t.q_rows);
+      ops::attention_lse_merge(o, l, part, plse);
+    }
+    if (i + 1 < g.N) {
+      ring_pass(kb, cp, g);
+      ring_pass(vb, cp, g);
+    }
+  }
+}
+
+void p2p_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                  const Geometry& g, const CpAttention& cp, float scale) {
+  dq.zero();
+  // The block's K/V and its gradient so far travel the ring together; after the last step
+  // one more pass brings every block's complete gradient back to its owner.
+  Tensor kb = k.clone(), vb = v.clone();
+  Tensor dkb = Tensor::zeros(k.shape()), dvb = Tensor::zeros(v.shape());
+  for (int i = 0; i < g.N; ++i) {
+    const int j = (g.r - i + g.N) % g.N;
+    const Tile t = tile_of(g, j);
+    for (int64_t b = 0; b < g.B; ++b) {
+      Tensor dqt = rows_of(dq, b, t.q_first, t.q_rows);
+      Tensor dkt = rows_of(dkb, b, t.kv_first, t.kv_rows),
+             dvt = rows_of(dvb, b, t.kv_first, t.kv_rows);
+      ops::attention_block_backward(
+          rows_of(dout, b, t.q_first, t.q_rows), rows_of(q, b, t.q_first, t.q_rows),
+          rows_of(kb, b, t.kv_first, t.kv_rows), rows_of(vb, b, t.kv_first, t.kv_rows),
+          rows_of(out, b, t.q_first, t.q_rows), lse.rows(b * g.L + t.q_first, t.q_rows), 0, 0,
+          t.causal, dqt, dkt, dvt, scale);
+    }
+    if (i + 1 < g.N) {
+      ring_pass(kb, cp, g);
+      ring_pass(vb, cp, g);
+    }
+    ring_pass(dkb, cp, g);
+    ring_pass(dvb, cp, g);
+  }
+  dk.copy_from(dkb);
+  dv.copy_from(dvb);
+}
+
+// ---- a2a (Ulysses) ------------------------------------------------------------------
+
+// x [B, L, H, D] -> [N, B, L, H/N, D]: head group n first (the all-to-all's send layout).
+Tensor heads_first(const Tensor& x, int N) {
+  const int64_t B = x.dim(0), L = x.dim(1), H = x.dim(2), D = x.dim(3), h = H / N;
+  Tensor out = Tensor::empty({int64_t(N), B, L, h, D});
+  const size_t bytes = size_t(h * D) * sizeof(float);
+  for (int n = 0; n < N; ++n)
+    for (int64_t row = 0; row < B * L; ++row)
+      std::memcpy(out.f32() + ((n * B * L + row) * h) * D, x.f32() + (row * H + n * h) * D, bytes);
+  return out;
+}
+
+// The inverse: [N, B, L, H/N, D] (chunk n: head group n) -> [B, L, H, D].
+void heads_back(const Tensor& grouped, Tensor& x, int N) {
+  const int64_t B = x.dim(0), L = x.dim(1), H = x.dim(2), D = x.dim(3), h = H / N;
+  const size_t bytes = size_t(h * D) * sizeof(float);
+  for (int n = 0; n < N; ++n)
+    for (int64_t row = 0; row < B * L; ++row)
+      std::memcpy(x.f32() + (row * H + n * h) * D, grouped.f32() + ((n * B * L + row) * h) * D,
+                  bytes);
+}
+
+// This rank's head group of the whole sequence, natural order: [B, S, H/N, D].
+Tensor to_whole_sequence(const Tensor& x, const Geometry& g, const CpAttention& cp) {
+  const Tensor send = heads_first(x, g.N);
+  Tensor recv = Tensor::empty(send.shape());  // chunk m: member m's rows, my heads
+  cp.comm->all_to_all(send, recv, *cp.group);
+  const int64_t h = x.dim(2) / g.N, D = x.dim(3), S = 2 * g.N * g.c;
+  Tensor out = Tensor::empty({g.B, S, h, D});
+  for (int64_t b = 0; b < g.B; ++b) {
+    Tensor natural = natural_sequence(recv, g, b, h, D);
+    out.view({g.B * S, h, D}).rows(b * S, S).copy_from(natural);
+  }
+  return out;
+}
+
+// The inverse: [B, S, H/N, D] of this rank's heads -> this rank's rows, all heads.
+void from_whole_sequence(const Tensor& whole, Tensor& x, const Geometry& g, const CpAttention& cp) {
+  const int64_t h = whole.dim(2), D = whole.dim(3), S = whole.dim(1);
+  Tensor send = Tensor::empty({int64_t(g.N), g.B, g.L, h, D});
+  for (int64_t b = 0; b < g.B; ++b)
+    scatter_natural(whole.view({g.B * S, h, D}).rows(b * S, S), g, b, send);
+  Tensor recv = Tensor::empty(send.shape());  // chunk n: head group n of my rows
+  cp.comm->all_to_all(send, recv, *cp.group);
+  heads_back(recv, x, g.N);
+}
+
+void a2a_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                 const Geometry& g, const CpAttention& cp, float scale) {
+  const Tensor qw = to_whole_sequence(q, g, cp), kw = to_whole_sequence(k, g, cp),
+               vw = to_whole_sequence(v, g, cp);
+  const int64_t S = qw.dim(1), h = qw.dim(2);
+  Tensor ow = Tensor::empty({g.B, S, h, g.Dv});
+  // The dense op's lse [B, Hq/N, S] has the numel of [B * 2c, Hq]: kept in lse's memory.
+  Tensor lw = lse.view({g.B, h, S});
+  ops::attention_forward(qw, kw, vw, ow, lw, 0.0f, 0, 0, scale);
+  from_whole_sequence(ow, out, g, cp);
+}
+
+void a2a_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                  const Geometry& g, const CpAttention& cp, float scale) {
+  const Tensor qw = to_whole_sequence(q, g, cp), kw = to_whole_sequence(k, g, cp),
+               vw = to_whole_sequence(v, g, cp), ow = to_whole_sequence(out, g, cp),
+               dow = to_whole_sequence(dout, g, cp);
+  const int64_t S = qw.dim(1);
+  Tensor dqw = Tensor::empty(qw.shape()), dkw = Tensor::empty(kw.shape()),
+         dvw = Tensor::empty(vw.shape());
+  ops::attention_backward(dow, qw, kw, vw, ow, lse.view({g.B, qw.dim(2), S}), dqw, dkw, dvw, 0.0f,
+                          0, 0, scale);
+  from_whole_sequence(dqw, dq, g, cp);
+  from_whole_sequence(dkw, dk, g, cp);
+  from_whole_sequence(dvw, dv, g, cp);
+}
+
+void check_cpu(const Tensor& q) {
+  MEGATON_CHECK(q.device() == Device::CPU && q.dtype() == DType::F32,
+                "cp attention: CPU F32 tensors only so far (got {} on {})", dtype_name(q.dtype()),
+                q.device() == Device::CPU ? "CPU" : "GPU");
+}
+
+}  // namespace
+
+void cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                          Tensor& lse, const CpAttention& cp, float softmax_scale) {
+  const Geometry g = geometry_of(q, k, v, cp);
+  check_cpu(q);
+  MEGATON_CHECK(lse.numel() == g.B * g.L * g.Hq && out.numel() == g.B * g.L * g.Hq * g.Dv,
+                "cp attention: out {} or lse {} do not fit q {}", shape_str(out.shape()),
+                shape_str(lse.shape()), shape_str(q.shape()));
+  Tensor lse_rows = lse.view({g.B * g.L, g.Hq});
+  switch (cp.type) {
+    case CpCommType::AllGather:
+      return all_gather_forward(q, k, v, out, lse_rows, g, cp, softmax_scale);
+    case CpCommType::P2P:
+      return p2p_forward(q, k, v, out, lse_rows, g, cp, softmax_scale);
+    case CpCommType::A2A:
+      MEGATON_CHECK(g.Hq % g.N == 0 && g.Hkv % g.N == 0,
+                    "cp attention a2a: {} query and {} key/value heads over {} ranks", g.Hq, g.Hkv,
+                    g.N);
+      return a2a_forward(q, k, v, out, lse_rows, g, cp, softmax_scale);
+  }
+}
+
+void cp_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                           const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                           const CpAttention& cp, float softmax_scale) {
+  const Geometry g = geometry_of(q, k, v, cp);
+  check_cpu(q);
+  const Tensor lse_rows = lse.view({g.B * g.L, g.Hq});
+  switch (cp.type) {
+    case CpCommType::AllGather:
+      return all_gather_backward(dout, q, k, v, out, lse_rows, dq, dk, dv, g, cp, softmax_scale);
+    case CpCommType::P2P:
+      return p2p_backward(dout, q, k, v, out, lse_rows, dq, dk, dv, g, cp, softmax_scale);
+    case CpCommType::A2A:
+      return a2a_backward(dout, q, k, v, out, lse_rows, dq, dk, dv, g, cp, softmax_scale);
+  }
+}
+
+}  // namespace megaton

@@ -1,0 +1,107 @@
+// Context-parallel attention on 4 CPU ranks (`mpirun -np 4`): for CP 2 (two groups) and
+// CP 4, and each comm type (p2p, all_gather, a2a), every rank's output, log-sum-exp and
+// gradients for its two chunks equal the rows of ops::attention_forward/backward on the
+// whole sequence; and the dual-chunk split itself.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "common/mpi_testing.h"
+#include "common/testing.h"
+#include "dist/comm.h"
+#include "dist/runtime.h"
+#include "model/context_parallel.h"
+#include "ops/ops.h"
+
+namespace megaton {
+namespace {
+
+using testing::allclose;
+using testing::randn;
+
+constexpr double kAtol = 2e-6, kRtol = 2e-5;
+
+TEST(CpSplit, DualChunkPositions) {
+  // Megatron's example: S = 8 over 2 ranks: rank 0 chunks 0 and 3, rank 1 chunks 1 and 2.
+  EXPECT_EQ(cp_local_positions(8, 2, 0), (std::vector<int64_t>{0, 1, 6, 7}));
+  EXPECT_EQ(cp_local_positions(8, 2, 1), (std::vector<int64_t>{2, 3, 4, 5}));
+  EXPECT_EQ(cp_local_positions(16, 4, 1), (std::vector<int64_t>{2, 3, 12, 13}));
+  Tensor x = Tensor::from_i32({2, 8}, {0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15, 16, 17});
+  Tensor local = cp_split_sequence(x, 2, 1);
+  ASSERT_EQ(local.shape(), (Shape{2, 4}));
+  EXPECT_EQ(std::vector<int32_t>(local.i32(), local.i32() + 8),
+            (std::vector<int32_t>{2, 3, 4, 5, 12, 13, 14, 15}));
+  EXPECT_THROW(cp_local_positions(12, 4, 0), InternalError);  // 12 % 8 != 0
+}
+
+struct CpCase {
+  int cp;
+  CpCommType type;
+  int64_t B, S, Hq, Hkv, D, Dv;
+};
+
+class CpAttentionTest : public ::testing::TestWithParam<CpCase> {
+ protected:
+  void SetUp() override {
+    if (dist::world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  }
+  static dist::Comm& comm() {
+    static std::unique_ptr<dist::Comm> c = dist::make_comm(Device::CPU);
+    return *c;
+  }
+};
+
+TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
+  const CpCase c = GetParam();
+  dist::ParallelSizes sizes;
+  sizes.cp = c.cp;
+  const dist::Grid grid(sizes, dist::world_size(), dist::world_rank());
+  const dist::Group& g = grid.cp();
+  // The same whole-sequence inputs on every rank of a CP group (seeded by the group).
+  const uint64_t seed = testing::test_seed() + 100 * uint64_t(grid.dp().rank);
+  Tensor q = randn({c.B, c.S, c.Hq, c.D}, seed), k = randn({c.B, c.S, c.Hkv, c.D}, seed + 1),
+         v = randn({c.B, c.S, c.Hkv, c.Dv}, seed + 2),
+         dout = randn({c.B, c.S, c.Hq, c.Dv}, seed + 3);
+  Tensor out = Tensor::empty({c.B, c.S, c.Hq, c.Dv}), lse = Tensor::empty({c.B, c.Hq, c.S});
+  ops::attention_forward(q, k, v, out, lse, 0.0f, 0, 0, 0.3f);
+  Tensor dq = Tensor::empty(q.shape()), dk = Tensor::empty(k.shape()),
+         dv = Tensor::empty(v.shape());
+  ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0f, 0, 0, 0.3f);
+
+  auto local = [&](const Tensor& x) { return cp_split_sequence(x, g.size(), g.rank); };
+  const CpAttention cp{&comm(), &g, c.type};
+  const int64_t L = c.S / c.cp;
+  Tensor lq = local(q), lk = local(k), lv = local(v), ldout = local(dout);
+  Tensor lout = Tensor::empty({c.B, L, c.Hq, c.Dv}), llse = Tensor::empty({c.B * L, c.Hq});
+  cp_attention_forward(lq, lk, lv, lout, llse, cp, 0.3f);
+  EXPECT_TRUE(allclose(lout, local(out), kAtol, kRtol)) << cp_comm_type_name(c.type);
+  if (c.type != CpCommType::A2A) {  // (a2a keeps its head group's whole-sequence lse)
+    // The reference lse [B, Hq, S] as [B, S, Hq] rows, then this rank's.
+    Tensor rows = Tensor::empty({c.B, c.S, c.Hq});
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.Hq; ++h)
+        for (int64_t s = 0; s < c.S; ++s)
+          rows.f32()[(b * c.S + s) * c.Hq + h] = lse.f32()[(b * c.Hq + h) * c.S + s];
+    EXPECT_TRUE(allclose(llse.view({c.B, L, c.Hq}), local(rows), kAtol, kRtol));
+  }
+  Tensor ldq = Tensor::empty(lq.shape()), ldk = Tensor::empty(lk.shape()),
+         ldv = Tensor::empty(lv.shape());
+  cp_attention_backward(ldout, lq, lk, lv, lout, llse, ldq, ldk, ldv, cp, 0.3f);
+  EXPECT_TRUE(allclose(ldq, local(dq), kAtol, kRtol)) << cp_comm_type_name(c.type);
+  EXPECT_TRUE(allclose(ldk, local(dk), kAtol, kRtol)) << cp_comm_type_name(c.type);
+  EXPECT_TRUE(allclose(ldv, local(dv), kAtol, kRtol)) << cp_comm_type_name(c.type);
+}
+
+INSTANTIATE_TEST_SUITE_P(CommTypes, CpAttentionTest,
+                         ::testing::Values(CpCase{2, CpCommType::P2P, 2, 8, 4, 2, 8, 6},
+                                           CpCase{4, CpCommType::P2P, 1, 16, 4, 2, 8, 8},
+                                           CpCase{4, CpCommType::P2P, 2, 24, 2, 1, 4, 4},
+                                           CpCase{2, CpCommType::AllGather, 2, 8, 4, 2, 8, 6},
+                                           CpCase{4, CpCommType::AllGather, 1, 16, 4, 2, 8, 8},
+                                           CpCase{2, CpCommType::A2A, 2, 8, 4, 2, 8, 6},
+                                           CpCase{4, CpCommType::A2A, 1, 16, 8, 4, 8, 8}));
+
+}  // namespace
+}  // namespace megaton
+
+int main(int argc, char** argv) { return megaton::testing::run_mpi_tests(argc, argv); }
