@@ -125,7 +125,6 @@ int64_t virtual_stages(const LayoutRequest& r, const std::vector<int64_t>& stage
 ValidatedLayout validate_layout(const LayoutRequest& r) {
   ValidatedLayout out;
   ParallelSizes s = resolve_parallel_sizes(r.sizes, r.world_size);
-  if (s.cp != 1) fail("context-parallel-size ({}) is not supported yet (must be 1)", s.cp);
   if (r.num_experts > 0 && r.num_experts % s.ep != 0)
     fail("num-experts ({}) is not divisible by expert-model-parallel-size ({})", r.num_experts,
          s.ep);

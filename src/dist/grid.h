@@ -59,7 +59,6 @@ struct ValidatedLayout {
 // Megatron's layout checks (arguments.py, TransformerConfig), run before anything is
 // allocated. Throws megaton::Error with one line naming the clashing numbers when:
 // - a size is not positive, or the world is not divisible (resolve_parallel_sizes);
-// - context-parallel-size is not 1 (not supported yet);
 // - num-experts is not divisible by expert-model-parallel-size, or ep > 1 on a dense model;
 // - num-attention-heads or num-query-groups is not divisible by tensor-model-parallel-size;
 // - num-layers cannot be split among the pipeline stages (with the first/last stage

@@ -10,6 +10,9 @@ namespace megaton {
 namespace {
 
 bool varlen(const PackedSeqParams* packed) { return packed && packed->reset_attention_mask(); }
+bool context_parallel(const PackedSeqParams* packed) {
+  return packed && packed->has_context_parallel();
+}
 
 // [B, S, H, D] -> [B*S, H, D], the same memory.
 Tensor rows_of(const Tensor& x) {
@@ -22,13 +25,19 @@ Tensor rows_of(const Tensor& x) {
 
 Shape core_attention_lse_shape(const PackedSeqParams* packed, int64_t batch, int64_t seq,
                                int64_t heads) {
-  if (varlen(packed)) return {batch * seq, heads};
+  if (varlen(packed) || context_parallel(packed)) return {batch * seq, heads};
   return {batch, heads, seq};
 }
 
 void core_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                             Tensor& lse, const PackedSeqParams* packed, float dropout_p,
                             uint64_t seed, uint64_t stream, float softmax_scale) {
+  if (context_parallel(packed)) {
+    MEGATON_CHECK(dropout_p == 0.0f && !varlen(packed),
+                  "core attention: context parallelism without dropout or packed documents");
+    cp_attention_forward(q, k, v, out, lse, packed->context_parallel, softmax_scale);
+    return;
+  }
   if (!varlen(packed)) {
     ops::attention_forward(q, k, v, out, lse, dropout_p, seed, stream, softmax_scale);
     return;
@@ -43,6 +52,11 @@ void core_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& 
                              const Tensor& out, const Tensor& lse, const PackedSeqParams* packed,
                              Tensor& dq, Tensor& dk, Tensor& dv, float dropout_p, uint64_t seed,
                              uint64_t stream, float softmax_scale) {
+  if (context_parallel(packed)) {
+    cp_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, packed->context_parallel,
+                          softmax_scale);
+    return;
+  }
   if (!varlen(packed)) {
     ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, seed, stream,
                             softmax_scale);

@@ -1,11 +1,13 @@
-// PackedSeqParams: the documents packed into a micro-batch's samples, as the layers see
-// them (Megatron-LM's PackedSeqParams with qkv_format "thd"; --reset-attention-mask and
+// PackedSeqParams: the documents packed into a micro-batch's samples (and the context-
+// parallel split of its sequences), as the layers see them (Megatron-LM's PackedSeqParams with
+// qkv_format "thd"; --reset-attention-mask and
 // --reset-position-ids, docs/data.md "Packed sequences").
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/context_parallel.h"
 
 namespace megaton {
 
@@ -27,8 +29,14 @@ struct PackedSeqParams {
   // row), I32 [T] on the model's device,
   // restarting at 0 after each eod. Undefined: row t's position is s = t % S.
   Tensor position_ids;
+  // Context parallelism (--context-parallel-size > 1): the group and comm type the core
+  // attention reaches across (model/context_parallel.h); the micro-batch's rows are this
+  // rank's two chunks of each sample and position_ids their global positions (Megatron's
+  // PackedSeqParams likewise carries the CP group for hybrid CP). comm null: no CP.
+  CpAttention context_parallel;
 
   bool reset_attention_mask() const { return cu_seqlens.defined(); }
+  bool has_context_parallel() const { return context_parallel.comm != nullptr; }
 };
 
 }  // namespace megaton

@@ -371,6 +371,51 @@ data::TokenizerOptions tokenizer_options(const TrainArgs& a) {
   return t;
 }
 
+namespace {
+
+// Context parallelism's own checks (Megatron's arguments.py and Transformer Engine's,
+// docs/research/context-parallel.md 4), and what Megaton's CP does not cover yet.
+void check_context_parallel(const TrainArgs& a, const dist::ValidatedLayout& layout) {
+  const int64_t cp = layout.sizes.cp, tp = layout.sizes.tp;
+  if (cp == 1) return;
+  const GPTConfig& m = a.model;
+  if (m.seq_length % (2 * cp) != 0)
+    fail("seq-length ({}) is not divisible by 2 x context-parallel-size ({})", m.seq_length,
+         2 * cp);
+  if (layout.sequence_parallel && (m.seq_length / cp) % tp != 0)
+    fail(
+        "seq-length / context-parallel-size ({}) is not divisible by tensor-model-parallel-size "
+        "({}) (sequence-parallel)",
+        m.seq_length / cp, tp);
+  if (a.parallel.cp_comm_type == "a2a") {
+    const int64_t groups = m.group_query_attention && m.num_query_groups > 0
+                               ? m.num_query_groups
+                               : m.num_attention_heads;
+    if ((m.num_attention_heads / tp) % cp != 0 || (groups / tp) % cp != 0)
+      fail(
+          "cp-comm-type a2a needs the attention heads ({}) and query groups ({}) per "
+          "tensor-parallel rank divisible by context-parallel-size ({})",
+          m.num_attention_heads / tp, groups / tp, cp);
+  }
+  auto not_yet = [cp](const std::string& what) {
+    fail("context-parallel-size {} with {} is not supported yet", cp, what);
+  };
+  if (m.device == Device::CUDA)
+    not_yet("--device cuda (the attention across context-parallel ranks runs on CPU ranks so far)");
+  if (a.reset_attention_mask || a.reset_position_ids)
+    not_yet("--reset-attention-mask / --reset-position-ids (packed sequences)");
+  if (m.mtp_num_layers > 0) not_yet("--mtp-num-layers (multi-token prediction)");
+  if (m.attention_dropout > 0.0f)
+    not_yet(
+        fmt::format("--attention-dropout {} (give 0: the context-parallel attention has no "
+                    "dropout)",
+                    m.attention_dropout));
+  for (const std::string& type : m.moe_router_load_balancing_type)
+    if (type == "seq_aux_loss") not_yet("--moe-router-load-balancing-type seq_aux_loss");
+}
+
+}  // namespace
+
 dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_size) {
   const ParallelArgs& p = a.parallel;
   const GPTConfig& m = a.model;
@@ -395,6 +440,7 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
                                                                          : m.num_attention_heads;
   r.num_experts = m.num_experts;
   dist::ValidatedLayout layout = dist::validate_layout(r);
+  check_context_parallel(a, layout);
   // The interleaved schedule's micro-batch groups (the trainer checks the batch split).
   const int64_t per_step = a.micro_batch_size * layout.sizes.dp;
   if (per_step > 0 && a.global_batch_size % per_step == 0)

@@ -24,6 +24,8 @@ struct ParallelArgs {
   int64_t expert_model_parallel_size = 1;
   int64_t expert_tensor_parallel_size = 0;  // 0: tensor_model_parallel_size
   int64_t context_parallel_size = 1;
+  // --cp-comm-type: p2p, all_gather or a2a (model/context_parallel.h); one for every layer.
+  std::string cp_comm_type = "p2p";
   bool sequence_parallel = false;
   int64_t num_layers_per_virtual_pipeline_stage = 0;  // 0: no interleaved schedule
   int64_t decoder_first_pipeline_num_layers = 0;      // 0: an even share

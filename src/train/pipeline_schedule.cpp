@@ -3,16 +3,16 @@
 
 #include <algorithm>
 #include <map>
-#include <optional>
 #include <numeric>
+#include <optional>
 
 #include "core/error.h"
 #include "ops/ops.h"
 
 namespace megaton {
 
-ChunkLayers chunk_layers(const std::vector<int64_t>& layers_per_stage, int64_t vpp,
-                         int64_t pp_rank, int64_t chunk) {
+ChunkLayers chunk_layers(const std::vector<int64_t>& layers_per_stage, int64_t vpp, int64_t pp_rank,
+                         int64_t chunk) {
   const int64_t pp = int64_t(layers_per_stage.size());
   MEGATON_CHECK(pp >= 1 && vpp >= 1 && pp_rank >= 0 && pp_rank < pp && chunk >= 0 && chunk < vpp,
                 "chunk_layers: rank {} of {}, chunk {} of {}", pp_rank, pp, chunk, vpp);
@@ -59,8 +59,8 @@ std::vector<PipelineOp> pipeline_rank_order(int64_t pp, int64_t vpp, int64_t ran
     return PipelineOp{false, table[k].micro_batch, vpp - 1 - table[k].chunk};
   };
   if (forward_only) return table;
-  const int64_t warmup = std::min(
-      total, vpp == 1 ? pp - rank - 1 : 2 * (pp - rank - 1) + (vpp - 1) * pp);
+  const int64_t warmup =
+      std::min(total, vpp == 1 ? pp - rank - 1 : 2 * (pp - rank - 1) + (vpp - 1) * pp);
   std::vector<PipelineOp> order;
   for (int64_t k = 0; k < warmup; ++k) order.push_back(forward(k));
   for (int64_t k = 0; k < total - warmup; ++k) {
@@ -72,8 +72,7 @@ std::vector<PipelineOp> pipeline_rank_order(int64_t pp, int64_t vpp, int64_t ran
 }
 
 std::vector<std::vector<PipelineStep>> pipeline_plan(int64_t pp, int64_t vpp,
-                                                     int64_t num_micro_batches,
-                                                     bool forward_only) {
+                                                     int64_t num_micro_batches, bool forward_only) {
   const int64_t M = num_micro_batches, stages = pp * vpp;  // virtual stages
   std::vector<std::vector<PipelineOp>> orders;
   for (int64_t r = 0; r < pp; ++r)
@@ -114,8 +113,10 @@ std::vector<std::vector<PipelineStep>> pipeline_plan(int64_t pp, int64_t vpp,
       }
     }
     if (done) break;
-    MEGATON_CHECK(progressed, "pipeline_plan: no rank can run at tick {} (pp {}, vpp {}, {} "
-                  "micro-batches)", tick, pp, vpp, M);
+    MEGATON_CHECK(progressed,
+                  "pipeline_plan: no rank can run at tick {} (pp {}, vpp {}, {} "
+                  "micro-batches)",
+                  tick, pp, vpp, M);
     for (int64_t r = 0; r < pp; ++r)
       if (steps[r].op || steps[r].recv_prev.defined() || steps[r].recv_next.defined())
         plans[r].push_back(steps[r]);
@@ -166,9 +167,13 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
   // loss_scale / num_microbatches), or loss_scale alone with calculate_per_token_loss, when
   // the router (router.py attach_and_log_load_balancing_loss, apply_z_loss) multiplies each
   // injected loss by its tokens times the TP x CP size: the micro-batch's B x S tokens.
-  const float aux_grad_scale = mbs.per_token_loss
-                                   ? float(double(mbs.loss_scale) * double(mbs.batch * mbs.seq))
-                                   : mbs.loss_scale / float(mbs.count);
+  // Under context parallelism mbs.seq is this rank's S / cp rows, and without per-token loss
+  // the scale carries cp (schedules.py: loss_scale * cp_size / num_microbatches), undoing
+  // the gradients' mean over DP x CP for a loss that is already a partial sum.
+  const double cp = double(grid_.cp().size());
+  const float aux_grad_scale =
+      mbs.per_token_loss ? float(double(mbs.loss_scale) * double(mbs.batch * mbs.seq) * cp)
+                         : float(double(mbs.loss_scale) * cp / double(mbs.count));
 
   // Per chunk: activations received for micro-batches not yet forwarded, gradients
   // received for their outputs, the saved state (activation stash) of every micro-batch
@@ -228,7 +233,8 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
           losses.num_tokens += double(mask->num_tokens);
           // Per-token loss: the mask itself (the sum's gradient; no division by the tokens).
           if (!forward_only)
-            loss_weights[op.micro_batch] = std::move(mbs.per_token_loss ? mask->mask : mask->weights);
+            loss_weights[op.micro_batch] =
+                std::move(mbs.per_token_loss ? mask->mask : mask->weights);
         } else if (part.post_process) {
           losses.loss_sum += ops::sum(out.loss.losses);
           losses.num_tokens += double(out.loss.losses.numel());
@@ -273,8 +279,8 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
         } else if (part.post_process) {
           // Megatron's default loss: the token mean per micro-batch, averaged over them.
           dout = Tensor::empty({tokens_per_micro_batch});
-          dout.fill(float(double(mbs.loss_scale) /
-                          (double(tokens_per_micro_batch) * double(mbs.count))));
+          dout.fill(
+              float(double(mbs.loss_scale) / (double(tokens_per_micro_batch) * double(mbs.count))));
         } else {
           auto grad = output_grads[op.chunk].find(op.micro_batch);
           MEGATON_CHECK(grad != output_grads[op.chunk].end(),
@@ -290,13 +296,15 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
     auto exchange = [&](bool send, int send_peer, const PipelineSlot& slot, int recv_peer,
                         bool activation) {
       if (!send && !slot.defined()) return;
-      MEGATON_CHECK(!send || produced.defined(), "pipeline: nothing to send at tick {}",
-                    step.tick);
+      MEGATON_CHECK(!send || produced.defined(), "pipeline: nothing to send at tick {}", step.tick);
       Tensor received;
       if (slot.defined()) received = Tensor::empty(hidden_shape, cfg.compute_dtype(), cfg.device);
-      if (send && slot.defined()) comm_.send_recv(produced, send_peer, received, recv_peer, group);
-      else if (send) comm_.send(produced, send_peer, group);
-      else comm_.recv(received, recv_peer, group);
+      if (send && slot.defined())
+        comm_.send_recv(produced, send_peer, received, recv_peer, group);
+      else if (send)
+        comm_.send(produced, send_peer, group);
+      else
+        comm_.recv(received, recv_peer, group);
       if (!slot.defined()) return;
       (activation ? inputs : output_grads)[slot.chunk][slot.micro_batch] = received;
     };

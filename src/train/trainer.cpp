@@ -17,6 +17,7 @@
 #include <optional>
 
 #include "ckpt/checkpoint.h"
+#include "model/context_parallel.h"
 #ifdef MEGATON_WITH_CUDA
 #include <cuda_runtime.h>
 
@@ -35,11 +36,11 @@
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
 #include "train/flops.h"
-#include "train/run_control.h"
 #include "train/generate.h"
 #include "train/loss_mask.h"
 #include "train/memory_check.h"
 #include "train/pipeline_schedule.h"
+#include "train/run_control.h"
 #include "train/tensor_parallel_ckpt.h"
 
 namespace megaton {
@@ -141,6 +142,20 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   dist::Grid::set_current(*grid_);
   comm_ = dist::make_comm(args_.model.device);
   comm_->prepare(*grid_);
+  if (grid_->cp().size() > 1) {
+    // Every micro-batch's rows: this rank's two chunks of each sample, at their global
+    // positions (RoPE's, or the learned position embedding's rows).
+    auto params = std::make_shared<PackedSeqParams>();
+    const std::vector<int64_t> positions =
+        cp_local_positions(args_.model.seq_length, grid_->cp().size(), grid_->cp().rank);
+    std::vector<int32_t> ids;
+    for (int64_t b = 0; b < args_.micro_batch_size; ++b)
+      for (int64_t p : positions) ids.push_back(int32_t(p));
+    params->position_ids = Tensor::from_i32({int64_t(ids.size())}, ids).to(args_.model.device);
+    params->context_parallel = {comm_.get(), &grid_->cp(),
+                                parse_cp_comm_type(args_.parallel.cp_comm_type)};
+    cp_params_ = std::move(params);
+  }
   std::string bus_id;  // the GPU's PCI bus id: NVML's handle for --log-energy
 #ifdef MEGATON_WITH_CUDA
   if (args_.model.device == Device::CUDA && args_.logging.log_energy) {
@@ -207,12 +222,12 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
       batch_schedule_->max_global_batch_size() / (args_.micro_batch_size * sizes.dp);
   for (int64_t mb = 0; !schedule_ && mb < most_micro_batches; ++mb)
     for (auto* buffers : {&batch_tokens_, &batch_labels_})
-      buffers->push_back(Tensor::empty({args_.micro_batch_size, args_.model.seq_length}, DType::I32,
+      buffers->push_back(Tensor::empty({args_.micro_batch_size, local_seq_length()}, DType::I32,
                                        args_.model.device));
   for (int64_t mb = 0; !schedule_ && args_.eod_mask_loss && mb < most_micro_batches; ++mb)
     for (auto* buffers : {&batch_loss_masks_, &batch_loss_weights_})
-      buffers->push_back(Tensor::empty({args_.micro_batch_size * args_.model.seq_length},
-                                       DType::F32, args_.model.device));
+      buffers->push_back(Tensor::empty({args_.micro_batch_size * local_seq_length()}, DType::F32,
+                                       args_.model.device));
   for (int64_t mb = 0; !schedule_ && mb < most_micro_batches; ++mb) {
     batch_packing_.emplace_back();
     if (args_.reset_position_ids)
@@ -251,7 +266,7 @@ PipelineMicroBatches Trainer::pipeline_micro_batches(
   PipelineMicroBatches out;
   out.count = count;
   out.batch = args_.micro_batch_size;
-  out.seq = args_.model.seq_length;
+  out.seq = local_seq_length();
   out.load = [this, &source, batch_start](int64_t mb, Tensor& tokens, Tensor& labels) {
     load_batch(source, micro_batch_start(batch_start, mb), args_.micro_batch_size, tokens, labels);
   };
@@ -261,8 +276,8 @@ PipelineMicroBatches Trainer::pipeline_micro_batches(
     };
   out.context = std::move(context);
   // Packed documents: every stage's layers need the micro-batch's packing, also the
-  // stages that load no tokens (it is remade from the samples).
-  if (args_.reset_position_ids || args_.reset_attention_mask)
+  // stages that load no tokens (it is remade from the samples); so do the CP chunks.
+  if (args_.reset_position_ids || args_.reset_attention_mask || cp_params_)
     out.context = [this, &source, batch_start, context = std::move(out.context)](int64_t mb) {
       ForwardContext ctx = context(mb);
       ctx.packed_seq_params = packing(source, micro_batch_start(batch_start, mb));
@@ -315,7 +330,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     // (The schedule sums on the host; its value travels in a small upload.)
     loss_sum = Tensor::from({1}, {float(stage.loss_sum)}).to(device);
     // The last stage's tokens, known on every stage (micro-batches are all alike).
-    tokens_sum = double(n_mb * mbs * args_.model.seq_length);
+    tokens_sum = double(n_mb * mbs * local_seq_length());
     // With the loss mask the counts are the last stage's, and differ between data-parallel
     // ranks: summed over both here (host collectives), as evaluate() does.
     if (args_.eod_mask_loss) {
@@ -326,20 +341,26 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
     // Dropout masks are keyed by the global micro-batch index: the same on any layout.
     ForwardContext ctx{true, args_.seed, iteration, mb * dp + grid_->dp().rank};
-    ctx.packed_seq_params = batch_packing_[size_t(mb)];  // null unless documents are packed
-    ChunkInput in{mbs, args_.model.seq_length, batch_tokens_[size_t(mb)],
-                  batch_labels_[size_t(mb)], Tensor(), Tensor()};
+    // Null unless documents are packed or the sequence is split over CP ranks.
+    ctx.packed_seq_params = batch_packing_[size_t(mb)];
+    ChunkInput in{
+        mbs,     local_seq_length(), batch_tokens_[size_t(mb)], batch_labels_[size_t(mb)], Tensor(),
+        Tensor()};
     if (args_.eod_mask_loss && mtp_depths > 0) in.loss_mask = batch_loss_masks_[size_t(mb)];
     MicroBatchLoss out = chunks_[0]->forward_chunk(in, ctx).loss;
     if (out.mtp_losses.defined()) ops::add_(mtp_sum, out.mtp_losses);
     int64_t T = out.losses.numel();
-    if (args_.eod_mask_loss) ops::dot(out.losses, batch_loss_masks_[size_t(mb)], mb_sum);
-    else ops::sum(out.losses, mb_sum);
+    if (args_.eod_mask_loss)
+      ops::dot(out.losses, batch_loss_masks_[size_t(mb)], mb_sum);
+    else
+      ops::sum(out.losses, mb_sum);
     ops::add_(loss_sum, mb_sum);
     Tensor dlosses;
     // The MoE aux losses' gradient scale (Megatron-LM d98e8a6 schedules.py forward_step's
     // MoEAuxLossAutoScaler.set_loss_scale).
-    float aux_grad_scale = loss_scale / float(n_mb);
+    // Under context parallelism times cp (schedules.py: loss_scale * cp_size /
+    // num_microbatches): the aux loss is a partial sum, the gradients a mean over DP x CP.
+    float aux_grad_scale = float(double(loss_scale) * double(grid_->cp().size()) / double(n_mb));
     if (args_.calculate_per_token_loss) {
       // Megatron's forward_step with calculate_per_token_loss: the micro-batch's masked sum
       // (loss_func's sum(losses * mask)) is not divided by its num_tokens nor by
@@ -394,13 +415,12 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
     if (schedule_) comm_->all_reduce(mtp_sum, grid_->pp());
     if (grid_->tp().rank != 0) mtp_sum.zero();
     comm_->all_reduce(mtp_sum, grid_->tp_dp_cp());
-    ops::scale_(mtp_sum, float(1.0 / (double(n_mb) * double(grid_->tp_dp_cp().size() /
-                                                            grid_->tp().size()))));
+    ops::scale_(mtp_sum, float(1.0 / (double(n_mb) *
+                                      double(grid_->tp_dp_cp().size() / grid_->tp().size()))));
   }
   // With the loss mask the tokens were summed over the data-parallel ranks already (by the
   // pipeline branch above, or when the inputs were staged).
-  if (args_.eod_mask_loss)
-    return {loss_sum, schedule_ ? tokens_sum : staged_loss_tokens_, mtp_sum};
+  if (args_.eod_mask_loss) return {loss_sum, schedule_ ? tokens_sum : staged_loss_tokens_, mtp_sum};
   return {loss_sum, tokens_sum * double(grid_->tp_dp_cp().size() / grid_->tp().size()), mtp_sum};
 }
 

@@ -151,12 +151,15 @@ class Trainer {
   // --reset-position-ids / --reset-attention-mask: the packed documents of a micro-batch's
   // tokens [micro_batch_size, seq_length] (host I32) on the model's device
   // (train/packed_batch.h), its position ids written to position_ids_buffer when given;
-  // null when neither flag is on. The second form loads the micro-batch (micro_batch_size
-  // samples from first_sample of source) itself: the pipeline's stages that read no tokens.
+  // null when neither flag is on; under context parallelism cp_params_. The second form loads the
+  // micro-batch (micro_batch_size samples from first_sample of source) itself: the pipeline's
+  // stages that read no tokens.
   std::shared_ptr<const PackedSeqParams> packing(const Tensor& tokens,
                                                  Tensor position_ids_buffer = Tensor()) const;
   std::shared_ptr<const PackedSeqParams> packing(const data::SampleSource& source,
                                                  int64_t first_sample) const;
+  // The rows of a sample on this rank: seq_length / context-parallel-size.
+  int64_t local_seq_length() const { return args_.model.seq_length / grid_->cp().size(); }
   void save(int64_t iteration);
   // The run's metadata.json fields of a checkpoint at `iteration` (a JSON object string).
   std::string checkpoint_metadata(int64_t iteration) const;
@@ -275,6 +278,10 @@ class Trainer {
   // addresses for a captured step).
   std::vector<std::shared_ptr<const PackedSeqParams>> batch_packing_;
   std::vector<Tensor> batch_position_ids_;
+  // Context parallelism (cp > 1): every micro-batch's rows are this rank's two chunks of
+  // each sample (load_batch splits them): their global positions and the CP group, the same
+  // for every micro-batch (packing() returns it). Null without CP.
+  std::shared_ptr<const PackedSeqParams> cp_params_;
   // --cuda-graph-impl full_iteration (null otherwise) and the outputs of the captured step,
   // which its replays rewrite.
   std::unique_ptr<FullIterationGraph> step_graph_;

@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
+#include "model/context_parallel.h"
 #include "train/packed_batch.h"
 #include "train/trainer.h"
 
@@ -47,10 +48,17 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
     std::copy(sample.begin(), sample.end() - 1, tokens.i32() + i * seq);
     std::copy(sample.begin() + 1, sample.end(), labels.i32() + i * seq);
   }
+  // Context parallelism: this rank's two chunks of each sample (labels shifted before the
+  // split, as Megatron's get_batch_on_this_cp_rank).
+  if (const dist::Group& cp = grid_->cp(); cp.size() > 1) {
+    tokens = cp_split_sequence(tokens, cp.size(), cp.rank);
+    labels = cp_split_sequence(labels, cp.size(), cp.rank);
+  }
 }
 
 std::shared_ptr<const PackedSeqParams> Trainer::packing(const Tensor& tokens,
                                                         Tensor position_ids_buffer) const {
+  if (cp_params_) return cp_params_;
   return packed_seq_params(tokens, tokenizer_->eod(), args_.reset_position_ids,
                            args_.reset_attention_mask, args_.model.device,
                            std::move(position_ids_buffer));
@@ -58,6 +66,7 @@ std::shared_ptr<const PackedSeqParams> Trainer::packing(const Tensor& tokens,
 
 std::shared_ptr<const PackedSeqParams> Trainer::packing(const data::SampleSource& source,
                                                         int64_t first_sample) const {
+  if (cp_params_) return cp_params_;
   if (!args_.reset_position_ids && !args_.reset_attention_mask) return nullptr;
   Tensor tokens, labels;
   load_batch(source, first_sample, args_.micro_batch_size, tokens, labels);

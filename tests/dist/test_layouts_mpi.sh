@@ -199,6 +199,19 @@ layouts=(
   "tp2-sp-etp1|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1"
   "tp2-etp1-alltoall|2|--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall"
   "tp2-sp-ep2-distributed-optimizer|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer --moe-token-dispatcher-type alltoall"
+  # Context parallelism: each rank holds chunks r and 2cp-1-r of every sample; the attention
+  # reaches the other chunks by the K/V ring (p2p), an all-gather of K/V, or a heads
+  # all-to-all (a2a); the gradients are reduced over DP x CP.
+  "cp2-p2p|2|--context-parallel-size 2 --cp-comm-type p2p"
+  "cp2-all-gather|2|--context-parallel-size 2 --cp-comm-type all_gather"
+  "cp2-a2a|2|--context-parallel-size 2 --cp-comm-type a2a"
+  "cp4-p2p|4|--context-parallel-size 4"
+  "cp4-all-gather|4|--context-parallel-size 4 --cp-comm-type all_gather"
+  "cp4-a2a|4|--context-parallel-size 4 --cp-comm-type a2a"
+  "cp2-tp2-sp|4|--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"
+  "cp2-ep2|2|--context-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  "cp2-pp2|4|--context-parallel-size 2 --pipeline-model-parallel-size 2"
+  "cp2-dp2-distributed-optimizer|4|--context-parallel-size 2 --use-distributed-optimizer"
   # Pipeline parallelism: 1F1B, interleaved 1F1B (8 layers: two 1-layer chunks per rank
   # on pp 4), uneven first/last stages, tied embeddings synchronised between the stages.
   "tp2|2|--tensor-model-parallel-size 2"

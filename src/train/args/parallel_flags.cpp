@@ -2,6 +2,7 @@
 // distributed optimizer and the gradient/parameter communication (Megatron's "distributed"
 // group). The layout itself is checked against the world by check_parallel_layout.
 #include "core/error.h"
+#include "model/context_parallel.h"
 #include "train/args/flag_table.h"
 
 namespace megaton {
@@ -16,6 +17,18 @@ void parse_parallel(const ArgReader& r, TrainArgs& a) {
   r.get("expert-tensor-parallel-size", p.expert_tensor_parallel_size);
   r.get("context-parallel-size", p.context_parallel_size);
   r.get("sequence-parallel", p.sequence_parallel);
+  // --cp-comm-type: one value, or Megatron's per-layer list (one value per layer; Megaton
+  // takes lists whose values are all the same).
+  if (r.has("cp-comm-type")) {
+    const std::vector<std::string>& types = r.raw.at("cp-comm-type");
+    for (const std::string& t : types) {
+      parse_cp_comm_type(t);  // a bad value: one line naming it
+      if (t != types.front() && parse_cp_comm_type(t) != parse_cp_comm_type(types.front()))
+        fail("cp-comm-type: per-layer lists of different types ({} and {}) are not supported",
+             types.front(), t);
+    }
+    p.cp_comm_type = cp_comm_type_name(parse_cp_comm_type(types.front()));
+  }
   r.get("num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage);
   r.get("decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers);
   r.get("decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers);
@@ -69,7 +82,10 @@ ArgGroup parallel_flags() {
       flag("pipeline-model-parallel-size", "pipeline stages (pp)"),
       flag("expert-model-parallel-size", "expert parallel ranks (ep)"),
       flag("expert-tensor-parallel-size", "tensor parallel ranks of the experts (default tp)"),
-      flag("context-parallel-size", "context parallel ranks (only 1 so far: issue 22)"),
+      flag("context-parallel-size",
+           "context parallel ranks (cp): each holds 2 of the sequence's 2 cp chunks"),
+      values("cp-comm-type",
+             "context parallel attention: p2p (K/V ring), all_gather or a2a (heads)"),
       toggle("sequence-parallel", "shard activations along the sequence over tp ranks"),
       flag("num-layers-per-virtual-pipeline-stage",
            "layers per model chunk (interleaved pipeline)"),

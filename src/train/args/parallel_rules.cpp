@@ -145,7 +145,6 @@ std::vector<OptionSpec> parallel_megatron_rules() {
       unsupported("enable-full-sharding-in-hsdp", "0", "FSDP (issue 22)"),
       no_effect("torch-fsdp2-no-reshard-after-forward", "0",
                 "only tunes FSDP, which Megaton does not have (issue 22)"),
-      unsupported("cp-comm-type", "+", "context parallelism (issue 22)"),
       unsupported("fake-process-group", "0", "fake process groups (memory profiling)"),
       unsupported("megatron-fsdp-main-params-dtype", "1", "FSDP (issue 22)"),
       unsupported("megatron-fsdp-main-grads-dtype", "1", "FSDP (issue 22)"),
