@@ -34,7 +34,7 @@ struct Dims {
   const TrainArgs& args;
   const GPTConfig& m;
   Device device;
-  double cb;  // compute dtype bytes
+  double cb;              // compute dtype bytes
   double tp, ep, etp, G;  // G: the expert-model-parallel group, ep x etp
   bool sp, ln_norm;       // sequence parallelism; LayerNorm (keeps a mean) or RMSNorm
   double B, S, T, Tl, Tm, H, V, np, ng, d, fc1, ffn;
@@ -61,10 +61,10 @@ struct Keeps {
   bool mla_up_proj_out = true;
 };
 Keeps keeps_of(const RecomputeConfig& rc, bool training) {
-  return {!rc.selective(kRecomputeLayernorm), !rc.selective(kRecomputeCoreAttn),
-          !rc.selective(kRecomputeLayernorm),  !rc.selective(kRecomputeMlp),
-          !rc.selective(kRecomputeSharedExperts),
-          !(training && rc.selective(kRecomputeMoe)), !rc.selective(kRecomputeMlaUpProj)};
+  return {!rc.selective(kRecomputeLayernorm),     !rc.selective(kRecomputeCoreAttn),
+          !rc.selective(kRecomputeLayernorm),     !rc.selective(kRecomputeMlp),
+          !rc.selective(kRecomputeSharedExperts), !(training && rc.selective(kRecomputeMoe)),
+          !rc.selective(kRecomputeMlaUpProj)};
 }
 
 // Multi-latent attention's half of a layer (model/mla.cpp MLASelfAttention::forward and
@@ -81,11 +81,15 @@ void mla_memory(const Dims& x, const Keeps& k, LayerMemory& out) {
   auto latent = [&](double r) {
     return m.qk_layernorm ? 2 * x.act(x.Tl, r) + x.norm_stats(x.Tl) : x.act(x.Tl, r);
   };
-  if (rq > 0) s += latent(rq);
-  else if (!k.mla_up_proj_out) s += x.act(T, n * dq);  // linear_q_proj's output q
+  if (rq > 0)
+    s += latent(rq);
+  else if (!k.mla_up_proj_out)
+    s += x.act(T, n * dq);  // linear_q_proj's output q
   s += latent(rkv);
-  if (k.mla_up_proj_out) s += 2 * x.act(T, n * dq) + x.act(T, n * v);  // query, key, value
-  else s += x.act(x.Tl, double(m.qk_pos_emb_head_dim));                 // k_pe rows
+  if (k.mla_up_proj_out)
+    s += 2 * x.act(T, n * dq) + x.act(T, n * v);  // query, key, value
+  else
+    s += x.act(x.Tl, double(m.qk_pos_emb_head_dim));                         // k_pe rows
   if (k.core_attn_out) s += x.act(T, n * v) + x.bytes(x.B * n * x.S, kF32);  // output, lse
   s += x.act(x.Tl, x.H) + x.norm_stats(x.Tl);  // pre_mlp_layernorm: h = x + attn
   out.saved += s;
@@ -99,8 +103,8 @@ void mla_memory(const Dims& x, const Keeps& k, LayerMemory& out) {
   if (!k.mla_up_proj_out) attn += dqkv;
   if (!k.core_attn_out) attn += x.act(T, n * v) + x.bytes(x.B * n * x.S, kF32);
   const double rope = dqkv + x.act(T, n * dq) + x.act(T, n * (double(m.qk_head_dim) + v));
-  double b = 2 * x.act(x.Tl, x.H) + (x.sp ? x.act(T, x.H) : 0) + std::max(attn, rope) +
-             x.act(x.Tl, x.H);
+  double b =
+      2 * x.act(x.Tl, x.H) + (x.sp ? x.act(T, x.H) : 0) + std::max(attn, rope) + x.act(x.Tl, x.H);
   if (!k.qkv_input) b += x.act(x.Tl, x.H);
   out.backward = std::max(out.backward, b);
 }
@@ -112,18 +116,18 @@ void attention_memory(const Dims& x, const Keeps& k, bool fp8, LayerMemory& out)
   const double np = x.np / x.tp, ng = x.ng / x.tp, d = x.d, T = x.T;
   const bool fp8_saves_xt = fp8 && m.fp8.wgrad;
   out.input = x.act(x.Tl, x.H);
-  double s = out.input + x.norm_stats(x.Tl);            // input_layernorm: x, rstd (mean)
-  if (k.qkv_input)                                      // linear_qkv: its input
+  double s = out.input + x.norm_stats(x.Tl);  // input_layernorm: x, rstd (mean)
+  if (k.qkv_input)                            // linear_qkv: its input
     s += fp8_saves_xt ? x.bytes(T * x.H, 1) : x.act(x.Tl, x.H);
-  s += x.act(T, np * d) + 2 * x.act(T, ng * d);         // q, k, v after RoPE
-  if (m.qk_layernorm)                                   // the split q, k and their statistics
+  s += x.act(T, np * d) + 2 * x.act(T, ng * d);  // q, k, v after RoPE
+  if (m.qk_layernorm)                            // the split q, k and their statistics
     s += x.act(T, np * d) + x.act(T, ng * d) +
          (x.bytes(T * np, kF32) + x.bytes(T * ng, kF32)) * (x.ln_norm ? 2 : 1);
-  if (k.core_attn_out) {                                // attention output (linear_proj's
+  if (k.core_attn_out) {                                    // attention output (linear_proj's
     s += x.act(T, np * d) + x.bytes(x.B * np * x.S, kF32);  // input too) and lse
-    if (fp8_saves_xt) s += x.bytes(T * np * d, 1);      // linear_proj's FP8 x^T
+    if (fp8_saves_xt) s += x.bytes(T * np * d, 1);          // linear_proj's FP8 x^T
   }
-  s += x.act(x.Tl, x.H) + x.norm_stats(x.Tl);           // pre_mlp_layernorm: h = x + attn
+  s += x.act(x.Tl, x.H) + x.norm_stats(x.Tl);  // pre_mlp_layernorm: h = x + attn
   out.saved += s;
   // Backward of the attention half (SelfAttention::backward): dy, dh, linear_proj's
   // gathered dy (SP), dout, the recomputed output, dq dk dv, dqkv, linear_qkv's dx and
@@ -156,8 +160,8 @@ void mlp_memory(const Dims& x, double ffn, bool keep_input, bool keep_fc1_out, b
   const double dy = x.act(x.Tl, x.H);
   const double rec = (keep_fc1_out ? 0 : x.act(T, f1)) + (keep_input ? 0 : x.act(x.Tl, x.H));
   const double fc2 = dy + (x.sp ? x.act(T, x.H) : 0) + rec + 2 * x.act(T, f) + x.act(T, f1);
-  const double fc1 = dy + rec + x.act(T, f) + x.act(T, f1) + x.act(T, x.H) +
-                     (x.sp ? x.act(T, x.H) : 0);
+  const double fc1 =
+      dy + rec + x.act(T, f) + x.act(T, f1) + x.act(T, x.H) + (x.sp ? x.act(T, x.H) : 0);
   out.backward = std::max(out.backward, std::max(fc2, fc1));
 }
 
@@ -223,8 +227,8 @@ void moe_memory(const Dims& x, const Keeps& k, bool fp8, bool training, LayerMem
                  + routing + dispatcher + expert_probs + expert_in + x.act(R, f1);
   if (m.moe_shared_expert_intermediate_size > 0) {
     LayerMemory shared;
-    mlp_memory(x, double(m.moe_shared_expert_intermediate_size), true, k.shared_fc1_out, fp8,
-               true, shared);
+    mlp_memory(x, double(m.moe_shared_expert_intermediate_size), true, k.shared_fc1_out, fp8, true,
+               shared);
     whole += shared.saved;
     if (m.moe_shared_expert_gate) whole += x.act(x.Tl, x.H) + x.bytes(x.Tl, kF32);
     out.backward = std::max(out.backward, shared.backward + x.act(Tm, x.H));
@@ -239,7 +243,7 @@ void moe_memory(const Dims& x, const Keeps& k, bool fp8, bool training, LayerMem
   if (allgather && x.G > 1)
     b = std::max(b, dy + x.act(x.G * Tm, x.H) + x.act(x.G * copies, x.H) + x.act(R, x.H));
   if (!allgather && (x.ep > 1 || er.dropping)) b += x.act(copies, x.H);  // dcombined
-  b = std::max(b, dy + x.act(Tm, x.H) + 2 * x.bytes(Tm * E, kF32));  // router backward
+  b = std::max(b, dy + x.act(Tm, x.H) + 2 * x.bytes(Tm * E, kF32));      // router backward
   if (k.moe_whole) {
     out.saved += whole;
   } else {
@@ -308,8 +312,8 @@ ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, boo
   for (int64_t l = 1; l < n; ++l) {
     kept_before += held[size_t(l - 1)];
     if (offloaded(l - 1))
-      offload_forward = std::max(offload_forward, kept_before + lm[size_t(l - 1)].saved +
-                                                      lm[size_t(l)].saved);
+      offload_forward =
+          std::max(offload_forward, kept_before + lm[size_t(l - 1)].saved + lm[size_t(l)].saved);
   }
   double tail = 0;
   if (post) {
@@ -372,8 +376,8 @@ ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, boo
 }  // namespace
 
 // Parameters and the persistent state are in memory_plan_state.cpp.
-void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout,
-                          int64_t stage, MemoryPlan& plan);
+void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout, int64_t stage,
+                          MemoryPlan& plan);
 void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan);
 
 MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layout) {
@@ -389,15 +393,18 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
   const dist::ParallelSizes& z = layout.sizes;
   const int64_t pp = z.pp, vpp = z.vpp.value_or(1);
   const int64_t gbs = args.global_batch_size > 0 ? args.global_batch_size : args.micro_batch_size;
-  plan.micro_batches = std::max<int64_t>(gbs / (args.micro_batch_size * std::max<int64_t>(z.dp, 1)), 1);
+  plan.micro_batches =
+      std::max<int64_t>(gbs / (args.micro_batch_size * std::max<int64_t>(z.dp, 1)), 1);
   const int64_t M = plan.micro_batches;
 
-  Dims x{args, m, m.device, double(dtype_size(m.compute_dtype())),
-         double(z.tp), double(z.ep), double(z.etp > 0 ? z.etp : z.tp), 0,
-         layout.sequence_parallel && z.tp > 1, m.normalization == Normalization::LayerNorm,
-         double(args.micro_batch_size), double(m.seq_length), 0, 0, 0, double(m.hidden_size),
-         double(m.padded_vocab_size), double(m.num_attention_heads), double(m.num_query_groups),
-         double(m.kv_channels), 0, double(m.ffn_hidden_size)};
+  Dims x{args, m, m.device, double(dtype_size(m.compute_dtype())), double(z.tp), double(z.ep),
+         double(z.etp > 0 ? z.etp : z.tp), 0, layout.sequence_parallel && z.tp > 1,
+         m.normalization == Normalization::LayerNorm,
+         // Under context parallelism a rank holds S / cp rows of each sample (the CP
+         // attention's own K/V buffers are not counted).
+         double(args.micro_batch_size), double(m.seq_length / std::max<int64_t>(z.cp, 1)), 0, 0, 0,
+         double(m.hidden_size), double(m.padded_vocab_size), double(m.num_attention_heads),
+         double(m.num_query_groups), double(m.kv_channels), 0, double(m.ffn_hidden_size)};
   x.G = x.ep * x.etp;
   x.T = x.B * x.S;
   x.Tl = x.sp ? x.T / x.tp : x.T;
@@ -406,14 +413,19 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
 
   const std::string recompute_modules = recompute_module_names(m.recompute.modules);
   switch (m.recompute.granularity) {
-    case RecomputeGranularity::None: plan.recompute = "none"; break;
-    case RecomputeGranularity::Selective: plan.recompute = "selective: " + recompute_modules; break;
+    case RecomputeGranularity::None:
+      plan.recompute = "none";
+      break;
+    case RecomputeGranularity::Selective:
+      plan.recompute = "selective: " + recompute_modules;
+      break;
     case RecomputeGranularity::Full:
-      plan.recompute = fmt::format("full, {}, {} layers",
-                                   m.recompute.method == RecomputeMethod::Uniform ? "uniform" : "block",
-                                   m.recompute.num_layers);
+      plan.recompute =
+          fmt::format("full, {}, {} layers",
+                      m.recompute.method == RecomputeMethod::Uniform ? "uniform" : "block",
+                      m.recompute.num_layers);
   }
-  plan.schedule = pp == 1 ? "no pipeline"
+  plan.schedule = pp == 1    ? "no pipeline"
                   : vpp == 1 ? "1F1B"
                              : fmt::format("interleaved 1F1B, {} chunks per stage", vpp);
 
@@ -464,7 +476,8 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
         sp.working_set = other;
         sp.in_flight = pairs;
         sp.peak_at = op.forward ? c.forward_at : c.backward_at;
-        if (pp > 1) sp.peak_at += fmt::format(", micro-batch {} of model chunk {}", op.micro_batch, op.chunk);
+        if (pp > 1)
+          sp.peak_at += fmt::format(", micro-batch {} of model chunk {}", op.micro_batch, op.chunk);
       }
       if (!op.forward) --live[size_t(op.chunk)];
     }
@@ -524,8 +537,9 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
         "MoE: balanced routing, each rank's experts get {} of the {} copies per token{}",
         z.etp > 1 ? fmt::format("etp ({}) x their share", z.etp) : std::string("their share"),
         m.moe_router_topk,
-        m.moe_expert_capacity_factor > 0 ? ", at most the capacity" : " (dropless: a skewed "
-                                                                       "step holds more)"));
+        m.moe_expert_capacity_factor > 0 ? ", at most the capacity"
+                                         : " (dropless: a skewed "
+                                           "step holds more)"));
   if (m.cpu_offloading.enabled && m.cpu_offloading.num_layers > 0) {
     const ChunkLayers cl = chunk_layers(layout.layers_per_stage, 1, 0, 0);
     notes.push_back(fmt::format(
@@ -539,13 +553,16 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
         "optimizer CPU offload: {:.0f}% of the elements' main params and Adam moments, {:.2f} "
         "GiB, in pinned host memory (not counted above; whole params, so the device keeps up "
         "to one param more or less)",
-        100 * args.adam.optimizer_offload_fraction, plan.offloaded_optimizer_bytes / double(1 << 30)));
+        100 * args.adam.optimizer_offload_fraction,
+        plan.offloaded_optimizer_bytes / double(1 << 30)));
   if (m.fp8.enabled)
-    notes.push_back("FP8: saved inputs as FP8 x^T, each expert padded to the FP8 multiple on "
-                    "average; the transient quantized copies are not counted");
+    notes.push_back(
+        "FP8: saved inputs as FP8 x^T, each expert padded to the FP8 multiple on "
+        "average; the transient quantized copies are not counted");
   if (m.device == Device::CUDA)
-    notes.push_back("CUDA: tensors counted in the caching allocator's blocks; the CUDA context "
-                    "and cuBLAS's own workspace (outside the allocator) are not counted");
+    notes.push_back(
+        "CUDA: tensors counted in the caching allocator's blocks; the CUDA context "
+        "and cuBLAS's own workspace (outside the allocator) are not counted");
   return plan;
 }
 

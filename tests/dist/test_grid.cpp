@@ -333,10 +333,17 @@ TEST(Layout, RejectsNonPositiveSizes) {
   EXPECT_EQ(rejection(r), "pipeline-model-parallel-size must be positive (got -2)");
 }
 
-TEST(Layout, RejectsContextParallel) {
+TEST(Layout, ContextParallelTakesItsShareOfTheWorld) {
   LayoutRequest r = base_request();
   r.sizes.cp = 2;
-  EXPECT_EQ(rejection(r), "context-parallel-size (2) is not supported yet (must be 1)");
+  r.sizes.tp = 2;
+  const ValidatedLayout layout = validate_layout(r);
+  EXPECT_EQ(layout.sizes.cp, 2);
+  EXPECT_EQ(layout.sizes.dp, 2);  // 8 / (tp 2 x cp 2)
+  r.sizes.cp = 3;
+  EXPECT_EQ(rejection(r),
+            "world size (8) is not divisible by tensor-model-parallel-size (2) x "
+            "context-parallel-size (3) x pipeline-model-parallel-size (1) = 6");
 }
 
 TEST(Layout, RejectsExpertsNotDivisibleByEp) {
