@@ -430,6 +430,10 @@ resumes=(
   # TP slice's SwiGLU boxes, and in fp8 with the scales.
   "tp2-sp-to-tp2-dp2-distopt|2|--tensor-model-parallel-size 2 --sequence-parallel|4|--tensor-model-parallel-size 2 --use-distributed-optimizer"
   "one-rank-to-dp2-distopt-fp8-states|1||2|--use-distributed-optimizer|PAO=fp8 RTOL=2e-4"
+  # Context parallelism: the CP ranks hold the same parameters (written once).
+  "cp2-to-one-rank|2|--context-parallel-size 2|1|"
+  "one-rank-to-cp2-tp2-sp|1||4|--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"
+  "cp2-dp2-distopt-to-cp4-a2a|4|--context-parallel-size 2 --use-distributed-optimizer|4|--context-parallel-size 4 --cp-comm-type a2a"
   # fp32 moments converted into bf16 on load, piece by piece (read by range); fp8 below.
   "one-rank-to-dp2-distopt-into-bf16-states|1||2|--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16|RTOL=1e-4"
   "tp2-sp-ep2-to-ep4|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1|4|--expert-model-parallel-size 4 --moe-token-dispatcher-type alltoall"
