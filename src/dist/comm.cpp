@@ -2,8 +2,10 @@
 #include "dist/comm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <numeric>
+#include <string_view>
 
 #include "core/error.h"
 
@@ -29,9 +31,28 @@ void Comm::set_timeout_s(double seconds) {
   timeout_s_ = seconds;
 }
 
+namespace {
+std::atomic<int64_t> g_comm_iteration{-1};
+
+// "src/model/router.cpp:117": the path from the source tree's src/ (or tests/) on.
+std::string site_name(const std::source_location& site) {
+  std::string_view file = site.file_name();
+  size_t at = std::string_view::npos;
+  for (std::string_view dir : {"/src/", "/tests/"})
+    if (const size_t p = file.rfind(dir); p != std::string_view::npos)
+      at = at == std::string_view::npos ? p : std::max(at, p);
+  if (at != std::string_view::npos) file.remove_prefix(at + 1);
+  return fmt::format("{}:{}", file, site.line());
+}
+}  // namespace
+
+void set_comm_iteration(int64_t iteration) { g_comm_iteration.store(iteration); }
+
 std::string Comm::timeout_message(const char* op, const Group& g) const {
-  return fmt::format("{} on group {} timed out after {:g} s at world rank {}", op, g.describe(),
-                     timeout_s_, g.ranks.at(g.rank));
+  const int64_t iteration = g_comm_iteration.load();
+  return fmt::format("{} on group {} timed out after {:g} s at world rank {}, called from {}{}", op,
+                     g.describe(), timeout_s_, g.ranks.at(g.rank), site_name(site_),
+                     iteration >= 0 ? fmt::format(" in iteration {}", iteration) : "");
 }
 
 void Comm::check_tensor(const Tensor& t, const char* op, const char* what) const {
@@ -105,15 +126,19 @@ bool Comm::check_all_gather(const Tensor& in, Tensor& out, const Group& g) const
   return in.numel() > 0;
 }
 
-void Comm::all_reduce(Tensor& t, const Group& g, ReduceOp op) {
+void Comm::all_reduce(Tensor& t, const Group& g, ReduceOp op, std::source_location site) {
+  site_ = site;
   if (check_all_reduce(t, g, op)) do_all_reduce(t, g, op);
 }
 
-void Comm::reduce_scatter(const Tensor& in, Tensor& out, const Group& g) {
+void Comm::reduce_scatter(const Tensor& in, Tensor& out, const Group& g,
+                          std::source_location site) {
+  site_ = site;
   if (check_reduce_scatter(in, out, g)) do_reduce_scatter(in, out, g);
 }
 
-void Comm::all_gather(const Tensor& in, Tensor& out, const Group& g) {
+void Comm::all_gather(const Tensor& in, Tensor& out, const Group& g, std::source_location site) {
+  site_ = site;
   if (check_all_gather(in, out, g)) do_all_gather(in, out, g);
 }
 
@@ -125,24 +150,31 @@ class FinishedWork final : public CommWork {
 };
 }  // namespace
 
-std::unique_ptr<CommWork> Comm::all_reduce_async(Tensor& t, const Group& g) {
+std::unique_ptr<CommWork> Comm::all_reduce_async(Tensor& t, const Group& g,
+                                                 std::source_location site) {
+  site_ = site;
   if (!check_all_reduce(t, g, ReduceOp::Sum)) return std::make_unique<FinishedWork>();
   return do_all_reduce_async(t, g);
 }
 
-std::unique_ptr<CommWork> Comm::reduce_scatter_async(const Tensor& in, Tensor& out,
-                                                     const Group& g) {
+std::unique_ptr<CommWork> Comm::reduce_scatter_async(const Tensor& in, Tensor& out, const Group& g,
+                                                     std::source_location site) {
+  site_ = site;
   if (!check_reduce_scatter(in, out, g)) return std::make_unique<FinishedWork>();
   return do_reduce_scatter_async(in, out, g);
 }
 
-std::unique_ptr<CommWork> Comm::all_gather_async(const Tensor& in, Tensor& out, const Group& g) {
+std::unique_ptr<CommWork> Comm::all_gather_async(const Tensor& in, Tensor& out, const Group& g,
+                                                 std::source_location site) {
+  site_ = site;
   if (!check_all_gather(in, out, g)) return std::make_unique<FinishedWork>();
   return do_all_gather_async(in, out, g);
 }
 
 void Comm::all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
-                       std::span<const int64_t> recv_counts, const Group& g) {
+                       std::span<const int64_t> recv_counts, const Group& g,
+                       std::source_location site) {
+  site_ = site;
   check_member(g, "all_to_allv");
   check_tensor(in, "all_to_allv", "input");
   check_tensor(out, "all_to_allv", "output");
@@ -168,13 +200,14 @@ void Comm::all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, T
   do_all_to_allv(in, send_counts, out, recv_counts, g);
 }
 
-void Comm::all_to_all(const Tensor& in, Tensor& out, const Group& g) {
+void Comm::all_to_all(const Tensor& in, Tensor& out, const Group& g, std::source_location site) {
+  site_ = site;
   check_member(g, "all_to_all");
   MEGATON_CHECK(in.numel() == out.numel() && in.numel() % g.size() == 0,
                 "all_to_all on group {}: {} and {} elements, need equal multiples of {}",
                 g.describe(), in.numel(), out.numel(), g.size());
   std::vector<int64_t> counts(g.size(), in.numel() / g.size());
-  all_to_allv(in, counts, out, counts, g);
+  all_to_allv(in, counts, out, counts, g, site);
 }
 
 namespace {
@@ -245,7 +278,8 @@ bool Comm::check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor&
 }
 
 void Comm::all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out, const RowRuns& recv,
-                            const Group& g) {
+                            const Group& g, std::source_location site) {
+  site_ = site;
   if (check_all_to_allv_rows(in, send, out, recv, g)) do_all_to_allv_rows(in, send, out, recv, g);
 }
 
@@ -279,7 +313,9 @@ void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& ou
     }
 }
 
-void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g) {
+void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g,
+                     std::source_location site) {
+  site_ = site;
   const char* op = "pull_rows";
   check_row_exchange(in, out, g, op);
   for (const PullRun& r : runs) {
@@ -345,16 +381,17 @@ void Comm::do_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor&
   int64_t total = 0;
   for (int64_t c : asked_by_counts) total += c;
   Tensor requests = Tensor::empty({total}, DType::I64, device());
-  all_to_allv(to_device(flat), asked_of, requests, asked_by_counts, g);
+  all_to_allv(to_device(flat), asked_of, requests, asked_by_counts, g, site_);
   const Tensor host = requests.to(Device::CPU);
   int64_t at = 0;
   for (int m = 0; m < n; ++m)
     for (int64_t i = 0; i < asked_by_counts[m]; i += 2, at += 2)
       send[m].push_back({host.i64()[at], host.i64()[at + 1]});
-  all_to_allv_rows(in, send, out, recv, g);
+  all_to_allv_rows(in, send, out, recv, g, site_);
 }
 
-void Comm::send(const Tensor& t, int peer, const Group& g) {
+void Comm::send(const Tensor& t, int peer, const Group& g, std::source_location site) {
+  site_ = site;
   check_member(g, "send");
   check_tensor(t, "send", "tensor");
   check_index(peer, g, "send", "peer");
@@ -362,7 +399,8 @@ void Comm::send(const Tensor& t, int peer, const Group& g) {
   do_send_recv(&t, peer, nullptr, -1, g);
 }
 
-void Comm::recv(Tensor& t, int peer, const Group& g) {
+void Comm::recv(Tensor& t, int peer, const Group& g, std::source_location site) {
+  site_ = site;
   check_member(g, "recv");
   check_tensor(t, "recv", "tensor");
   check_index(peer, g, "recv", "peer");
@@ -371,7 +409,8 @@ void Comm::recv(Tensor& t, int peer, const Group& g) {
 }
 
 void Comm::send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int recv_peer,
-                     const Group& g) {
+                     const Group& g, std::source_location site) {
+  site_ = site;
   check_member(g, "send_recv");
   check_tensor(send_t, "send_recv", "send tensor");
   check_tensor(recv_t, "send_recv", "receive tensor");
@@ -385,7 +424,8 @@ void Comm::send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int re
   do_send_recv(&send_t, send_peer, &recv_t, recv_peer, g);
 }
 
-void Comm::broadcast(Tensor& t, int root, const Group& g) {
+void Comm::broadcast(Tensor& t, int root, const Group& g, std::source_location site) {
+  site_ = site;
   check_member(g, "broadcast");
   check_tensor(t, "broadcast", "tensor");
   check_index(root, g, "broadcast", "root");
@@ -393,7 +433,8 @@ void Comm::broadcast(Tensor& t, int root, const Group& g) {
   do_broadcast(t, root, g);
 }
 
-void Comm::barrier(const Group& g) {
+void Comm::barrier(const Group& g, std::source_location site) {
+  site_ = site;
   check_member(g, "barrier");
   if (g.size() == 1) return;
   do_barrier(g);

@@ -1,6 +1,7 @@
 // Comm: collectives and point-to-point transfers over a Group, with a deadline on each.
 #pragma once
 #include <memory>
+#include <source_location>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -58,6 +59,9 @@ inline int64_t row_numel(const Tensor& t) {
   return n;
 }
 
+// The training iteration a timeout message names (the trainer sets it each step; -1: none).
+void set_comm_iteration(int64_t iteration);
+
 // Seconds one operation may take: MEGATON_COMM_TIMEOUT_S when set (a positive number;
 // anything else throws megaton::Error naming the variable), else 300.
 double default_timeout_s();
@@ -93,31 +97,41 @@ class Comm {
 
   // In place: t = op over the group of every member's t. Sum: fp32, bf16, int32, int64.
   // Max: fp32, int32, int64.
-  void all_reduce(Tensor& t, const Group& g, ReduceOp op = ReduceOp::Sum);
+  void all_reduce(Tensor& t, const Group& g, ReduceOp op = ReduceOp::Sum,
+                  std::source_location site = std::source_location::current());
   // in: numel g.size() x n, out: numel n (same dtype). out = sum over members m of
   // chunk g.rank of m's in, chunk i being elements [i n, (i + 1) n). fp32, bf16.
-  void reduce_scatter(const Tensor& in, Tensor& out, const Group& g);
+  void reduce_scatter(const Tensor& in, Tensor& out, const Group& g,
+                      std::source_location site = std::source_location::current());
   // in: numel n, out: numel g.size() x n. Chunk i of out = member i's in. Any dtype.
   // in may be this member's chunk of out (gathered in place, no copy).
-  void all_gather(const Tensor& in, Tensor& out, const Group& g);
+  void all_gather(const Tensor& in, Tensor& out, const Group& g,
+                  std::source_location site = std::source_location::current());
   // The same three collectives, started and left running (see CommWork). On the GPU they
   // run on a communication stream of their own, after everything queued so far on the
   // compute stream, over a second communicator per group, so they overlap the compute
   // that follows and never interleave with the blocking calls. Operations on one group
   // must still be started in the same order on every member.
-  std::unique_ptr<CommWork> all_reduce_async(Tensor& t, const Group& g);
-  std::unique_ptr<CommWork> reduce_scatter_async(const Tensor& in, Tensor& out, const Group& g);
-  std::unique_ptr<CommWork> all_gather_async(const Tensor& in, Tensor& out, const Group& g);
+  std::unique_ptr<CommWork> all_reduce_async(
+      Tensor& t, const Group& g, std::source_location site = std::source_location::current());
+  std::unique_ptr<CommWork> reduce_scatter_async(
+      const Tensor& in, Tensor& out, const Group& g,
+      std::source_location site = std::source_location::current());
+  std::unique_ptr<CommWork> all_gather_async(
+      const Tensor& in, Tensor& out, const Group& g,
+      std::source_location site = std::source_location::current());
   // Uneven all-to-all. send_counts[i] (elements) of in go to member i, taken from in in
   // member order; recv_counts[i] elements come from member i, stored in out in member
   // order. Both spans have g.size() entries, counts may be 0, sum(send_counts) =
   // in.numel(), sum(recv_counts) = out.numel(); member j's send_counts[i] must equal
   // member i's recv_counts[j]. Any dtype.
   void all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
-                   std::span<const int64_t> recv_counts, const Group& g);
+                   std::span<const int64_t> recv_counts, const Group& g,
+                   std::source_location site = std::source_location::current());
   // Equal chunks: in and out have numel g.size() x n; chunk i of in goes to member i,
   // chunk i of out comes from member i.
-  void all_to_all(const Tensor& in, Tensor& out, const Group& g);
+  void all_to_all(const Tensor& in, Tensor& out, const Group& g,
+                  std::source_location site = std::source_location::current());
   // Uneven all-to-all of row runs, scattered on both sides: an all_to_allv whose chunks
   // are regrouped in flight (Megatron's all-to-all followed by sort_chunks_by_idxs,
   // without the copy). in and out have rank >= 1, the same dtype and the same row size
@@ -128,7 +142,8 @@ class Comm {
   // run lies inside its tensor, and runs of out must not overlap (rows of out in no run
   // are left as they are).
   void all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out, const RowRuns& recv,
-                        const Group& g);
+                        const Group& g,
+                        std::source_location site = std::source_location::current());
   // An all-to-all in which only the receiver names the transfers: each member copies the
   // runs it lists out of the members' inputs (its own included) into its output. in and
   // out have rank >= 1, the same dtype and the same row size; in's row count may differ
@@ -141,7 +156,8 @@ class Comm {
   // Used by the MoE all-to-all dispatcher, whose routing counts tell every member where
   // the others keep the rows it needs (Megatron's all-to-all + sort_chunks_by_idxs in one
   // step).
-  void pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g);
+  void pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g,
+                 std::source_location site = std::source_location::current());
   // A new uninitialised tensor (shape[0] rows, which may differ between members) to fill
   // and pass, whole or as its first rows, as the input of the next pull_rows on g. Through
   // peer memory it is this member's slot for that pull, read in place (no staging copy),
@@ -154,14 +170,17 @@ class Comm {
   bool peer_memory(const Group& g);
   // Point to point (pipeline stages); peer is an index into g.ranks, not this rank.
   // The receiver's t has the sender's numel and dtype.
-  void send(const Tensor& t, int peer, const Group& g);
-  void recv(Tensor& t, int peer, const Group& g);
+  void send(const Tensor& t, int peer, const Group& g,
+            std::source_location site = std::source_location::current());
+  void recv(Tensor& t, int peer, const Group& g,
+            std::source_location site = std::source_location::current());
   // Both at once (a ring step or a pipeline exchange without ordering deadlocks).
-  void send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int recv_peer,
-                 const Group& g);
+  void send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int recv_peer, const Group& g,
+                 std::source_location site = std::source_location::current());
   // t on every member = t of member `root` (an index into g.ranks).
-  void broadcast(Tensor& t, int root, const Group& g);
-  void barrier(const Group& g);
+  void broadcast(Tensor& t, int root, const Group& g,
+                 std::source_location site = std::source_location::current());
+  void barrier(const Group& g, std::source_location site = std::source_location::current());
 
  protected:
   // The transport; called only for groups of size > 1 with checked arguments.
@@ -193,8 +212,12 @@ class Comm {
   virtual void do_broadcast(Tensor& t, int root, const Group& g) = 0;
   virtual void do_barrier(const Group& g) = 0;
 
-  // "all_reduce on group dp (ranks 0,2) timed out after 300 s at world rank 2".
+  // "all_reduce on group dp (ranks 0,2) timed out after 300 s at world rank 2, called from
+  // src/train/trainer.cpp:391 in iteration 17": the call site is the last public call's
+  // (site_), the iteration set_comm_iteration's.
   std::string timeout_message(const char* op, const Group& g) const;
+  // Where the operation in progress was called from (each public call records its caller).
+  std::source_location site_;
 
  private:
   void check_tensor(const Tensor& t, const char* op, const char* what) const;

@@ -542,6 +542,7 @@ TrainResult Trainer::train() {
     scheduler_samples_ += step.global_batch_size;  // taken back by finish_step if skipped
     ++iteration_;
     step.iteration = iteration_;
+    dist::set_comm_iteration(iteration_);  // named by a collective's timeout message
     stage_step_inputs(step.lr);
     // Eagerly, or (--cuda-graph-impl full_iteration, after its warmup) as the replay of the
     // captured step, which rewrites the step_outputs_ of its capture.

@@ -2,6 +2,7 @@
 // computes locally from every member's seeded inputs, on several groups of a tp 2 grid,
 // and the timeout path (a rank that skips a collective gets a message naming the group,
 // the collective and the rank).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -207,7 +208,9 @@ TEST_F(CommTest, AllToAllvRowsScattersRunsOnBothSides) {
     // of run r from world rank s to world rank d holds s*10000 + d*100 + r*10 + k, then
     // its negative.
     auto length = [](int s, int d, int r) { return int64_t((s + d + r) % 3); };
-    auto value = [](int s, int d, int r, int64_t k) { return s * 10000 + d * 100 + r * 10 + int(k); };
+    auto value = [](int s, int d, int r, int64_t k) {
+      return s * 10000 + d * 100 + r * 10 + int(k);
+    };
     // The sender stores its runs last member first and last run first; the receiver
     // stores run r of every member before run r + 1, with one untouched row after each.
     dist::RowRuns send(size, std::vector<dist::RowRun>(runs));
@@ -414,13 +417,19 @@ TEST_F(CommTest, TimeoutNamesGroupCollectiveAndRank) {
   Tensor token = Tensor::zeros({1}, DType::I32);
   if (me == 0) {
     const auto start = std::chrono::steady_clock::now();
+    set_comm_iteration(17);
+    const int line = __LINE__ + 2;
     try {
       hurried->all_reduce(x, grid.tp());
       ADD_FAILURE() << "all_reduce finished although rank 1 never called it";
     } catch (const CommError& e) {
+      // The group, the collective, the rank, the call site and the iteration.
       EXPECT_EQ(std::string(e.what()),
-                "all_reduce on group tp (ranks 0,1) timed out after 2 s at world rank 0");
+                fmt::format("all_reduce on group tp (ranks 0,1) timed out after 2 s at world rank "
+                            "0, called from tests/dist/test_comm_mpi.cpp:{} in iteration 17",
+                            line));
     }
+    set_comm_iteration(-1);
     EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.9);
     // The group's communicator is not used again after a timeout.
     EXPECT_THROW(hurried->barrier(grid.tp()), CommError);
@@ -432,7 +441,6 @@ TEST_F(CommTest, TimeoutNamesGroupCollectiveAndRank) {
   }
   comm().barrier(grid.world());
 }
-
 
 }  // namespace
 }  // namespace megaton::dist
