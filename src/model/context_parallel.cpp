@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "ops/attention_block.h"
+#include "ops/mla.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -98,7 +99,7 @@ Tensor rows_of(const Tensor& x, int64_t b, int64_t first, int64_t count) {
 Tensor natural_sequence(const Tensor& gathered, const Geometry& g, int64_t b, int64_t H,
                         int64_t D) {
   const int64_t S = 2 * g.N * g.c;
-  Tensor out = Tensor::empty({S, H, D});
+  Tensor out = Tensor::empty({S, H, D}, gathered.dtype(), gathered.device());
   const Tensor rows = gathered.view({int64_t(g.N) * g.B * g.L, H, D});
   for (int64_t m = 0; m < 2 * g.N; ++m) {
     const int64_t owner = m < g.N ? m : 2 * g.N - 1 - m, half = m < g.N ? 0 : 1;
@@ -250,34 +251,35 @@ void p2p_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
 
 // ---- a2a (Ulysses) ------------------------------------------------------------------
 
-// x [B, L, H, D] -> [N, B, L, H/N, D]: head group n first (the all-to-all's send layout).
+// x [B, L, H, D] -> [N, B, L, H/N, D]: head group n first (the all-to-all's send layout);
+// column blocks of the [B L, H D] rows (ops::split_columns: CPU and GPU).
 Tensor heads_first(const Tensor& x, int N) {
-  const int64_t B = x.dim(0), L = x.dim(1), H = x.dim(2), D = x.dim(3), h = H / N;
-  Tensor out = Tensor::empty({int64_t(N), B, L, h, D});
-  const size_t bytes = size_t(h * D) * sizeof(float);
-  for (int n = 0; n < N; ++n)
-    for (int64_t row = 0; row < B * L; ++row)
-      std::memcpy(out.f32() + ((n * B * L + row) * h) * D, x.f32() + (row * H + n * h) * D, bytes);
+  const int64_t rows = x.dim(0) * x.dim(1), width = x.dim(2) * x.dim(3) / N;
+  Tensor out = Tensor::empty({int64_t(N), x.dim(0), x.dim(1), x.dim(2) / N, x.dim(3)}, x.dtype(),
+                             x.device());
+  std::vector<Tensor> parts;
+  for (int n = 0; n < N; ++n) parts.push_back(out.view({N * rows, width}).rows(n * rows, rows));
+  ops::split_columns(x.view({rows, N * width}), parts);
   return out;
 }
 
-// The inverse: [N, B, L, H/N, D] (chunk n: head group n) -> [B, L, H, D].
+// The inverse: [N, B, L, H/N, D] (chunk n: head group n) -> x [B, L, H, D].
 void heads_back(const Tensor& grouped, Tensor& x, int N) {
-  const int64_t B = x.dim(0), L = x.dim(1), H = x.dim(2), D = x.dim(3), h = H / N;
-  const size_t bytes = size_t(h * D) * sizeof(float);
-  for (int n = 0; n < N; ++n)
-    for (int64_t row = 0; row < B * L; ++row)
-      std::memcpy(x.f32() + (row * H + n * h) * D, grouped.f32() + ((n * B * L + row) * h) * D,
-                  bytes);
+  const int64_t rows = x.dim(0) * x.dim(1), width = x.dim(2) * x.dim(3) / N;
+  std::vector<Tensor> parts;
+  for (int n = 0; n < N; ++n) parts.push_back(grouped.view({N * rows, width}).rows(n * rows, rows));
+  Tensor out = x.view({rows, N * width});
+  ops::concat_columns(parts, out);
 }
 
 // This rank's head group of the whole sequence, natural order: [B, S, H/N, D].
 Tensor to_whole_sequence(const Tensor& x, const Geometry& g, const CpAttention& cp) {
   const Tensor send = heads_first(x, g.N);
-  Tensor recv = Tensor::empty(send.shape());  // chunk m: member m's rows, my heads
+  // chunk m: member m's rows, my heads
+  Tensor recv = Tensor::empty(send.shape(), send.dtype(), send.device());
   cp.comm->all_to_all(send, recv, *cp.group);
   const int64_t h = x.dim(2) / g.N, D = x.dim(3), S = 2 * g.N * g.c;
-  Tensor out = Tensor::empty({g.B, S, h, D});
+  Tensor out = Tensor::empty({g.B, S, h, D}, x.dtype(), x.device());
   for (int64_t b = 0; b < g.B; ++b) {
     Tensor natural = natural_sequence(recv, g, b, h, D);
     out.view({g.B * S, h, D}).rows(b * S, S).copy_from(natural);
@@ -288,10 +290,11 @@ Tensor to_whole_sequence(const Tensor& x, const Geometry& g, const CpAttention& 
 // The inverse: [B, S, H/N, D] of this rank's heads -> this rank's rows, all heads.
 void from_whole_sequence(const Tensor& whole, Tensor& x, const Geometry& g, const CpAttention& cp) {
   const int64_t h = whole.dim(2), D = whole.dim(3), S = whole.dim(1);
-  Tensor send = Tensor::empty({int64_t(g.N), g.B, g.L, h, D});
+  Tensor send = Tensor::empty({int64_t(g.N), g.B, g.L, h, D}, whole.dtype(), whole.device());
   for (int64_t b = 0; b < g.B; ++b)
     scatter_natural(whole.view({g.B * S, h, D}).rows(b * S, S), g, b, send);
-  Tensor recv = Tensor::empty(send.shape());  // chunk n: head group n of my rows
+  // chunk n: head group n of my rows
+  Tensor recv = Tensor::empty(send.shape(), send.dtype(), send.device());
   cp.comm->all_to_all(send, recv, *cp.group);
   heads_back(recv, x, g.N);
 }
@@ -301,7 +304,7 @@ void a2a_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
   const Tensor qw = to_whole_sequence(q, g, cp), kw = to_whole_sequence(k, g, cp),
                vw = to_whole_sequence(v, g, cp);
   const int64_t S = qw.dim(1), h = qw.dim(2);
-  Tensor ow = Tensor::empty({g.B, S, h, g.Dv});
+  Tensor ow = Tensor::empty({g.B, S, h, g.Dv}, q.dtype(), q.device());
   // The dense op's lse [B, Hq/N, S] has the numel of [B * 2c, Hq]: kept in lse's memory.
   Tensor lw = lse.view({g.B, h, S});
   ops::attention_forward(qw, kw, vw, ow, lw, 0.0f, 0, 0, scale);
@@ -315,8 +318,9 @@ void a2a_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
                vw = to_whole_sequence(v, g, cp), ow = to_whole_sequence(out, g, cp),
                dow = to_whole_sequence(dout, g, cp);
   const int64_t S = qw.dim(1);
-  Tensor dqw = Tensor::empty(qw.shape()), dkw = Tensor::empty(kw.shape()),
-         dvw = Tensor::empty(vw.shape());
+  Tensor dqw = Tensor::empty(qw.shape(), qw.dtype(), qw.device()),
+         dkw = Tensor::empty(kw.shape(), kw.dtype(), kw.device()),
+         dvw = Tensor::empty(vw.shape(), vw.dtype(), vw.device());
   ops::attention_backward(dow, qw, kw, vw, ow, lse.view({g.B, qw.dim(2), S}), dqw, dkw, dvw, 0.0f,
                           0, 0, scale);
   from_whole_sequence(dqw, dq, g, cp);
@@ -326,8 +330,8 @@ void a2a_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
 
 void check_cpu(const Tensor& q) {
   MEGATON_CHECK(q.device() == Device::CPU && q.dtype() == DType::F32,
-                "cp attention: CPU F32 tensors only so far (got {} on {})", dtype_name(q.dtype()),
-                q.device() == Device::CPU ? "CPU" : "GPU");
+                "cp attention: p2p and all_gather take CPU F32 tensors only so far (got {} on {})",
+                dtype_name(q.dtype()), q.device() == Device::CPU ? "CPU" : "GPU");
 }
 
 }  // namespace
@@ -335,7 +339,7 @@ void check_cpu(const Tensor& q) {
 void cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                           Tensor& lse, const CpAttention& cp, float softmax_scale) {
   const Geometry g = geometry_of(q, k, v, cp);
-  check_cpu(q);
+  if (cp.type != CpCommType::A2A) check_cpu(q);
   MEGATON_CHECK(lse.numel() == g.B * g.L * g.Hq && out.numel() == g.B * g.L * g.Hq * g.Dv,
                 "cp attention: out {} or lse {} do not fit q {}", shape_str(out.shape()),
                 shape_str(lse.shape()), shape_str(q.shape()));
@@ -357,7 +361,7 @@ void cp_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                            const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
                            const CpAttention& cp, float softmax_scale) {
   const Geometry g = geometry_of(q, k, v, cp);
-  check_cpu(q);
+  if (cp.type != CpCommType::A2A) check_cpu(q);
   const Tensor lse_rows = lse.view({g.B * g.L, g.Hq});
   switch (cp.type) {
     case CpCommType::AllGather:

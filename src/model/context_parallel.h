@@ -57,7 +57,8 @@ struct CpAttention {
 // natural order, each local chunk k against keys [0, (k + 1) c) causal by position. A2A:
 // heads regrouped so each rank holds Hq / N (and Hkv / N) heads of the whole sequence,
 // ops::attention_forward, regrouped back (needs Hkv % N == 0). No dropout. CPU F32 for
-// P2P and AllGather (ops/attention_block.h); A2A runs on the dense op's devices.
+// P2P and AllGather (ops/attention_block.h); A2A runs where the dense op does (CPU F32;
+// GPU BF16/F16 through cuDNN, the regrouping by ops::split/concat_columns, NCCL).
 // InternalError on shapes that do not fit.
 void cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                           Tensor& lse, const CpAttention& cp, float softmax_scale = 0.0f);
