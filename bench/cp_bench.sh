@@ -8,7 +8,7 @@ export NCCL_NVLS_ENABLE=0
 M=${MEGATON:-build/megaton}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 L="mpirun --allow-run-as-root -np 2 --bind-to none -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE"
-A="--device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-length ${S:-4096} --micro-batch-size 1 --global-batch-size 4 --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --lr 3e-4 --lr-warmup-iters 2 --train-iters 20 --log-interval 1 --eval-iters 0 --seed 1234"
+A="--device cuda --bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-length ${S:-4096} --micro-batch-size 1 --global-batch-size ${GBS:-4} --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --lr 3e-4 --lr-warmup-iters 2 --train-iters 20 --log-interval 1 --eval-iters 0 --seed 1234"
 echo "=== one GPU $(date +%T)"; timeout 150 $M train $A --log-metrics-file $OUT/one.jsonl > $OUT/one.log 2>&1; echo rc=$?
 echo "=== CP2 a2a $(date +%T)"; timeout 150 $L $M train $A --context-parallel-size 2 --cp-comm-type a2a --log-metrics-file $OUT/cp2.jsonl > $OUT/cp2.log 2>&1; echo rc=$?
 echo "=== DP2 $(date +%T)"; timeout 150 $L $M train $A --log-metrics-file $OUT/dp2.jsonl > $OUT/dp2.log 2>&1; echo rc=$?
