@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -131,6 +132,14 @@ namespace {
 std::shared_ptr<void> map_file(const std::string& path, uint64_t size) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail("safetensors file '{}': cannot open: {}", path, std::strerror(errno));
+  // The size the header was checked against: a file that changed since would fault (SIGBUS)
+  // where it became shorter.
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || uint64_t(st.st_size) != size) {
+    ::close(fd);
+    fail("safetensors file '{}': changed while being read ({} bytes, was {})", path,
+         uint64_t(st.st_size), size);
+  }
   void* data = size == 0 ? nullptr : ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
   const int err = errno;
   ::close(fd);
@@ -257,9 +266,17 @@ SafetensorsFile read_safetensors(const std::string& path, bool mapped) {
     auto* base = static_cast<uint8_t*>(out.mapping.get());
     for (const Span& s : spans) {
       const auto& [shape, dtype] = shapes.at(s.name);
-      out.tensors[s.name] =
-          s.end == s.begin ? Tensor::empty(shape, dtype)
-                           : Tensor::borrow(base + data_start + s.begin, shape, dtype, Device::CPU);
+      uint8_t* at = base + data_start + s.begin;
+      if (s.end == s.begin) {
+        out.tensors[s.name] = Tensor::empty(shape, dtype);
+      } else if (uintptr_t(at) % dtype_size(dtype) != 0) {
+        // A header not padded to 8 bytes leaves this tensor misaligned: copied (aligned).
+        Tensor t = Tensor::empty(shape, dtype);
+        std::memcpy(t.raw(), at, s.end - s.begin);
+        out.tensors[s.name] = std::move(t);
+      } else {
+        out.tensors[s.name] = Tensor::borrow(at, shape, dtype, Device::CPU);
+      }
     }
     return out;
   }

@@ -215,9 +215,15 @@ class MpiComm final : public Comm {
   // widened bf16 result back).
   class MpiWork final : public CommWork {
    public:
+    // The call site of the public call that started it (Comm::site_ now), which a timeout
+    // in wait() names, whatever was called since.
     MpiWork(MpiComm& comm, Pending pending, const char* op, Group g, std::function<void()> finish)
-        : comm_(comm), pending_(std::move(pending)), op_(op), group_(std::move(g)),
-          finish_(std::move(finish)) {}
+        : comm_(comm),
+          pending_(std::move(pending)),
+          op_(op),
+          group_(std::move(g)),
+          finish_(std::move(finish)),
+          site_(comm.site_) {}
     ~MpiWork() override {
       if (waited_) return;
       try {
@@ -228,6 +234,7 @@ class MpiComm final : public Comm {
     void wait() override {
       if (waited_) return;
       waited_ = true;
+      comm_.site_ = site_;
       comm_.wait(pending_, op_, group_);
       if (finish_) finish_();
     }
@@ -238,6 +245,7 @@ class MpiComm final : public Comm {
     const char* op_;
     Group group_;
     std::function<void()> finish_;
+    std::source_location site_;
     bool waited_ = false;
   };
 

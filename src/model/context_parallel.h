@@ -48,18 +48,19 @@ struct CpAttention {
 
 // Causal attention over the whole sequence of which this rank holds its two chunks:
 // q [B, 2c, Hq, Dqk], k [B, 2c, Hkv, Dqk], v [B, 2c, Hkv, Dv] (this rank's rows, dual-chunk
-// order, contiguous) -> out [B, 2c, Hq, Dv] and lse [B * 2c, Hq] (token-major), both
-// overwritten. Every member of the group calls it with the same shapes (collective). The
-// result for this rank's queries equals the rows of ops::attention_forward on the whole
-// sequence. P2P: N - 1 ring exchanges of K/V, the tiles of TE's AttnFuncWithCPAndKVP2P
-// (own block causal; an earlier rank's block: first half only, unmasked; a later rank's:
-// second-half queries only, unmasked), merged by log-sum-exp. AllGather: K/V gathered in
-// natural order, each local chunk k against keys [0, (k + 1) c) causal by position. A2A:
-// heads regrouped so each rank holds Hq / N (and Hkv / N) heads of the whole sequence,
-// ops::attention_forward, regrouped back (needs Hkv % N == 0). No dropout. CPU F32 for
-// P2P and AllGather (ops/attention_block.h); A2A runs where the dense op does (CPU F32;
-// GPU BF16/F16 through cuDNN, the regrouping by ops::split/concat_columns, NCCL).
-// InternalError on shapes that do not fit.
+// order, contiguous) -> out [B, 2c, Hq, Dv] and lse, both overwritten. lse has B * 2c * Hq
+// F32 elements: token-major [B * 2c, Hq] for P2P and AllGather; for A2A this rank's head
+// group over the whole sequence, [B, Hq / N, S] in the same memory (what its backward
+// reads; nothing else should). Every member of the group calls it with the same shapes
+// (collective). The result for this rank's queries equals the rows of ops::attention_forward on the
+// whole sequence. P2P: N - 1 ring exchanges of K/V, the tiles of TE's AttnFuncWithCPAndKVP2P (own
+// block causal; an earlier rank's block: first half only, unmasked; a later rank's: second-half
+// queries only, unmasked), merged by log-sum-exp. AllGather: K/V gathered in natural order, each
+// local chunk k against keys [0, (k + 1) c) causal by position. A2A: heads regrouped so each rank
+// holds Hq / N (and Hkv / N) heads of the whole sequence, ops::attention_forward, regrouped back
+// (needs Hkv % N == 0). No dropout. CPU F32 for P2P and AllGather (ops/attention_block.h); A2A runs
+// where the dense op does (CPU F32; GPU BF16/F16 through cuDNN, the regrouping by
+// ops::split/concat_columns, NCCL). InternalError on shapes that do not fit.
 void cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                           Tensor& lse, const CpAttention& cp, float softmax_scale = 0.0f);
 

@@ -406,6 +406,8 @@ void check_context_parallel(const TrainArgs& a, const dist::ValidatedLayout& lay
   if (a.reset_attention_mask || a.reset_position_ids)
     not_yet("--reset-attention-mask / --reset-position-ids (packed sequences)");
   if (m.mtp_num_layers > 0) not_yet("--mtp-num-layers (multi-token prediction)");
+  // (The FP8 amax would have to be reduced over the CP ranks too, which see other tokens.)
+  if (m.fp8.enabled) not_yet("--fp8-format (FP8 training)");
   if (m.attention_dropout > 0.0f)
     not_yet(
         fmt::format("--attention-dropout {} (give 0: the context-parallel attention has no "

@@ -240,9 +240,18 @@ void import_hf_checkpoint(const HFImportOptions& o, const ConvertLog& log) {
   source.make = [&](const std::string& name) {
     const ckpt::HFMappedTensor& entry = plan.at(name);
     Tensor t = entry.make(get);
-    // An F32 input may come back as the mapped view itself: copy it, then let the mapped
-    // pages go (the process holds one tensor's worth of the files at a time).
-    if (t.raw() == hf.at(entry.inputs[0]).raw()) t = t.clone();
+    // An F32 input may come back as a view into the mapped file (the tensor itself, or an
+    // expert's rows of a fused one): copy it, then let the mapped pages go (the process
+    // holds one tensor's worth of the files at a time).
+    for (const std::string& input : entry.inputs) {
+      const Tensor& in = hf.at(input);
+      const auto* begin = static_cast<const uint8_t*>(in.raw());
+      const auto* at = static_cast<const uint8_t*>(t.raw());
+      if (at >= begin && at < begin + in.nbytes()) {
+        t = t.clone();
+        break;
+      }
+    }
     for (const std::string& input : entry.inputs) ckpt::release_mapped_pages(hf.at(input));
     if (name == "embedding.word_embeddings.weight" || name == "output_layer.weight") {
       if (t.ndim() != 2 || t.dim(0) != spec.vocab_size)

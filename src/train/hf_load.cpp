@@ -55,8 +55,13 @@ void StagedHFLoad::release() {
 
 std::unique_ptr<StagedHFLoad> stage_hf_load(RawOptions& raw) {
   auto load = raw.find("load");
-  if (load == raw.end() || load->second.size() != 1 || !is_hf_model_directory(load->second[0]))
-    return nullptr;
+  if (load == raw.end() || load->second.size() != 1) return nullptr;
+  // Rank 0's view of the directory decides for every rank (one filesystem is assumed; a
+  // rank that saw otherwise would otherwise go on alone).
+  const bool hf =
+      dist::broadcast_from_rank0(
+          dist::world_rank() == 0 && is_hf_model_directory(load->second[0]) ? "1" : "0") == "1";
+  if (!hf) return nullptr;
   const std::string hf_dir = load->second[0];
   if (!switch_given(raw, "finetune") && !switch_given(raw, "no-load-optim"))
     fail(
@@ -66,9 +71,9 @@ std::unique_ptr<StagedHFLoad> stage_hf_load(RawOptions& raw) {
   std::string staged;
   std::exception_ptr failure;  // rank 0's own exception, rethrown as it was
   if (dist::world_rank() == 0) {
-    const fs::path target =
-        fs::temp_directory_path() / fmt::format("megaton-hf-load-{}", ::getpid());
     try {
+      const fs::path target =
+          fs::temp_directory_path() / fmt::format("megaton-hf-load-{}", ::getpid());
       HFImportOptions o;
       o.hf_dir = hf_dir;
       o.save_dir = target.string();

@@ -67,8 +67,10 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   const double d = double(m.kv_channels);
   const double ffn = double(m.ffn_hidden_size), fc1 = m.swiglu ? 2 * ffn : ffn;
 
-  // Tokens of one micro-batch; this rank's rows of the residual stream under SP.
-  const double tokens = double(args.micro_batch_size) * double(m.seq_length);
+  // Tokens of one micro-batch on this rank (seq-length / cp under context parallelism);
+  // this rank's rows of the residual stream under SP.
+  const double tokens =
+      double(args.micro_batch_size) * double(m.seq_length) / double(std::max<int64_t>(sizes.cp, 1));
   const bool sp = args.parallel.sequence_parallel && sizes.tp > 1;
   const double tokens_local = sp ? tokens / tp : tokens;
 
@@ -162,13 +164,16 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
     Candidate avg{-1, 0, 0, 0, 0, 0, 0};
     avg.vocab_state = (vocab_params + tail_params) * dense_b / pp;
     avg.position_state = position_params * dense_b / pp;
-    avg.layer_state = (dense_layers * layer_state(dense_layer) + moe_layers * layer_state(moe_layer)) / pp;
+    avg.layer_state =
+        (dense_layers * layer_state(dense_layer) + moe_layers * layer_state(moe_layer)) / pp;
     avg.state = avg.vocab_state + avg.position_state + avg.layer_state;
     avg.params = (vocab_params + tail_params + position_params +
                   dense_layers * (dense_layer.dense_params + dense_layer.expert_params) +
-                  moe_layers * (moe_layer.dense_params + moe_layer.expert_params)) / pp;
+                  moe_layers * (moe_layer.dense_params + moe_layer.expert_params)) /
+                 pp;
     avg.activations = (dense_layers * dense_layer.activation_bytes +
-                       moe_layers * moe_layer.activation_bytes + logits_bytes) / pp;
+                       moe_layers * moe_layer.activation_bytes + logits_bytes) /
+                      pp;
     candidates.push_back(avg);
   }
   const Candidate& best = *std::max_element(
@@ -182,13 +187,14 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
 
   // Name the block that dominates the parameter state.
   if (best.vocab_state >= best.layer_state && best.vocab_state >= best.position_state) {
-    out.parameter_flags = fmt::format("vocab-size {} (padded to {}) x hidden-size {}",
-                                      m.vocab_size, m.padded_vocab_size, m.hidden_size);
+    out.parameter_flags = fmt::format("vocab-size {} (padded to {}) x hidden-size {}", m.vocab_size,
+                                      m.padded_vocab_size, m.hidden_size);
   } else if (best.position_state >= best.layer_state) {
     out.parameter_flags = fmt::format("max-position-embeddings {} x hidden-size {}",
                                       m.max_position_embeddings, m.hidden_size);
   } else {
-    out.parameter_flags = fmt::format("num-layers {} x hidden-size {}", m.num_layers, m.hidden_size);
+    out.parameter_flags =
+        fmt::format("num-layers {} x hidden-size {}", m.num_layers, m.hidden_size);
     if (moe && moe_layer.expert_params * expert_b >= moe_layer.dense_params * dense_b)
       out.parameter_flags += fmt::format(" with num-experts {} x moe-ffn-hidden-size {}",
                                          m.num_experts, m.moe_ffn_hidden_size);
@@ -196,7 +202,8 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
       out.parameter_flags += fmt::format(" (ffn-hidden-size {})", m.ffn_hidden_size);
   }
   out.activation_flags =
-      fmt::format("micro-batch-size {} x seq-length {}", args.micro_batch_size, m.seq_length);
+      fmt::format("micro-batch-size {} x seq-length {}{}", args.micro_batch_size, m.seq_length,
+                  sizes.cp > 1 ? fmt::format(" / context-parallel-size {}", sizes.cp) : "");
 
   // GPT dataset indices (data/gpt_dataset.cpp build_sample_index, build_shuffle_index;
   // blended_dataset.cpp): the train split only, the others may be empty.
@@ -218,9 +225,11 @@ MemoryAvailable memory_available(Device device) {
   MemoryAvailable out;
   const HostMemoryAvailable host = host_memory_available();
   const int64_t physical = host.physical();
-  out.host_physical = physical == std::numeric_limits<int64_t>::max() ? kInfinity : double(physical);
+  out.host_physical =
+      physical == std::numeric_limits<int64_t>::max() ? kInfinity : double(physical);
   out.host_physical_source = host.physical_limit();
-  out.host_address_space = host.address_space_left >= 0 ? double(host.address_space_left) : kInfinity;
+  out.host_address_space =
+      host.address_space_left >= 0 ? double(host.address_space_left) : kInfinity;
   out.device_free = kInfinity;
 #ifdef MEGATON_WITH_CUDA
   if (device == Device::CUDA) {
@@ -256,21 +265,22 @@ struct Term {
   std::string others;  // "one micro-batch's activations (1.2 GB) and ..."
   for (const Term& t : terms)
     if (&t != dominant && t.bytes > 0)
-      others += fmt::format("{}{} ({})", others.empty() ? "" : " and ", t.what, human_bytes(t.bytes));
+      others +=
+          fmt::format("{}{} ({})", others.empty() ? "" : " and ", t.what, human_bytes(t.bytes));
   const std::string in_all =
-      others.empty() ? std::string() : fmt::format(", {} in all with {}", human_bytes_exact(total), others);
-  throw OutOfMemoryError(fmt::format("{}: {} need at least {}{}; {} of {} is available ({})",
-                                     *dominant->flags, dominant->what,
-                                     human_bytes_exact(dominant->bytes), in_all,
-                                     human_bytes_exact(available), memory, source));
+      others.empty() ? std::string()
+                     : fmt::format(", {} in all with {}", human_bytes_exact(total), others);
+  throw OutOfMemoryError(fmt::format(
+      "{}: {} need at least {}{}; {} of {} is available ({})", *dominant->flags, dominant->what,
+      human_bytes_exact(dominant->bytes), in_all, human_bytes_exact(available), memory, source));
 }
 
 }  // namespace
 
 void check_memory_fits(const MemoryLowerBound& b, const MemoryAvailable& a) {
-  const char* params_what =
-      b.busiest_stage < 0 ? "the parameters and optimizer state of an average pipeline stage"
-                          : "the parameters and optimizer state of the busiest rank";
+  const char* params_what = b.busiest_stage < 0
+                                ? "the parameters and optimizer state of an average pipeline stage"
+                                : "the parameters and optimizer state of the busiest rank";
   const Term params{b.parameter_state_bytes, &b.parameter_flags, params_what};
   const Term activations{b.activation_bytes, &b.activation_flags, "one micro-batch's activations"};
   const Term dataset{b.dataset_index_bytes, &b.dataset_flags,

@@ -55,7 +55,8 @@ PendingMoEMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
   // summed over the world (the losses divided by their coefficients; scaled by read()).
   // The routed copies are host counts: they travel in the small upload of the zeros.
   Tensor host = Tensor::zeros({L * kValues + L * E}, DType::F32);
-  for (const Entry& e : routers_) host.f32()[e.layer * kValues + kValues - 1] = float(e.router->routed_copies());
+  for (const Entry& e : routers_)
+    host.f32()[e.layer * kValues + kValues - 1] = float(e.router->routed_copies());
   pending.values = host.to(device);
   if (!routers_.empty()) {
     // Tokens per expert of this rank's layers, summed over TP x DP x CP in one collective.
@@ -71,7 +72,8 @@ PendingMoEMetrics MoEStepBookkeeping::finish_step(int64_t num_micro_batches) {
           .copy_from(routers_[i].router->metric_sums());
       // Logged from one rank per stage so the world sum counts each layer once.
       if (grid_.tp_dp_cp().rank == 0)
-        pending.values.rows(L * kValues + layer * E, E).copy_from(all.rows(int64_t(i), 1).view({E}));
+        pending.values.rows(L * kValues + layer * E, E)
+            .copy_from(all.rows(int64_t(i), 1).view({E}));
     }
   }
   comm_.all_reduce(pending.values, grid_.world());
@@ -113,10 +115,11 @@ MoEStepMetrics MoEStepBookkeeping::read(const PendingMoEMetrics& pending) const 
   const double n = double(std::max<size_t>(out.layers.size(), 1));
   MoELayerMetrics& mean = out.mean;
   mean.layer = -1;
-  for (auto field : {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
-                     &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss,
-                     &MoELayerMetrics::tokens_min, &MoELayerMetrics::tokens_max,
-                     &MoELayerMetrics::imbalance, &MoELayerMetrics::dropped_fraction}) {
+  for (auto field :
+       {&MoELayerMetrics::load_balancing_loss, &MoELayerMetrics::seq_load_balancing_loss,
+        &MoELayerMetrics::global_load_balancing_loss, &MoELayerMetrics::z_loss,
+        &MoELayerMetrics::tokens_min, &MoELayerMetrics::tokens_max, &MoELayerMetrics::imbalance,
+        &MoELayerMetrics::dropped_fraction}) {
     if (!out.layers.empty() && out.layers[0].*field < 0) continue;  // not enabled
     mean.*field = 0;
     for (const MoELayerMetrics& m : out.layers) mean.*field += m.*field / n;
@@ -126,9 +129,11 @@ MoEStepMetrics MoEStepBookkeeping::read(const PendingMoEMetrics& pending) const 
 
 std::vector<std::pair<std::string, Tensor>> MoEStepBookkeeping::expert_bias_state() const {
   std::vector<std::pair<std::string, Tensor>> out;
-  if (grid_.dp().rank != 0 || grid_.tp().rank != 0) return out;
+  // Once: the dense layers' state is replicated over DP x CP and TP.
+  if (grid_.dp_cp().rank != 0 || grid_.tp().rank != 0) return out;
   for (const Entry& e : routers_)
-    if (e.router->expert_bias.defined()) out.emplace_back(bias_name(*e.router), e.router->expert_bias);
+    if (e.router->expert_bias.defined())
+      out.emplace_back(bias_name(*e.router), e.router->expert_bias);
   return out;
 }
 
@@ -138,8 +143,9 @@ void MoEStepBookkeeping::load_expert_bias(
     if (!e.router->expert_bias.defined()) continue;
     const std::string name = bias_name(*e.router);
     const Tensor* t = find(name);
-    if (!t) fail("checkpoint '{}' has no tensor '{}' (saved without --moe-router-enable-expert-bias?)",
-                 source, name);
+    if (!t)
+      fail("checkpoint '{}' has no tensor '{}' (saved without --moe-router-enable-expert-bias?)",
+           source, name);
     if (t->dtype() != DType::F32 || t->numel() != cfg_.num_experts)
       fail("checkpoint '{}': tensor '{}' is {} {}, the model expects F32 [{}]", source, name,
            dtype_name(t->dtype()), shape_str(t->shape()), cfg_.num_experts);

@@ -82,7 +82,10 @@ std::unique_ptr<data::Tokenizer> finish_train_args(TrainArgs& args, int64_t worl
   const int64_t etp = args.parallel.expert_tensor_parallel_size > 0
                           ? args.parallel.expert_tensor_parallel_size
                           : args.parallel.tensor_model_parallel_size;
-  args.model.check_fp8_dimensions(args.micro_batch_size * args.model.seq_length, etp);
+  // The GEMMs see this rank's rows: seq-length / context-parallel-size of each sample.
+  args.model.check_fp8_dimensions(args.micro_batch_size * args.model.seq_length /
+                                      std::max<int64_t>(args.parallel.context_parallel_size, 1),
+                                  etp);
   layout = check_parallel_layout(args, world);
   return tokenizer;
 }

@@ -2,6 +2,7 @@
 #pragma once
 #include <array>
 #include <chrono>
+#include <exception>
 #include <functional>
 #include <future>
 #include <map>
@@ -178,7 +179,10 @@ class Trainer {
   // failed (`error` non-empty on it), rank 0 removes the temporary directory once every rank
   // has stopped and every rank throws megaton::Error naming the iteration, the failing rank
   // and its error ("background" says which kind of save in the message).
-  void fail_if_a_write_failed(const SaveState& state, const std::string& error, bool background);
+  // `own` (optional): this rank's exception, rethrown instead when it is not a
+  // megaton::Error (an internal error keeps its kind).
+  void fail_if_a_write_failed(const SaveState& state, const std::string& error, bool background,
+                              std::exception_ptr own = nullptr);
   // --async-save: commits the save in flight when every rank's background write is done
   // (blocking: waits for it), or does nothing (none in flight, or not all done yet). A
   // failed background write on any rank removes the temporary directory and raises

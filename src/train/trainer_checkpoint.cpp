@@ -98,11 +98,11 @@ std::string Trainer::checkpoint_metadata(int64_t iteration) const {
 
 std::vector<optim::DistributedAdamW::LocalStateEntry> Trainer::checkpoint_entries() {
   std::vector<optim::DistributedAdamW::LocalStateEntry> entries = optimizer_->local_state();
-  // The expert biases and, once, the FP8 state: dense layers' from data- and tensor-parallel
-  // rank 0, the experts' from expert-data- and expert-tensor-parallel rank 0 of each
-  // expert-parallel rank.
+  // The expert biases and, once, the FP8 state: dense layers' from (data x context)- and
+  // tensor-parallel rank 0, the experts' from expert-data- and expert-tensor-parallel rank 0 of
+  // each expert-parallel rank.
   for (auto& [name, t] : moe_->expert_bias_state()) entries.push_back({name, nullptr, t, 0});
-  if (grid_->dp().rank == 0 && grid_->tp().rank == 0)
+  if (grid_->dp_cp().rank == 0 && grid_->tp().rank == 0)
     for (auto& [name, t] : fp8_state(false)) entries.push_back({name, nullptr, *t, 0});
   if (grid_->edp().rank == 0 && grid_->etp().rank == 0)
     for (auto& [name, t] : fp8_state(true)) entries.push_back({name, nullptr, *t, 0});
@@ -200,13 +200,15 @@ void Trainer::save(int64_t iteration) {
   }
   ckpt::RankShardRecord record;
   std::string error;
+  std::exception_ptr own;  // this rank's failure, rethrown as it was (an internal error too)
   try {
     record = ckpt::write_rank_shard(state.tmp, world.rank, pieces);
-  } catch (const Error& e) {  // (an internal error ends the job as it is)
+  } catch (const std::exception& e) {
     error = e.what();
+    own = std::current_exception();
   }
   pieces.clear();
-  fail_if_a_write_failed(state, error, false);
+  fail_if_a_write_failed(state, error, false, own);
   finish_save(state, record);
   if (is_logging_rank())
     fmt::print(" (iteration {}: the step stalled {:.1f} ms; {} bytes in rank 0's file)\n",
@@ -244,7 +246,7 @@ void Trainer::finalize_async_save(bool blocking) {
 }
 
 void Trainer::fail_if_a_write_failed(const SaveState& state, const std::string& error,
-                                     bool background) {
+                                     bool background, std::exception_ptr own) {
   const dist::Group& world = grid_->world();
   Tensor failed = Tensor::from_i32({1}, {error.empty() ? 0 : world.rank + 1}).to(comm_->device());
   comm_->all_reduce(failed, world, dist::ReduceOp::Max);
@@ -254,6 +256,13 @@ void Trainer::fail_if_a_write_failed(const SaveState& state, const std::string& 
   if (world.rank == 0) {
     std::error_code ec;
     std::filesystem::remove_all(state.tmp, ec);
+  }
+  // A failure that is not bad input (an internal error) stays what it was on its rank.
+  if (own) {
+    try {
+      std::rethrow_exception(own);
+    } catch (const Error&) {
+    }
   }
   fail(
       "the {}save of iteration {} to '{}' failed on rank {}{}{} (the checkpoint the tracker "

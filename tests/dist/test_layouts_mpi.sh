@@ -432,6 +432,8 @@ resumes=(
   "one-rank-to-dp2-distopt-fp8-states|1||2|--use-distributed-optimizer|PAO=fp8 RTOL=2e-4"
   # Context parallelism: the CP ranks hold the same parameters (written once).
   "cp2-to-one-rank|2|--context-parallel-size 2|1|"
+  # The router's expert bias is replicated over DP x CP: written once.
+  "cp2-ep2-expert-bias-to-one-rank|2|--context-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|1||ROUTER=bias"
   "one-rank-to-cp2-tp2-sp|1||4|--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"
   "cp2-dp2-distopt-to-cp4-a2a|4|--context-parallel-size 2 --use-distributed-optimizer|4|--context-parallel-size 4 --cp-comm-type a2a"
   # fp32 moments converted into bf16 on load, piece by piece (read by range); fp8 below.
