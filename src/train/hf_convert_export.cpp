@@ -112,6 +112,7 @@ class ShardWriter {
     write_part(pending_);
     pending_.clear();
     pending_bytes_ = 0;
+    empty_host_cache();
   }
 
   fs::path dir_;
@@ -231,6 +232,8 @@ void export_hf_checkpoint(const HFExportOptions& o, const ConvertLog& log) {
           Tensor::zeros({cfg.num_experts});
     for (const auto& [name, t] : ckpt::megaton_to_hf(tensors, exp.layout, exp.naming, part))
       shards.add(name, t);
+    tensors.clear();
+    empty_host_cache();  // the part's blocks back to the OS: one part held at a time
   }
 
   nlohmann::json& config = exp.config;

@@ -106,6 +106,9 @@ void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
     auto slice_of = [&](const ParamSpec& s) -> const Tensor& {
       if (held_name == s.name) return held;
       held = Tensor();
+      // The caching host allocator would keep every size it saw: give the last tensor's
+      // blocks back, so the writer holds one tensor at a time (it is not a training loop).
+      empty_host_cache();
       Tensor full = tensors.make(s.name);
       if (full.shape() != s.full_shape)
         fail("tensor '{}' is {}, the model's flags make it {}", s.name, shape_str(full.shape()),
