@@ -61,4 +61,19 @@ std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, i
   return p;
 }
 
+std::shared_ptr<const PackedSeqParams> context_parallel_seq_params(int64_t micro_batch_size,
+                                                                   int64_t seq_length,
+                                                                   const CpAttention& cp,
+                                                                   Device device) {
+  const std::vector<int64_t> positions =
+      cp_local_positions(seq_length, cp.group->size(), cp.group->rank);
+  std::vector<int32_t> ids;
+  for (int64_t b = 0; b < micro_batch_size; ++b)
+    for (int64_t p : positions) ids.push_back(int32_t(p));
+  auto params = std::make_shared<PackedSeqParams>();
+  params->position_ids = Tensor::from_i32({int64_t(ids.size())}, ids).to(device);
+  params->context_parallel = cp;
+  return params;
+}
+
 }  // namespace megaton

@@ -37,4 +37,14 @@ std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, i
                                                          bool reset_attention_mask, Device device,
                                                          Tensor position_ids_buffer = Tensor());
 
+// Context parallelism: the PackedSeqParams every micro-batch of micro_batch_size samples of
+// seq_length tokens shares on CP rank cp.group->rank: position_ids (I32 [B * S / cp] on
+// `device`) the global positions of the rank's two chunks of each sample
+// (cp_local_positions), and `cp` for the core attention. InternalError as
+// cp_local_positions.
+std::shared_ptr<const PackedSeqParams> context_parallel_seq_params(int64_t micro_batch_size,
+                                                                   int64_t seq_length,
+                                                                   const CpAttention& cp,
+                                                                   Device device);
+
 }  // namespace megaton

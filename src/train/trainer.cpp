@@ -39,6 +39,7 @@
 #include "train/generate.h"
 #include "train/loss_mask.h"
 #include "train/memory_check.h"
+#include "train/packed_batch.h"
 #include "train/pipeline_schedule.h"
 #include "train/run_control.h"
 #include "train/tensor_parallel_ckpt.h"
@@ -145,20 +146,13 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   dist::Grid::set_current(*grid_);
   comm_ = dist::make_comm(args_.model.device);
   comm_->prepare(*grid_);
-  if (grid_->cp().size() > 1) {
-    // Every micro-batch's rows: this rank's two chunks of each sample, at their global
-    // positions (RoPE's, or the learned position embedding's rows).
-    auto params = std::make_shared<PackedSeqParams>();
-    const std::vector<int64_t> positions =
-        cp_local_positions(args_.model.seq_length, grid_->cp().size(), grid_->cp().rank);
-    std::vector<int32_t> ids;
-    for (int64_t b = 0; b < args_.micro_batch_size; ++b)
-      for (int64_t p : positions) ids.push_back(int32_t(p));
-    params->position_ids = Tensor::from_i32({int64_t(ids.size())}, ids).to(args_.model.device);
-    params->context_parallel = {comm_.get(), &grid_->cp(),
-                                parse_cp_comm_type(args_.parallel.cp_comm_type)};
-    cp_params_ = std::move(params);
-  }
+  // Every micro-batch's rows: this rank's two chunks of each sample, at their global
+  // positions (RoPE's, or the learned position embedding's rows).
+  if (grid_->cp().size() > 1)
+    cp_params_ = context_parallel_seq_params(
+        args_.micro_batch_size, args_.model.seq_length,
+        {comm_.get(), &grid_->cp(), parse_cp_comm_type(args_.parallel.cp_comm_type)},
+        args_.model.device);
   std::string bus_id;  // the GPU's PCI bus id: NVML's handle for --log-energy
 #ifdef MEGATON_WITH_CUDA
   if (args_.model.device == Device::CUDA && args_.logging.log_energy) {
@@ -261,45 +255,6 @@ std::map<std::string, const Param*> Trainer::params_by_name() const {
   for (const auto& chunk : chunks_)
     for (const Param* p : chunk->params()) out[p->name] = p;
   return out;
-}
-
-PipelineMicroBatches Trainer::pipeline_micro_batches(
-    const data::SampleSource& source, int64_t batch_start, int64_t count,
-    std::function<ForwardContext(int64_t)> context) const {
-  PipelineMicroBatches out;
-  out.count = count;
-  out.batch = args_.micro_batch_size;
-  out.seq = local_seq_length();
-  out.load = [this, &source, batch_start](int64_t mb, Tensor& tokens, Tensor& labels) {
-    load_batch(source, micro_batch_start(batch_start, mb), args_.micro_batch_size, tokens, labels);
-  };
-  if (args_.eod_mask_loss)
-    out.loss_mask = [eod = tokenizer_->eod()](const Tensor& tokens) {
-      return eod_loss_mask(tokens, eod);
-    };
-  out.context = std::move(context);
-  // Packed documents: every stage's layers need the micro-batch's packing, also the
-  // stages that load no tokens (it is remade from the samples); so do the CP chunks.
-  if (args_.reset_position_ids || args_.reset_attention_mask || cp_params_)
-    out.context = [this, &source, batch_start, context = std::move(out.context)](int64_t mb) {
-      ForwardContext ctx = context(mb);
-      ctx.packed_seq_params = packing(source, micro_batch_start(batch_start, mb));
-      return ctx;
-    };
-  return out;
-}
-
-int64_t Trainer::current_global_batch_size() const {
-  return batch_schedule_->global_batch_size(consumed_samples_);
-}
-
-int64_t Trainer::local_micro_batches() const {
-  return current_global_batch_size() / (args_.micro_batch_size * grid_->dp().size());
-}
-
-int64_t Trainer::micro_batch_start(int64_t batch_start, int64_t mb) const {
-  const int64_t dp = grid_->dp().size();
-  return batch_start + (mb * dp + grid_->dp().rank) * args_.micro_batch_size;
 }
 
 Trainer::StepLoss Trainer::train_step(int64_t iteration) {
@@ -425,30 +380,6 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   // pipeline branch above, or when the inputs were staged).
   if (args_.eod_mask_loss) return {loss_sum, schedule_ ? tokens_sum : staged_loss_tokens_, mtp_sum};
   return {loss_sum, tokens_sum * double(grid_->tp_dp_cp().size() / grid_->tp().size()), mtp_sum};
-}
-
-void Trainer::stage_step_inputs(double lr) {
-  lr_.copy_from(Tensor::from({1}, {float(lr)}));
-  const size_t n_mb = schedule_ ? 0 : size_t(local_micro_batches());  // none with a pipeline
-  double loss_tokens = 0;
-  for (size_t mb = 0; mb < n_mb; ++mb) {
-    Tensor tokens, labels;
-    load_batch(*datasets_[0], micro_batch_start(consumed_samples_, int64_t(mb)),
-               args_.micro_batch_size, tokens, labels);
-    batch_tokens_[mb].copy_from(tokens);
-    batch_labels_[mb].copy_from(labels);
-    batch_packing_[mb] =
-        packing(tokens, args_.reset_position_ids ? batch_position_ids_[mb] : Tensor());
-    if (args_.eod_mask_loss) {
-      const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
-      batch_loss_masks_[mb].copy_from(mask.mask);
-      batch_loss_weights_[mb].copy_from(mask.weights);
-      loss_tokens += double(mask.num_tokens);
-    }
-  }
-  // Each data-parallel rank counts its own micro-batches' tokens.
-  if (args_.eod_mask_loss && !schedule_)
-    staged_loss_tokens_ = dist::sum_over(*comm_, grid_->dp_cp(), {loss_tokens})[0];
 }
 
 Trainer::StepOutputs Trainer::run_step(int64_t iteration) {

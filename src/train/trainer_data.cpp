@@ -1,11 +1,13 @@
-// The Trainer's data: the datasets of the three splits, the micro-batches read from them and
-// their packed documents.
+// The Trainer's data: the datasets of the three splits, the micro-batches read from them
+// (each step's staged inputs, the pipeline's loader) and their packed documents.
 #include <algorithm>
 
 #include "core/error.h"
 #include "data/blended_dataset.h"
 #include "data/gpt_dataset.h"
+#include "dist/host_reduce.h"
 #include "model/context_parallel.h"
+#include "train/loss_mask.h"
 #include "train/packed_batch.h"
 #include "train/trainer.h"
 
@@ -71,6 +73,69 @@ std::shared_ptr<const PackedSeqParams> Trainer::packing(const data::SampleSource
   Tensor tokens, labels;
   load_batch(source, first_sample, args_.micro_batch_size, tokens, labels);
   return packing(tokens);
+}
+
+PipelineMicroBatches Trainer::pipeline_micro_batches(
+    const data::SampleSource& source, int64_t batch_start, int64_t count,
+    std::function<ForwardContext(int64_t)> context) const {
+  PipelineMicroBatches out;
+  out.count = count;
+  out.batch = args_.micro_batch_size;
+  out.seq = local_seq_length();
+  out.load = [this, &source, batch_start](int64_t mb, Tensor& tokens, Tensor& labels) {
+    load_batch(source, micro_batch_start(batch_start, mb), args_.micro_batch_size, tokens, labels);
+  };
+  if (args_.eod_mask_loss)
+    out.loss_mask = [eod = tokenizer_->eod()](const Tensor& tokens) {
+      return eod_loss_mask(tokens, eod);
+    };
+  out.context = std::move(context);
+  // Packed documents: every stage's layers need the micro-batch's packing, also the
+  // stages that load no tokens (it is remade from the samples); so do the CP chunks.
+  if (args_.reset_position_ids || args_.reset_attention_mask || cp_params_)
+    out.context = [this, &source, batch_start, context = std::move(out.context)](int64_t mb) {
+      ForwardContext ctx = context(mb);
+      ctx.packed_seq_params = packing(source, micro_batch_start(batch_start, mb));
+      return ctx;
+    };
+  return out;
+}
+
+void Trainer::stage_step_inputs(double lr) {
+  lr_.copy_from(Tensor::from({1}, {float(lr)}));
+  const size_t n_mb = schedule_ ? 0 : size_t(local_micro_batches());  // none with a pipeline
+  double loss_tokens = 0;
+  for (size_t mb = 0; mb < n_mb; ++mb) {
+    Tensor tokens, labels;
+    load_batch(*datasets_[0], micro_batch_start(consumed_samples_, int64_t(mb)),
+               args_.micro_batch_size, tokens, labels);
+    batch_tokens_[mb].copy_from(tokens);
+    batch_labels_[mb].copy_from(labels);
+    batch_packing_[mb] =
+        packing(tokens, args_.reset_position_ids ? batch_position_ids_[mb] : Tensor());
+    if (args_.eod_mask_loss) {
+      const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
+      batch_loss_masks_[mb].copy_from(mask.mask);
+      batch_loss_weights_[mb].copy_from(mask.weights);
+      loss_tokens += double(mask.num_tokens);
+    }
+  }
+  // Each data-parallel rank counts its own micro-batches' tokens.
+  if (args_.eod_mask_loss && !schedule_)
+    staged_loss_tokens_ = dist::sum_over(*comm_, grid_->dp_cp(), {loss_tokens})[0];
+}
+
+int64_t Trainer::current_global_batch_size() const {
+  return batch_schedule_->global_batch_size(consumed_samples_);
+}
+
+int64_t Trainer::local_micro_batches() const {
+  return current_global_batch_size() / (args_.micro_batch_size * grid_->dp().size());
+}
+
+int64_t Trainer::micro_batch_start(int64_t batch_start, int64_t mb) const {
+  const int64_t dp = grid_->dp().size();
+  return batch_start + (mb * dp + grid_->dp().rank) * args_.micro_batch_size;
 }
 
 }  // namespace megaton

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/cpu/attention_head.h"
 
 namespace megaton::ops {
 namespace {
@@ -19,15 +20,14 @@ struct BlockDims {
   int64_t Sq, Skv, Hq, Hkv, D, Dv;
 };
 
-void check_f32_cpu(const Tensor& t, const char* what) {
-  MEGATON_CHECK(t.defined() && t.device() == Device::CPU && t.dtype() == DType::F32,
-                "attention_block: {} must be a CPU F32 tensor", what);
-}
+constexpr const char* kOp = "attention_block";
 
+// The dense op's argument checks (ops/cpu/attention_head.h), naming this op.
+void check_f32_cpu(const Tensor& t, const char* what) {
+  cpu_attention::check_f32_cpu(t, kOp, what);
+}
 void check_shape(const Tensor& t, const Shape& want, const char* what) {
-  check_f32_cpu(t, what);
-  MEGATON_CHECK(t.shape() == want, "attention_block: {} is {}, expected {}", what,
-                shape_str(t.shape()), shape_str(want));
+  cpu_attention::check_shape(t, want, kOp, what);
 }
 
 BlockDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v) {
