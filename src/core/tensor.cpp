@@ -10,8 +10,8 @@
 #include <sys/resource.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +21,7 @@
 #include <new>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 
 namespace megaton {
 
@@ -46,7 +47,6 @@ bool take_injected_failure(std::atomic<int>& counter) {
 int64_t saturating_int64(double bytes) {
   return bytes >= 9.2e18 ? std::numeric_limits<int64_t>::max() : int64_t(bytes);
 }
-
 
 // Caching host allocator: freed blocks are kept per exact (64-byte rounded) size and
 // handed out again. A training step allocates the same shapes every iteration, so after
@@ -142,7 +142,8 @@ class HostBlockCache {
         "out of host memory: a tensor of {} was requested; this process holds {} resident "
         "({} in tensors, {} cached) and {} is available ({})",
         human_bytes_exact(double(bytes)),
-        avail.resident_bytes >= 0 ? human_bytes_exact(double(avail.resident_bytes)) : std::string("?"),
+        avail.resident_bytes >= 0 ? human_bytes_exact(double(avail.resident_bytes))
+                                  : std::string("?"),
         human_bytes(double(s.allocated_bytes)), human_bytes(double(s.cached_bytes)),
         available == std::numeric_limits<int64_t>::max() ? std::string("an unknown amount")
                                                          : human_bytes_exact(double(available)),
@@ -267,7 +268,8 @@ int64_t HostMemoryAvailable::available() const {
 }
 
 std::string HostMemoryAvailable::binding_limit() const {
-  if (address_space_left >= 0 && address_space_left <= physical()) return "ulimit -v (address space)";
+  if (address_space_left >= 0 && address_space_left <= physical())
+    return "ulimit -v (address space)";
   return physical_limit();
 }
 
@@ -329,15 +331,30 @@ Storage::Storage(size_t n, Device dev) : bytes(n), device(dev) {
 }
 Storage::Storage(void* external, size_t n, Device dev)
     : data(external), bytes(n), device(dev), owned(false) {}
-Storage::~Storage() {
+Storage::~Storage() { release(); }
+
+void Storage::release() noexcept {
   if (!data || !owned) return;
+  void* ptr = std::exchange(data, nullptr);
 #ifdef MEGATON_WITH_CUDA
   if (device == Device::CUDA) {
-    cuda::device_free(data, bytes);
+    cuda::device_free(ptr, bytes);
     return;
   }
 #endif
-  host_cache().release(data, rounded_bytes(bytes));
+  host_cache().release(ptr, rounded_bytes(bytes));
+}
+
+void Storage::allocate() {
+  MEGATON_CHECK(owned, "Storage::allocate of memory owned elsewhere");
+  if (data || !bytes) return;
+  if (device == Device::CUDA) {
+#ifdef MEGATON_WITH_CUDA
+    data = cuda::device_allocate(bytes);
+    return;
+#endif
+  }
+  data = host_cache().allocate(rounded_bytes(bytes));
 }
 
 // Copies `bytes` between any two storages (host or device), in stream order; waits for
@@ -438,15 +455,31 @@ int64_t Tensor::dim(int i) const {
 }
 int64_t Tensor::numel() const { return storage_ ? numel_of(shape_) : 0; }
 void* Tensor::raw() const {
-  return storage_ ? static_cast<char*>(storage_->data) + offset_ : nullptr;
+  if (!storage_) return nullptr;
+  MEGATON_CHECK(storage_->data || !storage_->bytes,
+                "a tensor {} {} was used while its storage is released (an FSDP-sharded "
+                "parameter or gradient read outside its all-gather)",
+                dtype_name(dtype_), shape_str(shape_));
+  return static_cast<char*>(storage_->data) + offset_;
+}
+
+void Tensor::release_storage() const {
+  if (storage_) storage_->release();
+}
+
+void Tensor::allocate_storage() const {
+  if (storage_) storage_->allocate();
 }
 
 Tensor Tensor::view(const Shape& shape) const {
   Shape s = shape;
   int64_t known = 1, infer = -1;
   for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == -1) { MEGATON_CHECK(infer < 0, "two -1 in view {}", shape_str(shape)); infer = i; }
-    else known *= s[i];
+    if (s[i] == -1) {
+      MEGATON_CHECK(infer < 0, "two -1 in view {}", shape_str(shape));
+      infer = i;
+    } else
+      known *= s[i];
   }
   if (infer >= 0) s[infer] = known ? numel() / known : 0;
   MEGATON_CHECK(numel_of(s) == numel(), "view {} of a tensor of shape {}", shape_str(shape),
@@ -491,14 +524,22 @@ float Tensor::item(int64_t i) const {
   if (device() != Device::CPU) return to(Device::CPU).item(i);
   const char* p = static_cast<const char*>(raw());
   switch (dtype_) {
-    case DType::F32: return reinterpret_cast<const float*>(p)[i];
-    case DType::BF16: return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DType::F16: return fp16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
-    case DType::F8E4M3: return fp8e4m3_to_float(reinterpret_cast<const uint8_t*>(p)[i]);
-    case DType::F8E5M2: return fp8e5m2_to_float(reinterpret_cast<const uint8_t*>(p)[i]);
-    case DType::I32: return float(reinterpret_cast<const int32_t*>(p)[i]);
-    case DType::I64: return float(reinterpret_cast<const int64_t*>(p)[i]);
-    case DType::I16: return float(reinterpret_cast<const int16_t*>(p)[i]);
+    case DType::F32:
+      return reinterpret_cast<const float*>(p)[i];
+    case DType::BF16:
+      return bf16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::F16:
+      return fp16_to_float(reinterpret_cast<const uint16_t*>(p)[i]);
+    case DType::F8E4M3:
+      return fp8e4m3_to_float(reinterpret_cast<const uint8_t*>(p)[i]);
+    case DType::F8E5M2:
+      return fp8e5m2_to_float(reinterpret_cast<const uint8_t*>(p)[i]);
+    case DType::I32:
+      return float(reinterpret_cast<const int32_t*>(p)[i]);
+    case DType::I64:
+      return float(reinterpret_cast<const int64_t*>(p)[i]);
+    case DType::I16:
+      return float(reinterpret_cast<const int16_t*>(p)[i]);
   }
   return 0;
 }
@@ -519,19 +560,30 @@ Tensor Tensor::to(DType dtype) const {
   for (int64_t i = 0; i < n; ++i) {
     float v = item(i);
     switch (dtype) {
-      case DType::F32: reinterpret_cast<float*>(p)[i] = v; break;
-      case DType::BF16: reinterpret_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
-      case DType::F16: reinterpret_cast<uint16_t*>(p)[i] = float_to_fp16(v); break;
-      case DType::F8E4M3: reinterpret_cast<uint8_t*>(p)[i] = float_to_fp8e4m3(v); break;
-      case DType::F8E5M2: reinterpret_cast<uint8_t*>(p)[i] = float_to_fp8e5m2(v); break;
+      case DType::F32:
+        reinterpret_cast<float*>(p)[i] = v;
+        break;
+      case DType::BF16:
+        reinterpret_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+        break;
+      case DType::F16:
+        reinterpret_cast<uint16_t*>(p)[i] = float_to_fp16(v);
+        break;
+      case DType::F8E4M3:
+        reinterpret_cast<uint8_t*>(p)[i] = float_to_fp8e4m3(v);
+        break;
+      case DType::F8E5M2:
+        reinterpret_cast<uint8_t*>(p)[i] = float_to_fp8e5m2(v);
+        break;
       case DType::I32:
-        reinterpret_cast<int32_t*>(p)[i] =
-            dtype_ == DType::I64 ? int32_t(i64()[i]) : int32_t(v);
+        reinterpret_cast<int32_t*>(p)[i] = dtype_ == DType::I64 ? int32_t(i64()[i]) : int32_t(v);
         break;
       case DType::I64:
         reinterpret_cast<int64_t*>(p)[i] = dtype_ == DType::I32 ? i32()[i] : int64_t(v);
         break;
-      case DType::I16: reinterpret_cast<int16_t*>(p)[i] = int16_t(v); break;
+      case DType::I16:
+        reinterpret_cast<int16_t*>(p)[i] = int16_t(v);
+        break;
     }
   }
   return t;

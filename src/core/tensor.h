@@ -29,6 +29,14 @@ struct Storage {
   // Memory owned elsewhere, not freed with this storage.
   Storage(void* data, size_t bytes, Device device);
   ~Storage();
+  // Gives the memory back (to the caching allocator) and keeps the size: every tensor
+  // viewing this storage keeps its shape but has no data until allocate() (FSDP's
+  // sharded parameters and gradients between their uses). allocate() takes `bytes` anew
+  // (uninitialised; OutOfMemoryError as the constructor). Memory owned elsewhere:
+  // InternalError.
+  void release() noexcept;
+  void allocate();
+  bool released() const { return bytes > 0 && data == nullptr; }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 };
@@ -37,8 +45,8 @@ struct Storage {
 
 // Bytes held by the caching host allocator (sizes rounded to its size classes).
 struct HostAllocatorStats {
-  int64_t allocated_bytes = 0;  // in live CPU tensors
-  int64_t cached_bytes = 0;     // freed blocks kept for reuse
+  int64_t allocated_bytes = 0;       // in live CPU tensors
+  int64_t cached_bytes = 0;          // freed blocks kept for reuse
   int64_t peak_allocated_bytes = 0;  // max of allocated_bytes since start or reset
 };
 HostAllocatorStats host_allocator_stats();
@@ -117,7 +125,13 @@ class Tensor {
   DType dtype() const { return dtype_; }
   Device device() const { return storage_ ? storage_->device : Device::CPU; }
 
+  // The data; InternalError when the storage is released (Storage::release).
   void* raw() const;
+  // Storage::release / allocate / released of the storage this tensor views: the memory of
+  // every view of it goes and comes back together (FSDP, optim/distributed_data_parallel.h).
+  void release_storage() const;
+  void allocate_storage() const;
+  bool storage_released() const { return storage_ && storage_->released(); }
   // Typed pointer; throws InternalError when T does not match dtype().
   template <typename T>
   T* data() const;
@@ -154,12 +168,30 @@ class Tensor {
 
 template <typename T>
 constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::F32; }
-template <> constexpr DType dtype_of<int32_t>() { return DType::I32; }
-template <> constexpr DType dtype_of<int64_t>() { return DType::I64; }
-template <> constexpr DType dtype_of<int16_t>() { return DType::I16; }
-template <> constexpr DType dtype_of<uint16_t>() { return DType::BF16; }  // bf16 or f16 bits
-template <> constexpr DType dtype_of<uint8_t>() { return DType::F8E4M3; }  // fp8 bits
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::F32;
+}
+template <>
+constexpr DType dtype_of<int32_t>() {
+  return DType::I32;
+}
+template <>
+constexpr DType dtype_of<int64_t>() {
+  return DType::I64;
+}
+template <>
+constexpr DType dtype_of<int16_t>() {
+  return DType::I16;
+}
+template <>
+constexpr DType dtype_of<uint16_t>() {
+  return DType::BF16;
+}  // bf16 or f16 bits
+template <>
+constexpr DType dtype_of<uint8_t>() {
+  return DType::F8E4M3;
+}  // fp8 bits
 
 template <typename T>
 T* Tensor::data() const {

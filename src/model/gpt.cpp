@@ -1,14 +1,15 @@
 // GPTModel forward/backward (TransformerLayer: transformer_layer.cpp).
 #include "model/gpt.h"
-#include "model/mtp.h"
 
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <unordered_map>
 #include <utility>
 
 #include "model/kv_cache.h"
 #include "model/main_grad.h"
+#include "model/mtp.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
 
@@ -17,18 +18,32 @@ namespace megaton {
 // ParamAndGradBuffer's own_bucket argument for buffers without one.
 static std::vector<const Param*> no_own_bucket() { return {}; }
 
+// The dtype of the gradients the layers accumulate into: the run's main grads, or under
+// FSDP's sharded gradients the grad comm dtype (the own shards keep the main grads dtype).
+static DType bucket_grad_dtype(const GPTConfig& cfg, const ChunkSharding& sharding) {
+  const bool sharded = sharding.strategy >= ShardingStrategy::OptimGrads;
+  return sharded ? sharding.grad_comm_dtype : cfg.main_grads_dtype;
+}
+
+std::vector<std::span<Param* const>> GPTModel::param_units() const {
+  std::vector<std::span<Param* const>> out;
+  if (!head_params_.empty()) out.emplace_back(head_params_);
+  for (const auto& ps : layer_params_) out.emplace_back(ps);
+  if (!tail_forward_.empty()) out.emplace_back(tail_forward_);
+  return out;
+}
+
 // Whether a chunk needs the word embeddings: for the lookup (pre_process), or as the
 // tied output layer (post_process without untie_embeddings_and_output_weights).
 // Multi-token prediction on the last stage looks up embeddings too.
 static bool holds_word_embeddings(const GPTConfig& cfg, const PipelineChunk& chunk) {
-  return chunk.pre_process ||
-         (chunk.post_process &&
-          (!cfg.untie_embeddings_and_output_weights || cfg.mtp_num_layers > 0));
+  return chunk.pre_process || (chunk.post_process && (!cfg.untie_embeddings_and_output_weights ||
+                                                      cfg.mtp_num_layers > 0));
 }
 
 GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                    int64_t dense_shards, int64_t expert_shards, const PipelineChunk& chunk,
-                   int64_t bucket_size)
+                   int64_t bucket_size, const ChunkSharding& sharding)
     : cfg_(cfg),
       mp_(mp),
       chunk_(chunk),
@@ -43,10 +58,10 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                       cfg.norm_epsilon, Placement::of(cfg),
                       mp.sequence_parallel && mp.tp_size() > 1) {
   MEGATON_CHECK(cfg.padded_vocab_size > 0, "GPTConfig not finalized");
-  MEGATON_CHECK(cfg.padded_vocab_size % mp_.tp_size() == 0 &&
-                    cfg.tensor_model_parallel_size == mp_.tp_size(),
-                "GPTConfig padded for tensor-parallel size {}, the model runs {}",
-                cfg.tensor_model_parallel_size, mp_.tp_size());
+  MEGATON_CHECK(
+      cfg.padded_vocab_size % mp_.tp_size() == 0 && cfg.tensor_model_parallel_size == mp_.tp_size(),
+      "GPTConfig padded for tensor-parallel size {}, the model runs {}",
+      cfg.tensor_model_parallel_size, mp_.tp_size());
   vocab_start_ = int64_t(mp_.tp_rank()) * (cfg.padded_vocab_size / mp_.tp_size());
   if (word_embeddings.weight.defined()) word_embeddings.padded_vocab_rows = true;
   if (chunk_.num_layers < 0) chunk_.num_layers = cfg.num_layers - chunk_.first_layer;
@@ -55,10 +70,9 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                 chunk_.first_layer + chunk_.num_layers, cfg.num_layers);
   if (chunk_.pre_process) params_.push_back(&word_embeddings);
   if (chunk_.pre_process && cfg.position_embedding_type == PositionEmbedding::LearnedAbsolute) {
-    position_embeddings =
-        make_param("embedding.position_embeddings.weight",
-                   {cfg.max_position_embeddings, cfg.hidden_size}, cfg.init_method_std, seed,
-                   Placement::of(cfg));
+    position_embeddings = make_param("embedding.position_embeddings.weight",
+                                     {cfg.max_position_embeddings, cfg.hidden_size},
+                                     cfg.init_method_std, seed, Placement::of(cfg));
     position_embeddings.sequence_parallel = mp_.sequence_parallel && mp_.tp_size() > 1;
     params_.push_back(&position_embeddings);
   }
@@ -88,15 +102,16 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   }
   if (chunk_.post_process && cfg.untie_embeddings_and_output_weights) {
     output_layer = make_param_sharded("output_layer.weight",
-                                      {cfg.padded_vocab_size, cfg.hidden_size},
-                                      cfg.init_method_std, seed, Placement::of(cfg), 0,
-                                      mp_.tp_rank(), mp_.tp_size());
+                                      {cfg.padded_vocab_size, cfg.hidden_size}, cfg.init_method_std,
+                                      seed, Placement::of(cfg), 0, mp_.tp_rank(), mp_.tp_size());
     output_layer.padded_vocab_rows = true;
     params_.push_back(&output_layer);
     tail_grads_.push_back(&output_layer);
   }
   tail_forward_ = tail_grads_;
-  if (chunk_.post_process && chunk_.pre_process && !cfg.untie_embeddings_and_output_weights)
+  // The tail reads the word embeddings as the tied output layer and in MTP's lookups.
+  if (chunk_.post_process && chunk_.pre_process &&
+      (!cfg.untie_embeddings_and_output_weights || cfg.mtp_num_layers > 0))
     tail_forward_.push_back(&word_embeddings);
   // Dense and expert params in two buffers: they are reduced over different groups; the
   // FP8 weights of --fp8-param-gather in two more (their weight buffers are FP8).
@@ -112,14 +127,41 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
       dense_shards > 1)
     own_bucket.push_back(&word_embeddings);
   buffers_.reserve(4);
-  const DType grads = cfg_.main_grads_dtype;
-  buffers_.emplace_back(dense, dense_shards, false, bucket_size, own_bucket, grads);
+  // FSDP: a bucket per unit (the hooks' units: 0 the embedding, 1 + i layer i, then the tail),
+  // each buffer storing its shards as the strategy says.
+  const bool fsdp = sharding.strategy != ShardingStrategy::NoShard;
+  std::unordered_map<const Param*, int> unit_of;
+  if (fsdp) {
+    for (const Param* p : head_params_) unit_of[p] = 0;
+    for (size_t i = 0; i < layer_params_.size(); ++i)
+      for (const Param* p : layer_params_[i]) unit_of[p] = int(i) + 1;
+    for (const Param* p : tail_grads_) unit_of.try_emplace(p, int(layer_params_.size()) + 1);
+  }
+  auto units_of = [&](const std::vector<Param*>& ps) {
+    std::vector<int> units;
+    for (const Param* p : ps) units.push_back(fsdp ? unit_of.at(p) : 0);
+    return fsdp ? units : std::vector<int>();
+  };
+  auto buffer_sharding = [&](bool is_expert) {
+    BufferSharding bs;
+    bs.strategy = sharding.strategy;
+    bs.shard_index = is_expert ? sharding.expert_index : sharding.dense_index;
+    bs.main_grad_dtype = sharding.main_grad_dtype;
+    return bs;
+  };
+  const int64_t bucket = fsdp ? 0 : bucket_size;
+  const DType grads = bucket_grad_dtype(cfg_, sharding);
+  buffers_.emplace_back(dense, dense_shards, false, bucket, own_bucket, grads, units_of(dense),
+                        buffer_sharding(false));
   if (!dense_fp8.empty())
-    buffers_.emplace_back(dense_fp8, dense_shards, false, bucket_size, no_own_bucket(), grads);
+    buffers_.emplace_back(dense_fp8, dense_shards, false, bucket, no_own_bucket(), grads,
+                          units_of(dense_fp8), buffer_sharding(false));
   if (!expert.empty())
-    buffers_.emplace_back(expert, expert_shards, true, bucket_size, no_own_bucket(), grads);
+    buffers_.emplace_back(expert, expert_shards, true, bucket, no_own_bucket(), grads,
+                          units_of(expert), buffer_sharding(true));
   if (!expert_fp8.empty())
-    buffers_.emplace_back(expert_fp8, expert_shards, true, bucket_size, no_own_bucket(), grads);
+    buffers_.emplace_back(expert_fp8, expert_shards, true, bucket, no_own_bucket(), grads,
+                          units_of(expert_fp8), buffer_sharding(true));
   if (cfg_.cpu_offloading.enabled && cfg_.cpu_offloading.num_layers > 0) {
     std::vector<TransformerLayer*> layers;
     for (auto& layer : layers_) layers.push_back(layer.get());
@@ -192,8 +234,10 @@ Tensor GPTModel::embedding_lookup(const Tensor& tokens) {
     // Each rank looks up the ids in its vocabulary rows (zeros elsewhere); the sum over
     // TP is the lookup, whole on every rank or this rank's token rows under SP.
     ops::embedding_forward_vocab_range(tokens, word_embeddings.weight, vocab_start_, emb);
-    if (mp_.sequence_parallel) emb = reduce_scatter_sequence(emb, mp_);
-    else all_reduce_tensor_parallel(emb, mp_);
+    if (mp_.sequence_parallel)
+      emb = reduce_scatter_sequence(emb, mp_);
+    else
+      all_reduce_tensor_parallel(emb, mp_);
   }
   return emb;
 }
@@ -203,8 +247,10 @@ void GPTModel::embedding_lookup_backward(const Tensor& dx, const Tensor& tokens)
   Tensor demb = dx;
   if (mp_.tp_size() > 1 && mp_.sequence_parallel) demb = gather_sequence(demb, mp_);
   accumulate_main_grad(word_embeddings.main_grad, [&](Tensor& main_grad) {
-    if (mp_.tp_size() == 1) ops::embedding_backward(demb, tokens, main_grad);
-    else ops::embedding_backward_vocab_range(demb, tokens, vocab_start_, main_grad);
+    if (mp_.tp_size() == 1)
+      ops::embedding_backward(demb, tokens, main_grad);
+    else
+      ops::embedding_backward_vocab_range(demb, tokens, vocab_start_, main_grad);
   });
 }
 
@@ -233,7 +279,8 @@ MicroBatchLoss GPTModel::forward(const Tensor& tokens, const Tensor& labels,
                                  const ForwardContext& ctx) {
   MEGATON_CHECK(chunk_.pre_process && chunk_.post_process,
                 "GPTModel::forward needs the whole model, not a pipeline chunk");
-  return forward_chunk({tokens.dim(0), tokens.dim(1), tokens, labels, Tensor(), Tensor()}, ctx).loss;
+  return forward_chunk({tokens.dim(0), tokens.dim(1), tokens, labels, Tensor(), Tensor()}, ctx)
+      .loss;
 }
 
 ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& ctx) {
@@ -245,12 +292,14 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
                   "forward_chunk: tokens must be [{}, {}]", in.batch, in.seq);
     before_forward(head_params_);
     x = embed(in.tokens, ctx);
+    after_forward(head_params_);
   } else {
     saved_.batch = in.batch;
     saved_.seq = in.seq;
     const Shape want{hidden_rows(in.batch, in.seq), cfg_.hidden_size};
     MEGATON_CHECK(in.hidden.defined() && in.hidden.shape() == want &&
-                      in.hidden.dtype() == cfg_.compute_dtype() && in.hidden.device() == cfg_.device,
+                      in.hidden.dtype() == cfg_.compute_dtype() &&
+                      in.hidden.device() == cfg_.device,
                   "forward_chunk: the input hidden state must be {} {}", shape_str(want),
                   dtype_name(cfg_.compute_dtype()));
     x = in.hidden;
@@ -267,12 +316,14 @@ ChunkOutput GPTModel::forward_chunk(const ChunkInput& in, const ForwardContext& 
   const bool offloading = offload_ && ctx.training && !ctx.forward_only && !ctx.recompute;
   for (int64_t i = 0; i < n; ++i) {
     before_forward(layer_params_[i]);
-    const int64_t group_start =
-        saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
+    const int64_t group_start = saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
     if (group_start == i) saved_.recompute_inputs[i] = x;
     x = layers_[i]->forward(x, saved_.batch, saved_.seq, ctx);
-    if (group_start >= 0 || ctx.forward_only) layers_[i]->discard_saved();
-    else if (offloading) offload_->after_forward(i);
+    after_forward(layer_params_[i]);
+    if (group_start >= 0 || ctx.forward_only)
+      layers_[i]->discard_saved();
+    else if (offloading)
+      offload_->after_forward(i);
   }
   if (offloading) offload_->finish_forward();
   ChunkOutput out;
@@ -360,8 +411,9 @@ Tensor GPTModel::forward_inference(std::span<const int32_t> tokens, InferenceCon
   MEGATON_CHECK(context.key_value_memory_dict.size() == layers_.size(),
                 "GPTModel inference: the context has {} layers, the model {}",
                 context.key_value_memory_dict.size(), layers_.size());
-  MEGATON_CHECK(context.fits(n), "GPTModel inference: {} tokens at position {} exceed the cache's {}",
-                n, first, context.max_sequence_length);
+  MEGATON_CHECK(context.fits(n),
+                "GPTModel inference: {} tokens at position {} exceed the cache's {}", n, first,
+                context.max_sequence_length);
   MEGATON_CHECK(!position_embeddings.weight.defined() || first + n <= cfg_.max_position_embeddings,
                 "GPTModel inference: position {} exceeds max_position_embeddings {}", first + n - 1,
                 cfg_.max_position_embeddings);
@@ -397,6 +449,7 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
                 chunk_.first_layer, chunk_.first_layer + chunk_.num_layers);
   Tensor dx = dout;
   if (chunk_.post_process) {
+    before_backward(tail_forward_);
     Tensor dh = output_loss_backward(dout, saved_.output);
     // The MTP depths read the final-normed output too (their hnorm).
     if (!saved_.mtp.empty()) ops::add_(dh, mtp_backward(aux_grad_scale));
@@ -406,22 +459,25 @@ Tensor GPTModel::backward_chunk(const Tensor& dout, float aux_grad_scale) {
   const RecomputeConfig& rc = cfg_.recompute;
   const int64_t n = int64_t(layers_.size());
   for (int64_t i = n; i-- > 0;) {
-    const int64_t group_start =
-        saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
+    const int64_t group_start = saved_.recompute_inputs.empty() ? -1 : rc.full_group_start(i, n);
     if (group_start >= 0 && i + 1 == rc.full_group_end(i, n)) {
       // The group's forward again from its kept input, re-saving what backward needs.
       ForwardContext ctx = saved_.ctx;
       ctx.recompute = true;
       Tensor h = std::exchange(saved_.recompute_inputs[group_start], Tensor());
-      for (int64_t j = group_start; j <= i; ++j)
+      for (int64_t j = group_start; j <= i; ++j) {
+        before_backward(layer_params_[j]);  // gathered until its backward is done
         h = layers_[j]->forward(h, saved_.batch, saved_.seq, ctx);
+      }
     }
+    before_backward(layer_params_[i]);
     if (offload_) offload_->before_backward(i);  // layer i back, layer i - 1 on its way
     if (layers_[i]->moe()) layers_[i]->moe()->aux_grad_scale = aux_grad_scale;
     dx = layers_[i]->backward(dx);
     after_backward(layer_params_[i]);
   }
   if (chunk_.pre_process) {
+    before_backward(head_params_);
     embed_backward(dx);
     after_backward(head_params_);
     dx = Tensor();
@@ -486,8 +542,10 @@ Tensor GPTModel::output_loss_backward(const Tensor& dlosses, OutputLossSaved& s)
   gemm_main_grad(dlogits, true, s.final_hidden, false, out_w.main_grad);
   dlogits = s.final_hidden = Tensor();
   // Partial over the vocabulary shards: summed (and split into token rows under SP).
-  if (mp_.sequence_parallel) dhidden = reduce_scatter_sequence(dhidden, mp_);
-  else all_reduce_tensor_parallel(dhidden, mp_);
+  if (mp_.sequence_parallel)
+    dhidden = reduce_scatter_sequence(dhidden, mp_);
+  else
+    all_reduce_tensor_parallel(dhidden, mp_);
   s.labels = s.lse = Tensor();
   return dhidden;
 }

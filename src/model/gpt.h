@@ -9,8 +9,8 @@
 #include "model/activation_offload.h"
 #include "model/attention.h"
 #include "model/layer_spec.h"
-#include "model/param_buffer.h"
 #include "model/moe.h"
+#include "model/param_buffer.h"
 
 namespace megaton {
 
@@ -21,7 +21,8 @@ namespace megaton {
 class TransformerLayer {
  public:
   // The layer of `spec` (default: decoder_layer_spec(cfg, layer)).
-  TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed, const ModelParallel& mp = {});
+  TransformerLayer(const GPTConfig& cfg, int64_t layer, uint64_t seed,
+                   const ModelParallel& mp = {});
   TransformerLayer(const GPTConfig& cfg, const LayerSpec& spec, int64_t layer, uint64_t seed,
                    const ModelParallel& mp);
   // With its parameters under `prefix` instead of "decoder.layers.<layer>" (an MTP depth's
@@ -80,7 +81,7 @@ class TransformerLayer {
   void discard_saved();
 
   Norm input_layernorm;
-  std::unique_ptr<Mixer> mixer;   // params under "decoder.layers.<i>.self_attention."
+  std::unique_ptr<Mixer> mixer;  // params under "decoder.layers.<i>.self_attention."
   Norm pre_mlp_layernorm;
   std::unique_ptr<MlpBlock> mlp;  // params under "decoder.layers.<i>.mlp."
 
@@ -119,17 +120,17 @@ struct MicroBatchLoss {
 // Layers keep their global numbers, so parameter names and initial values are the
 // one-rank model's whatever the split.
 struct PipelineChunk {
-  int64_t first_layer = 0;    // global index of the chunk's first transformer layer
-  int64_t num_layers = -1;    // transformer layers in the chunk; -1: all of GPTConfig's
-  bool pre_process = true;    // the first chunk of the pipeline: holds the embedding
-  bool post_process = true;   // the last chunk: final norm, output layer and loss
+  int64_t first_layer = 0;   // global index of the chunk's first transformer layer
+  int64_t num_layers = -1;   // transformer layers in the chunk; -1: all of GPTConfig's
+  bool pre_process = true;   // the first chunk of the pipeline: holds the embedding
+  bool post_process = true;  // the last chunk: final norm, output layer and loss
 };
 
 // One micro-batch's input to a model chunk (GPTModel::forward_chunk).
 struct ChunkInput {
   int64_t batch = 0, seq = 0;  // micro-batch size B and sequence length S
-  Tensor tokens;  // [B, S] int32, host or device: read by pre_process chunks only
-  Tensor labels;  // [B, S] int32, host or device: read by post_process chunks only
+  Tensor tokens;               // [B, S] int32, host or device: read by pre_process chunks only
+  Tensor labels;               // [B, S] int32, host or device: read by post_process chunks only
   // The previous chunk's output (chunks without pre_process): [T, H] in the compute dtype
   // on the model's device, T = B*S, or B*S / tp rows under sequence parallelism.
   Tensor hidden;
@@ -155,6 +156,21 @@ struct ParamHooks {
   std::function<void(std::span<Param* const>)> before_forward;
   // After a backward has finished these params' gradients for the current micro-batch.
   std::function<void(std::span<Param* const>)> after_backward;
+  // FSDP (optional): after a forward no longer reads these weights (not called for the
+  // final norm and output layer, whose backward follows), and before a backward (or the
+  // forward it recomputes) reads them and accumulates their gradients.
+  std::function<void(std::span<Param* const>)> after_forward;
+  std::function<void(std::span<Param* const>)> before_backward;
+};
+
+// Megatron-FSDP's storage of a chunk's buffers (ParamAndGradBuffer's BufferSharding).
+// Under any strategy but NoShard a bucket holds one unit's params (the embedding, a
+// transformer layer, the final norm with the output layer and MTP depths).
+struct ChunkSharding {
+  ShardingStrategy strategy = ShardingStrategy::NoShard;
+  int64_t dense_index = 0, expert_index = 0;  // this rank in the dp_cp / edp group
+  DType main_grad_dtype = DType::F32;  // own gradient shards (--megatron-fsdp-main-grads-dtype)
+  DType grad_comm_dtype = DType::F32;  // bucket gradients (--megatron-fsdp-grad-comm-dtype)
 };
 
 class ChunkActivations;
@@ -180,9 +196,11 @@ class GPTModel {
   // buffer). With dense_shards > 1 the word embeddings tied across pipeline stages get a
   // bucket of their own (see ParamAndGradBuffer).
   // InternalError when the layer range is outside [0, num_layers).
+  // sharding (FSDP): how the buffers store their shards, and one bucket per unit (then
+  // bucket_size is not used).
   GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp = {},
            int64_t dense_shards = 1, int64_t expert_shards = 1, const PipelineChunk& chunk = {},
-           int64_t bucket_size = 0);
+           int64_t bucket_size = 0, const ChunkSharding& sharding = {});
   ~GPTModel();
   void set_param_hooks(ParamHooks hooks) { hooks_ = std::move(hooks); }
   const ModelParallel& model_parallel() const { return mp_; }
@@ -193,7 +211,8 @@ class GPTModel {
   // (docs/memory.md). With GPTConfig::cpu_offloading a training forward (not
   // forward_only, not a recompute) moves the saved state of the chunk's first
   // cpu_offloading.num_layers layers to host memory (model/activation_offload.h), and
-  // backward_chunk brings it back. InternalError when an input the chunk reads is missing or misshapen.
+  // backward_chunk brings it back. InternalError when an input the chunk reads is missing or
+  // misshapen.
   ChunkOutput forward_chunk(const ChunkInput& in, const ForwardContext& ctx);
   // Backward of the micro-batch the chunk holds (the last forward_chunk, or the one
   // restore_activations put back), which it then no longer holds. dout: for a
@@ -261,8 +280,12 @@ class GPTModel {
 
   // Zeroes every main_grad (one memset per buffer: they are views into the buffers).
   void zero_grad() {
-    for (ParamAndGradBuffer& b : buffers_) b.grads().zero();
+    for (ParamAndGradBuffer& b : buffers_) b.zero_grads();
   }
+  // The units the hooks are called with, in forward order: the embedding (pre_process),
+  // each layer, then the final norm with the output weights the forward reads
+  // (post_process). FSDP gathers and prefetches by unit.
+  std::vector<std::span<Param* const>> param_units() const;
   // The dense parameters' buffer, then the experts' (MoE models only).
   std::vector<ParamAndGradBuffer>& buffers() { return buffers_; }
 
@@ -298,6 +321,12 @@ class GPTModel {
   void after_backward(std::span<Param* const> params) const {
     if (hooks_.after_backward && !params.empty()) hooks_.after_backward(params);
   }
+  void after_forward(std::span<Param* const> params) const {
+    if (hooks_.after_forward && !params.empty()) hooks_.after_forward(params);
+  }
+  void before_backward(std::span<Param* const> params) const {
+    if (hooks_.before_backward && !params.empty()) hooks_.before_backward(params);
+  }
   // What the output layer and its cross entropy keep for backward.
   struct OutputLossSaved {
     Tensor final_hidden;  // the output layer's input [B*S, H] (gathered under SP)
@@ -330,7 +359,7 @@ class GPTModel {
   Param position_embeddings;  // learned_absolute only
   std::vector<std::unique_ptr<TransformerLayer>> layers_;
   Norm final_layernorm;
-  Param output_layer;         // untied only
+  Param output_layer;  // untied only
   std::vector<Param*> params_;
   // Weights and main_grads, contiguous (Megatron's param and grad buffers).
   std::vector<ParamAndGradBuffer> buffers_;
@@ -355,7 +384,7 @@ class GPTModel {
     // This rank's rows' learned-position ids under --reset-position-ids ([rows] int32 on the
     // device); undefined: row i is position i % seq.
     Tensor position_ids;
-    OutputLossSaved output;      // the main loss (post_process)
+    OutputLossSaved output;  // the main loss (post_process)
     // Per MTP depth: its output loss, shifted tokens and mask (device) and count,
     // and its embedding dropout key.
     struct MtpDepth {
@@ -367,9 +396,9 @@ class GPTModel {
       uint64_t emb_stream = 0;
     };
     std::vector<MtpDepth> mtp;
-    float emb_dropout_p = 0;     // embedding dropout of this forward
-    uint64_t emb_seed = 0;       // its mask's Philox key
-    uint64_t emb_stream = 0;     // and stream
+    float emb_dropout_p = 0;  // embedding dropout of this forward
+    uint64_t emb_seed = 0;    // its mask's Philox key
+    uint64_t emb_stream = 0;  // and stream
     // Full recompute (GPTConfig::recompute): the forward's context, and per layer of the
     // chunk the input of each recompute group's first layer (undefined elsewhere; empty
     // when no layer was recomputed).

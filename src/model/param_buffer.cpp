@@ -16,8 +16,12 @@ const char* device_name(Device d) { return d == Device::CUDA ? "cuda" : "cpu"; }
 ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_shards,
                                        bool is_expert, int64_t bucket_size,
                                        const std::vector<const Param*>& own_bucket,
-                                       DType grad_dtype)
-    : params_(std::move(params)), num_shards_(num_shards), is_expert_(is_expert) {
+                                       DType grad_dtype, const std::vector<int>& param_units,
+                                       const BufferSharding& sharding)
+    : params_(std::move(params)),
+      num_shards_(num_shards),
+      is_expert_(is_expert),
+      sharding_(sharding) {
   MEGATON_CHECK(num_shards >= 1, "ParamAndGradBuffer: {} shards", num_shards);
   MEGATON_CHECK(!params_.empty(), "ParamAndGradBuffer: no params");
   MEGATON_CHECK(grad_dtype == DType::F32 || grad_dtype == DType::BF16,
@@ -25,6 +29,18 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   const bool fp8 = params_[0]->fp8_param;
   const DType dtype = fp8 ? DType::F8E4M3 : params_[0]->weight.dtype();
   const Device device = params_[0]->weight.device();
+  MEGATON_CHECK(param_units.empty() || param_units.size() == params_.size(),
+                "ParamAndGradBuffer: {} units for {} params", param_units.size(), params_.size());
+  MEGATON_CHECK(sharding.shard_index >= 0 && sharding.shard_index < num_shards,
+                "ParamAndGradBuffer: shard {} of {}", sharding.shard_index, num_shards);
+  MEGATON_CHECK(!sharding.sharded_grads() || !fp8,
+                "ParamAndGradBuffer: FP8 weights are not stored sharded");
+  MEGATON_CHECK(sharding.main_grad_dtype == DType::F32 || sharding.main_grad_dtype == DType::BF16,
+                "ParamAndGradBuffer: main grads must be F32 or BF16, got {}",
+                dtype_name(sharding.main_grad_dtype));
+  weight_dtype_ = dtype;
+  grad_dtype_ = grad_dtype;
+  device_ = device;
   offsets_.assign(params_.size(), 0);
   int64_t total = 0;
   BufferBucket current;
@@ -39,14 +55,19 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   // Reverse order: Megatron's _ParamAndGradBuffer iterates params[::-1].
   for (size_t k = params_.size(); k-- > 0;) {
     Param* p = params_[k];
-    MEGATON_CHECK(p->fp8_param == fp8, "ParamAndGradBuffer: param '{}' is {}an FP8 weight, "
-                  "the first is {}", p->name, p->fp8_param ? "" : "not ", fp8 ? "" : "not");
+    MEGATON_CHECK(p->fp8_param == fp8,
+                  "ParamAndGradBuffer: param '{}' is {}an FP8 weight, "
+                  "the first is {}",
+                  p->name, p->fp8_param ? "" : "not ", fp8 ? "" : "not");
     MEGATON_CHECK((fp8 || p->weight.dtype() == dtype) && p->weight.device() == device,
                   "ParamAndGradBuffer: param '{}' is {} on {}, the first {} on {}", p->name,
                   dtype_name(p->weight.dtype()), device_name(p->weight.device()), dtype_name(dtype),
                   device_name(device));
     const bool alone = std::find(own_bucket.begin(), own_bucket.end(), p) != own_bucket.end();
     if (alone) close_bucket();
+    // A new unit starts a new bucket (its neighbour in buffer order is params_[k + 1]).
+    if (!param_units.empty() && k + 1 < params_.size() && param_units[k] != param_units[k + 1])
+      close_bucket();
     offsets_[k] = total;
     total += round_up(p->weight.numel(), kAlign);
     current.params.push_back(p);
@@ -54,14 +75,31 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
     if (alone || (bucket_size > 0 && total - bucket_begin >= bucket_size)) close_bucket();
   }
   close_bucket();
-  weights_ = Tensor::zeros({total}, dtype, device);
-  grads_ = Tensor::zeros({total}, grad_dtype, device);
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (const Param* p : buckets_[b].params) bucket_index_[p] = int(b);
+  // Whole buffers, or (sharded) one allocation per bucket so that each can be released.
+  if (sharding_.sharded_params())
+    for (const BufferBucket& bucket : buckets_)
+      bucket_weights_.push_back(Tensor::zeros({bucket.numel()}, dtype, device));
+  else
+    weights_ = Tensor::zeros({total}, dtype, device);
+  if (sharding_.sharded_grads())
+    for (const BufferBucket& bucket : buckets_)
+      bucket_grads_.push_back(Tensor::zeros({bucket.numel()}, grad_dtype, device));
+  else
+    grads_ = Tensor::zeros({total}, grad_dtype, device);
+  // A param's view of a buffer: elements [offset, offset + numel) of the whole buffer.
+  auto view_of = [&](const Tensor& whole, const std::vector<Tensor>& by_bucket, size_t i) {
+    const Param* p = params_[i];
+    const int b = bucket_index_.at(p);
+    const Tensor& t = whole.defined() ? whole : by_bucket[size_t(b)];
+    const int64_t at = whole.defined() ? offsets_[i] : offsets_[i] - buckets_[size_t(b)].begin;
+    return t.rows(at, p->weight.numel()).view(p->weight.shape());
+  };
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
     const bool main_is_weight = p->main_param.defined() && p->main_param.raw() == p->weight.raw();
-    Tensor view = weights_.rows(offsets_[i], p->weight.numel()).view(p->weight.shape());
+    Tensor view = view_of(weights_, bucket_weights_, i);
     if (fp8) {
       // The fp32 values stay in main_param (an fp32 run's weight was its main param).
       MEGATON_CHECK(p->main_param.defined(), "FP8 weight '{}' without an fp32 main param", p->name);
@@ -71,8 +109,110 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
       p->weight = view;
       if (main_is_weight) p->main_param = view;
     }
-    p->main_grad = grads_.rows(offsets_[i], p->weight.numel()).view(p->weight.shape());
+    p->main_grad = view_of(grads_, bucket_grads_, i);
   }
+  if (sharding_.sharded_params())
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      weight_shards_.push_back(Tensor::empty({shard_numel(b)}, dtype, device));
+      store_own_weight_shard(b);
+    }
+  if (sharding_.sharded_grads())
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      grad_shards_.push_back(Tensor::zeros({shard_numel(b)}, sharding_.main_grad_dtype, device));
+      release_grads(b);  // restore_grads allocates them zeroed for a backward
+    }
+}
+
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  for (ShardingStrategy s : {ShardingStrategy::NoShard, ShardingStrategy::Optim,
+                             ShardingStrategy::OptimGrads, ShardingStrategy::OptimGradsParams})
+    if (name == sharding_strategy_name(s)) return s;
+  throw Error(
+      fmt::format("data-parallel-sharding-strategy '{}' is not one of no_shard, optim, "
+                  "optim_grads, optim_grads_params",
+                  name));
+}
+
+const char* sharding_strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::NoShard:
+      return "no_shard";
+    case ShardingStrategy::Optim:
+      return "optim";
+    case ShardingStrategy::OptimGrads:
+      return "optim_grads";
+    case ShardingStrategy::OptimGradsParams:
+      return "optim_grads_params";
+  }
+  return "?";
+}
+
+Tensor& ParamAndGradBuffer::weights() {
+  MEGATON_CHECK(weights_.defined(), "ParamAndGradBuffer: the weights are stored by bucket");
+  return weights_;
+}
+
+Tensor& ParamAndGradBuffer::grads() {
+  MEGATON_CHECK(grads_.defined(), "ParamAndGradBuffer: the gradients are stored by bucket");
+  return grads_;
+}
+
+Tensor ParamAndGradBuffer::bucket_weights(size_t b) const {
+  if (!weights_.defined()) return bucket_weights_.at(b);
+  return weights_.rows(buckets_[b].begin, buckets_[b].numel());
+}
+
+Tensor ParamAndGradBuffer::bucket_grads(size_t b) const {
+  if (!grads_.defined()) return bucket_grads_.at(b);
+  return grads_.rows(buckets_[b].begin, buckets_[b].numel());
+}
+
+Tensor ParamAndGradBuffer::own_weight_shard(size_t b) const {
+  return sharding_.sharded_params() ? weight_shards_.at(b) : weight_shard(b, sharding_.shard_index);
+}
+
+Tensor ParamAndGradBuffer::own_grad_shard(size_t b) const {
+  return sharding_.sharded_grads() ? grad_shards_.at(b) : grad_shard(b, sharding_.shard_index);
+}
+
+Tensor ParamAndGradBuffer::weight_piece(const BufferPiece& piece) const {
+  if (weights_.defined()) return weights_.rows(piece.buffer_offset, piece.numel);
+  const size_t b = size_t(bucket_of(piece.param));
+  return own_weight_shard(b).rows(piece.buffer_offset - shard_begin(b, sharding_.shard_index),
+                                  piece.numel);
+}
+
+Tensor ParamAndGradBuffer::grad_piece(const BufferPiece& piece) const {
+  if (grads_.defined()) return grads_.rows(piece.buffer_offset, piece.numel);
+  const size_t b = size_t(bucket_of(piece.param));
+  return own_grad_shard(b).rows(piece.buffer_offset - shard_begin(b, sharding_.shard_index),
+                                piece.numel);
+}
+
+void ParamAndGradBuffer::zero_grads() {
+  if (grads_.defined()) grads_.zero();
+  for (Tensor& t : grad_shards_) t.zero();
+  for (Tensor& t : bucket_grads_)
+    if (!t.storage_released()) t.zero();
+}
+
+bool ParamAndGradBuffer::weights_live(size_t b) const {
+  return weights_.defined() || !bucket_weights_.at(b).storage_released();
+}
+
+bool ParamAndGradBuffer::grads_live(size_t b) const {
+  return grads_.defined() || !bucket_grads_.at(b).storage_released();
+}
+
+void ParamAndGradBuffer::restore_grads(size_t b) {
+  Tensor& t = bucket_grads_.at(b);
+  if (!t.storage_released()) return;
+  t.allocate_storage();
+  t.zero();
+}
+
+void ParamAndGradBuffer::store_own_weight_shard(size_t b) {
+  weight_shards_.at(b).copy_from(weight_shard(b, sharding_.shard_index));
 }
 
 int ParamAndGradBuffer::bucket_of(const Param* p) const {

@@ -3,6 +3,7 @@
 // reduced (and, under the distributed optimizer, sharded and gathered) one at a time.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -28,6 +29,28 @@ struct BufferBucket {
   int64_t numel() const { return end - begin; }
 };
 
+// Megatron-FSDP's --data-parallel-sharding-strategy: what each data-parallel rank of a
+// buffer's group keeps whole. NoShard: everything (plain data parallelism); Optim: the
+// weights and gradients (the optimizer state is the optimizer's to shard: ZeRO-1, as the
+// distributed optimizer); OptimGrads: the weights, and only its own shard of the main
+// gradients between backward passes (ZeRO-2); OptimGradsParams: only its own shard of the
+// weights too (ZeRO-3).
+enum class ShardingStrategy { NoShard, Optim, OptimGrads, OptimGradsParams };
+ShardingStrategy parse_sharding_strategy(const std::string& name);  // megaton::Error if unknown
+const char* sharding_strategy_name(ShardingStrategy s);             // Megatron's spelling
+
+// How a buffer stores what it shards (OptimGrads, OptimGradsParams).
+struct BufferSharding {
+  ShardingStrategy strategy = ShardingStrategy::NoShard;
+  int64_t shard_index = 0;  // this rank's shard: its rank in the buffer's group
+  // The dtype of the own gradient shard (Megatron-FSDP's main grads dtype); the bucket
+  // gradients the layers accumulate into, and which are reduce-scattered, keep the
+  // constructor's grad_dtype (its grad comm dtype). F32 or BF16.
+  DType main_grad_dtype = DType::F32;
+  bool sharded_grads() const { return strategy >= ShardingStrategy::OptimGrads; }
+  bool sharded_params() const { return strategy == ShardingStrategy::OptimGradsParams; }
+};
+
 class ParamAndGradBuffer {
  public:
   // Moves the params' compute weights into one buffer of their dtype and gives each a
@@ -49,9 +72,17 @@ class ParamAndGradBuffer {
   // (in fp32 runs the former weight tensor); a mix of FP8 and other params is an
   // InternalError. is_expert: the buffer of expert parameters (reduced over
   // the expert-data-parallel group), else of dense ones.
+  // param_units (empty, or one per param): a bucket is also closed where the unit changes
+  // between neighbours in buffer order (FSDP: one bucket per layer, gathered and reduced
+  // as that layer runs). sharding: sharded_grads() gives every bucket its own gradient
+  // storage, released (Storage::release) until restore_grads, and keeps the own shard of
+  // the reduced gradients apart (own_grad_shard); sharded_params() does the same for the
+  // weights (released by release_weights once the optimizer has read them; the own shard
+  // in own_weight_shard). FP8 buffers are not sharded so (InternalError).
   ParamAndGradBuffer(std::vector<Param*> params, int64_t num_shards, bool is_expert,
                      int64_t bucket_size = 0, const std::vector<const Param*>& own_bucket = {},
-                     DType grad_dtype = DType::F32);
+                     DType grad_dtype = DType::F32, const std::vector<int>& param_units = {},
+                     const BufferSharding& sharding = {});
 
   // The params in the order given to the constructor.
   const std::vector<Param*>& params() const { return params_; }
@@ -63,25 +94,56 @@ class ParamAndGradBuffer {
   // Element offset of param i (constructor order) in the buffers.
   int64_t offset(size_t i) const { return offsets_[i]; }
 
-  Tensor& weights() { return weights_; }  // [numel] compute dtype
-  Tensor& grads() { return grads_; }      // [numel] grad_dtype (F32 or BF16)
+  // The whole buffers, [numel] compute dtype / grad_dtype: only when neither is stored by
+  // bucket (sharding.sharded_grads(): InternalError).
+  Tensor& weights();
+  Tensor& grads();
+  DType weight_dtype() const { return weight_dtype_; }
+  DType grad_dtype() const { return grad_dtype_; }
+  Device device() const { return device_; }
+  const BufferSharding& sharding() const { return sharding_; }
 
   const std::vector<BufferBucket>& buckets() const { return buckets_; }
   // The bucket holding p, or -1 when p is not in this buffer.
   int bucket_of(const Param* p) const;
-  Tensor bucket_weights(size_t b) { return weights_.rows(buckets_[b].begin, buckets_[b].numel()); }
-  Tensor bucket_grads(size_t b) { return grads_.rows(buckets_[b].begin, buckets_[b].numel()); }
+  // Bucket b's weights and gradients [bucket numel] (in their own storage when sharded).
+  Tensor bucket_weights(size_t b) const;
+  Tensor bucket_grads(size_t b) const;
   // Elements per shard of bucket b, and buffer range [begin, end) of its shard `index`.
   int64_t shard_numel(size_t b) const { return buckets_[b].numel() / num_shards_; }
   int64_t shard_begin(size_t b, int64_t index) const {
     return buckets_[b].begin + index * shard_numel(b);
   }
-  Tensor weight_shard(size_t b, int64_t index) {
-    return weights_.rows(shard_begin(b, index), shard_numel(b));
+  // Shard `index` of bucket b, a view into bucket_weights / bucket_grads.
+  Tensor weight_shard(size_t b, int64_t index) const {
+    return bucket_weights(b).rows(index * shard_numel(b), shard_numel(b));
   }
-  Tensor grad_shard(size_t b, int64_t index) {
-    return grads_.rows(shard_begin(b, index), shard_numel(b));
+  Tensor grad_shard(size_t b, int64_t index) const {
+    return bucket_grads(b).rows(index * shard_numel(b), shard_numel(b));
   }
+  // This rank's shard of bucket b as the optimizer reads and writes it: its own storage
+  // when sharded (grads: main_grad_dtype, the sum of the reduce-scattered micro-batches),
+  // else the view weight_shard / grad_shard(b, sharding.shard_index).
+  Tensor own_weight_shard(size_t b) const;
+  Tensor own_grad_shard(size_t b) const;
+  // The weights / main gradients of a piece of this rank's shard (shard_pieces(shard_index)).
+  Tensor weight_piece(const BufferPiece& piece) const;
+  Tensor grad_piece(const BufferPiece& piece) const;
+  // Zeroes the main gradients: the own shards and whatever bucket gradients are allocated.
+  void zero_grads();
+
+  // Sharded storage (sharding above). release_* gives a bucket's memory back (its params'
+  // weight / main_grad views keep their shapes, without data); restore_weights takes it
+  // anew, uninitialised (an all-gather fills it), restore_grads zeroed. *_live: allocated.
+  void release_weights(size_t b) { bucket_weights_.at(b).release_storage(); }
+  void restore_weights(size_t b) { bucket_weights_.at(b).allocate_storage(); }
+  bool weights_live(size_t b) const;
+  void release_grads(size_t b) { bucket_grads_.at(b).release_storage(); }
+  void restore_grads(size_t b);
+  bool grads_live(size_t b) const;
+  // Copies this rank's shard of the (live) bucket weights into own_weight_shard (after
+  // the whole weights were written: initialisation, a checkpoint load).
+  void store_own_weight_shard(size_t b);
   // The param elements of shard `index` over every bucket, in buffer order.
   std::vector<BufferPiece> shard_pieces(int64_t index) const;
 
@@ -95,7 +157,12 @@ class ParamAndGradBuffer {
   std::unordered_map<const Param*, int> bucket_index_;
   int64_t num_shards_;
   bool is_expert_;
-  Tensor weights_, grads_;
+  BufferSharding sharding_;
+  DType weight_dtype_, grad_dtype_;
+  Device device_;
+  Tensor weights_, grads_;  // whole buffers, unless stored by bucket
+  // Stored by bucket (sharding): each bucket's weights / grads, and the own shards.
+  std::vector<Tensor> bucket_weights_, bucket_grads_, weight_shards_, grad_shards_;
 };
 
 }  // namespace megaton

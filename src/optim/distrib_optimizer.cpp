@@ -90,7 +90,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
     // first all-gather.
     const bool remainders = config.store_param_remainders &&
                             config.main_params_dtype == DType::F32 &&
-                            b.weights().dtype() == DType::BF16;
+                            b.weight_dtype() == DType::BF16;
     buffer_remainders_.push_back(remainders);
     if (remainders)
       for (Param* p : b.params()) {
@@ -109,8 +109,8 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
           fmt::format("{}[{}:{}]", p->name, piece.param_offset, piece.param_offset + piece.numel);
       sp.no_weight_decay = p->no_weight_decay;
       sp.is_expert = p->is_expert;
-      sp.weight = b.weights().rows(piece.buffer_offset, piece.numel);
-      sp.main_grad = b.grads().rows(piece.buffer_offset, piece.numel);
+      sp.weight = b.weight_piece(piece);
+      sp.main_grad = b.grad_piece(piece);
       if (b.fp8()) {
         // AdamW updates the fp32 piece only; quantize_fp8_weights writes the FP8 bytes.
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
@@ -168,7 +168,7 @@ void DistributedAdamW::plan_fp8_weight_casts() {
     const std::vector<Param*>& params = b.params();
     Fp8WeightCast cast;
     cast.buffer = &b;
-    cast.amax = Tensor::zeros({int64_t(params.size())}, DType::F32, b.grads().device());
+    cast.amax = Tensor::zeros({int64_t(params.size())}, DType::F32, b.device());
     std::unordered_map<const Param*, int64_t> index;
     for (size_t k = 0; k < params.size(); ++k) {
       index[params[k]] = int64_t(k);
@@ -183,7 +183,7 @@ void DistributedAdamW::plan_fp8_weight_casts() {
       const BufferPiece& piece = shard_pieces_[i];
       cast.main.push_back(shard_params_[i].main_param.view({1, piece.numel}));
       cast.piece_amax.push_back(cast.amax.rows(index.at(piece.param), 1));
-      cast.out.push_back(b.weights().rows(piece.buffer_offset, piece.numel).view({1, piece.numel}));
+      cast.out.push_back(b.weight_piece(piece).view({1, piece.numel}));
       cast.piece_scale.push_back(piece.param->fp8_scales.rows(1, 1));
     }
     cast.none.resize(cast.main.size());
@@ -375,7 +375,7 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
       // exact; fp16 and fp8 as stored, every piece of a param having its one scale), then
       // written in their dtype.
       std::array<Tensor, 3> full;  // main, exp_avg, exp_avg_sq
-      for (Tensor& t : full) t = Tensor::zeros({b.numel()}, DType::F32, b.grads().device());
+      for (Tensor& t : full) t = Tensor::zeros({b.numel()}, DType::F32, b.device());
       for (size_t i = 0; i < shard_params_.size(); ++i) {
         if (shard_buffer_[i] != bi) continue;
         const BufferPiece& piece = shard_pieces_[i];

@@ -38,7 +38,7 @@ void DistributedAdamW::plan_moment_absmax() {
   // Columns: exp_avg, exp_avg_sq, the fp16 main param (AdamW::MomentAbsmaxSlots).
   for (ParamAndGradBuffer& b : each_buffer())
     moment_absmax_.push_back(Tensor::zeros({std::max<int64_t>(int64_t(b.params().size()), 1), 3},
-                                           DType::F32, b.grads().device()));
+                                           DType::F32, b.device()));
   for (auto [bi, k] : adam_param_slot_)
     slots.rows.push_back(moment_absmax_[bi].rows(int64_t(k), 1).view({3}));
   slots.storage = moment_absmax_;
@@ -67,14 +67,14 @@ void DistributedAdamW::append_moment_scales(size_t bi,
   Tensor scales;
   if (!distributed_) {
     if (g.rank != 0) return;
-    scales = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, b.grads().device());
+    scales = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, b.device());
     for (size_t j = 0; j < adam_param_slot_.size(); ++j)
       if (adam_param_slot_[j].first == bi)
         scales.rows(int64_t(adam_param_slot_[j].second), 1)
             .copy_from(adam_->moment_scales(j).view({1, 2}));
   } else {
     // Every piece of a parameter has its scale: the max over the group gathers them.
-    scales = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, b.grads().device());
+    scales = Tensor::zeros({std::max<int64_t>(n, 1), 2}, DType::F32, b.device());
     for (size_t j = 0; j < adam_param_slot_.size(); ++j)
       if (adam_param_slot_[j].first == bi)
         scales.rows(int64_t(adam_param_slot_[j].second), 1)

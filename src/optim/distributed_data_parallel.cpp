@@ -10,6 +10,12 @@ const dist::Group& DistributedDataParallel::group_of(const ParamAndGradBuffer& b
   return b.is_expert() ? grid_.edp() : grid_.dp_cp();
 }
 
+int64_t DistributedDataParallel::needed_reports(const ParamAndGradBuffer& b, size_t bucket) const {
+  // Sharded gradients are reduced after each micro-batch's backward, others once a step.
+  const int64_t params = int64_t(b.buckets()[bucket].params.size());
+  return b.sharding().sharded_grads() ? params : params * config_.num_micro_batches;
+}
+
 DistributedDataParallel::DistributedDataParallel(std::vector<ParamAndGradBuffer*> buffers,
                                                  const dist::Grid& grid, dist::Comm& comm,
                                                  DataParallelConfig config)
@@ -22,11 +28,17 @@ DistributedDataParallel::DistributedDataParallel(std::vector<ParamAndGradBuffer*
     for (size_t i = b->buckets().size(); i-- > 0;) param_sync_order_.push_back(states_.size() + i);
     MEGATON_CHECK(!config_.use_distributed_optimizer || b->num_shards() == g.size(),
                   "buffer of {} shards for group {}", b->num_shards(), g.describe());
+    MEGATON_CHECK(!b->sharding().sharded_grads() ||
+                      (config_.use_megatron_fsdp && b->sharding().shard_index == g.rank),
+                  "a buffer storing shard {} is not this rank's of group {} under FSDP",
+                  b->sharding().shard_index, g.describe());
+    grads_sharded_ = grads_sharded_ || b->sharding().sharded_grads();
+    params_sharded_ = params_sharded_ || b->sharding().sharded_params();
     for (size_t i = 0; i < b->buckets().size(); ++i) {
       BucketState s;
       s.buffer = b;
       s.index = i;
-      s.needed = int64_t(b->buckets()[i].params.size()) * config_.num_micro_batches;
+      s.needed = needed_reports(*b, i);
       for (const Param* p : b->buckets()[i].params) state_index_[p] = states_.size();
       states_.push_back(std::move(s));
     }
@@ -44,7 +56,7 @@ void DistributedDataParallel::start_grad_sync_step(int64_t num_micro_batches) {
   for (BucketState& s : states_) {
     MEGATON_CHECK(!s.grad_work, "a gradient reduction is still running at the start of a step");
     s.reported = 0;
-    s.needed = int64_t(s.buffer->buckets()[s.index].params.size()) * config_.num_micro_batches;
+    s.needed = needed_reports(*s.buffer, s.index);
   }
   reports_.clear();
 }
@@ -56,13 +68,35 @@ void DistributedDataParallel::grads_ready(std::span<Param* const> params) {
     MEGATON_CHECK(++reports_[p] <= config_.num_micro_batches,
                   "gradient of '{}' reported final more than {} times in a step", p->name,
                   config_.num_micro_batches);
-    if (++s->reported == s->needed && config_.overlap_grad_reduce) start_grad_sync(*s);
+    if (++s->reported == s->needed && config_.overlap_grad_reduce) {
+      start_grad_sync(*s);
+      if (s->buffer->sharding().sharded_grads()) s->reported = 0;  // the next micro-batch's
+    }
   }
+  // FSDP: these weights are not read again before the next forward.
+  if (params_sharded_)
+    for (BucketState* st : states_of(params))
+      if (st->buffer->sharding().sharded_params()) {
+        wait_gather(*st);
+        st->buffer->release_weights(st->index);
+      }
 }
 
 void DistributedDataParallel::start_grad_sync(BucketState& s) {
   ParamAndGradBuffer& b = *s.buffer;
   const dist::Group& g = group_of(b);
+  if (b.sharding().sharded_grads()) {
+    // Into a shard of its own (the bucket's memory goes once it is reduced); added into
+    // the own shard by finish_sharded_grad_sync.
+    MEGATON_CHECK(!s.grad_work && !s.reduced.defined(), "a bucket's reduce-scatter started twice");
+    if (g.size() == 1) {
+      s.reduced = b.bucket_grads(s.index);
+      return;
+    }
+    s.reduced = Tensor::empty({b.shard_numel(s.index)}, b.grad_dtype(), b.device());
+    s.grad_work = comm_.reduce_scatter_async(b.bucket_grads(s.index), s.reduced, g);
+    return;
+  }
   if (g.size() == 1) return;  // nothing to reduce
   if (config_.use_distributed_optimizer) {
     // In place: this rank's shard of the bucket receives the sum of everyone's shard.
@@ -77,10 +111,16 @@ void DistributedDataParallel::start_grad_sync(BucketState& s) {
 void DistributedDataParallel::finish_grad_sync() {
   // Buckets not started yet (all of them without overlap_grad_reduce), in buffer order:
   // the same order on every rank.
+  for (BucketState& s : states_) {
+    const bool sharded = s.buffer->sharding().sharded_grads();
+    // A sharded bucket's reduce-scatter started with its last micro-batch's backward.
+    if (!s.grad_work && (!sharded || (s.buffer->grads_live(s.index) && !s.reduced.defined())))
+      start_grad_sync(s);
+  }
   for (BucketState& s : states_)
-    if (!s.grad_work) start_grad_sync(s);
-  for (BucketState& s : states_)
-    if (s.grad_work) {
+    if (s.buffer->sharding().sharded_grads()) {
+      finish_sharded_grad_sync(s);
+    } else if (s.grad_work) {
       s.grad_work->wait();
       s.grad_work.reset();
     }
@@ -95,7 +135,8 @@ void DistributedDataParallel::start_param_sync() {
     BucketState& s = states_[i];
     ParamAndGradBuffer& b = *s.buffer;
     const dist::Group& g = group_of(b);
-    if (g.size() == 1) continue;
+    // Sharded weights are gathered by unit as the forward reaches them.
+    if (g.size() == 1 || b.sharding().sharded_params()) continue;
     // In place: this rank's shard is already its chunk of the gathered bucket.
     Tensor all = b.bucket_weights(s.index);
     s.param_work = comm_.all_gather_async(b.weight_shard(s.index, g.rank), all, g);

@@ -2,6 +2,12 @@
 // the distributed optimizer, the all-gather of the updated weights, one bucket at a time
 // (Megatron's DistributedDataParallel and its bucket groups), optionally overlapped with
 // backward (--overlap-grad-reduce) and with the next forward (--overlap-param-gather).
+// Under Megatron-FSDP (--use-megatron-fsdp) a bucket is one unit (a layer) and the buffers
+// keep only their own shard of the gradients (optim_grads) and of the weights too
+// (optim_grads_params): a unit's weights are all-gathered just before its forward and its
+// backward (the next unit's prefetched), released after, and its gradients reduce-scattered
+// into the own shard as each micro-batch's backward of it finishes
+// (distributed_data_parallel_fsdp.cpp).
 #pragma once
 #include <memory>
 #include <span>
@@ -21,6 +27,9 @@ struct DataParallelConfig {
   // Backward passes of every parameter per step on this rank: the local micro-batches
   // (each model chunk runs one backward per micro-batch).
   int64_t num_micro_batches = 1;
+  // --use-megatron-fsdp: the buffers were built with one bucket per unit and store their
+  // shards as their BufferSharding says; reductions start as each unit finishes.
+  bool use_megatron_fsdp = false;
 };
 
 class DistributedDataParallel {
@@ -64,6 +73,36 @@ class DistributedDataParallel {
   // Waits for every all-gather still running (before evaluation, checkpoints, the end).
   void finish_param_sync();
 
+  // ---- The model's hooks (model/gpt.h ParamHooks) --------------------------------------
+  // The units of each model chunk, in forward order (GPTModel::param_units): FSDP prefetches
+  // the next unit's weights in a forward, the previous one's in a backward.
+  void set_units(const std::vector<std::vector<std::span<Param* const>>>& chunks);
+  // Before a forward reads `params`: wait_param_sync; with sharded weights, their buckets
+  // gathered (waiting for a prefetch), then the next unit's all-gather started.
+  void before_forward(std::span<Param* const> params);
+  // Sharded weights: the buckets of `params` released.
+  void after_forward(std::span<Param* const> params);
+  // Before a backward of `params`: sharded weights gathered (the previous unit's
+  // prefetched); sharded gradients allocated zeroed (after the reduce-scatter of the last
+  // micro-batch's, still running, has been added into the own shard).
+  void before_backward(std::span<Param* const> params);
+  // after_backward is grads_ready. With sharded weights it also releases their buckets.
+
+  // Whether the buffers keep only their own gradient shards (optim_grads and up): then
+  // only those hold reduced gradients, and sums over other groups go through
+  // all_reduce_own_grads.
+  bool grads_sharded() const { return grads_sharded_; }
+  // After finish_grad_sync, sharded gradients: the own-shard pieces of `params` summed over
+  // `group` (every rank of it holds the same shard of the same buffer layout: tensor-
+  // parallel peers for sequence-parallel params, the pipeline ends for tied embeddings),
+  // in one collective. Params of no buffer or with no piece here are skipped.
+  void all_reduce_own_grads(std::span<const Param* const> params, const dist::Group& group);
+  // Sharded weights: allocates every bucket and gathers the weights into it (before a
+  // checkpoint load or anything else that writes or reads whole weights), and the reverse:
+  // each rank's shard taken from the whole weights, the buckets released.
+  void gather_all_weights();
+  void release_all_weights();
+
  private:
   struct BucketState {
     ParamAndGradBuffer* buffer;
@@ -71,10 +110,24 @@ class DistributedDataParallel {
     int64_t reported = 0;  // param reports this step
     int64_t needed = 0;    // params x num_micro_batches
     std::unique_ptr<dist::CommWork> grad_work, param_work;
+    Tensor reduced;  // sharded gradients: the reduce-scatter's output, until added
   };
   const dist::Group& group_of(const ParamAndGradBuffer& b) const;
+  // Param reports that complete bucket i of b: its params once per micro-batch (sharded
+  // gradients, reduced each micro-batch) or per step.
+  int64_t needed_reports(const ParamAndGradBuffer& b, size_t bucket) const;
   void start_grad_sync(BucketState& s);
   BucketState* state_of(const Param* p);
+  // FSDP (distributed_data_parallel_fsdp.cpp).
+  void start_gather(BucketState& s);
+  void wait_gather(BucketState& s);
+  void finish_sharded_grad_sync(BucketState& s);  // wait, add into the own shard, release
+  std::vector<BucketState*> states_of(std::span<Param* const> params);  // distinct, in order
+  // The unit following (+1) or preceding (-1) the one starting with params[0], or empty.
+  std::span<Param* const> neighbour_unit(std::span<Param* const> params, int step) const;
+  bool grads_sharded_ = false, params_sharded_ = false;
+  std::vector<std::vector<std::span<Param* const>>> units_;                 // per chunk
+  std::unordered_map<const Param*, std::pair<size_t, size_t>> unit_index_;  // first param
 
   const dist::Grid& grid_;
   dist::Comm& comm_;

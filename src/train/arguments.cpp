@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/printable.h"
 #include "dist/comm.h"
+#include "model/param_buffer.h"
 #include "train/args/flag_table.h"
 #include "train/pipeline_schedule.h"
 #ifdef MEGATON_WITH_CUDA
@@ -417,6 +418,23 @@ void check_context_parallel(const TrainArgs& a, const dist::ValidatedLayout& lay
     if (type == "seq_aux_loss") not_yet("--moe-router-load-balancing-type seq_aux_loss");
 }
 
+// Megatron-FSDP with what it cannot be combined with yet.
+void check_megatron_fsdp(const TrainArgs& a) {
+  const ParallelArgs& p = a.parallel;
+  if (!p.use_megatron_fsdp) return;
+  const ShardingStrategy s = parse_sharding_strategy(p.data_parallel_sharding_strategy);
+  auto not_yet = [&](const std::string& what) {
+    fail("use-megatron-fsdp with data-parallel-sharding-strategy {} and {} is not supported yet",
+         p.data_parallel_sharding_strategy, what);
+  };
+  // (FP8 weight buffers are written by the optimizer's cast and all-gathered whole.)
+  if (s == ShardingStrategy::OptimGradsParams && a.model.fp8.param_gather)
+    not_yet("--fp8-param-gather");
+  // (The step's graph would capture the buckets' allocations and releases.)
+  if (s >= ShardingStrategy::OptimGrads && a.cuda_graph_impl == "full_iteration")
+    not_yet("--cuda-graph-impl full_iteration");
+}
+
 }  // namespace
 
 dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_size) {
@@ -444,6 +462,7 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
   r.num_experts = m.num_experts;
   dist::ValidatedLayout layout = dist::validate_layout(r);
   check_context_parallel(a, layout);
+  check_megatron_fsdp(a);
   // The interleaved schedule's micro-batch groups (the trainer checks the batch split).
   const int64_t per_step = a.micro_batch_size * layout.sizes.dp;
   if (per_step > 0 && a.global_batch_size % per_step == 0)

@@ -39,6 +39,13 @@ struct ParallelArgs {
   std::string moe_token_dispatcher_type = "allgather";  // or alltoall
   // Deadline of one collective in minutes; 0: MEGATON_COMM_TIMEOUT_S seconds, else 300 s.
   int64_t distributed_timeout_minutes = 0;
+  // Megatron-FSDP (--use-megatron-fsdp): --data-parallel-sharding-strategy (no_shard, optim,
+  // optim_grads, optim_grads_params; Megatron's default the last), and the dtypes of the own
+  // gradient shards and of the reduce-scatter ("auto": the run's main grads dtype).
+  bool use_megatron_fsdp = false;
+  std::string data_parallel_sharding_strategy = "optim_grads_params";
+  std::string megatron_fsdp_main_grads_dtype = "auto";
+  std::string megatron_fsdp_grad_comm_dtype = "auto";
 };
 
 // The run-length and schedule flags as given; parse_train_args turns them into

@@ -322,19 +322,24 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
   return losses;
 }
 
-void all_reduce_embedding_grads(const std::vector<GPTModel*>& chunks, const dist::Grid& grid,
-                                dist::Comm& comm) {
+Param* embedding_grad_to_sum(const std::vector<GPTModel*>& chunks, const dist::Grid& grid) {
   const dist::Group& group = grid.embedding();
   // Untied embeddings have a last-stage copy only for multi-token prediction.
   if (grid.pp().size() == 1 || !group.is_member() || chunks.empty() ||
       (chunks[0]->config().untie_embeddings_and_output_weights &&
        chunks[0]->config().mtp_num_layers == 0))
-    return;
+    return nullptr;
   // The first stage's first chunk holds the embedding, the last stage's last chunk the copy.
   GPTModel* holder = grid.is_pipeline_first_stage() ? chunks.front() : chunks.back();
   Param* p = holder->word_embeddings_param();
   MEGATON_CHECK(p, "pipeline stage {} has no word embeddings to synchronise", grid.pp().rank);
-  comm.all_reduce(p->main_grad, group);
+  return p;
+}
+
+void all_reduce_embedding_grads(const std::vector<GPTModel*>& chunks, const dist::Grid& grid,
+                                dist::Comm& comm) {
+  if (Param* p = embedding_grad_to_sum(chunks, grid))
+    comm.all_reduce(p->main_grad, grid.embedding());
 }
 
 }  // namespace megaton

@@ -180,5 +180,8 @@ class PipelineSchedule {
 // the summed shards match); ranks outside the group, untied models and pp == 1 do nothing.
 void all_reduce_embedding_grads(const std::vector<GPTModel*>& chunks, const dist::Grid& grid,
                                 dist::Comm& comm);
+// The word embeddings param whose gradient all_reduce_embedding_grads sums on this rank
+// (over grid.embedding()), or null where it sums none.
+Param* embedding_grad_to_sum(const std::vector<GPTModel*>& chunks, const dist::Grid& grid);
 
 }  // namespace megaton

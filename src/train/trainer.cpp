@@ -35,6 +35,7 @@
 #include "ops/profiler.h"
 #include "optim/clip_grad.h"
 #include "optim/lr_schedule.h"
+#include "train/data_parallel_setup.h"
 #include "train/flops.h"
 #include "train/generate.h"
 #include "train/loss_mask.h"
@@ -190,21 +191,21 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
                               pp_rank == sizes.pp - 1 && c == vpp - 1};
     chunks_.push_back(std::make_unique<GPTModel>(
         args_.model, args_.seed, mp, distributed ? grid_->dp_cp().size() : 1,
-        distributed ? grid_->edp().size() : 1, chunk, bucket_size));
+        distributed ? grid_->edp().size() : 1, chunk, bucket_size, chunk_sharding(args_, *grid_)));
     for (ParamAndGradBuffer& b : chunks_.back()->buffers()) buffers.push_back(&b);
   }
-  optim::DataParallelConfig ddp_config;
-  ddp_config.use_distributed_optimizer = distributed;
-  ddp_config.overlap_grad_reduce = args_.parallel.overlap_grad_reduce;
-  ddp_config.overlap_param_gather = args_.parallel.overlap_param_gather;
-  ddp_config.num_micro_batches = local_micro_batches();
-  ddp_ = std::make_unique<optim::DistributedDataParallel>(buffers, *grid_, *comm_, ddp_config);
-  for (auto& chunk : chunks_)
-    chunk->set_param_hooks({[this](std::span<Param* const> ps) { ddp_->wait_param_sync(ps); },
-                            [this](std::span<Param* const> ps) { ddp_->grads_ready(ps); }});
+  ddp_ = std::make_unique<optim::DistributedDataParallel>(
+      buffers, *grid_, *comm_, data_parallel_config(args_, local_micro_batches()));
+  std::vector<std::vector<std::span<Param* const>>> units;
+  for (auto& chunk : chunks_) {
+    chunk->set_param_hooks(data_parallel_hooks(*ddp_));
+    units.push_back(chunk->param_units());
+  }
+  ddp_->set_units(units);
   moe_ = std::make_unique<MoEStepBookkeeping>(chunk_pointers(), args_.model, *grid_, *comm_);
   optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
                                                          args_.adam, distributed);
+  ddp_->release_all_weights();  // FSDP's sharded weights: each rank keeps its shard
   // Megatron's get_megatron_optimizer: a static --loss-scale in fp16 and bf16 runs, dynamic
   // scaling in fp16 runs without it, no scaler in fp32 runs.
   optim::GradScalerConfig scaler_config = args_.loss_scaler;
@@ -360,9 +361,7 @@ Trainer::StepLoss Trainer::train_step(int64_t iteration) {
   // The gradients become the mean over the data-parallel ranks (each rank's are the mean
   // over its micro-batches); the logged losses likewise.
   ddp_->finish_grad_sync();
-  for (auto& chunk : chunks_)
-    all_reduce_sequence_parallel_grads(chunk->params(), chunk->model_parallel());
-  all_reduce_embedding_grads(chunk_pointers(), *grid_, *comm_);
+  finalize_model_grads(chunk_pointers(), *grid_, *comm_, *ddp_);
   // The LM losses are whole on every tensor-parallel rank (counted on TP rank 0) and
   // averaged over data parallel.
   // Every data- and context-parallel rank has as many tokens as this one.

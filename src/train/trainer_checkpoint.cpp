@@ -380,6 +380,8 @@ void Trainer::load() {
                                         args_.model.vocab_size, offset, numel);
     };
   }
+  // FSDP's sharded weights: whole while the load writes them, then each rank's shard kept.
+  ddp_->gather_all_weights();
   optimizer_->load_full_state(
       [&](const std::string& name) -> const Tensor* {
         const Param* p = param_of_entry(name, by_name);
@@ -406,6 +408,7 @@ void Trainer::load() {
         return &part->second;
       },
       ck.path, optimizer_state, ranges);
+  ddp_->release_all_weights();
   moe_->load_expert_bias(whole, ck.path);
   // The delayed recipe's amax histories: a checkpoint without them (bf16, or another
   // recipe) starts them afresh, as Transformer Engine does without its extra state.

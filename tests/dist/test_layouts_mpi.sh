@@ -212,6 +212,22 @@ layouts=(
   "cp2-ep2|2|--context-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
   "cp2-pp2|4|--context-parallel-size 2 --pipeline-model-parallel-size 2"
   "cp2-dp2-distributed-optimizer|4|--context-parallel-size 2 --use-distributed-optimizer"
+  # Megatron-FSDP: one bucket per unit (embedding, layer, tail); optim shards the optimizer
+  # state, optim_grads the gradients too (reduce-scattered into each rank's shard after
+  # every micro-batch), optim_grads_params the weights too (gathered per unit, one ahead).
+  # Dense params over DP x CP, experts over EDP; 2 micro-batches per rank at DP2.
+  "fsdp-optim-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim"
+  "fsdp-optim-grads-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+  "fsdp-optim-grads-params-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+  "fsdp-optim-dp4|4|--use-megatron-fsdp --data-parallel-sharding-strategy optim"
+  "fsdp-optim-grads-dp4|4|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
+  "fsdp-optim-grads-params-dp4|4|--use-megatron-fsdp"
+  "fsdp-no-shard-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy no_shard"
+  "fsdp-dp2-ep2|4|--use-megatron-fsdp --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  "fsdp-tp2-sp-dp2|4|--use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel"
+  "fsdp-cp2-dp2|4|--use-megatron-fsdp --context-parallel-size 2 --cp-comm-type a2a"
+  "fsdp-pp2-dp2-tied|4|--use-megatron-fsdp --pipeline-model-parallel-size 2|TIED=1"
+  "fsdp-dp2-tied-recompute|2|--use-megatron-fsdp|TIED=1 RC=full"
   # Pipeline parallelism: 1F1B, interleaved 1F1B (8 layers: two 1-layer chunks per rank
   # on pp 4), uneven first/last stages, tied embeddings synchronised between the stages.
   "tp2|2|--tensor-model-parallel-size 2"
@@ -344,6 +360,9 @@ layouts=(
   "dp2-distributed-optimizer-bf16-main-grads|2|--use-distributed-optimizer|MG=bf16 RTOL=2e-3 ZATOL=100"
   "tp2-sp-grad-reduce-in-bf16|2|--tensor-model-parallel-size 2 --sequence-parallel|MG=reduce RTOL=2e-3 ZATOL=100"
   "ep2-alltoall-bf16-main-grads|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|MG=bf16 RTOL=2e-3 ZATOL=100"
+  # FSDP's gradients accumulated and reduce-scattered in bf16 into fp32 shards
+  # (--megatron-fsdp-grad-comm-dtype bf16): bf16 noise against the fp32 one-rank run.
+  "fsdp-dp2-bf16-grad-comm|2|--use-megatron-fsdp --megatron-fsdp-grad-comm-dtype bf16|RTOL=3e-3 ZATOL=150"
   "pp2-interleaved-bf16-main-grads|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|LAYERS=8 MG=bf16"
   # Tied embeddings: each stage rounds its part (lookup, output layer), their bf16 sum is
   # rounded again, where one rank rounds after each.
@@ -430,6 +449,10 @@ resumes=(
   # TP slice's SwiGLU boxes, and in fp8 with the scales.
   "tp2-sp-to-tp2-dp2-distopt|2|--tensor-model-parallel-size 2 --sequence-parallel|4|--tensor-model-parallel-size 2 --use-distributed-optimizer"
   "one-rank-to-dp2-distopt-fp8-states|1||2|--use-distributed-optimizer|PAO=fp8 RTOL=2e-4"
+  # FSDP: each rank writes its shards; a load writes the whole weights, then keeps its shard.
+  "fsdp-dp2-to-one-rank|2|--use-megatron-fsdp|1|"
+  "one-rank-to-fsdp-dp2-ep2|1||4|--use-megatron-fsdp --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  "fsdp-optim-grads-dp4-to-fsdp-tp2-sp-dp2|4|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads|4|--use-megatron-fsdp --tensor-model-parallel-size 2 --sequence-parallel"
   # Context parallelism: the CP ranks hold the same parameters (written once).
   "cp2-to-one-rank|2|--context-parallel-size 2|1|"
   # The router's expert bias is replicated over DP x CP: written once.

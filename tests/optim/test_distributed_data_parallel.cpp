@@ -4,6 +4,8 @@
 // Comm stands in for the other data-parallel rank, which holds the same gradients.
 #include <gtest/gtest.h>
 
+#include <climits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,13 +36,16 @@ class RecordingComm final : public dist::Comm {
     std::string name_;
     bool waited_ = false;
   };
+  // The element offset of t in `base`, or (FSDP's per-bucket storage) "n=<numel>".
   std::string where(const Tensor& t) const {
-    return std::to_string((static_cast<const char*>(t.raw()) - base) /
-                          int64_t(dtype_size(t.dtype())));
+    const int64_t bytes = static_cast<const char*>(t.raw()) - base;
+    if (!base || bytes < 0 || bytes >= base_bytes) return "n=" + std::to_string(t.numel());
+    return std::to_string(bytes / int64_t(dtype_size(t.dtype())));
   }
 
  public:
   const char* base = nullptr;  // the buffer the offsets in the log are counted from
+  int64_t base_bytes = INT64_MAX;
 
  protected:
   void prepare_group(const dist::Group&) override {}
@@ -54,14 +59,15 @@ class RecordingComm final : public dist::Comm {
   }
   std::unique_ptr<dist::CommWork> do_reduce_scatter_async(const Tensor& in, Tensor& out,
                                                           const dist::Group&) override {
-    EXPECT_EQ(out.raw(), in.raw());  // in place: rank 0's shard is the first chunk
+    // Rank 0's shard is the first chunk (in place for the distributed optimizer).
     for (int64_t i = 0; i < out.numel(); ++i) out.f32()[i] = 2 * in.f32()[i];
     log.push_back("reduce_scatter " + where(in));
     return std::make_unique<Work>(*this, "reduce_scatter " + where(in));
   }
   std::unique_ptr<dist::CommWork> do_all_gather_async(const Tensor& in, Tensor& out,
                                                       const dist::Group&) override {
-    EXPECT_EQ(in.raw(), out.raw());  // in place
+    if (in.raw() != out.raw())  // FSDP: rank 0's shard first, the other rank's alike
+      for (int64_t i = 0; i < out.numel(); ++i) out.f32()[i] = in.f32()[i % in.numel()];
     log.push_back("all_gather " + where(out));
     return std::make_unique<Work>(*this, "all_gather " + where(out));
   }
@@ -154,8 +160,7 @@ TEST(DistributedDataParallel, WithoutOverlapEverythingStartsAtFinish) {
   ASSERT_EQ(f.comm.log.size(), 6u);
   EXPECT_EQ(f.comm.log[0], "all_reduce 0");
   for (Param* p : {&f.a, &f.b, &f.c})
-    for (int64_t i = 0; i < p->main_grad.numel(); ++i)
-      ASSERT_FLOAT_EQ(p->main_grad.f32()[i], 0.5f);
+    for (int64_t i = 0; i < p->main_grad.numel(); ++i) ASSERT_FLOAT_EQ(p->main_grad.f32()[i], 0.5f);
 }
 
 TEST(DistributedDataParallel, ParamGatherRunsInForwardOrderAndIsWaitedPerBucket) {
@@ -177,6 +182,78 @@ TEST(DistributedDataParallel, ParamGatherRunsInForwardOrderAndIsWaitedPerBucket)
   EXPECT_EQ(f.comm.log.size(), 4u);
   ddp.finish_param_sync();
   EXPECT_EQ(f.comm.log.size(), 6u);
+}
+
+// FSDP (optim_grads_params): per-bucket storage, released between uses.
+struct FsdpFixture {
+  Param a = make("a", 100, 1), b = make("b", 130, 2), c = make("c", 70, 3);
+  dist::Grid grid{dist::ParallelSizes{}, 2, 0};
+  RecordingComm comm;
+  ParamAndGradBuffer buffer{
+      {&a, &b, &c}, 2,
+      false,        0,
+      {},           DType::F32,
+      {0, 1, 2},    BufferSharding{ShardingStrategy::OptimGradsParams, 0, DType::F32}};
+  Param* units[3] = {&a, &b, &c};
+};
+
+TEST(DistributedDataParallel, FsdpBuffersKeepTheirShardAndReleaseTheRest) {
+  FsdpFixture f;
+  ASSERT_EQ(f.buffer.buckets().size(), 3u);  // one per unit, without a bucket size
+  const size_t ba = size_t(f.buffer.bucket_of(&f.a));
+  EXPECT_TRUE(f.buffer.weights_live(ba));
+  EXPECT_FALSE(f.buffer.grads_live(ba));  // allocated for a backward only
+  EXPECT_THROW(f.buffer.weights(), InternalError);
+  // The own shard of a's bucket (128 elements, 2 shards): a's first 64 elements.
+  const Tensor shard = f.buffer.own_weight_shard(ba);
+  ASSERT_EQ(shard.numel(), 64);
+  EXPECT_FLOAT_EQ(shard.f32()[63], 1.0f);
+  f.buffer.release_weights(ba);
+  EXPECT_FALSE(f.buffer.weights_live(ba));
+  EXPECT_THROW(f.a.weight.raw(), InternalError);                  // read outside a gather: refused
+  EXPECT_FLOAT_EQ(f.buffer.own_weight_shard(ba).f32()[0], 1.0f);  // the shard stays
+  f.buffer.restore_grads(ba);
+  EXPECT_FLOAT_EQ(f.a.main_grad.f32()[99], 0.0f);  // zeroed
+}
+
+TEST(DistributedDataParallel, FsdpGathersByUnitPrefetchesOneAndReducesEachMicroBatch) {
+  FsdpFixture f;
+  DataParallelConfig config;
+  config.use_distributed_optimizer = config.overlap_grad_reduce = config.use_megatron_fsdp = true;
+  config.num_micro_batches = 2;
+  DistributedDataParallel ddp({&f.buffer}, f.grid, f.comm, config);
+  ddp.set_units({{std::span<Param* const>(&f.units[0], 1), std::span<Param* const>(&f.units[1], 1),
+                  std::span<Param* const>(&f.units[2], 1)}});
+  ddp.release_all_weights();
+  for (size_t b = 0; b < 3; ++b) EXPECT_FALSE(f.buffer.weights_live(b));
+  std::span<Param*const> a(&f.units[0], 1), c(&f.units[2], 1);
+  ddp.before_forward(a);  // a gathered and waited for, b prefetched
+  const std::vector<std::string> fwd = {"all_gather n=128", "wait all_gather n=128",
+                                        "all_gather n=256"};
+  EXPECT_EQ(f.comm.log, fwd);
+  EXPECT_FLOAT_EQ(f.a.weight.f32()[99], 1.0f);
+  ddp.after_forward(a);
+  EXPECT_FALSE(f.buffer.weights_live(size_t(f.buffer.bucket_of(&f.a))));
+  ddp.start_grad_sync_step();
+  for (int mb = 0; mb < 2; ++mb) {
+    ddp.before_backward(c);  // c's gradients allocated zeroed (the last one's added first)
+    EXPECT_FLOAT_EQ(f.c.main_grad.f32()[0], 0.0f);
+    f.c.main_grad.fill(0.5f);
+    ddp.grads_ready(c);  // reduce-scattered now; c's weights released
+    EXPECT_FALSE(f.buffer.weights_live(size_t(f.buffer.bucket_of(&f.c))));
+  }
+  Param* ab[] = {&f.b, &f.a};
+  for (int mb = 0; mb < 2; ++mb) {
+    ddp.before_backward(std::span<Param* const>(&f.units[1], 1));
+    ddp.before_backward(a);
+    ddp.grads_ready(ab);
+  }
+  ddp.finish_grad_sync();
+  // c's own shard: each micro-batch's sum over the two ranks (2 x 0.5), added twice.
+  const Tensor shard = f.buffer.own_grad_shard(size_t(f.buffer.bucket_of(&f.c)));
+  EXPECT_FLOAT_EQ(shard.f32()[0], 2.0f);
+  EXPECT_FLOAT_EQ(shard.f32()[63], 2.0f);
+  for (size_t b = 0; b < 3; ++b) EXPECT_FALSE(f.buffer.grads_live(b));
 }
 
 }  // namespace

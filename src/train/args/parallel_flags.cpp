@@ -3,11 +3,37 @@
 // group). The layout itself is checked against the world by check_parallel_layout.
 #include "core/error.h"
 #include "model/context_parallel.h"
+#include "model/param_buffer.h"
 #include "train/args/flag_table.h"
 
 namespace megaton {
 
 namespace {
+
+// Megatron-FSDP's flags (Megatron-LM d98e8a6 arguments.py: --use-megatron-fsdp turns the
+// distributed optimizer on, as its v1 does; the sharding strategy defaults to
+// optim_grads_params).
+void parse_megatron_fsdp(const ArgReader& r, ParallelArgs& p) {
+  r.get("use-megatron-fsdp", p.use_megatron_fsdp);
+  r.get("data-parallel-sharding-strategy", p.data_parallel_sharding_strategy);
+  r.get("megatron-fsdp-main-grads-dtype", p.megatron_fsdp_main_grads_dtype);
+  r.get("megatron-fsdp-grad-comm-dtype", p.megatron_fsdp_grad_comm_dtype);
+  parse_sharding_strategy(p.data_parallel_sharding_strategy);  // a bad value: one line
+  for (const char* key : {"megatron-fsdp-main-grads-dtype", "megatron-fsdp-grad-comm-dtype"}) {
+    std::string v = "auto";
+    r.get(key, v);
+    if (v != "auto" && v != "fp32" && v != "bf16")
+      fail("{} '{}' is not supported in Megaton (auto, fp32 or bf16)", key, v);
+  }
+  if (!p.use_megatron_fsdp)
+    for (const char* key : {"data-parallel-sharding-strategy", "megatron-fsdp-main-grads-dtype",
+                            "megatron-fsdp-grad-comm-dtype"})
+      if (r.has(key)) fail("{} needs use-megatron-fsdp", key);
+  // Megatron-FSDP shards the optimizer state itself (but with no_shard).
+  if (p.use_megatron_fsdp)
+    p.use_distributed_optimizer =
+        parse_sharding_strategy(p.data_parallel_sharding_strategy) != ShardingStrategy::NoShard;
+}
 
 void parse_parallel(const ArgReader& r, TrainArgs& a) {
   ParallelArgs& p = a.parallel;
@@ -37,6 +63,7 @@ void parse_parallel(const ArgReader& r, TrainArgs& a) {
   r.get("overlap-param-gather", p.overlap_param_gather);
   r.get("ddp-bucket-size", p.ddp_bucket_size);
   r.get("distributed-timeout-minutes", p.distributed_timeout_minutes);
+  parse_megatron_fsdp(r, p);
   // Optional counts: 0 means "not set", so a value given must be positive.
   for (const char* key : {"expert-tensor-parallel-size", "num-layers-per-virtual-pipeline-stage",
                           "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
@@ -103,6 +130,14 @@ ArgGroup parallel_flags() {
            "elements per gradient bucket with --overlap-grad-reduce (default "
            "max(40M, 1M x data-parallel size))"),
       flag("distributed-timeout-minutes", "deadline of one collective (default: 5 minutes)"),
+      toggle("use-megatron-fsdp",
+             "shard weights, gradients and optimizer state over data-parallel ranks (FSDP)"),
+      flag("data-parallel-sharding-strategy",
+           "what FSDP shards: no_shard, optim, optim_grads or optim_grads_params (default)"),
+      flag("megatron-fsdp-main-grads-dtype",
+           "dtype of FSDP's gradient shards: auto (the main grads'), fp32 or bf16"),
+      flag("megatron-fsdp-grad-comm-dtype",
+           "dtype of FSDP's gradient reduce-scatter: auto (the main grads'), fp32 or bf16"),
   };
   for (OptionSpec& s : parallel_megatron_rules()) g.flags.push_back(std::move(s));
   return g;
