@@ -23,6 +23,9 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
       is_expert_(is_expert),
       sharding_(sharding) {
   MEGATON_CHECK(num_shards >= 1, "ParamAndGradBuffer: {} shards", num_shards);
+  // One shard is the whole buffer: nothing to release (FSDP at size 1 costs nothing more).
+  if (num_shards == 1)
+    sharding_.strategy = std::min(sharding_.strategy, ShardingStrategy::Optim);
   MEGATON_CHECK(!params_.empty(), "ParamAndGradBuffer: no params");
   MEGATON_CHECK(grad_dtype == DType::F32 || grad_dtype == DType::BF16,
                 "ParamAndGradBuffer: grads must be F32 or BF16, got {}", dtype_name(grad_dtype));
@@ -33,7 +36,7 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
                 "ParamAndGradBuffer: {} units for {} params", param_units.size(), params_.size());
   MEGATON_CHECK(sharding.shard_index >= 0 && sharding.shard_index < num_shards,
                 "ParamAndGradBuffer: shard {} of {}", sharding.shard_index, num_shards);
-  MEGATON_CHECK(!sharding.sharded_grads() || !fp8,
+  MEGATON_CHECK(!sharding_.sharded_grads() || !fp8,
                 "ParamAndGradBuffer: FP8 weights are not stored sharded");
   MEGATON_CHECK(sharding.main_grad_dtype == DType::F32 || sharding.main_grad_dtype == DType::BF16,
                 "ParamAndGradBuffer: main grads must be F32 or BF16, got {}",

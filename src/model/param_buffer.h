@@ -78,7 +78,8 @@ class ParamAndGradBuffer {
   // storage, released (Storage::release) until restore_grads, and keeps the own shard of
   // the reduced gradients apart (own_grad_shard); sharded_params() does the same for the
   // weights (released by release_weights once the optimizer has read them; the own shard
-  // in own_weight_shard). FP8 buffers are not sharded so (InternalError).
+  // in own_weight_shard). FP8 buffers are not sharded so (InternalError). With one shard
+  // the strategy is at most Optim (the whole buffer is the shard: nothing is released).
   ParamAndGradBuffer(std::vector<Param*> params, int64_t num_shards, bool is_expert,
                      int64_t bucket_size = 0, const std::vector<const Param*>& own_bucket = {},
                      DType grad_dtype = DType::F32, const std::vector<int>& param_units = {},
