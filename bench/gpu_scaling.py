@@ -11,7 +11,8 @@ N = 8 is the issue's run; N = 4 runs the same layouts at half size.
      distributed optimizer with overlapped grad reduce and param gather; once with the
      default token exchange (pull through peer memory on one node) and once with
      MEGATON_MOE_ALLTOALL_EXCHANGE=regroup ("EP N alltoall regroup");
-   - llama-1.3B, DP N + distributed optimizer + both overlaps; TP2 (+ SP) x DP N/2;
+   - llama-1.3B, DP N + distributed optimizer + both overlaps; DP N under Megatron-FSDP
+     (optim_grads, optim_grads_params); TP2 (+ SP) x DP N/2;
      PP2 x DP N/2 interleaved (2 model chunks per stage), each with the distributed
      optimizer.
    Every run, the one-GPU reference included, trains the same global batch (micro-batch 4,
@@ -33,6 +34,7 @@ from gpu_parallel import curve, mpirun  # noqa: E402
 
 
 OVERLAP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 
 
 def layouts(n, layers):
@@ -45,6 +47,10 @@ def layouts(n, layers):
         # (Megatron's way) instead of the default pull through peer memory (see env_of).
         f"EP{n} alltoall regroup": (ep + OVERLAP, n),
         f"DP{n}": (OVERLAP, n),
+        # Megatron-FSDP (issue 22) against the distributed optimizer above: gradients, then
+        # weights too, sharded and gathered / reduced by layer.
+        f"DP{n} FSDP optim_grads": (FSDP + ["optim_grads"], n),
+        f"DP{n} FSDP optim_grads_params": (FSDP + ["optim_grads_params"], n),
         f"TP2 SP x DP{half}": (["--tensor-model-parallel-size", "2", "--sequence-parallel"]
                                + OVERLAP, half),
         f"PP2 x DP{half} interleaved": (["--pipeline-model-parallel-size", "2",
@@ -107,8 +113,8 @@ def main():
                 "scaling efficiency | peak GiB per GPU |", "|---|---|---|---|---|---|---|---|"]
         # config -> (layouts, micro-batches of the one-GPU reference per step)
         plans = [("moe-64x-top8", [f"EP{n} alltoall", f"EP{n} alltoall regroup"], n),
-                 ("llama-1.3B", [f"DP{n}", f"TP2 SP x DP{n // 2}",
-                                 f"PP2 x DP{n // 2} interleaved"], 2 * n)]
+                 ("llama-1.3B", [f"DP{n}", f"DP{n} FSDP optim_grads", f"DP{n} FSDP optim_grads_params",
+                                 f"TP2 SP x DP{n // 2}", f"PP2 x DP{n // 2} interleaved"], 2 * n)]
         for cname, names, ref_micro in plans:
             names = [x for x in names if wanted(x)]
             if not names:

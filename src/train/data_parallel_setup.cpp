@@ -14,14 +14,14 @@ DType fsdp_dtype(const std::string& name, DType automatic) {
 }
 }  // namespace
 
-ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid& grid) {
+ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid* grid) {
   ChunkSharding s;
   const ParallelArgs& p = args.parallel;
   if (!p.use_megatron_fsdp) return s;
   s.strategy = parse_sharding_strategy(p.data_parallel_sharding_strategy);
-  if (s.strategy != ShardingStrategy::NoShard) {  // no_shard: one shard, the whole buffer
-    s.dense_index = grid.dp_cp().rank;
-    s.expert_index = grid.edp().rank;
+  if (grid && s.strategy != ShardingStrategy::NoShard) {  // no_shard: the whole buffer
+    s.dense_index = grid->dp_cp().rank;
+    s.expert_index = grid->edp().rank;
   }
   s.main_grad_dtype = fsdp_dtype(p.megatron_fsdp_main_grads_dtype, args.model.main_grads_dtype);
   s.grad_comm_dtype = fsdp_dtype(p.megatron_fsdp_grad_comm_dtype, s.main_grad_dtype);

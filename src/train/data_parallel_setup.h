@@ -14,8 +14,9 @@ namespace megaton {
 
 // The buffers' storage for this rank (model/gpt.h ChunkSharding): NoShard without
 // --use-megatron-fsdp, else the strategy, this rank's shard in dp_cp (dense) and edp
-// (experts), and the gradient dtypes ("auto": the run's main grads dtype).
-ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid& grid);
+// (experts), and the gradient dtypes ("auto": the run's main grads dtype). grid null: shard
+// indices 0 (the memory plan).
+ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid* grid);
 
 // DistributedDataParallel's configuration: the distributed optimizer and the overlap
 // flags, and under FSDP the reductions started as each unit's backward finishes

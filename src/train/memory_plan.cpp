@@ -387,6 +387,7 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
   plan.device = m.device;
   plan.compute_dtype = m.compute_dtype();
   plan.main_grads_dtype = m.main_grads_dtype;
+  if (args.parallel.use_megatron_fsdp) plan.fsdp = args.parallel.data_parallel_sharding_strategy;
   plan.main_params_dtype = args.adam.main_params_dtype;
   plan.sizes = layout.sizes;
   plan.sequence_parallel = layout.sequence_parallel;

@@ -21,18 +21,20 @@ struct MemoryPlan {
   Device device = Device::CPU;
   DType compute_dtype = DType::F32;
   DType main_grads_dtype = DType::F32;  // GPTConfig::main_grads_dtype
+  // --use-megatron-fsdp's strategy ("" without): what the weights and main grads terms hold.
+  std::string fsdp;
   DType main_params_dtype = DType::F32;  // AdamWConfig::main_params_dtype
-  dist::ParallelSizes sizes;       // resolved: tp, cp, ep, etp, pp, vpp, dp, edp, world
-  bool sequence_parallel = false;  // in effect (tp > 1)
-  int64_t stage = 0;               // the busiest pipeline stage
+  dist::ParallelSizes sizes;             // resolved: tp, cp, ep, etp, pp, vpp, dp, edp, world
+  bool sequence_parallel = false;        // in effect (tp > 1)
+  int64_t stage = 0;                     // the busiest pipeline stage
   int64_t stage_layers = 0, stage_moe_layers = 0;  // transformer layers on it, MoE among them
-  int64_t micro_batches = 1;       // per step on one data-parallel rank
+  int64_t micro_batches = 1;                       // per step on one data-parallel rank
   // (micro-batch, model chunk) pairs whose activations are held at the peak, the peak's
   // own included (1 without a pipeline; 1F1B: up to pp - stage micro-batches).
   int64_t in_flight = 1;
-  std::string schedule;    // "no pipeline", "1F1B", "interleaved 1F1B, 2 chunks per stage"
-  std::string recompute;   // "none", "selective: core_attn, mlp", "full, uniform, 2 layers"
-  std::string peak_at;     // the step of the peak ("the output layer's backward", ...)
+  std::string schedule;   // "no pipeline", "1F1B", "interleaved 1F1B, 2 chunks per stage"
+  std::string recompute;  // "none", "selective: core_attn, mlp", "full, uniform, 2 layers"
+  std::string peak_at;    // the step of the peak ("the output layer's backward", ...)
 
   // Parameter counts in elements. total, active: the whole model once (every stage, the
   // padded vocabulary, no replica counted twice; active: top-k of each MoE layer's experts,
@@ -44,11 +46,12 @@ struct MemoryPlan {
   // Persistent bytes of the rank (model/param_buffer.h, optim/adamw.h,
   // optim/distrib_optimizer.h): the compute weights (one buffer per dtype and kind:
   // dense, expert, FP8 under --fp8-param-gather), the main grads (whole on every
-  // rank, in main_grads_dtype; BF16 ones with model/main_grad.h's fp32 scratch), the fp32 main params where the weight is not fp32, or their 16-bit remainders
-  // beside bf16 weights (store_param_remainders) (one tensor per parameter,
-  // or per piece of this rank's shard under --use-distributed-optimizer) and the Adam
-  // moments in their dtypes (same tensors as the main params); other_state: router
-  // statistics, the optimizer's step state, FP8 scales, the trainer's batch buffers.
+  // rank, in main_grads_dtype; BF16 ones with model/main_grad.h's fp32 scratch), the fp32 main
+  // params where the weight is not fp32, or their 16-bit remainders beside bf16 weights
+  // (store_param_remainders) (one tensor per parameter, or per piece of this rank's shard under
+  // --use-distributed-optimizer) and the Adam moments in their dtypes (same tensors as the main
+  // params); other_state: router statistics, the optimizer's step state, FP8 scales, the trainer's
+  // batch buffers.
   double weights = 0, main_params = 0, main_grads = 0, exp_avg = 0, exp_avg_sq = 0;
   double other_state = 0;
   // --optimizer-cpu-offload: the main params and moments held in pinned host memory

@@ -59,8 +59,12 @@ std::string format_memory_plan(const MemoryPlan& p) {
                        bytes / double(1 << 30), bytes / double(1 << 20));
   };
   const int64_t dense_shards = z.dp * z.cp, expert_shards = z.edp;
-  line(fmt::format("weights ({})", dtype_flag(p.compute_dtype)), p.weights);
-  line(p.main_grads_dtype == DType::BF16
+  const bool fsdp_grads = p.fsdp == "optim_grads" || p.fsdp == "optim_grads_params";
+  line(fmt::format("weights ({}{})", dtype_flag(p.compute_dtype),
+                   p.fsdp == "optim_grads_params" ? ", this rank's shard + 3 units gathered" : ""),
+       p.weights);
+  line(fsdp_grads ? "main grads (this rank's shard + 2 units' buckets, FSDP)"
+       : p.main_grads_dtype == DType::BF16
            ? "main grads (bf16, whole on every data-parallel rank; fp32 scratch)"
            : "main grads (fp32, whole on every data-parallel rank)",
        p.main_grads);
@@ -83,13 +87,15 @@ std::string format_memory_plan(const MemoryPlan& p) {
        p.workspaces);
   line("= total (the planned peak)", p.total());
   out += fmt::format(" peak at: {}\n", p.peak_at);
-  out += fmt::format(" shares: dense optimizer state / {} ({}), expert optimizer state / {} (edp), "
-                     "experts / ep {} / etp {}, layers / pp {}\n",
-                     dense_shards, "dp x cp", expert_shards, z.ep, z.etp, z.pp);
+  out += fmt::format(
+      " shares: dense optimizer state / {} ({}), expert optimizer state / {} (edp), "
+      "experts / ep {} / etp {}, layers / pp {}\n",
+      dense_shards, "dp x cp", expert_shards, z.ep, z.etp, z.pp);
   if (p.stage_totals.size() > 1) {
     std::string stages;
     for (size_t s = 0; s < p.stage_totals.size(); ++s)
-      stages += fmt::format("{}{}: {:.3f} GiB", s ? ", " : "", s, p.stage_totals[s] / double(1 << 30));
+      stages +=
+          fmt::format("{}{}: {:.3f} GiB", s ? ", " : "", s, p.stage_totals[s] / double(1 << 30));
     out += fmt::format(" planned peak per stage: {}\n", stages);
   }
   for (const std::string& a : p.assumptions) out += fmt::format(" assumes: {}\n", a);
@@ -123,9 +129,9 @@ int run_dry_run(TrainArgs args, int64_t world, std::FILE* out, std::FILE* err) {
     std::fprintf(out, " host memory besides: the GPT dataset's indices, at least %s (%s)\n",
                  human_bytes(bound.dataset_index_bytes).c_str(), bound.dataset_flags.c_str());
   const MemoryAvailable available = memory_available(args.model.device);
-  const double have = args.model.device == Device::CUDA ? available.device_free
-                                                        : std::min(available.host_physical,
-                                                                   available.host_address_space);
+  const double have = args.model.device == Device::CUDA
+                          ? available.device_free
+                          : std::min(available.host_physical, available.host_address_space);
   const char* where = args.model.device == Device::CUDA ? "device memory free (cudaMemGetInfo)"
                                                         : "host memory available";
   if (std::isinf(have))

@@ -2,9 +2,11 @@
 // main params, Adam moments), laid out as ParamAndGradBuffer and the optimizers lay them.
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "core/error.h"
 #include "optim/adamw.h"
+#include "train/data_parallel_setup.h"
 #include "train/memory_plan.h"
 #include "train/pipeline_schedule.h"
 
@@ -17,6 +19,7 @@ struct ParamShape {
   double numel = 0;
   bool expert = false;  // in the expert buffer (reduced over edp)
   bool fp8 = false;     // an FP8 weight (--fp8-param-gather)
+  int unit = 0;         // GPTModel::param_units: 0 the embedding, 1 + i layer i, then the tail
 };
 
 // The parameters of one layer on one rank, in the order TransformerLayer::collect_params
@@ -42,7 +45,7 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
     add(H * ffn / tp, false, fp8);
     if (with_bias) add(H);
   };
-  norm(H);  // input_layernorm
+  norm(H);                         // input_layernorm
   if (m.multi_latent_attention) {  // model/mla.cpp's collect_params order
     const double dq = double(m.qk_head_dim + m.qk_pos_emb_head_dim), v = double(m.v_head_dim);
     const double rq = double(m.q_lora_rank), rkv = double(m.kv_lora_rank);
@@ -79,7 +82,8 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
     if (m.moe_shared_expert_gate) add(H);
   }
   const double f = double(m.moe_ffn_hidden_size), f1 = (m.swiglu ? 2 : 1) * f;
-  const bool fp8_experts = m.fp8.enabled && m.fp8.param_gather && m.fp8.layer_in_fp8(layer, m.num_layers);
+  const bool fp8_experts =
+      m.fp8.enabled && m.fp8.param_gather && m.fp8.layer_in_fp8(layer, m.num_layers);
   for (int64_t e = 0; e < int64_t(double(m.num_experts) / ep); ++e) {
     add(f1 / etp * H, true, fp8_experts);
     if (bias) add(f1 / etp, true);
@@ -99,8 +103,12 @@ std::vector<ParamShape> chunk_params(const GPTConfig& m, const ChunkLayers& laye
     if (m.position_embedding_type == PositionEmbedding::LearnedAbsolute)
       out.push_back({double(m.max_position_embeddings) * H});
   }
-  for (int64_t l = layers.first_layer; l < layers.first_layer + layers.num_layers; ++l)
+  for (int64_t l = layers.first_layer; l < layers.first_layer + layers.num_layers; ++l) {
+    const size_t first = out.size();
     layer_params(m, l, tp, etp, ep, out);
+    for (size_t i = first; i < out.size(); ++i) out[i].unit = int(l - layers.first_layer) + 1;
+  }
+  const size_t tail = out.size();
   if (post) {
     const bool ln = m.normalization == Normalization::LayerNorm;
     out.push_back({H});
@@ -124,6 +132,7 @@ std::vector<ParamShape> chunk_params(const GPTConfig& m, const ChunkLayers& laye
       out.push_back({V / tp * H});
     if (m.untie_embeddings_and_output_weights) out.push_back({V / tp * H});
   }
+  for (size_t i = tail; i < out.size(); ++i) out[i].unit = int(layers.num_layers) + 1;
   return out;
 }
 
@@ -165,8 +174,8 @@ void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan) {
   for (const ParamShape& p : chunk_params(m, all, true, true, 1, 1, 1)) total += p.numel;
   // Active: each MoE layer's top-k experts of num-experts (train/flops.cpp's convention).
   const double f = double(m.moe_ffn_hidden_size), H = double(m.hidden_size);
-  const double per_expert = ((m.swiglu ? 2 : 1) * f + f) * H +
-                            (m.disable_bias_linear ? 0 : (m.swiglu ? 2 : 1) * f + H);
+  const double per_expert =
+      ((m.swiglu ? 2 : 1) * f + f) * H + (m.disable_bias_linear ? 0 : (m.swiglu ? 2 : 1) * f + H);
   const double idle = std::max<double>(double(m.num_experts - m.moe_router_topk), 0);
   plan.total_parameters = total;
   // MTP depths are MoE layers when the last decoder layer is.
@@ -175,8 +184,8 @@ void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan) {
   plan.active_parameters = total - moe_layers * idle * per_expert;
 }
 
-void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout,
-                          int64_t stage, MemoryPlan& plan) {
+void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout, int64_t stage,
+                          MemoryPlan& plan) {
   const GPTConfig& m = args.model;
   const dist::ParallelSizes& z = layout.sizes;
   const Device dev = m.device;
@@ -189,11 +198,16 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   // DistributedAdamW); beside FP8 and fp16 weights it stays fp32. --main-params-dtype fp16:
   // 2 bytes beside BF16 and F16 weights (no remainders), FP8 weights keep fp32.
   const bool f16_main = args.adam.main_params_dtype == DType::F16 && cb != 4;
-  const bool remainders = args.adam.store_param_remainders && !f16_main &&
-                          m.compute_dtype() == DType::BF16;
+  const bool remainders =
+      args.adam.store_param_remainders && !f16_main && m.compute_dtype() == DType::BF16;
   const double avg_b = double(dtype_size(args.adam.exp_avg_dtype));
   const double sq_b = double(dtype_size(args.adam.exp_avg_sq_dtype));
   const double grad_b = double(dtype_size(m.main_grads_dtype));
+  // --use-megatron-fsdp: its strategy and the dtypes of its gradient shards and buckets.
+  const ChunkSharding fsdp_sharding = chunk_sharding(args, nullptr);
+  const ShardingStrategy fsdp = fsdp_sharding.strategy;
+  const double fsdp_grad_b = double(dtype_size(fsdp_sharding.main_grad_dtype));
+  const double fsdp_comm_b = double(dtype_size(fsdp_sharding.grad_comm_dtype));
   double scratch = 0;  // main_grad_scratch_numel over the chunks (BF16 main grads)
   // AdamW's params (pieces under the distributed optimizer) and whether its moments are
   // scaled (optim::scaled_moment_dtype).
@@ -210,8 +224,8 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
     const std::vector<ParamShape> params =
         chunk_params(m, cl, stage == 0 && c == 0, stage == z.pp - 1 && c == vpp - 1, tp, etp, ep);
     if (m.main_grads_dtype == DType::BF16)
-      scratch = std::max(scratch, main_grad_scratch_numel(m, cl, params, stage == 0 && c == 0, tp,
-                                                          etp, ep));
+      scratch = std::max(scratch,
+                         main_grad_scratch_numel(m, cl, params, stage == 0 && c == 0, tp, etp, ep));
     // GPTModel's buffers: dense, dense FP8, expert, expert FP8 (ParamAndGradBuffer), each
     // laid out in reverse order, every param at a multiple of 64 elements, padded to
     // 64 x shards (one bucket: --overlap-grad-reduce cuts more, each padded alike).
@@ -235,9 +249,34 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
       // fp16 / fp8 moments, fp16 main params: DistributedAdamW's absmax of each buffer
       // param (F32 [params, 3]).
       if (scaled_states) plan.other_state += block(double(sizes.size()) * 12);
-      total = round_up(total, 64 * shards);
-      plan.weights += block(total * (fp8 ? 1 : cb));
-      plan.main_grads += block(total * grad_b);
+      if (fsdp != ShardingStrategy::NoShard) {
+        // Megatron-FSDP: a bucket per unit, each padded to 64 x shards.
+        std::map<int, double> units;
+        for (const ParamShape& p : params)
+          if (p.expert == expert && p.fp8 == fp8) units[p.unit] += round_up(p.numel, 64);
+        double largest = 0;
+        total = 0;
+        for (auto& [unit, n] : units) {
+          n = round_up(n, 64 * shards);
+          total += n;
+          largest = std::max(largest, n);
+        }
+        // Sharded (more than one shard): the own shard, plus the buckets gathered at once
+        // (weights: the unit computing, the one prefetched and the tail kept from its
+        // forward to its backward; gradients: the unit in backward and the embedding's
+        // accumulating the tied output layer's).
+        const bool grads_sharded = fsdp >= ShardingStrategy::OptimGrads && shards > 1;
+        const bool params_sharded = fsdp == ShardingStrategy::OptimGradsParams && shards > 1;
+        plan.weights += params_sharded ? block(total / shards * cb) + 3 * block(largest * cb)
+                                       : block(total * (fp8 ? 1 : cb));
+        plan.main_grads +=
+            grads_sharded ? block(total / shards * fsdp_grad_b) + 2 * block(largest * fsdp_comm_b)
+                          : block(total * grad_b);
+      } else {
+        total = round_up(total, 64 * shards);
+        plan.weights += block(total * (fp8 ? 1 : cb));
+        plan.main_grads += block(total * grad_b);
+      }
       // Main params and moments: per param, or per piece of shard 0 under the distributed
       // optimizer (DistributedAdamW: every rank's shard has the same length).
       const double shard = total / shards;
@@ -247,8 +286,7 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
                              : sizes[i];
         if (n <= 0) continue;
         ++adam_params;
-        if (cb != 4 || fp8)
-          plan.main_params += block(n * (fp8 ? 4 : remainders ? 2 : main_b));
+        if (cb != 4 || fp8) plan.main_params += block(n * (fp8 ? 4 : remainders ? 2 : main_b));
         // Param::main_param_scale, F32 [1] each.
         if (f16_main && !fp8) plan.main_params += block(4);
         plan.exp_avg += block(n * avg_b);
@@ -265,7 +303,8 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   // host (whole params are chosen, so the device keeps up to one param less than this).
   if (args.adam.optimizer_cpu_offload) {
     const double keep = 1.0 - args.adam.optimizer_offload_fraction;
-    plan.offloaded_optimizer_bytes = (plan.main_params + plan.exp_avg + plan.exp_avg_sq) * (1 - keep);
+    plan.offloaded_optimizer_bytes =
+        (plan.main_params + plan.exp_avg + plan.exp_avg_sq) * (1 - keep);
     plan.main_params *= keep;
     plan.exp_avg *= keep;
     plan.exp_avg_sq *= keep;
@@ -276,14 +315,15 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   // bias) and each FP8 linear's quantizer state (amax history and scales per operand).
   plan.other_state += block(16) + block(4);
   if (z.pp == 1)
-    plan.other_state += 2 * double(plan.micro_batches) *
-                        block(double(args.micro_batch_size * m.seq_length) * 4);
+    plan.other_state +=
+        2 * double(plan.micro_batches) * block(double(args.micro_batch_size * m.seq_length) * 4);
   for (int64_t c = 0; c < vpp; ++c) {
     const ChunkLayers cl = chunk_layers(layout.layers_per_stage, vpp, stage, c);
     for (int64_t l = cl.first_layer; l < cl.first_layer + cl.num_layers; ++l) {
       if (m.is_moe_layer(l))
-        plan.other_state += 2 * block(double(m.num_experts) * 4) + block(16) + block(4) +
-                            (m.moe_router_enable_expert_bias ? block(double(m.num_experts) * 4) : 0);
+        plan.other_state +=
+            2 * block(double(m.num_experts) * 4) + block(16) + block(4) +
+            (m.moe_router_enable_expert_bias ? block(double(m.num_experts) * 4) : 0);
       if (m.fp8.enabled && m.fp8.layer_in_fp8(l, m.num_layers)) {
         double linears = 4;
         if (m.is_moe_layer(l))

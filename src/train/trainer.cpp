@@ -189,9 +189,10 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
     const ChunkLayers layers = chunk_layers(layout.layers_per_stage, vpp, pp_rank, c);
     const PipelineChunk chunk{layers.first_layer, layers.num_layers, pp_rank == 0 && c == 0,
                               pp_rank == sizes.pp - 1 && c == vpp - 1};
-    chunks_.push_back(std::make_unique<GPTModel>(
-        args_.model, args_.seed, mp, distributed ? grid_->dp_cp().size() : 1,
-        distributed ? grid_->edp().size() : 1, chunk, bucket_size, chunk_sharding(args_, *grid_)));
+    chunks_.push_back(std::make_unique<GPTModel>(args_.model, args_.seed, mp,
+                                                 distributed ? grid_->dp_cp().size() : 1,
+                                                 distributed ? grid_->edp().size() : 1, chunk,
+                                                 bucket_size, chunk_sharding(args_, grid_.get())));
     for (ParamAndGradBuffer& b : chunks_.back()->buffers()) buffers.push_back(&b);
   }
   ddp_ = std::make_unique<optim::DistributedDataParallel>(

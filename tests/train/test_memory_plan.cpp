@@ -20,13 +20,20 @@ namespace {
 // A model big enough that activations outweigh the fixed overheads, small enough that two
 // CPU step takes about a second: hidden 256, 2 layers, 8 x 128 tokens per micro-batch.
 RawOptions base(bool moe) {
-  RawOptions raw = {{"device", {"cpu"}},          {"mock-data", {"true"}},
-                    {"tokenizer-type", {"NullTokenizer"}}, {"vocab-size", {"1000"}},
-                    {"num-layers", {"2"}},        {"hidden-size", {"256"}},
-                    {"num-attention-heads", {"4"}}, {"seq-length", {"128"}},
-                    {"micro-batch-size", {"8"}},  {"global-batch-size", {"16"}},
-                    {"train-iters", {"1"}},       {"eval-iters", {"0"}},
-                    {"log-interval", {"1000"}},   {"hidden-dropout", {"0"}},
+  RawOptions raw = {{"device", {"cpu"}},
+                    {"mock-data", {"true"}},
+                    {"tokenizer-type", {"NullTokenizer"}},
+                    {"vocab-size", {"1000"}},
+                    {"num-layers", {"2"}},
+                    {"hidden-size", {"256"}},
+                    {"num-attention-heads", {"4"}},
+                    {"seq-length", {"128"}},
+                    {"micro-batch-size", {"8"}},
+                    {"global-batch-size", {"16"}},
+                    {"train-iters", {"1"}},
+                    {"eval-iters", {"0"}},
+                    {"log-interval", {"1000"}},
+                    {"hidden-dropout", {"0"}},
                     {"attention-dropout", {"0"}}};
   if (moe) {
     raw["num-experts"] = {"8"};
@@ -49,64 +56,100 @@ struct Case {
 
 const Case kCases[] = {
     {"Dense", false, {}},
-    {"DenseSwigluBiasless", false,
-     {{"swiglu", {"true"}}, {"normalization", {"RMSNorm"}}, {"disable-bias-linear", {"true"}},
-      {"position-embedding-type", {"rope"}}, {"untie-embeddings-and-output-weights", {"true"}}}},
-    {"DenseSelectiveAll", false,
+    {"DenseSwigluBiasless",
+     false,
+     {{"swiglu", {"true"}},
+      {"normalization", {"RMSNorm"}},
+      {"disable-bias-linear", {"true"}},
+      {"position-embedding-type", {"rope"}},
+      {"untie-embeddings-and-output-weights", {"true"}}}},
+    {"DenseSelectiveAll",
+     false,
      {{"recompute-granularity", {"selective"}},
       {"recompute-modules", {"core_attn", "layernorm", "mlp"}}}},
-    {"DenseSelectiveMlp", false,
+    {"DenseSelectiveMlp",
+     false,
      {{"recompute-granularity", {"selective"}}, {"recompute-modules", {"mlp"}}}},
-    {"DenseFullUniform", false,
-     {{"recompute-granularity", {"full"}}, {"recompute-method", {"uniform"}},
+    {"DenseFullUniform",
+     false,
+     {{"recompute-granularity", {"full"}},
+      {"recompute-method", {"uniform"}},
       {"recompute-num-layers", {"1"}}}},
-    {"DenseFullBlock", false,
-     {{"recompute-granularity", {"full"}}, {"recompute-method", {"block"}},
+    {"DenseFullBlock",
+     false,
+     {{"recompute-granularity", {"full"}},
+      {"recompute-method", {"block"}},
       {"recompute-num-layers", {"1"}}}},
     {"DenseWithEvaluation", false, {{"eval-iters", {"1"}}, {"eval-interval", {"1"}}}},
     // The evaluation forward keeps everything (no recompute in evaluation): its peak.
-    {"DenseFullUniformWithEvaluation", false,
-     {{"recompute-granularity", {"full"}}, {"recompute-method", {"uniform"}},
-      {"recompute-num-layers", {"1"}}, {"eval-iters", {"1"}}}},
+    {"DenseFullUniformWithEvaluation",
+     false,
+     {{"recompute-granularity", {"full"}},
+      {"recompute-method", {"uniform"}},
+      {"recompute-num-layers", {"1"}},
+      {"eval-iters", {"1"}}}},
     // --cpu-offloading: layer 0's activations leave between its forward and the start of
     // layer 1's backward.
     {"DenseCpuOffloading", false, {{"cpu-offloading-num-layers", {"1"}}}},
-    {"DenseFourLayersCpuOffloading", false,
+    {"DenseFourLayersCpuOffloading",
+     false,
      {{"num-layers", {"4"}}, {"cpu-offloading-num-layers", {"3"}}}},
     {"MoE", true, {}},
-    {"MoEBf16Moments", true,
-     {{"use-precision-aware-optimizer", {"true"}}, {"exp-avg-dtype", {"bf16"}},
+    {"MoEBf16Moments",
+     true,
+     {{"use-precision-aware-optimizer", {"true"}},
+      {"exp-avg-dtype", {"bf16"}},
       {"exp-avg-sq-dtype", {"bf16"}}}},
     // Scaled moments: fp8 exp_avg (1 byte), fp16 exp_avg_sq (2 bytes), with their scales.
-    {"MoEFp8Fp16Moments", true,
-     {{"use-precision-aware-optimizer", {"true"}}, {"exp-avg-dtype", {"fp8"}},
+    {"MoEFp8Fp16Moments",
+     true,
+     {{"use-precision-aware-optimizer", {"true"}},
+      {"exp-avg-dtype", {"fp8"}},
       {"exp-avg-sq-dtype", {"fp16"}}}},
-    {"MoESelectiveMoeSharedExpert", true,
-     {{"moe-shared-expert-intermediate-size", {"256"}}, {"recompute-granularity", {"selective"}},
+    {"MoESelectiveMoeSharedExpert",
+     true,
+     {{"moe-shared-expert-intermediate-size", {"256"}},
+      {"recompute-granularity", {"selective"}},
       {"recompute-modules", {"moe", "shared_experts", "layernorm"}}}},
-    {"MoEFullUniform", true,
-     {{"recompute-granularity", {"full"}}, {"recompute-method", {"uniform"}},
+    {"MoEFullUniform",
+     true,
+     {{"recompute-granularity", {"full"}},
+      {"recompute-method", {"uniform"}},
       {"recompute-num-layers", {"2"}}}},
     {"MoECpuOffloading", true, {{"cpu-offloading-num-layers", {"1"}}}},
     // BF16 grad buffers (the CPU computes fp32 under --bf16) and the fp32 scratch the
     // gradients pass through (model/main_grad.h).
     {"DenseBf16MainGrads", false, {{"bf16", {"true"}}, {"grad-reduce-in-bf16", {"true"}}}},
-    {"MoEBf16MainGrads", true,
-     {{"bf16", {"true"}}, {"use-precision-aware-optimizer", {"true"}},
+    {"MoEBf16MainGrads",
+     true,
+     {{"bf16", {"true"}},
+      {"use-precision-aware-optimizer", {"true"}},
       {"main-grads-dtype", {"bf16"}}}},
     // Multi-latent attention (issue 20), with and without its up-projection recompute, and
     // multi-token prediction.
-    {"MoEMla", true,
-     {{"multi-latent-attention", {"true"}}, {"q-lora-rank", {"128"}}, {"kv-lora-rank", {"64"}},
-      {"qk-head-dim", {"64"}}, {"qk-pos-emb-head-dim", {"32"}}, {"v-head-dim", {"64"}},
+    {"MoEMla",
+     true,
+     {{"multi-latent-attention", {"true"}},
+      {"q-lora-rank", {"128"}},
+      {"kv-lora-rank", {"64"}},
+      {"qk-head-dim", {"64"}},
+      {"qk-pos-emb-head-dim", {"32"}},
+      {"v-head-dim", {"64"}},
       {"qk-layernorm", {"true"}}}},
-    {"MoEMlaSelectiveUpProj", true,
-     {{"multi-latent-attention", {"true"}}, {"q-lora-rank", {"128"}}, {"kv-lora-rank", {"64"}},
-      {"qk-head-dim", {"64"}}, {"qk-pos-emb-head-dim", {"32"}}, {"v-head-dim", {"64"}},
-      {"qk-layernorm", {"true"}}, {"recompute-granularity", {"selective"}},
+    {"MoEMlaSelectiveUpProj",
+     true,
+     {{"multi-latent-attention", {"true"}},
+      {"q-lora-rank", {"128"}},
+      {"kv-lora-rank", {"64"}},
+      {"qk-head-dim", {"64"}},
+      {"qk-pos-emb-head-dim", {"32"}},
+      {"v-head-dim", {"64"}},
+      {"qk-layernorm", {"true"}},
+      {"recompute-granularity", {"selective"}},
       {"recompute-modules", {"mla_up_proj", "core_attn"}}}},
     {"MoEMtp", true, {{"mtp-num-layers", {"1"}}}},
-    {"MoEAlltoAllDistributedOptimizer", true,
+    {"MoEAlltoAllDistributedOptimizer",
+     true,
      {{"moe-token-dispatcher-type", {"alltoall"}}, {"use-distributed-optimizer", {"true"}}}},
 };
 
@@ -142,9 +185,9 @@ TEST_P(PlanAgainstRun, PersistentExactPeakWithinFivePercent) {
   persistent += memory_plan_block_bytes(double(main_grad_scratch_bytes(Device::CPU)), Device::CPU);
   const double peak = double(host_allocator_stats().peak_allocated_bytes - before);
   const double built = double(trainer.model().num_parameters());
-  std::printf(" plan: persistent %.0f (measured %.0f), peak %.0f (measured %.0f, ratio %.4f) at %s\n",
-              plan.persistent(), persistent, plan.total(), peak, plan.total() / peak,
-              plan.peak_at.c_str());
+  std::printf(
+      " plan: persistent %.0f (measured %.0f), peak %.0f (measured %.0f, ratio %.4f) at %s\n",
+      plan.persistent(), persistent, plan.total(), peak, plan.total() / peak, plan.peak_at.c_str());
   // The whole model on one rank: the plan's counts are the model's.
   EXPECT_EQ(plan.total_parameters, built);
   EXPECT_EQ(plan.rank_parameters, built);
@@ -233,6 +276,32 @@ TEST(MemoryPlan, FollowsTheLayout) {
   const MemoryPlan more = plan_of(longer);
   EXPECT_NEAR(more.persistent(), one.persistent(), 0.02 * one.persistent());
   EXPECT_GT(more.activations, 1.8 * one.activations);
+}
+
+// Megatron-FSDP at DP4: optim_grads keeps a quarter of the main grads (and two units'
+// buckets), optim_grads_params a quarter of the weights too (and three units gathered);
+// the optimizer state is the distributed optimizer's.
+TEST(MemoryPlan, FsdpShardsGradientsThenWeights) {
+  RawOptions raw = base(false);
+  raw["num-layers"] = {"8"};
+  raw["global-batch-size"] = {"32"};
+  RawOptions distopt = raw;
+  distopt["use-distributed-optimizer"] = {"true"};
+  const MemoryPlan zero1 = plan_of(distopt, 4);
+  RawOptions grads = raw;
+  grads["use-megatron-fsdp"] = {"true"};
+  grads["data-parallel-sharding-strategy"] = {"optim_grads"};
+  const MemoryPlan zero2 = plan_of(grads, 4);
+  RawOptions params = raw;
+  params["use-megatron-fsdp"] = {"true"};
+  const MemoryPlan zero3 = plan_of(params, 4);
+  EXPECT_EQ(zero2.fsdp, "optim_grads");
+  EXPECT_NEAR(zero2.exp_avg, zero1.exp_avg, 0.01 * zero1.exp_avg);
+  EXPECT_EQ(zero2.weights, zero1.weights);
+  EXPECT_LT(zero2.main_grads, 0.6 * zero1.main_grads);
+  EXPECT_GT(zero2.main_grads, 0.25 * zero1.main_grads);
+  EXPECT_LT(zero3.weights, 0.8 * zero1.weights);
+  EXPECT_EQ(zero3.main_grads, zero2.main_grads);
 }
 
 // --cpu-offloading: the offloaded layers' activations leave the plan's peak, but for the
