@@ -2,8 +2,13 @@
 // CP 4, and each comm type (p2p, all_gather, a2a), every rank's output, log-sum-exp and
 // gradients for its two chunks equal the rows of ops::attention_forward/backward on the
 // whole sequence; and the dual-chunk split itself.
+// MEGATON_TEST_DEVICE=cuda (ctest's test_context_parallel_mpi_cuda, label gpu, CUDA builds;
+// 4 ranks on 4 GPUs): the GPU's comm types (a2a: NCCL all-to-all and cuDNN attention) in
+// bf16 against the same CPU reference on the bf16-rounded inputs.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "common/mpi_testing.h"
@@ -20,6 +25,11 @@ using testing::allclose;
 using testing::randn;
 
 constexpr double kAtol = 2e-6, kRtol = 2e-5;
+
+Device test_device() {
+  const char* d = std::getenv("MEGATON_TEST_DEVICE");
+  return d && std::string(d) == "cuda" ? Device::CUDA : Device::CPU;
+}
 
 TEST(CpSplit, DualChunkPositions) {
   // Megatron's example: S = 8 over 2 ranks: rank 0 chunks 0 and 3, rank 1 chunks 1 and 2.
@@ -44,9 +54,14 @@ class CpAttentionTest : public ::testing::TestWithParam<CpCase> {
  protected:
   void SetUp() override {
     if (dist::world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+    // On the GPU only a2a so far (the block attention of p2p and all_gather is CPU-only).
+    if (test_device() == Device::CUDA && GetParam().type != CpCommType::A2A)
+      GTEST_SKIP() << "--cp-comm-type " << cp_comm_type_name(GetParam().type) << " is CPU-only";
+    if (test_device() == Device::CUDA && (GetParam().D % 8 != 0 || GetParam().Dv % 8 != 0))
+      GTEST_SKIP() << "cuDNN takes head sizes that are multiples of 8";
   }
   static dist::Comm& comm() {
-    static std::unique_ptr<dist::Comm> c = dist::make_comm(Device::CPU);
+    static std::unique_ptr<dist::Comm> c = dist::make_comm(test_device());
     return *c;
   }
 };
@@ -62,6 +77,11 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
   Tensor q = randn({c.B, c.S, c.Hq, c.D}, seed), k = randn({c.B, c.S, c.Hkv, c.D}, seed + 1),
          v = randn({c.B, c.S, c.Hkv, c.Dv}, seed + 2),
          dout = randn({c.B, c.S, c.Hq, c.Dv}, seed + 3);
+  const Device device = test_device();
+  const bool gpu = device == Device::CUDA;
+  // On the GPU the inputs are bf16: the reference takes the same rounded values.
+  if (gpu)
+    for (Tensor* t : {&q, &k, &v, &dout}) *t = t->to(DType::BF16).to(DType::F32);
   Tensor out = Tensor::empty({c.B, c.S, c.Hq, c.Dv}), lse = Tensor::empty({c.B, c.Hq, c.S});
   ops::attention_forward(q, k, v, out, lse, 0.0f, 0, 0, 0.3f);
   Tensor dq = Tensor::empty(q.shape()), dk = Tensor::empty(k.shape()),
@@ -69,12 +89,20 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
   ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0f, 0, 0, 0.3f);
 
   auto local = [&](const Tensor& x) { return cp_split_sequence(x, g.size(), g.rank); };
+  // This rank's rows on the test's device (bf16 on the GPU), and back as fp32 host rows.
+  auto on_device = [&](const Tensor& x) {
+    return gpu ? local(x).to(DType::BF16).to(Device::CUDA) : local(x);
+  };
+  auto host = [&](const Tensor& x) { return gpu ? x.to(Device::CPU).to(DType::F32) : x; };
+  const double atol = gpu ? 2e-2 : kAtol, rtol = gpu ? 2e-2 : kRtol;
+  const DType dtype = gpu ? DType::BF16 : DType::F32;
   const CpAttention cp{&comm(), &g, c.type};
   const int64_t L = c.S / c.cp;
-  Tensor lq = local(q), lk = local(k), lv = local(v), ldout = local(dout);
-  Tensor lout = Tensor::empty({c.B, L, c.Hq, c.Dv}), llse = Tensor::empty({c.B * L, c.Hq});
+  Tensor lq = on_device(q), lk = on_device(k), lv = on_device(v), ldout = on_device(dout);
+  Tensor lout = Tensor::empty({c.B, L, c.Hq, c.Dv}, dtype, device),
+         llse = Tensor::empty({c.B * L, c.Hq}, DType::F32, device);
   cp_attention_forward(lq, lk, lv, lout, llse, cp, 0.3f);
-  EXPECT_TRUE(allclose(lout, local(out), kAtol, kRtol)) << cp_comm_type_name(c.type);
+  EXPECT_TRUE(allclose(host(lout), local(out), atol, rtol)) << cp_comm_type_name(c.type);
   if (c.type != CpCommType::A2A) {  // (a2a keeps its head group's whole-sequence lse)
     // The reference lse [B, Hq, S] as [B, S, Hq] rows, then this rank's.
     Tensor rows = Tensor::empty({c.B, c.S, c.Hq});
@@ -84,12 +112,13 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
           rows.f32()[(b * c.S + s) * c.Hq + h] = lse.f32()[(b * c.Hq + h) * c.S + s];
     EXPECT_TRUE(allclose(llse.view({c.B, L, c.Hq}), local(rows), kAtol, kRtol));
   }
-  Tensor ldq = Tensor::empty(lq.shape()), ldk = Tensor::empty(lk.shape()),
-         ldv = Tensor::empty(lv.shape());
+  Tensor ldq = Tensor::empty(lq.shape(), dtype, device),
+         ldk = Tensor::empty(lk.shape(), dtype, device),
+         ldv = Tensor::empty(lv.shape(), dtype, device);
   cp_attention_backward(ldout, lq, lk, lv, lout, llse, ldq, ldk, ldv, cp, 0.3f);
-  EXPECT_TRUE(allclose(ldq, local(dq), kAtol, kRtol)) << cp_comm_type_name(c.type);
-  EXPECT_TRUE(allclose(ldk, local(dk), kAtol, kRtol)) << cp_comm_type_name(c.type);
-  EXPECT_TRUE(allclose(ldv, local(dv), kAtol, kRtol)) << cp_comm_type_name(c.type);
+  EXPECT_TRUE(allclose(host(ldq), local(dq), atol, rtol)) << cp_comm_type_name(c.type);
+  EXPECT_TRUE(allclose(host(ldk), local(dk), atol, rtol)) << cp_comm_type_name(c.type);
+  EXPECT_TRUE(allclose(host(ldv), local(dv), atol, rtol)) << cp_comm_type_name(c.type);
 }
 
 INSTANTIATE_TEST_SUITE_P(CommTypes, CpAttentionTest,
@@ -99,7 +128,10 @@ INSTANTIATE_TEST_SUITE_P(CommTypes, CpAttentionTest,
                                            CpCase{2, CpCommType::AllGather, 2, 8, 4, 2, 8, 6},
                                            CpCase{4, CpCommType::AllGather, 1, 16, 4, 2, 8, 8},
                                            CpCase{2, CpCommType::A2A, 2, 8, 4, 2, 8, 6},
-                                           CpCase{4, CpCommType::A2A, 1, 16, 8, 4, 8, 8}));
+                                           CpCase{4, CpCommType::A2A, 1, 16, 8, 4, 8, 8},
+                                           // cuDNN's head sizes (the GPU run's cases).
+                                           CpCase{2, CpCommType::A2A, 2, 64, 4, 2, 64, 64},
+                                           CpCase{4, CpCommType::A2A, 1, 128, 8, 4, 64, 64}));
 
 }  // namespace
 }  // namespace megaton
