@@ -427,6 +427,14 @@ Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype, Device device
   t.storage_ = std::make_shared<Storage>(data, bytes_of(shape, dtype), device);
   return t;
 }
+Tensor Tensor::unallocated(const Shape& shape, DType dtype, Device device) {
+  Tensor t;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.storage_ = std::make_shared<Storage>(nullptr, bytes_of(shape, dtype), device);
+  t.storage_->owned = true;  // allocate_storage() takes memory this storage then frees
+  return t;
+}
 Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
   t.zero();

@@ -114,6 +114,9 @@ class Tensor {
   // on `device`), which must outlive every use of the tensor and its views; it is not
   // freed with them (Comm::pull_input's peer-memory slots).
   static Tensor borrow(void* data, const Shape& shape, DType dtype, Device device);
+  // A tensor whose storage starts released (Storage::release): shape and dtype, no memory
+  // until allocate_storage().
+  static Tensor unallocated(const Shape& shape, DType dtype, Device device);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }

@@ -24,8 +24,7 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
       sharding_(sharding) {
   MEGATON_CHECK(num_shards >= 1, "ParamAndGradBuffer: {} shards", num_shards);
   // One shard is the whole buffer: nothing to release (FSDP at size 1 costs nothing more).
-  if (num_shards == 1)
-    sharding_.strategy = std::min(sharding_.strategy, ShardingStrategy::Optim);
+  if (num_shards == 1) sharding_.strategy = std::min(sharding_.strategy, ShardingStrategy::Optim);
   MEGATON_CHECK(!params_.empty(), "ParamAndGradBuffer: no params");
   MEGATON_CHECK(grad_dtype == DType::F32 || grad_dtype == DType::BF16,
                 "ParamAndGradBuffer: grads must be F32 or BF16, got {}", dtype_name(grad_dtype));
@@ -86,9 +85,9 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
       bucket_weights_.push_back(Tensor::zeros({bucket.numel()}, dtype, device));
   else
     weights_ = Tensor::zeros({total}, dtype, device);
-  if (sharding_.sharded_grads())
+  if (sharding_.sharded_grads())  // no memory until a backward needs it (restore_grads)
     for (const BufferBucket& bucket : buckets_)
-      bucket_grads_.push_back(Tensor::zeros({bucket.numel()}, grad_dtype, device));
+      bucket_grads_.push_back(Tensor::unallocated({bucket.numel()}, grad_dtype, device));
   else
     grads_ = Tensor::zeros({total}, grad_dtype, device);
   // A param's view of a buffer: elements [offset, offset + numel) of the whole buffer.
@@ -120,10 +119,8 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
       store_own_weight_shard(b);
     }
   if (sharding_.sharded_grads())
-    for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (size_t b = 0; b < buckets_.size(); ++b)
       grad_shards_.push_back(Tensor::zeros({shard_numel(b)}, sharding_.main_grad_dtype, device));
-      release_grads(b);  // restore_grads allocates them zeroed for a backward
-    }
 }
 
 ShardingStrategy parse_sharding_strategy(const std::string& name) {
