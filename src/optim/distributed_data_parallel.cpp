@@ -70,8 +70,17 @@ void DistributedDataParallel::grads_ready(std::span<Param* const> params) {
                   config_.num_micro_batches);
     if (++s->reported == s->needed && config_.overlap_grad_reduce) {
       start_grad_sync(*s);
-      if (s->buffer->sharding().sharded_grads()) s->reported = 0;  // the next micro-batch's
+      if (s->buffer->sharding().sharded_grads()) {
+        s->reported = 0;  // the next micro-batch's
+        pending_.push_back(s);
+      }
     }
+  }
+  // FSDP: a bucket's memory goes once its reduce-scatter is done; the one or two started
+  // last keep running under the next unit's backward, the older ones are finished now.
+  while (pending_.size() > kPendingReduceScatters) {
+    finish_sharded_grad_sync(*pending_.front());
+    pending_.pop_front();
   }
   // FSDP: these weights are not read again before the next forward.
   if (params_sharded_)
@@ -117,6 +126,7 @@ void DistributedDataParallel::finish_grad_sync() {
     if (!s.grad_work && (!sharded || (s.buffer->grads_live(s.index) && !s.reduced.defined())))
       start_grad_sync(s);
   }
+  pending_.clear();
   for (BucketState& s : states_)
     if (s.buffer->sharding().sharded_grads()) {
       finish_sharded_grad_sync(s);

@@ -9,6 +9,7 @@
 // into the own shard as each micro-batch's backward of it finishes
 // (distributed_data_parallel_fsdp.cpp).
 #pragma once
+#include <deque>
 #include <memory>
 #include <span>
 #include <unordered_map>
@@ -126,6 +127,11 @@ class DistributedDataParallel {
   // The unit following (+1) or preceding (-1) the one starting with params[0], or empty.
   std::span<Param* const> neighbour_unit(std::span<Param* const> params, int step) const;
   bool grads_sharded_ = false, params_sharded_ = false;
+  // Sharded gradients: buckets whose reduce-scatter runs, oldest first (at most
+  // kPendingReduceScatters after a unit's backward; finish_sharded_grad_sync is a no-op on a
+  // bucket already finished elsewhere).
+  static constexpr size_t kPendingReduceScatters = 2;
+  std::deque<BucketState*> pending_;
   std::vector<std::vector<std::span<Param* const>>> units_;                 // per chunk
   std::unordered_map<const Param*, std::pair<size_t, size_t>> unit_index_;  // first param
 

@@ -59,6 +59,9 @@ void DistributedDataParallel::wait_gather(BucketState& s) {
 }
 
 void DistributedDataParallel::before_forward(std::span<Param* const> params) {
+  // The last micro-batch's reduce-scatters end before a forward takes memory again.
+  for (BucketState* s : pending_) finish_sharded_grad_sync(*s);
+  pending_.clear();
   if (!params_sharded_) {
     wait_param_sync(params);
     return;
