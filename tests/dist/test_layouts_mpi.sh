@@ -295,6 +295,9 @@ layouts=(
   "tp2-sp-fp8-tensorwise|2|--tensor-model-parallel-size 2 --sequence-parallel|FP8=tensorwise"
   "tp2-sp-fp8-delayed|2|--tensor-model-parallel-size 2 --sequence-parallel|FP8=delayed RTOL=2e-3"
   "dp2-distributed-optimizer-fp8-tensorwise|2|--use-distributed-optimizer|FP8=tensorwise"
+  # FSDP: the FP8 layers cast weights gathered per layer, twice per micro-batch. (The
+  # delayed recipe is not compared at DP: its history follows each rank's micro-batches.)
+  "fsdp-dp2-fp8-tensorwise|2|--use-megatron-fsdp|FP8=tensorwise"
   # The experts' FP8 GEMMs: one quantizer per expert and operand, each expert's rows
   # padded to 16 (128 blockwise); with the default ETP = TP the experts' sharded operands
   # reduce their amaxes over ETP (the tp2 layouts above). With DP 1 (TP2 + SP, EP2, ETP1)
