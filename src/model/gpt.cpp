@@ -18,10 +18,12 @@ namespace megaton {
 // ParamAndGradBuffer's own_bucket argument for buffers without one.
 static std::vector<const Param*> no_own_bucket() { return {}; }
 
-// The dtype of the gradients the layers accumulate into: the run's main grads, or under
-// FSDP's sharded gradients the grad comm dtype (the own shards keep the main grads dtype).
-static DType bucket_grad_dtype(const GPTConfig& cfg, const ChunkSharding& sharding) {
-  const bool sharded = sharding.strategy >= ShardingStrategy::OptimGrads;
+// The dtype of the gradients the layers accumulate into for a buffer of `shards` shards:
+// the run's main grads, or under FSDP's sharded gradients (more than one shard) the grad
+// comm dtype (the own shards keep the main grads dtype).
+static DType bucket_grad_dtype(const GPTConfig& cfg, const ChunkSharding& sharding,
+                               int64_t shards) {
+  const bool sharded = sharding.strategy >= ShardingStrategy::OptimGrads && shards > 1;
   return sharded ? sharding.grad_comm_dtype : cfg.main_grads_dtype;
 }
 
@@ -129,7 +131,7 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   buffers_.reserve(4);
   // FSDP: a bucket per unit (the hooks' units: 0 the embedding, 1 + i layer i, then the tail),
   // each buffer storing its shards as the strategy says.
-  const bool fsdp = sharding.strategy != ShardingStrategy::NoShard;
+  const bool fsdp = sharding.use_megatron_fsdp;
   std::unordered_map<const Param*, int> unit_of;
   if (fsdp) {
     for (const Param* p : head_params_) unit_of[p] = 0;
@@ -150,17 +152,18 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
     return bs;
   };
   const int64_t bucket = fsdp ? 0 : bucket_size;
-  const DType grads = bucket_grad_dtype(cfg_, sharding);
-  buffers_.emplace_back(dense, dense_shards, false, bucket, own_bucket, grads, units_of(dense),
-                        buffer_sharding(false));
+  const DType dense_grads = bucket_grad_dtype(cfg_, sharding, dense_shards);
+  const DType expert_grads = bucket_grad_dtype(cfg_, sharding, expert_shards);
+  buffers_.emplace_back(dense, dense_shards, false, bucket, own_bucket, dense_grads,
+                        units_of(dense), buffer_sharding(false));
   if (!dense_fp8.empty())
-    buffers_.emplace_back(dense_fp8, dense_shards, false, bucket, no_own_bucket(), grads,
+    buffers_.emplace_back(dense_fp8, dense_shards, false, bucket, no_own_bucket(), dense_grads,
                           units_of(dense_fp8), buffer_sharding(false));
   if (!expert.empty())
-    buffers_.emplace_back(expert, expert_shards, true, bucket, no_own_bucket(), grads,
+    buffers_.emplace_back(expert, expert_shards, true, bucket, no_own_bucket(), expert_grads,
                           units_of(expert), buffer_sharding(true));
   if (!expert_fp8.empty())
-    buffers_.emplace_back(expert_fp8, expert_shards, true, bucket, no_own_bucket(), grads,
+    buffers_.emplace_back(expert_fp8, expert_shards, true, bucket, no_own_bucket(), expert_grads,
                           units_of(expert_fp8), buffer_sharding(true));
   if (cfg_.cpu_offloading.enabled && cfg_.cpu_offloading.num_layers > 0) {
     std::vector<TransformerLayer*> layers;

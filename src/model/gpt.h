@@ -164,9 +164,10 @@ struct ParamHooks {
 };
 
 // Megatron-FSDP's storage of a chunk's buffers (ParamAndGradBuffer's BufferSharding).
-// Under any strategy but NoShard a bucket holds one unit's params (the embedding, a
+// Under --use-megatron-fsdp (any strategy) a bucket holds one unit's params (the embedding, a
 // transformer layer, the final norm with the output layer and MTP depths).
 struct ChunkSharding {
+  bool use_megatron_fsdp = false;  // a bucket per unit (no_shard too)
   ShardingStrategy strategy = ShardingStrategy::NoShard;
   int64_t dense_index = 0, expert_index = 0;  // this rank in the dp_cp / edp group
   DType main_grad_dtype = DType::F32;  // own gradient shards (--megatron-fsdp-main-grads-dtype)

@@ -77,6 +77,7 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
     if (alone || (bucket_size > 0 && total - bucket_begin >= bucket_size)) close_bucket();
   }
   close_bucket();
+  numel_ = total;
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (const Param* p : buckets_[b].params) bucket_index_[p] = int(b);
   // Whole buffers, or (sharded) one allocation per bucket so that each can be released.

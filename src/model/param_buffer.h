@@ -90,7 +90,7 @@ class ParamAndGradBuffer {
   bool is_expert() const { return is_expert_; }
   // The weights are FP8 (--fp8-param-gather, Param::fp8_param).
   bool fp8() const { return weights_.dtype() == DType::F8E4M3; }
-  int64_t numel() const { return weights_.numel(); }
+  int64_t numel() const { return numel_; }
   int64_t num_shards() const { return num_shards_; }
   // Element offset of param i (constructor order) in the buffers.
   int64_t offset(size_t i) const { return offsets_[i]; }
@@ -159,6 +159,7 @@ class ParamAndGradBuffer {
   int64_t num_shards_;
   bool is_expert_;
   BufferSharding sharding_;
+  int64_t numel_ = 0;  // elements of the whole buffer (every bucket, padding included)
   DType weight_dtype_, grad_dtype_;
   Device device_;
   Tensor weights_, grads_;  // whole buffers, unless stored by bucket

@@ -428,8 +428,10 @@ void check_megatron_fsdp(const TrainArgs& a) {
          p.data_parallel_sharding_strategy, what);
   };
   // (FP8 weight buffers are written by the optimizer's cast and all-gathered whole.)
-  if (s == ShardingStrategy::OptimGradsParams && a.model.fp8.param_gather)
-    not_yet("--fp8-param-gather");
+  if (s >= ShardingStrategy::OptimGrads && a.model.fp8.param_gather) not_yet("--fp8-param-gather");
+  // (The offload pins the layer's params' memory, which FSDP releases between uses.)
+  if (s >= ShardingStrategy::OptimGrads && a.model.cpu_offloading.enabled)
+    not_yet("--cpu-offloading");
   // (The step's graph would capture the buckets' allocations and releases.)
   if (s >= ShardingStrategy::OptimGrads && a.cuda_graph_impl == "full_iteration")
     not_yet("--cuda-graph-impl full_iteration");

@@ -18,6 +18,7 @@ ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid* grid) {
   ChunkSharding s;
   const ParallelArgs& p = args.parallel;
   if (!p.use_megatron_fsdp) return s;
+  s.use_megatron_fsdp = true;
   s.strategy = parse_sharding_strategy(p.data_parallel_sharding_strategy);
   if (grid && s.strategy != ShardingStrategy::NoShard) {  // no_shard: the whole buffer
     s.dense_index = grid->dp_cp().rank;

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "model/param_buffer.h"
+
 #ifdef MEGATON_WITH_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -56,8 +58,15 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
                             : double(dtype_size(adam.main_params_dtype));
   // --optimizer-cpu-offload: that fraction of the moments and main params is on the host.
   const double on_device = adam.optimizer_cpu_offload ? 1.0 - adam.optimizer_offload_fraction : 1.0;
+  // Megatron-FSDP's sharded gradients: only the rank's shard is held between backward
+  // passes (a lower bound: the buckets in flight are left out; the whole weights are still
+  // needed at initialisation).
+  const bool fsdp_grads = args.parallel.use_megatron_fsdp &&
+                          parse_sharding_strategy(args.parallel.data_parallel_sharding_strategy) >=
+                              ShardingStrategy::OptimGrads;
   auto bytes_per_element = [&](double shards) {
-    return cb + grad_b + on_device * (moments_b / shards + (cb < 4 ? main_b / shards : 0.0));
+    return cb + (fsdp_grads ? grad_b / shards : grad_b) +
+           on_device * (moments_b / shards + (cb < 4 ? main_b / shards : 0.0));
   };
   const double dense_b = bytes_per_element(dense_shards);
   const double expert_b = bytes_per_element(expert_shards);

@@ -63,7 +63,7 @@ std::string format_memory_plan(const MemoryPlan& p) {
   line(fmt::format("weights ({}{})", dtype_flag(p.compute_dtype),
                    p.fsdp == "optim_grads_params" ? ", this rank's shard + 3 units gathered" : ""),
        p.weights);
-  line(fsdp_grads ? "main grads (this rank's shard + 2 units' buckets, FSDP)"
+  line(fsdp_grads ? "main grads (this rank's shard + 4 units' buckets, FSDP)"
        : p.main_grads_dtype == DType::BF16
            ? "main grads (bf16, whole on every data-parallel rank; fp32 scratch)"
            : "main grads (fp32, whole on every data-parallel rank)",

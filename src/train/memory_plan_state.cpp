@@ -249,7 +249,7 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
       // fp16 / fp8 moments, fp16 main params: DistributedAdamW's absmax of each buffer
       // param (F32 [params, 3]).
       if (scaled_states) plan.other_state += block(double(sizes.size()) * 12);
-      if (fsdp != ShardingStrategy::NoShard) {
+      if (fsdp_sharding.use_megatron_fsdp) {
         // Megatron-FSDP: a bucket per unit, each padded to 64 x shards.
         std::map<int, double> units;
         for (const ParamShape& p : params)
@@ -261,16 +261,17 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
           total += n;
           largest = std::max(largest, n);
         }
-        // Sharded (more than one shard): the own shard, plus the buckets gathered at once
+        // Sharded (more than one shard): the own shard, plus the buckets held at once
         // (weights: the unit computing, the one prefetched and the tail kept from its
-        // forward to its backward; gradients: the unit in backward and the embedding's
-        // accumulating the tied output layer's).
+        // forward to its backward; gradients: the unit in backward, the embedding's
+        // accumulating the tied output layer's and the two whose reduce-scatter runs).
+        // A full-recompute group keeps its layers gathered: not counted.
         const bool grads_sharded = fsdp >= ShardingStrategy::OptimGrads && shards > 1;
         const bool params_sharded = fsdp == ShardingStrategy::OptimGradsParams && shards > 1;
         plan.weights += params_sharded ? block(total / shards * cb) + 3 * block(largest * cb)
                                        : block(total * (fp8 ? 1 : cb));
         plan.main_grads +=
-            grads_sharded ? block(total / shards * fsdp_grad_b) + 2 * block(largest * fsdp_comm_b)
+            grads_sharded ? block(total / shards * fsdp_grad_b) + 4 * block(largest * fsdp_comm_b)
                           : block(total * grad_b);
       } else {
         total = round_up(total, 64 * shards);

@@ -278,12 +278,12 @@ TEST(MemoryPlan, FollowsTheLayout) {
   EXPECT_GT(more.activations, 1.8 * one.activations);
 }
 
-// Megatron-FSDP at DP4: optim_grads keeps a quarter of the main grads (and two units'
+// Megatron-FSDP at DP4: optim_grads keeps a quarter of the main grads (and four units'
 // buckets), optim_grads_params a quarter of the weights too (and three units gathered);
 // the optimizer state is the distributed optimizer's.
 TEST(MemoryPlan, FsdpShardsGradientsThenWeights) {
   RawOptions raw = base(false);
-  raw["num-layers"] = {"8"};
+  raw["num-layers"] = {"32"};  // enough layers that the buckets in flight are a small part
   raw["global-batch-size"] = {"32"};
   RawOptions distopt = raw;
   distopt["use-distributed-optimizer"] = {"true"};

@@ -1,0 +1,84 @@
+// --use-megatron-fsdp and its flags before anything is built: what they set, and each
+// refusal a one-line megaton::Error naming the flags (the CLI turns it into exit status 2),
+// from parse_train_args and check_parallel_layout on a world of 2.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "train/arguments.h"
+
+namespace megaton {
+namespace {
+
+RawOptions base() {
+  return {{"device", {"cpu"}},
+          {"mock-data", {"true"}},
+          {"tokenizer-type", {"NullTokenizer"}},
+          {"vocab-size", {"63"}},
+          {"num-layers", {"2"}},
+          {"hidden-size", {"32"}},
+          {"num-attention-heads", {"4"}},
+          {"seq-length", {"16"}},
+          {"micro-batch-size", {"1"}},
+          {"train-iters", {"1"}}};
+}
+
+// The error a layout check on `world` ranks gives, or "" when it passes.
+std::string error_of(const RawOptions& raw, int64_t world = 2) {
+  try {
+    check_parallel_layout(parse_train_args(raw), world);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(FsdpArgs, DefaultsAndTheDistributedOptimizer) {
+  RawOptions raw = base();
+  raw["use-megatron-fsdp"] = {"true"};
+  const TrainArgs a = parse_train_args(raw);
+  EXPECT_TRUE(a.parallel.use_megatron_fsdp);
+  // Megatron-LM d98e8a6: optim_grads_params by default, the distributed optimizer on.
+  EXPECT_EQ(a.parallel.data_parallel_sharding_strategy, "optim_grads_params");
+  EXPECT_TRUE(a.parallel.use_distributed_optimizer);
+  EXPECT_EQ(a.parallel.megatron_fsdp_grad_comm_dtype, "auto");
+  EXPECT_EQ(error_of(raw), "");
+  raw["data-parallel-sharding-strategy"] = {"no_shard"};  // replicated AdamW
+  EXPECT_FALSE(parse_train_args(raw).parallel.use_distributed_optimizer);
+  EXPECT_EQ(error_of(raw), "");
+}
+
+TEST(FsdpArgs, RefusalsAreOneLineNamingTheFlags) {
+  struct Case {
+    std::vector<std::pair<std::string, std::vector<std::string>>> set;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {{{"data-parallel-sharding-strategy", {"optim"}}},
+       "data-parallel-sharding-strategy needs use-megatron-fsdp"},
+      {{{"use-megatron-fsdp", {"true"}}, {"data-parallel-sharding-strategy", {"zero3"}}},
+       "data-parallel-sharding-strategy 'zero3' is not one of"},
+      {{{"use-megatron-fsdp", {"true"}}, {"megatron-fsdp-grad-comm-dtype", {"fp16"}}},
+       "megatron-fsdp-grad-comm-dtype 'fp16' is not supported"},
+      {{{"use-megatron-fsdp", {"true"}},
+        {"data-parallel-sharding-strategy", {"optim_grads"}},
+        {"cpu-offloading", {"true"}},
+        {"cpu-offloading-num-layers", {"1"}}},
+       "optim_grads and --cpu-offloading is not supported yet"},
+      {{{"use-megatron-fsdp", {"true"}}, {"init-model-with-meta-device", {"true"}}},
+       "init-model-with-meta-device"},
+      {{{"use-megatron-fsdp", {"true"}}, {"fsdp-double-buffer", {"true"}}}, "fsdp-double-buffer"},
+  };
+  for (const Case& c : cases) {
+    RawOptions raw = base();
+    for (const auto& [k, v] : c.set) raw[k] = v;
+    const std::string e = error_of(raw);
+    EXPECT_NE(e.find(c.want), std::string::npos) << "got: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace megaton
