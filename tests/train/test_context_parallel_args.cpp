@@ -6,36 +6,21 @@
 #include <string>
 #include <vector>
 
-#include "core/error.h"
-#include "train/arguments.h"
+#include "common/args_testing.h"
 
 namespace megaton {
 namespace {
 
 RawOptions base(int64_t cp) {
-  return {{"device", {"cpu"}},
-          {"mock-data", {"true"}},
-          {"tokenizer-type", {"NullTokenizer"}},
-          {"vocab-size", {"63"}},
-          {"num-layers", {"2"}},
-          {"hidden-size", {"32"}},
-          {"num-attention-heads", {"4"}},
-          {"seq-length", {"16"}},
-          {"micro-batch-size", {"1"}},
-          {"train-iters", {"1"}},
-          {"attention-dropout", {"0"}},
-          {"context-parallel-size", {std::to_string(cp)}}};
+  RawOptions raw = testing::tiny_train_options();
+  raw["attention-dropout"] = {"0"};
+  raw["context-parallel-size"] = {std::to_string(cp)};
+  return raw;
 }
 
 // The error a layout check on `world` ranks gives, or "" when it passes.
-std::string error_of(RawOptions raw, int64_t world = 4) {
-  try {
-    const TrainArgs args = parse_train_args(raw);
-    check_parallel_layout(args, world);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
+std::string error_of(const RawOptions& raw, int64_t world = 4) {
+  return testing::layout_error(raw, world);
 }
 
 TEST(ContextParallelArgs, AcceptsEachCommType) {

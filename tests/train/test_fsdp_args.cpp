@@ -6,34 +6,14 @@
 #include <string>
 #include <vector>
 
-#include "core/error.h"
-#include "train/arguments.h"
+#include "common/args_testing.h"
 
 namespace megaton {
 namespace {
 
-RawOptions base() {
-  return {{"device", {"cpu"}},
-          {"mock-data", {"true"}},
-          {"tokenizer-type", {"NullTokenizer"}},
-          {"vocab-size", {"63"}},
-          {"num-layers", {"2"}},
-          {"hidden-size", {"32"}},
-          {"num-attention-heads", {"4"}},
-          {"seq-length", {"16"}},
-          {"micro-batch-size", {"1"}},
-          {"train-iters", {"1"}}};
-}
+RawOptions base() { return testing::tiny_train_options(); }
 
-// The error a layout check on `world` ranks gives, or "" when it passes.
-std::string error_of(const RawOptions& raw, int64_t world = 2) {
-  try {
-    check_parallel_layout(parse_train_args(raw), world);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string error_of(const RawOptions& raw) { return testing::layout_error(raw, 2); }
 
 TEST(FsdpArgs, DefaultsAndTheDistributedOptimizer) {
   RawOptions raw = base();
