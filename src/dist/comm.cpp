@@ -449,4 +449,27 @@ std::unique_ptr<Comm> make_comm(Device device) {
 #endif
 }
 
+void all_reduce_coalesced(Comm& comm, std::span<Tensor> tensors, const Group& g) {
+  if (tensors.empty()) return;
+  const DType dtype = tensors[0].dtype();
+  int64_t total = 0;
+  for (const Tensor& t : tensors) {
+    MEGATON_CHECK(t.dtype() == dtype, "all_reduce_coalesced: {} beside {}", dtype_name(t.dtype()),
+                  dtype_name(dtype));
+    total += t.numel();
+  }
+  Tensor flat = Tensor::empty({total}, dtype, tensors[0].device());
+  int64_t at = 0;
+  for (const Tensor& t : tensors) {
+    flat.rows(at, t.numel()).copy_from(t.view({t.numel()}));
+    at += t.numel();
+  }
+  comm.all_reduce(flat, g);
+  at = 0;
+  for (Tensor& t : tensors) {
+    t.view({t.numel()}).copy_from(flat.rows(at, t.numel()));
+    at += t.numel();
+  }
+}
+
 }  // namespace megaton::dist

@@ -239,6 +239,12 @@ class Comm {
 // otherwise throws megaton::Error). Under mpirun call dist::init() first.
 std::unique_ptr<Comm> make_comm(Device device);
 
+// Sums `tensors` (one dtype and device, any shapes; each contiguous, possibly a view) over
+// g in one all-reduce: packed into one buffer, reduced, written back (Megatron's
+// coalesced all-reduce of many small gradients). Nothing for an empty list; InternalError
+// on mixed dtypes. Collective over g.
+void all_reduce_coalesced(Comm& comm, std::span<Tensor> tensors, const Group& g);
+
 namespace detail {
 // Defined in comm_mpi.cpp and cuda/comm_nccl.cpp.
 std::unique_ptr<Comm> make_mpi_comm();

@@ -122,6 +122,9 @@ class DistributedDataParallel {
   // FSDP (distributed_data_parallel_fsdp.cpp).
   void start_gather(BucketState& s);
   void wait_gather(BucketState& s);
+  // The buckets of `params` gathered (waiting for a prefetch), then the all-gather of the unit
+  // prefetch_step (+1 next, -1 previous) away from theirs started.
+  void gather(std::span<Param* const> params, int prefetch_step);
   void finish_sharded_grad_sync(BucketState& s);  // wait, add into the own shard, release
   std::vector<BucketState*> states_of(std::span<Param* const> params);  // distinct, in order
   // The unit following (+1) or preceding (-1) the one starting with params[0], or empty.

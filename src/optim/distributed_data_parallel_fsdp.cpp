@@ -66,10 +66,7 @@ void DistributedDataParallel::before_forward(std::span<Param* const> params) {
     wait_param_sync(params);
     return;
   }
-  for (BucketState* s : states_of(params)) start_gather(*s);
-  for (BucketState* s : states_of(params)) wait_gather(*s);
-  // Prefetch one unit ahead: its all-gather runs while this unit computes.
-  for (BucketState* s : states_of(neighbour_unit(params, +1))) start_gather(*s);
+  gather(params, +1);
 }
 
 void DistributedDataParallel::after_forward(std::span<Param* const> params) {
@@ -85,6 +82,7 @@ void DistributedDataParallel::after_forward(std::span<Param* const> params) {
 }
 
 void DistributedDataParallel::before_backward(std::span<Param* const> params) {
+  if (!grads_sharded_ && !params_sharded_) return;  // plain DDP / distributed optimizer
   for (BucketState* s : states_of(params)) {
     ParamAndGradBuffer& b = *s->buffer;
     if (b.sharding().sharded_grads()) {
@@ -94,10 +92,15 @@ void DistributedDataParallel::before_backward(std::span<Param* const> params) {
       b.restore_grads(s->index);
     }
   }
-  if (!params_sharded_) return;
-  for (BucketState* s : states_of(params)) start_gather(*s);
-  for (BucketState* s : states_of(params)) wait_gather(*s);
-  for (BucketState* s : states_of(neighbour_unit(params, -1))) start_gather(*s);
+  if (params_sharded_) gather(params, -1);
+}
+
+void DistributedDataParallel::gather(std::span<Param* const> params, int prefetch_step) {
+  const std::vector<BucketState*> states = states_of(params);
+  for (BucketState* s : states) start_gather(*s);
+  for (BucketState* s : states) wait_gather(*s);
+  // The neighbour's all-gather runs while this unit computes.
+  for (BucketState* s : states_of(neighbour_unit(params, prefetch_step))) start_gather(*s);
 }
 
 void DistributedDataParallel::finish_sharded_grad_sync(BucketState& s) {
@@ -122,35 +125,18 @@ void DistributedDataParallel::finish_sharded_grad_sync(BucketState& s) {
 void DistributedDataParallel::all_reduce_own_grads(std::span<const Param* const> params,
                                                    const dist::Group& group) {
   if (group.size() == 1 || !group.is_member()) return;
+  // Every rank of the group holds the same pieces in the same order (same buffer layout).
   std::vector<Tensor> pieces;
-  int64_t total = 0;
   std::vector<const ParamAndGradBuffer*> seen;
   for (BucketState& s : states_) {
     ParamAndGradBuffer& b = *s.buffer;
     if (std::find(seen.begin(), seen.end(), &b) != seen.end()) continue;
     seen.push_back(&b);
     for (const BufferPiece& piece : b.shard_pieces(b.sharding().shard_index))
-      if (std::find(params.begin(), params.end(), piece.param) != params.end()) {
+      if (std::find(params.begin(), params.end(), piece.param) != params.end())
         pieces.push_back(b.grad_piece(piece));
-        total += piece.numel;
-      }
   }
-  if (pieces.empty()) return;
-  // Every rank of the group holds the same pieces in the same order (same buffer layout).
-  const DType dtype = pieces[0].dtype();
-  Tensor flat = Tensor::empty({total}, dtype, pieces[0].device());
-  int64_t at = 0;
-  for (const Tensor& t : pieces) {
-    MEGATON_CHECK(t.dtype() == dtype, "all_reduce_own_grads: mixed gradient dtypes");
-    flat.rows(at, t.numel()).copy_from(t);
-    at += t.numel();
-  }
-  comm_.all_reduce(flat, group);
-  at = 0;
-  for (Tensor& t : pieces) {
-    t.copy_from(flat.rows(at, t.numel()));
-    at += t.numel();
-  }
+  dist::all_reduce_coalesced(comm_, pieces, group);
 }
 
 void DistributedDataParallel::gather_all_weights() {
