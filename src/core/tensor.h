@@ -135,6 +135,11 @@ class Tensor {
   void release_storage() const;
   void allocate_storage() const;
   bool storage_released() const { return storage_ && storage_->released(); }
+  // Views the same elements of the same storage (released or not), where raw() would
+  // compare pointers.
+  bool same_data(const Tensor& other) const {
+    return storage_ == other.storage_ && offset_ == other.offset_;
+  }
   // Typed pointer; throws InternalError when T does not match dtype().
   template <typename T>
   T* data() const;

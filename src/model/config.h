@@ -23,11 +23,11 @@ enum class RopeType { Rope, Yarn };
 struct GPTConfig {
   int64_t num_layers = 0;
   int64_t hidden_size = 0;
-  int64_t ffn_hidden_size = 0;      // 0: 4 * hidden_size (Megatron's default)
+  int64_t ffn_hidden_size = 0;  // 0: 4 * hidden_size (Megatron's default)
   int64_t num_attention_heads = 0;
   bool group_query_attention = false;
-  int64_t num_query_groups = 0;     // 0: num_attention_heads (no GQA)
-  int64_t kv_channels = 0;          // 0: hidden_size / num_attention_heads
+  int64_t num_query_groups = 0;  // 0: num_attention_heads (no GQA)
+  int64_t kv_channels = 0;       // 0: hidden_size / num_attention_heads
   int64_t seq_length = 0;
   int64_t max_position_embeddings = 0;  // 0: seq_length
   int64_t vocab_size = 0;               // from the tokenizer, before padding
@@ -110,16 +110,16 @@ struct GPTConfig {
   std::string moe_router_dtype;                       // "" | fp32 | fp64
   int64_t moe_router_num_groups = 0;                  // 0: no group-limited routing
   int64_t moe_router_group_topk = 0;
-  float moe_z_loss_coeff = 0.0f;                      // 0: no z-loss
-  float moe_input_jitter_eps = 0.0f;                  // 0: no jitter
+  float moe_z_loss_coeff = 0.0f;      // 0: no z-loss
+  float moe_input_jitter_eps = 0.0f;  // 0: no jitter
   bool moe_router_enable_expert_bias = false;
   float moe_router_bias_update_rate = 1e-3f;
   bool moe_router_force_load_balancing = false;
   // Token dropping (--moe-expert-capacity-factor; 0: dropless, Megatron's default None).
   float moe_expert_capacity_factor = 0.0f;
-  std::string moe_token_drop_policy = "probs";        // probs | position
+  std::string moe_token_drop_policy = "probs";  // probs | position
   bool moe_pad_expert_input_to_capacity = false;
-  int64_t moe_shared_expert_intermediate_size = 0;    // 0: no shared expert
+  int64_t moe_shared_expert_intermediate_size = 0;  // 0: no shared expert
   bool moe_shared_expert_gate = false;
 
   // Where and in what precision the model runs. --bf16 keeps fp32 main params and (unless
@@ -146,6 +146,10 @@ struct GPTConfig {
   // layers go to host memory between their forward and backward (model/activation_offload.h).
   CpuOffloadingConfig cpu_offloading;
   Device device = Device::CPU;
+  // --init-model-with-meta-device (Megatron-FSDP): parameters are made without values;
+  // the FSDP buffers and the optimizer draw only what this rank stores (model/param.h
+  // ParamInit). Set from the parallel flags by the trainer.
+  bool init_model_with_meta_device = false;
   DType compute_dtype() const {
     if (device != Device::CUDA) return DType::F32;
     return bf16 ? DType::BF16 : fp16 ? DType::F16 : DType::F32;

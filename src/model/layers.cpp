@@ -2,9 +2,10 @@
 #include "model/layers.h"
 
 #include <cmath>
-#include <functional>
 #include <cstring>
+#include <functional>
 
+#include "core/rng.h"
 #include "model/main_grad.h"
 #include "model/tensor_parallel.h"
 #include "ops/fp8.h"
@@ -34,15 +35,45 @@ static Param place(const std::string& name, Tensor host_fp32, bool no_weight_dec
   return p;
 }
 
+// A parameter of `shape` on this rank without values (--init-model-with-meta-device).
+static Param place_meta(const std::string& name, const Shape& shape, bool no_weight_decay,
+                        Placement where, const ParamInit& init) {
+  Param p;
+  p.name = name;
+  p.no_weight_decay = no_weight_decay;
+  p.full_shape = shape;
+  p.main_param = Tensor::unallocated(shape, DType::F32, where.device);
+  p.weight = where.dtype == DType::F32 ? p.main_param
+                                       : Tensor::unallocated(shape, where.dtype, where.device);
+  p.init = init;
+  return p;
+}
+
+static ParamInit normal_init(const std::string& name, float std, uint64_t seed, int rank,
+                             int size) {
+  ParamInit init;
+  init.kind = ParamInit::Kind::Normal;
+  init.seed = seed;
+  init.stream = fnv1a(name);
+  init.std = std;
+  init.tp_rank = rank;
+  init.tp_size = size;
+  return init;
+}
+
 Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed,
                  Placement where) {
+  const ParamInit init = normal_init(name, std, seed, 0, 1);
+  if (where.meta_device) return place_meta(name, shape, false, where, init);
   // On the host, whatever the placement, so every device starts from the same values;
   // fill_normal is Philox(seed).normal(stream, i) per element over a thread team (the
   // serial loop took most of a large model's start-up).
   Tensor w = Tensor::empty(shape);
-  ops::fill_normal(w, seed, fnv1a(name));
+  ops::fill_normal(w, seed, init.stream);
   ops::scale_(w, std);
-  return place(name, w, false, where);
+  Param p = place(name, w, false, where);
+  p.init = init;
+  return p;
 }
 
 Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swiglu_halves) {
@@ -78,13 +109,20 @@ Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swig
   return out;
 }
 
-Param make_param_sharded(const std::string& name, const Shape& full_shape, float std,
-                         uint64_t seed, Placement where, int split_dim, int rank, int size,
-                         bool swiglu_halves) {
+Param make_param_sharded(const std::string& name, const Shape& full_shape, float std, uint64_t seed,
+                         Placement where, int split_dim, int rank, int size, bool swiglu_halves) {
   if (size == 1) return make_param(name, full_shape, std, seed, where);
-  Param full = make_param(name, full_shape, std, seed, Placement{Device::CPU, DType::F32});
-  Param p = place(name, shard_of(full.main_param, split_dim, rank, size, swiglu_halves), false,
-                  where);
+  Param p;
+  if (where.meta_device) {
+    Shape shape = full_shape;
+    MEGATON_CHECK(split_dim == 0 || split_dim == 1, "make_param_sharded: split dim {}", split_dim);
+    shape[size_t(split_dim)] /= size;
+    p = place_meta(name, shape, false, where, normal_init(name, std, seed, rank, size));
+  } else {
+    Param full = make_param(name, full_shape, std, seed, Placement{Device::CPU, DType::F32});
+    p = place(name, shard_of(full.main_param, split_dim, rank, size, swiglu_halves), false, where);
+    p.init = normal_init(name, std, seed, rank, size);
+  }
   p.tp_split_dim = split_dim;
   p.swiglu_halves = swiglu_halves;
   p.full_shape = full_shape;
@@ -93,9 +131,71 @@ Param make_param_sharded(const std::string& name, const Shape& full_shape, float
 
 Param make_constant_param(const std::string& name, const Shape& shape, float value,
                           bool no_weight_decay, Placement where) {
+  ParamInit init;
+  init.kind = ParamInit::Kind::Constant;
+  init.value = value;
+  if (where.meta_device) return place_meta(name, shape, no_weight_decay, where, init);
   Tensor w = Tensor::empty(shape);
   w.fill(value);
-  return place(name, w, no_weight_decay, where);
+  Param p = place(name, w, no_weight_decay, where);
+  p.init = init;
+  return p;
+}
+
+Tensor initial_values(const Param& p, int64_t offset, int64_t numel) {
+  const ParamInit& init = p.init;
+  const int64_t local = p.weight.numel();
+  MEGATON_CHECK(init.kind != ParamInit::Kind::None, "initial_values: '{}' has no recipe", p.name);
+  MEGATON_CHECK(offset >= 0 && numel >= 0 && offset + numel <= local,
+                "initial_values: elements [{}, {}) of '{}' ({} elements)", offset, offset + numel,
+                p.name, local);
+  Tensor out = Tensor::empty({numel});
+  float* y = out.f32();
+  if (init.kind == ParamInit::Kind::Constant) {
+    out.fill(init.value);
+    return out;
+  }
+  // Local element j -> element of the full tensor, as shard_of cuts it.
+  const Shape& full = p.full_shape;
+  const int64_t full_rows = full.empty() ? 1 : full[0];
+  int64_t full_numel = 1;
+  for (int64_t d : full) full_numel *= d;
+  const int64_t full_cols = full_rows > 0 ? full_numel / full_rows : 0;
+  const int dim = init.tp_size > 1 ? p.tp_split_dim : -1;
+  const int64_t local_rows = dim == 0 ? full_rows / init.tp_size : full_rows;
+  const int64_t local_cols = dim == 1 ? full_cols / init.tp_size : full_cols;
+  const int64_t half = local_rows / 2;  // rows of each SwiGLU half on this rank
+  auto full_index = [&](int64_t j) -> int64_t {
+    const int64_t r = j / std::max<int64_t>(local_cols, 1),
+                  c = j % std::max<int64_t>(local_cols, 1);
+    if (dim == 1) return r * full_cols + int64_t(init.tp_rank) * local_cols + c;
+    if (dim != 0) return j;
+    if (!p.swiglu_halves) return (int64_t(init.tp_rank) * local_rows + r) * full_cols + c;
+    const int64_t second = r >= half ? 1 : 0;
+    const int64_t row =
+        second * (full_rows / 2) + int64_t(init.tp_rank) * half + (r - second * half);
+    return row * full_cols + c;
+  };
+  const Philox rng(init.seed);
+#pragma omp parallel for schedule(static) if (numel >= 65536)
+  for (int64_t k = 0; k < numel; ++k)
+    y[k] = rng.normal(init.stream, uint64_t(full_index(offset + k))) * init.std;
+  return out;
+}
+
+void write_initial_values(const Param& p, int64_t offset, Tensor dst) {
+  const Tensor values = initial_values(p, offset, dst.numel()).to(dst.device());
+  if (dst.dtype() == DType::F32)
+    dst.copy_from(values);
+  else
+    ops::cast(values, dst);
+}
+
+Tensor main_param_values(const Param& p, int64_t offset, int64_t numel) {
+  MEGATON_CHECK(p.main_param.defined(), "main_param_values: '{}' has no main param", p.name);
+  if (!p.main_param.storage_released())
+    return p.main_param.view({p.main_param.numel()}).rows(offset, numel);
+  return initial_values(p, offset, numel).to(p.weight.device());
 }
 
 void refresh_compute_weight(Param& p) {
@@ -104,8 +204,9 @@ void refresh_compute_weight(Param& p) {
   if (p.weight.raw() == p.main_param.raw()) return;
   // An offloaded main param (--optimizer-cpu-offload) is on the host: cast there, then copy.
   if (p.main_param.device() != p.weight.device())
-    p.weight.copy_from(p.main_param.dtype() == p.weight.dtype() ? p.main_param
-                                                                : p.main_param.to(p.weight.dtype()));
+    p.weight.copy_from(p.main_param.dtype() == p.weight.dtype()
+                           ? p.main_param
+                           : p.main_param.to(p.weight.dtype()));
   else
     ops::cast(p.main_param, p.weight);
 }
@@ -143,9 +244,8 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
 
 Tensor Linear::forward(const Tensor& x, bool save_input) {
   // Column-parallel under SP: every rank's token rows (re-gathered in backward).
-  const Tensor x_full = mode_ == TensorParallelMode::Column && mp_.sequence_parallel
-                            ? gather_sequence(x, mp_)
-                            : x;
+  const Tensor x_full =
+      mode_ == TensorParallelMode::Column && mp_.sequence_parallel ? gather_sequence(x, mp_) : x;
   Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
   saved_ = {};
   // The bias in the GEMM's epilogue, except under FP8, after the row-parallel sum, or when
@@ -158,12 +258,16 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
     if (save_input && !saved_.fp8.x.data_t.defined()) saved_.x = x;
   } else {
     if (save_input) saved_.x = x;
-    if (bias_in_gemm) ops::gemm_bias(x_full, false, weight.weight, true, bias.weight, y);
-    else ops::gemm(x_full, false, weight.weight, true, y);
+    if (bias_in_gemm)
+      ops::gemm_bias(x_full, false, weight.weight, true, bias.weight, y);
+    else
+      ops::gemm(x_full, false, weight.weight, true, y);
   }
   if (mode_ == TensorParallelMode::Row) {
-    if (mp_.sequence_parallel) y = reduce_scatter_sequence(y, mp_);
-    else all_reduce_tensor_parallel(y, mp_);
+    if (mp_.sequence_parallel)
+      y = reduce_scatter_sequence(y, mp_);
+    else
+      all_reduce_tensor_parallel(y, mp_);
   }
   if (add_bias && !bias_in_gemm) ops::bias_add_(y, bias.weight);
   return y;
@@ -183,7 +287,8 @@ Tensor Linear::backward(const Tensor& dy,
                         const std::function<Tensor(const Tensor& dx)>& make_input) {
   MEGATON_CHECK(mode_ != TensorParallelMode::Column || mp_.tp_size() == 1,
                 "Linear '{}': an input made from dx needs the complete dx (column-parallel "
-                "under tensor parallelism has a partial one)", weight.name);
+                "under tensor parallelism has a partial one)",
+                weight.name);
   return backward_saved(dy, take_saved(), make_input);
 }
 
@@ -210,8 +315,10 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved,
     gemm_main_grad(dy_full, true, x_full(), false, weight.main_grad);
   }
   if (mode_ == TensorParallelMode::Column) {
-    if (sp) dx = reduce_scatter_sequence(dx, mp_);
-    else all_reduce_tensor_parallel(dx, mp_);
+    if (sp)
+      dx = reduce_scatter_sequence(dx, mp_);
+    else
+      all_reduce_tensor_parallel(dx, mp_);
   }
   return dx;
 }
@@ -261,8 +368,8 @@ void Linear::collect_params(std::vector<Param*>& out) {
   if (bias.weight.defined()) out.push_back(&bias);
 }
 
-Norm::Norm(const std::string& name, int64_t hidden, Normalization kind, float eps,
-           Placement where, bool sequence_parallel)
+Norm::Norm(const std::string& name, int64_t hidden, Normalization kind, float eps, Placement where,
+           bool sequence_parallel)
     : weight(make_constant_param(name + ".weight", {hidden}, 1.0f, true, where)),
       kind_(kind),
       eps_(eps) {
@@ -315,8 +422,7 @@ Tensor Norm::forward_add(Tensor& x, const Tensor& residual) {
     ops::add_rmsnorm_forward(x, residual, weight.weight, eps_, x, y, s.rstd);
   } else {
     s.mean = Tensor::empty({x.dim(0)}, DType::F32, x.device());
-    ops::add_layernorm_forward(x, residual, weight.weight, bias.weight, eps_, x, y, s.mean,
-                               s.rstd);
+    ops::add_layernorm_forward(x, residual, weight.weight, bias.weight, eps_, x, y, s.mean, s.rstd);
   }
   s.x = x;
   return y;
@@ -341,8 +447,7 @@ void Norm::collect_params(std::vector<Param*>& out) {
 }
 
 MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
-         float init_std, float output_std, uint64_t seed, Placement where,
-         const ModelParallel& mp)
+         float init_std, float output_std, uint64_t seed, Placement where, const ModelParallel& mp)
     : linear_fc1(prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, init_std, seed,
                  where, TensorParallelMode::Column, mp, swiglu),
       linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed, where,
@@ -352,24 +457,30 @@ MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bo
 Tensor mlp_activation(const Tensor& fc1_out, bool swiglu) {
   const int64_t ffn = swiglu ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
   Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
-  if (swiglu) ops::swiglu_forward(fc1_out, act);
-  else ops::gelu_forward(fc1_out, act);
+  if (swiglu)
+    ops::swiglu_forward(fc1_out, act);
+  else
+    ops::gelu_forward(fc1_out, act);
   return act;
 }
 
 Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool swiglu,
                                Tensor* act) {
   Tensor dfc1 = empty_like(dact, fc1_out.shape());
-  if (swiglu) ops::swiglu_backward(dact, fc1_out, dfc1, act);
-  else ops::gelu_backward(dact, fc1_out, dfc1, act);
+  if (swiglu)
+    ops::swiglu_backward(dact, fc1_out, dfc1, act);
+  else
+    ops::gelu_backward(dact, fc1_out, dfc1, act);
   return dfc1;
 }
 
 Tensor mlp_activation_weighted(const Tensor& fc1_out, const Tensor& probs, bool swiglu) {
   const int64_t ffn = swiglu ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
   Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
-  if (swiglu) ops::weighted_swiglu_forward(fc1_out, probs, act);
-  else ops::weighted_gelu_forward(fc1_out, probs, act);
+  if (swiglu)
+    ops::weighted_swiglu_forward(fc1_out, probs, act);
+  else
+    ops::weighted_gelu_forward(fc1_out, probs, act);
   return act;
 }
 
@@ -378,8 +489,10 @@ Tensor mlp_activation_weighted_backward(const Tensor& dact, const Tensor& fc1_ou
                                         Tensor* act) {
   Tensor dfc1 = empty_like(dact, fc1_out.shape());
   dprobs = Tensor::empty({fc1_out.dim(0)}, DType::F32, dact.device());
-  if (swiglu) ops::weighted_swiglu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
-  else ops::weighted_gelu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+  if (swiglu)
+    ops::weighted_swiglu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+  else
+    ops::weighted_gelu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
   return dfc1;
 }
 
@@ -415,8 +528,8 @@ Tensor MLP::backward(const Tensor& dy, const std::function<Tensor()>& input) {
     return x;
   };
   // fc1's output, remade from the input (the mlp recompute): the same GEMM, the same bits.
-  const Tensor fc1_out = s.fc1_out.defined() ? s.fc1_out
-                                             : linear_fc1.forward(forward_input(), false);
+  const Tensor fc1_out =
+      s.fc1_out.defined() ? s.fc1_out : linear_fc1.forward(forward_input(), false);
   Tensor dfc1;  // the activation's backward, inside fc2's backward or after it
   const Tensor dact = linear_fc2.backward(dy, [&](const Tensor& dact) {
     Tensor act = empty_like(dact, dact.shape());

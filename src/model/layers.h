@@ -45,8 +45,8 @@ struct ForwardContext {
   std::shared_ptr<const PackedSeqParams> packed_seq_params = nullptr;
   // Random stream for dropout site `site` of layer `layer` (layer -1: embedding).
   uint64_t stream(int64_t layer, int site) const {
-    return ((uint64_t(iteration) * 4096 + uint64_t(micro_batch)) * 1024 + uint64_t(layer + 1)) *
-               8 + uint64_t(site);
+    return ((uint64_t(iteration) * 4096 + uint64_t(micro_batch)) * 1024 + uint64_t(layer + 1)) * 8 +
+           uint64_t(site);
   }
 };
 
@@ -54,7 +54,12 @@ struct ForwardContext {
 struct Placement {
   Device device = Device::CPU;
   DType dtype = DType::F32;
-  static Placement of(const GPTConfig& cfg) { return {cfg.device, cfg.compute_dtype()}; }
+  // Parameters without values (Tensor::unallocated weight and main_param), drawn later by
+  // initial_values (--init-model-with-meta-device).
+  bool meta_device = false;
+  static Placement of(const GPTConfig& cfg) {
+    return {cfg.device, cfg.compute_dtype(), cfg.init_model_with_meta_device};
+  }
 };
 
 // New parameter named `name`: weights ~ N(0, std) from Philox keyed by (seed, hash of the
@@ -69,12 +74,24 @@ Param make_param(const std::string& name, const Shape& shape, float std, uint64_
 // the same values the one-rank model has there, whatever the layout. swiglu_halves
 // (split_dim 0): the slice of each half of [gate; up] (Megatron's SwiGLU fc1 sharding).
 // Sets the Param's tp_split_dim, swiglu_halves and full_shape. size 1: make_param.
-Param make_param_sharded(const std::string& name, const Shape& full_shape, float std,
-                         uint64_t seed, Placement where, int split_dim, int rank, int size,
+Param make_param_sharded(const std::string& name, const Shape& full_shape, float std, uint64_t seed,
+                         Placement where, int split_dim, int rank, int size,
                          bool swiglu_halves = false);
 // Rows or columns [rank * n / size, (rank + 1) * n / size) of a [rows, cols] host tensor
 // (dim 0: rows, 1: columns), as make_param_sharded cuts it; swiglu_halves as there.
 Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swiglu_halves);
+// Elements [offset, offset + numel) of p's values on this rank (its tensor-parallel slice,
+// flattened row-major), as make_param* drew or would draw them: [numel] F32 on the host.
+// Only the elements asked for are drawn. InternalError when p has no recipe (p.init) or
+// the range is outside p.
+Tensor initial_values(const Param& p, int64_t offset, int64_t numel);
+// Writes initial_values(p, offset, dst.numel()) into dst (any float dtype, any device; cast
+// by ops::cast on dst's device, as place() casts a new weight).
+void write_initial_values(const Param& p, int64_t offset, Tensor dst);
+// Elements [offset, offset + numel) of p's fp32 main param, [numel] F32 on p's device: a
+// view of p.main_param, or, for a param made without values (--init-model-with-meta-device,
+// main_param unallocated), a new tensor of its initial_values.
+Tensor main_param_values(const Param& p, int64_t offset, int64_t numel);
 // A parameter filled with `value` (norm weights 1, biases 0).
 Param make_constant_param(const std::string& name, const Shape& shape, float value,
                           bool no_weight_decay, Placement where);

@@ -1,10 +1,24 @@
 // Param: one trainable tensor with its fp32 main gradient.
 #pragma once
+#include <cstdint>
 #include <string>
 
 #include "core/tensor.h"
 
 namespace megaton {
+
+// How a parameter's initial values are drawn (model/layers.h make_param*), kept so that a
+// run with --init-model-with-meta-device can draw any range of them later, on the rank
+// that stores it (initial_values). Normal: element i of the full tensor (row-major over
+// Param::full_shape) is std x Philox(seed).normal(stream, i); this rank's slice is that of
+// tp_rank of tp_size along Param::tp_split_dim (swiglu_halves as there). Constant: value.
+struct ParamInit {
+  enum class Kind { None, Normal, Constant };
+  Kind kind = Kind::None;
+  uint64_t seed = 0, stream = 0;
+  float std = 0, value = 0;
+  int tp_rank = 0, tp_size = 1;
+};
 
 // A model parameter on the model's device. `weight` is the compute copy the layers use
 // (bf16 in a bf16 GPU run, else fp32); `main_param` is the fp32 master copy the optimizer
@@ -65,6 +79,10 @@ struct Param {
   // weight's GEMMs in FP8 (Fp8LinearGemms).
   bool fp8_param = false;
   Tensor fp8_scales;
+  // The recipe of the initial values; under --init-model-with-meta-device `weight` and
+  // `main_param` start unallocated (Tensor::unallocated) and the buffers and the optimizer
+  // draw only the pieces this rank stores (model/layers.h initial_values).
+  ParamInit init;
 };
 
 }  // namespace megaton

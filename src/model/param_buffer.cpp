@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "model/layers.h"
 
 namespace megaton {
 
@@ -29,6 +30,10 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   MEGATON_CHECK(grad_dtype == DType::F32 || grad_dtype == DType::BF16,
                 "ParamAndGradBuffer: grads must be F32 or BF16, got {}", dtype_name(grad_dtype));
   const bool fp8 = params_[0]->fp8_param;
+  // --init-model-with-meta-device: the params have no values yet; what this buffer stores
+  // of them is drawn here (initial_values), nothing more.
+  const bool meta = params_[0]->weight.storage_released();
+  MEGATON_CHECK(!meta || !fp8, "ParamAndGradBuffer: FP8 weights made without values");
   const DType dtype = fp8 ? DType::F8E4M3 : params_[0]->weight.dtype();
   const Device device = params_[0]->weight.device();
   MEGATON_CHECK(param_units.empty() || param_units.size() == params_.size(),
@@ -65,6 +70,9 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
                   "ParamAndGradBuffer: param '{}' is {} on {}, the first {} on {}", p->name,
                   dtype_name(p->weight.dtype()), device_name(p->weight.device()), dtype_name(dtype),
                   device_name(device));
+    MEGATON_CHECK(p->weight.storage_released() == meta,
+                  "ParamAndGradBuffer: param '{}' is {}made without values, the first is {}",
+                  p->name, meta ? "not " : "", meta ? "" : "not");
     const bool alone = std::find(own_bucket.begin(), own_bucket.end(), p) != own_bucket.end();
     if (alone) close_bucket();
     // A new unit starts a new bucket (its neighbour in buffer order is params_[k + 1]).
@@ -83,7 +91,8 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   // Whole buffers, or (sharded) one allocation per bucket so that each can be released.
   if (sharding_.sharded_params())
     for (const BufferBucket& bucket : buckets_)
-      bucket_weights_.push_back(Tensor::zeros({bucket.numel()}, dtype, device));
+      bucket_weights_.push_back(meta ? Tensor::unallocated({bucket.numel()}, dtype, device)
+                                     : Tensor::zeros({bucket.numel()}, dtype, device));
   else
     weights_ = Tensor::zeros({total}, dtype, device);
   if (sharding_.sharded_grads())  // no memory until a backward needs it (restore_grads)
@@ -101,9 +110,13 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
-    const bool main_is_weight = p->main_param.defined() && p->main_param.raw() == p->weight.raw();
+    const bool main_is_weight = p->main_param.defined() && p->main_param.same_data(p->weight);
     Tensor view = view_of(weights_, bucket_weights_, i);
-    if (fp8) {
+    if (meta) {
+      if (!sharding_.sharded_params()) write_initial_values(*p, 0, view);
+      p->weight = view;
+      if (main_is_weight) p->main_param = view;
+    } else if (fp8) {
       // The fp32 values stay in main_param (an fp32 run's weight was its main param).
       MEGATON_CHECK(p->main_param.defined(), "FP8 weight '{}' without an fp32 main param", p->name);
       p->weight = view;
@@ -116,8 +129,16 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   }
   if (sharding_.sharded_params())
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      weight_shards_.push_back(Tensor::empty({shard_numel(b)}, dtype, device));
-      store_own_weight_shard(b);
+      if (!meta) {
+        weight_shards_.push_back(Tensor::empty({shard_numel(b)}, dtype, device));
+        store_own_weight_shard(b);
+        continue;
+      }
+      weight_shards_.push_back(Tensor::zeros({shard_numel(b)}, dtype, device));
+      const int64_t begin = shard_begin(b, sharding_.shard_index);
+      for (const BufferPiece& piece : pieces(begin, begin + shard_numel(b)))
+        write_initial_values(*piece.param, piece.param_offset,
+                             weight_shards_.back().rows(piece.buffer_offset - begin, piece.numel));
     }
   if (sharding_.sharded_grads())
     for (size_t b = 0; b < buckets_.size(); ++b)

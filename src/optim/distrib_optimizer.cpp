@@ -60,6 +60,9 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
     for (size_t bi = 0; bi < buffers_.size(); ++bi)
       for (size_t k = 0; k < buffers_[bi]->params().size(); ++k) {
         Param* p = buffers_[bi]->params()[k];
+        // Made without values (--init-model-with-meta-device): the whole main param now.
+        if (p->main_param.storage_released() && !p->main_param.same_data(p->weight))
+          p->main_param = main_param_values(*p, 0, p->weight.numel()).view(p->weight.shape());
         if (!stores_f16_main_param(config, *p) || p->main_param_f16.defined()) continue;
         p->main_param_f16 = Tensor::empty(p->weight.shape(), DType::F16, p->weight.device());
         p->main_param_scale = Tensor::zeros({1}, DType::F32, p->weight.device());
@@ -92,10 +95,11 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
                             config.main_params_dtype == DType::F32 &&
                             b.weight_dtype() == DType::BF16;
     buffer_remainders_.push_back(remainders);
-    if (remainders)
+    // (Sharded weights made without values have only the own shard, rounded per piece below.)
+    if (remainders && !b.params().front()->weight.storage_released())
       for (Param* p : b.params()) {
         Tensor none;
-        ops::split_param_remainders(p->main_param, p->weight, none);
+        ops::split_param_remainders(main_param_values(*p, 0, p->weight.numel()), p->weight, none);
       }
   }
   shard_params_.reserve(count);  // AdamW keeps pointers into it
@@ -114,10 +118,9 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
       if (b.fp8()) {
         // AdamW updates the fp32 piece only; quantize_fp8_weights writes the FP8 bytes.
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
-        sp.main_param.copy_from(
-            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel));
+        sp.main_param.copy_from(main_param_values(*p, piece.param_offset, piece.numel));
         sp.weight = sp.main_param;
-      } else if (p->main_param.raw() == p->weight.raw()) {
+      } else if (p->main_param.same_data(p->weight)) {
         sp.main_param = sp.weight;  // fp32 run: the weight is the main param
       } else if (stores_f16_main_param(config, *p)) {
         // The piece's fp16 main param, with its whole parameter's scale.
@@ -125,19 +128,16 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
         const size_t k = size_t(std::find(params.begin(), params.end(), p) - params.begin());
         sp.main_param_f16 = Tensor::empty({piece.numel}, DType::F16, p->weight.device());
         sp.main_param_scale = Tensor::zeros({1}, DType::F32, p->weight.device());
-        ops::f16_main_param_quantize(
-            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel),
-            f16_scales[bi][k], sp.main_param_f16, sp.main_param_scale);
+        ops::f16_main_param_quantize(main_param_values(*p, piece.param_offset, piece.numel),
+                                     f16_scales[bi][k], sp.main_param_f16, sp.main_param_scale);
       } else if (buffer_remainders_[bi]) {
         // The piece's fp32 main param as its remainder beside the weight (AdamW keeps it).
         sp.main_param_remainder = Tensor::empty({piece.numel}, DType::I16, p->weight.device());
-        ops::split_param_remainders(
-            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel),
-            sp.weight, sp.main_param_remainder);
+        ops::split_param_remainders(main_param_values(*p, piece.param_offset, piece.numel),
+                                    sp.weight, sp.main_param_remainder);
       } else {
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
-        sp.main_param.copy_from(
-            p->main_param.view({p->main_param.numel()}).rows(piece.param_offset, piece.numel));
+        sp.main_param.copy_from(main_param_values(*p, piece.param_offset, piece.numel));
       }
       shard_params_.push_back(std::move(sp));
       shard_pieces_.push_back(piece);
@@ -147,7 +147,7 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
   // The full fp32 main params are not needed any more: only this rank's shard is updated.
   for (ParamAndGradBuffer& b : each_buffer())
     for (Param* p : b.params())
-      if (p->main_param.raw() != p->weight.raw()) p->main_param = Tensor();
+      if (!p->main_param.same_data(p->weight)) p->main_param = Tensor();
   for (Param& sp : shard_params_) targets.push_back(&sp);
   adam_ = std::make_unique<AdamW>(targets, config, comm.device());
   // A shard's piece is elements [param_offset, param_offset + numel) of its param's slice.

@@ -8,6 +8,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "model/layers.h"
 #include "ops/adam_f16_main_param.h"
 #include "ops/adam_scaled_state_math.h"
 #include "optim/distrib_optimizer.h"
@@ -113,8 +114,9 @@ std::vector<float> DistributedAdamW::initial_f16_main_param_scales(size_t bi,
   for (size_t k = 0; k < n; ++k) {
     const Param* p = b.params()[k];
     if (b.fp8() || !stores_f16_main_param(config, *p)) continue;
-    absmax.f32()[k] =
-        p->main_param_f16.defined() ? absmax_of(main_param_value(*p)) : absmax_of(p->main_param);
+    absmax.f32()[k] = p->main_param_f16.defined()
+                          ? absmax_of(main_param_value(*p))
+                          : absmax_of(main_param_values(*p, 0, p->weight.numel()));
   }
   // Every rank of the tensor-parallel group decides alike which params are fp16.
   const dist::Group& tp = tp_group_of(b);

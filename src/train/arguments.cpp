@@ -435,6 +435,9 @@ void check_megatron_fsdp(const TrainArgs& a) {
   // (The step's graph would capture the buckets' allocations and releases.)
   if (s >= ShardingStrategy::OptimGrads && a.cuda_graph_impl == "full_iteration")
     not_yet("--cuda-graph-impl full_iteration");
+  // (Each rank quantizes whole FP8 weights from whole main params.)
+  if (a.model.init_model_with_meta_device && a.model.fp8.param_gather)
+    fail("init-model-with-meta-device with --fp8-param-gather is not supported yet");
 }
 
 }  // namespace

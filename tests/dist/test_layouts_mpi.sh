@@ -228,6 +228,13 @@ layouts=(
   "fsdp-cp2-dp2|4|--use-megatron-fsdp --context-parallel-size 2 --cp-comm-type a2a"
   "fsdp-pp2-dp2-tied|4|--use-megatron-fsdp --pipeline-model-parallel-size 2|TIED=1"
   "fsdp-dp2-tied-recompute|2|--use-megatron-fsdp|TIED=1 RC=full"
+  # --init-model-with-meta-device: each rank draws only what it stores; same run.
+  "fsdp-meta-dp2|2|--use-megatron-fsdp --init-model-with-meta-device"
+  "fsdp-meta-optim-grads-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --init-model-with-meta-device"
+  "fsdp-meta-no-shard-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy no_shard --init-model-with-meta-device"
+  "fsdp-meta-dp2-ep2|4|--use-megatron-fsdp --init-model-with-meta-device --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+  "fsdp-meta-tp2-sp-dp2|4|--use-megatron-fsdp --init-model-with-meta-device --tensor-model-parallel-size 2 --sequence-parallel"
+  "fsdp-meta-pp2-dp2-tied|4|--use-megatron-fsdp --init-model-with-meta-device --pipeline-model-parallel-size 2|TIED=1"
   # Pipeline parallelism: 1F1B, interleaved 1F1B (8 layers: two 1-layer chunks per rank
   # on pp 4), uneven first/last stages, tied embeddings synchronised between the stages.
   "tp2|2|--tensor-model-parallel-size 2"

@@ -47,8 +47,14 @@ TEST(FsdpArgs, RefusalsAreOneLineNamingTheFlags) {
         {"cpu-offloading", {"true"}},
         {"cpu-offloading-num-layers", {"1"}}},
        "optim_grads and --cpu-offloading is not supported yet"},
-      {{{"use-megatron-fsdp", {"true"}}, {"init-model-with-meta-device", {"true"}}},
-       "init-model-with-meta-device"},
+      {{{"init-model-with-meta-device", {"true"}}},
+       "init-model-with-meta-device needs use-megatron-fsdp"},
+      {{{"use-megatron-fsdp", {"true"}},
+        {"init-model-with-meta-device", {"true"}},
+        {"data-parallel-sharding-strategy", {"optim"}},
+        {"fp8-format", {"hybrid"}},
+        {"fp8-param-gather", {"true"}}},
+       "init-model-with-meta-device with --fp8-param-gather is not supported yet"},
       {{{"use-megatron-fsdp", {"true"}}, {"fsdp-double-buffer", {"true"}}}, "fsdp-double-buffer"},
   };
   for (const Case& c : cases) {

@@ -64,6 +64,10 @@ void parse_parallel(const ArgReader& r, TrainArgs& a) {
   r.get("ddp-bucket-size", p.ddp_bucket_size);
   r.get("distributed-timeout-minutes", p.distributed_timeout_minutes);
   parse_megatron_fsdp(r, p);
+  // Megatron's TransformerConfig field, used with Megatron-FSDP (the model's initialisation).
+  r.get("init-model-with-meta-device", a.model.init_model_with_meta_device);
+  if (a.model.init_model_with_meta_device && !p.use_megatron_fsdp)
+    fail("init-model-with-meta-device needs use-megatron-fsdp");
   // Optional counts: 0 means "not set", so a value given must be positive.
   for (const char* key : {"expert-tensor-parallel-size", "num-layers-per-virtual-pipeline-stage",
                           "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
@@ -138,6 +142,8 @@ ArgGroup parallel_flags() {
            "dtype of FSDP's gradient shards: auto (the main grads'), fp32 or bf16"),
       flag("megatron-fsdp-grad-comm-dtype",
            "dtype of FSDP's gradient reduce-scatter: auto (the main grads'), fp32 or bf16"),
+      toggle("init-model-with-meta-device",
+             "FSDP: each rank draws only the initial weights and main params it stores"),
   };
   for (OptionSpec& s : parallel_megatron_rules()) g.flags.push_back(std::move(s));
   return g;

@@ -58,8 +58,6 @@ std::vector<OptionSpec> parallel_megatron_rules() {
                   "embedding counted as a layer in the pipeline split"),
       unsupported("account-for-loss-in-pipeline-split", "0",
                   "loss counted as a layer in the pipeline split"),
-      unsupported("init-model-with-meta-device", "0",
-                  "a Megatron-FSDP option not implemented yet (issue 22)"),
       unsupported("gtp-remat-opt-in-modules", "+", "GTP weight sharding beyond tensor parallelism"),
       unsupported("symmetric-ar-type", "1", "symmetric-memory all-reduce"),
       unsupported("tp-comm-overlap-cfg", "1", "tensor-parallel communication overlap (issue 22)"),
