@@ -12,7 +12,8 @@ N = 8 is the issue's run; N = 4 runs the same layouts at half size.
      default token exchange (pull through peer memory on one node) and once with
      MEGATON_MOE_ALLTOALL_EXCHANGE=regroup ("EP N alltoall regroup");
    - llama-1.3B, DP N + distributed optimizer + both overlaps; DP N under Megatron-FSDP
-     (optim_grads, optim_grads_params); TP2 (+ SP) x DP N/2;
+     (optim_grads, optim_grads_params); TP2 (+ SP) x DP N/2, without and with
+     --tp-comm-overlap;
      PP2 x DP N/2 interleaved (2 model chunks per stage), each with the distributed
      optimizer.
    Every run, the one-GPU reference included, trains the same global batch (micro-batch 4,
@@ -53,6 +54,10 @@ def layouts(n, layers):
         f"DP{n} FSDP optim_grads_params": (FSDP + ["optim_grads_params"], n),
         f"TP2 SP x DP{half}": (["--tensor-model-parallel-size", "2", "--sequence-parallel"]
                                + OVERLAP, half),
+        # The same with the sequence all-gathers / reduce-scatters beside the GEMMs (issue 22).
+        f"TP2 SP x DP{half} tp-comm-overlap": (["--tensor-model-parallel-size", "2",
+                                                "--sequence-parallel", "--tp-comm-overlap"]
+                                               + OVERLAP, half),
         f"PP2 x DP{half} interleaved": (["--pipeline-model-parallel-size", "2",
                                          "--num-layers-per-virtual-pipeline-stage",
                                          str(layers // 4)] + OVERLAP, half),
@@ -114,7 +119,8 @@ def main():
         # config -> (layouts, micro-batches of the one-GPU reference per step)
         plans = [("moe-64x-top8", [f"EP{n} alltoall", f"EP{n} alltoall regroup"], n),
                  ("llama-1.3B", [f"DP{n}", f"DP{n} FSDP optim_grads", f"DP{n} FSDP optim_grads_params",
-                                 f"TP2 SP x DP{n // 2}", f"PP2 x DP{n // 2} interleaved"], 2 * n)]
+                                 f"TP2 SP x DP{n // 2}", f"TP2 SP x DP{n // 2} tp-comm-overlap",
+                                 f"PP2 x DP{n // 2} interleaved"], 2 * n)]
         for cname, names, ref_micro in plans:
             names = [x for x in names if wanted(x)]
             if not names:

@@ -26,7 +26,8 @@ class CommError : public std::runtime_error {
 
 // A collective started by one of Comm's *_async calls, running while the caller goes
 // on (Megatron's overlapped gradient reduce-scatter and parameter all-gather). Until
-// wait() the tensors given to the call must be neither read nor written.
+// wait() the tensors given to the call must not be written, nor its output read (its
+// input may be read: the tensor-parallel overlap multiplies a block while it is gathered).
 class CommWork {
  public:
   virtual ~CommWork() = default;
@@ -108,8 +109,8 @@ class Comm {
   void all_gather(const Tensor& in, Tensor& out, const Group& g,
                   std::source_location site = std::source_location::current());
   // The same three collectives, started and left running (see CommWork). On the GPU they
-  // run on a communication stream of their own, after everything queued so far on the
-  // compute stream, over a second communicator per group, so they overlap the compute
+  // run on a communication stream of their group's own, after everything queued so far on
+  // the compute stream, over a second communicator per group, so they overlap the compute
   // that follows and never interleave with the blocking calls. Operations on one group
   // must still be started in the same order on every member.
   std::unique_ptr<CommWork> all_reduce_async(

@@ -2,214 +2,15 @@
 #include "model/layers.h"
 
 #include <cmath>
-#include <cstring>
 #include <functional>
 
-#include "core/rng.h"
 #include "model/main_grad.h"
 #include "model/tensor_parallel.h"
+#include "model/tp_comm_overlap.h"
 #include "ops/fp8.h"
 #include "ops/ops.h"
 
 namespace megaton {
-
-static uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
-static Param place(const std::string& name, Tensor host_fp32, bool no_weight_decay,
-                   Placement where) {
-  Param p;
-  p.name = name;
-  p.no_weight_decay = no_weight_decay;
-  p.full_shape = host_fp32.shape();
-  p.main_param = host_fp32.to(where.device);
-  if (where.dtype == DType::F32) {
-    p.weight = p.main_param;
-  } else {
-    p.weight = Tensor::empty(host_fp32.shape(), where.dtype, where.device);
-    ops::cast(p.main_param, p.weight);
-  }
-  return p;
-}
-
-// A parameter of `shape` on this rank without values (--init-model-with-meta-device).
-static Param place_meta(const std::string& name, const Shape& shape, bool no_weight_decay,
-                        Placement where, const ParamInit& init) {
-  Param p;
-  p.name = name;
-  p.no_weight_decay = no_weight_decay;
-  p.full_shape = shape;
-  p.main_param = Tensor::unallocated(shape, DType::F32, where.device);
-  p.weight = where.dtype == DType::F32 ? p.main_param
-                                       : Tensor::unallocated(shape, where.dtype, where.device);
-  p.init = init;
-  return p;
-}
-
-static ParamInit normal_init(const std::string& name, float std, uint64_t seed, int rank,
-                             int size) {
-  ParamInit init;
-  init.kind = ParamInit::Kind::Normal;
-  init.seed = seed;
-  init.stream = fnv1a(name);
-  init.std = std;
-  init.tp_rank = rank;
-  init.tp_size = size;
-  return init;
-}
-
-Param make_param(const std::string& name, const Shape& shape, float std, uint64_t seed,
-                 Placement where) {
-  const ParamInit init = normal_init(name, std, seed, 0, 1);
-  if (where.meta_device) return place_meta(name, shape, false, where, init);
-  // On the host, whatever the placement, so every device starts from the same values;
-  // fill_normal is Philox(seed).normal(stream, i) per element over a thread team (the
-  // serial loop took most of a large model's start-up).
-  Tensor w = Tensor::empty(shape);
-  ops::fill_normal(w, seed, init.stream);
-  ops::scale_(w, std);
-  Param p = place(name, w, false, where);
-  p.init = init;
-  return p;
-}
-
-Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swiglu_halves) {
-  MEGATON_CHECK(split_dim == 0 || split_dim == 1, "shard_of: split dim {}", split_dim);
-  MEGATON_CHECK(!swiglu_halves || split_dim == 0, "shard_of: SwiGLU halves split along dim 0");
-  const Tensor host = full.device() == Device::CPU ? full : full.to(Device::CPU);
-  const int64_t rows = host.dim(0), cols = host.numel() / std::max<int64_t>(rows, 1);
-  const int64_t n = split_dim == 0 ? rows : cols;
-  const int64_t parts = swiglu_halves ? 2 * size : size;
-  MEGATON_CHECK(n % parts == 0, "shard_of: dim {} of {} not divisible into {} parts", split_dim,
-                shape_str(host.shape()), parts);
-  Shape shape = host.shape();
-  shape[split_dim] = n / size;
-  Tensor out = Tensor::empty(shape, host.dtype());
-  const size_t elem = dtype_size(host.dtype());
-  const auto* src = static_cast<const char*>(host.raw());
-  auto* dst = static_cast<char*>(out.raw());
-  if (split_dim == 0) {
-    const int64_t chunk = n / parts;  // rows per copied block
-    const int64_t row_bytes = cols * int64_t(elem);
-    int64_t at = 0;
-    for (int64_t half = 0; half < (swiglu_halves ? 2 : 1); ++half) {
-      const int64_t first = half * (n / 2) * (swiglu_halves ? 1 : 0) + rank * chunk;
-      std::memcpy(dst + at, src + first * row_bytes, size_t(chunk * row_bytes));
-      at += chunk * row_bytes;
-    }
-  } else {
-    const int64_t width = cols / size;
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(dst + r * width * int64_t(elem), src + (r * cols + rank * width) * int64_t(elem),
-                  size_t(width * int64_t(elem)));
-  }
-  return out;
-}
-
-Param make_param_sharded(const std::string& name, const Shape& full_shape, float std, uint64_t seed,
-                         Placement where, int split_dim, int rank, int size, bool swiglu_halves) {
-  if (size == 1) return make_param(name, full_shape, std, seed, where);
-  Param p;
-  if (where.meta_device) {
-    Shape shape = full_shape;
-    MEGATON_CHECK(split_dim == 0 || split_dim == 1, "make_param_sharded: split dim {}", split_dim);
-    shape[size_t(split_dim)] /= size;
-    p = place_meta(name, shape, false, where, normal_init(name, std, seed, rank, size));
-  } else {
-    Param full = make_param(name, full_shape, std, seed, Placement{Device::CPU, DType::F32});
-    p = place(name, shard_of(full.main_param, split_dim, rank, size, swiglu_halves), false, where);
-    p.init = normal_init(name, std, seed, rank, size);
-  }
-  p.tp_split_dim = split_dim;
-  p.swiglu_halves = swiglu_halves;
-  p.full_shape = full_shape;
-  return p;
-}
-
-Param make_constant_param(const std::string& name, const Shape& shape, float value,
-                          bool no_weight_decay, Placement where) {
-  ParamInit init;
-  init.kind = ParamInit::Kind::Constant;
-  init.value = value;
-  if (where.meta_device) return place_meta(name, shape, no_weight_decay, where, init);
-  Tensor w = Tensor::empty(shape);
-  w.fill(value);
-  Param p = place(name, w, no_weight_decay, where);
-  p.init = init;
-  return p;
-}
-
-Tensor initial_values(const Param& p, int64_t offset, int64_t numel) {
-  const ParamInit& init = p.init;
-  const int64_t local = p.weight.numel();
-  MEGATON_CHECK(init.kind != ParamInit::Kind::None, "initial_values: '{}' has no recipe", p.name);
-  MEGATON_CHECK(offset >= 0 && numel >= 0 && offset + numel <= local,
-                "initial_values: elements [{}, {}) of '{}' ({} elements)", offset, offset + numel,
-                p.name, local);
-  Tensor out = Tensor::empty({numel});
-  float* y = out.f32();
-  if (init.kind == ParamInit::Kind::Constant) {
-    out.fill(init.value);
-    return out;
-  }
-  // Local element j -> element of the full tensor, as shard_of cuts it.
-  const Shape& full = p.full_shape;
-  const int64_t full_rows = full.empty() ? 1 : full[0];
-  int64_t full_numel = 1;
-  for (int64_t d : full) full_numel *= d;
-  const int64_t full_cols = full_rows > 0 ? full_numel / full_rows : 0;
-  const int dim = init.tp_size > 1 ? p.tp_split_dim : -1;
-  const int64_t local_rows = dim == 0 ? full_rows / init.tp_size : full_rows;
-  const int64_t local_cols = dim == 1 ? full_cols / init.tp_size : full_cols;
-  const int64_t half = local_rows / 2;  // rows of each SwiGLU half on this rank
-  auto full_index = [&](int64_t j) -> int64_t {
-    const int64_t r = j / std::max<int64_t>(local_cols, 1),
-                  c = j % std::max<int64_t>(local_cols, 1);
-    if (dim == 1) return r * full_cols + int64_t(init.tp_rank) * local_cols + c;
-    if (dim != 0) return j;
-    if (!p.swiglu_halves) return (int64_t(init.tp_rank) * local_rows + r) * full_cols + c;
-    const int64_t second = r >= half ? 1 : 0;
-    const int64_t row =
-        second * (full_rows / 2) + int64_t(init.tp_rank) * half + (r - second * half);
-    return row * full_cols + c;
-  };
-  const Philox rng(init.seed);
-#pragma omp parallel for schedule(static) if (numel >= 65536)
-  for (int64_t k = 0; k < numel; ++k)
-    y[k] = rng.normal(init.stream, uint64_t(full_index(offset + k))) * init.std;
-  return out;
-}
-
-void write_initial_values(const Param& p, int64_t offset, Tensor dst) {
-  const Tensor values = initial_values(p, offset, dst.numel()).to(dst.device());
-  if (dst.dtype() == DType::F32)
-    dst.copy_from(values);
-  else
-    ops::cast(values, dst);
-}
-
-Tensor main_param_values(const Param& p, int64_t offset, int64_t numel) {
-  MEGATON_CHECK(p.main_param.defined(), "main_param_values: '{}' has no main param", p.name);
-  if (!p.main_param.storage_released())
-    return p.main_param.view({p.main_param.numel()}).rows(offset, numel);
-  return initial_values(p, offset, numel).to(p.weight.device());
-}
-
-void refresh_compute_weight(Param& p) {
-  // An FP8 weight (--fp8-param-gather) is requantized by the distributed optimizer.
-  MEGATON_CHECK(!p.fp8_param, "refresh_compute_weight on the FP8 weight '{}'", p.name);
-  if (p.weight.raw() == p.main_param.raw()) return;
-  // An offloaded main param (--optimizer-cpu-offload) is on the host: cast there, then copy.
-  if (p.main_param.device() != p.weight.device())
-    p.weight.copy_from(p.main_param.dtype() == p.weight.dtype()
-                           ? p.main_param
-                           : p.main_param.to(p.weight.dtype()));
-  else
-    ops::cast(p.main_param, p.weight);
-}
 
 Linear::Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias_on,
                float init_std, uint64_t seed, Placement where, TensorParallelMode mode,
@@ -243,27 +44,44 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
 }
 
 Tensor Linear::forward(const Tensor& x, bool save_input) {
+  // --tp-comm-overlap: the sequence all-gather (Column) or reduce-scatter (Row) beside the
+  // GEMM (model/tp_comm_overlap.h); not for FP8 GEMMs yet.
+  const bool overlap = mp_.sequence_parallel && mp_.tp_comm_overlap && !fp8_.enabled() &&
+                       mode_ != TensorParallelMode::None;
   // Column-parallel under SP: every rank's token rows (re-gathered in backward).
-  const Tensor x_full =
-      mode_ == TensorParallelMode::Column && mp_.sequence_parallel ? gather_sequence(x, mp_) : x;
-  Tensor y = empty_like(x, {x_full.dim(0), weight.weight.dim(0)});
+  const bool gather = mode_ == TensorParallelMode::Column && mp_.sequence_parallel;
+  const Tensor x_full = gather && !overlap ? gather_sequence(x, mp_) : x;
+  const int64_t rows = gather ? x.dim(0) * mp_.tp_size() : x.dim(0);
+  Tensor y;
+  if (!(overlap && mode_ == TensorParallelMode::Row))
+    y = empty_like(x, {rows, weight.weight.dim(0)});
   saved_ = {};
   // The bias in the GEMM's epilogue, except under FP8, after the row-parallel sum, or when
   // the caller adds it (skip_bias_add).
   const bool add_bias = bias.weight.defined() && !skip_bias_add_;
   const bool bias_in_gemm = add_bias && !fp8_.enabled() && mode_ != TensorParallelMode::Row;
+  const RowGemm gemm = [&](const Tensor& in, Tensor out) {
+    if (bias_in_gemm)
+      ops::gemm_bias(in, false, weight.weight, true, bias.weight, out);
+    else
+      ops::gemm(in, false, weight.weight, true, out);
+  };
   if (fp8_.enabled()) {
     saved_.fp8 = fp8_.forward(x_full, weight, save_input, fp8_sharding(), y);
     // A bf16 weight gradient (--no-fp8-wgrad) reads the input itself.
     if (save_input && !saved_.fp8.x.data_t.defined()) saved_.x = x;
   } else {
     if (save_input) saved_.x = x;
-    if (bias_in_gemm)
-      ops::gemm_bias(x_full, false, weight.weight, true, bias.weight, y);
-    else
-      ops::gemm(x_full, false, weight.weight, true, y);
+    if (overlap && gather) {
+      Tensor gathered = empty_like(x, {rows, x.dim(1)});
+      gemm_all_gathered_rows(x, gathered, y, gemm, mp_);
+    } else if (overlap && mode_ == TensorParallelMode::Row) {
+      y = gemm_reduce_scattered_rows(x, weight.weight.dim(0), gemm, mp_, tp_comm_overlap_splits());
+    } else {
+      gemm(x_full, y);
+    }
   }
-  if (mode_ == TensorParallelMode::Row) {
+  if (mode_ == TensorParallelMode::Row && !overlap) {
     if (mp_.sequence_parallel)
       y = reduce_scatter_sequence(y, mp_);
     else
@@ -300,6 +118,11 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved,
   // The bias gradient from this rank's rows of dy (a partial sum under SP for Row).
   if (bias.weight.defined())
     accumulate_main_grad(bias.main_grad, [&](Tensor& g) { ops::bias_backward(dy, g); });
+  if (!fp8_.enabled() && sp && saved.x.defined()) {
+    if (mode_ == TensorParallelMode::Column) return column_backward_overlapped(dy, saved.x);
+    if (mode_ == TensorParallelMode::Row && mp_.tp_comm_overlap)
+      return row_backward_overlapped(dy, saved.x);
+  }
   const Tensor dy_full = mode_ == TensorParallelMode::Row && sp ? gather_sequence(dy, mp_) : dy;
   Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
   // The weight gradient's input, asked for after dx is written: every rank's rows of x
@@ -320,6 +143,37 @@ Tensor Linear::backward_saved(const Tensor& dy, const Saved& saved,
     else
       all_reduce_tensor_parallel(dx, mp_);
   }
+  return dx;
+}
+
+Tensor Linear::column_backward_overlapped(const Tensor& dy, const Tensor& x) {
+  // Megatron's LinearWithGradAccumulationAndAsyncCommunication: the all-gather of x runs
+  // beside the dgrad GEMM, the reduce-scatter of dx beside the wgrad GEMM.
+  const int tp = mp_.tp_size();
+  Tensor x_full = empty_like(x, {x.dim(0) * tp, x.dim(1)});
+  std::unique_ptr<dist::CommWork> gathered = mp_.comm->all_gather_async(x, x_full, mp_.tp());
+  Tensor dx = empty_like(dy, {dy.dim(0), weight.weight.dim(1)});
+  ops::gemm(dy, false, weight.weight, false, dx);
+  MEGATON_CHECK(dx.dim(0) % tp == 0,
+                "sequence parallel: {} token rows are not divisible by tensor-parallel size {}",
+                dx.dim(0), tp);
+  Tensor dx_local = empty_like(dx, {dx.dim(0) / tp, dx.dim(1)});
+  std::unique_ptr<dist::CommWork> scattered =
+      mp_.comm->reduce_scatter_async(dx, dx_local, mp_.tp());
+  gathered->wait();
+  gemm_main_grad(dy, true, x_full, false, weight.main_grad);
+  scattered->wait();
+  return dx_local;
+}
+
+Tensor Linear::row_backward_overlapped(const Tensor& dy, const Tensor& x) {
+  // The all-gather of dy beside the dgrad GEMM of this rank's own rows.
+  Tensor dy_full = empty_like(dy, {dy.dim(0) * mp_.tp_size(), dy.dim(1)});
+  Tensor dx = empty_like(dy, {dy_full.dim(0), weight.weight.dim(1)});
+  gemm_all_gathered_rows(
+      dy, dy_full, dx,
+      [&](const Tensor& in, Tensor out) { ops::gemm(in, false, weight.weight, false, out); }, mp_);
+  gemm_main_grad(dy_full, true, x, false, weight.main_grad);
   return dx;
 }
 

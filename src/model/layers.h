@@ -182,6 +182,12 @@ class Linear {
   // make_input: as in backward(dy, make_input), used when saved holds no input.
   Tensor backward_saved(const Tensor& dy, const Saved& saved,
                         const std::function<Tensor(const Tensor& dx)>& make_input = {});
+  // Under sequence parallelism with a saved input (non-FP8): Column always overlaps the
+  // all-gather of x with the dgrad GEMM and the reduce-scatter of dx with the wgrad GEMM
+  // (as Megatron does); Row, under --tp-comm-overlap, the all-gather of dy with the dgrad
+  // GEMM of its own rows. Same values as backward_saved's sequential form.
+  Tensor column_backward_overlapped(const Tensor& dy, const Tensor& x);
+  Tensor row_backward_overlapped(const Tensor& dy, const Tensor& x);
   // The operands whose amax differs between tensor-parallel ranks (reduced over TP).
   Fp8LinearGemms::Sharding fp8_sharding() const;
 

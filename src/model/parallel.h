@@ -27,6 +27,9 @@ struct ModelParallel {
   const dist::Grid* grid = nullptr;
   dist::Comm* comm = nullptr;
   bool sequence_parallel = false;  // --sequence-parallel (only with tp > 1)
+  // --tp-comm-overlap (with sequence parallelism): the linears' sequence all-gathers and
+  // reduce-scatters run beside their GEMMs (model/tp_comm_overlap.h).
+  bool tp_comm_overlap = false;
   TokenDispatcher dispatcher = TokenDispatcher::AllToAll;
   AlltoAllExchange alltoall_exchange = AlltoAllExchange::Auto;
 

@@ -37,6 +37,9 @@ struct ParallelArgs {
   // max(40M, 1M x data-parallel size). Without the overlap, one bucket per buffer.
   int64_t ddp_bucket_size = 0;
   std::string moe_token_dispatcher_type = "allgather";  // or alltoall
+  // --tp-comm-overlap (needs --sequence-parallel): the linears' sequence all-gathers and
+  // reduce-scatters beside their GEMMs (model/tp_comm_overlap.h).
+  bool tp_comm_overlap = false;
   // Deadline of one collective in minutes; 0: MEGATON_COMM_TIMEOUT_S seconds, else 300 s.
   int64_t distributed_timeout_minutes = 0;
   // Megatron-FSDP (--use-megatron-fsdp): --data-parallel-sharding-strategy (no_shard, optim,
@@ -53,26 +56,26 @@ struct ParallelArgs {
 // and update_train_iters do. Unset values are 0 (counts), -1 (lengths that may be 0) or
 // empty.
 struct ScheduleFlags {
-  int64_t train_samples = 0;          // --train-samples: sample-based training
-  int64_t lr_warmup_iters = 0;        // --lr-warmup-iters
-  int64_t lr_decay_iters = 0;         // --lr-decay-iters (default: the run)
-  int64_t lr_wsd_decay_iters = -1;    // --lr-wsd-decay-iters
-  int64_t lr_warmup_samples = 0;      // --lr-warmup-samples
-  int64_t lr_decay_samples = 0;       // --lr-decay-samples (default: --train-samples)
-  int64_t lr_wsd_decay_samples = -1;  // --lr-wsd-decay-samples
-  double lr_warmup_fraction = -1;     // --lr-warmup-fraction of the decay
-  double start_weight_decay = -1;     // --start-weight-decay
-  double end_weight_decay = -1;       // --end-weight-decay
+  int64_t train_samples = 0;               // --train-samples: sample-based training
+  int64_t lr_warmup_iters = 0;             // --lr-warmup-iters
+  int64_t lr_decay_iters = 0;              // --lr-decay-iters (default: the run)
+  int64_t lr_wsd_decay_iters = -1;         // --lr-wsd-decay-iters
+  int64_t lr_warmup_samples = 0;           // --lr-warmup-samples
+  int64_t lr_decay_samples = 0;            // --lr-decay-samples (default: --train-samples)
+  int64_t lr_wsd_decay_samples = -1;       // --lr-wsd-decay-samples
+  double lr_warmup_fraction = -1;          // --lr-warmup-fraction of the decay
+  double start_weight_decay = -1;          // --start-weight-decay
+  double end_weight_decay = -1;            // --end-weight-decay
   std::vector<int64_t> rampup_batch_size;  // --rampup-batch-size start increment samples
   std::string step_batch_size_schedule;    // --step-batch-size-schedule
 };
 
 // Megatron's optional logs (train/run_logger.h) and run control; defaults are Megatron's.
 struct LoggingFlags {
-  std::string tensorboard_dir;                // --tensorboard-dir ("" off)
-  int64_t tensorboard_log_interval = 1;       // --tensorboard-log-interval
-  int64_t tensorboard_queue_size = 1000;      // --tensorboard-queue-size: events per flush
-  bool log_timers_to_tensorboard = false;     // iteration time (and throughput) to TensorBoard
+  std::string tensorboard_dir;             // --tensorboard-dir ("" off)
+  int64_t tensorboard_log_interval = 1;    // --tensorboard-log-interval
+  int64_t tensorboard_queue_size = 1000;   // --tensorboard-queue-size: events per flush
+  bool log_timers_to_tensorboard = false;  // iteration time (and throughput) to TensorBoard
   bool log_validation_ppl_to_tensorboard = false;
   bool log_memory_to_tensorboard = false;
   bool log_world_size_to_tensorboard = false;
@@ -80,8 +83,8 @@ struct LoggingFlags {
   bool log_throughput = false;                // the throughput scalar (the line always has it)
   int64_t log_memory_interval = 0;            // --log-memory-interval (0 off)
   bool log_device_memory_used = false;
-  bool log_energy = false;                    // NVML energy per iteration (GPU)
-  bool log_progress = false;                  // <save>/progress.txt
+  bool log_energy = false;    // NVML energy per iteration (GPU)
+  bool log_progress = false;  // <save>/progress.txt
   // Run control: --exit-duration-in-mins (0 off), --exit-signal-handler with --exit-signal
   // (default SIGTERM, 15).
   double exit_duration_in_mins = 0;
@@ -127,10 +130,10 @@ struct TrainArgs {
   std::string data_cache_path;  // --data-cache-path: "" = beside each .idx
   std::string tokenizer_type;
   std::string tokenizer_model;
-  std::string vocab_file;  // --vocab-file (GPT2BPETokenizer)
-  std::string merge_file;  // --merge-file (GPT2BPETokenizer)
+  std::string vocab_file;                           // --vocab-file (GPT2BPETokenizer)
+  std::string merge_file;                           // --merge-file (GPT2BPETokenizer)
   bool tokenizer_hf_include_special_tokens = true;  // off: --tokenizer-hf-no-include-special-tokens
-  int64_t vocab_size = 0;  // NullTokenizer only
+  int64_t vocab_size = 0;                           // NullTokenizer only
   bool mock_data = false;
   // --eod-mask-loss: the predictions made at an end-of-document input token are left out of
   // the loss (Megatron's loss_mask; train/loss_mask.h).
@@ -233,7 +236,7 @@ struct OptionSpec {
   // refused with `unsupported_value` as the reason. Empty: any value.
   std::vector<std::string> harmless_values;
   std::string unsupported_value;
-  std::string group;  // the declaring group's name (set by the registry)
+  std::string group;     // the declaring group's name (set by the registry)
   bool megatron = true;  // false: Megaton's own flag (--config, --dry-run, ...)
 };
 inline constexpr int kManyValues = 1 << 20;

@@ -171,6 +171,7 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   mp.grid = grid_.get();
   mp.comm = comm_.get();
   mp.sequence_parallel = layout.sequence_parallel;
+  mp.tp_comm_overlap = layout.sequence_parallel && args_.parallel.tp_comm_overlap;
   mp.dispatcher = args_.parallel.moe_token_dispatcher_type == "alltoall"
                       ? TokenDispatcher::AllToAll
                       : TokenDispatcher::AllGather;

@@ -239,6 +239,11 @@ layouts=(
   # on pp 4), uneven first/last stages, tied embeddings synchronised between the stages.
   "tp2|2|--tensor-model-parallel-size 2"
   "tp2-sp|2|--tensor-model-parallel-size 2 --sequence-parallel"
+  # --tp-comm-overlap: the sequence all-gathers and reduce-scatters beside the GEMMs
+  # (model/tp_comm_overlap.h); the same sums, GEMMs cut into row blocks.
+  "tp2-sp-tp-comm-overlap|2|--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
+  "tp2-sp-tp-comm-overlap-pp2-dp2-distopt|8|--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 3000"
+  "tp2-sp-tp-comm-overlap-ep2-recompute|4|--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|RC=full"
   "pp2|2|--pipeline-model-parallel-size 2"
   "pp4|4|--pipeline-model-parallel-size 4"
   "pp2-dp2|4|--pipeline-model-parallel-size 2"

@@ -89,7 +89,8 @@ class NcclComm final : public Comm {
   ~NcclComm() override {
     if (watchdog_.joinable()) {
       cudaStreamSynchronize(::megaton::cuda::stream());  // everything queued completes
-      if (side_stream_) cudaStreamSynchronize(side_stream_);
+      for (auto& [ranks, entry] : async_comms_)
+        if (entry.stream) cudaStreamSynchronize(entry.stream);
       stop_ = true;
       watchdog_.join();
     }
@@ -107,7 +108,8 @@ class NcclComm final : public Comm {
         }
         ncclCommDestroy(entry.comm);
       }
-    if (side_stream_) cudaStreamDestroy(side_stream_);
+    for (auto& [ranks, entry] : async_comms_)
+      if (entry.stream) cudaStreamDestroy(entry.stream);
   }
 
   Device device() const override { return Device::CUDA; }
@@ -195,12 +197,11 @@ class NcclComm final : public Comm {
     });
   }
 
-  void do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
-                           const RowRuns& recv, const Group& g) override {
+  void do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out, const RowRuns& recv,
+                           const Group& g) override {
     const Tensor src = overlaps(in, out) ? in.clone() : in;
-    run(g, "all_to_allv_rows", [&](ncclComm_t c, cudaStream_t s) {
-      return enqueue_row_runs(src, send, out, recv, c, s);
-    });
+    run(g, "all_to_allv_rows",
+        [&](ncclComm_t c, cudaStream_t s) { return enqueue_row_runs(src, send, out, recv, c, s); });
   }
 
   // Through peer memory (peer_memory.h): the input in this member's slot (written there by
@@ -237,8 +238,8 @@ class NcclComm final : public Comm {
     if (!barrier_scratch_.defined())
       barrier_scratch_ = Tensor::zeros({1}, DType::I32, Device::CUDA);
     run(g, "pull_rows_sync", [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32, ncclMax,
-                           c, s);
+      return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32, ncclMax, c,
+                           s);
     });
     const int n = g.size();
     std::vector<ops::cuda::ByteCopy> copies;
@@ -331,6 +332,10 @@ class NcclComm final : public Comm {
   struct Entry {
     ncclComm_t comm = nullptr;
     bool broken = false;
+    // The communication stream of an async communicator: one per group, so that the
+    // operations of one group (a tensor-parallel all-gather) never queue behind another's
+    // (a data-parallel gradient reduce-scatter).
+    cudaStream_t stream = nullptr;
   };
 
   Clock::time_point deadline_from_now() const {
@@ -515,14 +520,13 @@ class NcclComm final : public Comm {
     bool waited_ = false;
   };
 
-  cudaStream_t side_stream() {
-    if (!side_stream_) {
+  cudaStream_t side_stream(Entry& e) {
+    if (!e.stream) {
       int least = 0, greatest = 0;
       MEGATON_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-      MEGATON_CUDA_CHECK(
-          cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, greatest));
+      MEGATON_CUDA_CHECK(cudaStreamCreateWithPriority(&e.stream, cudaStreamNonBlocking, greatest));
     }
-    return side_stream_;
+    return e.stream;
   }
 
   // Enqueues an operation on the communication stream after the compute stream's work so
@@ -531,7 +535,7 @@ class NcclComm final : public Comm {
   std::unique_ptr<CommWork> run_async(const Group& g, const char* op, std::vector<Tensor> keep,
                                       Enqueue enqueue) {
     Entry& e = comm_of(g, op, /*async=*/true);
-    cudaStream_t stream = side_stream();
+    cudaStream_t stream = side_stream(e);
     cudaEvent_t ready, done;
     MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     MEGATON_CUDA_CHECK(cudaEventRecord(ready, ::megaton::cuda::stream()));
@@ -561,8 +565,8 @@ class NcclComm final : public Comm {
   SlotUse reserve_slot(detail::PeerMemory& peers, int64_t rows, size_t row_bytes, const Group& g) {
     SlotUse use;
     use.rows.resize(size_t(g.size()));
-    MEGATON_MPI_CHECK(MPI_Allgather(&rows, 1, MPI_INT64_T, use.rows.data(), 1, MPI_INT64_T,
-                                    mpi_groups_.get(g)));
+    MEGATON_MPI_CHECK(
+        MPI_Allgather(&rows, 1, MPI_INT64_T, use.rows.data(), 1, MPI_INT64_T, mpi_groups_.get(g)));
     peers.reserve(size_t(*std::max_element(use.rows.begin(), use.rows.end())) * row_bytes,
                   ::megaton::cuda::stream());
     int& next = next_slot_[g.ranks];
@@ -585,11 +589,10 @@ class NcclComm final : public Comm {
 
   detail::MpiGroups mpi_groups_;
   std::map<std::vector<int>, std::unique_ptr<detail::PeerMemory>> peer_memory_;
-  std::map<std::vector<int>, int> next_slot_;  // the slot of the group's next pull_rows
+  std::map<std::vector<int>, int> next_slot_;           // the slot of the group's next pull_rows
   std::map<std::vector<int>, SlotUse> pending_inputs_;  // pull_input's, until its pull_rows
   std::map<std::vector<int>, Entry> comms_;
   std::map<std::vector<int>, Entry> async_comms_;
-  cudaStream_t side_stream_ = nullptr;
   Tensor barrier_scratch_;
   // The watchdog and the operations it watches (guarded by mu_).
   std::mutex mu_;

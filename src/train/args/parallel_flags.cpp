@@ -43,6 +43,10 @@ void parse_parallel(const ArgReader& r, TrainArgs& a) {
   r.get("expert-tensor-parallel-size", p.expert_tensor_parallel_size);
   r.get("context-parallel-size", p.context_parallel_size);
   r.get("sequence-parallel", p.sequence_parallel);
+  // Megatron's arguments.py asserts sequence parallelism (which it drops at tp 1).
+  r.get("tp-comm-overlap", p.tp_comm_overlap);
+  if (p.tp_comm_overlap && !(p.sequence_parallel && p.tensor_model_parallel_size > 1))
+    fail("tp-comm-overlap needs sequence-parallel with tensor-model-parallel-size > 1");
   // --cp-comm-type: one value, or Megatron's per-layer list (one value per layer; Megaton
   // takes lists whose values are all the same).
   if (r.has("cp-comm-type")) {
@@ -118,6 +122,9 @@ ArgGroup parallel_flags() {
       values("cp-comm-type",
              "context parallel attention: p2p (K/V ring), all_gather or a2a (heads)"),
       toggle("sequence-parallel", "shard activations along the sequence over tp ranks"),
+      toggle("tp-comm-overlap",
+             "run the sequence all-gathers and reduce-scatters of the linears beside their "
+             "GEMMs (needs --sequence-parallel)"),
       flag("num-layers-per-virtual-pipeline-stage",
            "layers per model chunk (interleaved pipeline)"),
       flag("microbatch-group-size-per-virtual-pipeline-stage",

@@ -17,35 +17,49 @@ std::vector<OptionSpec> parallel_megatron_rules() {
       unsupported("hybrid-context-parallel", "0", "hybrid context parallelism"),
       unsupported("expert-tensor-parallel-num-weight-shards", "1",
                   "GTP weight sharding beyond tensor parallelism"),
-      unsupported("tp-comm-overlap", "0", "tensor-parallel communication overlap (issue 22)"),
-      no_effect("no-tp-comm-bulk-wgrad", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
-      no_effect("disable-tp-comm-bulk-wgrad", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
-      no_effect("no-tp-comm-bulk-dgrad", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
-      no_effect("disable-tp-comm-bulk-dgrad", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+      no_effect(
+          "no-tp-comm-bulk-wgrad", "0",
+          "Megaton always overlaps the column-parallel backward's all-gather and reduce-scatter "
+          "with its GEMMs, as Megatron does without userbuffers"),
+      no_effect(
+          "disable-tp-comm-bulk-wgrad", "0",
+          "Megaton always overlaps the column-parallel backward's all-gather and reduce-scatter "
+          "with its GEMMs, as Megatron does without userbuffers"),
+      no_effect(
+          "no-tp-comm-bulk-dgrad", "0",
+          "Megaton always overlaps the column-parallel backward's all-gather and reduce-scatter "
+          "with its GEMMs, as Megatron does without userbuffers"),
+      no_effect(
+          "disable-tp-comm-bulk-dgrad", "0",
+          "Megaton always overlaps the column-parallel backward's all-gather and reduce-scatter "
+          "with its GEMMs, as Megatron does without userbuffers"),
       no_effect("no-tp-comm-overlap-ag", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+                "Megaton's --tp-comm-overlap always overlaps both the all-gathers and the "
+                "reduce-scatters"),
       no_effect("disable-tp-comm-overlap-ag", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+                "Megaton's --tp-comm-overlap always overlaps both the all-gathers and the "
+                "reduce-scatters"),
       no_effect("no-tp-comm-overlap-rs", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+                "Megaton's --tp-comm-overlap always overlaps both the all-gathers and the "
+                "reduce-scatters"),
       no_effect("disable-tp-comm-overlap-rs", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+                "Megaton's --tp-comm-overlap always overlaps both the all-gathers and the "
+                "reduce-scatters"),
       unsupported("tp-comm-overlap-rs-dgrad", "0",
-                  "tensor-parallel communication overlap (issue 22)"),
+                  "the reduce-scatter pipelined inside the dgrad GEMM (Megaton overlaps it with "
+                  "the wgrad GEMM)"),
       no_effect("no-tp-comm-split-ag", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+                "deprecated by Megatron: no effect with Transformer Engine 1.6 and later"),
       no_effect("disable-tp-comm-split-ag", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+                "deprecated by Megatron: no effect with Transformer Engine 1.6 and later"),
       no_effect("no-tp-comm-split-rs", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
+                "deprecated by Megatron: no effect with Transformer Engine 1.6 and later"),
       no_effect("disable-tp-comm-split-rs", "0",
-                "only tunes --tp-comm-overlap, which Megaton does not have (issue 22)"),
-      unsupported("tp-comm-bootstrap-backend", "1",
-                  "tensor-parallel communication overlap (issue 22)"),
+                "deprecated by Megatron: no effect with Transformer Engine 1.6 and later"),
+      no_effect("tp-comm-bootstrap-backend", "1",
+                "Megaton's --tp-comm-overlap runs on its NCCL communicators: there are no "
+                "userbuffers to bootstrap",
+                {"nccl", "mpi", "gloo"}),
       no_effect("use-ring-exchange-p2p", "0",
                 "PyTorch option (a custom torch build); does not apply to a native program"),
       unsupported("defer-embedding-wgrad-compute", "0",
@@ -60,7 +74,9 @@ std::vector<OptionSpec> parallel_megatron_rules() {
                   "loss counted as a layer in the pipeline split"),
       unsupported("gtp-remat-opt-in-modules", "+", "GTP weight sharding beyond tensor parallelism"),
       unsupported("symmetric-ar-type", "1", "symmetric-memory all-reduce"),
-      unsupported("tp-comm-overlap-cfg", "1", "tensor-parallel communication overlap (issue 22)"),
+      unsupported("tp-comm-overlap-cfg", "1",
+                  "Transformer Engine userbuffers tuning (Megaton's chunk count: "
+                  "MEGATON_TP_COMM_OVERLAP_SPLITS)"),
       no_effect("distributed-backend", "1", "Megaton uses NCCL on GPUs and MPI on CPU ranks",
                 {"nccl"}, "the gloo backend is not supported in Megaton"),
       no_effect("no-align-grad-reduce", "0",
