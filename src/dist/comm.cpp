@@ -424,6 +424,34 @@ void Comm::send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int re
   do_send_recv(&send_t, send_peer, &recv_t, recv_peer, g);
 }
 
+std::unique_ptr<CommWork> Comm::send_recv_async(const Tensor* send_t, int send_peer, Tensor* recv_t,
+                                                int recv_peer, const Group& g,
+                                                std::source_location site) {
+  site_ = site;
+  check_member(g, "send_recv_async");
+  MEGATON_CHECK(send_t || recv_t, "send_recv_async on group {}: nothing to send or receive",
+                g.describe());
+  if (send_t) {
+    check_tensor(*send_t, "send_recv_async", "send tensor");
+    check_index(send_peer, g, "send_recv_async", "send peer");
+    MEGATON_CHECK(send_peer != g.rank, "send_recv_async on group {}: send peer is this rank",
+                  g.describe());
+  }
+  if (recv_t) {
+    check_tensor(*recv_t, "send_recv_async", "receive tensor");
+    check_index(recv_peer, g, "send_recv_async", "receive peer");
+    MEGATON_CHECK(recv_peer != g.rank, "send_recv_async on group {}: receive peer is this rank",
+                  g.describe());
+  }
+  return do_send_recv_async(send_t, send_peer, recv_t, recv_peer, g);
+}
+
+std::unique_ptr<CommWork> Comm::do_send_recv_async(const Tensor* send_t, int send_peer,
+                                                   Tensor* recv_t, int recv_peer, const Group& g) {
+  do_send_recv(send_t, send_peer, recv_t, recv_peer, g);
+  return std::make_unique<FinishedWork>();
+}
+
 void Comm::broadcast(Tensor& t, int root, const Group& g, std::source_location site) {
   site_ = site;
   check_member(g, "broadcast");

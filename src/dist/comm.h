@@ -178,6 +178,14 @@ class Comm {
   // Both at once (a ring step or a pipeline exchange without ordering deadlocks).
   void send_recv(const Tensor& send_t, int send_peer, Tensor& recv_t, int recv_peer, const Group& g,
                  std::source_location site = std::source_location::current());
+  // send_recv, send or recv started and left running (CommWork): send_t or recv_t may be
+  // null (a one-sided transfer; its peer is then ignored), not both. On the GPU over the
+  // group's second communicator and stream, as the *_async collectives (the pipeline's
+  // --overlap-p2p-comm); on CPU ranks MPI_Isend / MPI_Irecv. The two ends must start
+  // their transfers on g in the same order.
+  std::unique_ptr<CommWork> send_recv_async(
+      const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer, const Group& g,
+      std::source_location site = std::source_location::current());
   // t on every member = t of member `root` (an index into g.ranks).
   void broadcast(Tensor& t, int root, const Group& g,
                  std::source_location site = std::source_location::current());
@@ -210,6 +218,10 @@ class Comm {
   // send_t or recv_t may be undefined (a one-sided transfer); the peer is then ignored.
   virtual void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
                             const Group& g) = 0;
+  // Default: do_send_recv, finished before it returns.
+  virtual std::unique_ptr<CommWork> do_send_recv_async(const Tensor* send_t, int send_peer,
+                                                       Tensor* recv_t, int recv_peer,
+                                                       const Group& g);
   virtual void do_broadcast(Tensor& t, int root, const Group& g) = 0;
   virtual void do_barrier(const Group& g) = 0;
 

@@ -174,25 +174,16 @@ class MpiComm final : public Comm {
 
   void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
                     const Group& g) override {
-    const char* op = send_t && recv_t ? "send_recv" : send_t ? "send" : "recv";
-    MPI_Comm comm = comm_of(g, op);
-    constexpr int kTag = 0;  // messages between two ranks on one communicator stay in order
-    Pending p;
-    if (recv_t) {
-      p.requests.push_back(MPI_REQUEST_NULL);
-      p.buffers.push_back(*recv_t);
-      MEGATON_MPI_CHECK(MPI_Irecv(recv_t->raw(), mpi_count(recv_t->numel()),
-                                  mpi_type(recv_t->dtype()), recv_peer, kTag, comm,
-                                  &p.requests.back()));
-    }
-    if (send_t) {
-      p.requests.push_back(MPI_REQUEST_NULL);
-      p.buffers.push_back(*send_t);
-      MEGATON_MPI_CHECK(MPI_Isend(send_t->raw(), mpi_count(send_t->numel()),
-                                  mpi_type(send_t->dtype()), send_peer, kTag, comm,
-                                  &p.requests.back()));
-    }
+    const char* op = send_recv_name(send_t, recv_t);
+    Pending p = start_send_recv(send_t, send_peer, recv_t, recv_peer, g, op);
     wait(p, op, g);
+  }
+
+  std::unique_ptr<CommWork> do_send_recv_async(const Tensor* send_t, int send_peer, Tensor* recv_t,
+                                               int recv_peer, const Group& g) override {
+    const char* op = send_recv_name(send_t, recv_t);
+    return std::make_unique<MpiWork>(
+        *this, start_send_recv(send_t, send_peer, recv_t, recv_peer, g, op), op, g, nullptr);
   }
 
   void do_broadcast(Tensor& t, int root, const Group& g) override {
@@ -211,6 +202,33 @@ class MpiComm final : public Comm {
   }
 
  private:
+  static const char* send_recv_name(const Tensor* send_t, const Tensor* recv_t) {
+    return send_t && recv_t ? "send_recv" : send_t ? "send" : "recv";
+  }
+
+  // The MPI_Irecv and MPI_Isend of a send_recv, started.
+  Pending start_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
+                          const Group& g, const char* op) {
+    MPI_Comm comm = comm_of(g, op);
+    constexpr int kTag = 0;  // messages between two ranks on one communicator stay in order
+    Pending p;
+    if (recv_t) {
+      p.requests.push_back(MPI_REQUEST_NULL);
+      p.buffers.push_back(*recv_t);
+      MEGATON_MPI_CHECK(MPI_Irecv(recv_t->raw(), mpi_count(recv_t->numel()),
+                                  mpi_type(recv_t->dtype()), recv_peer, kTag, comm,
+                                  &p.requests.back()));
+    }
+    if (send_t) {
+      p.requests.push_back(MPI_REQUEST_NULL);
+      p.buffers.push_back(*send_t);
+      MEGATON_MPI_CHECK(MPI_Isend(send_t->raw(), mpi_count(send_t->numel()),
+                                  mpi_type(send_t->dtype()), send_peer, kTag, comm,
+                                  &p.requests.back()));
+    }
+    return p;
+  }
+
   // A started operation; wait() polls it to completion, then runs `finish` (copying a
   // widened bf16 result back).
   class MpiWork final : public CommWork {

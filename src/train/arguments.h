@@ -40,6 +40,9 @@ struct ParallelArgs {
   // --tp-comm-overlap (needs --sequence-parallel): the linears' sequence all-gathers and
   // reduce-scatters beside their GEMMs (model/tp_comm_overlap.h).
   bool tp_comm_overlap = false;
+  // Megatron's overlap_p2p_comm: the pipeline's sends and receives run beside the compute
+  // (train/pipeline_schedule.h); on unless --no-overlap-p2p-communication.
+  bool overlap_p2p_comm = true;
   // Deadline of one collective in minutes; 0: MEGATON_COMM_TIMEOUT_S seconds, else 300 s.
   int64_t distributed_timeout_minutes = 0;
   // Megatron-FSDP (--use-megatron-fsdp): --data-parallel-sharding-strategy (no_shard, optim,

@@ -125,8 +125,8 @@ std::vector<std::vector<PipelineStep>> pipeline_plan(int64_t pp, int64_t vpp,
 }
 
 PipelineSchedule::PipelineSchedule(std::vector<GPTModel*> chunks, const dist::Grid& grid,
-                                   dist::Comm& comm)
-    : chunks_(std::move(chunks)), grid_(grid), comm_(comm) {
+                                   dist::Comm& comm, bool overlap_p2p_comm)
+    : chunks_(std::move(chunks)), grid_(grid), comm_(comm), overlap_p2p_comm_(overlap_p2p_comm) {
   MEGATON_CHECK(!chunks_.empty() && grid_.pp().size() >= 2,
                 "PipelineSchedule: {} chunks on a pipeline of {}", chunks_.size(),
                 grid_.pp().size());
@@ -181,6 +181,17 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
   // micro-batch that is (-1: none). At most pp - rank micro-batches are in flight per
   // chunk in 1F1B (more with interleaving), each keeping all its activations.
   std::vector<std::map<int64_t, Tensor>> inputs(vpp), output_grads(vpp);
+  // Under overlap_p2p_comm: the transfer still filling each of them (waited for just before
+  // its first use), and the sends of the last exchange (waited for before the next ones).
+  using Work = std::shared_ptr<dist::CommWork>;
+  std::vector<std::map<int64_t, Work>> input_works(vpp), grad_works(vpp);
+  std::vector<Work> sends;
+  auto wait_for = [](std::map<int64_t, Work>& works, int64_t micro_batch) {
+    auto it = works.find(micro_batch);
+    if (it == works.end()) return;
+    it->second->wait();
+    works.erase(it);
+  };
   std::vector<std::map<int64_t, ChunkActivations>> stashes(vpp);
   std::vector<int64_t> holds(vpp, -1);
   // With a loss mask: each micro-batch's per-token loss weights, from its forward on the
@@ -212,6 +223,7 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
                         "pipeline: no activation received for micro-batch {}", op.micro_batch);
           in.hidden = hidden->second;
           inputs[op.chunk].erase(hidden);
+          wait_for(input_works[op.chunk], op.micro_batch);
         }
         MEGATON_CHECK(holds[op.chunk] < 0,
                       "pipeline: chunk {} still holds micro-batch {} at the forward of {}",
@@ -287,19 +299,30 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
                         "pipeline: no output gradient for micro-batch {}", op.micro_batch);
           dout = grad->second;
           output_grads[op.chunk].erase(grad);
+          wait_for(grad_works[op.chunk], op.micro_batch);
         }
         produced = model.backward_chunk(dout, aux_grad_scale);
         holds[op.chunk] = -1;
       }
     }
     // Forward direction, then backward: every rank exchanges in this order.
+    if (step.send_next || step.send_prev) {
+      for (Work& w : sends) w->wait();
+      sends.clear();
+    }
     auto exchange = [&](bool send, int send_peer, const PipelineSlot& slot, int recv_peer,
                         bool activation) {
       if (!send && !slot.defined()) return;
       MEGATON_CHECK(!send || produced.defined(), "pipeline: nothing to send at tick {}", step.tick);
       Tensor received;
       if (slot.defined()) received = Tensor::empty(hidden_shape, cfg.compute_dtype(), cfg.device);
-      if (send && slot.defined())
+      if (overlap_p2p_comm_) {
+        Work work = comm_.send_recv_async(send ? &produced : nullptr, send_peer,
+                                          slot.defined() ? &received : nullptr, recv_peer, group);
+        if (send) sends.push_back(work);
+        if (slot.defined())
+          (activation ? input_works : grad_works)[slot.chunk][slot.micro_batch] = work;
+      } else if (send && slot.defined())
         comm_.send_recv(produced, send_peer, received, recv_peer, group);
       else if (send)
         comm_.send(produced, send_peer, group);
@@ -311,6 +334,7 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
     exchange(step.send_next, next, step.recv_prev, prev, true);
     exchange(step.send_prev, prev, step.recv_next, next, false);
   }
+  for (Work& w : sends) w->wait();
   for (int64_t c = 0; c < vpp; ++c)
     MEGATON_CHECK(
         inputs[c].empty() && output_grads[c].empty() && stashes[c].empty() && holds[c] < 0,

@@ -29,8 +29,8 @@ struct ChunkLayers {
 // out chunk-major: chunk c of rank s starts at c * sum_t (L_t / vpp) + sum_{t < s} L_t / vpp
 // (Megatron's get_transformer_layer_offset and get_num_layers_to_build). Throws
 // InternalError on an argument out of range or a stage not divisible by vpp.
-ChunkLayers chunk_layers(const std::vector<int64_t>& layers_per_stage, int64_t vpp,
-                         int64_t pp_rank, int64_t chunk);
+ChunkLayers chunk_layers(const std::vector<int64_t>& layers_per_stage, int64_t vpp, int64_t pp_rank,
+                         int64_t chunk);
 
 // The interleaved schedule (vpp > 1) runs micro-batches in groups of pp per model chunk
 // (Megatron's microbatch_group_size_per_vp_stage, default pp), so the micro-batches of a
@@ -91,8 +91,7 @@ struct PipelineStep {
 // tick can always finish its exchange). Steps without op or transfer are left out.
 // InternalError when the orders cannot complete (a bug).
 std::vector<std::vector<PipelineStep>> pipeline_plan(int64_t pp, int64_t vpp,
-                                                     int64_t num_micro_batches,
-                                                     bool forward_only);
+                                                     int64_t num_micro_batches, bool forward_only);
 
 // The micro-batches of one training (or evaluation) step on this data-parallel rank.
 struct PipelineMicroBatches {
@@ -153,8 +152,13 @@ class PipelineSchedule {
  public:
   // chunks: this pipeline rank's model chunks in order (chunk c is virtual stage
   // c x pp + pipeline rank), built with chunk_layers; they and grid/comm must outlive the
-  // schedule. Transfers run over grid.pp() (pp >= 2).
-  PipelineSchedule(std::vector<GPTModel*> chunks, const dist::Grid& grid, dist::Comm& comm);
+  // schedule. Transfers run over grid.pp() (pp >= 2). overlap_p2p_comm (Megatron's
+  // overlap_p2p_comm, on unless --no-overlap-p2p-communication): each tick's sends and
+  // receives start asynchronously (Comm::send_recv_async) and run while the following
+  // ticks compute; a received tensor's transfer is waited for just before the op that
+  // reads it, a send before the next tick's sends. Off: each exchange finishes in its tick.
+  PipelineSchedule(std::vector<GPTModel*> chunks, const dist::Grid& grid, dist::Comm& comm,
+                   bool overlap_p2p_comm = false);
 
   // One step over mbs.count micro-batches: forwards and (unless forward_only) backwards in
   // pipeline_plan's order, activations [hidden_rows, H] and their gradients (compute dtype)
@@ -170,6 +174,7 @@ class PipelineSchedule {
   std::vector<GPTModel*> chunks_;
   const dist::Grid& grid_;
   dist::Comm& comm_;
+  bool overlap_p2p_comm_ = false;
 };
 
 // With tied embeddings and pp > 1 (Megatron's _allreduce_word_embedding_grads): the main

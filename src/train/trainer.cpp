@@ -1,7 +1,6 @@
 // The training loop.
 #include "train/trainer.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <bit>
@@ -46,15 +45,6 @@
 #include "train/tensor_parallel_ckpt.h"
 
 namespace megaton {
-
-int64_t peak_memory_bytes(Device device) {
-#ifdef MEGATON_WITH_CUDA
-  if (device == Device::CUDA) return cuda::device_memory_stats().peak_allocated_bytes;
-#endif
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return int64_t(usage.ru_maxrss) * 1024;  // Linux reports KiB
-}
 
 // Whether `path` can be appended to, without creating it: an existing regular file we may
 // write, or a new name in a writable directory. Throws megaton::Error naming `flag`.
@@ -215,7 +205,8 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   scaler_ = std::make_unique<optim::GradScaler>(scaler_config,
                                                 args_.model.fp16 && scaler_config.loss_scale == 0);
   if (sizes.pp > 1)
-    schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_);
+    schedule_ = std::make_unique<PipelineSchedule>(chunk_pointers(), *grid_, *comm_,
+                                                   args_.parallel.overlap_p2p_comm);
   lr_ = Tensor::zeros({1}, DType::F32, args_.model.device);
   // The pipeline schedule loads its micro-batches itself.
   const int64_t most_micro_batches =

@@ -1,6 +1,8 @@
 // What the trainer does with a step's values once it has read them (Trainer::finish_step):
 // the non-finite stop (stop_on_non_finite), the skipped-iteration counts, the metrics file,
 // the log interval and Megatron's log line (log_line) with the MoE fields.
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -12,7 +14,20 @@
 #include "train/flops.h"
 #include "train/trainer.h"
 
+#ifdef MEGATON_WITH_CUDA
+#include "core/cuda/allocator.h"
+#endif
+
 namespace megaton {
+
+int64_t peak_memory_bytes(Device device) {
+#ifdef MEGATON_WITH_CUDA
+  if (device == Device::CUDA) return cuda::device_memory_stats().peak_allocated_bytes;
+#endif
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return int64_t(usage.ru_maxrss) * 1024;  // Linux reports KiB
+}
 
 // Megatron's log fields of the MoE losses (each divided by its coefficient, averaged over
 // layers) and Megaton's tokens-per-expert balance: min, max, max/mean over experts.
@@ -84,9 +99,8 @@ static void scale_moe_metrics(MoEStepMetrics& sum, double s) {
   scale(sum.mean);
 }
 
-void Trainer::log_line(const std::string& extra_fields, int64_t iteration,
-                       int64_t consumed_samples, int64_t global_batch_size,
-                       double ms_per_iter, double lr, double loss,
+void Trainer::log_line(const std::string& extra_fields, int64_t iteration, int64_t consumed_samples,
+                       int64_t global_batch_size, double ms_per_iter, double lr, double loss,
                        const std::vector<double>& mtp_losses, const MoEStepMetrics& moe,
                        double grad_norm, int64_t num_zeros, double params_norm, int64_t skipped,
                        int64_t nan) {
@@ -228,9 +242,8 @@ void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult&
     for (double& v : mtp_mean) v /= double(std::max<int64_t>(interval.advanced, 1));
     log_line(energy, step.iteration, step.consumed_samples, step.global_batch_size,
              interval.ms / double(interval.iterations), step.lr,
-             interval.loss / double(std::max<int64_t>(interval.advanced, 1)), mtp_mean,
-             moe_mean, grad_norm, step.num_zeros, step.params_norm, interval.skipped,
-             interval.nan);
+             interval.loss / double(std::max<int64_t>(interval.advanced, 1)), mtp_mean, moe_mean,
+             grad_norm, step.num_zeros, step.params_norm, interval.skipped, interval.nan);
   }
   interval.moe.clear();
   interval.mtp_losses.clear();

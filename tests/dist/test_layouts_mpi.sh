@@ -252,6 +252,10 @@ layouts=(
   "pp4-interleaved|4|--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1|LAYERS=8"
   "pp2-interleaved-uneven|2|--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2 --num-layers-per-virtual-pipeline-stage 3|LAYERS=8"
   "pp2-tied|2|--pipeline-model-parallel-size 2|TIED=1"
+  # Each tick's transfers finished in the tick (the default overlaps them: Megatron's
+  # overlap_p2p_comm, train/pipeline_schedule.h).
+  "pp2-no-overlap-p2p|2|--pipeline-model-parallel-size 2 --no-overlap-p2p-communication"
+  "pp4-interleaved-no-overlap-p2p|4|--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 --no-overlap-p2p-communication|LAYERS=8"
   "pp2-dp2-distributed-optimizer-tied|4|--pipeline-model-parallel-size 2 --use-distributed-optimizer|TIED=1"
   "pp4-interleaved-tied|4|--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1|LAYERS=8 TIED=1"
   "pp2-ep2-alltoall|4|--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"

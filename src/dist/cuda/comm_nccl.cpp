@@ -297,16 +297,35 @@ class NcclComm final : public Comm {
 
   void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
                     const Group& g) override {
-    const char* op = send_t && recv_t ? "send_recv" : send_t ? "send" : "recv";
-    run(g, op, [&](ncclComm_t c, cudaStream_t s) {
-      ncclResult_t rc = ncclGroupStart();
-      if (rc != ncclSuccess) return rc;
-      if (send_t) rc = ncclSend(send_t->raw(), send_t->nbytes(), ncclUint8, send_peer, c, s);
-      if (recv_t && (rc == ncclSuccess || rc == ncclInProgress))
-        rc = ncclRecv(recv_t->raw(), recv_t->nbytes(), ncclUint8, recv_peer, c, s);
-      ncclResult_t end = ncclGroupEnd();
-      return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
+    run(g, send_recv_name(send_t, recv_t), [&](ncclComm_t c, cudaStream_t s) {
+      return enqueue_send_recv(send_t, send_peer, recv_t, recv_peer, c, s);
     });
+  }
+
+  std::unique_ptr<CommWork> do_send_recv_async(const Tensor* send_t, int send_peer, Tensor* recv_t,
+                                               int recv_peer, const Group& g) override {
+    std::vector<Tensor> keep;
+    if (send_t) keep.push_back(*send_t);
+    if (recv_t) keep.push_back(*recv_t);
+    return run_async(g, send_recv_name(send_t, recv_t), std::move(keep),
+                     [&](ncclComm_t c, cudaStream_t s) {
+                       return enqueue_send_recv(send_t, send_peer, recv_t, recv_peer, c, s);
+                     });
+  }
+
+  static const char* send_recv_name(const Tensor* send_t, const Tensor* recv_t) {
+    return send_t && recv_t ? "send_recv" : send_t ? "send" : "recv";
+  }
+
+  static ncclResult_t enqueue_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t,
+                                        int recv_peer, ncclComm_t c, cudaStream_t s) {
+    ncclResult_t rc = ncclGroupStart();
+    if (rc != ncclSuccess) return rc;
+    if (send_t) rc = ncclSend(send_t->raw(), send_t->nbytes(), ncclUint8, send_peer, c, s);
+    if (recv_t && (rc == ncclSuccess || rc == ncclInProgress))
+      rc = ncclRecv(recv_t->raw(), recv_t->nbytes(), ncclUint8, recv_peer, c, s);
+    ncclResult_t end = ncclGroupEnd();
+    return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
   }
 
   void do_broadcast(Tensor& t, int root, const Group& g) override {

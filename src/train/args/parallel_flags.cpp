@@ -62,6 +62,9 @@ void parse_parallel(const ArgReader& r, TrainArgs& a) {
   r.get("num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage);
   r.get("decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers);
   r.get("decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers);
+  bool no_overlap_p2p = false;
+  r.get("no-overlap-p2p-communication", no_overlap_p2p);
+  p.overlap_p2p_comm = !no_overlap_p2p;
   r.get("use-distributed-optimizer", p.use_distributed_optimizer);
   r.get("overlap-grad-reduce", p.overlap_grad_reduce);
   r.get("overlap-param-gather", p.overlap_param_gather);
@@ -131,6 +134,9 @@ ArgGroup parallel_flags() {
            "micro-batches per group of the interleaved schedule: the pipeline size only"),
       flag("decoder-first-pipeline-num-layers", "layers of the first pipeline stage"),
       flag("decoder-last-pipeline-num-layers", "layers of the last pipeline stage"),
+      toggle("no-overlap-p2p-communication",
+             "finish each pipeline send and receive in its tick (default: they run beside the "
+             "compute)"),
       toggle("use-distributed-optimizer", "shard optimizer state over data-parallel ranks"),
       flag("num-distributed-optimizer-instances",
            "1 only: the optimizer shards over the whole "
