@@ -6,13 +6,10 @@
 //
 // Operations are stream-ordered on the compute stream and the host does not wait for
 // them (a wait per collective would drain the GPU's queue each time: every later kernel
-// launch would then be exposed). Their deadlines are kept by a watchdog thread, as
-// PyTorch's NCCL watchdog does: each operation records a CUDA event; the watchdog polls
-// the oldest pending event and the communicator's async error, and when an operation
-// fails or outlives its deadline it prints the message naming the collective, group and
-// rank, aborts the communicator (ncclCommAbort) and ends the process with status 1, so
-// mpirun ends the job instead of every rank hanging. Host code that reads a result
-// (Tensor::to(CPU)) synchronizes with the stream as usual. barrier() alone waits on the
+// launch would then be exposed). Their deadlines are kept by a watchdog thread
+// (dist/cuda/nccl_watchdog.h). Every NCCL call on a communicator holds nccl_mu_: the
+// watchdog polls beside this thread, and communicators are not thread-safe. Host code that reads a
+// result (Tensor::to(CPU)) synchronizes with the stream as usual. barrier() alone waits on the
 // host.
 //
 // The *_async operations run on a communication stream of their own (non-blocking, high
@@ -35,6 +32,7 @@
 
 #include "core/cuda/cuda_check.h"
 #include "dist/comm.h"
+#include "dist/cuda/nccl_watchdog.h"
 #include "dist/cuda/peer_memory.h"
 #include "dist/mpi_util.h"
 #include "ops/cuda/copy_chunks.h"
@@ -87,14 +85,10 @@ bool overlaps(const Tensor& a, const Tensor& b) {
 class NcclComm final : public Comm {
  public:
   ~NcclComm() override {
-    if (watchdog_.joinable()) {
-      cudaStreamSynchronize(::megaton::cuda::stream());  // everything queued completes
-      for (auto& [ranks, entry] : async_comms_)
-        if (entry.stream) cudaStreamSynchronize(entry.stream);
-      stop_ = true;
-      watchdog_.join();
-    }
-    for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
+    cudaStreamSynchronize(::megaton::cuda::stream());  // everything queued completes
+    for (auto& [ranks, entry] : async_comms_)
+      if (entry.stream) cudaStreamSynchronize(entry.stream);
+    watchdog_.stop();
     // Best effort at exit: finalize (flushes pending work) and destroy; errors here are
     // not worth a crash while the process ends.
     for (auto* map : {&comms_, &async_comms_})
@@ -406,75 +400,20 @@ class NcclComm final : public Comm {
     config.commName = g.name.c_str();
     Entry& e = comms[g.ranks];
     e.broken = true;  // until set up: a failed setup leaves nothing to finalize
+    std::lock_guard<std::mutex> nccl(nccl_mu_);
     MEGATON_NCCL_CHECK(ncclCommInitRankConfig(&e.comm, g.size(), id, g.rank, &config));
     e.broken = false;
     wait_ready(e, "communicator setup", g, deadline_from_now());
     return e;
   }
 
-  // An operation queued on the stream, watched until its event completes.
-  struct Pending {
-    cudaEvent_t event;
-    Clock::time_point deadline;
-    ncclComm_t comm;
-    std::string timeout, failure;  // messages, made when the operation was queued
-  };
-
-  // Prints `message`, aborts `comm` and ends the process (see the file comment).
-  [[noreturn]] void fatal(ncclComm_t comm, const std::string& message) {
-    std::fprintf(stderr, "[rank %d] communication error: %s\n", world_rank_, message.c_str());
-    std::fflush(stderr);
-    (void)ncclCommAbort(comm);
-    std::_Exit(1);
-  }
-
-  void watchdog_loop(int device) {
-    cudaSetDevice(device);
-    while (!stop_) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        while (!pending_.empty()) {
-          Pending& p = pending_.front();
-          const cudaError_t q = cudaEventQuery(p.event);
-          if (q == cudaSuccess) {
-            free_events_.push_back(p.event);
-            pending_.pop_front();
-            continue;
-          }
-          if (q != cudaErrorNotReady) fatal(p.comm, p.failure + ": CUDA " + cudaGetErrorString(q));
-          ncclResult_t state = ncclSuccess;
-          if (ncclCommGetAsyncError(p.comm, &state) == ncclSuccess && state != ncclSuccess &&
-              state != ncclInProgress)
-            fatal(p.comm, p.failure + ": " + ncclGetErrorString(state));
-          if (Clock::now() >= p.deadline) fatal(p.comm, p.timeout);
-          break;  // operations complete in stream order: the oldest decides
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  }
-
-  // Records the operation's completion event for the watchdog (started on first use).
+  // Records the operation's completion event for the watchdog.
   void watch(Entry& e, const char* op, const Group& g, Clock::time_point deadline,
              cudaStream_t stream) {
-    if (!watchdog_.joinable()) {
-      int device = 0;
-      MEGATON_CUDA_CHECK(cudaGetDevice(&device));
-      world_rank_ = g.ranks[g.rank];
-      watchdog_ = std::thread([this, device] { watchdog_loop(device); });
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    cudaEvent_t ev;
-    if (free_events_.empty()) {
-      MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    } else {
-      ev = free_events_.back();
-      free_events_.pop_back();
-    }
-    MEGATON_CUDA_CHECK(cudaEventRecord(ev, stream));
-    pending_.push_back(
-        {ev, deadline, e.comm, timeout_message(op, g),
-         fmt::format("{} on group {} failed at world rank {}", op, g.describe(), g.ranks[g.rank])});
+    watchdog_.watch(
+        e.comm, stream, deadline, timeout_message(op, g),
+        fmt::format("{} on group {} failed at world rank {}", op, g.describe(), g.ranks[g.rank]),
+        g.ranks[g.rank]);
   }
 
   // Enqueues an operation on the compute stream; the watchdog keeps its deadline, or,
@@ -486,12 +425,15 @@ class NcclComm final : public Comm {
     const Clock::time_point deadline = deadline_from_now();
     // MEGATON_OP_PROFILE=1 times the collective on the compute stream under its name.
     const ops::OpProfileScope profile_scope(op);
-    ncclResult_t rc = enqueue(e.comm, stream);
-    if (rc != ncclSuccess && rc != ncclInProgress)
-      abort_and_throw(
-          e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
-                         g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
-    wait_ready(e, op, g, deadline);  // the enqueue itself may still be in progress
+    {
+      std::lock_guard<std::mutex> nccl(nccl_mu_);
+      ncclResult_t rc = enqueue(e.comm, stream);
+      if (rc != ncclSuccess && rc != ncclInProgress)
+        abort_and_throw(
+            e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                           g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
+      wait_ready(e, op, g, deadline);  // the enqueue itself may still be in progress
+    }
     if (!wait_host) {
       watch(e, op, g, deadline, stream);
       return;
@@ -502,7 +444,10 @@ class NcclComm final : public Comm {
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) MEGATON_CUDA_CHECK(q);
       ncclResult_t state = ncclSuccess;
-      MEGATON_NCCL_CHECK(ncclCommGetAsyncError(e.comm, &state));
+      {
+        std::lock_guard<std::mutex> nccl(nccl_mu_);
+        MEGATON_NCCL_CHECK(ncclCommGetAsyncError(e.comm, &state));
+      }
       if (state != ncclSuccess && state != ncclInProgress)
         abort_and_throw(
             e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
@@ -561,12 +506,15 @@ class NcclComm final : public Comm {
     MEGATON_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
     MEGATON_CUDA_CHECK(cudaEventDestroy(ready));
     const Clock::time_point deadline = deadline_from_now();
-    ncclResult_t rc = enqueue(e.comm, stream);
-    if (rc != ncclSuccess && rc != ncclInProgress)
-      abort_and_throw(
-          e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
-                         g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
-    wait_ready(e, op, g, deadline);
+    {
+      std::lock_guard<std::mutex> nccl(nccl_mu_);
+      ncclResult_t rc = enqueue(e.comm, stream);
+      if (rc != ncclSuccess && rc != ncclInProgress)
+        abort_and_throw(
+            e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                           g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
+      wait_ready(e, op, g, deadline);
+    }
     watch(e, op, g, deadline, stream);
     MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     MEGATON_CUDA_CHECK(cudaEventRecord(done, stream));
@@ -613,13 +561,10 @@ class NcclComm final : public Comm {
   std::map<std::vector<int>, Entry> comms_;
   std::map<std::vector<int>, Entry> async_comms_;
   Tensor barrier_scratch_;
-  // The watchdog and the operations it watches (guarded by mu_).
-  std::mutex mu_;
-  std::deque<Pending> pending_;
-  std::vector<cudaEvent_t> free_events_;
-  std::thread watchdog_;
-  std::atomic<bool> stop_{false};
-  int world_rank_ = 0;
+  // Held by every NCCL call on a communicator in use (enqueues, progress polls); the
+  // watchdog polls only when it can take it at once.
+  std::mutex nccl_mu_;
+  detail::NcclWatchdog watchdog_{nccl_mu_};
 };
 
 }  // namespace
