@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "cli/commands.h"
@@ -29,6 +30,20 @@ static void choose_openblas_kernels(char** argv) {
   if (!core) return;
   setenv("OPENBLAS_CORETYPE", core, 1);
   execv("/proc/self/exe", argv);  // only returns on failure: keep going with the default
+}
+
+// --tp-comm-overlap on the command line: one hardware queue per device
+// (CUDA_DEVICE_MAX_CONNECTIONS=1, unless set), read when the CUDA context is made, so
+// here, before dist::init. Megatron requires it for the overlap on Hopper (arguments.py);
+// measured on two H200s (docs/performance.md): TP2 llama-1.3B step 280.2 -> 266.4 ms with
+// the overlap. (From a --config file the flag comes too late: set the variable there.)
+static void choose_device_connections(int argc, char** argv) {
+  if (std::getenv("CUDA_DEVICE_MAX_CONNECTIONS")) return;
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "--tp-comm-overlap") == 0) {
+      setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1", 0);
+      return;
+    }
 }
 
 // Parses the command line and runs the chosen subcommand; returns the exit status.
@@ -65,6 +80,7 @@ static int run(CLI::App& app, int argc, char** argv) {
 
 int main(int argc, char** argv) {
   choose_openblas_kernels(argv);
+  choose_device_connections(argc, argv);
   try {
     megaton::dist::init(&argc, &argv);  // MPI under mpirun/srun only
   } catch (const std::exception& e) {
