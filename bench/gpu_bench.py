@@ -85,6 +85,16 @@ def mla_flops_per_token(c):
                 c.get("mtp", 0) * (2 * h * h + vocab(c) * h) + vocab(c) * h)
     return 6 * n_active + 6 * layers * c["seq"] * n * (dq + m["v"])
 
+def failure_summary(text, lines=4):
+    """The lines of a failed run's output that say why: Megaton's error lines ("error:",
+    "communication error:", "internal error:", a signal's report), else the last non-empty
+    lines that are not mpirun's dashed banners; `lines` of them, joined by " / "."""
+    rows = [l.strip() for l in text.splitlines() if l.strip() and not set(l.strip()) <= set("-=")]
+    keys = ("error", "Error", "Signal", "signal", "Segmentation", "Aborted", "terminate")
+    picked = [l for l in rows if any(k in l for k in keys)] or rows
+    return " / ".join(l[:200] for l in picked[-lines:]) or "no output"
+
+
 def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_batches=1):
     """One Megaton run; launcher (e.g. mpirun -np 2 ...) and extra flags for parallel
     layouts: world GPUs, of which dp data-parallel; global batch = micro-batch x dp x
@@ -117,7 +127,7 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     planned = re.search(r"= total \(the planned peak\) +\d+ +[\d.]+ +([\d.]+)", plan.stdout)
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
-        return dict(error=(out.stderr or out.stdout).strip().splitlines()[-1][:200])
+        return dict(error=failure_summary(out.stderr + "\n" + out.stdout))
     rows = [l for l in out.stdout.splitlines() if l.startswith(" iteration")]
     ms = [float(re.search(r"per iteration \(ms\): ([\d.]+)", l).group(1)) for l in rows][1:]
     mem = float(re.search(r"peak memory \(MB\): ([\d.]+)", rows[-1]).group(1))

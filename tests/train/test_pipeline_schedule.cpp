@@ -144,13 +144,13 @@ TEST(PipelineOrder, InterleavedByHand) {
   // Rank 0: warmup 2 x (2 - 0 - 1) + (2 - 1) x 2 = 4.
   EXPECT_EQ(pipeline_rank_order(2, 2, 0, 4, false),
             (Order{F(0, 0), F(1, 0), F(0, 1), F(1, 1),  // warmup
-                   F(2, 0), B(0, 1), F(3, 0), B(1, 1), F(2, 1), B(0, 0), F(3, 1), B(1, 0),
-                   B(2, 1), B(3, 1), B(2, 0), B(3, 0)}));  // cooldown
+                   F(2, 0), B(0, 1), F(3, 0), B(1, 1), F(2, 1), B(0, 0), F(3, 1), B(1, 0), B(2, 1),
+                   B(3, 1), B(2, 0), B(3, 0)}));  // cooldown
   // Rank 1: warmup 2.
   EXPECT_EQ(pipeline_rank_order(2, 2, 1, 4, false),
             (Order{F(0, 0), F(1, 0),  // warmup
-                   F(0, 1), B(0, 1), F(1, 1), B(1, 1), F(2, 0), B(0, 0), F(3, 0), B(1, 0),
-                   F(2, 1), B(2, 1), F(3, 1), B(3, 1),  // steady
+                   F(0, 1), B(0, 1), F(1, 1), B(1, 1), F(2, 0), B(0, 0), F(3, 0), B(1, 0), F(2, 1),
+                   B(2, 1), F(3, 1), B(3, 1),  // steady
                    B(2, 0), B(3, 0)}));
   // pp 4, 2 chunks, 4 micro-batches: rank 0's warmup 2 x 3 + 4 = 10 > 8 runs every forward.
   const Order r0 = pipeline_rank_order(4, 2, 0, 4, false);
@@ -291,18 +291,64 @@ class ThreadComm final : public dist::Comm {
       boxes_.queues[{rank_, g.ranks[send_peer]}].emplace_back(data, data + send_t->nbytes());
       boxes_.arrived.notify_all();
     }
-    if (recv_t) {
-      auto& queue = boxes_.queues[{g.ranks[recv_peer], rank_}];
-      if (!boxes_.arrived.wait_for(*held, std::chrono::seconds(30),
-                                   [&] { return !queue.empty(); }))
+    if (recv_t) receive(*recv_t, g.ranks[recv_peer]);
+  }
+  // The send goes at once; the receive is made only in wait(), so a schedule that read the
+  // tensor before waiting would read what Tensor::empty left there.
+  std::unique_ptr<dist::CommWork> do_send_recv_async(const Tensor* send_t, int send_peer,
+                                                     Tensor* recv_t, int recv_peer,
+                                                     const dist::Group& g) override {
+    do_send_recv(send_t, send_peer, nullptr, -1, g);
+    ++started_;
+    return std::make_unique<DeferredRecv>(*this, recv_t ? *recv_t : Tensor(),
+                                          recv_t ? g.ranks[recv_peer] : -1, started_);
+  }
+
+ public:
+  int64_t deferred = 0;  // receives waited for after a later transfer had started
+
+ private:
+  class DeferredRecv final : public dist::CommWork {
+   public:
+    DeferredRecv(ThreadComm& c, Tensor t, int from, int64_t number)
+        : c_(c), t_(std::move(t)), from_(from), number_(number) {}
+    ~DeferredRecv() override {
+      try {
+        wait();
+      } catch (...) {  // the schedule's own waits report a missing message
+      }
+    }
+    void wait() override {
+      if (done_ || from_ < 0) return;
+      done_ = true;
+      if (c_.started_ > number_) ++c_.deferred;
+      c_.receive(t_, from_);
+    }
+
+   private:
+    ThreadComm& c_;
+    Tensor t_;
+    int from_;
+    int64_t number_;
+    bool done_ = false;
+  };
+  int64_t started_ = 0;
+
+  void receive(Tensor& recv, int from) {
+    Tensor* recv_t = &recv;
+    {
+      auto& queue = boxes_.queues[{from, rank_}];
+      if (!boxes_.arrived.wait_for(*held, std::chrono::seconds(30), [&] { return !queue.empty(); }))
         throw dist::CommError("rank " + std::to_string(rank_) + ": no message from rank " +
-                              std::to_string(g.ranks[recv_peer]) + " in 30 s");
+                              std::to_string(from) + " in 30 s");
       MEGATON_CHECK(queue.front().size() == recv_t->nbytes(), "message of {} bytes for {}",
                     queue.front().size(), recv_t->nbytes());
       std::memcpy(recv_t->raw(), queue.front().data(), queue.front().size());
       queue.pop_front();
     }
   }
+
+ protected:
   void prepare_group(const dist::Group&) override {}
   void do_all_reduce(Tensor&, const dist::Group&, dist::ReduceOp) override { unused(); }
   void do_reduce_scatter(const Tensor&, Tensor&, const dist::Group&) override { unused(); }
@@ -359,12 +405,17 @@ GPTConfig schedule_config() {
 // chunk runs exactly one forward per micro-batch (no recomputation: the stages keep
 // their in-flight micro-batches' activations). Forward only: the same losses, one
 // forward each, nothing kept.
-void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool forward_only) {
+// overlap_p2p: the schedule's asynchronous transfers (PipelineSchedule's overlap_p2p_comm),
+// whose receives ThreadComm makes only when waited for: equal results mean every tensor is
+// waited for before it is read, and in training some receives must be waited for after
+// later transfers have started (the overlap).
+void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool forward_only,
+                                     bool overlap_p2p = false) {
   const GPTConfig cfg = schedule_config();
   const uint64_t seed = testing::test_seed();
   SCOPED_TRACE("seed " + std::to_string(seed) + ", pp " + std::to_string(pp) + ", vpp " +
                std::to_string(vpp) + ", " + std::to_string(m) + " micro-batches" +
-               (forward_only ? ", forward only" : ""));
+               (forward_only ? ", forward only" : "") + (overlap_p2p ? ", p2p overlap" : ""));
   const int64_t B = 2, S = cfg.seq_length, T = B * S;
   std::vector<Tensor> tokens, labels;
   for (int64_t mb = 0; mb < m; ++mb) {
@@ -392,10 +443,10 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
   for (int64_t r = 0; r < pp; ++r)
     for (int64_t c = 0; c < vpp; ++c) {
       const ChunkLayers layers = chunk_layers(stages, vpp, r, c);
-      models.push_back(std::make_unique<GPTModel>(
-          cfg, seed, ModelParallel{}, 1, 1,
-          PipelineChunk{layers.first_layer, layers.num_layers, r == 0 && c == 0,
-                        r == pp - 1 && c == vpp - 1}));
+      models.push_back(
+          std::make_unique<GPTModel>(cfg, seed, ModelParallel{}, 1, 1,
+                                     PipelineChunk{layers.first_layer, layers.num_layers,
+                                                   r == 0 && c == 0, r == pp - 1 && c == vpp - 1}));
       GPTModel& model = *models.back();
       const Param* first = model.params().front();
       int& count = forwards[r * vpp + c];
@@ -406,6 +457,7 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
     }
   std::vector<PipelineLosses> got(pp);
   std::vector<std::exception_ptr> failed(pp);
+  std::vector<int64_t> deferred(pp, 0);
   std::vector<std::thread> ranks;
   for (int r = 0; r < int(pp); ++r)
     ranks.emplace_back([&, r] {
@@ -418,7 +470,7 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
         comm.held = &turn;
         std::vector<GPTModel*> chunks;
         for (int64_t c = 0; c < vpp; ++c) chunks.push_back(models[r * vpp + c].get());
-        PipelineSchedule schedule(chunks, grid, comm);
+        PipelineSchedule schedule(chunks, grid, comm, overlap_p2p);
         PipelineMicroBatches mbs;
         mbs.count = m;
         mbs.batch = B;
@@ -429,6 +481,7 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
         };
         mbs.context = context;
         got[r] = schedule.forward_backward(mbs, forward_only);
+        deferred[r] = comm.deferred;
       } catch (...) {
         failed[r] = std::current_exception();
       }
@@ -436,6 +489,11 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
   for (std::thread& t : ranks) t.join();
   for (const std::exception_ptr& e : failed)
     if (e) std::rethrow_exception(e);
+  int64_t deferred_total = 0;
+  for (int64_t d : deferred) deferred_total += d;
+  // (A short forward-only step may read every input at the tick after it arrives.)
+  if (overlap_p2p && !forward_only) EXPECT_GT(deferred_total, 0) << "no receive left running";
+  if (!overlap_p2p) EXPECT_EQ(deferred_total, 0);
 
   for (int64_t i = 0; i < pp * vpp; ++i) {
     EXPECT_EQ(forwards[i], m) << "rank " << i / vpp << " chunk " << i % vpp;
@@ -448,8 +506,10 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
   // Summed in another order, in fp32 (the losses stay on the device until read).
   EXPECT_NEAR(aux, want_aux, 1e-6 * std::fabs(want_aux));
   // The load-balancing losses exist in training forwards only (Megatron's router).
-  if (forward_only) EXPECT_EQ(want_aux, 0);
-  else EXPECT_GT(want_aux, 0);
+  if (forward_only)
+    EXPECT_EQ(want_aux, 0);
+  else
+    EXPECT_GT(want_aux, 0);
   if (forward_only) return;
   std::map<std::string, const Param*> reference;
   for (const Param* p : whole.params()) reference[p->name] = p;
@@ -457,8 +517,7 @@ void check_schedule_matches_one_rank(int64_t pp, int64_t vpp, int64_t m, bool fo
   for (auto& model : models)
     for (const Param* p : model->params()) {
       ASSERT_TRUE(reference.count(p->name)) << p->name;
-      EXPECT_TRUE(testing::allclose(p->main_grad, reference[p->name]->main_grad, 0, 0))
-          << p->name;
+      EXPECT_TRUE(testing::allclose(p->main_grad, reference[p->name]->main_grad, 0, 0)) << p->name;
       ++compared;
     }
   EXPECT_EQ(compared, reference.size());
@@ -470,6 +529,14 @@ TEST(PipelineSchedule, OneForwardPerMicroBatchAndOneRankGradients) {
   check_schedule_matches_one_rank(2, 2, 4, false);  // interleaved
   check_schedule_matches_one_rank(2, 1, 3, true);   // evaluation
   check_schedule_matches_one_rank(2, 2, 2, true);
+}
+
+TEST(PipelineSchedule, OverlappedTransfersAreWaitedForBeforeUse) {
+  check_schedule_matches_one_rank(2, 1, 4, false, true);
+  check_schedule_matches_one_rank(4, 1, 5, false, true);
+  check_schedule_matches_one_rank(2, 2, 4, false, true);
+  check_schedule_matches_one_rank(2, 2, 6, false, true);
+  check_schedule_matches_one_rank(2, 2, 2, true, true);
 }
 
 }  // namespace
