@@ -113,6 +113,10 @@ Param make_param_sharded(const std::string& name, const Shape& full_shape, float
   if (where.meta_device) {
     Shape shape = full_shape;
     MEGATON_CHECK(split_dim == 0 || split_dim == 1, "make_param_sharded: split dim {}", split_dim);
+    const int64_t parts = swiglu_halves ? 2 * int64_t(size) : int64_t(size);
+    MEGATON_CHECK(shape[size_t(split_dim)] % parts == 0,
+                  "make_param_sharded: dim {} of {} not divisible into {} parts", split_dim,
+                  shape_str(full_shape), parts);
     shape[size_t(split_dim)] /= size;
     p = place_meta(name, shape, false, where, normal_init(name, std, seed, rank, size));
   } else {
@@ -198,7 +202,7 @@ Tensor main_param_values(const Param& p, int64_t offset, int64_t numel) {
 void refresh_compute_weight(Param& p) {
   // An FP8 weight (--fp8-param-gather) is requantized by the distributed optimizer.
   MEGATON_CHECK(!p.fp8_param, "refresh_compute_weight on the FP8 weight '{}'", p.name);
-  if (p.weight.raw() == p.main_param.raw()) return;
+  if (p.weight.same_data(p.main_param)) return;
   // An offloaded main param (--optimizer-cpu-offload) is on the host: cast there, then copy.
   if (p.main_param.device() != p.weight.device())
     p.weight.copy_from(p.main_param.dtype() == p.weight.dtype()

@@ -30,10 +30,14 @@ namespace {
 // The flag value naming a dtype (Megatron's spelling).
 const char* flag_dtype_name(DType d) {
   switch (d) {
-    case DType::BF16: return "bf16";
-    case DType::F16: return "fp16";
-    case DType::F8E4M3: return "fp8";
-    default: return "fp32";
+    case DType::BF16:
+      return "bf16";
+    case DType::F16:
+      return "fp16";
+    case DType::F8E4M3:
+      return "fp8";
+    default:
+      return "fp32";
   }
 }
 }  // namespace
@@ -108,9 +112,8 @@ ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_s
 bool stores_param_remainder(const AdamWConfig& config, const Param& p) {
   if (p.main_param_remainder.defined()) return true;
   return config.store_param_remainders && config.main_params_dtype == DType::F32 &&
-         p.weight.defined() &&
-         p.weight.dtype() == DType::BF16 && p.main_param.defined() &&
-         p.main_param.dtype() == DType::F32 && p.main_param.raw() != p.weight.raw() &&
+         p.weight.defined() && p.weight.dtype() == DType::BF16 && p.main_param.defined() &&
+         p.main_param.dtype() == DType::F32 && !p.main_param.same_data(p.weight) &&
          p.main_param.device() == p.weight.device();  // not an offloaded (host) main param
 }
 
@@ -119,7 +122,7 @@ bool stores_f16_main_param(const AdamWConfig& config, const Param& p) {
   return config.main_params_dtype == DType::F16 && p.weight.defined() &&
          (p.weight.dtype() == DType::BF16 || p.weight.dtype() == DType::F16) &&
          p.main_param.defined() && p.main_param.dtype() == DType::F32 &&
-         p.main_param.raw() != p.weight.raw() && p.main_param.device() == p.weight.device();
+         !p.main_param.same_data(p.weight) && p.main_param.device() == p.weight.device();
 }
 
 Tensor main_param_value(const Param& p) {
@@ -160,14 +163,16 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
   for (Param* p : params_) MEGATON_CHECK(p != nullptr, "null Param in the optimizer's list");
   offloaded_.assign(params_.size(), 0);
   if (config_.optimizer_cpu_offload) {
-    MEGATON_CHECK(config_.optimizer_offload_fraction >= 0 && config_.optimizer_offload_fraction <= 1,
-                  "optimizer offload fraction {}", config_.optimizer_offload_fraction);
+    MEGATON_CHECK(
+        config_.optimizer_offload_fraction >= 0 && config_.optimizer_offload_fraction <= 1,
+        "optimizer offload fraction {}", config_.optimizer_offload_fraction);
     offloaded_ = choose_offloaded_params(params_, config_.optimizer_offload_fraction);
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     Param* p = params_[i];
     // An offloaded param's main param goes to the host whole (OptimizerOffload below).
-    if (!offloaded_[i] && stores_param_remainder(config_, *p) && !p->main_param_remainder.defined()) {
+    if (!offloaded_[i] && stores_param_remainder(config_, *p) &&
+        !p->main_param_remainder.defined()) {
       // Before this param's moments are allocated, so the fp32 main param is free first.
       p->main_param_remainder = Tensor::empty(p->weight.shape(), DType::I16, p->weight.device());
       ops::split_param_remainders(p->main_param, p->weight, p->main_param_remainder);
@@ -183,29 +188,28 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
     }
     if (p->main_param_f16.defined()) {
       f16_main_params_ = true;
-      MEGATON_CHECK(p->weight.defined() &&
-                        (p->weight.dtype() == DType::BF16 || p->weight.dtype() == DType::F16) &&
-                        !p->main_param.defined() && !p->main_param_remainder.defined() &&
-                        p->main_param_f16.dtype() == DType::F16 &&
-                        p->main_param_f16.shape() == p->weight.shape() &&
-                        p->main_param_scale.defined() &&
-                        p->main_param_scale.dtype() == DType::F32 &&
-                        p->main_param_scale.numel() == 1,
-                    "param '{}': a main_param_f16 needs a BF16 or F16 weight of its shape, an "
-                    "F32 [1] main_param_scale and no other main param",
-                    p->name);
+      MEGATON_CHECK(
+          p->weight.defined() &&
+              (p->weight.dtype() == DType::BF16 || p->weight.dtype() == DType::F16) &&
+              !p->main_param.defined() && !p->main_param_remainder.defined() &&
+              p->main_param_f16.dtype() == DType::F16 &&
+              p->main_param_f16.shape() == p->weight.shape() && p->main_param_scale.defined() &&
+              p->main_param_scale.dtype() == DType::F32 && p->main_param_scale.numel() == 1,
+          "param '{}': a main_param_f16 needs a BF16 or F16 weight of its shape, an "
+          "F32 [1] main_param_scale and no other main param",
+          p->name);
     } else if (p->main_param_remainder.defined()) {
       MEGATON_CHECK(p->weight.defined() && p->weight.dtype() == DType::BF16 &&
-                        !p->main_param.defined() &&
-                        p->main_param_remainder.dtype() == DType::I16 &&
+                        !p->main_param.defined() && p->main_param_remainder.dtype() == DType::I16 &&
                         p->main_param_remainder.shape() == p->weight.shape(),
                     "param '{}': a main_param_remainder needs a BF16 weight of its shape and "
-                    "no main_param", p->name);
+                    "no main_param",
+                    p->name);
     } else {
       const Tensor& master = p->main_param.defined() ? p->main_param : p->weight;
-      MEGATON_CHECK(master.defined() && master.dtype() == DType::F32 &&
-                        master.shape() == p->weight.shape(),
-                    "param '{}' needs an fp32 main_param (or fp32 weight)", p->name);
+      MEGATON_CHECK(
+          master.defined() && master.dtype() == DType::F32 && master.shape() == p->weight.shape(),
+          "param '{}' needs an fp32 main_param (or fp32 weight)", p->name);
     }
     // A BF16 main grad (--main-grads-dtype bf16) is widened to fp32 as the update reads it.
     MEGATON_CHECK(p->main_grad.defined() &&
@@ -225,7 +229,8 @@ AdamW::AdamW(std::vector<Param*> params, AdamWConfig config, Device state_device
     rounding_keys_.push_back(moment_rounding_key(*p, 0, 1, 0));
   }
   if (config_.optimizer_cpu_offload)
-    offload_ = std::make_unique<OptimizerOffload>(params_, offloaded_, config_, exp_avg_, exp_avg_sq_);
+    offload_ =
+        std::make_unique<OptimizerOffload>(params_, offloaded_, config_, exp_avg_, exp_avg_sq_);
   const Device device = params_.empty() ? state_device : params_[0]->weight.device();
   state_ = Tensor::zeros({2}, DType::I64, device);
   if (scaled_states()) {
@@ -263,8 +268,8 @@ void AdamW::absmax_pass(SplitLists& s, float lr, int64_t step, float grad_scale,
     for (Lists* l : {&s.fp32, &s.remainder, &s.f16})
       if (!l->grads.empty())
         ops::multi_tensor_adamw_moment_absmax(l->grads, l->exp_avg, l->exp_avg_sq, l->scales,
-                                              config_.adam_beta1, config_.adam_beta2,
-                                              grad_scale, control);
+                                              config_.adam_beta1, config_.adam_beta2, grad_scale,
+                                              control);
   const Lists& f = s.f16;
   if (!f.masters.empty())
     ops::multi_tensor_adamw_f16_main_param_absmax(

@@ -19,6 +19,7 @@
 #include "core/dtype.h"
 #include "dist/comm.h"
 #include "dist/grid.h"
+#include "model/layers.h"
 #include "model/param_buffer.h"
 #include "ops/adam_f16_main_param.h"
 #include "ops/ops.h"
@@ -39,8 +40,8 @@ using megaton::testing::test_seed;
   const auto* pb = static_cast<const unsigned char*>(b.raw());
   for (int64_t i = 0; i < a.numel(); ++i)
     if (std::memcmp(pa + i * elem, pb + i * elem, elem) != 0)
-      return ::testing::AssertionFailure() << "element " << i << ": " << a.item(i) << " vs "
-                                           << b.item(i);
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << a.item(i) << " vs " << b.item(i);
   return ::testing::AssertionSuccess();
 }
 
@@ -282,6 +283,47 @@ TEST(DistributedF16MainParam, StatesConvertBetweenFp32AndFp16MainParams) {
       without_scales.erase("optimizer." + p->name + ".main_param.scale");
     expect_same_state(to_fp32.state(), without_scales);
   }
+}
+
+// --init-model-with-meta-device: params made without values (bf16 weights, fp32 main params
+// absent) give the optimizer the same start as params made whole, whatever stores the main
+// params (fp16 with a scale, int16 remainders beside the weight) and whether the optimizer
+// is distributed: two steps leave byte-identical weights.
+std::vector<std::unique_ptr<Param>> made_params(bool meta) {
+  const Placement where{Device::CPU, DType::BF16, meta};
+  std::vector<std::unique_ptr<Param>> ps;
+  ps.push_back(std::make_unique<Param>(make_param("fc1.weight", {40, 24}, 0.3f, 77, where)));
+  ps.push_back(std::make_unique<Param>(
+      make_param_sharded("proj.weight", {24, 40}, 0.3f, 77, where, 1, 1, 2)));
+  ps.push_back(
+      std::make_unique<Param>(make_constant_param("norm.weight", {24}, 1.0f, true, where)));
+  return ps;
+}
+
+TEST(AdamWF16MainParam, MetaDeviceParamsStepLikeWholeOnes) {
+  for (const DType main : {DType::F16, DType::F32})
+    for (const bool distributed : {false, true}) {
+      SCOPED_TRACE(std::string(main == DType::F16 ? "fp16 main params" : "remainders") +
+                   (distributed ? ", distributed" : ""));
+      auto whole = made_params(false), meta = made_params(true);
+      std::vector<Param*> pw, pm;
+      for (auto& p : whole) pw.push_back(p.get());
+      for (auto& p : meta) pm.push_back(p.get());
+      ASSERT_TRUE(pm[0]->main_param.storage_released());
+      ParamAndGradBuffer bw(pw, 1, false), bm(pm, 1, false);
+      AdamWConfig c = config(main);
+      c.store_param_remainders = main == DType::F32;
+      DistributedAdamW ow({&bw}, one_rank_grid(), cpu_comm(), c, distributed);
+      DistributedAdamW om({&bm}, one_rank_grid(), cpu_comm(), c, distributed);
+      for (uint64_t step = 0; step < 2; ++step) {
+        set_grads(pw, 100 + step);
+        set_grads(pm, 100 + step);
+        ow.step(1e-2f, 1.0f);
+        om.step(1e-2f, 1.0f);
+      }
+      for (size_t i = 0; i < pw.size(); ++i)
+        EXPECT_TRUE(same_bytes(pm[i]->weight, pw[i]->weight)) << pw[i]->name;
+    }
 }
 
 }  // namespace

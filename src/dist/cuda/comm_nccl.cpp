@@ -358,8 +358,12 @@ class NcclComm final : public Comm {
 
   // Aborts the communicator and throws CommError with `message`. The abort's own result
   // is not checked: the error being reported is the one that matters.
+  // Holds nccl_mu_ (recursive: callers may hold it already) and drops the watchdog's
+  // entries of the communicator first, so that the watchdog never touches it again.
   [[noreturn]] void abort_and_throw(Entry& e, const std::string& message) {
+    std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
     e.broken = true;
+    watchdog_.forget(e.comm);
     (void)ncclCommAbort(e.comm);
     throw CommError(message);
   }
@@ -400,7 +404,7 @@ class NcclComm final : public Comm {
     config.commName = g.name.c_str();
     Entry& e = comms[g.ranks];
     e.broken = true;  // until set up: a failed setup leaves nothing to finalize
-    std::lock_guard<std::mutex> nccl(nccl_mu_);
+    std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
     MEGATON_NCCL_CHECK(ncclCommInitRankConfig(&e.comm, g.size(), id, g.rank, &config));
     e.broken = false;
     wait_ready(e, "communicator setup", g, deadline_from_now());
@@ -426,7 +430,7 @@ class NcclComm final : public Comm {
     // MEGATON_OP_PROFILE=1 times the collective on the compute stream under its name.
     const ops::OpProfileScope profile_scope(op);
     {
-      std::lock_guard<std::mutex> nccl(nccl_mu_);
+      std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
       ncclResult_t rc = enqueue(e.comm, stream);
       if (rc != ncclSuccess && rc != ncclInProgress)
         abort_and_throw(
@@ -443,15 +447,15 @@ class NcclComm final : public Comm {
       cudaError_t q = cudaStreamQuery(stream);
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) MEGATON_CUDA_CHECK(q);
-      ncclResult_t state = ncclSuccess;
       {
-        std::lock_guard<std::mutex> nccl(nccl_mu_);
+        std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
+        ncclResult_t state = ncclSuccess;
         MEGATON_NCCL_CHECK(ncclCommGetAsyncError(e.comm, &state));
+        if (state != ncclSuccess && state != ncclInProgress)
+          abort_and_throw(
+              e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                             g.ranks[g.rank], ncclGetErrorString(state), ncclGetLastError(e.comm)));
       }
-      if (state != ncclSuccess && state != ncclInProgress)
-        abort_and_throw(
-            e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
-                           g.ranks[g.rank], ncclGetErrorString(state), ncclGetLastError(e.comm)));
       const Clock::time_point now = Clock::now();
       if (now >= deadline) abort_and_throw(e, timeout_message(op, g));
       if (now - start < std::chrono::milliseconds(1))
@@ -507,7 +511,7 @@ class NcclComm final : public Comm {
     MEGATON_CUDA_CHECK(cudaEventDestroy(ready));
     const Clock::time_point deadline = deadline_from_now();
     {
-      std::lock_guard<std::mutex> nccl(nccl_mu_);
+      std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
       ncclResult_t rc = enqueue(e.comm, stream);
       if (rc != ncclSuccess && rc != ncclInProgress)
         abort_and_throw(
@@ -563,7 +567,7 @@ class NcclComm final : public Comm {
   Tensor barrier_scratch_;
   // Held by every NCCL call on a communicator in use (enqueues, progress polls); the
   // watchdog polls only when it can take it at once.
-  std::mutex nccl_mu_;
+  detail::NcclMutex nccl_mu_;
   detail::NcclWatchdog watchdog_{nccl_mu_};
 };
 

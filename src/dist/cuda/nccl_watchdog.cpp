@@ -12,6 +12,8 @@ namespace megaton::dist::detail {
 NcclWatchdog::~NcclWatchdog() {
   stop();
   for (cudaEvent_t ev : free_events_) cudaEventDestroy(ev);
+  for (auto& [stream, queue] : pending_)
+    for (Pending& p : queue) cudaEventDestroy(p.event);
 }
 
 void NcclWatchdog::stop() {
@@ -37,13 +39,28 @@ void NcclWatchdog::watch(ncclComm_t comm, cudaStream_t stream, Clock::time_point
     free_events_.pop_back();
   }
   MEGATON_CUDA_CHECK(cudaEventRecord(ev, stream));
-  pending_.push_back({ev, deadline, comm, std::move(timeout), std::move(failure)});
+  pending_[stream].push_back({ev, deadline, comm, std::move(timeout), std::move(failure)});
+}
+
+void NcclWatchdog::forget(ncclComm_t comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [stream, queue] : pending_)
+    for (auto it = queue.begin(); it != queue.end();)
+      if (it->comm == comm) {
+        free_events_.push_back(it->event);
+        it = queue.erase(it);
+      } else {
+        ++it;
+      }
 }
 
 void NcclWatchdog::fatal(ncclComm_t comm, const std::string& message) {
   std::fprintf(stderr, "[rank %d] communication error: %s\n", world_rank_, message.c_str());
   std::fflush(stderr);
-  (void)ncclCommAbort(comm);
+  // The abort frees kernels that other ranks wait on; only outside the main thread's NCCL
+  // calls (the process ends either way, and mpirun ends the job).
+  std::unique_lock<NcclMutex> nccl(nccl_mu_, std::chrono::milliseconds(200));
+  if (nccl.owns_lock()) (void)ncclCommAbort(comm);
   std::_Exit(1);
 }
 
@@ -52,22 +69,24 @@ void NcclWatchdog::loop(int device) {
   while (!stop_) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      while (!pending_.empty()) {
-        Pending& p = pending_.front();
-        const cudaError_t q = cudaEventQuery(p.event);
-        if (q == cudaSuccess) {
-          free_events_.push_back(p.event);
-          pending_.pop_front();
-          continue;
+      for (auto& [stream, queue] : pending_) {
+        while (!queue.empty()) {
+          Pending& p = queue.front();
+          const cudaError_t q = cudaEventQuery(p.event);
+          if (q == cudaSuccess) {
+            free_events_.push_back(p.event);
+            queue.pop_front();
+            continue;
+          }
+          if (q != cudaErrorNotReady) fatal(p.comm, p.failure + ": CUDA " + cudaGetErrorString(q));
+          std::unique_lock<NcclMutex> nccl(nccl_mu_, std::try_to_lock);
+          ncclResult_t state = ncclSuccess;
+          if (nccl.owns_lock() && ncclCommGetAsyncError(p.comm, &state) == ncclSuccess &&
+              state != ncclSuccess && state != ncclInProgress)
+            fatal(p.comm, p.failure + ": " + ncclGetErrorString(state));
+          if (Clock::now() >= p.deadline) fatal(p.comm, p.timeout);
+          break;  // this stream's oldest decides
         }
-        if (q != cudaErrorNotReady) fatal(p.comm, p.failure + ": CUDA " + cudaGetErrorString(q));
-        std::unique_lock<std::mutex> nccl(nccl_mu_, std::try_to_lock);
-        ncclResult_t state = ncclSuccess;
-        if (nccl.owns_lock() && ncclCommGetAsyncError(p.comm, &state) == ncclSuccess &&
-            state != ncclSuccess && state != ncclInProgress)
-          fatal(p.comm, p.failure + ": " + ncclGetErrorString(state));
-        if (Clock::now() >= p.deadline) fatal(p.comm, p.timeout);
-        break;  // the oldest decides (operations of one stream complete in order)
       }
     }
     std::this_thread::sleep_for(std::chrono::microseconds(200));
