@@ -420,6 +420,20 @@ class NcclComm final : public Comm {
         g.ranks[g.rank]);
   }
 
+  // Calls enqueue(comm, stream) under nccl_mu_ and waits until the (non-blocking)
+  // communicator has taken it; a failure aborts the communicator and throws CommError.
+  template <typename Enqueue>
+  void enqueue_ready(Entry& e, const char* op, const Group& g, cudaStream_t stream,
+                     Clock::time_point deadline, Enqueue& enqueue) {
+    std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
+    ncclResult_t rc = enqueue(e.comm, stream);
+    if (rc != ncclSuccess && rc != ncclInProgress)
+      abort_and_throw(
+          e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
+                         g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
+    wait_ready(e, op, g, deadline);  // the enqueue itself may still be in progress
+  }
+
   // Enqueues an operation on the compute stream; the watchdog keeps its deadline, or,
   // wait_host, this thread waits for it to complete.
   template <typename Enqueue>
@@ -429,15 +443,7 @@ class NcclComm final : public Comm {
     const Clock::time_point deadline = deadline_from_now();
     // MEGATON_OP_PROFILE=1 times the collective on the compute stream under its name.
     const ops::OpProfileScope profile_scope(op);
-    {
-      std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
-      ncclResult_t rc = enqueue(e.comm, stream);
-      if (rc != ncclSuccess && rc != ncclInProgress)
-        abort_and_throw(
-            e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
-                           g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
-      wait_ready(e, op, g, deadline);  // the enqueue itself may still be in progress
-    }
+    enqueue_ready(e, op, g, stream, deadline, enqueue);
     if (!wait_host) {
       watch(e, op, g, deadline, stream);
       return;
@@ -510,15 +516,7 @@ class NcclComm final : public Comm {
     MEGATON_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
     MEGATON_CUDA_CHECK(cudaEventDestroy(ready));
     const Clock::time_point deadline = deadline_from_now();
-    {
-      std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
-      ncclResult_t rc = enqueue(e.comm, stream);
-      if (rc != ncclSuccess && rc != ncclInProgress)
-        abort_and_throw(
-            e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),
-                           g.ranks[g.rank], ncclGetErrorString(rc), ncclGetLastError(e.comm)));
-      wait_ready(e, op, g, deadline);
-    }
+    enqueue_ready(e, op, g, stream, deadline, enqueue);
     watch(e, op, g, deadline, stream);
     MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     MEGATON_CUDA_CHECK(cudaEventRecord(done, stream));

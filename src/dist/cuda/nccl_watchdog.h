@@ -43,6 +43,8 @@ class NcclWatchdog {
   // the messages. Throws InternalError when the event cannot be recorded.
   void watch(ncclComm_t comm, cudaStream_t stream, Clock::time_point deadline, std::string timeout,
              std::string failure, int world_rank);
+  // Stops watching every operation on `comm` (before the owner aborts it).
+  void forget(ncclComm_t comm);
 
  private:
   struct Pending {
