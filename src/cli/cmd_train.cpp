@@ -1,4 +1,5 @@
 // `megaton train --config FILE.yaml [--flag value ...]`.
+#include <cstdlib>
 #include <memory>
 
 #include "cli/commands.h"
@@ -88,6 +89,13 @@ void add_train_command(CLI::App& app) {
       for (const std::string& w : args.warnings) fmt::print(stderr, "warning: {}\n", w);
       for (const std::string& n : args.no_effect)
         fmt::print(stderr, "no effect in Megaton: {}\n", n);
+      // main() sets it for --tp-comm-overlap on the command line; from a --config file the
+      // CUDA context was made before the flag was read.
+      if (args.parallel.tp_comm_overlap && args.model.device == Device::CUDA &&
+          !std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"))
+        fmt::print(stderr,
+                   "warning: --tp-comm-overlap runs best with CUDA_DEVICE_MAX_CONNECTIONS=1 in "
+                   "the environment (as Megatron requires on Hopper)\n");
     }
     if (args.dry_run) {  // the memory plan, then exit 0: nothing is built
       run_dry_run(args, world, stdout, stderr);
