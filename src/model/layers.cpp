@@ -60,7 +60,8 @@ Tensor Linear::forward(const Tensor& x, bool save_input) {
   // the caller adds it (skip_bias_add).
   const bool add_bias = bias.weight.defined() && !skip_bias_add_;
   const bool bias_in_gemm = add_bias && !fp8_.enabled() && mode_ != TensorParallelMode::Row;
-  const RowGemm gemm = [&](const Tensor& in, Tensor out) {
+  // (A plain lambda: the overlap helpers wrap it in a RowGemm only when they run.)
+  const auto gemm = [&](const Tensor& in, Tensor out) {
     if (bias_in_gemm)
       ops::gemm_bias(in, false, weight.weight, true, bias.weight, out);
     else

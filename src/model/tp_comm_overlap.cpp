@@ -70,14 +70,18 @@ Tensor gemm_reduce_scattered_rows(const Tensor& x, int64_t n, const RowGemm& gem
 }
 
 int tp_comm_overlap_splits() {
-  const char* v = std::getenv("MEGATON_TP_COMM_OVERLAP_SPLITS");
-  if (!v || !*v) return 2;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 1 || n > 64)
-    throw Error("MEGATON_TP_COMM_OVERLAP_SPLITS '" + std::string(v) +
-                "' is not an integer from 1 to 64");
-  return int(n);
+  // Read once: every row-parallel forward under the overlap asks.
+  static const int splits = [] {
+    const char* v = std::getenv("MEGATON_TP_COMM_OVERLAP_SPLITS");
+    if (!v || !*v) return 2;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end != '\0' || n < 1 || n > 64)
+      throw Error("MEGATON_TP_COMM_OVERLAP_SPLITS '" + std::string(v) +
+                  "' is not an integer from 1 to 64");
+    return int(n);
+  }();
+  return splits;
 }
 
 }  // namespace megaton

@@ -33,7 +33,8 @@ Tensor gemm_reduce_scattered_rows(const Tensor& x, int64_t n, const RowGemm& gem
                                   const ModelParallel& mp, int splits);
 
 // The chunks gemm_reduce_scattered_rows uses under --tp-comm-overlap:
-// MEGATON_TP_COMM_OVERLAP_SPLITS if set (a positive integer), else 2.
+// MEGATON_TP_COMM_OVERLAP_SPLITS if set (an integer from 1 to 64; megaton::Error otherwise),
+// else 2. Read on the first call.
 int tp_comm_overlap_splits();
 
 }  // namespace megaton
