@@ -171,10 +171,8 @@ std::unique_ptr<CommWork> Comm::all_gather_async(const Tensor& in, Tensor& out, 
   return do_all_gather_async(in, out, g);
 }
 
-void Comm::all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
-                       std::span<const int64_t> recv_counts, const Group& g,
-                       std::source_location site) {
-  site_ = site;
+bool Comm::check_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                             std::span<const int64_t> recv_counts, const Group& g) const {
   check_member(g, "all_to_allv");
   check_tensor(in, "all_to_allv", "input");
   check_tensor(out, "all_to_allv", "output");
@@ -193,11 +191,37 @@ void Comm::all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, T
                 "all_to_allv on group {}: counts add up to {} sent and {} received, tensors hold "
                 "{} and {} elements",
                 g.describe(), sent, received, in.numel(), out.numel());
-  if (g.size() == 1) {
-    MEGATON_CHECK(sent == received, "all_to_allv to itself: {} sent, {} received", sent, received);
-    return out.copy_from(in);
-  }
+  if (g.size() > 1) return true;
+  MEGATON_CHECK(sent == received, "all_to_allv to itself: {} sent, {} received", sent, received);
+  out.copy_from(in);
+  return false;
+}
+
+void Comm::all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                       std::span<const int64_t> recv_counts, const Group& g,
+                       std::source_location site) {
+  site_ = site;
+  if (check_all_to_allv(in, send_counts, out, recv_counts, g))
+    do_all_to_allv(in, send_counts, out, recv_counts, g);
+}
+
+std::unique_ptr<CommWork> Comm::all_to_allv_async(const Tensor& in,
+                                                  std::span<const int64_t> send_counts, Tensor& out,
+                                                  std::span<const int64_t> recv_counts,
+                                                  const Group& g, std::source_location site) {
+  site_ = site;
+  if (!check_all_to_allv(in, send_counts, out, recv_counts, g))
+    return std::make_unique<FinishedWork>();
+  return do_all_to_allv_async(in, send_counts, out, recv_counts, g);
+}
+
+std::unique_ptr<CommWork> Comm::do_all_to_allv_async(const Tensor& in,
+                                                     std::span<const int64_t> send_counts,
+                                                     Tensor& out,
+                                                     std::span<const int64_t> recv_counts,
+                                                     const Group& g) {
   do_all_to_allv(in, send_counts, out, recv_counts, g);
+  return std::make_unique<FinishedWork>();
 }
 
 void Comm::all_to_all(const Tensor& in, Tensor& out, const Group& g, std::source_location site) {
@@ -313,9 +337,8 @@ void Comm::do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& ou
     }
 }
 
-void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g,
-                     std::source_location site) {
-  site_ = site;
+bool Comm::check_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
+                           const Group& g) const {
   const char* op = "pull_rows";
   check_row_exchange(in, out, g, op);
   for (const PullRun& r : runs) {
@@ -328,9 +351,30 @@ void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& ou
                   op, g.describe(), r.count, r.src_first, r.member, r.dst_first, in.dim(0),
                   out.dim(0));
   }
-  if (g.size() > 1) return do_pull_rows(in, runs, out, g);
+  if (g.size() > 1) return true;
   for (const PullRun& r : runs)
     if (r.count > 0) out.rows(r.dst_first, r.count).copy_from(in.rows(r.src_first, r.count));
+  return false;
+}
+
+void Comm::pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g,
+                     std::source_location site) {
+  site_ = site;
+  if (check_pull_rows(in, runs, out, g)) do_pull_rows(in, runs, out, g);
+}
+
+std::unique_ptr<CommWork> Comm::pull_rows_async(const Tensor& in, std::span<const PullRun> runs,
+                                                Tensor& out, const Group& g,
+                                                std::source_location site) {
+  site_ = site;
+  if (!check_pull_rows(in, runs, out, g)) return std::make_unique<FinishedWork>();
+  return do_pull_rows_async(in, runs, out, g);
+}
+
+std::unique_ptr<CommWork> Comm::do_pull_rows_async(const Tensor& in, std::span<const PullRun> runs,
+                                                   Tensor& out, const Group& g) {
+  do_pull_rows(in, runs, out, g);
+  return std::make_unique<FinishedWork>();
 }
 
 bool Comm::peer_memory(const Group& g) {

@@ -129,6 +129,13 @@ class Comm {
   void all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
                    std::span<const int64_t> recv_counts, const Group& g,
                    std::source_location site = std::source_location::current());
+  // all_to_allv started and left running (CommWork; on the GPU over the group's second
+  // communicator and stream, as the *_async collectives): the MoE dispatcher's exchange
+  // beside the shared expert (--moe-shared-expert-overlap).
+  std::unique_ptr<CommWork> all_to_allv_async(
+      const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+      std::span<const int64_t> recv_counts, const Group& g,
+      std::source_location site = std::source_location::current());
   // Equal chunks: in and out have numel g.size() x n; chunk i of in goes to member i,
   // chunk i of out comes from member i.
   void all_to_all(const Tensor& in, Tensor& out, const Group& g,
@@ -159,6 +166,13 @@ class Comm {
   // step).
   void pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g,
                  std::source_location site = std::source_location::current());
+  // pull_rows started and left running (CommWork): through peer memory its
+  // synchronisation and copy kernel run on the group's communication stream after the
+  // compute stream's work so far; otherwise it runs to completion here (the run lists'
+  // exchange needs the host). A pull_input tensor stays valid until the work is waited for.
+  std::unique_ptr<CommWork> pull_rows_async(
+      const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g,
+      std::source_location site = std::source_location::current());
   // A new uninitialised tensor (shape[0] rows, which may differ between members) to fill
   // and pass, whole or as its first rows, as the input of the next pull_rows on g. Through
   // peer memory it is this member's slot for that pull, read in place (no staging copy),
@@ -204,6 +218,12 @@ class Comm {
                                                         const Group& g) = 0;
   virtual void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
                               std::span<const int64_t> recv_counts, const Group& g) = 0;
+  // Default: do_all_to_allv, finished when it returns.
+  virtual std::unique_ptr<CommWork> do_all_to_allv_async(const Tensor& in,
+                                                         std::span<const int64_t> send_counts,
+                                                         Tensor& out,
+                                                         std::span<const int64_t> recv_counts,
+                                                         const Group& g);
   // Default: the runs packed into one buffer per direction around do_all_to_allv.
   virtual void do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
                                    const RowRuns& recv, const Group& g);
@@ -211,6 +231,10 @@ class Comm {
   // rows by all_to_allv_rows.
   virtual void do_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
                             const Group& g);
+  // Default: do_pull_rows, finished when it returns.
+  virtual std::unique_ptr<CommWork> do_pull_rows_async(const Tensor& in,
+                                                       std::span<const PullRun> runs, Tensor& out,
+                                                       const Group& g);
   // Default: false (no peer memory).
   virtual bool do_peer_memory(const Group& g);
   // Default: Tensor::empty on this Comm's device.
@@ -245,6 +269,10 @@ class Comm {
                           const char* op) const;
   bool check_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out,
                               const RowRuns& recv, const Group& g) const;
+  bool check_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                         std::span<const int64_t> recv_counts, const Group& g) const;
+  bool check_pull_rows(const Tensor& in, std::span<const PullRun> runs, Tensor& out,
+                       const Group& g) const;
   double timeout_s_;
 };
 

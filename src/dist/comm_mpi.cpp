@@ -150,26 +150,16 @@ class MpiComm final : public Comm {
 
   void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
                       std::span<const int64_t> recv_counts, const Group& g) override {
-    MPI_Comm comm = comm_of(g, "all_to_allv");
-    const int n = g.size();
-    std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);
-    int64_t soff = 0, roff = 0;
-    for (int i = 0; i < n; ++i) {
-      scounts[i] = mpi_count(send_counts[i]);
-      rcounts[i] = mpi_count(recv_counts[i]);
-      sdispls[i] = mpi_count(soff);
-      rdispls[i] = mpi_count(roff);
-      soff += send_counts[i];
-      roff += recv_counts[i];
-    }
-    const MPI_Datatype type = mpi_type(in.dtype());
-    Tensor src = overlaps(in, out) ? in.clone() : in;
-    Pending p{{MPI_REQUEST_NULL}, {src, out}, {}};
-    p.arrays = {std::move(scounts), std::move(sdispls), std::move(rcounts), std::move(rdispls)};
-    MEGATON_MPI_CHECK(MPI_Ialltoallv(src.raw(), p.arrays[0].data(), p.arrays[1].data(), type,
-                                     out.raw(), p.arrays[2].data(), p.arrays[3].data(), type, comm,
-                                     &p.requests[0]));
+    Pending p = start_all_to_allv(in, send_counts, out, recv_counts, g);
     wait(p, "all_to_allv", g);
+  }
+
+  std::unique_ptr<CommWork> do_all_to_allv_async(const Tensor& in,
+                                                 std::span<const int64_t> send_counts, Tensor& out,
+                                                 std::span<const int64_t> recv_counts,
+                                                 const Group& g) override {
+    return std::make_unique<MpiWork>(*this, start_all_to_allv(in, send_counts, out, recv_counts, g),
+                                     "all_to_allv", g, nullptr);
   }
 
   void do_send_recv(const Tensor* send_t, int send_peer, Tensor* recv_t, int recv_peer,
@@ -204,6 +194,31 @@ class MpiComm final : public Comm {
  private:
   static const char* send_recv_name(const Tensor* send_t, const Tensor* recv_t) {
     return send_t && recv_t ? "send_recv" : send_t ? "send" : "recv";
+  }
+
+  // The MPI_Ialltoallv of an all_to_allv, started.
+  Pending start_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
+                            std::span<const int64_t> recv_counts, const Group& g) {
+    MPI_Comm comm = comm_of(g, "all_to_allv");
+    const int n = g.size();
+    std::vector<int> scounts(n), sdispls(n), rcounts(n), rdispls(n);
+    int64_t soff = 0, roff = 0;
+    for (int i = 0; i < n; ++i) {
+      scounts[i] = mpi_count(send_counts[i]);
+      rcounts[i] = mpi_count(recv_counts[i]);
+      sdispls[i] = mpi_count(soff);
+      rdispls[i] = mpi_count(roff);
+      soff += send_counts[i];
+      roff += recv_counts[i];
+    }
+    const MPI_Datatype type = mpi_type(in.dtype());
+    Tensor src = overlaps(in, out) ? in.clone() : in;
+    Pending p{{MPI_REQUEST_NULL}, {src, out}, {}};
+    p.arrays = {std::move(scounts), std::move(sdispls), std::move(rcounts), std::move(rdispls)};
+    MEGATON_MPI_CHECK(MPI_Ialltoallv(src.raw(), p.arrays[0].data(), p.arrays[1].data(), type,
+                                     out.raw(), p.arrays[2].data(), p.arrays[3].data(), type, comm,
+                                     &p.requests[0]));
+    return p;
   }
 
   // The MPI_Irecv and MPI_Isend of a send_recv, started.

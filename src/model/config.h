@@ -121,6 +121,9 @@ struct GPTConfig {
   bool moe_pad_expert_input_to_capacity = false;
   int64_t moe_shared_expert_intermediate_size = 0;  // 0: no shared expert
   bool moe_shared_expert_gate = false;
+  // --moe-shared-expert-overlap: the shared expert's halves run beside the token
+  // dispatcher's exchanges (MoELayer); the same numbers, the order of work differs.
+  bool moe_shared_expert_overlap = false;
 
   // Where and in what precision the model runs. --bf16 keeps fp32 main params and (unless
   // main_grads_dtype below says bf16) main grads and computes in bf16; the compute dtype

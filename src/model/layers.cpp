@@ -358,6 +358,11 @@ Tensor mlp_activation_weighted_backward(const Tensor& dact, const Tensor& fc1_ou
 // output anyway, writes it (fc2's weight gradient is computed after its input gradient for
 // this). docs/memory.md, "Activation recomputation".
 Tensor MLP::forward(const Tensor& x) {
+  forward_fc1(x);
+  return forward_fc2();
+}
+
+void MLP::forward_fc1(const Tensor& x) {
   Saved& s = saved_;
   s = {};
   s.held = true;
@@ -366,25 +371,42 @@ Tensor MLP::forward(const Tensor& x) {
   if (keep_input_ && !keep_fc1_out_) s.x = x;
   const Tensor fc1_out = linear_fc1.forward(x, keep_input_ && keep_fc1_out_);
   if (keep_fc1_out_) s.fc1_out = fc1_out;
+  between_ = {};
+  between_.fc1_out = fc1_out;
+}
+
+Tensor MLP::forward_fc2() {
+  MEGATON_CHECK(between_.fc1_out.defined(), "MLP '{}': forward_fc2 without forward_fc1",
+                linear_fc1.weight.name);
+  const Tensor fc1_out = std::exchange(between_.fc1_out, Tensor());
   return linear_fc2.forward(mlp_activation(fc1_out, swiglu_), /*save_input=*/false);
 }
 
+const Tensor& MLP::forward_input(Between& b) const {
+  if (!b.x.defined()) {
+    MEGATON_CHECK(bool(b.input), "MLP '{}': backward needs the forward's input, not kept",
+                  linear_fc1.weight.name);
+    b.x = b.input();
+  }
+  return b.x;
+}
+
 Tensor MLP::backward(const Tensor& dy, const std::function<Tensor()>& input) {
+  backward_fc2(dy, input);
+  return backward_fc1();
+}
+
+void MLP::backward_fc2(const Tensor& dy, const std::function<Tensor()>& input) {
   MEGATON_CHECK(saved_.held, "MLP '{}': backward without a forward", linear_fc1.weight.name);
   Saved s = std::exchange(saved_, {});
+  Between& b = between_;
+  b = {};
   // The forward's input, where fc1 did not keep it: kept here, or made again by `input`.
-  Tensor x = s.x;
-  auto forward_input = [&]() -> const Tensor& {
-    if (!x.defined()) {
-      MEGATON_CHECK(bool(input), "MLP '{}': backward needs the forward's input, not kept",
-                    linear_fc1.weight.name);
-      x = input();
-    }
-    return x;
-  };
+  b.x = s.x;
+  b.input = input;
   // fc1's output, remade from the input (the mlp recompute): the same GEMM, the same bits.
   const Tensor fc1_out =
-      s.fc1_out.defined() ? s.fc1_out : linear_fc1.forward(forward_input(), false);
+      s.fc1_out.defined() ? s.fc1_out : linear_fc1.forward(forward_input(b), false);
   Tensor dfc1;  // the activation's backward, inside fc2's backward or after it
   const Tensor dact = linear_fc2.backward(dy, [&](const Tensor& dact) {
     Tensor act = empty_like(dact, dact.shape());
@@ -392,8 +414,15 @@ Tensor MLP::backward(const Tensor& dy, const std::function<Tensor()>& input) {
     return act;
   });
   if (!dfc1.defined()) dfc1 = mlp_activation_backward(dact, fc1_out, swiglu_);  // not asked
-  if (keep_input_ && keep_fc1_out_) return linear_fc1.backward(dfc1);
-  return linear_fc1.backward(dfc1, forward_input());
+  b.dfc1 = std::move(dfc1);
+}
+
+Tensor MLP::backward_fc1() {
+  MEGATON_CHECK(between_.dfc1.defined(), "MLP '{}': backward_fc1 without backward_fc2",
+                linear_fc1.weight.name);
+  Between b = std::exchange(between_, {});
+  if (keep_input_ && keep_fc1_out_) return linear_fc1.backward(b.dfc1);
+  return linear_fc1.backward(b.dfc1, forward_input(b));
 }
 
 Tensor MLP::forward_inference(const Tensor& x) const {

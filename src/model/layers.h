@@ -283,6 +283,17 @@ class MLP {
   // input: the forward's input again, called when the MLP did not keep it (keep_input
   // false); InternalError when it is needed and not given, or nothing was saved.
   Tensor backward(const Tensor& dy, const std::function<Tensor()>& input = {});
+  // The halves of forward and backward, for work placed beside the MoE dispatcher's
+  // exchanges (the shared expert under --moe-shared-expert-overlap, MoELayer):
+  // forward_fc1(x) then forward_fc2() is forward(x) (fc1 with its communication, then
+  // the activation and fc2 with its own); backward_fc2(dy, input) then backward_fc1() is
+  // backward(dy, input) (fc2 and the activation, then fc1). Between the halves the MLP
+  // holds fc1's output, or the activation's gradient [T, fc1 outputs / tp]. InternalError
+  // for a second half without its first.
+  void forward_fc1(const Tensor& x);
+  Tensor forward_fc2();
+  void backward_fc2(const Tensor& dy, const std::function<Tensor()>& input = {});
+  Tensor backward_fc1();
   // x [T, H] -> [T, H] for inference (generation), saving nothing; one rank only.
   Tensor forward_inference(const Tensor& x) const;
   void collect_params(std::vector<Param*>& out);
@@ -306,9 +317,20 @@ class MLP {
   Linear linear_fc1, linear_fc2;
 
  private:
+  // What the first half of forward or backward hands the second (see forward_fc1).
+  struct Between {
+    Tensor fc1_out;  // forward: fc1's output
+    Tensor dfc1;     // backward: the gradient of fc1's output
+    Tensor x;        // backward: the forward's input where fc1 did not keep it (or undefined)
+    std::function<Tensor()> input;  // backward: makes x when it is needed and undefined
+  };
+  // The forward's input in backward (b.x, or made by b.input).
+  const Tensor& forward_input(Between& b) const;
+
   bool swiglu_;
   bool keep_input_ = true, keep_fc1_out_ = true;
   Saved saved_;
+  Between between_;
 };
 
 }  // namespace megaton

@@ -87,8 +87,10 @@ void MoELayer::expert_bias_forward(Tensor& y, Param Expert::*bias, const Tensor&
     if (n > 0) {
       Tensor rows = y.rows(start, n);
       const Tensor& b = (experts[e].*bias).weight;
-      if (probs.defined()) ops::weighted_bias_add_(rows, b, probs.rows(start, n));
-      else ops::bias_add_(rows, b);
+      if (probs.defined())
+        ops::weighted_bias_add_(rows, b, probs.rows(start, n));
+      else
+        ops::bias_add_(rows, b);
     }
     start += n;
   }
@@ -192,8 +194,9 @@ void MoELayer::experts_forward(Param Expert::*fc, const Tensor& in, bool keep_in
   const bool fc1 = fc == &Expert::fc1_weight;
   std::vector<const Param*> weights;
   for (const Expert& e : experts) weights.push_back(&(e.*fc));
-  (fc1 ? s.fc1_fp8 : s.fc2_fp8) = (fc1 ? fc1_fp8_ : fc2_fp8_)
-      .forward(in, s.expert_rows, weights, keep_input, fp8_sharding(fc), out);
+  (fc1 ? s.fc1_fp8 : s.fc2_fp8) =
+      (fc1 ? fc1_fp8_ : fc2_fp8_)
+          .forward(in, s.expert_rows, weights, keep_input, fp8_sharding(fc), out);
 }
 
 void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
@@ -219,7 +222,8 @@ void MoELayer::experts_backward(Param Expert::*fc, const Tensor& dout,
   std::vector<Param*> weights;
   for (Expert& e : experts) weights.push_back(&(e.*fc));
   (fc1 ? fc1_fp8_ : fc2_fp8_)
-      .backward(dout, s.expert_rows, weights, fc1 ? s.fc1_fp8 : s.fc2_fp8, in, fp8_sharding(fc), din);
+      .backward(dout, s.expert_rows, weights, fc1 ? s.fc1_fp8 : s.fc2_fp8, in, fp8_sharding(fc),
+                din);
 }
 
 Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
@@ -245,7 +249,17 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   // group sends an expert at most `capacity` copies (all ranks have the same token count,
   // hence capacity).
   Tensor expert_probs;
-  s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices, expert_probs);
+  // --moe-shared-expert-overlap: the shared expert's fc1 beside the dispatch's exchange,
+  // its fc2 beside the combine's (Megatron's SharedExpertMLP with overlap); otherwise it
+  // runs after the combine.
+  const bool shared_beside = shared_expert && cfg_.moe_shared_expert_overlap;
+  Tensor shared_out;
+  MoETokenDispatcher::Beside shared_fc1, shared_fc2;
+  if (shared_beside) {
+    shared_fc1 = [&] { shared_expert->forward_begin(x_in); };
+    shared_fc2 = [&] { shared_out = shared_expert->forward_end(); };
+  }
+  s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices, expert_probs, shared_fc1);
   s.expert_counts = dispatcher_->tokens_per_local_expert_device();
   s.tokens_per_local_expert = dispatcher_->tokens_per_local_expert();
   s.expert_rows = s.tokens_per_local_expert;
@@ -283,9 +297,9 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   // probabilities, Megatron's _apply_bias) counted once.
   if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias, s.expert_probs);
 
-  Tensor out = dispatcher_->combine(unpad_expert_rows(expert_out));
+  Tensor out = dispatcher_->combine(unpad_expert_rows(expert_out), shared_fc2);
   if (splits_rows()) out = gather_sequence(out, mp_);
-  if (shared_expert) ops::add_(out, shared_expert->forward(x_in));
+  if (shared_expert) ops::add_(out, shared_beside ? shared_out : shared_expert->forward(x_in));
   if (ctx.training && !ctx.recompute && cfg_.recompute.selective(kRecomputeMoe)) {
     keep_routing(take_saved());
     saved_.recompute_input = x_in;
@@ -318,8 +332,17 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
     const int64_t tp = mp_.tp_size();
     dy = dy_in.rows(mp_.tp_rank() * (dy_in.dim(0) / tp), dy_in.dim(0) / tp);
   }
+  // --moe-shared-expert-overlap: the shared expert's fc2 backward beside the combine's
+  // backward exchange, its fc1 backward beside the dispatch's.
+  const bool shared_beside = shared_expert && cfg_.moe_shared_expert_overlap;
+  Tensor shared_dx;
+  MoETokenDispatcher::Beside shared_fc2, shared_fc1;
+  if (shared_beside) {
+    shared_fc2 = [&] { shared_expert->backward_begin(dy_in); };
+    shared_fc1 = [&] { shared_dx = shared_expert->backward_end(); };
+  }
   // The padding rows' output gradient is zero (a padding row is no copy's).
-  Tensor dexpert_out = pad_expert_rows(dispatcher_->combine_backward(dy));
+  Tensor dexpert_out = pad_expert_rows(dispatcher_->combine_backward(dy, shared_fc2));
 
   // linear_fc2 of every local expert; its input, the weighted activation, is recomputed (not
   // kept). Where the weight-gradient GEMMs ask for it after every expert's input gradient
@@ -327,16 +350,20 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   // backward writes it in the same pass; otherwise it is recomputed on its own.
   const int64_t rows = dexpert_out.dim(0);
   Tensor dact = empty_like(dy, {rows, experts[0].fc2_weight.weight.dim(1)});
-  Tensor dfc1;          // the activation's backward, inside fc2's backward or after it
+  Tensor dfc1;           // the activation's backward, inside fc2's backward or after it
   Tensor dexpert_probs;  // [rows] F32: the probabilities' gradient, this rank's f slice
   const bool input_after_dgrad = !fc1_fp8_.enabled() || cfg_.fp8.recipe != Fp8Recipe::Blockwise;
-  experts_backward(&Expert::fc2_weight, dexpert_out, [&] {
-    if (!input_after_dgrad) return mlp_activation_weighted(s.fc1_out, s.expert_probs, cfg_.swiglu);
-    Tensor act = empty_like(dact, dact.shape());
-    dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs, cfg_.swiglu,
-                                            dexpert_probs, &act);
-    return act;
-  }, dact);
+  experts_backward(
+      &Expert::fc2_weight, dexpert_out,
+      [&] {
+        if (!input_after_dgrad)
+          return mlp_activation_weighted(s.fc1_out, s.expert_probs, cfg_.swiglu);
+        Tensor act = empty_like(dact, dact.shape());
+        dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs, cfg_.swiglu,
+                                                dexpert_probs, &act);
+        return act;
+      },
+      dact);
   // activation (unless done above): dfc1 and the probabilities' gradient,
   // dprobs[r] = <dact[r], act(fc1_out[r])> (Megatron's weighted_swiglu_back).
   if (!dfc1.defined())
@@ -348,16 +375,16 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   expert_bias_backward(dexpert_out, &Expert::fc2_bias, s.expert_probs,
                        mp_.etp_rank() == 0 ? &dexpert_probs : nullptr);
   // Back to [T, k] for the router (the padding rows' entries dropped).
-  Tensor dprobs = dispatcher_->probs_backward(
-      unpad_expert_rows(dexpert_probs.view({rows, 1})));
+  Tensor dprobs = dispatcher_->probs_backward(unpad_expert_rows(dexpert_probs.view({rows, 1})));
   dexpert_probs = Tensor();
   const Shape in_shape = {rows, dy.dim(1)};
   Tensor dexpert_in = !s.padded ? dispatcher_->new_exchanged_rows(in_shape, dy.dtype(), dy.device())
                                 : empty_like(dy, in_shape);
-  experts_backward(&Expert::fc1_weight, dfc1, [&] { return s.expert_in; }, dexpert_in);
+  experts_backward(
+      &Expert::fc1_weight, dfc1, [&] { return s.expert_in; }, dexpert_in);
   expert_bias_backward(dfc1, &Expert::fc1_bias);
   dfc1 = Tensor();
-  Tensor dx = dispatcher_->dispatch_backward(unpad_expert_rows(dexpert_in));
+  Tensor dx = dispatcher_->dispatch_backward(unpad_expert_rows(dexpert_in), shared_fc1);
 
   // Router: the probabilities' and the injected losses' gradients, then the gating linear.
   router.backward(dprobs, aux_grad_scale, dx);
@@ -369,7 +396,7 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   reported.expert_counts = std::move(saved_.expert_counts);
   saved_ = std::move(reported);
   if (splits_rows()) dx = gather_sequence(dx, mp_);
-  if (shared_expert) ops::add_(dx, shared_expert->backward(dy_in));
+  if (shared_expert) ops::add_(dx, shared_beside ? shared_dx : shared_expert->backward(dy_in));
   return dx;
 }
 

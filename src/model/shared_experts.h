@@ -33,6 +33,15 @@ class SharedExpertMLP {
   // dy [T, H] -> dx [T, H]; accumulates the MLP's and the gate's main_grad. InternalError
   // when nothing was saved.
   Tensor backward(const Tensor& dy);
+  // The halves of forward and backward beside the MoE dispatcher's exchanges
+  // (--moe-shared-expert-overlap, MLP::forward_fc1): forward_begin(x) (fc1, the gate's
+  // logits) then forward_end() (fc2, the gate) is forward(x); backward_begin(dy) (the gate,
+  // fc2) then backward_end() (fc1, the gate's input and weight gradients) is backward(dy).
+  // InternalError for a second half without its first.
+  void forward_begin(const Tensor& x);
+  Tensor forward_end();
+  void backward_begin(const Tensor& dy);
+  Tensor backward_end();
   void collect_params(std::vector<Param*>& out);
 
   bool gated() const { return gate_weight.weight.defined(); }
@@ -58,6 +67,9 @@ class SharedExpertMLP {
 
  private:
   Saved saved_;
+  // Between backward_begin and backward_end (gated): the forward's input and the gate
+  // logits' gradient in the compute dtype.
+  Tensor backward_x_, backward_dlogits_;
 };
 
 }  // namespace megaton

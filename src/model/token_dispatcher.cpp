@@ -72,6 +72,25 @@ Tensor reorder_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
   return out;
 }
 
+// An exchange with its beside work (MoETokenDispatcher::Beside): without beside,
+// start(false) runs it to completion; with it, start(true) starts it and returns its
+// work, beside runs meanwhile, then the work is waited for.
+void exchange_beside(const MoETokenDispatcher::Beside& beside,
+                     const std::function<std::unique_ptr<dist::CommWork>(bool)>& start) {
+  if (!beside) {
+    start(false);
+    return;
+  }
+  const std::unique_ptr<dist::CommWork> work = start(true);
+  beside();
+  work->wait();
+}
+
+// Calls beside when given (a call with no exchange to run it beside).
+void run_beside(const MoETokenDispatcher::Beside& beside) {
+  if (beside) beside();
+}
+
 // The dispatcher state held by `saved` (from take_saved of a dispatcher of the same kind).
 template <class Saved>
 Saved& saved_of(std::any& saved, const char* kind) {
@@ -118,7 +137,8 @@ MoEAlltoAllTokenDispatcher::MoEAlltoAllTokenDispatcher(int64_t num_experts, cons
     : MoETokenDispatcher(num_experts, mp) {}
 
 Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,
-                                            const Tensor& indices, Tensor& expert_probs) {
+                                            const Tensor& indices, Tensor& expert_probs,
+                                            const Beside& beside) {
   const int64_t tokens = x.dim(0), hidden = x.dim(1), k = indices.dim(1);
   const int64_t E = num_experts_, L = num_local_experts_;
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
@@ -148,6 +168,7 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
     saved_.tokens_per_local_expert.clear();
     saved_.to_experts_runs.clear();
     saved_.from_experts_runs.clear();
+    run_beside(beside);
     return permuted;
   }
   saved_.device_counts = Tensor();
@@ -221,23 +242,36 @@ Tensor MoEAlltoAllTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs
   const int64_t kept = sum_of(saved_.send_rows);
   Tensor probs_in = to_experts(permuted_probs.rows(0, kept), false);
   expert_probs = probs_in.view({probs_in.dim(0)});
-  return to_experts(permuted.rows(0, kept), saved_.pull);
+  return to_experts(permuted.rows(0, kept), saved_.pull, beside);
 }
 
-Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted, bool pull) const {
+Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted, bool pull,
+                                              const Beside& beside) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
+  dist::Comm* comm = mp_.comm;
   if (pull) {  // the chunks land in their groups
     Tensor grouped = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
-    mp_.comm->pull_rows(permuted, saved_.to_experts_runs, grouped, mp_.ep());
+    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
+      if (async) return comm->pull_rows_async(permuted, saved_.to_experts_runs, grouped, mp_.ep());
+      comm->pull_rows(permuted, saved_.to_experts_runs, grouped, mp_.ep());
+      return nullptr;
+    });
     return grouped;
   }
   Tensor rows = permuted;
   if (ep > 1) {
     Tensor received = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
-    mp_.comm->all_to_allv(permuted, times(saved_.send_rows, permuted.dim(1)), received,
-                          times(saved_.recv_rows, permuted.dim(1)), mp_.ep());
+    const std::vector<int64_t> send = times(saved_.send_rows, permuted.dim(1));
+    const std::vector<int64_t> recv = times(saved_.recv_rows, permuted.dim(1));
+    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
+      if (async) return comm->all_to_allv_async(permuted, send, received, recv, mp_.ep());
+      comm->all_to_allv(permuted, send, received, recv, mp_.ep());
+      return nullptr;
+    });
     rows = received;
+  } else {
+    run_beside(beside);
   }
   if (etp > 1) rows = all_gather_rows(*mp_.comm, rows, saved_.etp_rows, mp_.etp());
   if (ep * etp > 1 && L > 1) {
@@ -251,12 +285,18 @@ Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted, bool pull)
   return rows;
 }
 
-Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped, bool pull) const {
+Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped, bool pull,
+                                                const Beside& beside) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
+  dist::Comm* comm = mp_.comm;
   if (pull) {  // each chunk comes back from its group
     Tensor back = local_copies_buffer(grouped);
-    mp_.comm->pull_rows(grouped, saved_.from_experts_runs, back, mp_.ep());
+    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
+      if (async) return comm->pull_rows_async(grouped, saved_.from_experts_runs, back, mp_.ep());
+      comm->pull_rows(grouped, saved_.from_experts_runs, back, mp_.ep());
+      return nullptr;
+    });
     return back;
   }
   Tensor rows = grouped;
@@ -273,14 +313,23 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped, bool pull
   }
   if (etp > 1) rows = reduce_scatter_rows(*mp_.comm, rows, saved_.etp_rows, mp_.etp());
   const int64_t kept = sum_of(saved_.send_rows);
-  if (ep == 1 && kept == saved_.row_id_map.dim(0)) return rows;
+  if (ep == 1 && kept == saved_.row_id_map.dim(0)) {
+    run_beside(beside);
+    return rows;
+  }
   Tensor back = local_copies_buffer(rows);
   Tensor back_kept = back.rows(0, kept);
   if (ep > 1) {
-    mp_.comm->all_to_allv(rows, times(saved_.recv_rows, rows.dim(1)), back_kept,
-                          times(saved_.send_rows, rows.dim(1)), mp_.ep());
+    const std::vector<int64_t> send = times(saved_.recv_rows, rows.dim(1));
+    const std::vector<int64_t> recv = times(saved_.send_rows, rows.dim(1));
+    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
+      if (async) return comm->all_to_allv_async(rows, send, back_kept, recv, mp_.ep());
+      comm->all_to_allv(rows, send, back_kept, recv, mp_.ep());
+      return nullptr;
+    });
   } else {
     back_kept.copy_from(rows);
+    run_beside(beside);
   }
   return back;
 }
@@ -293,19 +342,20 @@ Tensor MoEAlltoAllTokenDispatcher::local_copies_buffer(const Tensor& like) const
   return buffer;
 }
 
-Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out) {
-  const Tensor by_copy = from_experts(expert_out, saved_.pull);
+Tensor MoEAlltoAllTokenDispatcher::combine(const Tensor& expert_out, const Beside& beside) {
+  const Tensor by_copy = from_experts(expert_out, saved_.pull, beside);
   Tensor out = empty_as(expert_out, {saved_.tokens, expert_out.dim(1)});
   // Unweighted: the experts applied the probabilities (Megatron's unpermute without probs).
   ops::moe_permute_backward(by_copy, saved_.row_id_map, int(saved_.topk), out);
   return out;
 }
 
-Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout) {
+Tensor MoEAlltoAllTokenDispatcher::combine_backward(const Tensor& dout, const Beside& beside) {
   const int64_t copies = saved_.tokens * saved_.topk;
   Tensor dcombined = new_exchanged_rows({copies, dout.dim(1)}, dout.dtype(), dout.device());
   ops::moe_permute_rows(dout, saved_.row_id_map, int(saved_.topk), dcombined);
-  return to_experts(dcombined.rows(0, sum_of(saved_.send_rows)), saved_.pull);  // the kept copies
+  // The kept copies.
+  return to_experts(dcombined.rows(0, sum_of(saved_.send_rows)), saved_.pull, beside);
 }
 
 Tensor MoEAlltoAllTokenDispatcher::probs_backward(const Tensor& dexpert_probs) {
@@ -317,8 +367,9 @@ Tensor MoEAlltoAllTokenDispatcher::probs_backward(const Tensor& dexpert_probs) {
   return dprobs;
 }
 
-Tensor MoEAlltoAllTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
-  return permute_backward(from_experts(dexpert_in, saved_.pull));
+Tensor MoEAlltoAllTokenDispatcher::dispatch_backward(const Tensor& dexpert_in,
+                                                     const Beside& beside) {
+  return permute_backward(from_experts(dexpert_in, saved_.pull, beside));
 }
 
 Tensor MoEAlltoAllTokenDispatcher::permute_backward(const Tensor& dpermuted) {
@@ -392,7 +443,9 @@ Tensor reduce_scatter_blocks(const ModelParallel& mp, const Tensor& x, const dis
 }  // namespace
 
 Tensor MoEAllGatherTokenDispatcher::dispatch(const Tensor& x, const Tensor& probs,
-                                             const Tensor& indices, Tensor& expert_probs) {
+                                             const Tensor& indices, Tensor& expert_probs,
+                                             const Beside& beside) {
+  run_beside(beside);  // no overlap (Beside)
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   saved_.tokens = x.dim(0);
   saved_.topk = indices.dim(1);
@@ -443,7 +496,8 @@ Tensor MoEAllGatherTokenDispatcher::scatter_local(const Tensor& local) const {
   return all;
 }
 
-Tensor MoEAllGatherTokenDispatcher::combine(const Tensor& expert_out) {
+Tensor MoEAllGatherTokenDispatcher::combine(const Tensor& expert_out, const Beside& beside) {
+  run_beside(beside);
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   // Copies of other ranks' experts contribute zeros here; the reduce-scatter adds them in.
   const Tensor expert_out_all = scatter_local(expert_out);
@@ -453,7 +507,8 @@ Tensor MoEAllGatherTokenDispatcher::combine(const Tensor& expert_out) {
   return reduce_scatter_blocks(mp_, out_all, g);
 }
 
-Tensor MoEAllGatherTokenDispatcher::combine_backward(const Tensor& dout) {
+Tensor MoEAllGatherTokenDispatcher::combine_backward(const Tensor& dout, const Beside& beside) {
+  run_beside(beside);
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   const int64_t rows = saved_.row_id_map.dim(0);
   Tensor dout_all = gather_rows(mp_, dout, g);
@@ -467,8 +522,8 @@ Tensor MoEAllGatherTokenDispatcher::probs_backward(const Tensor& dexpert_probs) 
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   const int64_t rows = saved_.row_id_map.dim(0);
   const Tensor dpermuted = scatter_local(dexpert_probs.view({dexpert_probs.numel(), 1}));
-  Tensor dprobs_all = Tensor::empty({g.size() * saved_.tokens, saved_.topk}, DType::F32,
-                                    dexpert_probs.device());
+  Tensor dprobs_all =
+      Tensor::empty({g.size() * saved_.tokens, saved_.topk}, DType::F32, dexpert_probs.device());
   Tensor dprobs_by_copy = dprobs_all.view({rows, 1});
   ops::moe_permute_backward(dpermuted, saved_.row_id_map, 1, dprobs_by_copy);
   // A copy's gradient is nonzero only on the ranks of its expert (partial sums under etp):
@@ -476,7 +531,9 @@ Tensor MoEAllGatherTokenDispatcher::probs_backward(const Tensor& dexpert_probs) 
   return reduce_scatter_blocks(mp_, dprobs_all, g);
 }
 
-Tensor MoEAllGatherTokenDispatcher::dispatch_backward(const Tensor& dexpert_in) {
+Tensor MoEAllGatherTokenDispatcher::dispatch_backward(const Tensor& dexpert_in,
+                                                      const Beside& beside) {
+  run_beside(beside);
   const dist::Group& g = mp_.group(dist::GroupKind::ExpertMP);
   const int64_t k = saved_.topk;
   Tensor dpermuted = scatter_local(dexpert_in);
@@ -507,6 +564,34 @@ AlltoAllExchange alltoall_exchange_from_env() {
   fail(
       "environment variable MEGATON_MOE_ALLTOALL_EXCHANGE must be auto, regroup or pull (got '{}')",
       value);
+}
+
+std::string describe_alltoall_exchange(const ModelParallel& mp) {
+  const int ep = mp.ep_size(), etp = mp.etp_size();
+  if (ep * etp == 1) return "one expert rank, nothing to exchange";
+  const char* transport = mp.comm->device() == Device::CUDA ? "NCCL" : "MPI";
+  bool pull = false;
+  if (ep > 1 && etp == 1) {
+    switch (mp.alltoall_exchange) {
+      case AlltoAllExchange::Regroup:
+        break;
+      case AlltoAllExchange::Pull:
+      case AlltoAllExchange::Auto:
+        pull = mp.comm->peer_memory(mp.ep()) || mp.alltoall_exchange == AlltoAllExchange::Pull;
+        break;
+    }
+  }
+  if (pull && mp.comm->peer_memory(mp.ep()))
+    return fmt::format(
+        "each of the {} EP ranks pulls its experts' rows straight out of the others' GPU "
+        "memory (peer memory within the node), no regrouping copy",
+        ep);
+  if (pull)
+    return fmt::format("pulls over {} EP ranks by {} (run lists exchanged first, no peer memory)",
+                       ep, transport);
+  std::string out = fmt::format("{} all-to-all over {} EP ranks", transport, ep);
+  if (etp > 1) out += fmt::format(", all-gather and reduce-scatter over {} ETP ranks", etp);
+  return out + ", chunks regrouped by local expert";
 }
 
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,

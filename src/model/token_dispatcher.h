@@ -34,6 +34,7 @@
 #include <any>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -43,6 +44,16 @@ namespace megaton {
 
 class MoETokenDispatcher {
  public:
+  // Work to run while the token rows' exchange of a call is in flight (Megatron's
+  // --moe-shared-expert-overlap: the shared expert's halves beside dispatch and combine,
+  // and beside their backward exchanges). dispatch, combine, combine_backward and
+  // dispatch_backward given one start that exchange asynchronously (Comm's *_async: on the
+  // GPU over the expert group's communication stream), call it on the compute stream, then
+  // wait; the results are those of the call without it. It is called exactly once, also
+  // when there is nothing to exchange (one expert rank), and must not touch the call's
+  // tensors. The all-gather dispatcher calls it first, without overlap.
+  using Beside = std::function<void()>;
+
   MoETokenDispatcher(int64_t num_experts, const ModelParallel& mp);
   virtual ~MoETokenDispatcher() = default;
 
@@ -53,15 +64,15 @@ class MoETokenDispatcher {
   // [R] fp32 (allocated here), the probability of each of those rows' copies. Saves the
   // routing for the other calls. Collective over the expert groups (ep, etp).
   virtual Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices,
-                          Tensor& expert_probs) = 0;
+                          Tensor& expert_probs, const Beside& beside = {}) = 0;
   // expert_out [R, H] (the expert output of the dispatched rows, already weighted by their
   // probabilities; with etp > 1 this rank's partial sum, its slice of the row-parallel fc2)
   // -> out [T, H]: out[t] = sum_j (expert output of copy (t, j), summed over ETP), added in
   // j order. Keeps nothing for backward beyond dispatch's index map.
-  virtual Tensor combine(const Tensor& expert_out) = 0;
+  virtual Tensor combine(const Tensor& expert_out, const Beside& beside = {}) = 0;
   // dout [T, H] (gradient of combine's output) -> gradient of expert_out [R, H]: each row
   // its token's dout.
-  virtual Tensor combine_backward(const Tensor& dout) = 0;
+  virtual Tensor combine_backward(const Tensor& dout, const Beside& beside = {}) = 0;
   // dexpert_probs [R] fp32 (gradient of dispatch's expert_probs; with etp > 1 this rank's
   // partial sums, which are summed over ETP here) -> dprobs [T, k] fp32 (gradient of
   // dispatch's probs; 0 for a dropped copy). Between combine_backward and
@@ -69,7 +80,7 @@ class MoETokenDispatcher {
   virtual Tensor probs_backward(const Tensor& dexpert_probs) = 0;
   // dexpert_in [R, H] (gradient of dispatch's result; with etp > 1 this rank's partial
   // sum) -> dx [T, H] (gradient of dispatch's x, without the router's part).
-  virtual Tensor dispatch_backward(const Tensor& dexpert_in) = 0;
+  virtual Tensor dispatch_backward(const Tensor& dexpert_in, const Beside& beside = {}) = 0;
   // A new uninitialised tensor (`shape`, `dtype`, on `device`) for rows that the next
   // exchange sends: from the MoE layer, combine's expert_out or dispatch_backward's
   // dexpert_in [R, H], handed over whole and unchanged in size. A dispatcher whose exchange
@@ -128,12 +139,12 @@ class MoETokenDispatcher {
 class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAlltoAllTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
-  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices,
-                  Tensor& expert_probs) override;
-  Tensor combine(const Tensor& expert_out) override;
-  Tensor combine_backward(const Tensor& dout) override;
+  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices, Tensor& expert_probs,
+                  const Beside& beside = {}) override;
+  Tensor combine(const Tensor& expert_out, const Beside& beside = {}) override;
+  Tensor combine_backward(const Tensor& dout, const Beside& beside = {}) override;
   Tensor probs_backward(const Tensor& dexpert_probs) override;
-  Tensor dispatch_backward(const Tensor& dexpert_in) override;
+  Tensor dispatch_backward(const Tensor& dexpert_in, const Beside& beside = {}) override;
   // When pulling: the slot of Comm::pull_input, which the exchange reads in place (also
   // used here for the rows that dispatch and combine_backward send).
   Tensor new_exchanged_rows(const Shape& shape, DType dtype, Device device) override;
@@ -148,8 +159,8 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
 
   struct Saved {
     int64_t tokens = 0, topk = 0;  // T, k
-    Tensor row_id_map;              // [T k] int32 (moe_permute's map)
-    Tensor device_counts;      // [L] int64 on the device (device counts only)
+    Tensor row_id_map;             // [T k] int32 (moe_permute's map)
+    Tensor device_counts;          // [L] int64 on the device (device counts only)
     // When pulling (etp 1, ep > 1; empty otherwise), the transfers of each direction:
     // to_experts_runs fill the expert input (chunk (EP member i, local expert l) from the
     // kept copies of member i), from_experts_runs fill this rank's kept copies (chunk
@@ -169,9 +180,10 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
   // [R, H] (all-to-all over ep, all-gather over etp, chunks grouped by local expert), and
   // back (chunks ungrouped, sum over etp, all-to-all back) to all local copies [T k, H],
   // the dropped ones' rows zeros, with the counts of the last dispatch. pull: by the pulling
-  // exchange (rows in Comm::pull_input's buffer), else all-to-all and regrouping.
-  Tensor to_experts(const Tensor& permuted, bool pull) const;
-  Tensor from_experts(const Tensor& rows, bool pull) const;
+  // exchange (rows in Comm::pull_input's buffer), else all-to-all and regrouping. beside
+  // (Beside above): run while the rows are exchanged.
+  Tensor to_experts(const Tensor& permuted, bool pull, const Beside& beside = {}) const;
+  Tensor from_experts(const Tensor& rows, bool pull, const Beside& beside = {}) const;
   // The gradient of all local copies [T k, H] -> dx [T, H]; ends the micro-batch's routing.
   Tensor permute_backward(const Tensor& dpermuted);
   // A new [T k, H] buffer (like's dtype and device) for rows by local copy, the kept
@@ -194,12 +206,12 @@ class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
 class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAllGatherTokenDispatcher(int64_t num_experts, const ModelParallel& mp);
-  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices,
-                  Tensor& expert_probs) override;
-  Tensor combine(const Tensor& expert_out) override;
-  Tensor combine_backward(const Tensor& dout) override;
+  Tensor dispatch(const Tensor& x, const Tensor& probs, const Tensor& indices, Tensor& expert_probs,
+                  const Beside& beside = {}) override;
+  Tensor combine(const Tensor& expert_out, const Beside& beside = {}) override;
+  Tensor combine_backward(const Tensor& dout, const Beside& beside = {}) override;
   Tensor probs_backward(const Tensor& dexpert_probs) override;
-  Tensor dispatch_backward(const Tensor& dexpert_in) override;
+  Tensor dispatch_backward(const Tensor& dexpert_in, const Beside& beside = {}) override;
   const std::vector<int64_t>& tokens_per_local_expert() const override {
     return saved_.tokens_per_local_expert;
   }
@@ -211,7 +223,7 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
 
   struct Saved {
     int64_t tokens = 0, topk = 0;  // T of this rank, k
-    Tensor device_counts;  // [L] int64 on the device (device counts only)
+    Tensor device_counts;          // [L] int64 on the device (device counts only)
     // The local experts' copies are rows [first_row, first_row + local_rows) of the
     // gathered copies sorted by expert.
     int64_t first_row = 0, local_rows = 0;
@@ -230,6 +242,11 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
 // MEGATON_MOE_ALLTOALL_EXCHANGE: unset, "" or "auto" Auto, "regroup" Regroup, "pull" Pull.
 // Throws megaton::Error naming the variable for any other value.
 AlltoAllExchange alltoall_exchange_from_env();
+
+// What the all-to-all dispatcher's exchange will be under mp, in words, e.g. "peer-memory
+// pulls over ep 4 (GPUs of one node), no regrouping copy" (the flex dispatcher's notice).
+// Collective over mp's EP group the first time (Comm::peer_memory).
+std::string describe_alltoall_exchange(const ModelParallel& mp);
 
 // The dispatcher mp.dispatcher names, for a layer of num_experts experts (divisible by ep).
 std::unique_ptr<MoETokenDispatcher> make_token_dispatcher(int64_t num_experts,

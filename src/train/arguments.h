@@ -36,7 +36,10 @@ struct ParallelArgs {
   // Elements per gradient bucket under overlap_grad_reduce; 0: Megatron's default,
   // max(40M, 1M x data-parallel size). Without the overlap, one bucket per buffer.
   int64_t ddp_bucket_size = 0;
-  std::string moe_token_dispatcher_type = "allgather";  // or alltoall
+  // allgather, alltoall, or flex (Megatron's DeepEP / HybridEP dispatcher: in Megaton the
+  // all-to-all dispatcher with its fastest exchange, announced once at start).
+  std::string moe_token_dispatcher_type = "allgather";
+  std::string moe_flex_dispatcher_backend = "deepep";  // deepep, hybridep or ncclep (flex)
   // --tp-comm-overlap (needs --sequence-parallel): the linears' sequence all-gathers and
   // reduce-scatters beside their GEMMs (model/tp_comm_overlap.h).
   bool tp_comm_overlap = false;

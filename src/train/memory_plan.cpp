@@ -197,7 +197,7 @@ void moe_memory(const Dims& x, const Keeps& k, bool fp8, bool training, LayerMem
   const double f1 = (m.swiglu ? 2 : 1) * double(m.moe_ffn_hidden_size) / x.etp;
   const ExpertRows er = expert_rows(x, fp8);
   const double R = er.rows, copies = Tm * topk;
-  const bool allgather = x.args.parallel.moe_token_dispatcher_type != "alltoall";
+  const bool allgather = x.args.parallel.moe_token_dispatcher_type == "allgather";
   // The routing a recompute keeps (TopKRouter::keep_routing_only): logits, probs, indices,
   // the capacity mask, the load-balancing terms and z-loss lse, the jitter.
   double routing = x.bytes(Tm * E, kF32) + x.bytes(copies, kF32) + x.bytes(copies, kI32);

@@ -162,10 +162,19 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   mp.comm = comm_.get();
   mp.sequence_parallel = layout.sequence_parallel;
   mp.tp_comm_overlap = layout.sequence_parallel && args_.parallel.tp_comm_overlap;
-  mp.dispatcher = args_.parallel.moe_token_dispatcher_type == "alltoall"
-                      ? TokenDispatcher::AllToAll
-                      : TokenDispatcher::AllGather;
+  mp.dispatcher = args_.parallel.moe_token_dispatcher_type == "allgather"
+                      ? TokenDispatcher::AllGather
+                      : TokenDispatcher::AllToAll;  // alltoall, flex
   mp.alltoall_exchange = alltoall_exchange_from_env();
+  if (args_.parallel.moe_token_dispatcher_type == "flex" && args_.model.num_experts > 0) {
+    // Collective over the expert groups (whether they have peer memory): every rank asks.
+    const std::string exchange = describe_alltoall_exchange(mp);
+    if (grid_->world().rank == 0)
+      fmt::print(stderr,
+                 "notice: --moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend {}) "
+                 "runs Megaton's all-to-all dispatcher: {}\n",
+                 args_.parallel.moe_flex_dispatcher_backend, exchange);
+  }
   // This pipeline rank's model chunks: the layers Megatron assigns to virtual stage
   // c x pp + rank; the embedding on the first chunk of the pipeline, the loss on the last.
   const int64_t pp_rank = grid_->pp().rank;

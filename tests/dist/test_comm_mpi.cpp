@@ -190,6 +190,16 @@ TEST_F(CommTest, AllToAllvUnevenWithZeroCounts) {
         EXPECT_EQ(out.i32()[at], g->ranks[j] * 1000 + me * 10 + int(k))
             << "from member " << j << " element " << k;
 
+    // Started and left running while a blocking collective on another group runs: the
+    // same result once waited for.
+    Tensor async_out = Tensor::empty({total_recv}, DType::I32);
+    async_out.fill(-1);
+    std::unique_ptr<dist::CommWork> work = comm().all_to_allv_async(in, send, async_out, recv, *g);
+    Tensor beside = Tensor::from({1}, {float(me)});
+    comm().all_reduce(beside, grid.dp());
+    work->wait();
+    EXPECT_TRUE(allclose(async_out, out, 0, 0)) << "all_to_allv_async";
+
     // Equal chunks, fp32.
     const int64_t n = 5;
     Tensor a = input(me, size * n, 50), b = Tensor::empty({size * n});
@@ -280,6 +290,11 @@ TEST_F(CommTest, PullRowsReadsTheRunsTheReceiverNames) {
     out.fill(-1);
     EXPECT_FALSE(comm().peer_memory(*g));  // CPU ranks: the run lists are exchanged
     comm().pull_rows(in, runs, out, *g);
+    // Started and left running: the same rows once waited for.
+    Tensor async_out = Tensor::empty({out_rows, width}, DType::I32);
+    async_out.fill(-1);
+    comm().pull_rows_async(in, runs, async_out, *g)->wait();
+    EXPECT_TRUE(allclose(async_out, out, 0, 0)) << "pull_rows_async";
     std::vector<bool> written(size_t(out_rows), false);
     for (const dist::PullRun& r : runs)
       for (int64_t k = 0; k < r.count; ++k) {

@@ -290,6 +290,13 @@ layouts=(
   # dropped copies.
   "dp2-ep2-alltoall-pull|4|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000|A2A=pull"
   "ep2-alltoall-capacity-pull|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|ROUTER=capacity A2A=pull"
+  # --moe-shared-expert-overlap: the shared expert's halves beside the asynchronous
+  # exchanges (all-to-all and pull), gated and under TP + SP.
+  "ep2-shared-expert-overlap-gate|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-shared-expert-overlap|ROUTER=gate"
+  "ep2-shared-expert-overlap-pull|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-shared-expert-overlap|ROUTER=gate A2A=pull"
+  # --moe-token-dispatcher-type flex: the all-to-all dispatcher with its fastest exchange.
+  "ep2-flex-shared-expert-overlap|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --moe-shared-expert-overlap|ROUTER=gate"
+  "tp2-sp-ep2-shared-expert-overlap-v3|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall --moe-shared-expert-overlap|ROUTER=v3"
   # The sigmoid-gated shared expert: its gate weight is fed by each rank's sequence shard
   # under SP (gradient summed over TP) and by every row without it.
   "tp2-sp-shared-gate|2|--tensor-model-parallel-size 2 --sequence-parallel|ROUTER=gate"

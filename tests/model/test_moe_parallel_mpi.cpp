@@ -7,7 +7,9 @@
 // a capacity factor (token dropping, per rank as Megatron's, so only without TP, where a
 // rank's tokens are the reference's) drop copies before the exchange; with
 // --moe-pad-expert-input-to-capacity each local expert's input is then exactly capacity x
-// (ep x etp) rows, against the one-rank layer's capacity rows.
+// (ep x etp) rows, against the one-rank layer's capacity rows. Layouts with a gated shared
+// expert run it beside the exchanges (--moe-shared-expert-overlap) and must also equal the
+// same layout without the overlap bit for bit.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -44,6 +46,8 @@ struct Layout {
   bool pad = false;              // --moe-pad-expert-input-to-capacity
   const char* drop_policy = "probs";
   AlltoAllExchange exchange = AlltoAllExchange::Auto;  // CPU ranks: Regroup
+  // A gated shared expert, run beside the exchanges (--moe-shared-expert-overlap).
+  bool shared_overlap = false;
 };
 
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) { return info.param.name; }
@@ -144,6 +148,11 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   cfg.moe_expert_capacity_factor = layout.capacity_factor;
   cfg.moe_pad_expert_input_to_capacity = layout.pad;
   cfg.moe_token_drop_policy = layout.drop_policy;
+  if (layout.shared_overlap) {
+    cfg.moe_shared_expert_intermediate_size = 8;
+    cfg.moe_shared_expert_gate = true;
+    cfg.moe_shared_expert_overlap = true;
+  }
   const std::string prefix = "decoder.layers.0.mlp";
 
   // The tokens a TP group works on: its members' rows in TP rank order. Under sequence
@@ -181,6 +190,24 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
   Tensor dx = layer.backward(my_dy);
   std::vector<Param*> params;
   layer.collect_params(params);
+  if (layout.shared_overlap) {
+    // The overlap changes the order of work only: the same layout without it gives the
+    // same bits, the shared expert's gradients included.
+    GPTConfig plain_cfg = cfg;
+    plain_cfg.moe_shared_expert_overlap = false;
+    MoELayer plain(prefix, plain_cfg, seed, mp);
+    attach_grads(plain);
+    set_fc2_biases(plain);
+    if (layout.skewed) skew_router(plain);
+    EXPECT_EQ(rel_error(plain.forward(my_x, ForwardContext{}), out), 0.0) << "output";
+    EXPECT_EQ(rel_error(plain.backward(my_dy), dx), 0.0) << "input gradient";
+    std::vector<Param*> plain_params;
+    plain.collect_params(plain_params);
+    ASSERT_EQ(plain_params.size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_EQ(rel_error(plain_params[i]->main_grad, params[i]->main_grad), 0.0)
+          << params[i]->name;
+  }
   all_reduce_sequence_parallel_grads(params, mp);  // the router under TP, as the trainer does
   // Expert replicas on other expert-data-parallel ranks saw other tokens: summed as the
   // optimizer's gradient reduction sums them.
@@ -318,8 +345,17 @@ INSTANTIATE_TEST_SUITE_P(
                0.0f, false, "probs", AlltoAllExchange::Pull},
         Layout{"ep4_alltoall_skewed_capacity_pad_pull", 1, 4, 1, TokenDispatcher::AllToAll, false,
                true, 1.0f, true, "probs", AlltoAllExchange::Pull},
-        Layout{"ep2_alltoall_capacity_pull", 1, 2, 1, TokenDispatcher::AllToAll, false, false,
-               0.5f, false, "probs", AlltoAllExchange::Pull},
+        Layout{"ep2_alltoall_capacity_pull", 1, 2, 1, TokenDispatcher::AllToAll, false, false, 0.5f,
+               false, "probs", AlltoAllExchange::Pull},
+        // A gated shared expert beside the exchanges: all-to-all, pull, under etp and TP + SP.
+        Layout{"ep4_alltoall_skewed_shared_overlap", 1, 4, 1, TokenDispatcher::AllToAll, false,
+               true, 0.0f, false, "probs", AlltoAllExchange::Auto, true},
+        Layout{"ep2_alltoall_pull_shared_overlap", 1, 2, 1, TokenDispatcher::AllToAll, false, false,
+               0.0f, false, "probs", AlltoAllExchange::Pull, true},
+        Layout{"ep2_etp2_alltoall_capacity_shared_overlap", 1, 2, 2, TokenDispatcher::AllToAll,
+               false, false, 0.5f, false, "probs", AlltoAllExchange::Auto, true},
+        Layout{"tp2_sp_ep2_etp1_alltoall_shared_overlap", 2, 2, 1, TokenDispatcher::AllToAll, true,
+               false, 0.0f, false, "probs", AlltoAllExchange::Auto, true},
         // Pull asked for where it cannot pull (experts split over etp): the regrouping path.
         Layout{"ep2_etp2_alltoall_pull_falls_back", 1, 2, 2, TokenDispatcher::AllToAll, false,
                false, 0.0f, false, "probs", AlltoAllExchange::Pull}),

@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -166,29 +167,45 @@ class NcclComm final : public Comm {
 
   void do_all_to_allv(const Tensor& in, std::span<const int64_t> send_counts, Tensor& out,
                       std::span<const int64_t> recv_counts, const Group& g) override {
-    const size_t elem = dtype_size(in.dtype());
     const Tensor src = overlaps(in, out) ? in.clone() : in;
     run(g, "all_to_allv", [&](ncclComm_t c, cudaStream_t s) {
-      ncclResult_t rc = ncclGroupStart();
-      if (rc != ncclSuccess) return rc;
-      size_t send_off = 0, recv_off = 0;
-      for (int peer = 0; peer < g.size(); ++peer) {
-        const size_t send_bytes = size_t(send_counts[peer]) * elem;
-        const size_t recv_bytes = size_t(recv_counts[peer]) * elem;
-        // Zero counts are skipped on both sides: member j's send count to i is i's
-        // receive count from j, so the pairs still match.
-        if (send_bytes) rc = ncclSend(byte_ptr(src) + send_off, send_bytes, ncclUint8, peer, c, s);
-        if (rc != ncclSuccess && rc != ncclInProgress) break;
-        if (recv_bytes)
-          rc =
-              ncclRecv(static_cast<char*>(out.raw()) + recv_off, recv_bytes, ncclUint8, peer, c, s);
-        if (rc != ncclSuccess && rc != ncclInProgress) break;
-        send_off += send_bytes;
-        recv_off += recv_bytes;
-      }
-      ncclResult_t end = ncclGroupEnd();
-      return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
+      return enqueue_all_to_allv(src, send_counts, out, recv_counts, g.size(), c, s);
     });
+  }
+
+  std::unique_ptr<CommWork> do_all_to_allv_async(const Tensor& in,
+                                                 std::span<const int64_t> send_counts, Tensor& out,
+                                                 std::span<const int64_t> recv_counts,
+                                                 const Group& g) override {
+    const Tensor src = overlaps(in, out) ? in.clone() : in;
+    return run_async(g, "all_to_allv", {src, out}, [&](ncclComm_t c, cudaStream_t s) {
+      return enqueue_all_to_allv(src, send_counts, out, recv_counts, g.size(), c, s);
+    });
+  }
+
+  // One ncclSend and one ncclRecv per member with a non-zero count, in one group. Zero
+  // counts are skipped on both sides: member j's send count to i is i's receive count
+  // from j, so the pairs still match.
+  static ncclResult_t enqueue_all_to_allv(const Tensor& src, std::span<const int64_t> send_counts,
+                                          Tensor& out, std::span<const int64_t> recv_counts,
+                                          int members, ncclComm_t c, cudaStream_t s) {
+    const size_t elem = dtype_size(src.dtype());
+    ncclResult_t rc = ncclGroupStart();
+    if (rc != ncclSuccess) return rc;
+    size_t send_off = 0, recv_off = 0;
+    for (int peer = 0; peer < members; ++peer) {
+      const size_t send_bytes = size_t(send_counts[peer]) * elem;
+      const size_t recv_bytes = size_t(recv_counts[peer]) * elem;
+      if (send_bytes) rc = ncclSend(byte_ptr(src) + send_off, send_bytes, ncclUint8, peer, c, s);
+      if (rc != ncclSuccess && rc != ncclInProgress) break;
+      if (recv_bytes)
+        rc = ncclRecv(static_cast<char*>(out.raw()) + recv_off, recv_bytes, ncclUint8, peer, c, s);
+      if (rc != ncclSuccess && rc != ncclInProgress) break;
+      send_off += send_bytes;
+      recv_off += recv_bytes;
+    }
+    ncclResult_t end = ncclGroupEnd();
+    return rc != ncclSuccess && rc != ncclInProgress ? rc : end;
   }
 
   void do_all_to_allv_rows(const Tensor& in, const RowRuns& send, Tensor& out, const RowRuns& recv,
@@ -206,35 +223,62 @@ class NcclComm final : public Comm {
                     const Group& g) override {
     detail::PeerMemory* peers = peer_memory_of(g);
     if (!peers) return Comm::do_pull_rows(in, runs, out, g);
-    const size_t row_bytes = dtype_size(in.dtype()) * size_t(row_numel(in));
-    cudaStream_t stream = ::megaton::cuda::stream();
-    SlotUse use;
-    auto pending = pending_inputs_.find(g.ranks);
-    if (pending != pending_inputs_.end()) {  // in is (the first rows of) pull_input's tensor
-      use = std::move(pending->second);
-      pending_inputs_.erase(pending);
-      MEGATON_CHECK(byte_ptr(in) == peers->slot(g.rank, use.slot) &&
-                        in.nbytes() <= size_t(use.rows[g.rank]) * row_bytes,
-                    "pull_rows on group {}: the input is not the tensor pull_input gave",
-                    g.describe());
-    } else {
-      use = reserve_slot(*peers, in.dim(0), row_bytes, g);
-      const ops::OpProfileScope profile_scope("pull_rows_stage");
-      if (in.nbytes() > 0)
-        MEGATON_CUDA_CHECK(cudaMemcpyAsync(peers->slot(g.rank, use.slot), in.raw(), in.nbytes(),
-                                           cudaMemcpyDeviceToDevice, stream));
-    }
-    for (const PullRun& r : runs)
-      MEGATON_CHECK(r.src_first + r.count <= use.rows[r.member],
-                    "pull_rows on group {}: run of {} rows from row {} of member {}, whose "
-                    "input has {} rows",
-                    g.describe(), r.count, r.src_first, r.member, use.rows[r.member]);
+    const std::vector<ops::cuda::ByteCopy> copies = pull_copies(*peers, in, runs, out, g);
     if (!barrier_scratch_.defined())
       barrier_scratch_ = Tensor::zeros({1}, DType::I32, Device::CUDA);
     run(g, "pull_rows_sync", [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(barrier_scratch_.raw(), barrier_scratch_.raw(), 1, ncclInt32, ncclMax, c,
                            s);
     });
+    const ops::OpProfileScope profile_scope("pull_rows");
+    ops::cuda::copy_chunks(copies, ::megaton::cuda::stream());
+  }
+
+  // The same on the group's communication stream: its synchronisation over the second
+  // communicator, then the copy kernel, both after the compute stream's work so far.
+  std::unique_ptr<CommWork> do_pull_rows_async(const Tensor& in, std::span<const PullRun> runs,
+                                               Tensor& out, const Group& g) override {
+    detail::PeerMemory* peers = peer_memory_of(g);
+    if (!peers) return Comm::do_pull_rows_async(in, runs, out, g);
+    const std::vector<ops::cuda::ByteCopy> copies = pull_copies(*peers, in, runs, out, g);
+    if (!async_barrier_scratch_.defined())
+      async_barrier_scratch_ = Tensor::zeros({1}, DType::I32, Device::CUDA);
+    return run_async(
+        g, "pull_rows_sync", {in, out},
+        [&](ncclComm_t c, cudaStream_t s) {
+          return ncclAllReduce(async_barrier_scratch_.raw(), async_barrier_scratch_.raw(), 1,
+                               ncclInt32, ncclMax, c, s);
+        },
+        [&](cudaStream_t s) { ops::cuda::copy_chunks(copies, s); });
+  }
+
+  // The copies of one pull: takes the slot of pull_input's tensor (in), or stages in into a
+  // new slot on the compute stream; checks each run against its member's input rows.
+  std::vector<ops::cuda::ByteCopy> pull_copies(detail::PeerMemory& peers, const Tensor& in,
+                                               std::span<const PullRun> runs, Tensor& out,
+                                               const Group& g) {
+    const size_t row_bytes = dtype_size(in.dtype()) * size_t(row_numel(in));
+    SlotUse use;
+    auto pending = pending_inputs_.find(g.ranks);
+    if (pending != pending_inputs_.end()) {  // in is (the first rows of) pull_input's tensor
+      use = std::move(pending->second);
+      pending_inputs_.erase(pending);
+      MEGATON_CHECK(byte_ptr(in) == peers.slot(g.rank, use.slot) &&
+                        in.nbytes() <= size_t(use.rows[g.rank]) * row_bytes,
+                    "pull_rows on group {}: the input is not the tensor pull_input gave",
+                    g.describe());
+    } else {
+      use = reserve_slot(peers, in.dim(0), row_bytes, g);
+      const ops::OpProfileScope profile_scope("pull_rows_stage");
+      if (in.nbytes() > 0)
+        MEGATON_CUDA_CHECK(cudaMemcpyAsync(peers.slot(g.rank, use.slot), in.raw(), in.nbytes(),
+                                           cudaMemcpyDeviceToDevice, ::megaton::cuda::stream()));
+    }
+    for (const PullRun& r : runs)
+      MEGATON_CHECK(r.src_first + r.count <= use.rows[r.member],
+                    "pull_rows on group {}: run of {} rows from row {} of member {}, whose "
+                    "input has {} rows",
+                    g.describe(), r.count, r.src_first, r.member, use.rows[r.member]);
     const int n = g.size();
     std::vector<ops::cuda::ByteCopy> copies;
     copies.reserve(runs.size());
@@ -243,12 +287,11 @@ class NcclComm final : public Comm {
       const int member = (g.rank + step) % n;
       for (const PullRun& r : runs)
         if (r.member == member && r.count > 0)
-          copies.push_back({peers->slot(member, use.slot) + size_t(r.src_first) * row_bytes,
+          copies.push_back({peers.slot(member, use.slot) + size_t(r.src_first) * row_bytes,
                             static_cast<char*>(out.raw()) + size_t(r.dst_first) * row_bytes,
                             int64_t(size_t(r.count) * row_bytes)});
     }
-    const ops::OpProfileScope profile_scope("pull_rows");
-    ops::cuda::copy_chunks(copies, stream);
+    return copies;
   }
 
   Tensor do_pull_input(const Shape& shape, DType dtype, const Group& g) override {
@@ -505,9 +548,12 @@ class NcclComm final : public Comm {
 
   // Enqueues an operation on the communication stream after the compute stream's work so
   // far; the watchdog keeps its deadline.
+  // then(stream), when given, queues more work on the communication stream after the
+  // operation, before the work's completion event.
   template <typename Enqueue>
   std::unique_ptr<CommWork> run_async(const Group& g, const char* op, std::vector<Tensor> keep,
-                                      Enqueue enqueue) {
+                                      Enqueue enqueue,
+                                      const std::function<void(cudaStream_t)>& then = {}) {
     Entry& e = comm_of(g, op, /*async=*/true);
     cudaStream_t stream = side_stream(e);
     cudaEvent_t ready, done;
@@ -518,6 +564,7 @@ class NcclComm final : public Comm {
     const Clock::time_point deadline = deadline_from_now();
     enqueue_ready(e, op, g, stream, deadline, enqueue);
     watch(e, op, g, deadline, stream);
+    if (then) then(stream);
     MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     MEGATON_CUDA_CHECK(cudaEventRecord(done, stream));
     return std::make_unique<NcclWork>(done, std::move(keep));
@@ -563,6 +610,7 @@ class NcclComm final : public Comm {
   std::map<std::vector<int>, Entry> comms_;
   std::map<std::vector<int>, Entry> async_comms_;
   Tensor barrier_scratch_;
+  Tensor async_barrier_scratch_;  // the same for pulls on the communication streams
   // Held by every NCCL call on a communicator in use (enqueues, progress polls); the
   // watchdog polls only when it can take it at once.
   detail::NcclMutex nccl_mu_;

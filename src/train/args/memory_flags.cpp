@@ -111,6 +111,10 @@ void parse_recompute_args(const ArgReader& r, TrainArgs& a) {
         a.no_effect.push_back(
             "--recompute-modules moe_act: Megaton always recomputes the "
             "experts' activation, in the pass of its backward");
+      // Megatron's TransformerConfig refuses the pair.
+      if (rc.selective(kRecomputeSharedExperts) && a.model.moe_shared_expert_overlap &&
+          a.model.moe_shared_expert_intermediate_size > 0)
+        fail("shared_experts recompute cannot work with --moe-shared-expert-overlap");
       if (a.model.num_experts == 0 &&
           (rc.modules & (kRecomputeMoe | kRecomputeSharedExperts | kRecomputeMoeAct)) != 0)
         a.no_effect.push_back(

@@ -11,6 +11,36 @@ namespace megaton {
 
 namespace {
 
+// --moe-token-dispatcher-type flex and its backend, with Megatron's TransformerConfig
+// checks (Megatron-LM d98e8a6 transformer_config.py; the TP x EP > 1 assertion of its
+// DeepEP and NCCL-EP managers is in check_parallel_layout's flags, parallel_flags.cpp).
+void parse_flex_dispatcher(const ArgReader& r, TrainArgs& a) {
+  ParallelArgs& p = a.parallel;
+  const bool flex = p.moe_token_dispatcher_type == "flex";
+  r.get("moe-flex-dispatcher-backend", p.moe_flex_dispatcher_backend);
+  const std::string& backend = p.moe_flex_dispatcher_backend;
+  if (backend != "deepep" && backend != "hybridep" && backend != "ncclep")
+    fail("option 'moe-flex-dispatcher-backend' must be deepep, hybridep or ncclep (got '{}')",
+         printable(backend));
+  bool enable_deepep = false;
+  r.get("moe-enable-deepep", enable_deepep);
+  if (enable_deepep) {  // the deprecated spelling of backend deepep
+    if (!flex)
+      fail("moe-enable-deepep (DeepEP) is only supported with moe-token-dispatcher-type flex");
+    if (backend == "hybridep")
+      fail("moe-enable-deepep with moe-flex-dispatcher-backend hybridep: only one backend");
+    p.moe_flex_dispatcher_backend = "deepep";
+    a.warnings.push_back(
+        "--moe-enable-deepep is deprecated: use --moe-flex-dispatcher-backend deepep");
+  }
+  if (backend == "ncclep" && !flex)
+    fail("moe-flex-dispatcher-backend ncclep needs moe-token-dispatcher-type flex");
+  if (flex && backend == "deepep" && a.model.moe_pad_expert_input_to_capacity)
+    fail(
+        "moe-token-dispatcher-type flex with backend deepep does not support "
+        "moe-pad-expert-input-to-capacity");
+}
+
 void parse_moe(const ArgReader& r, TrainArgs& a) {
   GPTConfig& m = a.model;
   r.get("num-experts", m.num_experts);
@@ -55,12 +85,15 @@ void parse_moe(const ArgReader& r, TrainArgs& a) {
   r.get("moe-pad-expert-input-to-capacity", m.moe_pad_expert_input_to_capacity);
   r.get("moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size);
   r.get("moe-shared-expert-gate", m.moe_shared_expert_gate);
+  r.get("moe-shared-expert-overlap", m.moe_shared_expert_overlap);
   r.get("moe-per-layer-logging", a.moe_per_layer_logging);
   ParallelArgs& p = a.parallel;
   r.get("moe-token-dispatcher-type", p.moe_token_dispatcher_type);
-  if (p.moe_token_dispatcher_type != "alltoall" && p.moe_token_dispatcher_type != "allgather")
-    fail("option 'moe-token-dispatcher-type' must be alltoall or allgather (got '{}')",
-         p.moe_token_dispatcher_type);
+  if (p.moe_token_dispatcher_type != "alltoall" && p.moe_token_dispatcher_type != "allgather" &&
+      p.moe_token_dispatcher_type != "flex")
+    fail("option 'moe-token-dispatcher-type' must be alltoall, allgather or flex (got '{}')",
+         printable(p.moe_token_dispatcher_type));
+  parse_flex_dispatcher(r, a);
   for (auto [key, value] : {std::pair{"moe-ffn-hidden-size", m.moe_ffn_hidden_size},
                             {"moe-router-num-groups", m.moe_router_num_groups},
                             {"moe-router-group-topk", m.moe_router_group_topk}})
@@ -76,6 +109,15 @@ void parse_moe(const ArgReader& r, TrainArgs& a) {
   check_fraction("moe-input-jitter-eps", m.moe_input_jitter_eps);
   check_at_least("moe-router-bias-update-rate", m.moe_router_bias_update_rate, 0);
   check_at_least("moe-expert-capacity-factor", m.moe_expert_capacity_factor, 0);
+  // Megatron's TransformerConfig: the overlap takes effect only with a shared expert, and
+  // then only with the alltoall or flex dispatcher.
+  if (m.moe_shared_expert_overlap && m.moe_shared_expert_intermediate_size == 0)
+    a.no_effect.push_back(
+        "--moe-shared-expert-overlap: the model has no shared expert "
+        "(--moe-shared-expert-intermediate-size)");
+  if (m.moe_shared_expert_overlap && m.moe_shared_expert_intermediate_size > 0 &&
+      p.moe_token_dispatcher_type == "allgather")
+    fail("moe-shared-expert-overlap only works with moe-token-dispatcher-type alltoall or flex");
 }
 
 }  // namespace
@@ -108,8 +150,14 @@ ArgGroup moe_flags() {
       toggle("moe-pad-expert-input-to-capacity", "pad every expert to its capacity"),
       flag("moe-shared-expert-intermediate-size", "hidden size of the shared expert"),
       toggle("moe-shared-expert-gate", "sigmoid gate on the shared expert output"),
+      toggle("moe-shared-expert-overlap",
+             "run the shared expert beside the token dispatcher's exchanges"),
       toggle("moe-per-layer-logging", "log MoE metrics per layer"),
-      flag("moe-token-dispatcher-type", "alltoall or allgather"),
+      flag("moe-token-dispatcher-type",
+           "alltoall, allgather, or flex (the all-to-all dispatcher's fastest exchange)"),
+      flag("moe-flex-dispatcher-backend",
+           "deepep, hybridep or ncclep: accepted; flex runs Megaton's own exchange"),
+      toggle("moe-enable-deepep", "deprecated: moe-flex-dispatcher-backend deepep"),
   };
   for (OptionSpec& s : moe_megatron_rules()) g.flags.push_back(std::move(s));
   return g;

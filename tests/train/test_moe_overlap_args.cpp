@@ -1,0 +1,122 @@
+// --moe-shared-expert-overlap and --moe-token-dispatcher-type flex before anything is built:
+// what they set, Megatron's notices, and each refusal a one-line megaton::Error naming the
+// flags (the CLI turns it into exit status 2), from parse_train_args and
+// check_parallel_layout on a world of 2.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/args_testing.h"
+
+namespace megaton {
+namespace {
+
+using Set = std::vector<std::pair<std::string, std::vector<std::string>>>;
+
+RawOptions moe(const Set& set = {}) {
+  RawOptions raw = testing::tiny_train_options();
+  raw["num-experts"] = {"4"};
+  raw["moe-router-topk"] = {"2"};
+  raw["expert-model-parallel-size"] = {"2"};
+  for (const auto& [k, v] : set) raw[k] = v;
+  return raw;
+}
+
+std::string error_of(const RawOptions& raw) { return testing::layout_error(raw, 2); }
+
+bool mentions(const std::vector<std::string>& lines, const std::string& what) {
+  for (const std::string& l : lines)
+    if (l.find(what) != std::string::npos) return true;
+  return false;
+}
+
+TEST(MoEOverlapArgs, SharedExpertOverlapIsSetWithTheAlltoallDispatcher) {
+  const RawOptions raw = moe({{"moe-shared-expert-intermediate-size", {"64"}},
+                              {"moe-token-dispatcher-type", {"alltoall"}},
+                              {"moe-shared-expert-overlap", {"true"}}});
+  const TrainArgs a = parse_train_args(raw);
+  EXPECT_TRUE(a.model.moe_shared_expert_overlap);
+  EXPECT_FALSE(mentions(a.no_effect, "moe-shared-expert-overlap"));
+  EXPECT_EQ(error_of(raw), "");
+  // Without a shared expert Megatron ignores it: a no-effect notice here.
+  const TrainArgs plain = parse_train_args(
+      moe({{"moe-token-dispatcher-type", {"alltoall"}}, {"moe-shared-expert-overlap", {"true"}}}));
+  EXPECT_TRUE(
+      mentions(plain.no_effect, "moe-shared-expert-overlap: the model has no shared expert"));
+}
+
+TEST(MoEOverlapArgs, FlexRunsTheAlltoallDispatcher) {
+  const TrainArgs a = parse_train_args(moe({{"moe-token-dispatcher-type", {"flex"}}}));
+  EXPECT_EQ(a.parallel.moe_token_dispatcher_type, "flex");
+  EXPECT_EQ(a.parallel.moe_flex_dispatcher_backend, "deepep");  // Megatron's default
+  EXPECT_EQ(error_of(moe({{"moe-token-dispatcher-type", {"flex"}},
+                          {"moe-flex-dispatcher-backend", {"hybridep"}},
+                          {"moe-hybridep-num-sms", {"16"}}})),
+            "");
+  // The deprecated switch selects deepep, with a warning.
+  const TrainArgs deepep = parse_train_args(moe({{"moe-token-dispatcher-type", {"flex"}},
+                                                 {"moe-flex-dispatcher-backend", {"ncclep"}},
+                                                 {"moe-enable-deepep", {"true"}}}));
+  EXPECT_EQ(deepep.parallel.moe_flex_dispatcher_backend, "deepep");
+  EXPECT_TRUE(mentions(deepep.warnings, "moe-enable-deepep is deprecated"));
+  // The DeepEP kernels' SM budget has no effect here.
+  const TrainArgs sms = parse_train_args(
+      moe({{"moe-token-dispatcher-type", {"flex"}}, {"moe-flex-dispatcher-num-sms", {"20"}}}));
+  EXPECT_TRUE(mentions(sms.no_effect, "moe-flex-dispatcher-num-sms"));
+  // Megatron's DeepEP assertion is TP x EP > 1; hybridep has none.
+  const Set one_expert_rank = {{"moe-token-dispatcher-type", {"flex"}},
+                               {"expert-model-parallel-size", {"1"}}};
+  EXPECT_NE(error_of(moe(one_expert_rank)).find("needs expert-tensor-parallel-size x"),
+            std::string::npos);
+  Set hybrid = one_expert_rank;
+  hybrid.push_back({"moe-flex-dispatcher-backend", {"hybridep"}});
+  EXPECT_EQ(error_of(moe(hybrid)), "");
+  // Expert tensor parallelism counts (it defaults to tensor-model-parallel-size).
+  EXPECT_EQ(error_of(moe({{"moe-token-dispatcher-type", {"flex"}},
+                          {"expert-model-parallel-size", {"1"}},
+                          {"tensor-model-parallel-size", {"2"}},
+                          {"sequence-parallel", {"true"}}})),
+            "");
+}
+
+TEST(MoEOverlapArgs, RefusalsAreOneLineNamingTheFlags) {
+  struct Case {
+    Set set;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {{{"moe-shared-expert-intermediate-size", {"64"}}, {"moe-shared-expert-overlap", {"true"}}},
+       "moe-shared-expert-overlap only works with moe-token-dispatcher-type alltoall or flex"},
+      {{{"moe-shared-expert-intermediate-size", {"64"}},
+        {"moe-token-dispatcher-type", {"alltoall"}},
+        {"moe-shared-expert-overlap", {"true"}},
+        {"recompute-granularity", {"selective"}},
+        {"recompute-modules", {"shared_experts"}}},
+       "shared_experts recompute cannot work with --moe-shared-expert-overlap"},
+      {{{"moe-token-dispatcher-type", {"deepep"}}},
+       "option 'moe-token-dispatcher-type' must be alltoall, allgather or flex"},
+      {{{"moe-token-dispatcher-type", {"flex"}}, {"moe-flex-dispatcher-backend", {"uccl"}}},
+       "option 'moe-flex-dispatcher-backend' must be deepep, hybridep or ncclep"},
+      {{{"moe-enable-deepep", {"true"}}},
+       "moe-enable-deepep (DeepEP) is only supported with moe-token-dispatcher-type flex"},
+      {{{"moe-token-dispatcher-type", {"flex"}},
+        {"moe-flex-dispatcher-backend", {"hybridep"}},
+        {"moe-enable-deepep", {"true"}}},
+       "only one backend"},
+      {{{"moe-token-dispatcher-type", {"alltoall"}}, {"moe-flex-dispatcher-backend", {"ncclep"}}},
+       "moe-flex-dispatcher-backend ncclep needs moe-token-dispatcher-type flex"},
+      {{{"moe-token-dispatcher-type", {"flex"}},
+        {"moe-expert-capacity-factor", {"1.0"}},
+        {"moe-pad-expert-input-to-capacity", {"true"}}},
+       "does not support moe-pad-expert-input-to-capacity"},
+  };
+  for (const Case& c : cases) {
+    const std::string e = error_of(moe(c.set));
+    EXPECT_NE(e.find(c.want), std::string::npos) << "got: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
+}
+
+}  // namespace
+}  // namespace megaton
