@@ -169,7 +169,8 @@ class Comm {
   // pull_rows started and left running (CommWork): through peer memory its
   // synchronisation and copy kernel run on the group's communication stream after the
   // compute stream's work so far; otherwise it runs to completion here (the run lists'
-  // exchange needs the host). A pull_input tensor stays valid until the work is waited for.
+  // exchange needs the host). Until the work is waited for, no pull_input or pull_rows on g
+  // may come (the pull's slot and its peers' stay in use).
   std::unique_ptr<CommWork> pull_rows_async(
       const Tensor& in, std::span<const PullRun> runs, Tensor& out, const Group& g,
       std::source_location site = std::source_location::current());

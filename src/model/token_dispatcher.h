@@ -243,8 +243,9 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
 // Throws megaton::Error naming the variable for any other value.
 AlltoAllExchange alltoall_exchange_from_env();
 
-// What the all-to-all dispatcher's exchange will be under mp, in words, e.g. "peer-memory
-// pulls over ep 4 (GPUs of one node), no regrouping copy" (the flex dispatcher's notice).
+// What the all-to-all dispatcher's exchange will be under mp, in words, e.g. "NCCL
+// all-to-all over 4 EP ranks, chunks regrouped by local expert" (the flex dispatcher's
+// notice).
 // Collective over mp's EP group the first time (Comm::peer_memory).
 std::string describe_alltoall_exchange(const ModelParallel& mp);
 

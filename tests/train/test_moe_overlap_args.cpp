@@ -72,6 +72,15 @@ TEST(MoEOverlapArgs, FlexRunsTheAlltoallDispatcher) {
   Set hybrid = one_expert_rank;
   hybrid.push_back({"moe-flex-dispatcher-backend", {"hybridep"}});
   EXPECT_EQ(error_of(moe(hybrid)), "");
+  // Megatron asserts it only when it builds the dispatcher: a dense model is not refused.
+  RawOptions dense = moe(one_expert_rank);
+  dense["num-experts"] = {"0"};
+  dense.erase("moe-router-topk");
+  EXPECT_EQ(error_of(dense), "");
+  // The ncclep wire dtypes: bf16, the default, is what Megaton moves.
+  EXPECT_EQ(error_of(moe({{"moe-dispatch-fwd-dtype", {"bf16"}},
+                          {"moe-combine-bwd-dtype", {"bf16"}}})),
+            "");
   // Expert tensor parallelism counts (it defaults to tensor-model-parallel-size).
   EXPECT_EQ(error_of(moe({{"moe-token-dispatcher-type", {"flex"}},
                           {"expert-model-parallel-size", {"1"}},
@@ -106,6 +115,11 @@ TEST(MoEOverlapArgs, RefusalsAreOneLineNamingTheFlags) {
        "only one backend"},
       {{{"moe-token-dispatcher-type", {"alltoall"}}, {"moe-flex-dispatcher-backend", {"ncclep"}}},
        "moe-flex-dispatcher-backend ncclep needs moe-token-dispatcher-type flex"},
+      {{{"moe-token-dispatcher-type", {"flex"}},
+        {"moe-flex-dispatcher-backend", {"ncclep"}},
+        {"moe-dispatch-fwd-dtype", {"mxfp8"}}},
+       "moe-dispatch-fwd-dtype mxfp8 (the ncclep dispatcher's MXFP8 wire format) is not "
+       "supported"},
       {{{"moe-token-dispatcher-type", {"flex"}},
         {"moe-expert-capacity-factor", {"1.0"}},
         {"moe-pad-expert-input-to-capacity", {"true"}}},

@@ -14,7 +14,7 @@
 //
 // The *_async operations run on a communication stream of their own (non-blocking, high
 // priority), after an event recorded on the compute stream, over a second communicator
-// per group: NCCL operations on one communicator must not run concurrently from two
+// per group kind and ranks: NCCL operations on one communicator must not run concurrently from two
 // streams in different orders on different ranks, and the blocking calls of the
 // forward and backward keep using the first. CommWork::wait makes the compute stream wait
 // for an event recorded after the operation.
@@ -388,9 +388,10 @@ class NcclComm final : public Comm {
   struct Entry {
     ncclComm_t comm = nullptr;
     bool broken = false;
-    // The communication stream of an async communicator: one per group, so that the
-    // operations of one group (a tensor-parallel all-gather) never queue behind another's
-    // (a data-parallel gradient reduce-scatter).
+    // The communication stream of an async communicator: one per group (kind and ranks),
+    // so that the operations of one group (a tensor-parallel all-gather, an EP exchange)
+    // never queue behind another's (a data-parallel gradient reduce-scatter), also where
+    // the two groups have the same ranks.
     cudaStream_t stream = nullptr;
   };
 
@@ -429,8 +430,9 @@ class NcclComm final : public Comm {
   // The group's communicator for blocking calls, or (async) the second one for the
   // *_async calls; created on first use, collectively over the group.
   Entry& comm_of(const Group& g, const char* op, bool async = false) {
-    std::map<std::vector<int>, Entry>& comms = async ? async_comms_ : comms_;
-    auto it = comms.find(g.ranks);
+    std::map<CommKey, Entry>& comms = async ? async_comms_ : comms_;
+    const CommKey key{async ? g.name : std::string(), g.ranks};
+    auto it = comms.find(key);
     if (it != comms.end()) {
       if (it->second.broken)
         throw CommError(fmt::format(
@@ -443,15 +445,25 @@ class NcclComm final : public Comm {
     if (g.rank == 0) MEGATON_NCCL_CHECK(ncclGetUniqueId(&id));
     MEGATON_MPI_CHECK(MPI_Bcast(&id, int(sizeof(id)), MPI_BYTE, 0, mpi_groups_.get(g)));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
+    config.blocking = nccl_blocking() ? 1 : 0;
     config.commName = g.name.c_str();
-    Entry& e = comms[g.ranks];
+    Entry& e = comms[key];
     e.broken = true;  // until set up: a failed setup leaves nothing to finalize
     std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
     MEGATON_NCCL_CHECK(ncclCommInitRankConfig(&e.comm, g.size(), id, g.rank, &config));
     e.broken = false;
     wait_ready(e, "communicator setup", g, deadline_from_now());
     return e;
+  }
+
+  // MEGATON_NCCL_BLOCKING=1 (a diagnostic): communicators are created blocking, so NCCL
+  // launches each operation on the calling thread instead of handing it to its own.
+  static bool nccl_blocking() {
+    static const bool on = [] {
+      const char* v = std::getenv("MEGATON_NCCL_BLOCKING");
+      return v != nullptr && std::string(v) == "1";
+    }();
+    return on;
   }
 
   // Records the operation's completion event for the watchdog.
@@ -607,8 +619,13 @@ class NcclComm final : public Comm {
   std::map<std::vector<int>, std::unique_ptr<detail::PeerMemory>> peer_memory_;
   std::map<std::vector<int>, int> next_slot_;           // the slot of the group's next pull_rows
   std::map<std::vector<int>, SlotUse> pending_inputs_;  // pull_input's, until its pull_rows
-  std::map<std::vector<int>, Entry> comms_;
-  std::map<std::vector<int>, Entry> async_comms_;
+  // Communicators by (group name, ranks): the blocking ones by ranks alone (the name part
+  // empty; groups of the same ranks share one), the asynchronous ones per group kind too,
+  // so that, e.g., an EP exchange does not queue on the stream of a DP reduce-scatter whose
+  // group has the same ranks.
+  using CommKey = std::pair<std::string, std::vector<int>>;
+  std::map<CommKey, Entry> comms_;
+  std::map<CommKey, Entry> async_comms_;
   Tensor barrier_scratch_;
   Tensor async_barrier_scratch_;  // the same for pulls on the communication streams
   // Held by every NCCL call on a communicator in use (enqueues, progress polls); the

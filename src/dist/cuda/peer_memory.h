@@ -7,7 +7,9 @@
 // slot s. Consecutive pulls alternate the slots, so the next pull may overwrite slot 1 - s
 // at once: the collective of this pull already proves that every member finished the
 // copies of the pull before, which read slot 1 - s. (The same idea as DeepEP's intranode
-// buffers; here the synchronisation is an NCCL collective on the compute stream.)
+// buffers; here the synchronisation is an NCCL collective on the compute stream, or for
+// Comm::pull_rows_async on the group's communication stream, whose pull the compute stream
+// waits for before the next pull_input or pull_rows: the argument above holds either way.)
 #pragma once
 #include <cuda_runtime.h>
 #include <mpi.h>

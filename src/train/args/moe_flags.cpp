@@ -13,7 +13,8 @@ namespace {
 
 // --moe-token-dispatcher-type flex and its backend, with Megatron's TransformerConfig
 // checks (Megatron-LM d98e8a6 transformer_config.py; the TP x EP > 1 assertion of its
-// DeepEP and NCCL-EP managers is in check_parallel_layout's flags, parallel_flags.cpp).
+// DeepEP and NCCL-EP managers is in parse_parallel, parallel_flags.cpp, once the sizes are
+// read).
 void parse_flex_dispatcher(const ArgReader& r, TrainArgs& a) {
   ParallelArgs& p = a.parallel;
   const bool flex = p.moe_token_dispatcher_type == "flex";
@@ -35,6 +36,14 @@ void parse_flex_dispatcher(const ArgReader& r, TrainArgs& a) {
   }
   if (backend == "ncclep" && !flex)
     fail("moe-flex-dispatcher-backend ncclep needs moe-token-dispatcher-type flex");
+  // The ncclep wire dtypes: bf16 (the default) moves bf16 rows, as Megaton's exchange does.
+  for (const char* key : {"moe-dispatch-fwd-dtype", "moe-combine-bwd-dtype"}) {
+    std::string dtype = "bf16";
+    r.get(key, dtype);
+    if (dtype != "bf16")
+      fail("{} {} (the ncclep dispatcher's MXFP8 wire format) is not supported in Megaton", key,
+           printable(dtype));
+  }
   if (flex && backend == "deepep" && a.model.moe_pad_expert_input_to_capacity)
     fail(
         "moe-token-dispatcher-type flex with backend deepep does not support "
@@ -158,6 +167,8 @@ ArgGroup moe_flags() {
       flag("moe-flex-dispatcher-backend",
            "deepep, hybridep or ncclep: accepted; flex runs Megaton's own exchange"),
       toggle("moe-enable-deepep", "deprecated: moe-flex-dispatcher-backend deepep"),
+      flag("moe-dispatch-fwd-dtype", "bf16 only (the ncclep dispatcher's wire dtype)"),
+      flag("moe-combine-bwd-dtype", "bf16 only (the ncclep dispatcher's wire dtype)"),
   };
   for (OptionSpec& s : moe_megatron_rules()) g.flags.push_back(std::move(s));
   return g;

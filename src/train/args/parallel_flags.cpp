@@ -75,12 +75,12 @@ void parse_parallel(const ArgReader& r, TrainArgs& a) {
   r.get("init-model-with-meta-device", a.model.init_model_with_meta_device);
   if (a.model.init_model_with_meta_device && !p.use_megatron_fsdp)
     fail("init-model-with-meta-device needs use-megatron-fsdp");
-  // Megatron's DeepEP and NCCL-EP managers assert TP x EP > 1 (their tp being the expert
-  // tensor-parallel size, which defaults to tensor-model-parallel-size).
+  // Megatron's DeepEP and NCCL-EP managers assert TP x EP > 1 when they are built (their tp
+  // being the expert tensor-parallel size, which defaults to tensor-model-parallel-size).
   const int64_t etp = p.expert_tensor_parallel_size > 0 ? p.expert_tensor_parallel_size
                                                         : p.tensor_model_parallel_size;
-  if (p.moe_token_dispatcher_type == "flex" && p.moe_flex_dispatcher_backend != "hybridep" &&
-      etp * p.expert_model_parallel_size <= 1)
+  if (a.model.num_experts > 0 && p.moe_token_dispatcher_type == "flex" &&
+      p.moe_flex_dispatcher_backend != "hybridep" && etp * p.expert_model_parallel_size <= 1)
     fail(
         "moe-token-dispatcher-type flex with backend {} needs expert-tensor-parallel-size x "
         "expert-model-parallel-size > 1",
