@@ -124,6 +124,10 @@ struct GPTConfig {
   // --moe-shared-expert-overlap: the shared expert's halves run beside the token
   // dispatcher's exchanges (MoELayer); the same numbers, the order of work differs.
   bool moe_shared_expert_overlap = false;
+  // --overlap-moe-expert-parallel-comm: each MoE layer's rows in two chunks whose
+  // exchanges run beside each other's experts (MoELayer); the same numbers up to the
+  // summation order of the expert weight gradients.
+  bool overlap_moe_expert_parallel_comm = false;
 
   // Where and in what precision the model runs. --bf16 keeps fp32 main params and (unless
   // main_grads_dtype below says bf16) main grads and computes in bf16; the compute dtype

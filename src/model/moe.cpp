@@ -18,7 +18,8 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
       cfg_(cfg),
       mp_(mp),
       layer_(layer),
-      dispatcher_(make_token_dispatcher(cfg.num_experts, mp)) {
+      chunks_per_layer_(chunks_per_layer(cfg, mp)),
+      dispatcher_(make_token_dispatcher(cfg.num_experts, dispatcher_parallel(cfg, mp))) {
   Placement where = Placement::of(cfg);
   float output_std = cfg.scaled_init_method_std();
   int64_t h = cfg.hidden_size, f = cfg.moe_ffn_hidden_size, f1 = cfg.swiglu ? 2 * f : f;
@@ -59,10 +60,25 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
                                  !cfg.moe_pad_expert_input_to_capacity && cfg.disable_bias_linear);
 }
 
+int MoELayer::chunks_per_layer(const GPTConfig& cfg, const ModelParallel& mp) {
+  return cfg.overlap_moe_expert_parallel_comm && mp.dispatcher == TokenDispatcher::AllToAll &&
+                 mp.ep_size() > 1
+             ? 2
+             : 1;
+}
+
 std::vector<int64_t> MoELayer::last_tokens_per_local_expert() const {
   if (!saved_.expert_counts.defined()) return saved_.tokens_per_local_expert;
   const Tensor host = saved_.expert_counts.to(Device::CPU);
   return std::vector<int64_t>(host.i64(), host.i64() + host.numel());
+}
+
+ModelParallel MoELayer::dispatcher_parallel(const GPTConfig& cfg, const ModelParallel& mp) {
+  ModelParallel out = mp;
+  // Two chunks' exchanges overlap the experts: the peer-memory pull's two slots would be
+  // reused while a peer may still read them (peer_memory.h), so the chunks regroup.
+  if (chunks_per_layer(cfg, mp) > 1) out.alltoall_exchange = AlltoAllExchange::Regroup;
+  return out;
 }
 
 bool MoELayer::splits_rows() const { return mp_.tp_size() > 1 && !mp_.sequence_parallel; }
@@ -235,41 +251,104 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
                   x_in.dim(0), tp);
     x = x_in.rows(mp_.tp_rank() * (x_in.dim(0) / tp), x_in.dim(0) / tp);
   }
-  const int64_t tokens = x.dim(0), hidden = x.dim(1);
-  Saved& s = saved_;
-  s.x = x;
+  const int64_t tokens = x.dim(0);
+  saved_.x = x;
   // This rank's rows are block tp_rank of the tensor-parallel group's token rows (under
   // sequence parallelism, or split here without it).
   const TopKRouter::Output routing =
       router.forward(x, ctx, mp_.tp_size() > 1 ? int64_t(mp_.tp_rank()) * tokens : 0);
-  if (!ctx.recompute) s.aux_loss = router.last_loss_tensor();  // a re-run keeps the first
+  if (!ctx.recompute) saved_.aux_loss = router.last_loss_tensor();  // a re-run keeps the first
+  // The padded size of an expert's input: each rank of the expert-model-parallel group sends
+  // an expert at most `capacity` copies (all ranks have the same token count, hence
+  // capacity).
+  int64_t expert_capacity = 0;
+  if (cfg_.moe_pad_expert_input_to_capacity) {
+    MEGATON_CHECK(cfg_.moe_expert_capacity_factor > 0,
+                  "moe-pad-expert-input-to-capacity needs moe-expert-capacity-factor");
+    expert_capacity = routing.capacity * mp_.group(dist::GroupKind::ExpertMP).size();
+  }
 
-  // The kept copies routed to this rank's experts, grouped by local expert, with their
-  // probabilities; padded to a fixed size per expert: each rank of the expert-model-parallel
-  // group sends an expert at most `capacity` copies (all ranks have the same token count,
-  // hence capacity).
-  Tensor expert_probs;
-  // --moe-shared-expert-overlap: the shared expert's fc1 beside the dispatch's exchange,
-  // its fc2 beside the combine's (Megatron's SharedExpertMLP with overlap); otherwise it
-  // runs after the combine.
-  const bool shared_beside = shared_expert && cfg_.moe_shared_expert_overlap;
+  // The shared expert's halves beside the exchanges that have no other work beside them
+  // (--moe-shared-expert-overlap; and under the chunked overlap, where its dispatch of the
+  // first chunk and combine of the last are the exposed ones); otherwise after the combine.
+  const bool shared_beside =
+      shared_expert && (cfg_.moe_shared_expert_overlap || chunks_per_layer_ > 1);
   Tensor shared_out;
   MoETokenDispatcher::Beside shared_fc1, shared_fc2;
   if (shared_beside) {
     shared_fc1 = [&] { shared_expert->forward_begin(x_in); };
     shared_fc2 = [&] { shared_out = shared_expert->forward_end(); };
   }
-  s.expert_in = dispatcher_->dispatch(x, routing.probs, routing.indices, expert_probs, shared_fc1);
+  Tensor out;
+  if (chunks_per_layer_ == 1) {
+    dispatch_phase(x, routing.probs, routing.indices, expert_capacity, shared_fc1);
+    out = combine_phase(experts_phase(x), shared_fc2);
+  } else {
+    // --overlap-moe-expert-parallel-comm: the rows in two chunks, each dispatched and
+    // combined on its own, so that one chunk's exchange runs beside the other's experts:
+    // dispatch 0 | dispatch 1 beside experts 0 | combine 0 beside experts 1 | combine 1.
+    const int64_t first = tokens / 2;
+    auto part = [&](const Tensor& t, int c) {
+      return c == 0 ? t.rows(0, first) : t.rows(first, tokens - first);
+    };
+    // Held here while the chunks run: in_chunk swaps saved_ (which keeps them after).
+    std::vector<Chunk> ch(2);
+    Tensor expert_out[2];
+    auto dispatch = [&](int c, const MoETokenDispatcher::Beside& beside) {
+      in_chunk(ch[c], [&] {
+        dispatch_phase(part(x, c), part(routing.probs, c), part(routing.indices, c),
+                       expert_capacity, beside);
+      });
+    };
+    auto experts = [&](int c) { in_chunk(ch[c], [&] { expert_out[c] = experts_phase(x); }); };
+    out = empty_like(x, x.shape());
+    auto combine = [&](int c, const MoETokenDispatcher::Beside& beside) {
+      in_chunk(ch[c], [&] { part(out, c).copy_from(combine_phase(expert_out[c], beside)); });
+      expert_out[c] = Tensor();
+    };
+    dispatch(0, shared_fc1);
+    dispatch(1, [&] { experts(0); });
+    combine(0, [&] { experts(1); });
+    combine(1, shared_fc2);
+    // The layer's counts (logs, tests): both chunks' rows.
+    saved_.tokens_per_local_expert = ch[0].moe.tokens_per_local_expert;
+    for (size_t l = 0; l < saved_.tokens_per_local_expert.size(); ++l)
+      saved_.tokens_per_local_expert[l] += ch[1].moe.tokens_per_local_expert[l];
+    saved_.chunks = std::move(ch);
+  }
+  if (splits_rows()) out = gather_sequence(out, mp_);
+  if (shared_expert) ops::add_(out, shared_beside ? shared_out : shared_expert->forward(x_in));
+  if (ctx.training && !ctx.recompute && cfg_.recompute.selective(kRecomputeMoe)) {
+    keep_routing(take_saved());
+    saved_.recompute_input = x_in;
+    saved_.recompute_ctx = ctx;
+  }
+  return out;
+}
+
+void MoELayer::in_chunk(Chunk& chunk, const std::function<void()>& fn) {
+  // The chunk's state in, the layer's (or another chunk's, when nested) out, and back.
+  Saved outer = std::exchange(saved_, std::move(chunk.moe));
+  std::any outer_dispatcher = dispatcher_->take_saved();
+  if (chunk.dispatcher.has_value()) dispatcher_->restore_saved(std::move(chunk.dispatcher));
+  fn();
+  chunk.moe = std::exchange(saved_, std::move(outer));
+  chunk.dispatcher = dispatcher_->take_saved();
+  dispatcher_->restore_saved(std::move(outer_dispatcher));
+}
+
+void MoELayer::dispatch_phase(const Tensor& x, const Tensor& probs, const Tensor& indices,
+                              int64_t expert_capacity, const MoETokenDispatcher::Beside& beside) {
+  // The kept copies routed to this rank's experts, grouped by local expert, with their
+  // probabilities; padded to expert_capacity rows per expert when given.
+  Saved& s = saved_;
+  Tensor expert_probs;
+  s.expert_in = dispatcher_->dispatch(x, probs, indices, expert_probs, beside);
   s.expert_counts = dispatcher_->tokens_per_local_expert_device();
   s.tokens_per_local_expert = dispatcher_->tokens_per_local_expert();
   s.expert_rows = s.tokens_per_local_expert;
-  s.expert_capacity = 0;
-  if (cfg_.moe_pad_expert_input_to_capacity) {
-    MEGATON_CHECK(cfg_.moe_expert_capacity_factor > 0,
-                  "moe-pad-expert-input-to-capacity needs moe-expert-capacity-factor");
-    s.expert_capacity = routing.capacity * mp_.group(dist::GroupKind::ExpertMP).size();
-    s.expert_rows.assign(s.tokens_per_local_expert.size(), s.expert_capacity);
-  }
+  s.expert_capacity = expert_capacity;
+  if (expert_capacity > 0) s.expert_rows.assign(s.tokens_per_local_expert.size(), expert_capacity);
   if (fp8_rows_ > 0)  // FP8 GEMMs take row counts in multiples of fp8_rows_
     for (int64_t& n : s.expert_rows) n = (n + fp8_rows_ - 1) / fp8_rows_ * fp8_rows_;
   s.padded = s.expert_rows != s.tokens_per_local_expert;
@@ -277,16 +356,21 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   const int64_t rows = s.expert_in.dim(0);
   // A padding row's probability is 0: its activation, output and gradients are zeros.
   s.expert_probs = pad_expert_rows(expert_probs.view({expert_probs.numel(), 1})).view({rows});
-  s.fc1_out = empty_like(x, {rows, experts[0].fc1_weight.weight.dim(0)});
+}
+
+Tensor MoELayer::experts_phase(const Tensor& like) {
+  Saved& s = saved_;
+  const int64_t rows = s.expert_in.dim(0), hidden = like.dim(1);
+  s.fc1_out = empty_like(like, {rows, experts[0].fc1_weight.weight.dim(0)});
   // FP8 weight gradients read each expert's FP8 x^T kept here, not expert_in.
   const bool fp8_keeps_input = fc1_fp8_.enabled() && cfg_.fp8.wgrad;
   experts_forward(&Expert::fc1_weight, s.expert_in, fp8_keeps_input, s.fc1_out);
   if (fp8_keeps_input) s.expert_in = Tensor();
   expert_bias_forward(s.fc1_out, &Expert::fc1_bias);
   // Unpadded, the expert output is handed to combine as it is: the dispatcher's buffer.
-  Tensor expert_out = !s.padded
-                          ? dispatcher_->new_exchanged_rows({rows, hidden}, x.dtype(), x.device())
-                          : empty_like(x, {rows, hidden});
+  Tensor expert_out =
+      !s.padded ? dispatcher_->new_exchanged_rows({rows, hidden}, like.dtype(), like.device())
+                : empty_like(like, {rows, hidden});
   // fc2's input, the activation weighted by the rows' probabilities (Megatron's
   // TEGroupedMLP: weighted_bias_swiglu_impl; the combine then adds the outputs unweighted,
   // keeping no copy of them), is recomputed in backward: FP8 keeps only its scales.
@@ -296,16 +380,11 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
   // Row-parallel fc2: the partial outputs are summed over etp, the bias (weighted by the
   // probabilities, Megatron's _apply_bias) counted once.
   if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias, s.expert_probs);
+  return expert_out;
+}
 
-  Tensor out = dispatcher_->combine(unpad_expert_rows(expert_out), shared_fc2);
-  if (splits_rows()) out = gather_sequence(out, mp_);
-  if (shared_expert) ops::add_(out, shared_beside ? shared_out : shared_expert->forward(x_in));
-  if (ctx.training && !ctx.recompute && cfg_.recompute.selective(kRecomputeMoe)) {
-    keep_routing(take_saved());
-    saved_.recompute_input = x_in;
-    saved_.recompute_ctx = ctx;
-  }
-  return out;
+Tensor MoELayer::combine_phase(const Tensor& expert_out, const MoETokenDispatcher::Beside& beside) {
+  return dispatcher_->combine(unpad_expert_rows(expert_out), beside);
 }
 
 void MoELayer::keep_routing(Activations&& saved) {
@@ -326,30 +405,89 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   }
   MEGATON_CHECK(saved_.x.defined(), "MoE layer '{}': backward without a forward",
                 router.weight.name);
-  const Saved& s = saved_;
   Tensor dy = dy_in;
   if (splits_rows()) {  // dy is whole on every TP rank: this rank's block of it
     const int64_t tp = mp_.tp_size();
     dy = dy_in.rows(mp_.tp_rank() * (dy_in.dim(0) / tp), dy_in.dim(0) / tp);
   }
-  // --moe-shared-expert-overlap: the shared expert's fc2 backward beside the combine's
-  // backward exchange, its fc1 backward beside the dispatch's.
-  const bool shared_beside = shared_expert && cfg_.moe_shared_expert_overlap;
+  // The shared expert's fc2 backward beside the combine's backward exchange, its fc1
+  // backward beside the dispatch's (as in forward).
+  const bool shared_beside =
+      shared_expert && (cfg_.moe_shared_expert_overlap || chunks_per_layer_ > 1);
   Tensor shared_dx;
   MoETokenDispatcher::Beside shared_fc2, shared_fc1;
   if (shared_beside) {
     shared_fc2 = [&] { shared_expert->backward_begin(dy_in); };
     shared_fc1 = [&] { shared_dx = shared_expert->backward_end(); };
   }
-  // The padding rows' output gradient is zero (a padding row is no copy's).
-  Tensor dexpert_out = pad_expert_rows(dispatcher_->combine_backward(dy, shared_fc2));
+  Tensor dx, dprobs;
+  if (saved_.chunks.empty()) {
+    ExpertsBackward eb = experts_backward_phase(combine_backward_phase(dy, shared_fc2), dy);
+    dprobs = std::move(eb.dprobs);
+    dx = dispatch_backward_phase(eb.dexpert_in, shared_fc1);
+  } else {
+    // The forward's chunks in reverse: combine 1 | combine 0 beside experts 1 | dispatch 1
+    // beside experts 0 | dispatch 0.
+    // Held here while the chunks run: in_chunk swaps saved_.
+    std::vector<Chunk> ch = std::move(saved_.chunks);
+    const int64_t tokens = dy.dim(0), first = tokens / 2;
+    auto part = [&](const Tensor& t, int c) {
+      return c == 0 ? t.rows(0, first) : t.rows(first, tokens - first);
+    };
+    Tensor dexpert_out[2];
+    ExpertsBackward eb[2];
+    dx = empty_like(dy, dy.shape());
+    dprobs = Tensor::empty({tokens, cfg_.moe_router_topk}, DType::F32, dy.device());
+    auto combine = [&](int c, const MoETokenDispatcher::Beside& beside) {
+      in_chunk(ch[c], [&] { dexpert_out[c] = combine_backward_phase(part(dy, c), beside); });
+    };
+    auto experts = [&](int c) {
+      in_chunk(ch[c], [&] {
+        eb[c] = experts_backward_phase(dexpert_out[c], dy);
+        dexpert_out[c] = Tensor();
+        part(dprobs, c).copy_from(eb[c].dprobs);
+      });
+    };
+    auto dispatch = [&](int c, const MoETokenDispatcher::Beside& beside) {
+      in_chunk(ch[c],
+               [&] { part(dx, c).copy_from(dispatch_backward_phase(eb[c].dexpert_in, beside)); });
+      eb[c] = {};
+    };
+    combine(1, shared_fc2);
+    combine(0, [&] { experts(1); });
+    dispatch(1, [&] { experts(0); });
+    dispatch(0, shared_fc1);
+  }
 
+  // Router: the probabilities' and the injected losses' gradients, then the gating linear.
+  router.backward(dprobs, aux_grad_scale, dx);
+  // The tensors are used up; last_aux_loss() and last_tokens_per_local_expert() stay
+  // readable until the next forward (or take_saved).
+  Saved reported;
+  reported.aux_loss = saved_.aux_loss;
+  reported.tokens_per_local_expert = std::move(saved_.tokens_per_local_expert);
+  reported.expert_counts = std::move(saved_.expert_counts);
+  saved_ = std::move(reported);
+  if (splits_rows()) dx = gather_sequence(dx, mp_);
+  if (shared_expert) ops::add_(dx, shared_beside ? shared_dx : shared_expert->backward(dy_in));
+  return dx;
+}
+
+Tensor MoELayer::combine_backward_phase(const Tensor& dy,
+                                        const MoETokenDispatcher::Beside& beside) {
+  // The padding rows' output gradient is zero (a padding row is no copy's).
+  return pad_expert_rows(dispatcher_->combine_backward(dy, beside));
+}
+
+MoELayer::ExpertsBackward MoELayer::experts_backward_phase(const Tensor& dexpert_out,
+                                                           const Tensor& like) {
+  const Saved& s = saved_;
   // linear_fc2 of every local expert; its input, the weighted activation, is recomputed (not
   // kept). Where the weight-gradient GEMMs ask for it after every expert's input gradient
   // (all but the blockwise FP8 recipe, which runs expert by expert), the activation's
   // backward writes it in the same pass; otherwise it is recomputed on its own.
   const int64_t rows = dexpert_out.dim(0);
-  Tensor dact = empty_like(dy, {rows, experts[0].fc2_weight.weight.dim(1)});
+  Tensor dact = empty_like(like, {rows, experts[0].fc2_weight.weight.dim(1)});
   Tensor dfc1;           // the activation's backward, inside fc2's backward or after it
   Tensor dexpert_probs;  // [rows] F32: the probabilities' gradient, this rank's f slice
   const bool input_after_dgrad = !fc1_fp8_.enabled() || cfg_.fp8.recipe != Fp8Recipe::Blockwise;
@@ -374,30 +512,24 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
   // rank that added the bias), before the dispatcher sums the partial dprobs over ETP.
   expert_bias_backward(dexpert_out, &Expert::fc2_bias, s.expert_probs,
                        mp_.etp_rank() == 0 ? &dexpert_probs : nullptr);
+  ExpertsBackward out;
   // Back to [T, k] for the router (the padding rows' entries dropped).
-  Tensor dprobs = dispatcher_->probs_backward(unpad_expert_rows(dexpert_probs.view({rows, 1})));
+  out.dprobs = dispatcher_->probs_backward(unpad_expert_rows(dexpert_probs.view({rows, 1})));
   dexpert_probs = Tensor();
-  const Shape in_shape = {rows, dy.dim(1)};
-  Tensor dexpert_in = !s.padded ? dispatcher_->new_exchanged_rows(in_shape, dy.dtype(), dy.device())
-                                : empty_like(dy, in_shape);
+  const Shape in_shape = {rows, like.dim(1)};
+  Tensor dexpert_in = !s.padded
+                          ? dispatcher_->new_exchanged_rows(in_shape, like.dtype(), like.device())
+                          : empty_like(like, in_shape);
   experts_backward(
       &Expert::fc1_weight, dfc1, [&] { return s.expert_in; }, dexpert_in);
   expert_bias_backward(dfc1, &Expert::fc1_bias);
-  dfc1 = Tensor();
-  Tensor dx = dispatcher_->dispatch_backward(unpad_expert_rows(dexpert_in), shared_fc1);
+  out.dexpert_in = std::move(dexpert_in);
+  return out;
+}
 
-  // Router: the probabilities' and the injected losses' gradients, then the gating linear.
-  router.backward(dprobs, aux_grad_scale, dx);
-  // The tensors are used up; last_aux_loss() and last_tokens_per_local_expert() stay
-  // readable until the next forward (or take_saved).
-  Saved reported;
-  reported.aux_loss = s.aux_loss;
-  reported.tokens_per_local_expert = std::move(saved_.tokens_per_local_expert);
-  reported.expert_counts = std::move(saved_.expert_counts);
-  saved_ = std::move(reported);
-  if (splits_rows()) dx = gather_sequence(dx, mp_);
-  if (shared_expert) ops::add_(dx, shared_beside ? shared_dx : shared_expert->backward(dy_in));
-  return dx;
+Tensor MoELayer::dispatch_backward_phase(const Tensor& dexpert_in,
+                                         const MoETokenDispatcher::Beside& beside) {
+  return dispatcher_->dispatch_backward(unpad_expert_rows(dexpert_in), beside);
 }
 
 MoELayer::Activations MoELayer::take_saved() {
@@ -413,14 +545,21 @@ void MoELayer::restore_saved(Activations&& saved) {
   if (shared_expert) shared_expert->restore_saved(std::move(saved.shared_expert));
 }
 
-void MoELayer::for_each_saved_tensor(Activations& saved,
-                                     const std::function<void(Tensor&)>& fn) const {
-  Saved& s = saved.moe;
+void MoELayer::for_each_saved_tensor(Saved& s, const std::function<void(Tensor&)>& fn) const {
   for (Tensor* slot :
        {&s.x, &s.expert_in, &s.fc1_out, &s.expert_probs, &s.expert_counts, &s.recompute_input})
     fn(*slot);
   for_each_tensor(s.fc1_fp8, fn);
   for_each_tensor(s.fc2_fp8, fn);
+  for (Chunk& chunk : s.chunks) {
+    for_each_saved_tensor(chunk.moe, fn);
+    if (chunk.dispatcher.has_value()) dispatcher_->for_each_saved_tensor(chunk.dispatcher, fn);
+  }
+}
+
+void MoELayer::for_each_saved_tensor(Activations& saved,
+                                     const std::function<void(Tensor&)>& fn) const {
+  for_each_saved_tensor(saved.moe, fn);
   for_each_tensor(saved.router, fn);
   dispatcher_->for_each_saved_tensor(saved.dispatcher, fn);
   for_each_tensor(saved.shared_expert, fn);

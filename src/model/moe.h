@@ -106,6 +106,7 @@ class MoELayer {
 
   // What forward saved for backward (T: this rank's token rows, R: rows of the local
   // experts' copies).
+  struct Chunk;
   struct Saved {
     // The layer's token rows [T, H]: defined between forward and backward, except while
     // the moe or full recompute holds only the routing (recompute_input, or the group's
@@ -114,12 +115,12 @@ class MoELayer {
     // The dispatched copies [R, H] (padded: [sum(expert_rows), H]); undefined in FP8 runs
     // with FP8 weight gradients, which keep each expert's FP8 x^T instead.
     Tensor expert_in;
-    Tensor fc1_out;         // [R, fc1 outputs / etp]; the activation is recomputed
+    Tensor fc1_out;  // [R, fc1 outputs / etp]; the activation is recomputed
     // [R] fp32: each row's routing probability (0 on padding rows), applied after the
     // activation (Megatron's TEGroupedMLP), so no expert output is kept for the
     // probabilities' gradient (docs/memory.md, "MoE: probabilities inside the experts").
     Tensor expert_probs;
-    Tensor aux_loss;        // last_aux_loss_tensor()
+    Tensor aux_loss;  // last_aux_loss_tensor()
     // [local experts], host; empty when the counts stayed on the device (expert_counts).
     std::vector<int64_t> tokens_per_local_expert;
     // [local experts] int64 on the device when the dispatcher kept the counts there (one
@@ -137,6 +138,15 @@ class MoELayer {
     // all the layer keeps besides its routing; backward re-runs forward from them first.
     Tensor recompute_input;
     ForwardContext recompute_ctx;
+    // --overlap-moe-expert-parallel-comm: each chunk of the rows dispatched on its own,
+    // with its dispatch fields above and its dispatcher state (empty without the overlap;
+    // the layer's own dispatch fields then stay empty but tokens_per_local_expert, both
+    // chunks' sum).
+    std::vector<Chunk> chunks;
+  };
+  struct Chunk {
+    Saved moe;
+    std::any dispatcher;  // MoETokenDispatcher::take_saved
   };
   // The layer's saved state with its router's, token dispatcher's and shared expert's.
   struct Activations {
@@ -170,6 +180,36 @@ class MoELayer {
   int64_t first_local_expert() const { return first_local_expert_; }
 
  private:
+  // The halves of forward and backward around the exchanges, on the state in saved_
+  // (the layer's, or one chunk's inside in_chunk). dispatch_phase: the rows x [t, H] of the
+  // routing (probs, indices [t, k]) dispatched to the local experts (beside: run beside
+  // the exchange), padded to expert_capacity rows per expert when > 0. experts_phase:
+  // fc1, the weighted activation and fc2 -> the expert output [R, H] (`like`: dtype and
+  // device). combine_phase: -> [t, H]. Backward: combine_backward_phase (dy [t, H] -> the
+  // expert output's gradient, padded), experts_backward_phase (-> the expert input's
+  // gradient and the routing probabilities' [t, k], through the dispatcher's
+  // probs_backward), dispatch_backward_phase (-> dx [t, H] without the router's part).
+  void dispatch_phase(const Tensor& x, const Tensor& probs, const Tensor& indices,
+                      int64_t expert_capacity, const MoETokenDispatcher::Beside& beside);
+  Tensor experts_phase(const Tensor& like);
+  Tensor combine_phase(const Tensor& expert_out, const MoETokenDispatcher::Beside& beside);
+  Tensor combine_backward_phase(const Tensor& dy, const MoETokenDispatcher::Beside& beside);
+  struct ExpertsBackward {
+    Tensor dexpert_in, dprobs;
+  };
+  ExpertsBackward experts_backward_phase(const Tensor& dexpert_out, const Tensor& like);
+  Tensor dispatch_backward_phase(const Tensor& dexpert_in,
+                                 const MoETokenDispatcher::Beside& beside);
+  // Runs fn with `chunk`'s state (its Saved and dispatcher state) in place of the current
+  // one, then puts both back: nests (a chunk's experts beside another chunk's exchange).
+  void in_chunk(Chunk& chunk, const std::function<void()>& fn);
+  // 2 with --overlap-moe-expert-parallel-comm where the all-to-all dispatcher has more than
+  // one EP rank, else 1; the ModelParallel the dispatcher is built with (the chunks
+  // regroup: see the constructor).
+  static int chunks_per_layer(const GPTConfig& cfg, const ModelParallel& mp);
+  static ModelParallel dispatcher_parallel(const GPTConfig& cfg, const ModelParallel& mp);
+  void for_each_saved_tensor(Saved& s, const std::function<void(Tensor&)>& fn) const;
+
   // Adds (forward) or reduces (backward) each expert's bias on its rows; with probs ([rows]
   // F32) the bias scaled by each row's probability (fc2's, Megatron's _apply_bias), whose
   // backward also adds <dy[r], bias> to dprobs[r] when given.
@@ -201,6 +241,7 @@ class MoELayer {
   ModelParallel mp_;
   int64_t layer_;
   int64_t first_local_expert_ = 0;
+  int chunks_per_layer_ = 1;  // chunks_per_layer(cfg, mp)
   std::unique_ptr<MoETokenDispatcher> dispatcher_;
   Saved saved_;
   // FP8: the local experts' fc1 / fc2 GEMMs (disabled in bf16 runs); rows padded to fp8_rows_.

@@ -294,6 +294,11 @@ layouts=(
   # exchanges (all-to-all and pull), gated and under TP + SP.
   "ep2-shared-expert-overlap-gate|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-shared-expert-overlap|ROUTER=gate"
   "ep2-shared-expert-overlap-pull|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-shared-expert-overlap|ROUTER=gate A2A=pull"
+  # --overlap-moe-expert-parallel-comm: two chunks per MoE layer, each one's exchanges
+  # beside the other's experts (the shared expert beside the exposed ones).
+  "ep2-ep-overlap-gate|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm|ROUTER=gate"
+  "tp2-sp-ep2-ep-overlap-v3|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --overlap-moe-expert-parallel-comm|ROUTER=v3"
+  "dp2-ep2-ep-overlap|4|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size 2000 --overlap-moe-expert-parallel-comm"
   # --moe-token-dispatcher-type flex: the all-to-all dispatcher with its fastest exchange.
   "ep2-flex-shared-expert-overlap|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --moe-shared-expert-overlap|ROUTER=gate"
   "tp2-sp-ep2-shared-expert-overlap-v3|2|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall --moe-shared-expert-overlap|ROUTER=v3"

@@ -1,4 +1,5 @@
-// --moe-shared-expert-overlap and --moe-token-dispatcher-type flex before anything is built:
+// --moe-shared-expert-overlap, --overlap-moe-expert-parallel-comm and
+// --moe-token-dispatcher-type flex before anything is built:
 // what they set, Megatron's notices, and each refusal a one-line megaton::Error naming the
 // flags (the CLI turns it into exit status 2), from parse_train_args and
 // check_parallel_layout on a world of 2.
@@ -46,6 +47,17 @@ TEST(MoEOverlapArgs, SharedExpertOverlapIsSetWithTheAlltoallDispatcher) {
       mentions(plain.no_effect, "moe-shared-expert-overlap: the model has no shared expert"));
 }
 
+TEST(MoEOverlapArgs, ExpertParallelOverlapIsSetWithExpertParallelism) {
+  const RawOptions raw = moe({{"moe-token-dispatcher-type", {"alltoall"}},
+                              {"overlap-moe-expert-parallel-comm", {"true"}}});
+  EXPECT_TRUE(parse_train_args(raw).model.overlap_moe_expert_parallel_comm);
+  EXPECT_EQ(error_of(raw), "");
+  // The flags Megatron keeps for its combined 1F1B schedule stay refused.
+  RawOptions delay = raw;
+  delay["delay-wgrad-compute"] = {"true"};
+  EXPECT_NE(error_of(delay).find("delay-wgrad-compute"), std::string::npos);
+}
+
 TEST(MoEOverlapArgs, FlexRunsTheAlltoallDispatcher) {
   const TrainArgs a = parse_train_args(moe({{"moe-token-dispatcher-type", {"flex"}}}));
   EXPECT_EQ(a.parallel.moe_token_dispatcher_type, "flex");
@@ -78,9 +90,9 @@ TEST(MoEOverlapArgs, FlexRunsTheAlltoallDispatcher) {
   dense.erase("moe-router-topk");
   EXPECT_EQ(error_of(dense), "");
   // The ncclep wire dtypes: bf16, the default, is what Megaton moves.
-  EXPECT_EQ(error_of(moe({{"moe-dispatch-fwd-dtype", {"bf16"}},
-                          {"moe-combine-bwd-dtype", {"bf16"}}})),
-            "");
+  EXPECT_EQ(
+      error_of(moe({{"moe-dispatch-fwd-dtype", {"bf16"}}, {"moe-combine-bwd-dtype", {"bf16"}}})),
+      "");
   // Expert tensor parallelism counts (it defaults to tensor-model-parallel-size).
   EXPECT_EQ(error_of(moe({{"moe-token-dispatcher-type", {"flex"}},
                           {"expert-model-parallel-size", {"1"}},
@@ -125,6 +137,34 @@ TEST(MoEOverlapArgs, RefusalsAreOneLineNamingTheFlags) {
         {"moe-pad-expert-input-to-capacity", {"true"}}},
        "does not support moe-pad-expert-input-to-capacity"},
   };
+  const Set ep_overlap = {{"moe-token-dispatcher-type", {"alltoall"}},
+                          {"overlap-moe-expert-parallel-comm", {"true"}}};
+  auto with = [&](Set more) {
+    more.insert(more.begin(), ep_overlap.begin(), ep_overlap.end());
+    return more;
+  };
+  const std::vector<Case> ep_cases = {
+      {{{"overlap-moe-expert-parallel-comm", {"true"}}},
+       "overlap-moe-expert-parallel-comm is supported with the alltoall or flex token dispatcher"},
+      {with({{"expert-model-parallel-size", {"1"}}}),
+       "overlap-moe-expert-parallel-comm is only supported with expert model parallelism"},
+      {with({{"moe-shared-expert-intermediate-size", {"64"}},
+             {"moe-shared-expert-overlap", {"true"}}}),
+       "disable moe-shared-expert-overlap when enabling overlap-moe-expert-parallel-comm"},
+      {with({{"recompute-granularity", {"full"}},
+             {"recompute-method", {"uniform"}},
+             {"recompute-num-layers", {"1"}}}),
+       "disable full recomputation when enabling overlap-moe-expert-parallel-comm"},
+      {with({{"recompute-granularity", {"selective"}}, {"recompute-modules", {"moe"}}}),
+       "disable moe in recompute-modules when enabling overlap-moe-expert-parallel-comm"},
+      {with({{"fp8-format", {"hybrid"}}, {"fp8-recipe", {"delayed"}}}),
+       "overlap-moe-expert-parallel-comm with fp8-recipe delayed is not supported"},
+  };
+  for (const Case& c : ep_cases) {
+    const std::string e = error_of(moe(c.set));
+    EXPECT_NE(e.find(c.want), std::string::npos) << "got: " << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  }
   for (const Case& c : cases) {
     const std::string e = error_of(moe(c.set));
     EXPECT_NE(e.find(c.want), std::string::npos) << "got: " << e;

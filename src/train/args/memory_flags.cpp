@@ -132,6 +132,19 @@ void parse_recompute_args(const ArgReader& r, TrainArgs& a) {
         "recompute-granularity full and recompute-modules mlp, moe, shared_experts are not "
         "supported with fp8-recipe delayed (a re-run forward would update the amax history "
         "again): use fp8-recipe tensorwise or blockwise");
+  // --overlap-moe-expert-parallel-comm: Megatron's TransformerConfig refuses the full and the
+  // moe recompute; its chunks run each expert GEMM twice per step, which would roll the
+  // delayed recipe's amax history twice.
+  if (a.model.overlap_moe_expert_parallel_comm && a.model.num_experts > 0) {
+    if (rc.granularity == RecomputeGranularity::Full)
+      fail("disable full recomputation when enabling overlap-moe-expert-parallel-comm");
+    if (rc.granularity == RecomputeGranularity::Selective && rc.selective(kRecomputeMoe))
+      fail("disable moe in recompute-modules when enabling overlap-moe-expert-parallel-comm");
+    if (a.model.fp8.enabled && a.model.fp8.recipe == Fp8Recipe::Delayed)
+      fail(
+          "overlap-moe-expert-parallel-comm with fp8-recipe delayed is not supported (each "
+          "expert GEMM runs once per chunk): use fp8-recipe tensorwise or blockwise");
+  }
 }
 
 // --cpu-offloading, --cpu-offloading-num-layers (Megatron's arguments.py: a count > 0 turns

@@ -95,6 +95,7 @@ void parse_moe(const ArgReader& r, TrainArgs& a) {
   r.get("moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size);
   r.get("moe-shared-expert-gate", m.moe_shared_expert_gate);
   r.get("moe-shared-expert-overlap", m.moe_shared_expert_overlap);
+  r.get("overlap-moe-expert-parallel-comm", m.overlap_moe_expert_parallel_comm);
   r.get("moe-per-layer-logging", a.moe_per_layer_logging);
   ParallelArgs& p = a.parallel;
   r.get("moe-token-dispatcher-type", p.moe_token_dispatcher_type);
@@ -127,6 +128,16 @@ void parse_moe(const ArgReader& r, TrainArgs& a) {
   if (m.moe_shared_expert_overlap && m.moe_shared_expert_intermediate_size > 0 &&
       p.moe_token_dispatcher_type == "allgather")
     fail("moe-shared-expert-overlap only works with moe-token-dispatcher-type alltoall or flex");
+  // Megatron's TransformerConfig (its expert-parallel and recompute conditions are checked
+  // with those flags: parallel_flags.cpp, memory_flags.cpp).
+  if (m.overlap_moe_expert_parallel_comm && p.moe_token_dispatcher_type == "allgather")
+    fail(
+        "overlap-moe-expert-parallel-comm is supported with the alltoall or flex token "
+        "dispatcher");
+  if (m.overlap_moe_expert_parallel_comm && m.moe_shared_expert_overlap)
+    fail(
+        "disable moe-shared-expert-overlap when enabling overlap-moe-expert-parallel-comm (the "
+        "shared expert then runs beside the exchanges the chunks leave exposed)");
 }
 
 }  // namespace
@@ -161,6 +172,8 @@ ArgGroup moe_flags() {
       toggle("moe-shared-expert-gate", "sigmoid gate on the shared expert output"),
       toggle("moe-shared-expert-overlap",
              "run the shared expert beside the token dispatcher's exchanges"),
+      toggle("overlap-moe-expert-parallel-comm",
+             "two chunks per MoE layer, each one's exchanges beside the other's experts"),
       toggle("moe-per-layer-logging", "log MoE metrics per layer"),
       flag("moe-token-dispatcher-type",
            "alltoall, allgather, or flex (the all-to-all dispatcher's fastest exchange)"),

@@ -7,16 +7,15 @@ namespace megaton {
 
 std::vector<OptionSpec> moe_megatron_rules() {
   return {
-      unsupported("overlap-moe-expert-parallel-comm", "0",
-                  "expert-parallel communication overlap (issue 22)"),
-      unsupported("delay-wgrad-compute", "0", "expert-parallel communication overlap (issue 22)"),
+      unsupported("delay-wgrad-compute", "0",
+                  "Megatron's combined 1F1B schedule of the expert-parallel overlap"),
       unsupported("overlap-dispatch-backward-with-experts-wgrad", "0",
-                  "expert-parallel communication overlap (issue 22)"),
+                  "Megatron's combined 1F1B schedule of the expert-parallel overlap"),
       unsupported("ep-overlap-early-attn-memory-release", "0",
-                  "expert-parallel communication overlap (issue 22)"),
+                  "Megatron's combined 1F1B schedule of the expert-parallel overlap"),
       unsupported("use-fused-weighted-squared-relu", "0", "squared-ReLU activation"),
       unsupported("high-priority-a2a-comm-stream", "0",
-                  "expert-parallel communication overlap (issue 22)"),
+                  "Megatron's combined 1F1B schedule of the expert-parallel overlap"),
       no_effect("use-grouped-gemm-for-shared-expert", "0",
                 "Transformer Engine fusion switch; Megaton's own kernels are used"),
       unsupported("moe-shared-expert-glu-interleave-size", "1", "block-interleaved GLU weights"),

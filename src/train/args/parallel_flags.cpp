@@ -85,6 +85,11 @@ void parse_parallel(const ArgReader& r, TrainArgs& a) {
         "moe-token-dispatcher-type flex with backend {} needs expert-tensor-parallel-size x "
         "expert-model-parallel-size > 1",
         p.moe_flex_dispatcher_backend);
+  if (a.model.num_experts > 0 && a.model.overlap_moe_expert_parallel_comm &&
+      p.expert_model_parallel_size <= 1)
+    fail(
+        "overlap-moe-expert-parallel-comm is only supported with expert model parallelism "
+        "(expert-model-parallel-size > 1)");
   // Optional counts: 0 means "not set", so a value given must be positive.
   for (const char* key : {"expert-tensor-parallel-size", "num-layers-per-virtual-pipeline-stage",
                           "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
