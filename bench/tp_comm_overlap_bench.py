@@ -5,7 +5,7 @@ queue (CUDA_DEVICE_MAX_CONNECTIONS=1), NCCL's CTA limit, the data-parallel flags
 bench/gpu_scaling.py, and (--profile) the op profiles of the first two.
 
 Usage (repository root on the GPU machine; binary from tools/gpu_bundle.sh):
-    python3 bench/tp_comm_overlap_bench.py --megaton BIN [--iters 12] [--profile]
+    python3 bench/tp_comm_overlap_bench.py --megaton BIN [--iters 30] [--profile]
 Prints one line per variant (median step ms, tokens/s, peak GiB).
 """
 import argparse, os, sys
@@ -40,7 +40,7 @@ VARIANTS = [
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--megaton", required=True)
-    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--iters", type=int, default=30)
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     c = CONFIGS["llama-1.3B"]
