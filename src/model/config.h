@@ -125,8 +125,9 @@ struct GPTConfig {
   // dispatcher's exchanges (MoELayer); the same numbers, the order of work differs.
   bool moe_shared_expert_overlap = false;
   // --overlap-moe-expert-parallel-comm: each MoE layer's rows in two chunks whose
-  // exchanges run beside each other's experts (MoELayer); the same numbers up to the
-  // summation order of the expert weight gradients.
+  // exchanges run beside each other's experts (MoELayer). The expert weight and bias
+  // gradients add two partial sums (rounded once more with bf16 main grads), a chunk's
+  // GEMM may block differently, and FP8 scales its GEMM inputs per chunk.
   bool overlap_moe_expert_parallel_comm = false;
 
   // Where and in what precision the model runs. --bf16 keeps fp32 main params and (unless

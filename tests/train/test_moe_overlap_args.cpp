@@ -52,6 +52,12 @@ TEST(MoEOverlapArgs, ExpertParallelOverlapIsSetWithExpertParallelism) {
                               {"overlap-moe-expert-parallel-comm", {"true"}}});
   EXPECT_TRUE(parse_train_args(raw).model.overlap_moe_expert_parallel_comm);
   EXPECT_EQ(error_of(raw), "");
+  // A dense model: no effect (a notice), whatever the dispatcher.
+  RawOptions dense = testing::tiny_train_options();
+  dense["overlap-moe-expert-parallel-comm"] = {"true"};
+  EXPECT_TRUE(mentions(parse_train_args(dense).no_effect,
+                       "overlap-moe-expert-parallel-comm: the model has no MoE layer"));
+  EXPECT_EQ(error_of(dense), "");
   // The flags Megatron keeps for its combined 1F1B schedule stay refused.
   RawOptions delay = raw;
   delay["delay-wgrad-compute"] = {"true"};
@@ -157,6 +163,9 @@ TEST(MoEOverlapArgs, RefusalsAreOneLineNamingTheFlags) {
        "disable full recomputation when enabling overlap-moe-expert-parallel-comm"},
       {with({{"recompute-granularity", {"selective"}}, {"recompute-modules", {"moe"}}}),
        "disable moe in recompute-modules when enabling overlap-moe-expert-parallel-comm"},
+      {with({{"moe-expert-capacity-factor", {"1.0"}},
+             {"moe-pad-expert-input-to-capacity", {"true"}}}),
+       "overlap-moe-expert-parallel-comm with moe-pad-expert-input-to-capacity is not supported"},
       {with({{"fp8-format", {"hybrid"}}, {"fp8-recipe", {"delayed"}}}),
        "overlap-moe-expert-parallel-comm with fp8-recipe delayed is not supported"},
   };

@@ -133,8 +133,8 @@ void parse_recompute_args(const ArgReader& r, TrainArgs& a) {
         "supported with fp8-recipe delayed (a re-run forward would update the amax history "
         "again): use fp8-recipe tensorwise or blockwise");
   // --overlap-moe-expert-parallel-comm: Megatron's TransformerConfig refuses the full and the
-  // moe recompute; its chunks run each expert GEMM twice per step, which would roll the
-  // delayed recipe's amax history twice.
+  // moe recompute. Megaton's two chunks per layer run each expert GEMM twice per
+  // micro-batch, which would roll the delayed recipe's amax history twice.
   if (a.model.overlap_moe_expert_parallel_comm && a.model.num_experts > 0) {
     if (rc.granularity == RecomputeGranularity::Full)
       fail("disable full recomputation when enabling overlap-moe-expert-parallel-comm");

@@ -130,11 +130,19 @@ void parse_moe(const ArgReader& r, TrainArgs& a) {
     fail("moe-shared-expert-overlap only works with moe-token-dispatcher-type alltoall or flex");
   // Megatron's TransformerConfig (its expert-parallel and recompute conditions are checked
   // with those flags: parallel_flags.cpp, memory_flags.cpp).
-  if (m.overlap_moe_expert_parallel_comm && p.moe_token_dispatcher_type == "allgather")
+  if (m.overlap_moe_expert_parallel_comm && m.num_experts == 0)
+    a.no_effect.push_back("--overlap-moe-expert-parallel-comm: the model has no MoE layer");
+  const bool ep_overlap = m.overlap_moe_expert_parallel_comm && m.num_experts > 0;
+  if (ep_overlap && p.moe_token_dispatcher_type == "allgather")
     fail(
         "overlap-moe-expert-parallel-comm is supported with the alltoall or flex token "
         "dispatcher");
-  if (m.overlap_moe_expert_parallel_comm && m.moe_shared_expert_overlap)
+  // Each chunk would be padded to the layer's capacity (twice the rows).
+  if (ep_overlap && m.moe_pad_expert_input_to_capacity)
+    fail(
+        "overlap-moe-expert-parallel-comm with moe-pad-expert-input-to-capacity is not "
+        "supported (each of its two chunks would be padded to the layer's capacity)");
+  if (ep_overlap && m.moe_shared_expert_overlap)
     fail(
         "disable moe-shared-expert-overlap when enabling overlap-moe-expert-parallel-comm (the "
         "shared expert then runs beside the exchanges the chunks leave exposed)");
