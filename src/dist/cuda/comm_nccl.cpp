@@ -450,23 +450,14 @@ class NcclComm final : public Comm {
     Entry& e = comms[key];
     e.broken = true;  // until set up: a failed setup leaves nothing to finalize
     std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
-    const Clock::time_point deadline = deadline_from_now();
-    // A blocking setup waits inside NCCL for every member: the watchdog keeps its deadline.
-    if (config.blocking)
-      watchdog_.enter(nullptr, deadline, timeout_message("communicator setup", g), g.ranks[g.rank]);
-    const ncclResult_t rc = ncclCommInitRankConfig(&e.comm, g.size(), id, g.rank, &config);
-    if (config.blocking) watchdog_.leave();
-    MEGATON_NCCL_CHECK(rc);
+    MEGATON_NCCL_CHECK(ncclCommInitRankConfig(&e.comm, g.size(), id, g.rank, &config));
     e.broken = false;
-    wait_ready(e, "communicator setup", g, deadline);
+    wait_ready(e, "communicator setup", g, deadline_from_now());
     return e;
   }
 
-  // Whether communicators are created blocking (MEGATON_NCCL_BLOCKING: "1" yes, "0" no;
-  // default no). A non-blocking communicator's every operation returns at once and NCCL
-  // launches it from a thread it creates for that group call (NCCL 2.28 group.cc), which
-  // this thread then waits for (wait_ready); a blocking one launches on this thread, with
-  // the watchdog keeping the deadline of the call (NcclWatchdog::enter).
+  // MEGATON_NCCL_BLOCKING=1 (a diagnostic): communicators are created blocking, so NCCL
+  // launches each operation on the calling thread instead of handing it to its own.
   static bool nccl_blocking() {
     static const bool on = [] {
       const char* v = std::getenv("MEGATON_NCCL_BLOCKING");
@@ -490,11 +481,7 @@ class NcclComm final : public Comm {
   void enqueue_ready(Entry& e, const char* op, const Group& g, cudaStream_t stream,
                      Clock::time_point deadline, Enqueue& enqueue) {
     std::lock_guard<detail::NcclMutex> nccl(nccl_mu_);
-    // A blocking communicator enqueues on this thread (connection setup on first use may
-    // wait for the peers): the watchdog keeps the deadline meanwhile.
-    if (nccl_blocking()) watchdog_.enter(e.comm, deadline, timeout_message(op, g), g.ranks[g.rank]);
     ncclResult_t rc = enqueue(e.comm, stream);
-    if (nccl_blocking()) watchdog_.leave();
     if (rc != ncclSuccess && rc != ncclInProgress)
       abort_and_throw(
           e, fmt::format("{} on group {} failed at world rank {}: {} ({})", op, g.describe(),

@@ -22,32 +22,14 @@ void NcclWatchdog::stop() {
   thread_.join();
 }
 
-void NcclWatchdog::start(int world_rank) {
-  if (thread_.joinable()) return;
-  int device = 0;
-  MEGATON_CUDA_CHECK(cudaGetDevice(&device));
-  world_rank_ = world_rank;
-  thread_ = std::thread([this, device] { loop(device); });
-}
-
-void NcclWatchdog::enter(ncclComm_t comm, Clock::time_point deadline, std::string timeout,
-                         int world_rank) {
-  start(world_rank);
-  std::lock_guard<std::mutex> lock(mu_);
-  in_call_ = true;
-  call_comm_ = comm;
-  call_deadline_ = deadline;
-  call_timeout_ = std::move(timeout);
-}
-
-void NcclWatchdog::leave() {
-  std::lock_guard<std::mutex> lock(mu_);
-  in_call_ = false;
-}
-
 void NcclWatchdog::watch(ncclComm_t comm, cudaStream_t stream, Clock::time_point deadline,
                          std::string timeout, std::string failure, int world_rank) {
-  start(world_rank);
+  if (!thread_.joinable()) {
+    int device = 0;
+    MEGATON_CUDA_CHECK(cudaGetDevice(&device));
+    world_rank_ = world_rank;
+    thread_ = std::thread([this, device] { loop(device); });
+  }
   std::lock_guard<std::mutex> lock(mu_);
   cudaEvent_t ev;
   if (free_events_.empty()) {
@@ -78,7 +60,7 @@ void NcclWatchdog::fatal(ncclComm_t comm, const std::string& message) {
   // The abort frees kernels that other ranks wait on; only outside the main thread's NCCL
   // calls (the process ends either way, and mpirun ends the job).
   std::unique_lock<NcclMutex> nccl(nccl_mu_, std::chrono::milliseconds(200));
-  if (nccl.owns_lock() && comm != nullptr) (void)ncclCommAbort(comm);
+  if (nccl.owns_lock()) (void)ncclCommAbort(comm);
   std::_Exit(1);
 }
 
@@ -87,9 +69,6 @@ void NcclWatchdog::loop(int device) {
   while (!stop_) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      // A blocking call the main thread is still inside past its deadline (it holds the
-      // NCCL mutex: fatal ends the process after a short wait for it).
-      if (in_call_ && Clock::now() >= call_deadline_) fatal(call_comm_, call_timeout_);
       for (auto& [stream, queue] : pending_) {
         while (!queue.empty()) {
           Pending& p = queue.front();

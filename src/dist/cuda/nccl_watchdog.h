@@ -45,11 +45,6 @@ class NcclWatchdog {
              std::string failure, int world_rank);
   // Stops watching every operation on `comm` (before the owner aborts it).
   void forget(ncclComm_t comm);
-  // A blocking NCCL call on `comm` (a blocking communicator's setup or enqueue), which the
-  // calling thread is inside from enter() to leave(): `timeout` is printed and the process
-  // ends if it has not left by `deadline`. One at a time. Starts the thread like watch().
-  void enter(ncclComm_t comm, Clock::time_point deadline, std::string timeout, int world_rank);
-  void leave();
 
  private:
   struct Pending {
@@ -60,18 +55,12 @@ class NcclWatchdog {
   };
   [[noreturn]] void fatal(ncclComm_t comm, const std::string& message);
   void loop(int device);
-  void start(int world_rank);
 
   NcclMutex& nccl_mu_;
   std::mutex mu_;  // guards pending_ and free_events_
   // Per stream, in the order queued (operations of one stream complete in order).
   std::map<cudaStream_t, std::deque<Pending>> pending_;
   std::vector<cudaEvent_t> free_events_;
-  // The blocking call in progress (enter / leave), guarded by mu_: in_call_ says whether.
-  bool in_call_ = false;
-  ncclComm_t call_comm_ = nullptr;
-  Clock::time_point call_deadline_;
-  std::string call_timeout_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
   int world_rank_ = 0;
