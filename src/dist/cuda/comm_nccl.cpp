@@ -445,7 +445,7 @@ class NcclComm final : public Comm {
     if (g.rank == 0) MEGATON_NCCL_CHECK(ncclGetUniqueId(&id));
     MEGATON_MPI_CHECK(MPI_Bcast(&id, int(sizeof(id)), MPI_BYTE, 0, mpi_groups_.get(g)));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = nccl_blocking() ? 1 : 0;
+    config.blocking = 0;
     config.commName = g.name.c_str();
     Entry& e = comms[key];
     e.broken = true;  // until set up: a failed setup leaves nothing to finalize
@@ -454,16 +454,6 @@ class NcclComm final : public Comm {
     e.broken = false;
     wait_ready(e, "communicator setup", g, deadline_from_now());
     return e;
-  }
-
-  // MEGATON_NCCL_BLOCKING=1 (a diagnostic): communicators are created blocking, so NCCL
-  // launches each operation on the calling thread instead of handing it to its own.
-  static bool nccl_blocking() {
-    static const bool on = [] {
-      const char* v = std::getenv("MEGATON_NCCL_BLOCKING");
-      return v != nullptr && std::string(v) == "1";
-    }();
-    return on;
   }
 
   // Records the operation's completion event for the watchdog.

@@ -57,10 +57,16 @@ void NcclWatchdog::forget(ncclComm_t comm) {
 void NcclWatchdog::fatal(ncclComm_t comm, const std::string& message) {
   std::fprintf(stderr, "[rank %d] communication error: %s\n", world_rank_, message.c_str());
   std::fflush(stderr);
-  // The abort frees kernels that other ranks wait on; only outside the main thread's NCCL
-  // calls (the process ends either way, and mpirun ends the job).
-  std::unique_lock<NcclMutex> nccl(nccl_mu_, std::chrono::milliseconds(200));
-  if (nccl.owns_lock()) (void)ncclCommAbort(comm);
+  // The process ends (and with it, through mpirun, the job) whatever NCCL does: the abort
+  // (which releases the communicator's network resources) runs on a thread of its own,
+  // given a second, only outside the main thread's NCCL calls. On two H200s (NCCL 2.28)
+  // ncclCommAbort of a communicator whose peer was stopped did not return, and a fatal
+  // that waited for it let the main thread go on past the timeout.
+  std::thread([this, comm] {
+    std::unique_lock<NcclMutex> nccl(nccl_mu_, std::chrono::milliseconds(200));
+    if (nccl.owns_lock() && comm != nullptr) (void)ncclCommAbort(comm);
+  }).detach();
+  std::this_thread::sleep_for(std::chrono::seconds(1));
   std::_Exit(1);
 }
 
