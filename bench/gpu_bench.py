@@ -129,9 +129,10 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     if out.returncode != 0:
         return dict(error=failure_summary(out.stderr + "\n" + out.stdout))
     rows = [l for l in out.stdout.splitlines() if l.startswith(" iteration")]
-    # The first interval has the warmup; megaton's last one comes out short (llama-1.3B
-    # TP2 with --log-interval 1: 75.6 ms against 335 for the others; one GPU, interval
-    # 26-30: 444.8 against 523), so both are left out (docs/performance.md).
+    # The first interval has the warmup; megaton's last one measures only the work left in
+    # the CUDA launch queue when the host finished queuing (llama-1.3B TP2 with
+    # --log-interval 1: 75.6 ms against 335 for the others), so both are left out
+    # (docs/performance.md, "MoE overlaps, flex and step timing").
     ms = [float(re.search(r"per iteration \(ms\): ([\d.]+)", l).group(1)) for l in rows]
     ms = ms[1:-1] if len(ms) >= 3 else ms[1:]
     mem = float(re.search(r"peak memory \(MB\): ([\d.]+)", rows[-1]).group(1))
