@@ -70,7 +70,8 @@ Readback::Readback(const std::vector<Tensor>& tensors) : impl_(std::make_unique<
   if (tensors.empty()) return;
   const Device device = tensors[0].device();
   for (const Tensor& t : tensors)
-    MEGATON_CHECK(t.defined() && t.device() == device, "Readback: tensors undefined or on two devices");
+    MEGATON_CHECK(t.defined() && t.device() == device,
+                  "Readback: tensors undefined or on two devices");
   if (device == Device::CPU) {
     for (const Tensor& t : tensors) impl_->host.push_back(t.clone());
     return;
@@ -91,7 +92,8 @@ Readback::Readback(const std::vector<Tensor>& tensors) : impl_(std::make_unique<
                                        cudaMemcpyDeviceToHost, stream));
     impl_->host.push_back(Tensor::empty(tensors[i].shape(), tensors[i].dtype()));
   }
-  MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&impl_->done, cudaEventDisableTiming));
+  // A timing event: gpu_ms_since reads the time between two of them.
+  MEGATON_CUDA_CHECK(cudaEventCreateWithFlags(&impl_->done, cudaEventDefault));
   MEGATON_CUDA_CHECK(cudaEventRecord(impl_->done, stream));
 #endif
 }
@@ -126,6 +128,20 @@ void Readback::wait() {
     std::memcpy(impl_->host[i].raw(), static_cast<char*>(impl_->pinned) + impl_->offsets[i],
                 impl_->host[i].nbytes());
   impl_->waited = true;
+#endif
+}
+
+double Readback::gpu_ms_since(Readback& earlier) {
+#ifdef MEGATON_WITH_CUDA
+  if (!impl_ || !impl_->done || !earlier.impl_ || !earlier.impl_->done) return -1.0;
+  earlier.wait();
+  wait();
+  float ms = 0;
+  MEGATON_CUDA_CHECK(cudaEventElapsedTime(&ms, earlier.impl_->done, impl_->done));
+  return ms;
+#else
+  (void)earlier;
+  return -1.0;
 #endif
 }
 

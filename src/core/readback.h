@@ -32,6 +32,11 @@ class Readback {
   void wait();
   // Tensor i's bytes on the host, as a host tensor of its shape and dtype (waits first).
   const Tensor& tensor(size_t i);
+  // Milliseconds on the GPU between `earlier`'s copies completing and this one's (both
+  // waited for first), or -1 when either has no GPU event (CPU tensors, none given). The
+  // trainer's step time: unlike the host's clock it does not depend on how far ahead of
+  // the GPU the host was when it read the values.
+  double gpu_ms_since(Readback& earlier);
 
  private:
   struct Impl;

@@ -571,7 +571,10 @@ TrainResult Trainer::train() {
       saved_last = true;
     }
     // The next step's time starts now, not at the read before the evaluation or save.
-    if (evaluate_now || save_now) interval.last_done = std::chrono::steady_clock::now();
+    if (evaluate_now || save_now) {
+      interval.last_done = std::chrono::steady_clock::now();
+      interval.last_values.reset();  // the evaluation's or save's GPU work is no step's
+    }
     if (exit_now) {
       if (!args_.save.empty() && !saved_last) save(iteration_);
       finalize_async_save(true);

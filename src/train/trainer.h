@@ -134,6 +134,9 @@ class Trainer {
     int64_t iterations = 0, advanced = 0, skipped = 0, nan = 0;
     std::vector<PendingMoEMetrics> moe;               // read by the log line
     std::chrono::steady_clock::time_point last_done;  // when the previous step was read
+    // The previous step's values (its GPU event times the next step; reset when other work,
+    // an evaluation or a checkpoint, came between).
+    std::unique_ptr<Readback> last_values;
   };
   void finish_step(PendingStep& step, LogInterval& interval, TrainResult& result);
   // Micro-batches per step on this data-parallel rank.

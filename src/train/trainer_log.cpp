@@ -138,11 +138,21 @@ void Trainer::log_line(const std::string& extra_fields, int64_t iteration, int64
 void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult& result) {
   Readback& values = *step.values;
   values.wait();
-  // The step's time: from when the previous step's values were read to when this one's
-  // were (the GPU's pace in the steady state, where the host waits for it).
+  // The step's time: on the GPU, from the previous step's values being copied to this
+  // one's; otherwise (the first step, after an evaluation or a checkpoint, CPU runs) from
+  // when the previous step's values were read to when this one's were. The host's clock
+  // alone made the last step of a run short: the host is held back by the CUDA launch
+  // queue, so it reads a step's values only when the next one is queued
+  // (docs/performance.md, "MoE overlaps, flex and step timing").
   const auto now = std::chrono::steady_clock::now();
-  const double ms = std::chrono::duration<double, std::milli>(now - interval.last_done).count();
+  double ms = std::chrono::duration<double, std::milli>(now - interval.last_done).count();
+  if (interval.last_values) {
+    const double gpu_ms = values.gpu_ms_since(*interval.last_values);
+    if (gpu_ms >= 0) ms = gpu_ms;
+  }
   interval.last_done = now;
+  // Kept to time the next step (`values` stays valid: the object is only handed over).
+  interval.last_values = std::move(step.values);
   // No token in the loss (--eod-mask-loss on all-eod batches): 0, not Megatron's 0 / 0.
   const double loss = step.tokens > 0 ? double(values.tensor(0).f32()[0]) / step.tokens : 0.0;
   const double local_loss_sum = values.tensor(1).f32()[0];
