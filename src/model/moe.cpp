@@ -268,11 +268,9 @@ Tensor MoELayer::forward(const Tensor& x_in, const ForwardContext& ctx) {
     expert_capacity = routing.capacity * mp_.group(dist::GroupKind::ExpertMP).size();
   }
 
-  // The shared expert's halves beside the exchanges that have no other work beside them
-  // (--moe-shared-expert-overlap; and under the chunked overlap, where its dispatch of the
-  // first chunk and combine of the last are the exposed ones); otherwise after the combine.
-  const bool shared_beside =
-      shared_expert && (cfg_.moe_shared_expert_overlap || chunks_per_layer_ > 1);
+  // The shared expert's halves beside the exchanges (shared_expert_beside), otherwise
+  // after the combine.
+  const bool shared_beside = shared_expert_beside();
   Tensor shared_out;
   MoETokenDispatcher::Beside shared_fc1, shared_fc2;
   if (shared_beside) {
@@ -411,9 +409,8 @@ Tensor MoELayer::backward(const Tensor& dy_in) {
     dy = dy_in.rows(mp_.tp_rank() * (dy_in.dim(0) / tp), dy_in.dim(0) / tp);
   }
   // The shared expert's fc2 backward beside the combine's backward exchange, its fc1
-  // backward beside the dispatch's (as in forward).
-  const bool shared_beside =
-      shared_expert && (cfg_.moe_shared_expert_overlap || chunks_per_layer_ > 1);
+  // backward beside the dispatch's (as in forward; shared_expert_beside).
+  const bool shared_beside = shared_expert_beside();
   Tensor shared_dx;
   MoETokenDispatcher::Beside shared_fc2, shared_fc1;
   if (shared_beside) {

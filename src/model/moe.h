@@ -236,6 +236,12 @@ class MoELayer {
   Fp8LinearGemms::Sharding fp8_sharding(Param Expert::*fc) const;
   // Without sequence parallelism under TP: the layer runs on block tp_rank of the rows.
   bool splits_rows() const;
+  // Whether the shared expert's halves run beside the exchanges that have no other work
+  // beside them: --moe-shared-expert-overlap, and under the chunks the dispatch of the
+  // first and the combine of the last.
+  bool shared_expert_beside() const {
+    return shared_expert && (cfg_.moe_shared_expert_overlap || chunks_per_layer_ > 1);
+  }
 
   const GPTConfig& cfg_;
   ModelParallel mp_;

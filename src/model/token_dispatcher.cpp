@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <numeric>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -61,16 +62,21 @@ Tensor reorder_chunks(const Tensor& src, const std::vector<int64_t>& chunk_rows,
   return out;
 }
 
-// An exchange with its beside work (MoETokenDispatcher::Beside): without beside,
-// start(false) runs it to completion; with it, start(true) starts it and returns its
-// work, beside runs meanwhile, then the work is waited for.
-void exchange_beside(const MoETokenDispatcher::Beside& beside,
-                     const std::function<std::unique_ptr<dist::CommWork>(bool)>& start) {
-  if (!beside) {
-    start(false);
-    return;
-  }
-  const std::unique_ptr<dist::CommWork> work = start(true);
+// The exchanges with their beside work (MoETokenDispatcher::Beside): without beside the
+// blocking call; with it the call started, beside run meanwhile, then waited for.
+void all_to_allv_beside(const MoETokenDispatcher::Beside& beside, dist::Comm& comm,
+                        const Tensor& in, const std::vector<int64_t>& send, Tensor& out,
+                        const std::vector<int64_t>& recv, const dist::Group& g) {
+  if (!beside) return comm.all_to_allv(in, send, out, recv, g);
+  const std::unique_ptr<dist::CommWork> work = comm.all_to_allv_async(in, send, out, recv, g);
+  beside();
+  work->wait();
+}
+
+void pull_rows_beside(const MoETokenDispatcher::Beside& beside, dist::Comm& comm, const Tensor& in,
+                      std::span<const dist::PullRun> runs, Tensor& out, const dist::Group& g) {
+  if (!beside) return comm.pull_rows(in, runs, out, g);
+  const std::unique_ptr<dist::CommWork> work = comm.pull_rows_async(in, runs, out, g);
   beside();
   work->wait();
 }
@@ -225,26 +231,16 @@ Tensor MoEAlltoAllTokenDispatcher::to_experts(const Tensor& permuted, bool pull,
                                               const Beside& beside) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
-  dist::Comm* comm = mp_.comm;
   if (pull) {  // the chunks land in their groups
     Tensor grouped = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
-    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
-      if (async) return comm->pull_rows_async(permuted, saved_.to_experts_runs, grouped, mp_.ep());
-      comm->pull_rows(permuted, saved_.to_experts_runs, grouped, mp_.ep());
-      return nullptr;
-    });
+    pull_rows_beside(beside, *mp_.comm, permuted, saved_.to_experts_runs, grouped, mp_.ep());
     return grouped;
   }
   Tensor rows = permuted;
   if (ep > 1) {
     Tensor received = empty_as(permuted, {sum_of(saved_.recv_rows), permuted.dim(1)});
-    const std::vector<int64_t> send = times(saved_.send_rows, permuted.dim(1));
-    const std::vector<int64_t> recv = times(saved_.recv_rows, permuted.dim(1));
-    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
-      if (async) return comm->all_to_allv_async(permuted, send, received, recv, mp_.ep());
-      comm->all_to_allv(permuted, send, received, recv, mp_.ep());
-      return nullptr;
-    });
+    all_to_allv_beside(beside, *mp_.comm, permuted, times(saved_.send_rows, permuted.dim(1)),
+                       received, times(saved_.recv_rows, permuted.dim(1)), mp_.ep());
     rows = received;
   } else {
     run_beside(beside);
@@ -265,14 +261,9 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped, bool pull
                                                 const Beside& beside) const {
   const int ep = mp_.ep_size(), etp = mp_.etp_size();
   const int64_t L = num_local_experts_;
-  dist::Comm* comm = mp_.comm;
   if (pull) {  // each chunk comes back from its group
     Tensor back = local_copies_buffer(grouped);
-    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
-      if (async) return comm->pull_rows_async(grouped, saved_.from_experts_runs, back, mp_.ep());
-      comm->pull_rows(grouped, saved_.from_experts_runs, back, mp_.ep());
-      return nullptr;
-    });
+    pull_rows_beside(beside, *mp_.comm, grouped, saved_.from_experts_runs, back, mp_.ep());
     return back;
   }
   Tensor rows = grouped;
@@ -296,13 +287,8 @@ Tensor MoEAlltoAllTokenDispatcher::from_experts(const Tensor& grouped, bool pull
   Tensor back = local_copies_buffer(rows);
   Tensor back_kept = back.rows(0, kept);
   if (ep > 1) {
-    const std::vector<int64_t> send = times(saved_.recv_rows, rows.dim(1));
-    const std::vector<int64_t> recv = times(saved_.send_rows, rows.dim(1));
-    exchange_beside(beside, [&](bool async) -> std::unique_ptr<dist::CommWork> {
-      if (async) return comm->all_to_allv_async(rows, send, back_kept, recv, mp_.ep());
-      comm->all_to_allv(rows, send, back_kept, recv, mp_.ep());
-      return nullptr;
-    });
+    all_to_allv_beside(beside, *mp_.comm, rows, times(saved_.recv_rows, rows.dim(1)), back_kept,
+                       times(saved_.send_rows, rows.dim(1)), mp_.ep());
   } else {
     back_kept.copy_from(rows);
     run_beside(beside);

@@ -166,24 +166,7 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
                       ? TokenDispatcher::AllGather
                       : TokenDispatcher::AllToAll;  // alltoall, flex
   mp.alltoall_exchange = alltoall_exchange_from_env();
-  // The chunks of --overlap-moe-expert-parallel-comm always regroup (MoELayer).
-  const bool chunks_regroup = args_.model.overlap_moe_expert_parallel_comm &&
-                              args_.model.num_experts > 0 && grid_->ep().size() > 1;
-  if (chunks_regroup && mp.alltoall_exchange == AlltoAllExchange::Pull && grid_->world().rank == 0)
-    fmt::print(stderr,
-               "notice: MEGATON_MOE_ALLTOALL_EXCHANGE=pull is not used: the chunks of "
-               "--overlap-moe-expert-parallel-comm regroup\n");
-  if (args_.parallel.moe_token_dispatcher_type == "flex" && args_.model.num_experts > 0) {
-    ModelParallel shown = mp;
-    if (chunks_regroup) shown.alltoall_exchange = AlltoAllExchange::Regroup;
-    // Collective over the expert groups (whether they have peer memory): every rank asks.
-    const std::string exchange = describe_alltoall_exchange(shown);
-    if (grid_->world().rank == 0)
-      fmt::print(stderr,
-                 "notice: --moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend {}) "
-                 "runs Megaton's all-to-all dispatcher: {}\n",
-                 args_.parallel.moe_flex_dispatcher_backend, exchange);
-  }
+  announce_moe_exchange(mp);
   // This pipeline rank's model chunks: the layers Megatron assigns to virtual stage
   // c x pp + rank; the embedding on the first chunk of the pipeline, the loss on the last.
   const int64_t pp_rank = grid_->pp().rank;

@@ -139,6 +139,10 @@ class Trainer {
     std::unique_ptr<Readback> last_values;
   };
   void finish_step(PendingStep& step, LogInterval& interval, TrainResult& result);
+  // Rank 0's notices on the MoE token exchange at start: which one flex runs, and a pull
+  // asked for that the chunks of --overlap-moe-expert-parallel-comm do not use. Collective
+  // over the expert groups (flex: whether they have peer memory).
+  void announce_moe_exchange(const ModelParallel& mp) const;
   // Micro-batches per step on this data-parallel rank.
   // This iteration's micro-batches on this data-parallel rank (the batch-size schedule at
   // consumed_samples_).

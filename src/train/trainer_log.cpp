@@ -1,6 +1,7 @@
 // What the trainer does with a step's values once it has read them (Trainer::finish_step):
 // the non-finite stop (stop_on_non_finite), the skipped-iteration counts, the metrics file,
-// the log interval and Megatron's log line (log_line) with the MoE fields.
+// the log interval and Megatron's log line (log_line) with the MoE fields; the notices on
+// the MoE token exchange at start (announce_moe_exchange).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "dist/host_reduce.h"
+#include "model/token_dispatcher.h"
 #include "train/flops.h"
 #include "train/trainer.h"
 
@@ -133,6 +135,26 @@ void Trainer::log_line(const std::string& extra_fields, int64_t iteration, int64
     for (const MoELayerMetrics& m : moe.layers)
       fmt::print(" moe layer {:>3} | {}\n", m.layer, moe_log_fields(m, capacity));
   std::fflush(stdout);
+}
+
+void Trainer::announce_moe_exchange(const ModelParallel& mp) const {
+  // The chunks of --overlap-moe-expert-parallel-comm always regroup (MoELayer).
+  const bool chunks_regroup = args_.model.overlap_moe_expert_parallel_comm &&
+                              args_.model.num_experts > 0 && grid_->ep().size() > 1;
+  if (chunks_regroup && mp.alltoall_exchange == AlltoAllExchange::Pull && grid_->world().rank == 0)
+    fmt::print(stderr,
+               "notice: MEGATON_MOE_ALLTOALL_EXCHANGE=pull is not used: the chunks of "
+               "--overlap-moe-expert-parallel-comm regroup\n");
+  if (args_.parallel.moe_token_dispatcher_type != "flex" || args_.model.num_experts == 0) return;
+  ModelParallel shown = mp;
+  if (chunks_regroup) shown.alltoall_exchange = AlltoAllExchange::Regroup;
+  // Collective over the expert groups (whether they have peer memory): every rank asks.
+  const std::string exchange = describe_alltoall_exchange(shown);
+  if (grid_->world().rank == 0)
+    fmt::print(stderr,
+               "notice: --moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend {}) runs "
+               "Megaton's all-to-all dispatcher: {}\n",
+               args_.parallel.moe_flex_dispatcher_backend, exchange);
 }
 
 void Trainer::finish_step(PendingStep& step, LogInterval& interval, TrainResult& result) {
