@@ -129,6 +129,17 @@ Tensor gather(const Tensor& x, const Geometry& g, const CpAttention& cp) {
   return out;
 }
 
+// An F32 tensor of x's shape on x's device: the accumulators of merged outputs and summed
+// gradients (on the GPU the blocks' results are BF16 / F16; summing them in that dtype would
+// round at every step).
+Tensor f32_like(const Tensor& x) { return Tensor::empty(x.shape(), DType::F32, x.device()); }
+Tensor f32_zeros_like(const Tensor& x) { return Tensor::zeros(x.shape(), DType::F32, x.device()); }
+
+// dst = acc, converted to dst's dtype (nothing when acc is dst).
+void store(const Tensor& acc, Tensor& dst) {
+  if (acc.raw() != dst.raw()) ops::cast(acc, dst);
+}
+
 // ---- all_gather ---------------------------------------------------------------------
 
 void all_gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
@@ -151,12 +162,12 @@ void all_gather_backward(const Tensor& dout, const Tensor& q, const Tensor& k, c
                          const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
                          const Geometry& g, const CpAttention& cp, float scale) {
   const Tensor kg = gather(k, g, cp), vg = gather(v, g, cp);
-  Tensor dkg = Tensor::zeros(kg.shape()), dvg = Tensor::zeros(vg.shape());
-  dq.zero();
+  Tensor dkg = f32_zeros_like(kg), dvg = f32_zeros_like(vg);
+  dq.zero();  // each query row gets one block's gradient: no accumulator needed
   for (int64_t b = 0; b < g.B; ++b) {
     const Tensor kn = natural_sequence(kg, g, b, g.Hkv, g.D);
     const Tensor vn = natural_sequence(vg, g, b, g.Hkv, g.Dv);
-    Tensor dkn = Tensor::zeros(kn.shape()), dvn = Tensor::zeros(vn.shape());
+    Tensor dkn = f32_zeros_like(kn), dvn = f32_zeros_like(vn);
     for (int h = 0; h < 2; ++h) {
       const int64_t chunk = chunk_of(g, h), keys = (chunk + 1) * g.c;
       Tensor dqh = rows_of(dq, b, h * g.c, g.c), dkh = dkn.rows(0, keys), dvh = dvn.rows(0, keys);
@@ -168,9 +179,13 @@ void all_gather_backward(const Tensor& dout, const Tensor& q, const Tensor& k, c
     scatter_natural(dkn, g, b, dkg);
     scatter_natural(dvn, g, b, dvg);
   }
-  // Each rank's rows: the sum of every rank's contributions to them.
-  cp.comm->reduce_scatter(dkg, dk, *cp.group);
-  cp.comm->reduce_scatter(dvg, dv, *cp.group);
+  // Each rank's rows: the sum of every rank's contributions to them (in F32).
+  Tensor dk_acc = dk.dtype() == DType::F32 ? dk : f32_like(dk),
+         dv_acc = dv.dtype() == DType::F32 ? dv : f32_like(dv);
+  cp.comm->reduce_scatter(dkg, dk_acc, *cp.group);
+  cp.comm->reduce_scatter(dvg, dv_acc, *cp.group);
+  store(dk_acc, dk);
+  store(dv_acc, dv);
 }
 
 // ---- p2p ring -----------------------------------------------------------------------
@@ -187,66 +202,105 @@ Tile tile_of(const Geometry& g, int j) {
   return {g.c, g.c, 0, g.L, false};             // a later rank: our second chunk only
 }
 
-void ring_pass(Tensor& t, const CpAttention& cp, const Geometry& g) {
-  Tensor next = Tensor::empty(t.shape(), t.dtype(), t.device());
-  cp.comm->send_recv(t, (g.r + 1) % g.N, next, (g.r + g.N - 1) % g.N, *cp.group);
-  t = next;
+// One ring step started: t goes to the next rank, the previous rank's arrives in the
+// returned tensor once the work is waited for. Every rank starts its passes in the same
+// order (the transfers pair up in that order).
+std::unique_ptr<dist::CommWork> start_ring_pass(const Tensor& t, Tensor& next, const CpAttention& cp,
+                                                const Geometry& g) {
+  next = Tensor::empty(t.shape(), t.dtype(), t.device());
+  return cp.comm->send_recv_async(&t, (g.r + 1) % g.N, &next, (g.r + g.N - 1) % g.N, *cp.group);
 }
+
+// The K/V block of the next step on its way while this step's tile runs (TE's ring: the
+// exchange of step i + 1 overlapped with the attention of step i).
+struct KvPass {
+  Tensor k, v;
+  std::unique_ptr<dist::CommWork> k_work, v_work;
+  void start(const Tensor& kb, const Tensor& vb, const CpAttention& cp, const Geometry& g) {
+    k_work = start_ring_pass(kb, k, cp, g);
+    v_work = start_ring_pass(vb, v, cp, g);
+  }
+  // Waits and moves the arrived block into kb, vb (no-op when none was started).
+  void finish(Tensor& kb, Tensor& vb) {
+    if (!k_work) return;
+    k_work->wait();
+    v_work->wait();
+    k_work.reset();
+    v_work.reset();
+    kb = k;
+    vb = v;
+  }
+};
 
 void p2p_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
                  const Geometry& g, const CpAttention& cp, float scale) {
-  out.zero();
+  Tensor acc = out.dtype() == DType::F32 ? out : f32_like(out);  // the merged output so far
+  acc.zero();
   lse.fill(kNegInf);
-  Tensor kb = k.clone(), vb = v.clone();
+  Tensor kb = k, vb = v;  // the block in hand (read only: sent on, never written)
   for (int i = 0; i < g.N; ++i) {
     const int j = (g.r - i + g.N) % g.N;
     const Tile t = tile_of(g, j);
+    KvPass next;
+    if (i + 1 < g.N) next.start(kb, vb, cp, g);
     for (int64_t b = 0; b < g.B; ++b) {
-      Tensor part = Tensor::empty({t.q_rows, g.Hq, g.Dv}), plse = Tensor::empty({t.q_rows, g.Hq});
+      Tensor part = Tensor::empty({t.q_rows, g.Hq, g.Dv}, q.dtype(), q.device()),
+             plse = Tensor::empty({t.q_rows, g.Hq}, DType::F32, q.device());
       ops::attention_block_forward(
           rows_of(q, b, t.q_first, t.q_rows), rows_of(kb, b, t.kv_first, t.kv_rows),
           rows_of(vb, b, t.kv_first, t.kv_rows), 0, 0, t.causal, part, plse, scale);
-      Tensor o = rows_of(out, b, t.q_first, t.q_rows);
+      Tensor o = rows_of(acc, b, t.q_first, t.q_rows);
       Tensor l = lse.rows(b * g.L + t.q_first, t.q_rows);
       ops::attention_lse_merge(o, l, part, plse);
     }
-    if (i + 1 < g.N) {
-      ring_pass(kb, cp, g);
-      ring_pass(vb, cp, g);
-    }
+    next.finish(kb, vb);
   }
+  store(acc, out);
 }
 
 void p2p_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
                   const Geometry& g, const CpAttention& cp, float scale) {
-  dq.zero();
-  // The block's K/V and its gradient so far travel the ring together; after the last step
-  // one more pass brings every block's complete gradient back to its owner.
-  Tensor kb = k.clone(), vb = v.clone();
-  Tensor dkb = Tensor::zeros(k.shape()), dvb = Tensor::zeros(v.shape());
+  Tensor dq_acc = dq.dtype() == DType::F32 ? dq : f32_like(dq);
+  dq_acc.zero();
+  // The block's K/V and (in F32) its gradient so far travel the ring; the gradient one step
+  // behind, so that its exchange runs beside the next tile. After the last step one more
+  // pass brings every block's complete gradient back to its owner.
+  Tensor kb = k, vb = v;
+  Tensor dkb, dvb;  // the gradient of the block in hand so far, once its pass is waited for
+  std::unique_ptr<dist::CommWork> dk_work, dv_work;
   for (int i = 0; i < g.N; ++i) {
     const int j = (g.r - i + g.N) % g.N;
     const Tile t = tile_of(g, j);
+    KvPass next;
+    if (i + 1 < g.N) next.start(kb, vb, cp, g);
+    // This rank's share of the block's gradient.
+    Tensor dkt = f32_zeros_like(k), dvt = f32_zeros_like(v);
     for (int64_t b = 0; b < g.B; ++b) {
-      Tensor dqt = rows_of(dq, b, t.q_first, t.q_rows);
-      Tensor dkt = rows_of(dkb, b, t.kv_first, t.kv_rows),
-             dvt = rows_of(dvb, b, t.kv_first, t.kv_rows);
+      Tensor dqt = rows_of(dq_acc, b, t.q_first, t.q_rows);
+      Tensor dkr = rows_of(dkt, b, t.kv_first, t.kv_rows),
+             dvr = rows_of(dvt, b, t.kv_first, t.kv_rows);
       ops::attention_block_backward(
           rows_of(dout, b, t.q_first, t.q_rows), rows_of(q, b, t.q_first, t.q_rows),
           rows_of(kb, b, t.kv_first, t.kv_rows), rows_of(vb, b, t.kv_first, t.kv_rows),
           rows_of(out, b, t.q_first, t.q_rows), lse.rows(b * g.L + t.q_first, t.q_rows), 0, 0,
-          t.causal, dqt, dkt, dvt, scale);
+          t.causal, dqt, dkr, dvr, scale);
     }
-    if (i + 1 < g.N) {
-      ring_pass(kb, cp, g);
-      ring_pass(vb, cp, g);
+    if (dk_work) {  // the earlier ranks' shares of this block, passed on from the previous rank
+      dk_work->wait();
+      dv_work->wait();
+      ops::add_(dkt, dkb);
+      ops::add_(dvt, dvb);
     }
-    ring_pass(dkb, cp, g);
-    ring_pass(dvb, cp, g);
+    dk_work = start_ring_pass(dkt, dkb, cp, g);
+    dv_work = start_ring_pass(dvt, dvb, cp, g);
+    next.finish(kb, vb);
   }
-  dk.copy_from(dkb);
-  dv.copy_from(dvb);
+  dk_work->wait();
+  dv_work->wait();
+  store(dq_acc, dq);
+  ops::cast(dkb, dk);
+  ops::cast(dvb, dv);
 }
 
 // ---- a2a (Ulysses) ------------------------------------------------------------------
@@ -328,18 +382,11 @@ void a2a_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
   from_whole_sequence(dvw, dv, g, cp);
 }
 
-void check_cpu(const Tensor& q) {
-  MEGATON_CHECK(q.device() == Device::CPU && q.dtype() == DType::F32,
-                "cp attention: p2p and all_gather take CPU F32 tensors only so far (got {} on {})",
-                dtype_name(q.dtype()), q.device() == Device::CPU ? "CPU" : "GPU");
-}
-
 }  // namespace
 
 void cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                           Tensor& lse, const CpAttention& cp, float softmax_scale) {
   const Geometry g = geometry_of(q, k, v, cp);
-  if (cp.type != CpCommType::A2A) check_cpu(q);
   MEGATON_CHECK(lse.numel() == g.B * g.L * g.Hq && out.numel() == g.B * g.L * g.Hq * g.Dv,
                 "cp attention: out {} or lse {} do not fit q {}", shape_str(out.shape()),
                 shape_str(lse.shape()), shape_str(q.shape()));
@@ -361,7 +408,6 @@ void cp_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
                            const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
                            const CpAttention& cp, float softmax_scale) {
   const Geometry g = geometry_of(q, k, v, cp);
-  if (cp.type != CpCommType::A2A) check_cpu(q);
   const Tensor lse_rows = lse.view({g.B * g.L, g.Hq});
   switch (cp.type) {
     case CpCommType::AllGather:

@@ -58,9 +58,13 @@ struct CpAttention {
 // queries only, unmasked), merged by log-sum-exp. AllGather: K/V gathered in natural order, each
 // local chunk k against keys [0, (k + 1) c) causal by position. A2A: heads regrouped so each rank
 // holds Hq / N (and Hkv / N) heads of the whole sequence, ops::attention_forward, regrouped back
-// (needs Hkv % N == 0). No dropout. CPU F32 for P2P and AllGather (ops/attention_block.h); A2A runs
-// where the dense op does (CPU F32; GPU BF16/F16 through cuDNN, the regrouping by
-// ops::split/concat_columns, NCCL). InternalError on shapes that do not fit.
+// (needs Hkv % N == 0). No dropout.
+// Devices: CPU F32; GPU BF16 or F16 through cuDNN (P2P and AllGather: ops::attention_block_*
+// per block, the merged output and the summed gradients accumulated in F32 and rounded once;
+// A2A: the dense op), the exchanges over NCCL. P2P starts each step's ring exchange
+// (send_recv_async) before the step's tile and waits after it, so the next block travels
+// while the current one is computed; in backward the block's gradient follows one step
+// behind, beside the next tile. InternalError on shapes that do not fit.
 void cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                           Tensor& lse, const CpAttention& cp, float softmax_scale = 0.0f);
 

@@ -10,7 +10,15 @@
 // row i (at position q_offset + i) sees key row j (at position kv_offset + j) when
 // kv_offset + j <= q_offset + i (the diagonal aligned by positions: TE's
 // causal_bottom_right when q_offset - kv_offset = Skv - Sq); without it every key. No
-// dropout. CPU, F32 (the reference; the GPU path is cuDNN's, not here yet).
+// dropout.
+//
+// Devices. CPU: F32 throughout (the reference, ops/cpu/attention_block.cpp). GPU (cuDNN's
+// fused attention, ops/cuda/attention_block.cpp): q, k, v, out BF16 or F16 alike, lse F32;
+// the backward's dq, dk, dv may be F32 (accumulators) or q's dtype; the causal mask must be
+// one cuDNN runs: every key visible, none, or the diagonal at the block's top-left (Sq =
+// Skv, equal offsets) or bottom-right (q_offset - kv_offset = Skv - Sq > 0), else
+// InternalError. attention_lse_merge on the GPU: out and out_b F32, BF16 or F16 (each its
+// own), lse F32; arithmetic in fp32.
 #pragma once
 #include <cstdint>
 

@@ -401,9 +401,6 @@ void check_context_parallel(const TrainArgs& a, const dist::ValidatedLayout& lay
   auto not_yet = [cp](const std::string& what) {
     fail("context-parallel-size {} with {} is not supported yet", cp, what);
   };
-  if (m.device == Device::CUDA && a.parallel.cp_comm_type != "a2a")
-    not_yet(fmt::format("--cp-comm-type {} on --device cuda (on the GPU only a2a so far)",
-                        a.parallel.cp_comm_type));
   if (a.reset_attention_mask || a.reset_position_ids)
     not_yet("--reset-attention-mask / --reset-position-ids (packed sequences)");
   if (m.mtp_num_layers > 0) not_yet("--mtp-num-layers (multi-token prediction)");

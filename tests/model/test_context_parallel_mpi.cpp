@@ -3,9 +3,10 @@
 // gradients for its two chunks equal the rows of ops::attention_forward/backward on the
 // whole sequence; and the dual-chunk split itself.
 // MEGATON_TEST_DEVICE=cuda (ctest's test_context_parallel_mpi_cuda, label gpu, CUDA builds;
-// 4 ranks on 4 GPUs): the GPU's comm types (a2a: NCCL all-to-all and cuDNN attention) in
-// bf16 against the same CPU reference on the bf16-rounded inputs (normwise) and against
-// the one-GPU attention of the whole sequence (elementwise).
+// 4 ranks on 4 GPUs, or 2 on 2 for the CP 2 cases): every comm type on the GPU (cuDNN
+// attention per block or whole, NCCL exchanges) in bf16 against the same CPU reference on
+// the bf16-rounded inputs (normwise) and against the one-GPU attention of the whole
+// sequence (elementwise).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -54,10 +55,10 @@ struct CpCase {
 class CpAttentionTest : public ::testing::TestWithParam<CpCase> {
  protected:
   void SetUp() override {
-    if (dist::world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
-    // On the GPU only a2a so far (the block attention of p2p and all_gather is CPU-only).
-    if (test_device() == Device::CUDA && GetParam().type != CpCommType::A2A)
-      GTEST_SKIP() << "--cp-comm-type " << cp_comm_type_name(GetParam().type) << " is CPU-only";
+    // 4 ranks (ctest); 2 run the CP 2 cases (a machine of two GPUs).
+    const int world = dist::world_size();
+    if ((world != 2 && world != 4) || world % GetParam().cp != 0)
+      GTEST_SKIP() << "CP " << GetParam().cp << " needs 4 ranks (or 2 for CP 2)";
     if (test_device() == Device::CUDA && (GetParam().D % 8 != 0 || GetParam().Dv % 8 != 0))
       GTEST_SKIP() << "cuDNN takes head sizes that are multiples of 8";
   }
@@ -115,7 +116,9 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
   // the CPU; on the GPU within bf16 noise of it (normwise 2%) and elementwise equal, to bf16
   // rounding, to the one-GPU attention's rows (dense[i]).
   auto matches = [&](const Tensor& x, const Tensor& ref, size_t i) -> ::testing::AssertionResult {
-    if (!gpu) return allclose(x, local(ref), kAtol, kRtol);
+    // (The larger cases sum more fp32 terms with more cancellation: dk, dq lose ~1e-4.)
+    if (!gpu) return allclose(x, local(ref), c.S * c.D > 1024 ? 2e-5 : kAtol,
+                              c.S * c.D > 1024 ? 2e-4 : kRtol);
     const Tensor got = host(x);
     const double rel = testing::rel_error(got, local(ref));
     if (rel > 2e-2)
@@ -137,7 +140,9 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
       for (int64_t h = 0; h < c.Hq; ++h)
         for (int64_t s = 0; s < c.S; ++s)
           rows.f32()[(b * c.S + s) * c.Hq + h] = lse.f32()[(b * c.Hq + h) * c.S + s];
-    EXPECT_TRUE(allclose(llse.view({c.B, L, c.Hq}), local(rows), kAtol, kRtol));
+    // (On the GPU fp32 statistics of the same bf16 products, summed in another order.)
+    EXPECT_TRUE(allclose(host(llse).view({c.B, L, c.Hq}), local(rows), gpu ? 1e-3 : kAtol,
+                         gpu ? 1e-3 : kRtol));
   }
   Tensor ldq = Tensor::empty(lq.shape(), dtype, device),
          ldk = Tensor::empty(lk.shape(), dtype, device),
@@ -157,6 +162,11 @@ INSTANTIATE_TEST_SUITE_P(CommTypes, CpAttentionTest,
                                            CpCase{2, CpCommType::A2A, 2, 8, 4, 2, 8, 6},
                                            CpCase{4, CpCommType::A2A, 1, 16, 8, 4, 8, 8},
                                            // cuDNN's head sizes (the GPU run's cases).
+                                           CpCase{2, CpCommType::P2P, 2, 64, 4, 2, 64, 64},
+                                           CpCase{4, CpCommType::P2P, 1, 128, 8, 4, 64, 64},
+                                           CpCase{2, CpCommType::AllGather, 2, 64, 4, 2, 64, 64},
+                                           CpCase{4, CpCommType::AllGather, 1, 128, 8, 2, 128,
+                                                  128},
                                            CpCase{2, CpCommType::A2A, 2, 64, 4, 2, 64, 64},
                                            CpCase{4, CpCommType::A2A, 1, 128, 8, 4, 64, 64}));
 

@@ -1,6 +1,6 @@
 // Block attention with log-sum-exp merging (ops/attention_block.h): the CPU fp32 reference,
 // one OpenMP task per query head (backward: per kv head), plain loops (the sizes context
-// parallelism meets on CPU ranks are small; the GPU path will be cuDNN's).
+// parallelism meets on CPU ranks are small). The GPU path: ops/cuda/attention_block.cpp.
 #include "ops/attention_block.h"
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "ops/cpu/attention_head.h"
+#include "ops/dispatch.h"
 
 namespace megaton::ops {
 namespace {
@@ -63,6 +64,8 @@ int64_t visible_end(const BlockDims& d, int64_t i, int64_t q_offset, int64_t kv_
 void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t q_offset,
                              int64_t kv_offset, bool causal, Tensor& out, Tensor& lse,
                              float softmax_scale) {
+  MEGATON_CUDA_DISPATCH(q, cuda::attention_block_forward(q, k, v, q_offset, kv_offset, causal, out,
+                                                         lse, softmax_scale));
   const BlockDims d = check_qkv(q, k, v);
   check_shape(out, {d.Sq, d.Hq, d.Dv}, "out");
   check_shape(lse, {d.Sq, d.Hq}, "lse");
@@ -108,6 +111,9 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& out, const Tensor& lse, int64_t q_offset,
                               int64_t kv_offset, bool causal, Tensor& dq, Tensor& dk, Tensor& dv,
                               float softmax_scale) {
+  MEGATON_CUDA_DISPATCH(q, cuda::attention_block_backward(dout, q, k, v, out, lse, q_offset,
+                                                          kv_offset, causal, dq, dk, dv,
+                                                          softmax_scale));
   const BlockDims d = check_qkv(q, k, v);
   check_shape(dout, {d.Sq, d.Hq, d.Dv}, "dout");
   check_shape(out, {d.Sq, d.Hq, d.Dv}, "out");
@@ -156,6 +162,7 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
 }
 
 void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) {
+  MEGATON_CUDA_DISPATCH(out, cuda::attention_lse_merge(out, lse, out_b, lse_b));
   check_f32_cpu(out, "out");
   MEGATON_CHECK(out.ndim() == 3, "attention_lse_merge: out must be [S, H, Dv], got {}",
                 shape_str(out.shape()));

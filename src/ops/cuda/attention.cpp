@@ -60,10 +60,7 @@ using sdpa::TensorAttr;
 
 // ---- argument checks -------------------------------------------------------------------
 
-struct AttentionDims {
-  int64_t B, S, Hq, Hkv, D, Dv;  // D: q and k head dim; Dv: v and out head dim
-  float scale;                   // the scores' scale
-};
+using AttentionDims = sdpa::Problem;
 
 void check_device_tensor(const Tensor& t, const char* name) {
   sdpa::check_device_tensor(t, "cuda attention", name);
@@ -94,7 +91,8 @@ AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float
                 shape_str(k.shape()));
   MEGATON_CHECK(v.ndim() == 4, "cuda attention: v must be [B, S, Hkv, Dv], got {}",
                 shape_str(v.shape()));
-  AttentionDims d{q.dim(0), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3), 0.0f};
+  AttentionDims d{q.dim(0), q.dim(1), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3), 0.0f,
+                  sdpa::Mask::CausalTopLeft};
   d.scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(d.D));
   MEGATON_CHECK(d.Hq > 0 && d.D > 0 && d.Dv > 0,
                 "cuda attention: q {} or v {} has no heads or an empty head dim",
@@ -102,12 +100,9 @@ AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float
   MEGATON_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0,
                 "cuda attention: query heads {} must be a multiple of key/value heads {}", d.Hq,
                 d.Hkv);
-  check_shape(k, {d.B, d.S, d.Hkv, d.D}, "k");
-  check_shape(v, {d.B, d.S, d.Hkv, d.Dv}, "v");
-  // cuDNN's fused kernels: head dims multiples of 8 (16-byte rows), at most 256 on Hopper
-  // with cuDNN 9.14; the frontend reports the exact limit when building.
-  MEGATON_CHECK(d.D % 8 == 0 && d.Dv % 8 == 0,
-                "cuda attention: head dims {} and {} must be multiples of 8 for cuDNN", d.D, d.Dv);
+  check_shape(k, {d.B, d.Sq, d.Hkv, d.D}, "k");
+  check_shape(v, {d.B, d.Sq, d.Hkv, d.Dv}, "v");
+  sdpa::check_head_dims(d, "cuda attention");
   MEGATON_CHECK(dropout_p >= 0.0f && dropout_p < 1.0f,
                 "cuda attention: dropout_p {} must be in [0, 1)", dropout_p);
   return d;
@@ -123,58 +118,85 @@ struct SdpaGraph {
   int64_t workspace_bytes = 0;
 };
 
-// (B, S, Hq, Hkv, D, Dv, scale bits, dtype, dropout_p bits, backward, deterministic)
-using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t, int,
-                            uint32_t, bool, bool>;
+// (B, Sq, Skv, Hq, Hkv, D, Dv, scale bits, mask, dtype, dropout_p bits, backward,
+// deterministic)
+using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            uint32_t, int, int, uint32_t, bool, bool>;
 
 GraphKey make_key(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
   const bool deterministic_backward = backward && deterministic();
-  return GraphKey(d.B, d.S, d.Hq, d.Hkv, d.D, d.Dv, sdpa::float_bits(d.scale), int(dtype),
-                  sdpa::float_bits(dropout_p), backward, deterministic_backward);
+  return GraphKey(d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, d.Dv, sdpa::float_bits(d.scale),
+                  int(d.mask), int(dtype), sdpa::float_bits(dropout_p), backward,
+                  deterministic_backward);
+}
+
+const char* mask_name(sdpa::Mask mask) {
+  switch (mask) {
+    case sdpa::Mask::None:
+      return "none";
+    case sdpa::Mask::CausalTopLeft:
+      return "causal";
+    case sdpa::Mask::CausalBottomRight:
+      return "causal bottom-right";
+  }
+  return "?";
 }
 
 std::string describe(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
-  return fmt::format("attention {}{} B={} S={} Hq={} Hkv={} D={} Dv={} scale={} {} dropout_p={}",
-                     backward ? "backward" : "forward",
-                     backward && deterministic() ? " (deterministic)" : "", d.B, d.S, d.Hq,
-                     d.Hkv, d.D, d.Dv, d.scale, dtype_name(dtype), dropout_p);
+  return fmt::format(
+      "attention {}{} B={} Sq={} Skv={} Hq={} Hkv={} D={} Dv={} scale={} mask={} {} dropout_p={}",
+      backward ? "backward" : "forward", backward && deterministic() ? " (deterministic)" : "",
+      d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, d.Dv, d.scale, mask_name(d.mask), dtype_name(dtype),
+      dropout_p);
 }
 
-// A [B, S, heads, head_dim] tensor in cuDNN's [B, H, S, D] dim order.
-TensorAttr bshd_tensor(fe::graph::Graph& graph, const char* name, const AttentionDims& d,
+// A [B, seq, heads, head_dim] tensor in cuDNN's [B, H, S, D] dim order.
+TensorAttr bshd_tensor(fe::graph::Graph& graph, const char* name, int64_t B, int64_t seq,
                        int64_t heads, int64_t head_dim) {
   return graph.tensor(fe::graph::Tensor_attributes()
                           .set_name(name)
-                          .set_dim({d.B, heads, d.S, head_dim})
-                          .set_stride({d.S * heads * head_dim, head_dim, heads * head_dim, 1}));
+                          .set_dim({B, heads, seq, head_dim})
+                          .set_stride({seq * heads * head_dim, head_dim, heads * head_dim, 1}));
+}
+// The same for an output of the graph.
+void set_bshd_output(const TensorAttr& t, int64_t B, int64_t seq, int64_t heads,
+                     int64_t head_dim) {
+  t->set_output(true)
+      .set_dim({B, heads, seq, head_dim})
+      .set_stride({seq * heads * head_dim, head_dim, heads * head_dim, 1});
 }
 
-// lse [B, Hq, S] as cuDNN's packed Stats [B, Hq, S, 1].
-std::vector<int64_t> stats_dim(const AttentionDims& d) { return {d.B, d.Hq, d.S, 1}; }
-std::vector<int64_t> stats_stride(const AttentionDims& d) { return {d.Hq * d.S, d.S, 1, 1}; }
+// lse [B, Hq, Sq] as cuDNN's packed Stats [B, Hq, Sq, 1].
+std::vector<int64_t> stats_dim(const AttentionDims& d) { return {d.B, d.Hq, d.Sq, 1}; }
+std::vector<int64_t> stats_stride(const AttentionDims& d) { return {d.Hq * d.Sq, d.Sq, 1, 1}; }
+
+// The mask on SDPA (forward) or SDPA_backward attributes.
+template <typename Attributes>
+void set_mask(Attributes& attributes, sdpa::Mask mask) {
+  if (mask == sdpa::Mask::CausalTopLeft) attributes.set_causal_mask(true);
+  if (mask == sdpa::Mask::CausalBottomRight) attributes.set_causal_mask_bottom_right(true);
+}
 
 std::unique_ptr<SdpaGraph> build_forward(const AttentionDims& d, DType dtype, float dropout_p,
                                          const std::string& what) {
   auto g = std::make_unique<SdpaGraph>();
   g->graph = sdpa::new_graph(dtype);
   fe::graph::Graph& graph = *g->graph;
-  g->q = bshd_tensor(graph, "q", d, d.Hq, d.D);
-  g->k = bshd_tensor(graph, "k", d, d.Hkv, d.D);
-  g->v = bshd_tensor(graph, "v", d, d.Hkv, d.Dv);
+  g->q = bshd_tensor(graph, "q", d.B, d.Sq, d.Hq, d.D);
+  g->k = bshd_tensor(graph, "k", d.B, d.Skv, d.Hkv, d.D);
+  g->v = bshd_tensor(graph, "v", d.B, d.Skv, d.Hkv, d.Dv);
   auto attributes = fe::graph::SDPA_attributes()
                         .set_name("attention_forward")
                         .set_generate_stats(true)
-                        .set_causal_mask(true)
                         .set_attn_scale(d.scale);
+  set_mask(attributes, d.mask);
   if (dropout_p > 0.0f) {
     g->seed = sdpa::scalar_int64_tensor(graph, "dropout_seed");
     g->offset = sdpa::scalar_int64_tensor(graph, "dropout_offset");
     attributes.set_dropout(dropout_p, g->seed, g->offset);
   }
   auto [o, stats] = graph.sdpa(g->q, g->k, g->v, attributes);
-  o->set_output(true)
-      .set_dim({d.B, d.Hq, d.S, d.Dv})
-      .set_stride({d.S * d.Hq * d.Dv, d.Dv, d.Hq * d.Dv, 1});
+  set_bshd_output(o, d.B, d.Sq, d.Hq, d.Dv);
   stats->set_output(true)
       .set_data_type(fe::DataType_t::FLOAT)
       .set_dim(stats_dim(d))
@@ -190,11 +212,11 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
   auto g = std::make_unique<SdpaGraph>();
   g->graph = sdpa::new_graph(dtype);
   fe::graph::Graph& graph = *g->graph;
-  g->q = bshd_tensor(graph, "q", d, d.Hq, d.D);
-  g->k = bshd_tensor(graph, "k", d, d.Hkv, d.D);
-  g->v = bshd_tensor(graph, "v", d, d.Hkv, d.Dv);
-  g->o = bshd_tensor(graph, "out", d, d.Hq, d.Dv);
-  g->dout = bshd_tensor(graph, "dout", d, d.Hq, d.Dv);
+  g->q = bshd_tensor(graph, "q", d.B, d.Sq, d.Hq, d.D);
+  g->k = bshd_tensor(graph, "k", d.B, d.Skv, d.Hkv, d.D);
+  g->v = bshd_tensor(graph, "v", d.B, d.Skv, d.Hkv, d.Dv);
+  g->o = bshd_tensor(graph, "out", d.B, d.Sq, d.Hq, d.Dv);
+  g->dout = bshd_tensor(graph, "dout", d.B, d.Sq, d.Hq, d.Dv);
   g->stats = graph.tensor(fe::graph::Tensor_attributes()
                               .set_name("lse")
                               .set_dim(stats_dim(d))
@@ -202,8 +224,8 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
                               .set_data_type(fe::DataType_t::FLOAT));
   auto attributes = fe::graph::SDPA_backward_attributes()
                         .set_name("attention_backward")
-                        .set_causal_mask(true)
                         .set_attn_scale(d.scale);
+  set_mask(attributes, d.mask);
   if (deterministic()) attributes.set_deterministic_algorithm(true);
   if (dropout_p > 0.0f) {
     g->seed = sdpa::scalar_int64_tensor(graph, "dropout_seed");
@@ -211,15 +233,9 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
     attributes.set_dropout(dropout_p, g->seed, g->offset);
   }
   auto [dq, dk, dv] = graph.sdpa_backward(g->q, g->k, g->v, g->o, g->dout, g->stats, attributes);
-  dq->set_output(true)
-      .set_dim({d.B, d.Hq, d.S, d.D})
-      .set_stride({d.S * d.Hq * d.D, d.D, d.Hq * d.D, 1});
-  dk->set_output(true)
-      .set_dim({d.B, d.Hkv, d.S, d.D})
-      .set_stride({d.S * d.Hkv * d.D, d.D, d.Hkv * d.D, 1});
-  dv->set_output(true)
-      .set_dim({d.B, d.Hkv, d.S, d.Dv})
-      .set_stride({d.S * d.Hkv * d.Dv, d.Dv, d.Hkv * d.Dv, 1});
+  set_bshd_output(dq, d.B, d.Sq, d.Hq, d.D);
+  set_bshd_output(dk, d.B, d.Skv, d.Hkv, d.D);
+  set_bshd_output(dv, d.B, d.Skv, d.Hkv, d.Dv);
   g->dq = dq;
   g->dk = dk;
   g->dv = dv;
@@ -258,6 +274,40 @@ void execute(const SdpaGraph& g, std::unordered_map<TensorAttr, void*>& pack,
 
 }  // namespace
 
+namespace sdpa {
+
+void check_head_dims(const Problem& d, const char* op) {
+  // cuDNN's fused kernels: head dims multiples of 8 (16-byte rows), at most 256 on Hopper
+  // with cuDNN 9.14; the frontend reports the exact limit when building.
+  MEGATON_CHECK(d.D % 8 == 0 && d.Dv % 8 == 0, "{}: head dims {} and {} must be multiples of 8 for cuDNN",
+                op, d.D, d.Dv);
+}
+
+void forward(const Problem& d, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+             Tensor& stats, float dropout_p, uint64_t seed, uint64_t stream) {
+  if (d.B == 0 || d.Sq == 0) return;
+  std::lock_guard<std::mutex> lock(state_mutex());
+  const SdpaGraph& g = cached_graph(d, q.dtype(), dropout_p, /*backward=*/false);
+  std::unordered_map<TensorAttr, void*> pack = {
+      {g.q, q.raw()}, {g.k, k.raw()}, {g.v, v.raw()}, {g.o, out.raw()}, {g.stats, stats.raw()}};
+  execute(g, pack, d, q.dtype(), dropout_p, seed, stream, /*backward=*/false);
+}
+
+void backward(const Problem& d, const Tensor& dout, const Tensor& q, const Tensor& k,
+              const Tensor& v, const Tensor& out, const Tensor& stats, Tensor& dq, Tensor& dk,
+              Tensor& dv, float dropout_p, uint64_t seed, uint64_t stream) {
+  if (d.B == 0 || d.Sq == 0) return;
+  std::lock_guard<std::mutex> lock(state_mutex());
+  const SdpaGraph& g = cached_graph(d, q.dtype(), dropout_p, /*backward=*/true);
+  std::unordered_map<TensorAttr, void*> pack = {
+      {g.q, q.raw()},   {g.k, k.raw()},       {g.v, v.raw()},
+      {g.o, out.raw()}, {g.dout, dout.raw()}, {g.stats, stats.raw()},
+      {g.dq, dq.raw()}, {g.dk, dk.raw()},     {g.dv, dv.raw()}};
+  execute(g, pack, d, q.dtype(), dropout_p, seed, stream, /*backward=*/true);
+}
+
+}  // namespace sdpa
+
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
                        float dropout_p, uint64_t seed, uint64_t stream, float softmax_scale) {
   const AttentionDims d = check_qkv(q, k, v, dropout_p, softmax_scale);
@@ -265,15 +315,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   check_device_tensor(lse, "lse");
   MEGATON_CHECK(lse.dtype() == DType::F32, "cuda attention: lse must be F32, got {}",
                 dtype_name(lse.dtype()));
-  check_shape(out, {d.B, d.S, d.Hq, d.Dv}, "out");
-  check_shape(lse, {d.B, d.Hq, d.S}, "lse");
-  if (d.B == 0 || d.S == 0) return;
-
-  std::lock_guard<std::mutex> lock(sdpa::state_mutex());
-  const SdpaGraph& g = cached_graph(d, q.dtype(), dropout_p, /*backward=*/false);
-  std::unordered_map<TensorAttr, void*> pack = {
-      {g.q, q.raw()}, {g.k, k.raw()}, {g.v, v.raw()}, {g.o, out.raw()}, {g.stats, lse.raw()}};
-  execute(g, pack, d, q.dtype(), dropout_p, seed, stream, /*backward=*/false);
+  check_shape(out, {d.B, d.Sq, d.Hq, d.Dv}, "out");
+  check_shape(lse, {d.B, d.Hq, d.Sq}, "lse");
+  sdpa::forward(d, q, k, v, out, lse, dropout_p, seed, stream);
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -288,21 +332,13 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   check_device_tensor(lse, "lse");
   MEGATON_CHECK(lse.dtype() == DType::F32, "cuda attention: lse must be F32, got {}",
                 dtype_name(lse.dtype()));
-  check_shape(dout, {d.B, d.S, d.Hq, d.Dv}, "dout");
-  check_shape(out, {d.B, d.S, d.Hq, d.Dv}, "out");
-  check_shape(lse, {d.B, d.Hq, d.S}, "lse");
+  check_shape(dout, {d.B, d.Sq, d.Hq, d.Dv}, "dout");
+  check_shape(out, {d.B, d.Sq, d.Hq, d.Dv}, "out");
+  check_shape(lse, {d.B, d.Hq, d.Sq}, "lse");
   check_shape(dq, q.shape(), "dq");
   check_shape(dk, k.shape(), "dk");
   check_shape(dv, v.shape(), "dv");
-  if (d.B == 0 || d.S == 0) return;
-
-  std::lock_guard<std::mutex> lock(sdpa::state_mutex());
-  const SdpaGraph& g = cached_graph(d, q.dtype(), dropout_p, /*backward=*/true);
-  std::unordered_map<TensorAttr, void*> pack = {
-      {g.q, q.raw()},   {g.k, k.raw()},       {g.v, v.raw()},
-      {g.o, out.raw()}, {g.dout, dout.raw()}, {g.stats, lse.raw()},
-      {g.dq, dq.raw()}, {g.dk, dk.raw()},     {g.dv, dv.raw()}};
-  execute(g, pack, d, q.dtype(), dropout_p, seed, stream, /*backward=*/true);
+  sdpa::backward(d, dout, q, k, v, out, lse, dq, dk, dv, dropout_p, seed, stream);
 }
 
 }  // namespace megaton::ops::cuda

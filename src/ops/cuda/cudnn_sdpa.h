@@ -85,4 +85,32 @@ uint32_t float_bits(float x);
 // but here the message names the tensor). `op` names the op in the message.
 void check_device_tensor(const Tensor& t, const char* op, const char* name);
 
+// ---- one SDPA problem (ops/cuda/attention.cpp), shared by the dense op and the block op ----
+
+// The mask of an SDPA problem: none, causal with the diagonal at the top left (query i sees
+// keys j <= i) or at the bottom right (query i sees keys j <= i + Skv - Sq).
+enum class Mask { None, CausalTopLeft, CausalBottomRight };
+
+// q [B, Sq, Hq, D], k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], out [B, Sq, Hq, Dv] (token-major,
+// contiguous) and stats [B, Hq, Sq] F32 (packed: the only Stats layout cuDNN below 9.26 reads
+// back correctly in backward). scale: the scores' scale (already resolved).
+struct Problem {
+  int64_t B, Sq, Skv, Hq, Hkv, D, Dv;
+  float scale;
+  Mask mask;
+};
+
+// InternalError, naming `op`, unless the head dims suit cuDNN's fused kernels.
+void check_head_dims(const Problem& d, const char* op);
+
+// The cached graph of d (built on first use) run on the compute stream. The caller checks
+// the tensors (BF16 or F16 alike, F32 stats, shapes as Problem says); out and stats are
+// overwritten. Dropout as ops::attention_forward on the GPU (dropout_seed_offset).
+void forward(const Problem& d, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+             Tensor& stats, float dropout_p, uint64_t seed, uint64_t stream);
+// dq, dk, dv (q's, k's and v's shapes and dtype) overwritten; out, stats: the forward's.
+void backward(const Problem& d, const Tensor& dout, const Tensor& q, const Tensor& k,
+              const Tensor& v, const Tensor& out, const Tensor& stats, Tensor& dq, Tensor& dk,
+              Tensor& dv, float dropout_p, uint64_t seed, uint64_t stream);
+
 }  // namespace megaton::ops::cuda::sdpa

@@ -1,0 +1,97 @@
+// The small kernels of the GPU block attention (ops/attention_block.h, host side in
+// attention_block.cpp): the log-sum-exp layout change between the op's token-major [S, H]
+// and cuDNN's packed head-major Stats [H, S], and the log-sum-exp merge of two partial
+// results. Memory-bound; fp32 arithmetic.
+#include <cmath>
+
+#include "ops/cuda/attention_block.h"
+#include "ops/cuda/pointwise_util.cuh"
+
+namespace megaton::ops::cuda {
+namespace {
+
+using detail::compute_stream;
+using detail::dispatch_float;
+using detail::from_float;
+using detail::grid_for;
+using detail::to_float;
+
+__global__ void transpose_kernel(const float* in, float* out, int64_t rows, int64_t cols) {
+  const int64_t n = rows * cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    out[c * rows + r] = in[i];
+  }
+}
+
+// One warp per (token, head) row r of S * H: lse' = log(exp(a) + exp(b)) computed as
+// hi + log1p(exp(lo - hi)), out' = out exp(a - lse') + out_b exp(b - lse'); a row whose
+// partial result saw no key (lse_b = -inf) keeps its values, one that had none takes b's
+// (the CPU op's arithmetic, ops/cpu/attention_block.cpp).
+template <typename O, typename B>
+__global__ void merge_kernel(O* out, float* lse, const B* out_b, const float* lse_b, int64_t rows,
+                             int64_t dv) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const float a = lse[row], b = lse_b[row];
+  if (b == -INFINITY) return;
+  O* o = out + row * dv;
+  const B* ob = out_b + row * dv;
+  float merged = b, wa = 0.0f, wb = 1.0f;
+  if (a != -INFINITY) {
+    const float hi = fmaxf(a, b), lo = fminf(a, b);
+    merged = hi + log1pf(expf(lo - hi));
+    wa = expf(a - merged);
+    wb = expf(b - merged);
+  }
+  for (int64_t x = lane; x < dv; x += 32)
+    o[x] = from_float<O>(a == -INFINITY ? to_float(ob[x]) : to_float(o[x]) * wa + to_float(ob[x]) * wb);
+  if (lane == 0) lse[row] = merged;
+}
+
+}  // namespace
+
+void lse_transpose(const Tensor& in, Tensor& out) {
+  MEGATON_CHECK(in.ndim() == 2 && in.dtype() == DType::F32 && out.dtype() == DType::F32 &&
+                    out.shape() == (Shape{in.dim(1), in.dim(0)}) &&
+                    in.device() == Device::CUDA && out.device() == Device::CUDA,
+                "lse_transpose: {} {} into {} {}", shape_str(in.shape()), dtype_name(in.dtype()),
+                shape_str(out.shape()), dtype_name(out.dtype()));
+  const int64_t n = in.numel();
+  if (n == 0) return;
+  transpose_kernel<<<grid_for(n, 256), 256, 0, compute_stream()>>>(in.f32(), out.f32(), in.dim(0),
+                                                                   in.dim(1));
+  MEGATON_CUDA_CHECK(cudaGetLastError());
+}
+
+void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) {
+  const char* op = "attention_lse_merge";
+  detail::check_float(out, op, "out");
+  detail::check_float(out_b, op, "out_b");
+  detail::check_dtype(lse, DType::F32, op, "lse");
+  detail::check_dtype(lse_b, DType::F32, op, "lse_b");
+  MEGATON_CHECK(out.ndim() == 3, "attention_lse_merge: out must be [S, H, Dv], got {}",
+                shape_str(out.shape()));
+  const int64_t S = out.dim(0), H = out.dim(1), Dv = out.dim(2);
+  detail::check_shape(out_b, out.shape(), op, "out_b");
+  detail::check_shape(lse, {S, H}, op, "lse");
+  detail::check_shape(lse_b, {S, H}, op, "lse_b");
+  const int64_t rows = S * H;
+  if (rows == 0) return;
+  constexpr int kThreads = 256;
+  const unsigned blocks = unsigned((rows * 32 + kThreads - 1) / kThreads);
+  dispatch_float(out.dtype(), [&](auto o) {
+    dispatch_float(out_b.dtype(), [&](auto b) {
+      using O = decltype(o);
+      using B = decltype(b);
+      merge_kernel<O, B><<<blocks, kThreads, 0, compute_stream()>>>(
+          static_cast<O*>(out.raw()), lse.f32(), static_cast<const B*>(out_b.raw()), lse_b.f32(),
+          rows, Dv);
+    });
+  });
+  MEGATON_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace megaton::ops::cuda
