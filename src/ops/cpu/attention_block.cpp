@@ -11,6 +11,9 @@
 #include "core/error.h"
 #include "ops/cpu/attention_head.h"
 #include "ops/dispatch.h"
+#ifdef MEGATON_WITH_CUDA
+#include "ops/cuda/attention_block.h"
+#endif
 
 namespace megaton::ops {
 namespace {

@@ -1,9 +1,21 @@
-// Internal to ops/cuda: the kernels of the GPU block attention (attention_block.cu), used by
-// its host side (attention_block.cpp).
+// The CUDA side of ops/attention_block.h: the doors' targets (attention_block.cpp: cuDNN per
+// block; attention_block.cu: the merge) and the lse layout kernel they share. Kept out of
+// cuda_ops.h, which every op includes.
 #pragma once
+#include <cstdint>
+
 #include "core/tensor.h"
 
 namespace megaton::ops::cuda {
+
+void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t q_offset,
+                             int64_t kv_offset, bool causal, Tensor& out, Tensor& lse,
+                             float softmax_scale);
+void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, const Tensor& lse, int64_t q_offset,
+                              int64_t kv_offset, bool causal, Tensor& dq, Tensor& dk, Tensor& dv,
+                              float softmax_scale);
+void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b);
 
 // out [C, R] = in [R, C] transposed; both F32 on the GPU, contiguous. Between the block op's
 // token-major lse [S, H] and cuDNN's packed head-major Stats [H, S]. InternalError on other

@@ -109,16 +109,6 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk,
                         Tensor& dv, float dropout_p, uint64_t seed, uint64_t stream,
                         float softmax_scale);
-// Block attention with log-sum-exp merging (ops/attention_block.h): cuDNN per block
-// (attention_block.cpp), the merge a kernel (attention_block.cu).
-void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t q_offset,
-                             int64_t kv_offset, bool causal, Tensor& out, Tensor& lse,
-                             float softmax_scale);
-void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& out, const Tensor& lse, int64_t q_offset,
-                              int64_t kv_offset, bool causal, Tensor& dq, Tensor& dk, Tensor& dv,
-                              float softmax_scale);
-void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b);
 // Single-query attention over a KV cache, inference only (attention_kv_cache.cu).
 void attention_kv_cache(const Tensor& q, const Tensor& key_cache, const Tensor& value_cache,
                         int64_t first_position, Tensor& out, float softmax_scale);
