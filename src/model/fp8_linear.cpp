@@ -42,17 +42,16 @@ Fp8LinearGemms::Saved Fp8LinearGemms::forward(const Tensor& x, const Param& weig
                                               bool keep_input, const Sharding& sharding,
                                               Tensor& y) {
   MEGATON_CHECK(enabled_, "Fp8LinearGemms::forward on a layer without FP8");
-  const Fp8AmaxGroup none;
   // An input the caller does not keep (recomputed for backward, as fc2's activation) gets
   // its column-wise copy in backward (requantize_columnwise), not now: it would outlive
   // the bf16 tensor the bf16 path leaves unsaved.
   const bool keep_columnwise = wgrad_ && keep_input;
   const Fp8Tensor xq =
-      input_.quantize(x, true, keep_columnwise, sharding.input ? sharding.group : none);
+      input_.quantize(x, true, keep_columnwise, sharding.input);
   const Fp8Tensor wq = weight.fp8_param
                            ? fp8_weight(weight)
                            : weight_.quantize(weight.weight, true, false,
-                                              sharding.weight ? sharding.group : none);
+                                              sharding.weight);
   ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y, 1.0f, 0.0f, fast_forward_);
   Saved saved;
   saved.w = {Tensor(), wq.scale_inv, Tensor(), Tensor(), wq.scale};
@@ -65,9 +64,8 @@ void Fp8LinearGemms::backward(const Tensor& dy, const Param& weight, const Saved
                               const std::function<Tensor()>& x, const Sharding& sharding,
                               Tensor& dx, Tensor& main_grad) {
   MEGATON_CHECK(saved.defined(), "Fp8LinearGemms::backward without a forward");
-  const Fp8AmaxGroup none;
   const Fp8Tensor dyq =
-      grad_.quantize(dy, true, wgrad_, sharding.grad_output ? sharding.group : none);
+      grad_.quantize(dy, true, wgrad_, sharding.grad_output);
   // dx [T, in] = dy [T, out] @ W [out, in]: W^T [in, out] is the K-major operand.
   Fp8Tensor wq_t;
   if (weight.fp8_param) {  // the same bytes transposed, the same scale
@@ -163,7 +161,6 @@ Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
     return saved;
   }
   if (a.index.empty()) return saved;
-  const Fp8AmaxGroup none;
   const bool wgrad = gemms_[0].wgrad_;
   const bool keep_columnwise = wgrad && keep_input;
   std::vector<Fp8Quantizer*> inputs, weight_quantizers;
@@ -174,13 +171,13 @@ Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
     weight_values.push_back(weights[g]->weight);
   }
   const std::vector<Fp8Tensor> xq = Fp8Quantizer::quantize_multi(
-      inputs, group_views(x, a), true, keep_columnwise, sharding.input ? sharding.group : none);
+      inputs, group_views(x, a), true, keep_columnwise, sharding.input);
   std::vector<Fp8Tensor> wq;
   if (weights[a.index[0]]->fp8_param) {
     for (size_t g : a.index) wq.push_back(fp8_weight(*weights[g]));
   } else {
     wq = Fp8Quantizer::quantize_multi(weight_quantizers, weight_values, true, false,
-                                      sharding.weight ? sharding.group : none);
+                                      sharding.weight);
   }
   grouped_fp8_gemm(xq, false, wq, false, group_views(y, a), 0.0f, gemms_[0].fast_forward_);
   for (size_t i = 0; i < a.index.size(); ++i) {
@@ -216,7 +213,6 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
     return;
   }
   if (a.index.empty()) return;
-  const Fp8AmaxGroup none;
   const bool wgrad = gemms_[0].wgrad_;
   std::vector<Fp8Quantizer*> grads;
   std::vector<const Fp8Quantizer*> weight_quantizers, inputs;
@@ -232,7 +228,7 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
     x_saved.push_back(saved.groups[g].x);
   }
   const std::vector<Fp8Tensor> dyq = Fp8Quantizer::quantize_multi(
-      grads, group_views(dy, a), true, wgrad, sharding.grad_output ? sharding.group : none);
+      grads, group_views(dy, a), true, wgrad, sharding.grad_output);
   // dx_g = dy_g @ W_g: W_g^T [in, out] is the K-major operand.
   std::vector<Fp8Tensor> wq_t;
   if (weights[a.index[0]]->fp8_param) {

@@ -34,13 +34,14 @@ class Fp8LinearGemms {
   // --fp8-param-gather; nothing otherwise. Called before the ParamAndGradBuffers are built.
   void adopt_weight(Param& weight) const;
 
-  // Which operands are split over ranks (their amaxes reduced over `group`, so that a
-  // shard gets the scale of the whole tensor): the weight shards of a tensor-parallel
-  // layer, the input of a row-parallel one (its features split) and the output gradient
-  // of a column-parallel one.
+  // The ranks over which each operand is split (its amax maxed over them, so that every
+  // piece gets the scale of the whole tensor the one-rank run quantizes; none: this
+  // rank's own): the weight shards of a tensor-parallel layer over TP; the input of a
+  // row-parallel one (features split) and the output gradient of a column-parallel one
+  // over TP, and under context parallelism every input and output gradient also over the
+  // CP ranks (tokens split): TP x CP or CP.
   struct Sharding {
-    Fp8AmaxGroup group;
-    bool input = false, weight = false, grad_output = false;
+    Fp8AmaxGroup input, weight, grad_output;
   };
 
   // What forward keeps for backward.

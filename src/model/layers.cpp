@@ -192,14 +192,19 @@ std::vector<std::pair<std::string, Tensor*>> Linear::fp8_state() {
 
 // The weight shards, the row-parallel input (input features split) and the
 // column-parallel output gradient (output features split) differ between tensor-parallel
-// ranks; the others are the same on every rank.
+// ranks; under context parallelism every input and output gradient holds only this CP
+// rank's tokens (Fp8LinearGemms::Sharding).
 Fp8LinearGemms::Sharding Linear::fp8_sharding() const {
   Fp8LinearGemms::Sharding s;
-  if (mp_.tp_size() <= 1) return s;
-  s.group = {mp_.comm, &mp_.tp()};
-  s.weight = mode_ != TensorParallelMode::None;
-  s.input = mode_ == TensorParallelMode::Row;
-  s.grad_output = mode_ == TensorParallelMode::Column;
+  auto over = [&](dist::GroupKind kind) { return Fp8AmaxGroup{mp_.comm, &mp_.group(kind)}; };
+  const bool split = mode_ != TensorParallelMode::None && mp_.tp_size() > 1;
+  if (split) s.weight = over(dist::GroupKind::TP);
+  // Over TP x CP where TP splits the features, else over CP (a group of one without CP).
+  auto tokens = [&](bool features_split) {
+    return over(features_split && split ? dist::GroupKind::TP_CP : dist::GroupKind::CP);
+  };
+  s.input = tokens(mode_ == TensorParallelMode::Row);
+  s.grad_output = tokens(mode_ == TensorParallelMode::Column);
   return s;
 }
 

@@ -185,15 +185,15 @@ std::vector<std::pair<std::string, Tensor*>> MoELayer::fp8_state() {
   return out;
 }
 
+// The expert weights' shards over ETP, fc1's output gradient and fc2's input (features
+// split) over ETP. (FP8 experts under context parallelism are refused: arguments.cpp.)
 Fp8LinearGemms::Sharding MoELayer::fp8_sharding(Param Expert::*fc) const {
   Fp8LinearGemms::Sharding s;
   if (mp_.etp_size() <= 1) return s;
-  s.group = {mp_.comm, &mp_.etp()};
-  s.weight = true;
-  // fc1 column-parallel: its output features (the output gradient) are split; fc2
-  // row-parallel: its input features.
-  s.grad_output = fc == &Expert::fc1_weight;
-  s.input = fc == &Expert::fc2_weight;
+  const Fp8AmaxGroup etp{mp_.comm, &mp_.etp()};
+  s.weight = etp;
+  if (fc == &Expert::fc1_weight) s.grad_output = etp;
+  if (fc == &Expert::fc2_weight) s.input = etp;
   return s;
 }
 

@@ -113,17 +113,24 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
     for (const Tensor* t : {&gout, &gdq, &gdk, &gdv}) dense.push_back(host(*t));
   }
   // x (this rank's result) against the CPU reference `ref` (whole sequence): elementwise on
-  // the CPU; on the GPU within bf16 noise of it (normwise 2%) and elementwise equal, to bf16
-  // rounding, to the one-GPU attention's rows (dense[i]).
+  // the CPU. On the GPU, normwise: within bf16 noise of it (2%) and no further from it than
+  // the one-GPU attention of the whole sequence (dense[i]) is, give or take a quarter (p2p and
+  // all_gather round per block, so their bf16 results are not the dense kernel's bits); a2a
+  // runs the dense kernel on the same rows, so there also elementwise equal to it up to bf16
+  // rounding.
   auto matches = [&](const Tensor& x, const Tensor& ref, size_t i) -> ::testing::AssertionResult {
     // (The larger cases sum more fp32 terms with more cancellation: dk, dq lose ~1e-4.)
-    if (!gpu) return allclose(x, local(ref), c.S * c.D > 1024 ? 2e-5 : kAtol,
-                              c.S * c.D > 1024 ? 2e-4 : kRtol);
+    if (!gpu)
+      return allclose(x, local(ref), c.S * c.D > 1024 ? 2e-5 : kAtol,
+                      c.S * c.D > 1024 ? 2e-4 : kRtol);
     const Tensor got = host(x);
     const double rel = testing::rel_error(got, local(ref));
-    if (rel > 2e-2)
-      return ::testing::AssertionFailure()
-             << "relative L2 error " << rel << " to the CPU reference";
+    const double dense_rel = testing::rel_error(local(dense[i]), local(ref));
+    if (rel > 2e-2 || rel > 1.25 * dense_rel + 1e-3)
+      return ::testing::AssertionFailure() << "relative L2 error " << rel
+                                           << " to the CPU reference (the one-GPU attention's: "
+                                           << dense_rel << ")";
+    if (c.type != CpCommType::A2A) return ::testing::AssertionSuccess();
     return allclose(got, local(dense[i]), 4e-3, 1e-2);
   };
   const CpAttention cp{&comm(), &g, c.type};

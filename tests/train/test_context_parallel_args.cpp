@@ -36,6 +36,13 @@ TEST(ContextParallelArgs, AcceptsEachCommType) {
   EXPECT_EQ(error_of(per_layer), "");
 }
 
+TEST(ContextParallelArgs, AcceptsFp8OnADenseModel) {
+  RawOptions raw = base(2);
+  raw["fp8-format"] = {"hybrid"};
+  raw["kv-channels"] = {"16"};
+  EXPECT_EQ(error_of(raw), "");
+}
+
 TEST(ContextParallelArgs, RefusalsAreOneLineNamingTheFlags) {
   struct Case {
     std::vector<std::pair<std::string, std::vector<std::string>>> set;
@@ -77,6 +84,13 @@ TEST(ContextParallelArgs, RefusalsAreOneLineNamingTheFlags) {
        2,
        "context-parallel-size 2 with --mtp-num-layers (multi-token prediction) is not supported "
        "yet"},
+      {{{"fp8-format", {"hybrid"}},
+        {"num-experts", {"4"}},
+        {"moe-router-topk", {"2"}},
+        {"kv-channels", {"16"}}},
+       2,
+       "context-parallel-size 2 with --fp8-format on a model with experts (--num-experts) is "
+       "not supported yet"},
   };
   for (const Case& c : cases) {
     RawOptions raw = base(c.cp);
