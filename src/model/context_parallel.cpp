@@ -2,8 +2,10 @@
 // (model/context_parallel.h).
 #include "model/context_parallel.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/attention_block.h"
@@ -65,6 +67,22 @@ Tensor cp_split_sequence(const Tensor& x, int cp, int rank) {
   return out;
 }
 
+std::vector<int32_t> cp_document_starts(const std::vector<int32_t>& cu_seqlens, int64_t batch,
+                                        int64_t seq) {
+  const int64_t T = batch * seq;
+  MEGATON_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == T,
+                "cp_document_starts: boundaries must run from 0 to {}", T);
+  std::vector<int32_t> out(size_t(T), 0);
+  for (size_t n = 0; n + 1 < cu_seqlens.size(); ++n) {
+    const int64_t first = cu_seqlens[n], end = cu_seqlens[n + 1];
+    MEGATON_CHECK(first < end && first / seq == (end - 1) / seq,
+                  "cp_document_starts: document [{}, {}) is empty or crosses a sample's end", first,
+                  end);
+    for (int64_t t = first; t < end; ++t) out[size_t(t)] = int32_t(first % seq);
+  }
+  return out;
+}
+
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -121,6 +139,89 @@ void scatter_natural(const Tensor& natural, const Geometry& g, int64_t b, Tensor
 
 // The chunk index of local half h (0: chunk r, 1: chunk 2N-1-r).
 int64_t chunk_of(const Geometry& g, int h) { return h == 0 ? g.r : 2 * g.N - 1 - g.r; }
+// The chunk index of member j's half h.
+int64_t chunk_of_member(const Geometry& g, int j, int h) { return h == 0 ? j : 2 * g.N - 1 - j; }
+
+// ---- packed documents ------------------------------------------------------------------
+
+// Sample b's document starts (S entries, by global position), or null without documents.
+const int32_t* documents_of(const CpAttention& cp, const Geometry& g, int64_t b) {
+  if (!cp.document_starts) return nullptr;
+  const int64_t S = 2 * g.N * g.c;
+  MEGATON_CHECK(int64_t(cp.document_starts->size()) == g.B * S,
+                "cp attention: {} document starts for {} samples of {} tokens",
+                cp.document_starts->size(), g.B, S);
+  return cp.document_starts->data() + b * S;
+}
+
+// A run of queries of one document and the keys of that document they can see in a block.
+struct DocumentPiece {
+  int64_t first, count;        // query rows of the block
+  int64_t kv_first, kv_count;  // key rows of the block (count 0: none visible)
+};
+
+// nq queries at positions [q_pos, q_pos + nq) against nkv keys at [kv_pos, kv_pos + nkv),
+// cut where the queries' document changes. A piece's keys: those of its document at or
+// before its last query; each query's own causal bound is the block op's mask.
+std::vector<DocumentPiece> document_pieces(int64_t q_pos, int64_t nq, int64_t kv_pos, int64_t nkv,
+                                           const int32_t* starts) {
+  std::vector<DocumentPiece> out;
+  for (int64_t i = 0; i < nq;) {
+    const int32_t start = starts[q_pos + i];
+    int64_t end = i + 1;
+    while (end < nq && starts[q_pos + end] == start) ++end;
+    const int64_t kv_first = std::max<int64_t>(start, kv_pos) - kv_pos;
+    const int64_t kv_end = std::min<int64_t>(kv_pos + nkv, q_pos + end) - kv_pos;
+    out.push_back({i, end - i, kv_first, std::max<int64_t>(kv_end - kv_first, 0)});
+    i = end;
+  }
+  return out;
+}
+
+// Queries q [nq, Hq, D] at global positions [q_pos, ...) against keys k, v [nkv, ...] at
+// [kv_pos, ...) under the causal and document masks: out [nq, Hq, Dv] and lse [nq, Hq]
+// overwritten (a query that sees no key: 0 and -inf).
+void document_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t q_pos,
+                            int64_t kv_pos, const int32_t* starts, Tensor& out, Tensor& lse,
+                            float scale) {
+  for (const DocumentPiece& d : document_pieces(q_pos, q.dim(0), kv_pos, k.dim(0), starts)) {
+    Tensor o = out.rows(d.first, d.count), l = lse.rows(d.first, d.count);
+    if (d.kv_count == 0) {
+      o.zero();
+      l.fill(kNegInf);
+      continue;
+    }
+    ops::attention_block_forward(q.rows(d.first, d.count), k.rows(d.kv_first, d.kv_count),
+                                 v.rows(d.kv_first, d.kv_count), q_pos + d.first,
+                                 kv_pos + d.kv_first, true, o, l, scale);
+  }
+}
+
+// Its gradients, added into dq [nq, ...], dk, dv [nkv, ...]; out and lse: the queries'
+// merged results (ops::attention_block_backward).
+void document_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, int64_t q_pos, int64_t kv_pos,
+                             const int32_t* starts, Tensor& dq, Tensor& dk, Tensor& dv,
+                             float scale) {
+  for (const DocumentPiece& d : document_pieces(q_pos, q.dim(0), kv_pos, k.dim(0), starts)) {
+    if (d.kv_count == 0) continue;
+    Tensor dqp = dq.rows(d.first, d.count), dkp = dk.rows(d.kv_first, d.kv_count),
+           dvp = dv.rows(d.kv_first, d.kv_count);
+    ops::attention_block_backward(
+        dout.rows(d.first, d.count), q.rows(d.first, d.count), k.rows(d.kv_first, d.kv_count),
+        v.rows(d.kv_first, d.kv_count), out.rows(d.first, d.count), lse.rows(d.first, d.count),
+        q_pos + d.first, kv_pos + d.kv_first, true, dqp, dkp, dvp, scale);
+  }
+}
+
+// With documents the ring's tiles are cut into chunk pairs (local query half, block half)
+// that can see each other: own block (0,0) (1,0) (1,1); an earlier member's (0,0) (1,0); a
+// later member's (1,0) (1,1) (the chunk order of tile_of below).
+std::vector<std::pair<int, int>> chunk_pairs(const Geometry& g, int j) {
+  if (j == g.r) return {{0, 0}, {1, 0}, {1, 1}};
+  if (j < g.r) return {{0, 0}, {1, 0}};
+  return {{1, 0}, {1, 1}};
+}
 
 Tensor gather(const Tensor& x, const Geometry& g, const CpAttention& cp) {
   Tensor out =
@@ -148,12 +249,17 @@ void all_gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tenso
   for (int64_t b = 0; b < g.B; ++b) {
     const Tensor kn = natural_sequence(kg, g, b, g.Hkv, g.D);
     const Tensor vn = natural_sequence(vg, g, b, g.Hkv, g.Dv);
+    const int32_t* starts = documents_of(cp, g, b);
     for (int h = 0; h < 2; ++h) {
       const int64_t chunk = chunk_of(g, h), keys = (chunk + 1) * g.c;
       Tensor o = rows_of(out, b, h * g.c, g.c);
       Tensor l = lse.rows(b * g.L + h * g.c, g.c);
-      ops::attention_block_forward(rows_of(q, b, h * g.c, g.c), kn.rows(0, keys), vn.rows(0, keys),
-                                   chunk * g.c, 0, true, o, l, scale);
+      if (starts)
+        document_block_forward(rows_of(q, b, h * g.c, g.c), kn.rows(0, keys), vn.rows(0, keys),
+                               chunk * g.c, 0, starts, o, l, scale);
+      else
+        ops::attention_block_forward(rows_of(q, b, h * g.c, g.c), kn.rows(0, keys),
+                                     vn.rows(0, keys), chunk * g.c, 0, true, o, l, scale);
     }
   }
 }
@@ -168,13 +274,18 @@ void all_gather_backward(const Tensor& dout, const Tensor& q, const Tensor& k, c
     const Tensor kn = natural_sequence(kg, g, b, g.Hkv, g.D);
     const Tensor vn = natural_sequence(vg, g, b, g.Hkv, g.Dv);
     Tensor dkn = f32_zeros_like(kn), dvn = f32_zeros_like(vn);
+    const int32_t* starts = documents_of(cp, g, b);
     for (int h = 0; h < 2; ++h) {
       const int64_t chunk = chunk_of(g, h), keys = (chunk + 1) * g.c;
       Tensor dqh = rows_of(dq, b, h * g.c, g.c), dkh = dkn.rows(0, keys), dvh = dvn.rows(0, keys);
-      ops::attention_block_backward(rows_of(dout, b, h * g.c, g.c), rows_of(q, b, h * g.c, g.c),
-                                    kn.rows(0, keys), vn.rows(0, keys),
-                                    rows_of(out, b, h * g.c, g.c), lse.rows(b * g.L + h * g.c, g.c),
-                                    chunk * g.c, 0, true, dqh, dkh, dvh, scale);
+      const Tensor dout_h = rows_of(dout, b, h * g.c, g.c), q_h = rows_of(q, b, h * g.c, g.c),
+                   out_h = rows_of(out, b, h * g.c, g.c), lse_h = lse.rows(b * g.L + h * g.c, g.c);
+      if (starts)
+        document_block_backward(dout_h, q_h, kn.rows(0, keys), vn.rows(0, keys), out_h, lse_h,
+                                chunk * g.c, 0, starts, dqh, dkh, dvh, scale);
+      else
+        ops::attention_block_backward(dout_h, q_h, kn.rows(0, keys), vn.rows(0, keys), out_h,
+                                      lse_h, chunk * g.c, 0, true, dqh, dkh, dvh, scale);
     }
     scatter_natural(dkn, g, b, dkg);
     scatter_natural(dvn, g, b, dvg);
@@ -244,6 +355,19 @@ void p2p_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
     KvPass next;
     if (i + 1 < g.N) next.start(kb, vb, cp, g);
     for (int64_t b = 0; b < g.B; ++b) {
+      if (const int32_t* starts = documents_of(cp, g, b)) {
+        for (const auto& [hq, hk] : chunk_pairs(g, j)) {
+          Tensor part = Tensor::empty({g.c, g.Hq, g.Dv}, q.dtype(), q.device()),
+                 plse = Tensor::empty({g.c, g.Hq}, DType::F32, q.device());
+          document_block_forward(rows_of(q, b, hq * g.c, g.c), rows_of(kb, b, hk * g.c, g.c),
+                                 rows_of(vb, b, hk * g.c, g.c), chunk_of(g, hq) * g.c,
+                                 chunk_of_member(g, j, hk) * g.c, starts, part, plse, scale);
+          Tensor o = rows_of(acc, b, hq * g.c, g.c);
+          Tensor l = lse.rows(b * g.L + hq * g.c, g.c);
+          ops::attention_lse_merge(o, l, part, plse);
+        }
+        continue;
+      }
       Tensor part = Tensor::empty({t.q_rows, g.Hq, g.Dv}, q.dtype(), q.device()),
              plse = Tensor::empty({t.q_rows, g.Hq}, DType::F32, q.device());
       ops::attention_block_forward(
@@ -277,6 +401,18 @@ void p2p_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
     // This rank's share of the block's gradient.
     Tensor dkt = f32_zeros_like(k), dvt = f32_zeros_like(v);
     for (int64_t b = 0; b < g.B; ++b) {
+      if (const int32_t* starts = documents_of(cp, g, b)) {
+        for (const auto& [hq, hk] : chunk_pairs(g, j)) {
+          Tensor dqp = rows_of(dq_acc, b, hq * g.c, g.c), dkp = rows_of(dkt, b, hk * g.c, g.c),
+                 dvp = rows_of(dvt, b, hk * g.c, g.c);
+          document_block_backward(
+              rows_of(dout, b, hq * g.c, g.c), rows_of(q, b, hq * g.c, g.c),
+              rows_of(kb, b, hk * g.c, g.c), rows_of(vb, b, hk * g.c, g.c),
+              rows_of(out, b, hq * g.c, g.c), lse.rows(b * g.L + hq * g.c, g.c),
+              chunk_of(g, hq) * g.c, chunk_of_member(g, j, hk) * g.c, starts, dqp, dkp, dvp, scale);
+        }
+        continue;
+      }
       Tensor dqt = rows_of(dq_acc, b, t.q_first, t.q_rows);
       Tensor dkr = rows_of(dkt, b, t.kv_first, t.kv_rows),
              dvr = rows_of(dvt, b, t.kv_first, t.kv_rows);
@@ -359,9 +495,20 @@ void a2a_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                vw = to_whole_sequence(v, g, cp);
   const int64_t S = qw.dim(1), h = qw.dim(2);
   Tensor ow = Tensor::empty({g.B, S, h, g.Dv}, q.dtype(), q.device());
-  // The dense op's lse [B, Hq/N, S] has the numel of [B * 2c, Hq]: kept in lse's memory.
-  Tensor lw = lse.view({g.B, h, S});
-  ops::attention_forward(qw, kw, vw, ow, lw, 0.0f, 0, 0, scale);
+  if (cp.document_starts) {
+    // Per sample, each document's queries against its keys; lse token-major [B * S, Hq/N].
+    Tensor lw = lse.view({g.B * S, h});
+    for (int64_t b = 0; b < g.B; ++b) {
+      Tensor o = ow.view({g.B * S, h, g.Dv}).rows(b * S, S), l = lw.rows(b * S, S);
+      auto whole = [&](const Tensor& x) { return x.view({g.B * S, x.dim(2), x.dim(3)}).rows(b * S, S); };
+      document_block_forward(whole(qw), whole(kw), whole(vw), 0, 0, documents_of(cp, g, b), o, l,
+                             scale);
+    }
+  } else {
+    // The dense op's lse [B, Hq/N, S] has the numel of [B * 2c, Hq]: kept in lse's memory.
+    Tensor lw = lse.view({g.B, h, S});
+    ops::attention_forward(qw, kw, vw, ow, lw, 0.0f, 0, 0, scale);
+  }
   from_whole_sequence(ow, out, g, cp);
 }
 
@@ -371,12 +518,25 @@ void a2a_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
   const Tensor qw = to_whole_sequence(q, g, cp), kw = to_whole_sequence(k, g, cp),
                vw = to_whole_sequence(v, g, cp), ow = to_whole_sequence(out, g, cp),
                dow = to_whole_sequence(dout, g, cp);
-  const int64_t S = qw.dim(1);
+  const int64_t S = qw.dim(1), h = qw.dim(2);
   Tensor dqw = Tensor::empty(qw.shape(), qw.dtype(), qw.device()),
          dkw = Tensor::empty(kw.shape(), kw.dtype(), kw.device()),
          dvw = Tensor::empty(vw.shape(), vw.dtype(), vw.device());
-  ops::attention_backward(dow, qw, kw, vw, ow, lse.view({g.B, qw.dim(2), S}), dqw, dkw, dvw, 0.0f,
-                          0, 0, scale);
+  if (cp.document_starts) {
+    // The block op adds: each row gets its one document's gradient, so q's dtype suffices.
+    for (Tensor* t : {&dqw, &dkw, &dvw}) t->zero();
+    const Tensor lw = lse.view({g.B * S, h});
+    for (int64_t b = 0; b < g.B; ++b) {
+      auto whole = [&](const Tensor& x) { return x.view({g.B * S, x.dim(2), x.dim(3)}).rows(b * S, S); };
+      Tensor dqb = whole(dqw), dkb = whole(dkw), dvb = whole(dvw);
+      document_block_backward(whole(dow), whole(qw), whole(kw), whole(vw), whole(ow),
+                              lw.rows(b * S, S), 0, 0, documents_of(cp, g, b), dqb, dkb, dvb,
+                              scale);
+    }
+  } else {
+    ops::attention_backward(dow, qw, kw, vw, ow, lse.view({g.B, h, S}), dqw, dkw, dvw, 0.0f, 0, 0,
+                            scale);
+  }
   from_whole_sequence(dqw, dq, g, cp);
   from_whole_sequence(dkw, dk, g, cp);
   from_whole_sequence(dvw, dv, g, cp);

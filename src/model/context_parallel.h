@@ -6,6 +6,7 @@
 // "Context parallelism".
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,12 +40,24 @@ std::vector<int64_t> cp_local_positions(int64_t seq_length, int cp, int rank);
 Tensor cp_split_sequence(const Tensor& x, int cp, int rank);
 
 // What the CP attention needs: the communicator, the CP group (this rank's position in it
-// is the CP rank) and the comm type.
+// is the CP rank), the comm type, and the micro-batch's packed documents.
 struct CpAttention {
   dist::Comm* comm = nullptr;
   const dist::Group* group = nullptr;
   CpCommType type = CpCommType::P2P;
+  // --reset-attention-mask: for each sample b and global position p (0 <= p < S), the
+  // position at which p's document starts, [B * S] (row b * S + p); a query then sees the
+  // keys at or before it and at or after that start. Null: one document per sample.
+  std::shared_ptr<const std::vector<int32_t>> document_starts;
 };
+
+// The document starts of B samples of S tokens from their documents' boundaries over the
+// B * S rows (PackedSeqParams::cu_seqlens_host: 0 = c0 < ... < cN = B * S, every sample end
+// among them): entry b * S + p = (the start row of the document holding row b * S + p) - b * S.
+// InternalError on boundaries that are not increasing from 0 to B * S or that cross a
+// sample's end.
+std::vector<int32_t> cp_document_starts(const std::vector<int32_t>& cu_seqlens, int64_t batch,
+                                        int64_t seq);
 
 // Causal attention over the whole sequence of which this rank holds its two chunks:
 // q [B, 2c, Hq, Dqk], k [B, 2c, Hkv, Dqk], v [B, 2c, Hkv, Dv] (this rank's rows, dual-chunk
@@ -59,6 +72,12 @@ struct CpAttention {
 // local chunk k against keys [0, (k + 1) c) causal by position. A2A: heads regrouped so each rank
 // holds Hq / N (and Hkv / N) heads of the whole sequence, ops::attention_forward, regrouped back
 // (needs Hkv % N == 0). No dropout.
+// Packed documents (cp.document_starts): the same exchanges; each block of queries is cut at
+// document boundaries and each piece attends to the keys of its document in the block
+// (p2p: every pair of a query chunk and a key chunk that can see each other, all_gather and
+// a2a: each chunk or sequence against its keys), one ops::attention_block call per piece
+// (on the GPU one cuDNN call per document piece: cheap for the long documents CP is for,
+// launch-bound for many short ones). For a2a the lse is then token-major [B * S, Hq / N].
 // Devices: CPU F32; GPU BF16 or F16 through cuDNN (P2P and AllGather: ops::attention_block_*
 // per block, the merged output and the summed gradients accumulated in F32 and rounded once;
 // A2A: the dense op), the exchanges over NCCL. P2P starts each step's ring exchange

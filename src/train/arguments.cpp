@@ -401,8 +401,12 @@ void check_context_parallel(const TrainArgs& a, const dist::ValidatedLayout& lay
   auto not_yet = [cp](const std::string& what) {
     fail("context-parallel-size {} with {} is not supported yet", cp, what);
   };
-  if (a.reset_attention_mask || a.reset_position_ids)
-    not_yet("--reset-attention-mask / --reset-position-ids (packed sequences)");
+  // Packed documents: the CP attention's document pieces are host decisions per micro-batch,
+  // which a captured step cannot follow.
+  if ((a.reset_attention_mask || a.reset_position_ids) && a.cuda_graph_impl == "full_iteration")
+    not_yet(
+        "--reset-attention-mask / --reset-position-ids (packed sequences) and "
+        "--cuda-graph-impl full_iteration");
   if (m.mtp_num_layers > 0) not_yet("--mtp-num-layers (multi-token prediction)");
   // FP8: the dense layers' token-split operands have their amaxes maxed over CP
   // (Linear::fp8_sharding). The experts would need the union over CP of the experts that

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <span>
+#include <utility>
 
 #include "core/error.h"
 #include "data/packed_sequence.h"
@@ -73,6 +74,25 @@ std::shared_ptr<const PackedSeqParams> context_parallel_seq_params(int64_t micro
   auto params = std::make_shared<PackedSeqParams>();
   params->position_ids = Tensor::from_i32({int64_t(ids.size())}, ids).to(device);
   params->context_parallel = cp;
+  return params;
+}
+
+std::shared_ptr<const PackedSeqParams> context_parallel_packed_seq_params(
+    const Tensor& tokens, int32_t eod, bool reset_position_ids, bool reset_attention_mask,
+    CpAttention cp, Device device) {
+  const PackedBatch host = pack_micro_batch(tokens, eod, reset_position_ids);
+  const int64_t B = tokens.dim(0), S = tokens.dim(1);
+  const std::vector<int64_t> positions = cp_local_positions(S, cp.group->size(), cp.group->rank);
+  std::vector<int32_t> ids;
+  ids.reserve(size_t(B) * positions.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t p : positions) ids.push_back(host.position_ids[size_t(b * S + p)]);
+  if (reset_attention_mask)
+    cp.document_starts =
+        std::make_shared<const std::vector<int32_t>>(cp_document_starts(host.cu_seqlens, B, S));
+  auto params = std::make_shared<PackedSeqParams>();
+  params->position_ids = Tensor::from_i32({int64_t(ids.size())}, ids).to(device);
+  params->context_parallel = std::move(cp);
   return params;
 }
 

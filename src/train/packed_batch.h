@@ -47,4 +47,14 @@ std::shared_ptr<const PackedSeqParams> context_parallel_seq_params(int64_t micro
                                                                    const CpAttention& cp,
                                                                    Device device);
 
+// Context parallelism with packed documents: from the micro-batch's WHOLE tokens [B, S]
+// (host I32, before the CP split), this rank's PackedSeqParams: position_ids (I32 [B * S /
+// cp] on `device`) its rows' positions, restarting after each eod with reset_position_ids
+// and global otherwise; `cp` with document_starts (cp_document_starts of the documents)
+// under reset_attention_mask. cu_seqlens stays undefined (the CP attention masks the
+// documents itself). InternalError as pack_micro_batch and cp_local_positions.
+std::shared_ptr<const PackedSeqParams> context_parallel_packed_seq_params(
+    const Tensor& tokens, int32_t eod, bool reset_position_ids, bool reset_attention_mask,
+    CpAttention cp, Device device);
+
 }  // namespace megaton

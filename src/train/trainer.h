@@ -154,12 +154,15 @@ class Trainer {
   int64_t micro_batch_start(int64_t batch_start, int64_t mb) const;
   // Whether this rank prints the log lines (world rank 0).
   bool is_logging_rank() const { return grid_->world_rank() == 0; }
+  // whole_tokens (optional): the tokens before the context-parallel split (the packing's).
   void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
-                  Tensor& tokens, Tensor& labels) const;
+                  Tensor& tokens, Tensor& labels, Tensor* whole_tokens = nullptr) const;
   // --reset-position-ids / --reset-attention-mask: the packed documents of a micro-batch's
-  // tokens [micro_batch_size, seq_length] (host I32) on the model's device
-  // (train/packed_batch.h), its position ids written to position_ids_buffer when given;
-  // null when neither flag is on; under context parallelism cp_params_. The second form loads the
+  // whole tokens [micro_batch_size, seq_length] (host I32, before any context-parallel
+  // split) on the model's device (train/packed_batch.h), its position ids written to
+  // position_ids_buffer when given; null when neither flag is on. Under context parallelism
+  // cp_params_ without the flags, else this rank's rows' packing
+  // (context_parallel_packed_seq_params). The second form loads the
   // micro-batch (micro_batch_size samples from first_sample of source) itself: the pipeline's
   // stages that read no tokens.
   std::shared_ptr<const PackedSeqParams> packing(const Tensor& tokens,

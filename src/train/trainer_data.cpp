@@ -40,7 +40,7 @@ void Trainer::build_datasets(const std::array<int64_t, 3>& num_samples) {
 }
 
 void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
-                         Tensor& tokens, Tensor& labels) const {
+                         Tensor& tokens, Tensor& labels, Tensor* whole_tokens) const {
   int64_t seq = args_.model.seq_length;
   tokens = Tensor::empty({count, seq}, DType::I32);
   labels = Tensor::empty({count, seq}, DType::I32);
@@ -50,6 +50,7 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
     std::copy(sample.begin(), sample.end() - 1, tokens.i32() + i * seq);
     std::copy(sample.begin() + 1, sample.end(), labels.i32() + i * seq);
   }
+  if (whole_tokens) *whole_tokens = tokens;
   // Context parallelism: this rank's two chunks of each sample (labels shifted before the
   // split, as Megatron's get_batch_on_this_cp_rank).
   if (const dist::Group& cp = grid_->cp(); cp.size() > 1) {
@@ -60,7 +61,12 @@ void Trainer::load_batch(const data::SampleSource& source, int64_t first_sample,
 
 std::shared_ptr<const PackedSeqParams> Trainer::packing(const Tensor& tokens,
                                                         Tensor position_ids_buffer) const {
-  if (cp_params_) return cp_params_;
+  if (cp_params_) {
+    if (!args_.reset_position_ids && !args_.reset_attention_mask) return cp_params_;
+    return context_parallel_packed_seq_params(tokens, tokenizer_->eod(), args_.reset_position_ids,
+                                              args_.reset_attention_mask,
+                                              cp_params_->context_parallel, args_.model.device);
+  }
   return packed_seq_params(tokens, tokenizer_->eod(), args_.reset_position_ids,
                            args_.reset_attention_mask, args_.model.device,
                            std::move(position_ids_buffer));
@@ -68,11 +74,10 @@ std::shared_ptr<const PackedSeqParams> Trainer::packing(const Tensor& tokens,
 
 std::shared_ptr<const PackedSeqParams> Trainer::packing(const data::SampleSource& source,
                                                         int64_t first_sample) const {
-  if (cp_params_) return cp_params_;
-  if (!args_.reset_position_ids && !args_.reset_attention_mask) return nullptr;
-  Tensor tokens, labels;
-  load_batch(source, first_sample, args_.micro_batch_size, tokens, labels);
-  return packing(tokens);
+  if (!args_.reset_position_ids && !args_.reset_attention_mask) return cp_params_;
+  Tensor tokens, labels, whole;
+  load_batch(source, first_sample, args_.micro_batch_size, tokens, labels, &whole);
+  return packing(whole);
 }
 
 PipelineMicroBatches Trainer::pipeline_micro_batches(
@@ -106,13 +111,15 @@ void Trainer::stage_step_inputs(double lr) {
   const size_t n_mb = schedule_ ? 0 : size_t(local_micro_batches());  // none with a pipeline
   double loss_tokens = 0;
   for (size_t mb = 0; mb < n_mb; ++mb) {
-    Tensor tokens, labels;
+    Tensor tokens, labels, whole;
     load_batch(*datasets_[0], micro_batch_start(consumed_samples_, int64_t(mb)),
-               args_.micro_batch_size, tokens, labels);
+               args_.micro_batch_size, tokens, labels, &whole);
     batch_tokens_[mb].copy_from(tokens);
     batch_labels_[mb].copy_from(labels);
-    batch_packing_[mb] =
-        packing(tokens, args_.reset_position_ids ? batch_position_ids_[mb] : Tensor());
+    // (Under context parallelism the rows' ids are made anew: the buffer holds a whole
+    // sample's, and CUDA graphs are refused with CP and packed documents.)
+    batch_packing_[mb] = packing(
+        whole, args_.reset_position_ids && !cp_params_ ? batch_position_ids_[mb] : Tensor());
     if (args_.eod_mask_loss) {
       const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
       batch_loss_masks_[mb].copy_from(mask.mask);

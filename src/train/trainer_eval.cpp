@@ -30,11 +30,12 @@ double Trainer::evaluate() {
       tokens_sum += stage.num_tokens;
     }
     for (int64_t mb = 0; !schedule_ && mb < n_mb; ++mb) {
-      Tensor tokens, labels;
-      load_batch(*valid, micro_batch_start(it * args_.global_batch_size, mb), mbs, tokens, labels);
+      Tensor tokens, labels, whole;
+      load_batch(*valid, micro_batch_start(it * args_.global_batch_size, mb), mbs, tokens, labels,
+                 &whole);
       ForwardContext ctx{false, args_.seed, 0, 0};
       ctx.forward_only = true;
-      ctx.packed_seq_params = packing(tokens);  // null unless documents are packed
+      ctx.packed_seq_params = packing(whole);  // null unless documents are packed or CP
       MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
       if (args_.eod_mask_loss) {
         const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());

@@ -483,6 +483,13 @@ layouts=(
   # MTP depths shift within each document; learned positions read the restarted ids.
   "mtp-pp2-packed|2|--pipeline-model-parallel-size 2|MTP=1 PACK=1 VOCAB=7 PAD=4"
   "mtp-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|MTP=2 PACK=1 VOCAB=7 PAD=4"
+  # Context parallelism over packed documents: each comm type cuts its blocks at the
+  # documents' boundaries (documents cross chunks and ranks at this vocabulary).
+  "cp2-p2p-packed|2|--context-parallel-size 2 --cp-comm-type p2p|PACK=1 VOCAB=7 PAD=4"
+  "cp2-all-gather-packed|2|--context-parallel-size 2 --cp-comm-type all_gather|PACK=1 VOCAB=7 PAD=4"
+  "cp2-a2a-packed|2|--context-parallel-size 2 --cp-comm-type a2a|PACK=1 VOCAB=7 PAD=4"
+  "cp4-p2p-packed|4|--context-parallel-size 4|PACK=1 VOCAB=7 PAD=4"
+  "cp2-tp2-sp-packed|4|--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel|PACK=1 VOCAB=7 PAD=4"
   "learned-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
   "learned-pp2-packed|2|--pipeline-model-parallel-size 2|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
 )

@@ -18,6 +18,7 @@
 #include "dist/comm.h"
 #include "dist/runtime.h"
 #include "model/context_parallel.h"
+#include "ops/attention_varlen.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -50,7 +51,20 @@ struct CpCase {
   int cp;
   CpCommType type;
   int64_t B, S, Hq, Hkv, D, Dv;
+  bool documents = false;  // packed documents (--reset-attention-mask)
 };
+
+// Document boundaries over B samples of S rows: per sample a few documents of uneven
+// lengths (some inside one chunk, some across chunks and ranks), different per sample.
+std::vector<int32_t> test_documents(int64_t B, int64_t S) {
+  std::vector<int32_t> cu{0};
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t cut : {S / 8 + 1 + b, S / 3 + 2 * b, S / 3 + 3 + 2 * b, (3 * S) / 4 - b})
+      if (cut > 0 && cut < S && b * S + cut > cu.back()) cu.push_back(int32_t(b * S + cut));
+    cu.push_back(int32_t((b + 1) * S));
+  }
+  return cu;
+}
 
 class CpAttentionTest : public ::testing::TestWithParam<CpCase> {
  protected:
@@ -85,10 +99,23 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
   if (gpu)
     for (Tensor* t : {&q, &k, &v, &dout}) *t = t->to(DType::BF16).to(DType::F32);
   Tensor out = Tensor::empty({c.B, c.S, c.Hq, c.Dv}), lse = Tensor::empty({c.B, c.Hq, c.S});
-  ops::attention_forward(q, k, v, out, lse, 0.0f, 0, 0, 0.3f);
   Tensor dq = Tensor::empty(q.shape()), dk = Tensor::empty(k.shape()),
          dv = Tensor::empty(v.shape());
-  ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0f, 0, 0, 0.3f);
+  // With documents the reference is the packed-sequence op over the whole micro-batch.
+  const std::vector<int32_t> cu = test_documents(c.B, c.S);
+  const Tensor cu_seqlens = Tensor::from_i32({int64_t(cu.size())}, cu);
+  auto tokens = [&](const Tensor& x) { return x.view({c.B * c.S, x.dim(2), x.dim(3)}); };
+  Tensor vlse = Tensor::empty({c.B * c.S, c.Hq});
+  if (c.documents) {
+    Tensor o = tokens(out), dqr = tokens(dq), dkr = tokens(dk), dvr = tokens(dv);
+    ops::attention_varlen_forward(tokens(q), tokens(k), tokens(v), o, vlse, cu_seqlens, c.S, 0.0f,
+                                  0, 0, 0.3f);
+    ops::attention_varlen_backward(tokens(dout), tokens(q), tokens(k), tokens(v), o, vlse,
+                                   cu_seqlens, c.S, dqr, dkr, dvr, 0.0f, 0, 0, 0.3f);
+  } else {
+    ops::attention_forward(q, k, v, out, lse, 0.0f, 0, 0, 0.3f);
+    ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv, 0.0f, 0, 0, 0.3f);
+  }
 
   auto local = [&](const Tensor& x) { return cp_split_sequence(x, g.size(), g.rank); };
   // This rank's rows on the test's device (bf16 on the GPU), and back as fp32 host rows.
@@ -104,12 +131,21 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
     auto dev = [](const Tensor& x) { return x.to(DType::BF16).to(Device::CUDA); };
     Tensor gq = dev(q), gk = dev(k), gv = dev(v), gdout = dev(dout);
     Tensor gout = Tensor::empty(out.shape(), dtype, device),
-           glse = Tensor::empty(lse.shape(), DType::F32, device);
-    ops::attention_forward(gq, gk, gv, gout, glse, 0.0f, 0, 0, 0.3f);
+           glse = Tensor::empty(c.documents ? vlse.shape() : lse.shape(), DType::F32, device);
     Tensor gdq = Tensor::empty(q.shape(), dtype, device),
            gdk = Tensor::empty(k.shape(), dtype, device),
            gdv = Tensor::empty(v.shape(), dtype, device);
-    ops::attention_backward(gdout, gq, gk, gv, gout, glse, gdq, gdk, gdv, 0.0f, 0, 0, 0.3f);
+    if (c.documents) {
+      const Tensor gcu = cu_seqlens.to(device);
+      Tensor o = tokens(gout), dqr = tokens(gdq), dkr = tokens(gdk), dvr = tokens(gdv);
+      ops::attention_varlen_forward(tokens(gq), tokens(gk), tokens(gv), o, glse, gcu, c.S, 0.0f, 0,
+                                    0, 0.3f);
+      ops::attention_varlen_backward(tokens(gdout), tokens(gq), tokens(gk), tokens(gv), o, glse,
+                                     gcu, c.S, dqr, dkr, dvr, 0.0f, 0, 0, 0.3f);
+    } else {
+      ops::attention_forward(gq, gk, gv, gout, glse, 0.0f, 0, 0, 0.3f);
+      ops::attention_backward(gdout, gq, gk, gv, gout, glse, gdq, gdk, gdv, 0.0f, 0, 0, 0.3f);
+    }
     for (const Tensor* t : {&gout, &gdq, &gdk, &gdv}) dense.push_back(host(*t));
   }
   // x (this rank's result) against the CPU reference `ref` (whole sequence): elementwise on
@@ -133,7 +169,10 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
     if (c.type != CpCommType::A2A) return ::testing::AssertionSuccess();
     return allclose(got, local(dense[i]), 4e-3, 1e-2);
   };
-  const CpAttention cp{&comm(), &g, c.type};
+  CpAttention cp{&comm(), &g, c.type};
+  if (c.documents)
+    cp.document_starts =
+        std::make_shared<const std::vector<int32_t>>(cp_document_starts(cu, c.B, c.S));
   const int64_t L = c.S / c.cp;
   Tensor lq = on_device(q), lk = on_device(k), lv = on_device(v), ldout = on_device(dout);
   Tensor lout = Tensor::empty({c.B, L, c.Hq, c.Dv}, dtype, device),
@@ -141,12 +180,15 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
   cp_attention_forward(lq, lk, lv, lout, llse, cp, 0.3f);
   EXPECT_TRUE(matches(lout, out, 0)) << cp_comm_type_name(c.type);
   if (c.type != CpCommType::A2A) {  // (a2a keeps its head group's whole-sequence lse)
-    // The reference lse [B, Hq, S] as [B, S, Hq] rows, then this rank's.
+    // The reference lse [B, Hq, S] as [B, S, Hq] rows (the packed op's already are), then
+    // this rank's.
     Tensor rows = Tensor::empty({c.B, c.S, c.Hq});
     for (int64_t b = 0; b < c.B; ++b)
       for (int64_t h = 0; h < c.Hq; ++h)
         for (int64_t s = 0; s < c.S; ++s)
-          rows.f32()[(b * c.S + s) * c.Hq + h] = lse.f32()[(b * c.Hq + h) * c.S + s];
+          rows.f32()[(b * c.S + s) * c.Hq + h] =
+              c.documents ? vlse.f32()[(b * c.S + s) * c.Hq + h]
+                          : lse.f32()[(b * c.Hq + h) * c.S + s];
     // (On the GPU fp32 statistics of the same bf16 products, summed in another order.)
     EXPECT_TRUE(allclose(host(llse).view({c.B, L, c.Hq}), local(rows), gpu ? 1e-3 : kAtol,
                          gpu ? 1e-3 : kRtol));
@@ -174,6 +216,17 @@ INSTANTIATE_TEST_SUITE_P(CommTypes, CpAttentionTest,
                                            CpCase{2, CpCommType::AllGather, 2, 64, 4, 2, 64, 64},
                                            CpCase{4, CpCommType::AllGather, 1, 128, 8, 2, 128,
                                                   128},
+                                           // Packed documents.
+                                           CpCase{2, CpCommType::P2P, 2, 16, 4, 2, 8, 8, true},
+                                           CpCase{4, CpCommType::P2P, 2, 32, 4, 2, 8, 6, true},
+                                           CpCase{2, CpCommType::AllGather, 2, 16, 4, 2, 8, 8, true},
+                                           CpCase{4, CpCommType::AllGather, 1, 32, 4, 2, 8, 8, true},
+                                           CpCase{2, CpCommType::A2A, 2, 16, 4, 2, 8, 8, true},
+                                           CpCase{4, CpCommType::A2A, 1, 32, 8, 4, 8, 8, true},
+                                           CpCase{2, CpCommType::P2P, 2, 128, 4, 2, 64, 64, true},
+                                           CpCase{2, CpCommType::AllGather, 1, 128, 4, 2, 64, 64,
+                                                  true},
+                                           CpCase{2, CpCommType::A2A, 1, 128, 4, 2, 64, 64, true},
                                            CpCase{2, CpCommType::A2A, 2, 64, 4, 2, 64, 64},
                                            CpCase{4, CpCommType::A2A, 1, 128, 8, 4, 64, 64}));
 

@@ -36,6 +36,13 @@ TEST(ContextParallelArgs, AcceptsEachCommType) {
   EXPECT_EQ(error_of(per_layer), "");
 }
 
+TEST(ContextParallelArgs, AcceptsPackedSequences) {
+  RawOptions raw = base(2);
+  raw["reset-attention-mask"] = {"true"};
+  raw["reset-position-ids"] = {"true"};
+  EXPECT_EQ(error_of(raw), "");
+}
+
 TEST(ContextParallelArgs, AcceptsFp8OnADenseModel) {
   RawOptions raw = base(2);
   raw["fp8-format"] = {"hybrid"};
@@ -76,10 +83,10 @@ TEST(ContextParallelArgs, RefusalsAreOneLineNamingTheFlags) {
        2,
        "context-parallel-size 2 with --attention-dropout 0.1 (give 0: the context-parallel "
        "attention has no dropout) is not supported yet"},
-      {{{"reset-attention-mask", {"true"}}},
+      {{{"reset-attention-mask", {"true"}}, {"cuda-graph-impl", {"full_iteration"}}},
        2,
        "context-parallel-size 2 with --reset-attention-mask / --reset-position-ids (packed "
-       "sequences) is not supported yet"},
+       "sequences) and --cuda-graph-impl full_iteration is not supported yet"},
       {{{"mtp-num-layers", {"1"}}},
        2,
        "context-parallel-size 2 with --mtp-num-layers (multi-token prediction) is not supported "
