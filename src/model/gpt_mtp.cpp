@@ -1,6 +1,7 @@
 // Multi-token prediction (model/mtp.h): the depths' modules and GPTModel's forward and
 // backward through them on the last pipeline stage.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -87,11 +88,84 @@ MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batc
   return out;
 }
 
+MtpShifted mtp_shift_rows(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
+                          int64_t seq, int64_t k, const std::vector<int64_t>& positions,
+                          const std::vector<int32_t>* document_starts) {
+  MEGATON_CHECK(!document_starts || int64_t(document_starts->size()) == batch * seq,
+                "mtp_shift_rows: {} document starts for {} x {} tokens",
+                document_starts ? document_starts->size() : 0, batch, seq);
+  // The documents' boundaries over the whole rows (every sample end among them).
+  std::vector<int32_t> cu{0};
+  for (int64_t t = 1; t <= batch * seq; ++t)
+    if (t % seq == 0 || (document_starts && (*document_starts)[size_t(t)] == int32_t(t % seq)))
+      cu.push_back(int32_t(t));
+  const MtpShifted whole = mtp_shift(labels, loss_mask, batch, seq, k, &cu);
+  const int64_t L = int64_t(positions.size());
+  MtpShifted out;
+  out.tokens = Tensor::empty({batch * L}, DType::I32);
+  out.labels = Tensor::empty({batch * L}, DType::I32);
+  out.mask = Tensor::empty({batch * L});
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < L; ++i) {
+      MEGATON_CHECK(positions[size_t(i)] >= 0 && positions[size_t(i)] < seq,
+                    "mtp_shift_rows: position {} outside a sequence of {}", positions[size_t(i)],
+                    seq);
+      const int64_t src = b * seq + positions[size_t(i)], dst = b * L + i;
+      out.tokens.i32()[dst] = whole.tokens.i32()[src];
+      out.labels.i32()[dst] = whole.labels.i32()[src];
+      out.mask.f32()[dst] = whole.mask.f32()[src];
+      out.num_tokens += whole.mask.f32()[src];
+    }
+  return out;
+}
+
+namespace {
+
+// Context parallelism: the whole samples [B, S] (S = cp x the local rows) of a local
+// [B, L] tensor in the CP split's order (cp_split_sequence), gathered over the CP group to
+// the host.
+Tensor whole_samples(const Tensor& local, int64_t B, int64_t L, const CpAttention& cp) {
+  const int N = cp.group->size();
+  Tensor rows = local.view({B, L});
+  Tensor gathered = Tensor::empty({int64_t(N), B, L}, local.dtype(), local.device());
+  cp.comm->all_gather(rows, gathered, *cp.group);
+  const Tensor host = gathered.to(Device::CPU);
+  const int64_t S = L * N;
+  Tensor out = Tensor::empty({B, S}, local.dtype());
+  const size_t es = dtype_size(local.dtype());
+  for (int m = 0; m < N; ++m) {
+    const std::vector<int64_t> positions = cp_local_positions(S, N, m);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < L; ++i)
+        std::memcpy(static_cast<char*>(out.raw()) + size_t(b * S + positions[size_t(i)]) * es,
+                    static_cast<const char*>(host.raw()) + size_t((m * B + b) * L + i) * es, es);
+  }
+  return out;
+}
+
+}  // namespace
+
 void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const ForwardContext& ctx,
                            MicroBatchLoss& out) {
   const int64_t B = in.batch, S = in.seq, T = B * S, D = int64_t(mtp_.size());
   const Tensor labels = in.labels.to(Device::CPU).view({T});
   const Tensor mask = in.loss_mask.defined() ? in.loss_mask.to(Device::CPU).view({T}) : Tensor();
+  // Context parallelism: the shift reaches into other ranks' chunks, so each depth shifts
+  // the whole samples (gathered) and keeps this rank's rows. N_k is the whole micro-batch's
+  // (the one-rank run's; Megatron's local count differs between CP ranks): the gradient
+  // weight divides by it (the trainer's aux_grad_scale carries cp against the average over
+  // CP), the logged loss by N_k / cp (the logged values are averaged over CP).
+  const CpAttention* cp = ctx.packed_seq_params && ctx.packed_seq_params->has_context_parallel()
+                              ? &ctx.packed_seq_params->context_parallel
+                              : nullptr;
+  Tensor whole_labels, whole_mask;
+  std::vector<int64_t> positions;
+  if (cp) {
+    const int N = cp->group->size();
+    whole_labels = whole_samples(in.labels, B, S, *cp);
+    if (in.loss_mask.defined()) whole_mask = whole_samples(in.loss_mask, B, S, *cp);
+    positions = cp_local_positions(S * N, N, cp->group->rank);
+  }
   // Megatron's per-token mode weighs depth k by N_0 / N_k (N_0: the main loss's tokens).
   double n0 = double(T);
   if (mask.defined()) {
@@ -107,10 +181,29 @@ void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const Forward
   for (int64_t k = 1; k <= D; ++k) {
     MultiTokenPredictionLayer& d = *mtp_[size_t(k - 1)];
     Saved::MtpDepth& sd = saved_.mtp[size_t(k - 1)];
-    const MtpShifted shifted = mtp_shift(labels, mask, B, S, k, documents);
+    MtpShifted shifted;
+    double log_tokens = 0;  // the logged loss's divisor
+    if (cp) {
+      const int64_t N = cp->group->size();
+      const std::vector<int32_t>* starts = cp->document_starts.get();
+      shifted = mtp_shift_rows(whole_labels.view({B * S * N}),
+                               whole_mask.defined() ? whole_mask.view({B * S * N}) : Tensor(), B,
+                               S * N, k, positions, starts);
+      std::vector<int64_t> all(size_t(S * N));
+      for (int64_t p = 0; p < S * N; ++p) all[size_t(p)] = p;
+      const double whole_tokens =
+          mtp_shift_rows(whole_labels.view({B * S * N}),
+                         whole_mask.defined() ? whole_mask.view({B * S * N}) : Tensor(), B, S * N,
+                         k, all, starts)
+              .num_tokens;
+      sd.num_tokens = whole_tokens;
+      log_tokens = whole_tokens / double(N);
+    } else {
+      shifted = mtp_shift(labels, mask, B, S, k, documents);
+      sd.num_tokens = log_tokens = shifted.num_tokens;
+    }
     sd.tokens = shifted.tokens.to(cfg_.device);
     sd.mask = shifted.mask.to(cfg_.device);  // read by the loss below and by backward
-    sd.num_tokens = shifted.num_tokens;
     // The shifted tokens' embeddings, with the embedding's dropout (its own stream).
     Tensor e = embedding_lookup(sd.tokens);
     sd.emb_dropout_p = ctx.training ? cfg_.hidden_dropout : 0.0f;
@@ -134,7 +227,7 @@ void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const Forward
     // "mtp_k loss": the masked mean, on the device.
     Tensor slot = out.mtp_losses.rows(k - 1, 1);
     ops::dot(losses, sd.mask, slot);
-    ops::scale_(slot, float(1.0 / std::max(sd.num_tokens, 1.0)));
+    ops::scale_(slot, float(1.0 / std::max(log_tokens, 1.0)));
     // The objective's weight of this depth's per-token losses (Megatron's process_mtp_loss:
     // scale / N_k, times N_0 / (B S) under per-token loss, where the gradient scale the
     // trainer passes carries B S).

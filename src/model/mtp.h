@@ -61,4 +61,15 @@ struct MtpShifted {
 MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
                      int64_t seq, int64_t k, const std::vector<int32_t>* cu_seqlens = nullptr);
 
+// The same for the rows this context-parallel rank holds: labels and loss_mask are the
+// WHOLE samples' ([B * S] host, S the whole sequence; the mask may be undefined),
+// `positions` the global positions of the rank's rows of each sample (cp_local_positions),
+// document_starts null or [B * S] (CpAttention::document_starts: each position's document
+// start). Row i of sample b is position positions[i] of that sample; the result has B *
+// positions.size() rows, each as mtp_shift gives it at that position; num_tokens counts the
+// rank's rows. InternalError on sizes that do not fit.
+MtpShifted mtp_shift_rows(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
+                          int64_t seq, int64_t k, const std::vector<int64_t>& positions,
+                          const std::vector<int32_t>* document_starts);
+
 }  // namespace megaton

@@ -407,7 +407,10 @@ void check_context_parallel(const TrainArgs& a, const dist::ValidatedLayout& lay
     not_yet(
         "--reset-attention-mask / --reset-position-ids (packed sequences) and "
         "--cuda-graph-impl full_iteration");
-  if (m.mtp_num_layers > 0) not_yet("--mtp-num-layers (multi-token prediction)");
+  // MTP: its depths' shifts gather the whole samples' labels and weigh by the whole
+  // micro-batch's token counts; the per-token loss's weighting is not worked out under CP.
+  if (m.mtp_num_layers > 0 && a.calculate_per_token_loss)
+    not_yet("--mtp-num-layers and --calculate-per-token-loss");
   // FP8: the dense layers' token-split operands have their amaxes maxed over CP
   // (Linear::fp8_sharding). The experts would need the union over CP of the experts that
   // received rows (each CP rank quantizes only its non-empty ones): not built.

@@ -2,6 +2,7 @@
 #include "train/loss_mask.h"
 
 #include "core/error.h"
+#include "model/context_parallel.h"
 
 namespace megaton {
 
@@ -21,6 +22,23 @@ LossMask eod_loss_mask(const Tensor& tokens, int32_t eod) {
   const float inv_tokens = out.num_tokens > 0 ? float(1.0 / double(out.num_tokens)) : 0.0f;
   float* weights = out.weights.f32();
   for (int64_t t = 0; t < n; ++t) weights[t] = mask[t] * inv_tokens;
+  return out;
+}
+
+LossMask eod_loss_mask(const Tensor& whole_tokens, int32_t eod, int cp, int cp_rank) {
+  if (cp == 1) return eod_loss_mask(whole_tokens, eod);
+  MEGATON_CHECK(whole_tokens.ndim() == 2, "eod_loss_mask: tokens must be [B, S], got {}",
+                shape_str(whole_tokens.shape()));
+  const LossMask whole = eod_loss_mask(whole_tokens, eod);
+  LossMask out;
+  out.mask = cp_split_sequence(whole.mask.view(whole_tokens.shape()), cp, cp_rank)
+                 .view({whole.mask.numel() / cp});
+  out.weights = Tensor::empty(out.mask.shape(), DType::F32);
+  const float w = whole.num_tokens > 0 ? float(double(cp) / double(whole.num_tokens)) : 0.0f;
+  for (int64_t t = 0; t < out.mask.numel(); ++t) {
+    out.weights.f32()[t] = out.mask.f32()[t] * w;
+    out.num_tokens += out.mask.f32()[t] > 0.0f ? 1 : 0;
+  }
   return out;
 }
 

@@ -27,6 +27,15 @@ struct LossMask {
 // (data::Tokenizer::eod). InternalError when tokens is not an I32 host tensor.
 LossMask eod_loss_mask(const Tensor& tokens, int32_t eod);
 
+// Context parallelism: the loss mask of this CP rank's rows, from the micro-batch's WHOLE
+// tokens [B, S] (before the split): mask and num_tokens those of the rank's rows
+// (cp_split_sequence), weights = mask x cp / (the whole micro-batch's unmasked tokens), so
+// that after the gradients' average over the CP ranks each token weighs what it does in the
+// one-rank run (Megatron divides by the rank's own count instead, which differs between CP
+// ranks when the masked tokens fall unevenly). cp == 1: eod_loss_mask. InternalError as
+// eod_loss_mask and cp_split_sequence.
+LossMask eod_loss_mask(const Tensor& whole_tokens, int32_t eod, int cp, int cp_rank);
+
 // sum_t losses[t] * mask[t], accumulated in fp64 on the host. losses [T] F32 (host or
 // device: read to the host, a synchronization on the GPU), mask [T] F32 host.
 // InternalError on other sizes or dtypes.

@@ -214,7 +214,7 @@ PipelineLosses PipelineSchedule::forward_backward(const PipelineMicroBatches& mb
         // MTP shifts the loss mask with its labels.
         std::optional<LossMask> mask;
         if (part.post_process && mbs.loss_mask) {
-          mask = mbs.loss_mask(in.tokens);
+          mask = mbs.loss_mask(op.micro_batch, in.tokens);
           if (cfg.mtp_num_layers > 0) in.loss_mask = mask->mask;
         }
         if (!part.pre_process) {

@@ -101,10 +101,10 @@ struct PipelineMicroBatches {
   // Fills tokens and labels [B, S] int32 (host) of micro-batch mb (0 <= mb < count).
   // Called only on the ranks whose chunks read them (first and last stage).
   std::function<void(int64_t mb, Tensor& tokens, Tensor& labels)> load;
-  // --eod-mask-loss: the loss mask of a micro-batch from its tokens (as load fills them),
+  // --eod-mask-loss: the loss mask of micro-batch mb from its tokens (as load fills them),
   // called on the last stage only. Empty: every token's loss counts (and the schedule
   // runs no extra op).
-  std::function<LossMask(const Tensor& tokens)> loss_mask;
+  std::function<LossMask(int64_t mb, const Tensor& tokens)> loss_mask;
   // The ForwardContext of micro-batch mb (its dropout masks; the backward uses the keys
   // its forward saved).
   std::function<ForwardContext(int64_t mb)> context;

@@ -154,6 +154,9 @@ class Trainer {
   int64_t micro_batch_start(int64_t batch_start, int64_t mb) const;
   // Whether this rank prints the log lines (world rank 0).
   bool is_logging_rank() const { return grid_->world_rank() == 0; }
+  // --eod-mask-loss: the loss mask of this rank's rows of a micro-batch from its whole
+  // tokens (train/loss_mask.h; under CP its weights count the whole micro-batch's tokens).
+  LossMask loss_mask_of(const Tensor& whole_tokens) const;
   // whole_tokens (optional): the tokens before the context-parallel split (the packing's).
   void load_batch(const data::SampleSource& source, int64_t first_sample, int64_t count,
                   Tensor& tokens, Tensor& labels, Tensor* whole_tokens = nullptr) const;

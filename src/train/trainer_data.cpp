@@ -80,6 +80,11 @@ std::shared_ptr<const PackedSeqParams> Trainer::packing(const data::SampleSource
   return packing(whole);
 }
 
+LossMask Trainer::loss_mask_of(const Tensor& whole_tokens) const {
+  const dist::Group& cp = grid_->cp();
+  return eod_loss_mask(whole_tokens, tokenizer_->eod(), cp.size(), cp.rank);
+}
+
 PipelineMicroBatches Trainer::pipeline_micro_batches(
     const data::SampleSource& source, int64_t batch_start, int64_t count,
     std::function<ForwardContext(int64_t)> context) const {
@@ -91,8 +96,12 @@ PipelineMicroBatches Trainer::pipeline_micro_batches(
     load_batch(source, micro_batch_start(batch_start, mb), args_.micro_batch_size, tokens, labels);
   };
   if (args_.eod_mask_loss)
-    out.loss_mask = [eod = tokenizer_->eod()](const Tensor& tokens) {
-      return eod_loss_mask(tokens, eod);
+    out.loss_mask = [this, &source, batch_start](int64_t mb, const Tensor& tokens) {
+      if (grid_->cp().size() == 1) return eod_loss_mask(tokens, tokenizer_->eod());
+      Tensor local, labels, whole;  // under CP the weights count the whole micro-batch
+      load_batch(source, micro_batch_start(batch_start, mb), args_.micro_batch_size, local, labels,
+                 &whole);
+      return loss_mask_of(whole);
     };
   out.context = std::move(context);
   // Packed documents: every stage's layers need the micro-batch's packing, also the
@@ -121,7 +130,7 @@ void Trainer::stage_step_inputs(double lr) {
     batch_packing_[mb] = packing(
         whole, args_.reset_position_ids && !cp_params_ ? batch_position_ids_[mb] : Tensor());
     if (args_.eod_mask_loss) {
-      const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
+      const LossMask mask = loss_mask_of(whole);
       batch_loss_masks_[mb].copy_from(mask.mask);
       batch_loss_weights_[mb].copy_from(mask.weights);
       loss_tokens += double(mask.num_tokens);

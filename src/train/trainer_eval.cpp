@@ -38,7 +38,7 @@ double Trainer::evaluate() {
       ctx.packed_seq_params = packing(whole);  // null unless documents are packed or CP
       MicroBatchLoss out = chunks_[0]->forward(tokens, labels, ctx);
       if (args_.eod_mask_loss) {
-        const LossMask mask = eod_loss_mask(tokens, tokenizer_->eod());
+        const LossMask mask = loss_mask_of(whole);
         loss_sum += masked_loss_sum(out.losses, mask.mask);
         tokens_sum += double(mask.num_tokens);
       } else {

@@ -490,6 +490,16 @@ layouts=(
   "cp2-a2a-packed|2|--context-parallel-size 2 --cp-comm-type a2a|PACK=1 VOCAB=7 PAD=4"
   "cp4-p2p-packed|4|--context-parallel-size 4|PACK=1 VOCAB=7 PAD=4"
   "cp2-tp2-sp-packed|4|--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel|PACK=1 VOCAB=7 PAD=4"
+  # --eod-mask-loss under CP: the weights count the whole micro-batch's unmasked tokens
+  # (with Megatron's per-rank count cp2 differs from one rank by 2e-2 in the params).
+  "cp2-eod|2|--context-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
+  "cp2-pp2-eod|4|--context-parallel-size 2 --pipeline-model-parallel-size 2|EOD=1 VOCAB=7 PAD=4"
+  # Multi-token prediction under CP: each depth shifts the whole samples (gathered over CP)
+  # and weighs by the whole micro-batch's token counts.
+  "cp2-mtp|2|--context-parallel-size 2|MTP=1"
+  "cp4-mtp2|4|--context-parallel-size 4 --cp-comm-type all_gather|MTP=2"
+  "cp2-tp2-sp-mtp2-eod|4|--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel|MTP=2 EOD=1 VOCAB=7 PAD=4"
+  "cp2-mtp-packed|2|--context-parallel-size 2|MTP=1 PACK=1 VOCAB=7 PAD=4"
   "learned-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
   "learned-pp2-packed|2|--pipeline-model-parallel-size 2|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
 )

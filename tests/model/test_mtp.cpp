@@ -61,6 +61,28 @@ TEST(MultiTokenPrediction, ShiftedWithinPackedDocuments) {
   EXPECT_THROW(mtp_shift(labels, mask, 2, 4, 1, &short_list), InternalError);
 }
 
+// Context parallelism: a rank's rows (positions 0, 3 of each 4-token sample, CP 2's rank 0)
+// are the rows mtp_shift gives the whole samples at those positions, within documents too
+// (document starts [0, 0, 0, 3] and [0, 1, 1, 1]: the boundaries of the test above).
+TEST(MultiTokenPrediction, ShiftedRowsOfAContextParallelRank) {
+  const Tensor labels = Tensor::from_i32({8}, {1, 2, 3, 4, 5, 6, 7, 8});
+  const Tensor mask = Tensor::from({8}, {1, 1, 1, 1, 1, 1, 0, 1});
+  const std::vector<int64_t> positions{0, 3};
+  MtpShifted rows = mtp_shift_rows(labels, mask, 2, 4, 1, positions, nullptr);
+  MtpShifted whole = mtp_shift(labels, mask, 2, 4, 1);
+  for (int64_t i = 0; i < 4; ++i) {
+    const int64_t src = (i / 2) * 4 + positions[size_t(i % 2)];
+    EXPECT_EQ(rows.tokens.i32()[i], whole.tokens.i32()[src]) << i;
+    EXPECT_EQ(rows.labels.i32()[i], whole.labels.i32()[src]) << i;
+    EXPECT_EQ(rows.mask.f32()[i], whole.mask.f32()[src]) << i;
+  }
+  EXPECT_EQ(rows.num_tokens, 2);  // rows 0 of each sample; rows 3 shift past the end
+  const std::vector<int32_t> starts{0, 0, 0, 3, 0, 1, 1, 1}, cu{0, 3, 4, 5, 8};
+  MtpShifted packed = mtp_shift_rows(labels, mask, 2, 4, 1, {0, 1, 2, 3}, &starts);
+  EXPECT_EQ(ints(packed.tokens), ints(mtp_shift(labels, mask, 2, 4, 1, &cu).tokens));
+  EXPECT_EQ(floats(packed.mask), floats(mtp_shift(labels, mask, 2, 4, 1, &cu).mask));
+}
+
 GPTConfig mtp_config() {
   GPTConfig c;
   c.num_layers = 2;

@@ -41,6 +41,8 @@ TEST(ContextParallelArgs, AcceptsPackedSequences) {
   raw["reset-attention-mask"] = {"true"};
   raw["reset-position-ids"] = {"true"};
   EXPECT_EQ(error_of(raw), "");
+  raw["mtp-num-layers"] = {"1"};  // multi-token prediction too
+  EXPECT_EQ(error_of(raw), "");
 }
 
 TEST(ContextParallelArgs, AcceptsFp8OnADenseModel) {
@@ -87,10 +89,10 @@ TEST(ContextParallelArgs, RefusalsAreOneLineNamingTheFlags) {
        2,
        "context-parallel-size 2 with --reset-attention-mask / --reset-position-ids (packed "
        "sequences) and --cuda-graph-impl full_iteration is not supported yet"},
-      {{{"mtp-num-layers", {"1"}}},
+      {{{"mtp-num-layers", {"1"}}, {"calculate-per-token-loss", {"true"}}},
        2,
-       "context-parallel-size 2 with --mtp-num-layers (multi-token prediction) is not supported "
-       "yet"},
+       "context-parallel-size 2 with --mtp-num-layers and --calculate-per-token-loss is not "
+       "supported yet"},
       {{{"fp8-format", {"hybrid"}},
         {"num-experts", {"4"}},
         {"moe-router-topk", {"2"}},
