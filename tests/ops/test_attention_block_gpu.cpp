@@ -1,7 +1,8 @@
 // GPU block attention (ops/attention_block.h on cuDNN) against the CPU reference: every
 // mask shape context parallelism runs (causal top-left, causal bottom-right with fewer
 // queries than keys, unmasked rectangles, a block no query sees), in BF16 on bf16-rounded
-// inputs; the backward adds into F32 and BF16 accumulators; the log-sum-exp merge (with
+// inputs, and the one-query-one-key block cuDNN refuses; the backward adds into F32 and BF16
+// accumulators; the log-sum-exp merge (with
 // rows of -inf) against the CPU merge; and a mask cuDNN cannot run is refused.
 #include <cmath>
 #include <limits>
@@ -104,7 +105,9 @@ INSTANTIATE_TEST_SUITE_P(
         BlockCase{32, 96, 4, 2, 64, 64, 64, 0, true}, BlockCase{32, 32, 4, 4, 64, 64, 0, 0, true},
         // MLA's head dims; a block entirely in the past (unmasked); one in the future (empty).
         BlockCase{48, 96, 4, 4, 192, 128, 48, 0, true},
-        BlockCase{32, 32, 4, 2, 64, 64, 64, 0, true}, BlockCase{32, 32, 4, 2, 64, 64, 0, 64, true}),
+        BlockCase{32, 32, 4, 2, 64, 64, 64, 0, true}, BlockCase{32, 32, 4, 2, 64, 64, 0, 64, true},
+        // One query and one key (a one-token document; cuDNN refuses s_q = s_kv = 1).
+        BlockCase{1, 1, 4, 2, 64, 64, 5, 5, true}, BlockCase{1, 1, 4, 4, 64, 32, 9, 3, true}),
     case_name);
 
 TEST(AttentionBlockGpu, RefusesAMaskCudnnCannotRun) {

@@ -10,7 +10,8 @@
 //   - the diagonal aligned with the top left (Sq = Skv, q_offset = kv_offset) or bottom
 //     right (q_offset - kv_offset = Skv - Sq >= 0: cuDNN's causal_mask_bottom_right).
 // Context parallelism's tiles (model/context_parallel.cpp) are all of these; any other is
-// an InternalError naming the offsets.
+// an InternalError naming the offsets. A block of one query and one key (a one-token
+// document's piece under packed documents), which cuDNN refuses, runs a small kernel.
 //
 // Layouts. The op's lse is token-major [Sq, Hq] (the CPU op's); cuDNN reads and writes its
 // Stats packed head-major [Hq, Sq], so the lse is transposed on the way in and out (Sq * Hq
@@ -112,6 +113,10 @@ void attention_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
     lse.fill(-std::numeric_limits<float>::infinity());
     return;
   }
+  if (d.Sq == 1 && d.Skv == 1) {  // (a one-token document's piece)
+    attention_single_key_forward(q, k, v, out, lse, d.scale);
+    return;
+  }
   Tensor stats = Tensor::empty({d.Hq, d.Sq}, DType::F32, Device::CUDA);
   sdpa::forward(d, q, k, v, out, stats, 0.0f, 0, 0);
   lse_transpose(stats, lse);
@@ -130,6 +135,10 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
   check_accumulator(dk, k, "dk");
   check_accumulator(dv, v, "dv");
   if (plan.empty || d.Sq == 0 || d.Skv == 0) return;
+  if (d.Sq == 1 && d.Skv == 1) {
+    attention_single_key_backward(dout, dv);
+    return;
+  }
   Tensor stats = Tensor::empty({d.Hq, d.Sq}, DType::F32, Device::CUDA);
   lse_transpose(lse, stats);
   Tensor bq = Tensor::empty(q.shape(), q.dtype(), Device::CUDA),

@@ -51,7 +51,61 @@ __global__ void merge_kernel(O* out, float* lse, const B* out_b, const float* ls
   if (lane == 0) lse[row] = merged;
 }
 
+// One query against one key (cuDNN refuses s_q = s_kv = 1): per query head h, with kv head
+// h / group, lse = scale q.k and out = v (the softmax of one score is 1).
+template <typename T>
+__global__ void single_key_forward_kernel(const T* q, const T* k, const T* v, T* out, float* lse,
+                                          int64_t hq, int64_t group, int64_t d, int64_t dv,
+                                          float scale) {
+  const int64_t h = blockIdx.x;
+  const int64_t hk = h / group;
+  float dot = 0.0f;
+  for (int64_t x = threadIdx.x; x < d; x += blockDim.x) dot += to_float(q[h * d + x]) * to_float(k[hk * d + x]);
+  dot = detail::block_sum(dot);
+  if (threadIdx.x == 0) lse[h] = scale * dot;
+  for (int64_t x = threadIdx.x; x < dv; x += blockDim.x) out[h * dv + x] = v[hk * dv + x];
+  (void)hq;
+}
+
+// Its gradient: the probability is 1 whatever the score, so dq = dk = 0 and dv[hk] gets the
+// sum of its query heads' dout (added into the accumulator, of any float dtype).
+template <typename T, typename A>
+__global__ void single_key_backward_kernel(const T* dout, A* dv, int64_t group, int64_t dvd) {
+  const int64_t hk = blockIdx.x;
+  for (int64_t x = threadIdx.x; x < dvd; x += blockDim.x) {
+    float sum = 0.0f;
+    for (int64_t g = 0; g < group; ++g) sum += to_float(dout[(hk * group + g) * dvd + x]);
+    dv[hk * dvd + x] = from_float<A>(to_float(dv[hk * dvd + x]) + sum);
+  }
+}
+
 }  // namespace
+
+void attention_single_key_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                                  Tensor& lse, float scale) {
+  const int64_t hq = q.dim(1), hkv = k.dim(1), d = q.dim(2), dv = v.dim(2);
+  dispatch_float(q.dtype(), [&](auto t) {
+    using T = decltype(t);
+    single_key_forward_kernel<T><<<unsigned(hq), 128, 0, compute_stream()>>>(
+        static_cast<const T*>(q.raw()), static_cast<const T*>(k.raw()),
+        static_cast<const T*>(v.raw()), static_cast<T*>(out.raw()), lse.f32(), hq, hq / hkv, d, dv,
+        scale);
+  });
+  MEGATON_CUDA_CHECK(cudaGetLastError());
+}
+
+void attention_single_key_backward(const Tensor& dout, Tensor& dv) {
+  const int64_t hq = dout.dim(1), hkv = dv.dim(1), dvd = dv.dim(2);
+  dispatch_float(dout.dtype(), [&](auto t) {
+    dispatch_float(dv.dtype(), [&](auto a) {
+      using T = decltype(t);
+      using A = decltype(a);
+      single_key_backward_kernel<T, A><<<unsigned(hkv), 128, 0, compute_stream()>>>(
+          static_cast<const T*>(dout.raw()), static_cast<A*>(dv.raw()), hq / hkv, dvd);
+    });
+  });
+  MEGATON_CUDA_CHECK(cudaGetLastError());
+}
 
 void lse_transpose(const Tensor& in, Tensor& out) {
   MEGATON_CHECK(in.ndim() == 2 && in.dtype() == DType::F32 && out.dtype() == DType::F32 &&
