@@ -55,8 +55,14 @@ TEST_P(AttentionBlockGpuTest, MatchesCpu) {
   const Tensor dq0 = randn(q.shape(), seed + 4), dk0 = randn(k.shape(), seed + 5),
                dv0 = randn(v.shape(), seed + 6);
   Tensor dq = dq0.clone(), dk = dk0.clone(), dv = dv0.clone();
-  ops::attention_block_backward(dout, q, k, v, round_to_bf16(out), lse, c.q_offset, c.kv_offset,
-                                c.causal, dq, dk, dv, 0.3f);
+  // The backward takes the query's MERGED out and lse (over every block of its keys), not
+  // this block's: a stand-in for those, so that the block's probabilities are not its own
+  // softmax (p < 1 even for a block of one key).
+  Tensor lse_m = lse.clone();
+  for (int64_t i = 0; i < lse_m.numel(); ++i) lse_m.f32()[i] += 0.4f + 0.1f * float(i % 3);
+  const Tensor out_m = round_to_bf16(randn(out.shape(), seed + 7, 0.5f));
+  ops::attention_block_backward(dout, q, k, v, out_m, lse_m, c.q_offset, c.kv_offset, c.causal, dq,
+                                dk, dv, 0.3f);
 
   const Tensor gq = to_device(q, DType::BF16), gk = to_device(k, DType::BF16),
                gv = to_device(v, DType::BF16), gdout = to_device(dout, DType::BF16);
@@ -75,8 +81,9 @@ TEST_P(AttentionBlockGpuTest, MatchesCpu) {
   }
   for (DType acc : {DType::F32, DType::BF16}) {
     Tensor gdq = to_device(dq0, acc), gdk = to_device(dk0, acc), gdv = to_device(dv0, acc);
-    ops::attention_block_backward(gdout, gq, gk, gv, to_device(out, DType::BF16), glse,
-                                  c.q_offset, c.kv_offset, c.causal, gdq, gdk, gdv, 0.3f);
+    ops::attention_block_backward(gdout, gq, gk, gv, to_device(out_m, DType::BF16),
+                                  to_device(lse_m, DType::F32), c.q_offset, c.kv_offset, c.causal,
+                                  gdq, gdk, gdv, 0.3f);
     // Normwise on the added part (the accumulator's start values taken off).
     const double tol = acc == DType::F32 ? 2e-2 : 5e-2;
     for (auto [got, want, start, name] :

@@ -77,8 +77,10 @@ BlockPlan plan_block(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
   return plan;
 }
 
+// (Not cuDNN's: the op transposes it to and from packed stats, so any row offset will do.)
 void check_lse(const Tensor& lse, const sdpa::Problem& d) {
-  sdpa::check_device_tensor(lse, kOp, "lse");
+  MEGATON_CHECK(lse.defined() && lse.device() == Device::CUDA, "{}: lse must be a CUDA tensor",
+                kOp);
   MEGATON_CHECK(lse.dtype() == DType::F32 && lse.shape() == (Shape{d.Sq, d.Hq}),
                 "{}: lse must be F32 [{}, {}], got {} {}", kOp, d.Sq, d.Hq,
                 dtype_name(lse.dtype()), shape_str(lse.shape()));
@@ -136,7 +138,9 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
   check_accumulator(dv, v, "dv");
   if (plan.empty || d.Sq == 0 || d.Skv == 0) return;
   if (d.Sq == 1 && d.Skv == 1) {
-    attention_single_key_backward(dout, dv);
+    MEGATON_CHECK(dq.dtype() == dk.dtype() && dk.dtype() == dv.dtype(),
+                  "{}: dq, dk, dv must share a dtype for a one-key block", kOp);
+    attention_single_key_backward(dout, q, k, v, out, lse, dq, dk, dv, d.scale);
     return;
   }
   Tensor stats = Tensor::empty({d.Hq, d.Sq}, DType::F32, Device::CUDA);

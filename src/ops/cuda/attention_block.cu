@@ -67,15 +67,36 @@ __global__ void single_key_forward_kernel(const T* q, const T* k, const T* v, T*
   (void)hq;
 }
 
-// Its gradient: the probability is 1 whatever the score, so dq = dk = 0 and dv[hk] gets the
-// sum of its query heads' dout (added into the accumulator, of any float dtype).
+// Its gradient given the query's MERGED out and lse (its whole attention, of which this key
+// is one term): per query head h, s = scale q.k, p = exp(s - lse), ds = p (dout.v - dout.out)
+// (FlashAttention-2's backward for one element), dq[h] += scale ds k, dk += scale ds q[h],
+// dv += p dout[h]. One block per kv head, its query heads in turn (no two blocks write one
+// row of dk, dv); each thread owns its elements of every row, so the sums need no atomics.
 template <typename T, typename A>
-__global__ void single_key_backward_kernel(const T* dout, A* dv, int64_t group, int64_t dvd) {
+__global__ void single_key_backward_kernel(const T* dout, const T* q, const T* k, const T* v,
+                                           const T* out, const float* lse, A* dq, A* dk, A* dv,
+                                           int64_t group, int64_t d, int64_t dvd, float scale) {
   const int64_t hk = blockIdx.x;
-  for (int64_t x = threadIdx.x; x < dvd; x += blockDim.x) {
-    float sum = 0.0f;
-    for (int64_t g = 0; g < group; ++g) sum += to_float(dout[(hk * group + g) * dvd + x]);
-    dv[hk * dvd + x] = from_float<A>(to_float(dv[hk * dvd + x]) + sum);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = hk * group + g;
+    float qk = 0.0f, dp = 0.0f, delta = 0.0f;
+    for (int64_t x = threadIdx.x; x < d; x += blockDim.x)
+      qk += to_float(q[h * d + x]) * to_float(k[hk * d + x]);
+    for (int64_t x = threadIdx.x; x < dvd; x += blockDim.x) {
+      dp += to_float(dout[h * dvd + x]) * to_float(v[hk * dvd + x]);
+      delta += to_float(dout[h * dvd + x]) * to_float(out[h * dvd + x]);
+    }
+    qk = detail::block_sum(qk);
+    dp = detail::block_sum(dp);
+    delta = detail::block_sum(delta);
+    const float p = expf(scale * qk - lse[h]);
+    const float ds = p * (dp - delta);
+    for (int64_t x = threadIdx.x; x < d; x += blockDim.x) {
+      dq[h * d + x] = from_float<A>(to_float(dq[h * d + x]) + scale * ds * to_float(k[hk * d + x]));
+      dk[hk * d + x] = from_float<A>(to_float(dk[hk * d + x]) + scale * ds * to_float(q[h * d + x]));
+    }
+    for (int64_t x = threadIdx.x; x < dvd; x += blockDim.x)
+      dv[hk * dvd + x] = from_float<A>(to_float(dv[hk * dvd + x]) + p * to_float(dout[h * dvd + x]));
   }
 }
 
@@ -94,14 +115,21 @@ void attention_single_key_forward(const Tensor& q, const Tensor& k, const Tensor
   MEGATON_CUDA_CHECK(cudaGetLastError());
 }
 
-void attention_single_key_backward(const Tensor& dout, Tensor& dv) {
-  const int64_t hq = dout.dim(1), hkv = dv.dim(1), dvd = dv.dim(2);
-  dispatch_float(dout.dtype(), [&](auto t) {
-    dispatch_float(dv.dtype(), [&](auto a) {
+void attention_single_key_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const Tensor& out, const Tensor& lse,
+                                   Tensor& dq, Tensor& dk, Tensor& dv, float scale) {
+  const int64_t hq = q.dim(1), hkv = k.dim(1), d = q.dim(2), dvd = v.dim(2);
+  MEGATON_CHECK(dq.dtype() == dk.dtype() && dk.dtype() == dv.dtype(),
+                "attention_single_key_backward: dq, dk, dv of one dtype");
+  dispatch_float(q.dtype(), [&](auto t) {
+    dispatch_float(dq.dtype(), [&](auto a) {
       using T = decltype(t);
       using A = decltype(a);
       single_key_backward_kernel<T, A><<<unsigned(hkv), 128, 0, compute_stream()>>>(
-          static_cast<const T*>(dout.raw()), static_cast<A*>(dv.raw()), hq / hkv, dvd);
+          static_cast<const T*>(dout.raw()), static_cast<const T*>(q.raw()),
+          static_cast<const T*>(k.raw()), static_cast<const T*>(v.raw()),
+          static_cast<const T*>(out.raw()), lse.f32(), static_cast<A*>(dq.raw()),
+          static_cast<A*>(dk.raw()), static_cast<A*>(dv.raw()), hq / hkv, d, dvd, scale);
     });
   });
   MEGATON_CUDA_CHECK(cudaGetLastError());

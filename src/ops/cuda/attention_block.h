@@ -19,12 +19,14 @@ void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Te
 
 // The block of one query and one key, which cuDNN refuses (s_q = s_kv = 1): q [1, Hq, D],
 // k [1, Hkv, D], v [1, Hkv, Dv] -> out [1, Hq, Dv] (q's dtype) = v of each head's kv head,
-// lse [1, Hq] F32 = scale q.k. The backward adds dout summed over each kv head's query heads
-// into dv (any float dtype); dq and dk get nothing (the one probability is 1). Shapes are
-// the caller's to check (attention_block.cpp).
+// lse [1, Hq] F32 = scale q.k (the block's own softmax has the one key). The backward takes
+// the query's merged out and lse (ops::attention_block_backward) and adds the block's share
+// into dq, dk, dv (one float dtype). Shapes are the caller's to check (attention_block.cpp).
 void attention_single_key_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                                   Tensor& lse, float scale);
-void attention_single_key_backward(const Tensor& dout, Tensor& dv);
+void attention_single_key_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const Tensor& out, const Tensor& lse,
+                                   Tensor& dq, Tensor& dk, Tensor& dv, float scale);
 
 // out [C, R] = in [R, C] transposed; both F32 on the GPU, contiguous. Between the block op's
 // token-major lse [S, H] and cuDNN's packed head-major Stats [H, S]. InternalError on other
