@@ -178,40 +178,56 @@ std::vector<DocumentPiece> document_pieces(int64_t q_pos, int64_t nq, int64_t kv
   return out;
 }
 
+// The pieces of a block that see keys, as one ops::attention_pieces call (one cuDNN call on
+// the GPU) takes them, and whether they are causal. Keys wholly before the queries: every
+// key of a piece's document visible, no mask. Otherwise the block's keys reach the queries'
+// end (the chunk pairs and gathered prefixes this file makes), so each piece's keys end
+// with its queries: causal at the bottom right.
+struct DocumentCall {
+  std::vector<ops::AttentionPiece> pieces;
+  std::vector<DocumentPiece> empty;  // runs of queries whose document has no key here
+  bool causal = false;
+};
+DocumentCall document_call(int64_t q_pos, int64_t nq, int64_t kv_pos, int64_t nkv,
+                           const int32_t* starts) {
+  DocumentCall call;
+  call.causal = kv_pos + nkv > q_pos;
+  for (const DocumentPiece& d : document_pieces(q_pos, nq, kv_pos, nkv, starts)) {
+    if (d.kv_count == 0) {
+      call.empty.push_back(d);
+      continue;
+    }
+    MEGATON_CHECK(!call.causal || kv_pos + d.kv_first + d.kv_count == q_pos + d.first + d.count,
+                  "cp attention: keys [{}, +{}) do not end with queries [{}, +{})",
+                  kv_pos + d.kv_first, d.kv_count, q_pos + d.first, d.count);
+    call.pieces.push_back({d.first, d.count, d.kv_first, d.kv_count});
+  }
+  return call;
+}
+
 // Queries q [nq, Hq, D] at global positions [q_pos, ...) against keys k, v [nkv, ...] at
 // [kv_pos, ...) under the causal and document masks: out [nq, Hq, Dv] and lse [nq, Hq]
 // overwritten (a query that sees no key: 0 and -inf).
 void document_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t q_pos,
                             int64_t kv_pos, const int32_t* starts, Tensor& out, Tensor& lse,
                             float scale) {
-  for (const DocumentPiece& d : document_pieces(q_pos, q.dim(0), kv_pos, k.dim(0), starts)) {
-    Tensor o = out.rows(d.first, d.count), l = lse.rows(d.first, d.count);
-    if (d.kv_count == 0) {
-      o.zero();
-      l.fill(kNegInf);
-      continue;
-    }
-    ops::attention_block_forward(q.rows(d.first, d.count), k.rows(d.kv_first, d.kv_count),
-                                 v.rows(d.kv_first, d.kv_count), q_pos + d.first,
-                                 kv_pos + d.kv_first, true, o, l, scale);
+  const DocumentCall call = document_call(q_pos, q.dim(0), kv_pos, k.dim(0), starts);
+  for (const DocumentPiece& d : call.empty) {
+    out.rows(d.first, d.count).zero();
+    lse.rows(d.first, d.count).fill(kNegInf);
   }
+  ops::attention_pieces_forward(q, k, v, call.pieces, call.causal, out, lse, scale);
 }
 
 // Its gradients, added into dq [nq, ...], dk, dv [nkv, ...]; out and lse: the queries'
-// merged results (ops::attention_block_backward).
+// merged results (ops::attention_pieces_backward).
 void document_block_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& lse, int64_t q_pos, int64_t kv_pos,
                              const int32_t* starts, Tensor& dq, Tensor& dk, Tensor& dv,
                              float scale) {
-  for (const DocumentPiece& d : document_pieces(q_pos, q.dim(0), kv_pos, k.dim(0), starts)) {
-    if (d.kv_count == 0) continue;
-    Tensor dqp = dq.rows(d.first, d.count), dkp = dk.rows(d.kv_first, d.kv_count),
-           dvp = dv.rows(d.kv_first, d.kv_count);
-    ops::attention_block_backward(
-        dout.rows(d.first, d.count), q.rows(d.first, d.count), k.rows(d.kv_first, d.kv_count),
-        v.rows(d.kv_first, d.kv_count), out.rows(d.first, d.count), lse.rows(d.first, d.count),
-        q_pos + d.first, kv_pos + d.kv_first, true, dqp, dkp, dvp, scale);
-  }
+  const DocumentCall call = document_call(q_pos, q.dim(0), kv_pos, k.dim(0), starts);
+  ops::attention_pieces_backward(dout, q, k, v, out, lse, call.pieces, call.causal, dq, dk, dv,
+                                 scale);
 }
 
 // With documents the ring's tiles are cut into chunk pairs (local query half, block half)

@@ -21,6 +21,7 @@
 // own), lse F32; arithmetic in fp32.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -44,6 +45,30 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& out, const Tensor& lse, int64_t q_offset,
                               int64_t kv_offset, bool causal, Tensor& dq, Tensor& dk, Tensor& dv,
                               float softmax_scale = 0.0f);
+
+// Many blocks in one call (packed documents under context parallelism: one block per
+// document piece of a tile). Piece i: query rows [q_first, q_first + q_count) of q
+// [Tq, Hq, D] against key rows [kv_first, kv_first + kv_count) of k [Tkv, Hkv, D], v
+// [Tkv, Hkv, Dv]; with `causal` query i of the piece sees key rows j <= i + kv_count -
+// q_count (the diagonal at the bottom right: the piece's keys end with its queries; needs
+// kv_count >= q_count), else all of them. The pieces' query rows do not overlap; counts >= 1.
+struct AttentionPiece {
+  int64_t q_first, q_count, kv_first, kv_count;
+};
+// out [Tq, Hq, Dv] and lse [Tq, Hq] F32 (token-major) of the pieces' rows overwritten, as
+// attention_block_forward gives them for each piece; other rows untouched. CPU: a loop of
+// attention_block_forward. GPU: one cuDNN call with ragged (THD) tensors, per-piece lengths
+// and the padding mask (graphs cached per bucket, as ops/attention_varlen.h's). Errors as
+// attention_block_forward, and InternalError on pieces that do not fit.
+void attention_pieces_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const std::vector<AttentionPiece>& pieces, bool causal, Tensor& out,
+                              Tensor& lse, float softmax_scale = 0.0f);
+// The pieces' gradients ADDED into dq, dk, dv (attention_block_backward for each piece; out
+// and lse the queries' merged results).
+void attention_pieces_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& out, const Tensor& lse,
+                               const std::vector<AttentionPiece>& pieces, bool causal, Tensor& dq,
+                               Tensor& dk, Tensor& dv, float softmax_scale = 0.0f);
 
 // Merges a block's result into a running one, row by row (TE's flash_attn_fwd_out_correction
 // with the lse update of cp.py): lse' = log(exp(lse) + exp(lse_b)), out' = out exp(lse -

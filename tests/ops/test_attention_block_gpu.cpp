@@ -2,11 +2,12 @@
 // mask shape context parallelism runs (causal top-left, causal bottom-right with fewer
 // queries than keys, unmasked rectangles, a block no query sees), in BF16 on bf16-rounded
 // inputs, and the one-query-one-key block cuDNN refuses; the backward adds into F32 and BF16
-// accumulators; the log-sum-exp merge (with
+// accumulators; many pieces in one ragged call (ops::attention_pieces_*); the log-sum-exp merge (with
 // rows of -inf) against the CPU merge; and a mask cuDNN cannot run is refused.
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "common/testing.h"
 #include "ops/attention_block.h"
@@ -116,6 +117,47 @@ INSTANTIATE_TEST_SUITE_P(
         // One query and one key (a one-token document; cuDNN refuses s_q = s_kv = 1).
         BlockCase{1, 1, 4, 2, 64, 64, 5, 5, true}, BlockCase{1, 1, 4, 4, 64, 32, 9, 3, true}),
     case_name);
+
+// Many pieces in one ragged cuDNN call against the CPU loop of blocks: pieces of one and
+// of many rows, causal (keys ending with the queries) and not, rows in no piece untouched.
+TEST(AttentionBlockGpu, PiecesMatchCpu) {
+  const uint64_t seed = testing::test_seed();
+  const int64_t Tq = 96, Tkv = 160, Hq = 4, Hkv = 2, D = 64;
+  const Tensor q = round_to_bf16(randn({Tq, Hq, D}, seed)),
+               k = round_to_bf16(randn({Tkv, Hkv, D}, seed + 1)),
+               v = round_to_bf16(randn({Tkv, Hkv, D}, seed + 2)),
+               dout = round_to_bf16(randn({Tq, Hq, D}, seed + 3));
+  for (bool causal : {true, false}) {
+    const std::vector<ops::AttentionPiece> pieces =
+        causal ? std::vector<ops::AttentionPiece>{{0, 1, 0, 1}, {1, 30, 1, 70}, {40, 1, 100, 5},
+                                                   {41, 55, 105, 55}}
+               : std::vector<ops::AttentionPiece>{{0, 1, 10, 1}, {1, 30, 11, 3}, {40, 56, 20, 140}};
+    Tensor out = Tensor::zeros({Tq, Hq, D}), lse = Tensor::zeros({Tq, Hq});
+    ops::attention_pieces_forward(q, k, v, pieces, causal, out, lse, 0.3f);
+    Tensor gout = Tensor::zeros({Tq, Hq, D}, DType::BF16, Device::CUDA),
+           glse = Tensor::zeros({Tq, Hq}, DType::F32, Device::CUDA);
+    ops::attention_pieces_forward(to_device(q, DType::BF16), to_device(k, DType::BF16),
+                                  to_device(v, DType::BF16), pieces, causal, gout, glse, 0.3f);
+    EXPECT_LT(rel_error(to_host_f32(gout), out), 1e-2) << causal;
+    EXPECT_TRUE(allclose(to_host_f32(glse), lse, 1e-3, 1e-3)) << causal;
+    // Rows 31..39 are in no piece: untouched (zero).
+    EXPECT_EQ(ops::sum_of_squares(to_host_f32(gout).rows(31, 9)), 0.0);
+    Tensor dq = Tensor::zeros(q.shape()), dk = Tensor::zeros(k.shape()),
+           dv = Tensor::zeros(v.shape());
+    ops::attention_pieces_backward(dout, q, k, v, round_to_bf16(out), lse, pieces, causal, dq, dk,
+                                   dv, 0.3f);
+    Tensor gdq = Tensor::zeros(q.shape(), DType::F32, Device::CUDA),
+           gdk = Tensor::zeros(k.shape(), DType::F32, Device::CUDA),
+           gdv = Tensor::zeros(v.shape(), DType::F32, Device::CUDA);
+    ops::attention_pieces_backward(to_device(dout, DType::BF16), to_device(q, DType::BF16),
+                                   to_device(k, DType::BF16), to_device(v, DType::BF16),
+                                   to_device(out, DType::BF16), to_device(lse, DType::F32), pieces,
+                                   causal, gdq, gdk, gdv, 0.3f);
+    EXPECT_LT(rel_error(to_host_f32(gdq), dq), 2e-2) << causal;
+    EXPECT_LT(rel_error(to_host_f32(gdk), dk), 2e-2) << causal;
+    EXPECT_LT(rel_error(to_host_f32(gdv), dv), 2e-2) << causal;
+  }
+}
 
 TEST(AttentionBlockGpu, RefusesAMaskCudnnCannotRun) {
   // 32 queries at 10 against 64 keys at 0: the diagonal is neither top-left nor bottom-right.

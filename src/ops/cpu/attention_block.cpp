@@ -164,6 +164,52 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
   }
 }
 
+namespace {
+
+void check_pieces(const std::vector<AttentionPiece>& pieces, int64_t Tq, int64_t Tkv, bool causal) {
+  for (const AttentionPiece& p : pieces)
+    MEGATON_CHECK(p.q_first >= 0 && p.q_count >= 1 && p.q_first + p.q_count <= Tq &&
+                      p.kv_first >= 0 && p.kv_count >= 1 && p.kv_first + p.kv_count <= Tkv &&
+                      (!causal || p.kv_count >= p.q_count),
+                  "attention_pieces: piece of queries [{}, +{}) and keys [{}, +{}) does not fit "
+                  "{} queries and {} keys{}",
+                  p.q_first, p.q_count, p.kv_first, p.kv_count, Tq, Tkv,
+                  causal ? " (causal: at least as many keys as queries)" : "");
+}
+
+}  // namespace
+
+void attention_pieces_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const std::vector<AttentionPiece>& pieces, bool causal, Tensor& out,
+                              Tensor& lse, float softmax_scale) {
+  MEGATON_CUDA_DISPATCH(q, cuda::attention_pieces_forward(q, k, v, pieces, causal, out, lse,
+                                                          softmax_scale));
+  check_pieces(pieces, q.dim(0), k.dim(0), causal);
+  for (const AttentionPiece& p : pieces) {
+    Tensor o = out.rows(p.q_first, p.q_count), l = lse.rows(p.q_first, p.q_count);
+    attention_block_forward(q.rows(p.q_first, p.q_count), k.rows(p.kv_first, p.kv_count),
+                            v.rows(p.kv_first, p.kv_count), p.kv_count - p.q_count, 0, causal, o,
+                            l, softmax_scale);
+  }
+}
+
+void attention_pieces_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& out, const Tensor& lse,
+                               const std::vector<AttentionPiece>& pieces, bool causal, Tensor& dq,
+                               Tensor& dk, Tensor& dv, float softmax_scale) {
+  MEGATON_CUDA_DISPATCH(q, cuda::attention_pieces_backward(dout, q, k, v, out, lse, pieces, causal,
+                                                           dq, dk, dv, softmax_scale));
+  check_pieces(pieces, q.dim(0), k.dim(0), causal);
+  for (const AttentionPiece& p : pieces) {
+    Tensor dqp = dq.rows(p.q_first, p.q_count), dkp = dk.rows(p.kv_first, p.kv_count),
+           dvp = dv.rows(p.kv_first, p.kv_count);
+    attention_block_backward(dout.rows(p.q_first, p.q_count), q.rows(p.q_first, p.q_count),
+                             k.rows(p.kv_first, p.kv_count), v.rows(p.kv_first, p.kv_count),
+                             out.rows(p.q_first, p.q_count), lse.rows(p.q_first, p.q_count),
+                             p.kv_count - p.q_count, 0, causal, dqp, dkp, dvp, softmax_scale);
+  }
+}
+
 void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b) {
   MEGATON_CUDA_DISPATCH(out, cuda::attention_lse_merge(out, lse, out_b, lse_b));
   check_f32_cpu(out, "out");

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/tensor.h"
+#include "ops/attention_block.h"
 
 namespace megaton::ops::cuda {
 
@@ -16,6 +17,14 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               int64_t kv_offset, bool causal, Tensor& dq, Tensor& dk, Tensor& dv,
                               float softmax_scale);
 void attention_lse_merge(Tensor& out, Tensor& lse, const Tensor& out_b, const Tensor& lse_b);
+// (attention_varlen.cpp: the ragged cuDNN graphs.)
+void attention_pieces_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const std::vector<AttentionPiece>& pieces, bool causal, Tensor& out,
+                              Tensor& lse, float softmax_scale);
+void attention_pieces_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& out, const Tensor& lse,
+                               const std::vector<AttentionPiece>& pieces, bool causal, Tensor& dq,
+                               Tensor& dk, Tensor& dv, float softmax_scale);
 
 // The block of one query and one key, which cuDNN refuses (s_q = s_kv = 1): q [1, Hq, D],
 // k [1, Hkv, D], v [1, Hkv, Dv] -> out [1, Hq, Dv] (q's dtype) = v of each head's kv head,

@@ -40,9 +40,14 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <utility>
+#include <vector>
 #include <unordered_map>
 
 #include "core/cuda/allocator.h"
+#include "core/cuda/cuda_check.h"
+#include "ops/cuda/attention_block.h"
+#include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/cudnn_sdpa.h"
 #include "ops/determinism.h"
 
@@ -60,6 +65,8 @@ struct VarlenDims {
   int64_t T, Hq, Hkv, D, Dv;  // D: q and k head dim; Dv: v and out head dim
   int64_t num_sequences;      // N
   float scale;                // the scores' scale
+  int64_t Tkv = -1;           // k and v rows (the pieces op; -1: T, as q's)
+  int64_t kv_rows() const { return Tkv < 0 ? T : Tkv; }
 };
 
 void check_half_tensor(const Tensor& t, DType dtype, const char* name) {
@@ -133,12 +140,23 @@ struct VarlenProblem {
   int64_t batch;      // graph batch: N rounded up to a power of two
   int64_t S;          // graph sequence dim: the bound on every entry's length
   int64_t max_total;  // backward's max_total_seq_len_q/kv; 0 in the forward
+  // The pieces op: the key side's bound and backward total, and the mask (the sequences
+  // op: S, max_total and causal top-left).
+  int64_t S_kv = 0, max_total_kv = 0;
+  sdpa::Mask mask = sdpa::Mask::CausalTopLeft;
 };
+
+// S bucket of entries up to `longest` rows in a tensor of `rows` rows.
+int64_t seq_bucket(int64_t longest, int64_t rows) {
+  return std::min(power_of_two_at_least(std::max<int64_t>(longest, 64)), round_up(rows, 64));
+}
 
 VarlenProblem problem(const VarlenDims& d, int64_t max_seqlen, bool backward) {
   VarlenProblem p{d, power_of_two_at_least(d.num_sequences), 0, 0};
-  p.S = std::min(power_of_two_at_least(std::max<int64_t>(max_seqlen, 64)), round_up(d.T, 64));
+  p.S = seq_bucket(max_seqlen, d.T);
   if (backward) p.max_total = round_up(d.T, 128);
+  p.S_kv = p.S;
+  p.max_total_kv = p.max_total;
   return p;
 }
 
@@ -152,25 +170,27 @@ struct VarlenGraph {
   int64_t workspace_bytes = 0;
 };
 
-// (batch, S, max_total, Hq, Hkv, D, Dv, scale bits, dtype, dropout_p bits, backward,
-// deterministic)
-using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t,
-                            int, uint32_t, bool, bool>;
+// (batch, S, max_total, S_kv, max_total_kv, mask, Hq, Hkv, D, Dv, scale bits, dtype,
+// dropout_p bits, backward, deterministic)
+using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, int64_t, int64_t,
+                            int64_t, int64_t, uint32_t, int, uint32_t, bool, bool>;
 
 GraphKey make_key(const VarlenProblem& p, DType dtype, float dropout_p, bool backward) {
   const VarlenDims& d = p.d;
   const bool deterministic_backward = backward && deterministic();
-  return GraphKey(p.batch, p.S, p.max_total, d.Hq, d.Hkv, d.D, d.Dv, sdpa::float_bits(d.scale),
-                  int(dtype), sdpa::float_bits(dropout_p), backward, deterministic_backward);
+  return GraphKey(p.batch, p.S, p.max_total, p.S_kv, p.max_total_kv, int(p.mask), d.Hq, d.Hkv,
+                  d.D, d.Dv, sdpa::float_bits(d.scale), int(dtype), sdpa::float_bits(dropout_p),
+                  backward, deterministic_backward);
 }
 
 std::string describe(const VarlenProblem& p, DType dtype, float dropout_p, bool backward) {
   const VarlenDims& d = p.d;
   return fmt::format(
-      "attention_varlen {}{} T={} N={} (graph batch {}) S={} Hq={} Hkv={} D={} Dv={} scale={} "
-      "{} dropout_p={}",
+      "attention_varlen {}{} T={} N={} (graph batch {}) S={} Tkv={} Skv={} mask={} Hq={} Hkv={} "
+      "D={} Dv={} scale={} {} dropout_p={}",
       backward ? "backward" : "forward", backward && deterministic() ? " (deterministic)" : "", d.T,
-      d.num_sequences, p.batch, p.S, d.Hq, d.Hkv, d.D, d.Dv, d.scale, dtype_name(dtype), dropout_p);
+      d.num_sequences, p.batch, p.S, d.kv_rows(), p.S_kv, int(p.mask), d.Hq, d.Hkv, d.D, d.Dv,
+      d.scale, dtype_name(dtype), dropout_p);
 }
 
 TensorAttr index_tensor(fe::graph::Graph& graph, const char* name, int64_t entries,
@@ -184,18 +204,20 @@ TensorAttr index_tensor(fe::graph::Graph& graph, const char* name, int64_t entri
 
 // A [T, heads, head_dim] ragged tensor as cuDNN's [batch, H, S, D]; `t` is either a new
 // input (graph tensor) or an output to describe.
+// kv: the key side's sequence bound (k, v, dk, dv).
 void describe_thd(fe::graph::Tensor_attributes& t, const VarlenProblem& p, int64_t heads,
-                  int64_t head_dim, const TensorAttr& offsets) {
-  t.set_dim({p.batch, heads, p.S, head_dim})
-      .set_stride({p.S * heads * head_dim, head_dim, heads * head_dim, 1})
+                  int64_t head_dim, const TensorAttr& offsets, bool kv = false) {
+  const int64_t S = kv ? p.S_kv : p.S;
+  t.set_dim({p.batch, heads, S, head_dim})
+      .set_stride({S * heads * head_dim, head_dim, heads * head_dim, 1})
       .set_ragged_offset(offsets);
 }
 
 TensorAttr thd_input(fe::graph::Graph& graph, const char* name, const VarlenProblem& p,
-                     int64_t heads, int64_t head_dim, const TensorAttr& offsets) {
+                     int64_t heads, int64_t head_dim, const TensorAttr& offsets, bool kv = false) {
   fe::graph::Tensor_attributes t;
   t.set_name(name);
-  describe_thd(t, p, heads, head_dim, offsets);
+  describe_thd(t, p, heads, head_dim, offsets, kv);
   return graph.tensor(t);
 }
 
@@ -219,15 +241,16 @@ void add_common_inputs(VarlenGraph& g, const VarlenProblem& p) {
   g.o_offsets = index_tensor(graph, "o_offsets", p.batch + 1, fe::DataType_t::INT64);
   g.stats_offsets = index_tensor(graph, "lse_offsets", p.batch + 1, fe::DataType_t::INT64);
   g.q = thd_input(graph, "q", p, p.d.Hq, p.d.D, g.q_offsets);
-  g.k = thd_input(graph, "k", p, p.d.Hkv, p.d.D, g.k_offsets);
-  g.v = thd_input(graph, "v", p, p.d.Hkv, p.d.Dv, g.v_offsets);
+  g.k = thd_input(graph, "k", p, p.d.Hkv, p.d.D, g.k_offsets, /*kv=*/true);
+  g.v = thd_input(graph, "v", p, p.d.Hkv, p.d.Dv, g.v_offsets, /*kv=*/true);
 }
 
 template <typename Attributes>
 void set_common_attributes(Attributes& attributes, VarlenGraph& g, const VarlenProblem& p,
                            float dropout_p) {
-  attributes.set_causal_mask(true)
-      .set_attn_scale(p.d.scale)
+  if (p.mask == sdpa::Mask::CausalTopLeft) attributes.set_causal_mask(true);
+  if (p.mask == sdpa::Mask::CausalBottomRight) attributes.set_causal_mask_bottom_right(true);
+  attributes.set_attn_scale(p.d.scale)
       .set_padding_mask(true)
       .set_seq_len_q(g.seq_len_q)
       .set_seq_len_kv(g.seq_len_kv);
@@ -272,16 +295,16 @@ std::unique_ptr<VarlenGraph> build_backward(const VarlenProblem& p, DType dtype,
   auto attributes = fe::graph::SDPA_backward_attributes()
                         .set_name("attention_varlen_backward")
                         .set_max_total_seq_len_q(p.max_total)
-                        .set_max_total_seq_len_kv(p.max_total);
+                        .set_max_total_seq_len_kv(p.max_total_kv);
   set_common_attributes(attributes, *g, p, dropout_p);
   if (deterministic()) attributes.set_deterministic_algorithm(true);
   auto [dq, dk, dv] = graph.sdpa_backward(g->q, g->k, g->v, g->o, g->dout, g->stats, attributes);
   dq->set_output(true);
   describe_thd(*dq, p, p.d.Hq, p.d.D, g->q_offsets);
   dk->set_output(true);
-  describe_thd(*dk, p, p.d.Hkv, p.d.D, g->k_offsets);
+  describe_thd(*dk, p, p.d.Hkv, p.d.D, g->k_offsets, /*kv=*/true);
   dv->set_output(true);
-  describe_thd(*dv, p, p.d.Hkv, p.d.Dv, g->v_offsets);
+  describe_thd(*dv, p, p.d.Hkv, p.d.Dv, g->v_offsets, /*kv=*/true);
   g->dq = dq;
   g->dk = dk;
   g->dv = dv;
@@ -350,7 +373,149 @@ void execute(const VarlenGraph& g, std::unordered_map<TensorAttr, void*>& pack,
   if (status.is_bad()) sdpa::check_fe(status, "execute", describe(p, dtype, dropout_p, backward));
 }
 
+// ---- pieces (ops::attention_pieces_*) ---------------------------------------------------
+
+VarlenDims check_pieces(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const std::vector<AttentionPiece>& pieces, bool causal,
+                        float softmax_scale) {
+  constexpr const char* op = "cuda attention_pieces";
+  sdpa::check_device_tensor(q, op, "q");
+  MEGATON_CHECK(q.dtype() == DType::BF16 || q.dtype() == DType::F16,
+                "{}: q must be BF16 or F16 (cuDNN fused attention), got {}", op,
+                dtype_name(q.dtype()));
+  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&out, "out"}})
+    check_half_tensor(*t, q.dtype(), name);
+  MEGATON_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3 && out.ndim() == 3,
+                "{}: q, k, v, out must be [rows, heads, D]", op);
+  VarlenDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), int64_t(pieces.size()), 0.0f,
+               k.dim(0)};
+  d.scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(d.D));
+  MEGATON_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0 && d.D % 8 == 0 && d.Dv % 8 == 0 &&
+                    v.dim(0) == d.kv_rows() && v.dim(1) == d.Hkv && k.dim(2) == d.D &&
+                    out.shape() == (Shape{d.T, d.Hq, d.Dv}),
+                "{}: q {}, k {}, v {}, out {} do not fit (GQA, head dims multiples of 8)", op,
+                shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()),
+                shape_str(out.shape()));
+  MEGATON_CHECK(lse.defined() && lse.device() == Device::CUDA && lse.dtype() == DType::F32 &&
+                    lse.shape() == (Shape{d.T, d.Hq}),
+                "{}: lse must be F32 [{}, {}] on the GPU", op, d.T, d.Hq);
+  MEGATON_CHECK(d.T <= INT32_MAX && d.kv_rows() <= INT32_MAX, "{}: too many rows for cuDNN", op);
+  for (const AttentionPiece& p : pieces)
+    MEGATON_CHECK(p.q_first >= 0 && p.q_count >= 1 && p.q_first + p.q_count <= d.T &&
+                      p.kv_first >= 0 && p.kv_count >= 1 && p.kv_first + p.kv_count <= d.kv_rows() &&
+                      (!causal || p.kv_count >= p.q_count),
+                  "{}: piece of queries [{}, +{}) and keys [{}, +{}) does not fit", op, p.q_first,
+                  p.q_count, p.kv_first, p.kv_count);
+  return d;
+}
+
+// The graph's problem for the pieces: batch the pieces' count rounded up to a power of two,
+// S and S_kv bucketed from the longest piece on each side, the mask bottom-right or none.
+VarlenProblem pieces_problem(const VarlenDims& d, const std::vector<AttentionPiece>& pieces,
+                             bool causal, bool backward) {
+  int64_t longest_q = 1, longest_kv = 1;
+  for (const AttentionPiece& p : pieces) {
+    longest_q = std::max(longest_q, p.q_count);
+    longest_kv = std::max(longest_kv, p.kv_count);
+  }
+  VarlenProblem p{d, power_of_two_at_least(d.num_sequences), seq_bucket(longest_q, d.T), 0};
+  p.S_kv = seq_bucket(longest_kv, d.kv_rows());
+  if (backward) {
+    p.max_total = round_up(d.T, 128);
+    p.max_total_kv = round_up(d.kv_rows(), 128);
+  }
+  p.mask = causal ? sdpa::Mask::CausalBottomRight : sdpa::Mask::None;
+  return p;
+}
+
+// Uploads the pieces' lengths and offsets (entries past the pieces: empty, at the end rows)
+// and adds them to the pack. Caller holds sdpa::state_mutex().
+void add_pieces_description(const VarlenGraph& g, const VarlenProblem& p,
+                            const std::vector<AttentionPiece>& pieces,
+                            std::unordered_map<TensorAttr, void*>& pack) {
+  const VarlenDims& d = p.d;
+  const int64_t B = p.batch, n = int64_t(pieces.size());
+  // Five [B + 1] I64 offset arrays, then two [B] I32 length arrays.
+  std::vector<int64_t> offsets(size_t(5 * (B + 1)));
+  std::vector<int32_t> lengths(size_t(2 * B), 0);
+  for (int64_t b = 0; b <= B; ++b) {
+    const bool real = b < n;
+    const int64_t qr = real ? pieces[size_t(b)].q_first : d.T;
+    const int64_t kr = real ? pieces[size_t(b)].kv_first : d.kv_rows();
+    offsets[size_t(0 * (B + 1) + b)] = qr * d.Hq * d.D;    // q
+    offsets[size_t(1 * (B + 1) + b)] = kr * d.Hkv * d.D;   // k
+    offsets[size_t(2 * (B + 1) + b)] = kr * d.Hkv * d.Dv;  // v
+    offsets[size_t(3 * (B + 1) + b)] = qr * d.Hq * d.Dv;   // out, dout
+    offsets[size_t(4 * (B + 1) + b)] = qr * d.Hq;          // lse
+    if (real && b < B) {
+      lengths[size_t(b)] = int32_t(pieces[size_t(b)].q_count);
+      lengths[size_t(B + b)] = int32_t(pieces[size_t(b)].kv_count);
+    }
+  }
+  const size_t offset_bytes = offsets.size() * sizeof(int64_t);
+  auto* buffer =
+      static_cast<char*>(ragged_buffer(int64_t(offset_bytes + lengths.size() * sizeof(int32_t))));
+  // In stream order, without waiting for the stream (kernel parameters or a pinned block).
+  ::megaton::cuda::upload(buffer, offsets.data(), offset_bytes);
+  ::megaton::cuda::upload(buffer + offset_bytes, lengths.data(), lengths.size() * sizeof(int32_t));
+  auto* off = reinterpret_cast<int64_t*>(buffer);
+  auto* len = reinterpret_cast<int32_t*>(buffer + offset_bytes);
+  pack[g.q_offsets] = off;
+  pack[g.k_offsets] = off + (B + 1);
+  pack[g.v_offsets] = off + 2 * (B + 1);
+  pack[g.o_offsets] = off + 3 * (B + 1);
+  pack[g.stats_offsets] = off + 4 * (B + 1);
+  pack[g.seq_len_q] = len;
+  pack[g.seq_len_kv] = len + B;
+}
+
 }  // namespace
+
+void attention_pieces_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const std::vector<AttentionPiece>& pieces, bool causal, Tensor& out,
+                              Tensor& lse, float softmax_scale) {
+  const VarlenDims d = check_pieces(q, k, v, out, lse, pieces, causal, softmax_scale);
+  if (pieces.empty()) return;
+  const VarlenProblem p = pieces_problem(d, pieces, causal, /*backward=*/false);
+  std::lock_guard<std::mutex> lock(sdpa::state_mutex());
+  const VarlenGraph& g = cached_graph(p, q.dtype(), 0.0f, /*backward=*/false);
+  std::unordered_map<TensorAttr, void*> pack = {
+      {g.q, q.raw()}, {g.k, k.raw()}, {g.v, v.raw()}, {g.o, out.raw()}, {g.stats, lse.raw()}};
+  add_pieces_description(g, p, pieces, pack);
+  execute(g, pack, p, q.dtype(), 0.0f, 0, 0, /*backward=*/false);
+}
+
+void attention_pieces_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& out, const Tensor& lse,
+                               const std::vector<AttentionPiece>& pieces, bool causal, Tensor& dq,
+                               Tensor& dk, Tensor& dv, float softmax_scale) {
+  const VarlenDims d = check_pieces(q, k, v, out, lse, pieces, causal, softmax_scale);
+  check_half_tensor(dout, q.dtype(), "dout");
+  check_shape(dout, out.shape(), "dout");
+  for (const auto& [t, like] : {std::pair<Tensor*, const Tensor*>{&dq, &q}, {&dk, &k}, {&dv, &v}})
+    MEGATON_CHECK(t->defined() && t->device() == Device::CUDA && t->shape() == like->shape(),
+                  "cuda attention_pieces: a gradient of shape {} for {}", shape_str(t->shape()),
+                  shape_str(like->shape()));
+  if (pieces.empty()) return;
+  // cuDNN writes the pieces' rows only: scratch gradients start at zero and are added whole.
+  Tensor bq = Tensor::zeros(q.shape(), q.dtype(), Device::CUDA),
+         bk = Tensor::zeros(k.shape(), q.dtype(), Device::CUDA),
+         bv = Tensor::zeros(v.shape(), q.dtype(), Device::CUDA);
+  {
+    const VarlenProblem p = pieces_problem(d, pieces, causal, /*backward=*/true);
+    std::lock_guard<std::mutex> lock(sdpa::state_mutex());
+    const VarlenGraph& g = cached_graph(p, q.dtype(), 0.0f, /*backward=*/true);
+    std::unordered_map<TensorAttr, void*> pack = {
+        {g.q, q.raw()},   {g.k, k.raw()},       {g.v, v.raw()},
+        {g.o, out.raw()}, {g.dout, dout.raw()}, {g.stats, lse.raw()},
+        {g.dq, bq.raw()}, {g.dk, bk.raw()},     {g.dv, bv.raw()}};
+    add_pieces_description(g, p, pieces, pack);
+    execute(g, pack, p, q.dtype(), 0.0f, 0, 0, /*backward=*/true);
+  }
+  add_(dq, bq, 1.0f);
+  add_(dk, bk, 1.0f);
+  add_(dv, bv, 1.0f);
+}
 
 void attention_varlen_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                               Tensor& lse, const Tensor& cu_seqlens, int64_t max_seqlen,
