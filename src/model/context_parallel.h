@@ -75,9 +75,9 @@ std::vector<int32_t> cp_document_starts(const std::vector<int32_t>& cu_seqlens, 
 // Packed documents (cp.document_starts): the same exchanges; each block of queries is cut at
 // document boundaries and each piece attends to the keys of its document in the block
 // (p2p: every pair of a query chunk and a key chunk that can see each other, all_gather and
-// a2a: each chunk or sequence against its keys), one ops::attention_block call per piece
-// (on the GPU one cuDNN call per document piece: cheap for the long documents CP is for,
-// launch-bound for many short ones). For a2a the lse is then token-major [B * S, Hq / N].
+// a2a: each chunk or sequence against its keys), the pieces of a block in one
+// ops::attention_pieces call (on the GPU one ragged cuDNN call). For a2a the lse is then
+// token-major [B * S, Hq / N].
 // Devices: CPU F32; GPU BF16 or F16 through cuDNN (P2P and AllGather: ops::attention_block_*
 // per block, the merged output and the summed gradients accumulated in F32 and rounded once;
 // A2A: the dense op), the exchanges over NCCL. P2P starts each step's ring exchange
