@@ -300,8 +300,8 @@ void all_gather_backward(const Tensor& dout, const Tensor& q, const Tensor& k, c
         document_block_backward(dout_h, q_h, kn.rows(0, keys), vn.rows(0, keys), out_h, lse_h,
                                 chunk * g.c, 0, starts, dqh, dkh, dvh, scale);
       else
-        ops::attention_block_backward(dout_h, q_h, kn.rows(0, keys), vn.rows(0, keys), out_h,
-                                      lse_h, chunk * g.c, 0, true, dqh, dkh, dvh, scale);
+        ops::attention_block_backward(dout_h, q_h, kn.rows(0, keys), vn.rows(0, keys), out_h, lse_h,
+                                      chunk * g.c, 0, true, dqh, dkh, dvh, scale);
     }
     scatter_natural(dkn, g, b, dkg);
     scatter_natural(dvn, g, b, dvg);
@@ -332,8 +332,8 @@ Tile tile_of(const Geometry& g, int j) {
 // One ring step started: t goes to the next rank, the previous rank's arrives in the
 // returned tensor once the work is waited for. Every rank starts its passes in the same
 // order (the transfers pair up in that order).
-std::unique_ptr<dist::CommWork> start_ring_pass(const Tensor& t, Tensor& next, const CpAttention& cp,
-                                                const Geometry& g) {
+std::unique_ptr<dist::CommWork> start_ring_pass(const Tensor& t, Tensor& next,
+                                                const CpAttention& cp, const Geometry& g) {
   next = Tensor::empty(t.shape(), t.dtype(), t.device());
   return cp.comm->send_recv_async(&t, (g.r + 1) % g.N, &next, (g.r + g.N - 1) % g.N, *cp.group);
 }
@@ -421,11 +421,11 @@ void p2p_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
         for (const auto& [hq, hk] : chunk_pairs(g, j)) {
           Tensor dqp = rows_of(dq_acc, b, hq * g.c, g.c), dkp = rows_of(dkt, b, hk * g.c, g.c),
                  dvp = rows_of(dvt, b, hk * g.c, g.c);
-          document_block_backward(
-              rows_of(dout, b, hq * g.c, g.c), rows_of(q, b, hq * g.c, g.c),
-              rows_of(kb, b, hk * g.c, g.c), rows_of(vb, b, hk * g.c, g.c),
-              rows_of(out, b, hq * g.c, g.c), lse.rows(b * g.L + hq * g.c, g.c),
-              chunk_of(g, hq) * g.c, chunk_of_member(g, j, hk) * g.c, starts, dqp, dkp, dvp, scale);
+          document_block_backward(rows_of(dout, b, hq * g.c, g.c), rows_of(q, b, hq * g.c, g.c),
+                                  rows_of(kb, b, hk * g.c, g.c), rows_of(vb, b, hk * g.c, g.c),
+                                  rows_of(out, b, hq * g.c, g.c), lse.rows(b * g.L + hq * g.c, g.c),
+                                  chunk_of(g, hq) * g.c, chunk_of_member(g, j, hk) * g.c, starts,
+                                  dqp, dkp, dvp, scale);
         }
         continue;
       }
@@ -516,7 +516,9 @@ void a2a_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
     Tensor lw = lse.view({g.B * S, h});
     for (int64_t b = 0; b < g.B; ++b) {
       Tensor o = ow.view({g.B * S, h, g.Dv}).rows(b * S, S), l = lw.rows(b * S, S);
-      auto whole = [&](const Tensor& x) { return x.view({g.B * S, x.dim(2), x.dim(3)}).rows(b * S, S); };
+      auto whole = [&](const Tensor& x) {
+        return x.view({g.B * S, x.dim(2), x.dim(3)}).rows(b * S, S);
+      };
       document_block_forward(whole(qw), whole(kw), whole(vw), 0, 0, documents_of(cp, g, b), o, l,
                              scale);
     }
@@ -543,7 +545,9 @@ void a2a_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Te
     for (Tensor* t : {&dqw, &dkw, &dvw}) t->zero();
     const Tensor lw = lse.view({g.B * S, h});
     for (int64_t b = 0; b < g.B; ++b) {
-      auto whole = [&](const Tensor& x) { return x.view({g.B * S, x.dim(2), x.dim(3)}).rows(b * S, S); };
+      auto whole = [&](const Tensor& x) {
+        return x.view({g.B * S, x.dim(2), x.dim(3)}).rows(b * S, S);
+      };
       Tensor dqb = whole(dqw), dkb = whole(dkw), dvb = whole(dvw);
       document_block_backward(whole(dow), whole(qw), whole(kw), whole(vw), whole(ow),
                               lw.rows(b * S, S), 0, 0, documents_of(cp, g, b), dqb, dkb, dvb,

@@ -38,20 +38,17 @@ Fp8Tensor fp8_weight(const Param& weight) {
 }
 }  // namespace
 
-Fp8LinearGemms::Saved Fp8LinearGemms::forward(const Tensor& x, const Param& weight,
-                                              bool keep_input, const Sharding& sharding,
-                                              Tensor& y) {
+Fp8LinearGemms::Saved Fp8LinearGemms::forward(const Tensor& x, const Param& weight, bool keep_input,
+                                              const Sharding& sharding, Tensor& y) {
   MEGATON_CHECK(enabled_, "Fp8LinearGemms::forward on a layer without FP8");
   // An input the caller does not keep (recomputed for backward, as fc2's activation) gets
   // its column-wise copy in backward (requantize_columnwise), not now: it would outlive
   // the bf16 tensor the bf16 path leaves unsaved.
   const bool keep_columnwise = wgrad_ && keep_input;
-  const Fp8Tensor xq =
-      input_.quantize(x, true, keep_columnwise, sharding.input);
+  const Fp8Tensor xq = input_.quantize(x, true, keep_columnwise, sharding.input);
   const Fp8Tensor wq = weight.fp8_param
                            ? fp8_weight(weight)
-                           : weight_.quantize(weight.weight, true, false,
-                                              sharding.weight);
+                           : weight_.quantize(weight.weight, true, false, sharding.weight);
   ops::fp8_gemm(xq.data, xq.scale_inv, wq.data, wq.scale_inv, y, 1.0f, 0.0f, fast_forward_);
   Saved saved;
   saved.w = {Tensor(), wq.scale_inv, Tensor(), Tensor(), wq.scale};
@@ -64,8 +61,7 @@ void Fp8LinearGemms::backward(const Tensor& dy, const Param& weight, const Saved
                               const std::function<Tensor()>& x, const Sharding& sharding,
                               Tensor& dx, Tensor& main_grad) {
   MEGATON_CHECK(saved.defined(), "Fp8LinearGemms::backward without a forward");
-  const Fp8Tensor dyq =
-      grad_.quantize(dy, true, wgrad_, sharding.grad_output);
+  const Fp8Tensor dyq = grad_.quantize(dy, true, wgrad_, sharding.grad_output);
   // dx [T, in] = dy [T, out] @ W [out, in]: W^T [in, out] is the K-major operand.
   Fp8Tensor wq_t;
   if (weight.fp8_param) {  // the same bytes transposed, the same scale
@@ -85,12 +81,10 @@ void Fp8LinearGemms::backward(const Tensor& dy, const Param& weight, const Saved
   // x^T, or only its scale when the caller recomputes x.
   const Fp8Tensor xq_t =
       saved.x.data_t.defined() ? saved.x : input_.requantize_columnwise(x(), saved.x);
-  ops::fp8_gemm(dyq.data_t, dyq.scale_inv_t, xq_t.data_t, xq_t.scale_inv_t, main_grad, 1.0f,
-                1.0f);
+  ops::fp8_gemm(dyq.data_t, dyq.scale_inv_t, xq_t.data_t, xq_t.scale_inv_t, main_grad, 1.0f, 1.0f);
 }
 
-Fp8GroupedLinearGemms::Fp8GroupedLinearGemms(const Fp8Config& config, Device device,
-                                             int64_t groups)
+Fp8GroupedLinearGemms::Fp8GroupedLinearGemms(const Fp8Config& config, Device device, int64_t groups)
     : per_tensor_(config.recipe != Fp8Recipe::Blockwise) {
   for (int64_t g = 0; g < groups; ++g) gemms_.emplace_back(config, device);
 }
@@ -143,8 +137,9 @@ std::vector<Tensor> group_views(const Tensor& t, const ActiveGroups& a) {
 }  // namespace
 
 Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
-    const Tensor& x, const std::vector<int64_t>& group_rows, const std::vector<const Param*>& weights,
-    bool keep_input, const Fp8LinearGemms::Sharding& sharding, Tensor& y) {
+    const Tensor& x, const std::vector<int64_t>& group_rows,
+    const std::vector<const Param*>& weights, bool keep_input,
+    const Fp8LinearGemms::Sharding& sharding, Tensor& y) {
   MEGATON_CHECK(group_rows.size() == gemms_.size() && weights.size() == gemms_.size(),
                 "Fp8GroupedLinearGemms::forward: {} groups, {} row counts, {} weights",
                 gemms_.size(), group_rows.size(), weights.size());
@@ -154,9 +149,8 @@ Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
   if (!per_tensor_) {
     for (size_t i = 0; i < a.index.size(); ++i) {
       Tensor y_g = y.rows(a.start[i], a.rows[i]);
-      saved.groups[a.index[i]] = gemms_[a.index[i]].forward(x.rows(a.start[i], a.rows[i]),
-                                                            *weights[a.index[i]], keep_input,
-                                                            sharding, y_g);
+      saved.groups[a.index[i]] = gemms_[a.index[i]].forward(
+          x.rows(a.start[i], a.rows[i]), *weights[a.index[i]], keep_input, sharding, y_g);
     }
     return saved;
   }
@@ -170,8 +164,8 @@ Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
     weight_quantizers.push_back(&gemms_[g].weight_);
     weight_values.push_back(weights[g]->weight);
   }
-  const std::vector<Fp8Tensor> xq = Fp8Quantizer::quantize_multi(
-      inputs, group_views(x, a), true, keep_columnwise, sharding.input);
+  const std::vector<Fp8Tensor> xq = Fp8Quantizer::quantize_multi(inputs, group_views(x, a), true,
+                                                                 keep_columnwise, sharding.input);
   std::vector<Fp8Tensor> wq;
   if (weights[a.index[0]]->fp8_param) {
     for (size_t g : a.index) wq.push_back(fp8_weight(*weights[g]));
@@ -183,8 +177,10 @@ Fp8GroupedLinearGemms::Saved Fp8GroupedLinearGemms::forward(
   for (size_t i = 0; i < a.index.size(); ++i) {
     Fp8LinearGemms::Saved& s = saved.groups[a.index[i]];
     s.w = {Tensor(), wq[i].scale_inv, Tensor(), Tensor(), wq[i].scale};
-    if (keep_columnwise) s.x = {Tensor(), Tensor(), xq[i].data_t, xq[i].scale_inv_t, Tensor()};
-    else if (wgrad) s.x = {Tensor(), xq[i].scale_inv, Tensor(), Tensor(), xq[i].scale};
+    if (keep_columnwise)
+      s.x = {Tensor(), Tensor(), xq[i].data_t, xq[i].scale_inv_t, Tensor()};
+    else if (wgrad)
+      s.x = {Tensor(), xq[i].scale_inv, Tensor(), Tensor(), xq[i].scale};
   }
   return saved;
 }
@@ -207,8 +203,9 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
     for (size_t i = 0; i < a.index.size(); ++i) {
       const size_t g = a.index[i];
       Tensor dx_g = dx.rows(a.start[i], a.rows[i]);
-      gemms_[g].backward(dy.rows(a.start[i], a.rows[i]), *weights[g], saved.groups[g],
-                         [&] { return x_rows(i); }, sharding, dx_g, weights[g]->main_grad);
+      gemms_[g].backward(
+          dy.rows(a.start[i], a.rows[i]), *weights[g], saved.groups[g], [&] { return x_rows(i); },
+          sharding, dx_g, weights[g]->main_grad);
     }
     return;
   }
@@ -219,7 +216,8 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
   std::vector<Tensor> weight_values;
   std::vector<Fp8Tensor> w_saved, x_saved;
   for (size_t g : a.index) {
-    MEGATON_CHECK(saved.groups[g].defined(), "Fp8GroupedLinearGemms::backward: group {} has no forward", g);
+    MEGATON_CHECK(saved.groups[g].defined(),
+                  "Fp8GroupedLinearGemms::backward: group {} has no forward", g);
     grads.push_back(&gemms_[g].grad_);
     weight_quantizers.push_back(&gemms_[g].weight_);
     inputs.push_back(&gemms_[g].input_);
@@ -227,8 +225,8 @@ void Fp8GroupedLinearGemms::backward(const Tensor& dy, const std::vector<int64_t
     w_saved.push_back(saved.groups[g].w);
     x_saved.push_back(saved.groups[g].x);
   }
-  const std::vector<Fp8Tensor> dyq = Fp8Quantizer::quantize_multi(
-      grads, group_views(dy, a), true, wgrad, sharding.grad_output);
+  const std::vector<Fp8Tensor> dyq =
+      Fp8Quantizer::quantize_multi(grads, group_views(dy, a), true, wgrad, sharding.grad_output);
   // dx_g = dy_g @ W_g: W_g^T [in, out] is the K-major operand.
   std::vector<Fp8Tensor> wq_t;
   if (weights[a.index[0]]->fp8_param) {
@@ -269,7 +267,8 @@ std::vector<std::pair<std::string, Tensor*>> Fp8LinearGemms::state(const std::st
   std::vector<std::pair<std::string, Tensor*>> out;
   if (!enabled_ || !input_.delayed()) return out;
   const std::string base = prefix + "._extra_state.fp8.";
-  for (auto [role, q] : {std::pair{"input", &input_}, {"weight", &weight_}, {"grad_output", &grad_}}) {
+  for (auto [role, q] :
+       {std::pair{"input", &input_}, {"weight", &weight_}, {"grad_output", &grad_}}) {
     out.emplace_back(base + role + ".amax_history", &q->amax_history());
     out.emplace_back(base + role + ".scales", &q->scales());
   }

@@ -47,14 +47,14 @@ void MultiTokenPredictionLayer::collect_params(std::vector<Param*>& out) {
   final_layernorm.collect_params(out);
 }
 
-MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
-                     int64_t seq, int64_t k, const std::vector<int32_t>* cu_seqlens) {
+MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch, int64_t seq,
+                     int64_t k, const std::vector<int32_t>* cu_seqlens) {
   MEGATON_CHECK(labels.numel() == batch * seq && labels.dtype() == DType::I32 &&
                     labels.device() == Device::CPU,
                 "mtp_shift: labels must be host int32 [{} x {}]", batch, seq);
-  MEGATON_CHECK(!loss_mask.defined() || (loss_mask.numel() == batch * seq &&
-                                         loss_mask.dtype() == DType::F32 &&
-                                         loss_mask.device() == Device::CPU),
+  MEGATON_CHECK(!loss_mask.defined() ||
+                    (loss_mask.numel() == batch * seq && loss_mask.dtype() == DType::F32 &&
+                     loss_mask.device() == Device::CPU),
                 "mtp_shift: the loss mask must be host fp32 [{} x {}]", batch, seq);
   MEGATON_CHECK(k >= 1, "mtp_shift: depth {} must be >= 1", k);
   const int64_t T = batch * seq;
@@ -63,8 +63,10 @@ MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batc
   for (int64_t t = 0; t < T; ++t) segment_end[size_t(t)] = (t / seq + 1) * seq;
   if (cu_seqlens && !cu_seqlens->empty()) {
     const std::vector<int32_t>& cu = *cu_seqlens;
-    MEGATON_CHECK(cu.front() == 0 && cu.back() == T, "mtp_shift: document boundaries must run "
-                  "from 0 to {}, got {} .. {}", T, cu.front(), cu.back());
+    MEGATON_CHECK(cu.front() == 0 && cu.back() == T,
+                  "mtp_shift: document boundaries must run "
+                  "from 0 to {}, got {} .. {}",
+                  T, cu.front(), cu.back());
     for (size_t n = 0; n + 1 < cu.size(); ++n) {
       MEGATON_CHECK(cu[n] < cu[n + 1], "mtp_shift: document boundaries {} and {} not increasing",
                     cu[n], cu[n + 1]);
@@ -88,8 +90,8 @@ MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batc
   return out;
 }
 
-MtpShifted mtp_shift_rows(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
-                          int64_t seq, int64_t k, const std::vector<int64_t>& positions,
+MtpShifted mtp_shift_rows(const Tensor& labels, const Tensor& loss_mask, int64_t batch, int64_t seq,
+                          int64_t k, const std::vector<int64_t>& positions,
                           const std::vector<int32_t>* document_starts) {
   MEGATON_CHECK(!document_starts || int64_t(document_starts->size()) == batch * seq,
                 "mtp_shift_rows: {} document starts for {} x {} tokens",
@@ -231,9 +233,9 @@ void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const Forward
     // The objective's weight of this depth's per-token losses (Megatron's process_mtp_loss:
     // scale / N_k, times N_0 / (B S) under per-token loss, where the gradient scale the
     // trainer passes carries B S).
-    sd.weight = float(double(cfg_.mtp_loss_scaling_factor) / double(D) /
-                      std::max(sd.num_tokens, 1.0) *
-                      (cfg_.calculate_per_token_loss ? n0 / double(T) : 1.0));
+    sd.weight =
+        float(double(cfg_.mtp_loss_scaling_factor) / double(D) / std::max(sd.num_tokens, 1.0) *
+              (cfg_.calculate_per_token_loss ? n0 / double(T) : 1.0));
   }
 }
 

@@ -58,8 +58,8 @@ struct MtpShifted {
   Tensor mask;            // [B * S] fp32 (host)
   double num_tokens = 0;
 };
-MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
-                     int64_t seq, int64_t k, const std::vector<int32_t>* cu_seqlens = nullptr);
+MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batch, int64_t seq,
+                     int64_t k, const std::vector<int32_t>* cu_seqlens = nullptr);
 
 // The same for the rows this context-parallel rank holds: labels and loss_mask are the
 // WHOLE samples' ([B * S] host, S the whole sequence; the mask may be undefined),
@@ -68,8 +68,8 @@ MtpShifted mtp_shift(const Tensor& labels, const Tensor& loss_mask, int64_t batc
 // start). Row i of sample b is position positions[i] of that sample; the result has B *
 // positions.size() rows, each as mtp_shift gives it at that position; num_tokens counts the
 // rank's rows. InternalError on sizes that do not fit.
-MtpShifted mtp_shift_rows(const Tensor& labels, const Tensor& loss_mask, int64_t batch,
-                          int64_t seq, int64_t k, const std::vector<int64_t>& positions,
+MtpShifted mtp_shift_rows(const Tensor& labels, const Tensor& loss_mask, int64_t batch, int64_t seq,
+                          int64_t k, const std::vector<int64_t>& positions,
                           const std::vector<int32_t>* document_starts);
 
 }  // namespace megaton

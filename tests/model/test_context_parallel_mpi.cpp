@@ -163,9 +163,9 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
     const double rel = testing::rel_error(got, local(ref));
     const double dense_rel = testing::rel_error(local(dense[i]), local(ref));
     if (rel > 2e-2 || rel > 1.25 * dense_rel + 1e-3)
-      return ::testing::AssertionFailure() << "relative L2 error " << rel
-                                           << " to the CPU reference (the one-GPU attention's: "
-                                           << dense_rel << ")";
+      return ::testing::AssertionFailure()
+             << "relative L2 error " << rel
+             << " to the CPU reference (the one-GPU attention's: " << dense_rel << ")";
     if (c.type != CpCommType::A2A) return ::testing::AssertionSuccess();
     return allclose(got, local(dense[i]), 4e-3, 1e-2);
   };
@@ -186,9 +186,8 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
     for (int64_t b = 0; b < c.B; ++b)
       for (int64_t h = 0; h < c.Hq; ++h)
         for (int64_t s = 0; s < c.S; ++s)
-          rows.f32()[(b * c.S + s) * c.Hq + h] =
-              c.documents ? vlse.f32()[(b * c.S + s) * c.Hq + h]
-                          : lse.f32()[(b * c.Hq + h) * c.S + s];
+          rows.f32()[(b * c.S + s) * c.Hq + h] = c.documents ? vlse.f32()[(b * c.S + s) * c.Hq + h]
+                                                             : lse.f32()[(b * c.Hq + h) * c.S + s];
     // (On the GPU fp32 statistics of the same bf16 products, summed in another order.)
     EXPECT_TRUE(allclose(host(llse).view({c.B, L, c.Hq}), local(rows), gpu ? 1e-3 : kAtol,
                          gpu ? 1e-3 : kRtol));
@@ -202,33 +201,32 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
   EXPECT_TRUE(matches(ldv, dv, 3)) << cp_comm_type_name(c.type);
 }
 
-INSTANTIATE_TEST_SUITE_P(CommTypes, CpAttentionTest,
-                         ::testing::Values(CpCase{2, CpCommType::P2P, 2, 8, 4, 2, 8, 6},
-                                           CpCase{4, CpCommType::P2P, 1, 16, 4, 2, 8, 8},
-                                           CpCase{4, CpCommType::P2P, 2, 24, 2, 1, 4, 4},
-                                           CpCase{2, CpCommType::AllGather, 2, 8, 4, 2, 8, 6},
-                                           CpCase{4, CpCommType::AllGather, 1, 16, 4, 2, 8, 8},
-                                           CpCase{2, CpCommType::A2A, 2, 8, 4, 2, 8, 6},
-                                           CpCase{4, CpCommType::A2A, 1, 16, 8, 4, 8, 8},
-                                           // cuDNN's head sizes (the GPU run's cases).
-                                           CpCase{2, CpCommType::P2P, 2, 64, 4, 2, 64, 64},
-                                           CpCase{4, CpCommType::P2P, 1, 128, 8, 4, 64, 64},
-                                           CpCase{2, CpCommType::AllGather, 2, 64, 4, 2, 64, 64},
-                                           CpCase{4, CpCommType::AllGather, 1, 128, 8, 2, 128,
-                                                  128},
-                                           // Packed documents.
-                                           CpCase{2, CpCommType::P2P, 2, 16, 4, 2, 8, 8, true},
-                                           CpCase{4, CpCommType::P2P, 2, 32, 4, 2, 8, 6, true},
-                                           CpCase{2, CpCommType::AllGather, 2, 16, 4, 2, 8, 8, true},
-                                           CpCase{4, CpCommType::AllGather, 1, 32, 4, 2, 8, 8, true},
-                                           CpCase{2, CpCommType::A2A, 2, 16, 4, 2, 8, 8, true},
-                                           CpCase{4, CpCommType::A2A, 1, 32, 8, 4, 8, 8, true},
-                                           CpCase{2, CpCommType::P2P, 2, 128, 4, 2, 64, 64, true},
-                                           CpCase{2, CpCommType::AllGather, 1, 128, 4, 2, 64, 64,
-                                                  true},
-                                           CpCase{2, CpCommType::A2A, 1, 128, 4, 2, 64, 64, true},
-                                           CpCase{2, CpCommType::A2A, 2, 64, 4, 2, 64, 64},
-                                           CpCase{4, CpCommType::A2A, 1, 128, 8, 4, 64, 64}));
+INSTANTIATE_TEST_SUITE_P(
+    CommTypes, CpAttentionTest,
+    ::testing::Values(CpCase{2, CpCommType::P2P, 2, 8, 4, 2, 8, 6},
+                      CpCase{4, CpCommType::P2P, 1, 16, 4, 2, 8, 8},
+                      CpCase{4, CpCommType::P2P, 2, 24, 2, 1, 4, 4},
+                      CpCase{2, CpCommType::AllGather, 2, 8, 4, 2, 8, 6},
+                      CpCase{4, CpCommType::AllGather, 1, 16, 4, 2, 8, 8},
+                      CpCase{2, CpCommType::A2A, 2, 8, 4, 2, 8, 6},
+                      CpCase{4, CpCommType::A2A, 1, 16, 8, 4, 8, 8},
+                      // cuDNN's head sizes (the GPU run's cases).
+                      CpCase{2, CpCommType::P2P, 2, 64, 4, 2, 64, 64},
+                      CpCase{4, CpCommType::P2P, 1, 128, 8, 4, 64, 64},
+                      CpCase{2, CpCommType::AllGather, 2, 64, 4, 2, 64, 64},
+                      CpCase{4, CpCommType::AllGather, 1, 128, 8, 2, 128, 128},
+                      // Packed documents.
+                      CpCase{2, CpCommType::P2P, 2, 16, 4, 2, 8, 8, true},
+                      CpCase{4, CpCommType::P2P, 2, 32, 4, 2, 8, 6, true},
+                      CpCase{2, CpCommType::AllGather, 2, 16, 4, 2, 8, 8, true},
+                      CpCase{4, CpCommType::AllGather, 1, 32, 4, 2, 8, 8, true},
+                      CpCase{2, CpCommType::A2A, 2, 16, 4, 2, 8, 8, true},
+                      CpCase{4, CpCommType::A2A, 1, 32, 8, 4, 8, 8, true},
+                      CpCase{2, CpCommType::P2P, 2, 128, 4, 2, 64, 64, true},
+                      CpCase{2, CpCommType::AllGather, 1, 128, 4, 2, 64, 64, true},
+                      CpCase{2, CpCommType::A2A, 1, 128, 4, 2, 64, 64, true},
+                      CpCase{2, CpCommType::A2A, 2, 64, 4, 2, 64, 64},
+                      CpCase{4, CpCommType::A2A, 1, 128, 8, 4, 64, 64}));
 
 }  // namespace
 }  // namespace megaton

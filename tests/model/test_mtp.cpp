@@ -13,8 +13,12 @@
 namespace megaton {
 namespace {
 
-std::vector<int32_t> ints(const Tensor& t) { return std::vector<int32_t>(t.i32(), t.i32() + t.numel()); }
-std::vector<float> floats(const Tensor& t) { return std::vector<float>(t.f32(), t.f32() + t.numel()); }
+std::vector<int32_t> ints(const Tensor& t) {
+  return std::vector<int32_t>(t.i32(), t.i32() + t.numel());
+}
+std::vector<float> floats(const Tensor& t) {
+  return std::vector<float>(t.f32(), t.f32() + t.numel());
+}
 
 // Two samples of 4 tokens: labels[b, s] = token s + 1; the loss mask leaves out sample 0's
 // position 1 and sample 1's position 3.

@@ -2,8 +2,8 @@
 // mask shape context parallelism runs (causal top-left, causal bottom-right with fewer
 // queries than keys, unmasked rectangles, a block no query sees), in BF16 on bf16-rounded
 // inputs, and the one-query-one-key block cuDNN refuses; the backward adds into F32 and BF16
-// accumulators; many pieces in one ragged call (ops::attention_pieces_*); the log-sum-exp merge (with
-// rows of -inf) against the CPU merge; and a mask cuDNN cannot run is refused.
+// accumulators; many pieces in one ragged call (ops::attention_pieces_*); the log-sum-exp merge
+// (with rows of -inf) against the CPU merge; and a mask cuDNN cannot run is refused.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -129,8 +129,10 @@ TEST(AttentionBlockGpu, PiecesMatchCpu) {
                dout = round_to_bf16(randn({Tq, Hq, D}, seed + 3));
   for (bool causal : {true, false}) {
     const std::vector<ops::AttentionPiece> pieces =
-        causal ? std::vector<ops::AttentionPiece>{{0, 1, 0, 1}, {1, 30, 1, 70}, {40, 1, 100, 5},
-                                                   {41, 55, 105, 55}}
+        causal ? std::vector<ops::AttentionPiece>{{0, 1, 0, 1},
+                                                  {1, 30, 1, 70},
+                                                  {40, 1, 100, 5},
+                                                  {41, 55, 105, 55}}
                : std::vector<ops::AttentionPiece>{{0, 1, 10, 1}, {1, 30, 11, 3}, {40, 56, 20, 140}};
     Tensor out = Tensor::zeros({Tq, Hq, D}), lse = Tensor::zeros({Tq, Hq});
     ops::attention_pieces_forward(q, k, v, pieces, causal, out, lse, 0.3f);
@@ -175,9 +177,9 @@ TEST(AttentionBlockGpu, MergeMatchesCpu) {
   const Tensor out_b = round_to_bf16(randn({S, H, Dv}, seed + 2)), lse_b0 = randn({S, H}, seed + 3);
   Tensor lse_b = lse_b0.clone();
   const float inf = std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < S * H; r += 7) lse.f32()[r] = -inf;      // only b's values
-  for (int64_t r = 3; r < S * H; r += 11) lse_b.f32()[r] = -inf;   // b adds nothing
-  lse.f32()[3] = lse_b.f32()[3] = -inf;                            // neither
+  for (int64_t r = 0; r < S * H; r += 7) lse.f32()[r] = -inf;     // only b's values
+  for (int64_t r = 3; r < S * H; r += 11) lse_b.f32()[r] = -inf;  // b adds nothing
+  lse.f32()[3] = lse_b.f32()[3] = -inf;                           // neither
   Tensor gout = to_device(out, DType::F32), glse = to_device(lse, DType::F32);
   ops::attention_lse_merge(gout, glse, to_device(out_b, DType::BF16), to_device(lse_b, DType::F32));
   ops::attention_lse_merge(out, lse, out_b, lse_b);

@@ -114,9 +114,9 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
                               const Tensor& out, const Tensor& lse, int64_t q_offset,
                               int64_t kv_offset, bool causal, Tensor& dq, Tensor& dk, Tensor& dv,
                               float softmax_scale) {
-  MEGATON_CUDA_DISPATCH(q, cuda::attention_block_backward(dout, q, k, v, out, lse, q_offset,
-                                                          kv_offset, causal, dq, dk, dv,
-                                                          softmax_scale));
+  MEGATON_CUDA_DISPATCH(
+      q, cuda::attention_block_backward(dout, q, k, v, out, lse, q_offset, kv_offset, causal, dq,
+                                        dk, dv, softmax_scale));
   const BlockDims d = check_qkv(q, k, v);
   check_shape(dout, {d.Sq, d.Hq, d.Dv}, "dout");
   check_shape(out, {d.Sq, d.Hq, d.Dv}, "out");
@@ -182,14 +182,14 @@ void check_pieces(const std::vector<AttentionPiece>& pieces, int64_t Tq, int64_t
 void attention_pieces_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const std::vector<AttentionPiece>& pieces, bool causal, Tensor& out,
                               Tensor& lse, float softmax_scale) {
-  MEGATON_CUDA_DISPATCH(q, cuda::attention_pieces_forward(q, k, v, pieces, causal, out, lse,
-                                                          softmax_scale));
+  MEGATON_CUDA_DISPATCH(
+      q, cuda::attention_pieces_forward(q, k, v, pieces, causal, out, lse, softmax_scale));
   check_pieces(pieces, q.dim(0), k.dim(0), causal);
   for (const AttentionPiece& p : pieces) {
     Tensor o = out.rows(p.q_first, p.q_count), l = lse.rows(p.q_first, p.q_count);
     attention_block_forward(q.rows(p.q_first, p.q_count), k.rows(p.kv_first, p.kv_count),
-                            v.rows(p.kv_first, p.kv_count), p.kv_count - p.q_count, 0, causal, o,
-                            l, softmax_scale);
+                            v.rows(p.kv_first, p.kv_count), p.kv_count - p.q_count, 0, causal, o, l,
+                            softmax_scale);
   }
 }
 

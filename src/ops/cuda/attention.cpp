@@ -91,8 +91,9 @@ AttentionDims check_qkv(const Tensor& q, const Tensor& k, const Tensor& v, float
                 shape_str(k.shape()));
   MEGATON_CHECK(v.ndim() == 4, "cuda attention: v must be [B, S, Hkv, Dv], got {}",
                 shape_str(v.shape()));
-  AttentionDims d{q.dim(0), q.dim(1), q.dim(1), q.dim(2), k.dim(2), q.dim(3), v.dim(3), 0.0f,
-                  sdpa::Mask::CausalTopLeft};
+  AttentionDims d{q.dim(0), q.dim(1), q.dim(1),
+                  q.dim(2), k.dim(2), q.dim(3),
+                  v.dim(3), 0.0f,     sdpa::Mask::CausalTopLeft};
   d.scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(d.D));
   MEGATON_CHECK(d.Hq > 0 && d.D > 0 && d.Dv > 0,
                 "cuda attention: q {} or v {} has no heads or an empty head dim",
@@ -120,14 +121,13 @@ struct SdpaGraph {
 
 // (B, Sq, Skv, Hq, Hkv, D, Dv, scale bits, mask, dtype, dropout_p bits, backward,
 // deterministic)
-using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            uint32_t, int, int, uint32_t, bool, bool>;
+using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t,
+                            int, int, uint32_t, bool, bool>;
 
 GraphKey make_key(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
   const bool deterministic_backward = backward && deterministic();
-  return GraphKey(d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, d.Dv, sdpa::float_bits(d.scale),
-                  int(d.mask), int(dtype), sdpa::float_bits(dropout_p), backward,
-                  deterministic_backward);
+  return GraphKey(d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, d.Dv, sdpa::float_bits(d.scale), int(d.mask),
+                  int(dtype), sdpa::float_bits(dropout_p), backward, deterministic_backward);
 }
 
 const char* mask_name(sdpa::Mask mask) {
@@ -145,8 +145,8 @@ const char* mask_name(sdpa::Mask mask) {
 std::string describe(const AttentionDims& d, DType dtype, float dropout_p, bool backward) {
   return fmt::format(
       "attention {}{} B={} Sq={} Skv={} Hq={} Hkv={} D={} Dv={} scale={} mask={} {} dropout_p={}",
-      backward ? "backward" : "forward", backward && deterministic() ? " (deterministic)" : "",
-      d.B, d.Sq, d.Skv, d.Hq, d.Hkv, d.D, d.Dv, d.scale, mask_name(d.mask), dtype_name(dtype),
+      backward ? "backward" : "forward", backward && deterministic() ? " (deterministic)" : "", d.B,
+      d.Sq, d.Skv, d.Hq, d.Hkv, d.D, d.Dv, d.scale, mask_name(d.mask), dtype_name(dtype),
       dropout_p);
 }
 
@@ -159,8 +159,7 @@ TensorAttr bshd_tensor(fe::graph::Graph& graph, const char* name, int64_t B, int
                           .set_stride({seq * heads * head_dim, head_dim, heads * head_dim, 1}));
 }
 // The same for an output of the graph.
-void set_bshd_output(const TensorAttr& t, int64_t B, int64_t seq, int64_t heads,
-                     int64_t head_dim) {
+void set_bshd_output(const TensorAttr& t, int64_t B, int64_t seq, int64_t heads, int64_t head_dim) {
   t->set_output(true)
       .set_dim({B, heads, seq, head_dim})
       .set_stride({seq * heads * head_dim, head_dim, heads * head_dim, 1});
@@ -222,9 +221,8 @@ std::unique_ptr<SdpaGraph> build_backward(const AttentionDims& d, DType dtype, f
                               .set_dim(stats_dim(d))
                               .set_stride(stats_stride(d))
                               .set_data_type(fe::DataType_t::FLOAT));
-  auto attributes = fe::graph::SDPA_backward_attributes()
-                        .set_name("attention_backward")
-                        .set_attn_scale(d.scale);
+  auto attributes =
+      fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_attn_scale(d.scale);
   set_mask(attributes, d.mask);
   if (deterministic()) attributes.set_deterministic_algorithm(true);
   if (dropout_p > 0.0f) {
@@ -279,8 +277,8 @@ namespace sdpa {
 void check_head_dims(const Problem& d, const char* op) {
   // cuDNN's fused kernels: head dims multiples of 8 (16-byte rows), at most 256 on Hopper
   // with cuDNN 9.14; the frontend reports the exact limit when building.
-  MEGATON_CHECK(d.D % 8 == 0 && d.Dv % 8 == 0, "{}: head dims {} and {} must be multiples of 8 for cuDNN",
-                op, d.D, d.Dv);
+  MEGATON_CHECK(d.D % 8 == 0 && d.Dv % 8 == 0,
+                "{}: head dims {} and {} must be multiples of 8 for cuDNN", op, d.D, d.Dv);
 }
 
 void forward(const Problem& d, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,

@@ -18,10 +18,11 @@
 // floats). cuDNN overwrites dq, dk, dv; the op's backward adds, so the block's gradients go
 // through scratch tensors of q's dtype and are added (ops::add_, into dq, dk, dv of any
 // float dtype: context parallelism accumulates in F32).
+#include "ops/cuda/attention_block.h"
+
 #include <cmath>
 #include <limits>
 
-#include "ops/cuda/attention_block.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/cudnn_sdpa.h"
 
@@ -52,8 +53,8 @@ BlockPlan plan_block(const Tensor& q, const Tensor& k, const Tensor& v, int64_t 
                 shape_str(k.shape()), shape_str(v.shape()));
   const int64_t Sq = q.dim(0), Skv = k.dim(0), Hq = q.dim(1), Hkv = k.dim(1), D = q.dim(2),
                 Dv = v.dim(2);
-  MEGATON_CHECK(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0 &&
-                    k.shape() == (Shape{Skv, Hkv, D}) && v.shape() == (Shape{Skv, Hkv, Dv}),
+  MEGATON_CHECK(Hkv > 0 && Hq % Hkv == 0 && D > 0 && Dv > 0 && k.shape() == (Shape{Skv, Hkv, D}) &&
+                    v.shape() == (Shape{Skv, Hkv, Dv}),
                 "{}: q {}, k {}, v {} do not fit (GQA: query heads a multiple of kv heads)", kOp,
                 shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
   const float scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(D));
@@ -82,8 +83,8 @@ void check_lse(const Tensor& lse, const sdpa::Problem& d) {
   MEGATON_CHECK(lse.defined() && lse.device() == Device::CUDA, "{}: lse must be a CUDA tensor",
                 kOp);
   MEGATON_CHECK(lse.dtype() == DType::F32 && lse.shape() == (Shape{d.Sq, d.Hq}),
-                "{}: lse must be F32 [{}, {}], got {} {}", kOp, d.Sq, d.Hq,
-                dtype_name(lse.dtype()), shape_str(lse.shape()));
+                "{}: lse must be F32 [{}, {}], got {} {}", kOp, d.Sq, d.Hq, dtype_name(lse.dtype()),
+                shape_str(lse.shape()));
 }
 
 void check_like(const Tensor& t, const Tensor& ref, const Shape& shape, const char* name) {
@@ -94,11 +95,11 @@ void check_like(const Tensor& t, const Tensor& ref, const Shape& shape, const ch
 }
 
 void check_accumulator(const Tensor& t, const Tensor& like, const char* name) {
-  MEGATON_CHECK(t.defined() && t.device() == Device::CUDA && t.shape() == like.shape() &&
-                    (t.dtype() == DType::F32 || t.dtype() == DType::BF16 ||
-                     t.dtype() == DType::F16),
-                "{}: {} must be a float GPU tensor of shape {}, got {}", kOp, name,
-                shape_str(like.shape()), t.defined() ? shape_str(t.shape()) : "none");
+  MEGATON_CHECK(
+      t.defined() && t.device() == Device::CUDA && t.shape() == like.shape() &&
+          (t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::F16),
+      "{}: {} must be a float GPU tensor of shape {}, got {}", kOp, name, shape_str(like.shape()),
+      t.defined() ? shape_str(t.shape()) : "none");
 }
 
 }  // namespace

@@ -47,7 +47,8 @@ __global__ void merge_kernel(O* out, float* lse, const B* out_b, const float* ls
     wb = expf(b - merged);
   }
   for (int64_t x = lane; x < dv; x += 32)
-    o[x] = from_float<O>(a == -INFINITY ? to_float(ob[x]) : to_float(o[x]) * wa + to_float(ob[x]) * wb);
+    o[x] = from_float<O>(a == -INFINITY ? to_float(ob[x])
+                                        : to_float(o[x]) * wa + to_float(ob[x]) * wb);
   if (lane == 0) lse[row] = merged;
 }
 
@@ -60,7 +61,8 @@ __global__ void single_key_forward_kernel(const T* q, const T* k, const T* v, T*
   const int64_t h = blockIdx.x;
   const int64_t hk = h / group;
   float dot = 0.0f;
-  for (int64_t x = threadIdx.x; x < d; x += blockDim.x) dot += to_float(q[h * d + x]) * to_float(k[hk * d + x]);
+  for (int64_t x = threadIdx.x; x < d; x += blockDim.x)
+    dot += to_float(q[h * d + x]) * to_float(k[hk * d + x]);
   dot = detail::block_sum(dot);
   if (threadIdx.x == 0) lse[h] = scale * dot;
   for (int64_t x = threadIdx.x; x < dv; x += blockDim.x) out[h * dv + x] = v[hk * dv + x];
@@ -93,10 +95,12 @@ __global__ void single_key_backward_kernel(const T* dout, const T* q, const T* k
     const float ds = p * (dp - delta);
     for (int64_t x = threadIdx.x; x < d; x += blockDim.x) {
       dq[h * d + x] = from_float<A>(to_float(dq[h * d + x]) + scale * ds * to_float(k[hk * d + x]));
-      dk[hk * d + x] = from_float<A>(to_float(dk[hk * d + x]) + scale * ds * to_float(q[h * d + x]));
+      dk[hk * d + x] =
+          from_float<A>(to_float(dk[hk * d + x]) + scale * ds * to_float(q[h * d + x]));
     }
     for (int64_t x = threadIdx.x; x < dvd; x += blockDim.x)
-      dv[hk * dvd + x] = from_float<A>(to_float(dv[hk * dvd + x]) + p * to_float(dout[h * dvd + x]));
+      dv[hk * dvd + x] =
+          from_float<A>(to_float(dv[hk * dvd + x]) + p * to_float(dout[h * dvd + x]));
   }
 }
 
@@ -137,8 +141,8 @@ void attention_single_key_backward(const Tensor& dout, const Tensor& q, const Te
 
 void lse_transpose(const Tensor& in, Tensor& out) {
   MEGATON_CHECK(in.ndim() == 2 && in.dtype() == DType::F32 && out.dtype() == DType::F32 &&
-                    out.shape() == (Shape{in.dim(1), in.dim(0)}) &&
-                    in.device() == Device::CUDA && out.device() == Device::CUDA,
+                    out.shape() == (Shape{in.dim(1), in.dim(0)}) && in.device() == Device::CUDA &&
+                    out.device() == Device::CUDA,
                 "lse_transpose: {} {} into {} {}", shape_str(in.shape()), dtype_name(in.dtype()),
                 shape_str(out.shape()), dtype_name(out.dtype()));
   const int64_t n = in.numel();

@@ -40,9 +40,9 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
-#include <unordered_map>
 
 #include "core/cuda/allocator.h"
 #include "core/cuda/cuda_check.h"
@@ -178,8 +178,8 @@ using GraphKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int, in
 GraphKey make_key(const VarlenProblem& p, DType dtype, float dropout_p, bool backward) {
   const VarlenDims& d = p.d;
   const bool deterministic_backward = backward && deterministic();
-  return GraphKey(p.batch, p.S, p.max_total, p.S_kv, p.max_total_kv, int(p.mask), d.Hq, d.Hkv,
-                  d.D, d.Dv, sdpa::float_bits(d.scale), int(dtype), sdpa::float_bits(dropout_p),
+  return GraphKey(p.batch, p.S, p.max_total, p.S_kv, p.max_total_kv, int(p.mask), d.Hq, d.Hkv, d.D,
+                  d.Dv, sdpa::float_bits(d.scale), int(dtype), sdpa::float_bits(dropout_p),
                   backward, deterministic_backward);
 }
 
@@ -383,26 +383,27 @@ VarlenDims check_pieces(const Tensor& q, const Tensor& k, const Tensor& v, const
   MEGATON_CHECK(q.dtype() == DType::BF16 || q.dtype() == DType::F16,
                 "{}: q must be BF16 or F16 (cuDNN fused attention), got {}", op,
                 dtype_name(q.dtype()));
-  for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&out, "out"}})
+  for (const auto& [t, name] :
+       {std::pair<const Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&out, "out"}})
     check_half_tensor(*t, q.dtype(), name);
   MEGATON_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3 && out.ndim() == 3,
                 "{}: q, k, v, out must be [rows, heads, D]", op);
-  VarlenDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), int64_t(pieces.size()), 0.0f,
-               k.dim(0)};
+  VarlenDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), int64_t(pieces.size()),
+               0.0f,     k.dim(0)};
   d.scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt(float(d.D));
-  MEGATON_CHECK(d.Hkv > 0 && d.Hq % d.Hkv == 0 && d.D % 8 == 0 && d.Dv % 8 == 0 &&
-                    v.dim(0) == d.kv_rows() && v.dim(1) == d.Hkv && k.dim(2) == d.D &&
-                    out.shape() == (Shape{d.T, d.Hq, d.Dv}),
-                "{}: q {}, k {}, v {}, out {} do not fit (GQA, head dims multiples of 8)", op,
-                shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()),
-                shape_str(out.shape()));
+  MEGATON_CHECK(
+      d.Hkv > 0 && d.Hq % d.Hkv == 0 && d.D % 8 == 0 && d.Dv % 8 == 0 && v.dim(0) == d.kv_rows() &&
+          v.dim(1) == d.Hkv && k.dim(2) == d.D && out.shape() == (Shape{d.T, d.Hq, d.Dv}),
+      "{}: q {}, k {}, v {}, out {} do not fit (GQA, head dims multiples of 8)", op,
+      shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()), shape_str(out.shape()));
   MEGATON_CHECK(lse.defined() && lse.device() == Device::CUDA && lse.dtype() == DType::F32 &&
                     lse.shape() == (Shape{d.T, d.Hq}),
                 "{}: lse must be F32 [{}, {}] on the GPU", op, d.T, d.Hq);
   MEGATON_CHECK(d.T <= INT32_MAX && d.kv_rows() <= INT32_MAX, "{}: too many rows for cuDNN", op);
   for (const AttentionPiece& p : pieces)
     MEGATON_CHECK(p.q_first >= 0 && p.q_count >= 1 && p.q_first + p.q_count <= d.T &&
-                      p.kv_first >= 0 && p.kv_count >= 1 && p.kv_first + p.kv_count <= d.kv_rows() &&
+                      p.kv_first >= 0 && p.kv_count >= 1 &&
+                      p.kv_first + p.kv_count <= d.kv_rows() &&
                       (!causal || p.kv_count >= p.q_count),
                   "{}: piece of queries [{}, +{}) and keys [{}, +{}) does not fit", op, p.q_first,
                   p.q_count, p.kv_first, p.kv_count);
