@@ -80,10 +80,10 @@ std::vector<int32_t> cp_document_starts(const std::vector<int32_t>& cu_seqlens, 
 // token-major [B * S, Hq / N].
 // Devices: CPU F32; GPU BF16 or F16 through cuDNN (P2P and AllGather: ops::attention_block_*
 // per block, the merged output and the summed gradients accumulated in F32 and rounded once;
-// A2A: the dense op), the exchanges over NCCL. P2P starts each step's ring exchange
-// (send_recv_async) before the step's tile and waits after it, so the next block travels
-// while the current one is computed; in backward the block's gradient follows one step
-// behind, beside the next tile. InternalError on shapes that do not fit.
+// A2A: the dense op; with documents every type through ops::attention_pieces_*), the exchanges over
+// NCCL. P2P starts each step's ring exchange (send_recv_async) before the step's tile and waits
+// after it, so the next block travels while the current one is computed; in backward the block's
+// gradient follows one step behind, beside the next tile. InternalError on shapes that do not fit.
 void cp_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                           Tensor& lse, const CpAttention& cp, float softmax_scale = 0.0f);
 

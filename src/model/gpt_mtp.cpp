@@ -15,17 +15,15 @@ namespace megaton {
 
 namespace {
 std::string depth_prefix(int64_t depth) { return "mtp.layers." + std::to_string(depth); }
-bool partial_over_tp(const ModelParallel& mp) {
-  return mp.sequence_parallel && mp.tp_size() > 1;
-}
+bool partial_over_tp(const ModelParallel& mp) { return mp.sequence_parallel && mp.tp_size() > 1; }
 }  // namespace
 
 MultiTokenPredictionLayer::MultiTokenPredictionLayer(const GPTConfig& cfg, int64_t depth,
                                                      uint64_t seed, const ModelParallel& mp)
-    : enorm(depth_prefix(depth) + ".enorm", cfg.hidden_size, cfg.normalization,
-            cfg.norm_epsilon, Placement::of(cfg), partial_over_tp(mp)),
-      hnorm(depth_prefix(depth) + ".hnorm", cfg.hidden_size, cfg.normalization,
-            cfg.norm_epsilon, Placement::of(cfg), partial_over_tp(mp)),
+    : enorm(depth_prefix(depth) + ".enorm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
+            Placement::of(cfg), partial_over_tp(mp)),
+      hnorm(depth_prefix(depth) + ".hnorm", cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
+            Placement::of(cfg), partial_over_tp(mp)),
       eh_proj(depth_prefix(depth) + ".eh_proj", 2 * cfg.hidden_size, cfg.hidden_size, false,
               cfg.init_method_std, seed, Placement::of(cfg), TensorParallelMode::None, mp),
       // The decoder's last layer's spec (Megatron: decoder_layer_specs[-1]); its layer
@@ -33,9 +31,8 @@ MultiTokenPredictionLayer::MultiTokenPredictionLayer(const GPTConfig& cfg, int64
       transformer_layer(std::make_unique<TransformerLayer>(
           cfg, decoder_layer_spec(cfg, cfg.num_layers - 1),
           depth_prefix(depth) + ".transformer_layer", cfg.num_layers + depth, seed, mp)),
-      final_layernorm(depth_prefix(depth) + ".final_layernorm", cfg.hidden_size,
-                      cfg.normalization, cfg.norm_epsilon, Placement::of(cfg),
-                      partial_over_tp(mp)) {
+      final_layernorm(depth_prefix(depth) + ".final_layernorm", cfg.hidden_size, cfg.normalization,
+                      cfg.norm_epsilon, Placement::of(cfg), partial_over_tp(mp)) {
   eh_proj.weight.sequence_parallel = partial_over_tp(mp);
 }
 
@@ -124,11 +121,14 @@ MtpShifted mtp_shift_rows(const Tensor& labels, const Tensor& loss_mask, int64_t
 namespace {
 
 // Context parallelism: the whole samples [B, S] (S = cp x the local rows) of a local
-// [B, L] tensor in the CP split's order (cp_split_sequence), gathered over the CP group to
-// the host.
-Tensor whole_samples(const Tensor& local, int64_t B, int64_t L, const CpAttention& cp) {
+// [B, L] tensor in the CP split's order (cp_split_sequence), gathered over the CP group (on
+// `device`, the model's) to the host.
+Tensor whole_samples(const Tensor& local, int64_t B, int64_t L, const CpAttention& cp,
+                     Device device) {
   const int N = cp.group->size();
-  Tensor rows = local.view({B, L});
+  // (The pipeline's loader hands the last stage host labels and masks; the Comm is the
+  // model's device's.)
+  Tensor rows = (local.device() == device ? local : local.to(device)).view({B, L});
   Tensor gathered = Tensor::empty({int64_t(N), B, L}, local.dtype(), local.device());
   cp.comm->all_gather(rows, gathered, *cp.group);
   const Tensor host = gathered.to(Device::CPU);
@@ -164,8 +164,8 @@ void GPTModel::mtp_forward(const Tensor& h0, const ChunkInput& in, const Forward
   std::vector<int64_t> positions;
   if (cp) {
     const int N = cp->group->size();
-    whole_labels = whole_samples(in.labels, B, S, *cp);
-    if (in.loss_mask.defined()) whole_mask = whole_samples(in.loss_mask, B, S, *cp);
+    whole_labels = whole_samples(in.labels, B, S, *cp, cfg_.device);
+    if (in.loss_mask.defined()) whole_mask = whole_samples(in.loss_mask, B, S, *cp, cfg_.device);
     positions = cp_local_positions(S * N, N, cp->group->rank);
   }
   // Megatron's per-token mode weighs depth k by N_0 / N_k (N_0: the main loss's tokens).

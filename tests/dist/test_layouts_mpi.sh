@@ -500,6 +500,7 @@ layouts=(
   "cp4-mtp2|4|--context-parallel-size 4 --cp-comm-type all_gather|MTP=2"
   "cp2-tp2-sp-mtp2-eod|4|--context-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel|MTP=2 EOD=1 VOCAB=7 PAD=4"
   "cp2-mtp-packed|2|--context-parallel-size 2|MTP=1 PACK=1 VOCAB=7 PAD=4"
+  "cp2-pp2-mtp-eod|4|--context-parallel-size 2 --pipeline-model-parallel-size 2|MTP=1 EOD=1 VOCAB=7 PAD=4"
   "learned-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
   "learned-pp2-packed|2|--pipeline-model-parallel-size 2|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
 )

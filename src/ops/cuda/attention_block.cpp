@@ -10,8 +10,8 @@
 //   - the diagonal aligned with the top left (Sq = Skv, q_offset = kv_offset) or bottom
 //     right (q_offset - kv_offset = Skv - Sq >= 0: cuDNN's causal_mask_bottom_right).
 // Context parallelism's tiles (model/context_parallel.cpp) are all of these; any other is
-// an InternalError naming the offsets. A block of one query and one key (a one-token
-// document's piece under packed documents), which cuDNN refuses, runs a small kernel.
+// an InternalError naming the offsets. A block of one query and one key, which cuDNN
+// refuses (all_gather's first chunk when seq-length is 2 x cp), runs a small kernel.
 //
 // Layouts. The op's lse is token-major [Sq, Hq] (the CPU op's); cuDNN reads and writes its
 // Stats packed head-major [Hq, Sq], so the lse is transposed on the way in and out (Sq * Hq
@@ -139,9 +139,14 @@ void attention_block_backward(const Tensor& dout, const Tensor& q, const Tensor&
   check_accumulator(dv, v, "dv");
   if (plan.empty || d.Sq == 0 || d.Skv == 0) return;
   if (d.Sq == 1 && d.Skv == 1) {
-    MEGATON_CHECK(dq.dtype() == dk.dtype() && dk.dtype() == dv.dtype(),
-                  "{}: dq, dk, dv must share a dtype for a one-key block", kOp);
-    attention_single_key_backward(dout, q, k, v, out, lse, dq, dk, dv, d.scale);
+    // F32 scratch (a few hundred elements), added into the accumulators of any dtypes.
+    Tensor sq = Tensor::zeros(q.shape(), DType::F32, Device::CUDA),
+           sk = Tensor::zeros(k.shape(), DType::F32, Device::CUDA),
+           sv = Tensor::zeros(v.shape(), DType::F32, Device::CUDA);
+    attention_single_key_backward(dout, q, k, v, out, lse, sq, sk, sv, d.scale);
+    add_(dq, sq, 1.0f);
+    add_(dk, sk, 1.0f);
+    add_(dv, sv, 1.0f);
     return;
   }
   Tensor stats = Tensor::empty({d.Hq, d.Sq}, DType::F32, Device::CUDA);

@@ -26,11 +26,13 @@ void attention_pieces_backward(const Tensor& dout, const Tensor& q, const Tensor
                                const std::vector<AttentionPiece>& pieces, bool causal, Tensor& dq,
                                Tensor& dk, Tensor& dv, float softmax_scale);
 
-// The block of one query and one key, which cuDNN refuses (s_q = s_kv = 1): q [1, Hq, D],
-// k [1, Hkv, D], v [1, Hkv, Dv] -> out [1, Hq, Dv] (q's dtype) = v of each head's kv head,
+// The block of one query and one key, which cuDNN refuses (s_q = s_kv = 1; packed
+// documents' one-token pieces go through attention_pieces_*, whose ragged graphs take them): q [1,
+// Hq, D], k [1, Hkv, D], v [1, Hkv, Dv] -> out [1, Hq, Dv] (q's dtype) = v of each head's kv head,
 // lse [1, Hq] F32 = scale q.k (the block's own softmax has the one key). The backward takes
 // the query's merged out and lse (ops::attention_block_backward) and adds the block's share
-// into dq, dk, dv (one float dtype). Shapes are the caller's to check (attention_block.cpp).
+// into dq, dk, dv (one float dtype; the door passes F32 scratch). Shapes are the caller's to check
+// (attention_block.cpp).
 void attention_single_key_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                                   Tensor& lse, float scale);
 void attention_single_key_backward(const Tensor& dout, const Tensor& q, const Tensor& k,

@@ -9,9 +9,12 @@
 // backward on Hopper (the frontend refuses ragged Stats in backward on SM8x/SM12x only).
 // Ragged offsets need the padding mask and per-entry lengths (seq_len_q = seq_len_kv, I32
 // [batch, 1, 1, 1]); causal is top-left per sequence (set_causal_mask), which for equal q and
-// kv lengths is query i sees keys j <= i of its own sequence. Everything else (scale, GQA,
-// Dqk != Dv, Stats in natural log, dropout seeding, determinism) is as the dense op's file
-// comment (ops/cuda/attention.cpp) says.
+// kv lengths is query i sees keys j <= i of its own sequence. The pieces op
+// (ops::attention_pieces_*, end of file) generalises this: separate query and key lengths and
+// offsets (uploaded from the host per call), S and S_kv bucketed apart, and the bottom-right
+// causal mask or none; its graph key adds S_kv, the key side's backward total and the mask.
+// Everything else (scale, GQA, Dqk != Dv, Stats in natural log, dropout seeding, determinism) is as
+// the dense op's file comment (ops/cuda/attention.cpp) says.
 //
 // No host synchronization. cu_seqlens stays on the device: a small kernel
 // (attention_varlen_offsets.cu) writes the lengths and the five offset arrays into a buffer
