@@ -189,6 +189,11 @@ Storage::Storage(void* external, size_t n, Device dev)
 Storage::~Storage() { release(); }
 
 void Storage::release() noexcept {
+  if (adopted) {  // lent memory: forgotten, not freed
+    data = nullptr;
+    adopted = false;
+    return;
+  }
   if (!data || !owned) return;
   void* ptr = std::exchange(data, nullptr);
 #ifdef MEGATON_WITH_CUDA
@@ -198,6 +203,13 @@ void Storage::release() noexcept {
   }
 #endif
   host_cache().release(ptr, rounded_bytes(bytes));
+}
+
+void Storage::adopt(void* memory) {
+  MEGATON_CHECK(owned && !data && bytes > 0 && memory,
+                "Storage::adopt: the storage must be released and own its memory");
+  data = memory;
+  adopted = true;
 }
 
 void Storage::allocate() {
@@ -332,6 +344,11 @@ void Tensor::release_storage() const {
 
 void Tensor::allocate_storage() const {
   if (storage_) storage_->allocate();
+}
+
+void Tensor::adopt_storage(void* memory) const {
+  MEGATON_CHECK(storage_, "Tensor::adopt_storage on an undefined tensor");
+  storage_->adopt(memory);
 }
 
 Tensor Tensor::view(const Shape& shape) const {

@@ -24,7 +24,8 @@ struct Storage {
   void* data = nullptr;
   size_t bytes = 0;
   Device device = Device::CPU;
-  bool owned = true;  // false: memory someone else allocated and frees (Tensor::borrow)
+  bool owned = true;     // false: memory someone else allocated and frees (Tensor::borrow)
+  bool adopted = false;  // data lent by adopt() until the next release()
   explicit Storage(size_t bytes, Device device);
   // Memory owned elsewhere, not freed with this storage.
   Storage(void* data, size_t bytes, Device device);
@@ -36,6 +37,10 @@ struct Storage {
   // InternalError.
   void release() noexcept;
   void allocate();
+  // A released storage takes `bytes` at `memory`, which someone else owns and keeps alive
+  // until this storage's next release() (which then only forgets it): FSDP's persistent
+  // double buffers (model/param_buffer.h). InternalError unless released and owned.
+  void adopt(void* memory);
   bool released() const { return bytes > 0 && data == nullptr; }
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -134,6 +139,8 @@ class Tensor {
   // every view of it goes and comes back together (FSDP, optim/distributed_data_parallel.h).
   void release_storage() const;
   void allocate_storage() const;
+  // Storage::adopt of the storage this tensor views.
+  void adopt_storage(void* memory) const;
   bool storage_released() const { return storage_ && storage_->released(); }
   // Views the same elements of the same storage (released or not), where raw() would
   // compare pointers.

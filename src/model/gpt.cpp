@@ -149,6 +149,7 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
     bs.strategy = sharding.strategy;
     bs.shard_index = is_expert ? sharding.expert_index : sharding.dense_index;
     bs.main_grad_dtype = sharding.main_grad_dtype;
+    bs.double_buffer = sharding.double_buffer;
     return bs;
   };
   const int64_t bucket = fsdp ? 0 : bucket_size;

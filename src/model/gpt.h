@@ -172,6 +172,7 @@ struct ChunkSharding {
   int64_t dense_index = 0, expert_index = 0;  // this rank in the dp_cp / edp group
   DType main_grad_dtype = DType::F32;  // own gradient shards (--megatron-fsdp-main-grads-dtype)
   DType grad_comm_dtype = DType::F32;  // bucket gradients (--megatron-fsdp-grad-comm-dtype)
+  bool double_buffer = false;          // --fsdp-double-buffer (BufferSharding::double_buffer)
 };
 
 class ChunkActivations;

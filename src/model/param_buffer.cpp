@@ -2,6 +2,7 @@
 #include "model/param_buffer.h"
 
 #include <algorithm>
+#include <map>
 
 #include "core/error.h"
 #include "model/layers.h"
@@ -100,6 +101,22 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
       bucket_grads_.push_back(Tensor::unallocated({bucket.numel()}, grad_dtype, device));
   else
     grads_ = Tensor::zeros({total}, grad_dtype, device);
+  // --fsdp-double-buffer: the slots, as large as the most common bucket (the larger on a tie).
+  if (sharding_.double_buffer && sharding_.sharded_grads()) {
+    std::map<int64_t, int> sizes;
+    for (const BufferBucket& bucket : buckets_) ++sizes[bucket.numel()];
+    int most = 0;
+    for (const auto& [numel, count] : sizes)
+      if (count >= most) {
+        most = count;
+        slot_numel_ = numel;
+      }
+    for (int i = 0; i < 2; ++i) {
+      grad_slots_.memory[size_t(i)] = Tensor::empty({slot_numel_}, grad_dtype, device);
+      if (sharding_.sharded_params())
+        weight_slots_.memory[size_t(i)] = Tensor::empty({slot_numel_}, dtype, device);
+    }
+  }
   // A param's view of a buffer: elements [offset, offset + numel) of the whole buffer.
   auto view_of = [&](const Tensor& whole, const std::vector<Tensor>& by_bucket, size_t i) {
     const Param* p = params_[i];
@@ -229,8 +246,28 @@ bool ParamAndGradBuffer::grads_live(size_t b) const {
 void ParamAndGradBuffer::restore_grads(size_t b) {
   Tensor& t = bucket_grads_.at(b);
   if (!t.storage_released()) return;
-  t.allocate_storage();
+  restore(bucket_grads_, grad_slots_, b);
   t.zero();
+}
+
+void ParamAndGradBuffer::restore(std::vector<Tensor>& buckets, Slots& slots, size_t b) {
+  Tensor& t = buckets.at(b);
+  if (!t.storage_released()) return;
+  const size_t s = b % 2;
+  if (slots.memory[s].defined() && slots.user[s] < 0 && t.numel() == slot_numel_) {
+    t.adopt_storage(slots.memory[s].raw());
+    slots.user[s] = int(b);
+    return;
+  }
+  t.allocate_storage();
+}
+
+void ParamAndGradBuffer::release(std::vector<Tensor>& buckets, Slots& slots, size_t b) {
+  buckets.at(b).release_storage();
+  // The slot is free again; reuse by the next bucket of this parity is in stream order, as
+  // the caching allocator's (the caller waits for a reduce-scatter that reads it first).
+  const size_t s = b % 2;
+  if (slots.user[s] == int(b)) slots.user[s] = -1;
 }
 
 void ParamAndGradBuffer::store_own_weight_shard(size_t b) {

@@ -2,6 +2,7 @@
 // of a set of parameters (Megatron's _ParamAndGradBuffer), cut into buckets that are
 // reduced (and, under the distributed optimizer, sharded and gathered) one at a time.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -47,6 +48,12 @@ struct BufferSharding {
   // gradients the layers accumulate into, and which are reduce-scattered, keep the
   // constructor's grad_dtype (its grad comm dtype). F32 or BF16.
   DType main_grad_dtype = DType::F32;
+  // Megatron-FSDP's --fsdp-double-buffer (its FixedPoolAllocator): the released bucket
+  // memory comes from two persistent slots per buffer (weights, and gradients), each as
+  // large as the buffer's most common bucket (a transformer layer's), bucket b taking slot
+  // b % 2 so that neighbouring units alternate; a bucket of another size, or one whose slot
+  // is taken (a unit kept live past its neighbour's turn), is allocated as without the flag.
+  bool double_buffer = false;
   bool sharded_grads() const { return strategy >= ShardingStrategy::OptimGrads; }
   bool sharded_params() const { return strategy == ShardingStrategy::OptimGradsParams; }
 };
@@ -136,10 +143,16 @@ class ParamAndGradBuffer {
   // Sharded storage (sharding above). release_* gives a bucket's memory back (its params'
   // weight / main_grad views keep their shapes, without data); restore_weights takes it
   // anew, uninitialised (an all-gather fills it), restore_grads zeroed. *_live: allocated.
-  void release_weights(size_t b) { bucket_weights_.at(b).release_storage(); }
-  void restore_weights(size_t b) { bucket_weights_.at(b).allocate_storage(); }
+  // (With sharding.double_buffer from the bucket's slot when it fits and is free.)
+  void release_weights(size_t b) { release(bucket_weights_, weight_slots_, b); }
+  void restore_weights(size_t b) { restore(bucket_weights_, weight_slots_, b); }
   bool weights_live(size_t b) const;
-  void release_grads(size_t b) { bucket_grads_.at(b).release_storage(); }
+  void release_grads(size_t b) { release(bucket_grads_, grad_slots_, b); }
+  // Double buffering: the bucket in slot s (-1: free) of the weights and of the gradients,
+  // and the slots' size in elements (0: not double-buffered).
+  int weight_slot_user(int s) const { return weight_slots_.user[size_t(s)]; }
+  int grad_slot_user(int s) const { return grad_slots_.user[size_t(s)]; }
+  int64_t slot_numel() const { return slot_numel_; }
   void restore_grads(size_t b);
   bool grads_live(size_t b) const;
   // Copies this rank's shard of the (live) bucket weights into own_weight_shard (after
@@ -165,6 +178,15 @@ class ParamAndGradBuffer {
   Tensor weights_, grads_;  // whole buffers, unless stored by bucket
   // Stored by bucket (sharding): each bucket's weights / grads, and the own shards.
   std::vector<Tensor> bucket_weights_, bucket_grads_, weight_shards_, grad_shards_;
+  // --fsdp-double-buffer: two persistent slots and the bucket each lends its memory to.
+  struct Slots {
+    std::array<Tensor, 2> memory;
+    std::array<int, 2> user{-1, -1};
+  };
+  Slots weight_slots_, grad_slots_;
+  int64_t slot_numel_ = 0;
+  void restore(std::vector<Tensor>& buckets, Slots& slots, size_t b);
+  void release(std::vector<Tensor>& buckets, Slots& slots, size_t b);
 };
 
 }  // namespace megaton

@@ -55,6 +55,8 @@ struct ParallelArgs {
   std::string data_parallel_sharding_strategy = "optim_grads_params";
   std::string megatron_fsdp_main_grads_dtype = "auto";
   std::string megatron_fsdp_grad_comm_dtype = "auto";
+  // --fsdp-double-buffer: bucket memory from two persistent slots (BufferSharding).
+  bool fsdp_double_buffer = false;
 };
 
 // The run-length and schedule flags as given; parse_train_args turns them into

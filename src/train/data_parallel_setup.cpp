@@ -26,6 +26,7 @@ ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid* grid) {
   }
   s.main_grad_dtype = fsdp_dtype(p.megatron_fsdp_main_grads_dtype, args.model.main_grads_dtype);
   s.grad_comm_dtype = fsdp_dtype(p.megatron_fsdp_grad_comm_dtype, s.main_grad_dtype);
+  s.double_buffer = p.fsdp_double_buffer;
   return s;
 }
 

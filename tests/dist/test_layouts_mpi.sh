@@ -223,6 +223,10 @@ layouts=(
   "fsdp-optim-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim"
   "fsdp-optim-grads-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
   "fsdp-optim-grads-params-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+  # --fsdp-double-buffer: the layers' gathered weights and gradients in two alternating slots.
+  "fsdp-double-buffer-dp2|2|--use-megatron-fsdp --fsdp-double-buffer"
+  "fsdp-double-buffer-optim-grads-dp4|4|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --fsdp-double-buffer"
+  "fsdp-double-buffer-dp2-ep2-recompute|2|--use-megatron-fsdp --fsdp-double-buffer --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|RC=full"
   "fsdp-optim-dp4|4|--use-megatron-fsdp --data-parallel-sharding-strategy optim"
   "fsdp-optim-grads-dp4|4|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"
   "fsdp-optim-grads-params-dp4|4|--use-megatron-fsdp"

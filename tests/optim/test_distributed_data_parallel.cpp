@@ -256,5 +256,47 @@ TEST(DistributedDataParallel, FsdpGathersByUnitPrefetchesOneAndReducesEachMicroB
   for (size_t b = 0; b < 3; ++b) EXPECT_FALSE(f.buffer.grads_live(b));
 }
 
+// --fsdp-double-buffer: four layer-sized units (and one other) on two shards. Buckets of
+// the common size lend their memory from slot b % 2 while it is free; a bucket whose slot
+// is taken, or of another size, allocates as without the flag; a release frees the slot.
+TEST(DistributedDataParallel, FsdpDoubleBufferAlternatesTwoSlots) {
+  Param p[5] = {make("p0", 100, 1), make("p1", 100, 2), make("p2", 100, 3), make("p3", 100, 4),
+                make("big", 300, 5)};
+  BufferSharding sharding{ShardingStrategy::OptimGradsParams, 0, DType::F32};
+  sharding.double_buffer = true;
+  ParamAndGradBuffer buffer({&p[0], &p[1], &p[2], &p[3], &p[4]}, 2, false, 0, {}, DType::F32,
+                            {0, 1, 2, 3, 4}, sharding);
+  ASSERT_EQ(buffer.buckets().size(), 5u);
+  EXPECT_EQ(buffer.slot_numel(), 128);  // four buckets of 128 (100 rounded up), one of 384
+  auto bucket = [&](int i) { return size_t(buffer.bucket_of(&p[i])); };
+  for (size_t b = 0; b < 5; ++b) buffer.release_weights(b);
+  const size_t b0 = bucket(0), b2 = bucket(2), big = bucket(4);
+  ASSERT_EQ(b0 % 2, b2 % 2);  // reverse order: p0..p3 in buckets 4..1, big in bucket 0
+  buffer.restore_weights(b0);
+  EXPECT_EQ(buffer.weight_slot_user(int(b0 % 2)), int(b0));
+  const void* slot = buffer.bucket_weights(b0).raw();
+  buffer.restore_weights(b2);  // its slot is taken: allocated
+  EXPECT_EQ(buffer.weight_slot_user(int(b2 % 2)), int(b0));
+  EXPECT_NE(buffer.bucket_weights(b2).raw(), slot);
+  buffer.release_weights(b0);
+  EXPECT_EQ(buffer.weight_slot_user(int(b0 % 2)), -1);
+  EXPECT_THROW(p[0].weight.raw(), InternalError);  // released: no data
+  buffer.release_weights(b2);
+  buffer.restore_weights(b2);  // now the slot's
+  EXPECT_EQ(buffer.bucket_weights(b2).raw(), slot);
+  EXPECT_EQ(buffer.weight_slot_user(int(b2 % 2)), int(b2));
+  buffer.restore_weights(big);  // another size: allocated, no slot
+  EXPECT_NE(buffer.weight_slot_user(int(big % 2)), int(big));
+  // Gradients likewise, zeroed when restored from a slot.
+  buffer.restore_grads(bucket(1));
+  EXPECT_EQ(buffer.grad_slot_user(int(bucket(1) % 2)), int(bucket(1)));
+  EXPECT_FLOAT_EQ(p[1].main_grad.f32()[99], 0.0f);
+  p[1].main_grad.fill(3.0f);
+  buffer.release_grads(bucket(1));
+  buffer.restore_grads(bucket(3));  // the same slot, zeroed again
+  EXPECT_EQ(buffer.grad_slot_user(int(bucket(3) % 2)), int(bucket(3)));
+  EXPECT_FLOAT_EQ(p[3].main_grad.f32()[0], 0.0f);
+}
+
 }  // namespace
 }  // namespace megaton::optim

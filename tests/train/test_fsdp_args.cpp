@@ -25,6 +25,10 @@ TEST(FsdpArgs, DefaultsAndTheDistributedOptimizer) {
   EXPECT_TRUE(a.parallel.use_distributed_optimizer);
   EXPECT_EQ(a.parallel.megatron_fsdp_grad_comm_dtype, "auto");
   EXPECT_EQ(error_of(raw), "");
+  EXPECT_FALSE(a.parallel.fsdp_double_buffer);
+  raw["fsdp-double-buffer"] = {"true"};
+  EXPECT_TRUE(parse_train_args(raw).parallel.fsdp_double_buffer);
+  raw.erase("fsdp-double-buffer");
   raw["data-parallel-sharding-strategy"] = {"no_shard"};  // replicated AdamW
   EXPECT_FALSE(parse_train_args(raw).parallel.use_distributed_optimizer);
   EXPECT_EQ(error_of(raw), "");
@@ -55,7 +59,7 @@ TEST(FsdpArgs, RefusalsAreOneLineNamingTheFlags) {
         {"fp8-format", {"hybrid"}},
         {"fp8-param-gather", {"true"}}},
        "init-model-with-meta-device with --fp8-param-gather is not supported yet"},
-      {{{"use-megatron-fsdp", {"true"}}, {"fsdp-double-buffer", {"true"}}}, "fsdp-double-buffer"},
+      {{{"fsdp-double-buffer", {"true"}}}, "fsdp-double-buffer needs use-megatron-fsdp"},
   };
   for (const Case& c : cases) {
     RawOptions raw = base();

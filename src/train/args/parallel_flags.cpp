@@ -18,6 +18,7 @@ void parse_megatron_fsdp(const ArgReader& r, ParallelArgs& p) {
   r.get("data-parallel-sharding-strategy", p.data_parallel_sharding_strategy);
   r.get("megatron-fsdp-main-grads-dtype", p.megatron_fsdp_main_grads_dtype);
   r.get("megatron-fsdp-grad-comm-dtype", p.megatron_fsdp_grad_comm_dtype);
+  r.get("fsdp-double-buffer", p.fsdp_double_buffer);
   parse_sharding_strategy(p.data_parallel_sharding_strategy);  // a bad value: one line
   for (const char* key : {"megatron-fsdp-main-grads-dtype", "megatron-fsdp-grad-comm-dtype"}) {
     std::string v = "auto";
@@ -27,7 +28,7 @@ void parse_megatron_fsdp(const ArgReader& r, ParallelArgs& p) {
   }
   if (!p.use_megatron_fsdp)
     for (const char* key : {"data-parallel-sharding-strategy", "megatron-fsdp-main-grads-dtype",
-                            "megatron-fsdp-grad-comm-dtype"})
+                            "megatron-fsdp-grad-comm-dtype", "fsdp-double-buffer"})
       if (r.has(key)) fail("{} needs use-megatron-fsdp", key);
   // Megatron-FSDP shards the optimizer state itself (but with no_shard).
   if (p.use_megatron_fsdp)
@@ -170,6 +171,8 @@ ArgGroup parallel_flags() {
            "dtype of FSDP's gradient shards: auto (the main grads'), fp32 or bf16"),
       flag("megatron-fsdp-grad-comm-dtype",
            "dtype of FSDP's gradient reduce-scatter: auto (the main grads'), fp32 or bf16"),
+      toggle("fsdp-double-buffer",
+             "FSDP: gathered weights and bucket gradients in two persistent slots per buffer"),
       toggle("init-model-with-meta-device",
              "FSDP: each rank draws only the initial weights and main params it stores"),
   };

@@ -154,8 +154,6 @@ std::vector<OptionSpec> parallel_megatron_rules() {
                   "a Megatron-FSDP option not implemented yet (issue 22)"),
       no_effect("no-gradient-reduce-div-fusion", "0",
                 "Megaton's reductions sum; the optimizer folds the division into its update"),
-      unsupported("fsdp-double-buffer", "0",
-                  "a Megatron-FSDP option not implemented yet (issue 22)"),
       unsupported("suggested-communication-unit-size", "1",
                   "a Megatron-FSDP option not implemented yet (issue 22)"),
       unsupported("keep-fp8-transpose-cache", "0",
