@@ -169,7 +169,7 @@ TEST_P(CpAttentionTest, ChunksEqualTheWholeSequence) {
     if (c.type != CpCommType::A2A) return ::testing::AssertionSuccess();
     return allclose(got, local(dense[i]), 4e-3, 1e-2);
   };
-  CpAttention cp{&comm(), &g, c.type};
+  CpAttention cp{&comm(), &g, c.type, nullptr};
   if (c.documents)
     cp.document_starts =
         std::make_shared<const std::vector<int32_t>>(cp_document_starts(cu, c.B, c.S));
