@@ -136,7 +136,22 @@ ValidatedLayout validate_layout(const LayoutRequest& r) {
   if (r.num_query_groups % s.tp != 0)
     fail("num-query-groups ({}) is not divisible by tensor-model-parallel-size ({})",
          r.num_query_groups, s.tp);
-  out.layers_per_stage = split_layers(r, s.pp);
+  const std::vector<int64_t>& segments = r.pipeline_segment_layers;
+  if (segments.size() > 1) {
+    if (r.decoder_first_pipeline_num_layers || r.decoder_last_pipeline_num_layers ||
+        r.num_layers_per_virtual_pipeline_stage)
+      fail(
+          "hybrid-layer-pattern with '|' sets the pipeline stages; it does not take "
+          "decoder-first/last-pipeline-num-layers or num-layers-per-virtual-pipeline-stage");
+    if (int64_t(segments.size()) != s.pp)
+      fail(
+          "hybrid-layer-pattern has {} '|' segments for pipeline-model-parallel-size {}: give "
+          "one per stage (several per stage, Megatron's flexible VPP, are not supported)",
+          segments.size(), s.pp);
+    out.layers_per_stage = segments;
+  } else {
+    out.layers_per_stage = split_layers(r, s.pp);
+  }
   if (r.num_layers_per_virtual_pipeline_stage) s.vpp = virtual_stages(r, out.layers_per_stage);
   out.sequence_parallel = r.sequence_parallel;
   if (r.sequence_parallel && s.tp == 1) {

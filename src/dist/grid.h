@@ -47,6 +47,10 @@ struct LayoutRequest {
   int64_t num_attention_heads = 0;
   int64_t num_query_groups = 0;  // = num_attention_heads without grouped-query attention
   int64_t num_experts = 0;       // 0: dense model
+  // A hybrid pattern's '|' segments (layers of each; GPTConfig::hybrid_segment_layers):
+  // with more than one, segment i is pipeline stage i (Megatron's explicit pipeline
+  // layout). Empty or one: num_layers is split as above.
+  std::vector<int64_t> pipeline_segment_layers;
 };
 
 struct ValidatedLayout {
@@ -63,6 +67,9 @@ struct ValidatedLayout {
 // - num-attention-heads or num-query-groups is not divisible by tensor-model-parallel-size;
 // - num-layers cannot be split among the pipeline stages (with the first/last stage
 //   overrides), or a stage's layers among num-layers-per-virtual-pipeline-stage chunks;
+// - a hybrid pattern's '|' segments are not one per pipeline stage, or come with the
+//   first/last stage overrides or virtual pipeline stages (Megatron refuses those too;
+//   its several segments per stage, flexible VPP, are not supported);
 // - MoE with ep > 1 and tp > 1 without sequence-parallel (Megatron requires it).
 // --sequence-parallel with tp == 1 is turned off with a warning, as Megatron does.
 ValidatedLayout validate_layout(const LayoutRequest& request);

@@ -57,6 +57,7 @@ void GPTConfig::finalize() {
   auto positive = [](const char* key, int64_t v) {
     if (v <= 0) fail("{} must be positive (got {})", key, v);
   };
+  finalize_hybrid();
   positive("num-layers", num_layers);
   positive("hidden-size", hidden_size);
   positive("num-attention-heads", num_attention_heads);

@@ -8,13 +8,16 @@
 #include "core/tensor.h"
 #include "model/cpu_offloading_config.h"
 #include "model/fp8_config.h"
+#include "model/hybrid_pattern.h"
 #include "model/recompute_config.h"
 #include "model/rope_scaling.h"
 
 namespace megaton {
 
 enum class Normalization { LayerNorm, RMSNorm };
-enum class PositionEmbedding { LearnedAbsolute, Rope };
+// --position-embedding-type: learned_absolute, rope, or none (no position information
+// but the causal mask and, in a hybrid model, the Mamba layers' order; Nemotron-H).
+enum class PositionEmbedding { LearnedAbsolute, Rope, None };
 // --rope-type: how multi-latent attention builds its rotary table (Megatron's rope_type).
 enum class RopeType { Rope, Yarn };
 
@@ -77,6 +80,39 @@ struct GPTConfig {
   // --calculate-per-token-loss (Megatron's TransformerConfig field): the MTP losses'
   // gradients are weighted as Megatron's process_mtp_loss does in that mode.
   bool calculate_per_token_loss = false;
+
+  // Hybrid models (Megatron's HybridModel, --hybrid-layer-pattern; model/hybrid_pattern.h):
+  // empty pattern: a GPT model, every layer attention + MLP. finalize() parses the pattern
+  // into hybrid_layers (one symbol per decoder layer) and hybrid_segment_layers (layers of
+  // each '|' pipeline segment). The Mamba-2 mixers (Megatron's MambaMixer,
+  // model/mamba_mixer.h): mamba_num_heads heads (0: 2 x hidden_size / mamba_head_dim,
+  // MambaMixer's expand 2) of mamba_head_dim channels, B and C in mamba_num_groups groups
+  // of mamba_state_dim; mamba_conv_kernel taps (MambaMixer's d_conv) and SSD chunks of
+  // mamba_chunk_size tokens (its chunk_size), neither a Megatron flag.
+  std::string hybrid_layer_pattern;
+  std::string hybrid_layers;
+  std::vector<int64_t> hybrid_segment_layers;
+  int64_t mamba_state_dim = 128;
+  int64_t mamba_head_dim = 64;
+  int64_t mamba_num_groups = 8;
+  int64_t mamba_num_heads = 0;
+  int64_t mamba_conv_kernel = 4;
+  int64_t mamba_chunk_size = 128;
+  bool is_hybrid() const { return !hybrid_layer_pattern.empty(); }
+  // Decoder layer `layer`'s symbol (hybrid models, after finalize()).
+  char hybrid_symbol(int64_t layer) const { return hybrid_layers[size_t(layer)]; }
+  bool has_hybrid_symbol(char symbol) const {
+    return hybrid_layers.find(symbol) != std::string::npos;
+  }
+  // A Mamba mixer's widths (MambaMixer): d_inner = heads x head_dim; in_proj's output
+  // [z, x, B, C, dt]; the convolution's channels [x, B, C].
+  int64_t mamba_d_inner() const { return mamba_num_heads * mamba_head_dim; }
+  int64_t mamba_conv_dim() const {
+    return mamba_d_inner() + 2 * mamba_num_groups * mamba_state_dim;
+  }
+  int64_t mamba_in_proj_size() const {
+    return mamba_d_inner() + mamba_conv_dim() + mamba_num_heads;
+  }
 
   bool untie_embeddings_and_output_weights = false;
   float init_method_std = 0.02f;
@@ -175,6 +211,7 @@ struct GPTConfig {
   int64_t query_projection_size() const { return kv_channels * num_attention_heads; }
   int64_t kv_projection_size() const { return kv_channels * num_query_groups; }
   bool is_moe_layer(int64_t layer) const {
+    if (is_hybrid()) return hybrid_symbol(layer) == kHybridMoe;
     if (num_experts == 0) return false;
     if (!moe_layer_pattern.empty()) return moe_layer_pattern[size_t(layer)] != 0;
     return layer % moe_layer_freq == 0;
@@ -201,6 +238,9 @@ struct GPTConfig {
  private:
   // finalize()'s checks of the MLA, RoPE-type and MTP fields (config_mla.cpp).
   void finalize_mla_mtp();
+  // finalize()'s parsing and checks of the hybrid pattern and the Mamba sizes
+  // (config_hybrid.cpp; Megatron's arguments.py and MambaMixer.__init__ checks).
+  void finalize_hybrid();
 };
 
 }  // namespace megaton

@@ -56,7 +56,7 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                                                cfg.init_method_std, seed, Placement::of(cfg), 0,
                                                mp.tp_rank(), mp.tp_size())
                           : Param()),
-      final_layernorm("decoder.final_layernorm", cfg.hidden_size, cfg.normalization,
+      final_layernorm(final_norm_name(cfg), cfg.hidden_size, cfg.normalization,
                       cfg.norm_epsilon, Placement::of(cfg),
                       mp.sequence_parallel && mp.tp_size() > 1) {
   MEGATON_CHECK(cfg.padded_vocab_size > 0, "GPTConfig not finalized");

@@ -18,6 +18,8 @@ namespace megaton {
 // (model/layer_spec.h: the mixer and MLP kinds):
 //   h = x + dropout(mixer(input_layernorm(x)))
 //   y = h + dropout(mlp(pre_mlp_layernorm(h)))
+// A kind None drops its line (h = x, or y = h): a hybrid model's Mamba layer (Megatron's
+// MambaLayer, its norm named "norm"), attention layer, or MLP / MoE layer (MLPLayer).
 class TransformerLayer {
  public:
   // The layer of `spec` (default: decoder_layer_spec(cfg, layer)).
@@ -51,7 +53,7 @@ class TransformerLayer {
   std::vector<Linear*> linears();
   const LayerSpec& spec() const { return spec_; }
   // The MoE layer of an MoE spec, else null.
-  MoELayer* moe() const { return mlp->moe(); }
+  MoELayer* moe() const { return mlp ? mlp->moe() : nullptr; }
 
   struct Saved {
     ForwardContext ctx;   // keys the hidden-dropout masks
@@ -80,9 +82,10 @@ class TransformerLayer {
   // forward-only pass (ForwardContext::forward_only).
   void discard_saved();
 
-  Norm input_layernorm;
-  std::unique_ptr<Mixer> mixer;  // params under "decoder.layers.<i>.self_attention."
-  Norm pre_mlp_layernorm;
+  // Null when the spec's kind is None.
+  std::unique_ptr<Norm> input_layernorm;  // "decoder.layers.<i>.input_layernorm" (Mamba: ".norm")
+  std::unique_ptr<Mixer> mixer;  // params under "decoder.layers.<i>.self_attention." (".mixer.")
+  std::unique_ptr<Norm> pre_mlp_layernorm;
   std::unique_ptr<MlpBlock> mlp;  // params under "decoder.layers.<i>.mlp."
 
  private:

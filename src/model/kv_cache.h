@@ -20,7 +20,9 @@ namespace megaton {
 // and a prefill's keys [n, groups, d] are the first n rows, one copy. Multi-latent attention
 // caches [max_sequence_length, num_attention_heads, qk_head_dim + qk_pos_emb_head_dim] keys
 // and [.., num_attention_heads, v_head_dim] values (the expanded form; Megatron's
-// --cache-mla-latents compressed cache is not built).
+// --cache-mla-latents compressed cache is not built). A hybrid model's Mamba layer holds
+// its generation states instead (model/mamba_mixer.h: key = the conv state, value = the
+// SSM state); its MLP layers hold none (undefined tensors).
 class InferenceContext {
  public:
   // One key and one value tensor per layer of cfg (finalize()d), uninitialised: rows at or

@@ -14,7 +14,7 @@ namespace megaton {
 
 Linear::Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias_on,
                float init_std, uint64_t seed, Placement where, TensorParallelMode mode,
-               const ModelParallel& mp, bool swiglu_halves)
+               const ModelParallel& mp, const std::vector<int64_t>& tp_blocks)
     : mode_(mp.tp_size() > 1 ? mode : TensorParallelMode::None), mp_(mp) {
   const int tp = mp.tp_size(), rank = mp.tp_rank();
   const Shape full = {out_features, in_features};
@@ -25,11 +25,11 @@ Linear::Linear(const std::string& name, int64_t in_features, int64_t out_feature
       break;
     case TensorParallelMode::Column:
       weight = make_param_sharded(name + ".weight", full, init_std, seed, where, 0, rank, tp,
-                                  swiglu_halves);
+                                  tp_blocks);
       if (bias_on) {  // zeros: the slice is zeros too
         bias = make_constant_param(name + ".bias", {out_features / tp}, 0.0f, true, where);
         bias.tp_split_dim = 0;
-        bias.swiglu_halves = swiglu_halves;
+        bias.tp_blocks = tp_blocks;
         bias.full_shape = {out_features};
       }
       break;
@@ -309,7 +309,8 @@ void Norm::collect_params(std::vector<Param*>& out) {
 MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
          float init_std, float output_std, uint64_t seed, Placement where, const ModelParallel& mp)
     : linear_fc1(prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, init_std, seed,
-                 where, TensorParallelMode::Column, mp, swiglu),
+                 where, TensorParallelMode::Column, mp,
+                 swiglu ? swiglu_blocks(2 * ffn) : std::vector<int64_t>{}),
       linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed, where,
                  TensorParallelMode::Row, mp),
       swiglu_(swiglu) {}

@@ -71,15 +71,16 @@ Param make_param(const std::string& name, const Shape& shape, float std, uint64_
                  Placement where);
 // The slice of make_param(name, full_shape, ...) that tensor-parallel rank `rank` of
 // `size` holds along dim split_dim (0 or 1; full_shape[split_dim] divisible by size):
-// the same values the one-rank model has there, whatever the layout. swiglu_halves
-// (split_dim 0): the slice of each half of [gate; up] (Megatron's SwiGLU fc1 sharding).
-// Sets the Param's tp_split_dim, swiglu_halves and full_shape. size 1: make_param.
+// the same values the one-rank model has there, whatever the layout. blocks (split_dim
+// 0; Param::tp_blocks): the slice of each stacked block, e.g. each half of a SwiGLU fc1's
+// [gate; up]. Sets the Param's tp_split_dim, tp_blocks and full_shape. size 1: make_param.
 Param make_param_sharded(const std::string& name, const Shape& full_shape, float std, uint64_t seed,
                          Placement where, int split_dim, int rank, int size,
-                         bool swiglu_halves = false);
+                         const std::vector<int64_t>& blocks = {});
 // Rows or columns [rank * n / size, (rank + 1) * n / size) of a [rows, cols] host tensor
-// (dim 0: rows, 1: columns), as make_param_sharded cuts it; swiglu_halves as there.
-Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swiglu_halves);
+// (dim 0: rows, 1: columns), as make_param_sharded cuts it; blocks as there.
+Tensor shard_of(const Tensor& full, int split_dim, int rank, int size,
+                const std::vector<int64_t>& blocks = {});
 // Elements [offset, offset + numel) of p's values on this rank (its tensor-parallel slice,
 // flattened row-major), as make_param* drew or would draw them: [numel] F32 on the host.
 // Only the elements asked for are drawn. InternalError when p has no recipe (p.init) or
@@ -92,6 +93,12 @@ void write_initial_values(const Param& p, int64_t offset, Tensor dst);
 // view of p.main_param, or, for a param made without values (--init-model-with-meta-device,
 // main_param unallocated), a new tensor of its initial_values.
 Tensor main_param_values(const Param& p, int64_t offset, int64_t numel);
+// A parameter drawn by a Uniform ParamInit (model/param.h: low, high, map), whole or, with
+// size > 1, the slice make_param_sharded would cut (split_dim, rank, size, blocks).
+Param make_uniform_param(const std::string& name, const Shape& full_shape, float low, float high,
+                         ParamInit::Map map, bool no_weight_decay, uint64_t seed,
+                         Placement where, int split_dim = -1, int rank = 0, int size = 1,
+                         const std::vector<int64_t>& blocks = {});
 // A parameter filled with `value` (norm weights 1, biases 0).
 Param make_constant_param(const std::string& name, const Shape& shape, float value,
                           bool no_weight_decay, Placement where);
@@ -112,8 +119,8 @@ enum class TensorParallelMode {
 
 // y = x W^T + b (torch.nn.Linear; Megatron's ColumnParallelLinear / RowParallelLinear).
 // Full weight [out, in], bias [out] (absent when disable_bias_linear); with tp ranks:
-// - Column: this rank holds weight rows [r out/tp, (r+1) out/tp) (of each SwiGLU half
-//   with swiglu_halves) and that slice of the bias. forward: x [T, in] (under sequence
+// - Column: this rank holds weight rows [r out/tp, (r+1) out/tp) (of each block of
+//   tp_blocks: a SwiGLU fc1's halves, a Mamba in_proj's parts) and that slice of the bias. forward: x [T, in] (under sequence
 //   parallelism x [T/tp, in], all-gathered first) -> y [T, out/tp]; backward: the input
 //   gradient is summed over TP (all-reduce, or reduce-scatter to [T/tp, in] under SP).
 // - Row: this rank holds weight columns [r in/tp, (r+1) in/tp); the bias is whole.
@@ -126,7 +133,7 @@ class Linear {
   Linear(const std::string& name, int64_t in_features, int64_t out_features, bool bias,
          float init_std, uint64_t seed, Placement where,
          TensorParallelMode mode = TensorParallelMode::None, const ModelParallel& mp = {},
-         bool swiglu_halves = false);
+         const std::vector<int64_t>& tp_blocks = {});
   // x -> y as above. Saves x unless save_input is false (the caller then passes x to
   // backward, e.g. recomputed).
   Tensor forward(const Tensor& x, bool save_input = true);

@@ -36,14 +36,15 @@ MoELayer::MoELayer(const std::string& prefix, const GPTConfig& cfg, uint64_t see
     // Column-parallel fc1 (each SwiGLU half split), row-parallel fc2 over etp; the values
     // are the one-rank expert's slices.
     ex.fc1_weight = make_param_sharded(name + ".linear_fc1.weight", {f1, h}, cfg.init_method_std,
-                                       seed, where, 0, etp_rank, etp, cfg.swiglu);
+                                       seed, where, 0, etp_rank, etp,
+                                       cfg.swiglu ? swiglu_blocks(f1) : std::vector<int64_t>{});
     ex.fc2_weight = make_param_sharded(name + ".linear_fc2.weight", {h, f}, output_std, seed, where,
                                        1, etp_rank, etp);
     if (!cfg.disable_bias_linear) {
       ex.fc1_bias = make_constant_param(name + ".linear_fc1.bias", {f1 / etp}, 0.0f, true, where);
       if (etp > 1) {  // zeros: the slice is zeros too
         ex.fc1_bias.tp_split_dim = 0;
-        ex.fc1_bias.swiglu_halves = cfg.swiglu;
+        if (cfg.swiglu) ex.fc1_bias.tp_blocks = swiglu_blocks(f1);
         ex.fc1_bias.full_shape = {f1};
       }
       ex.fc2_bias = make_constant_param(name + ".linear_fc2.bias", {h}, 0.0f, true, where);

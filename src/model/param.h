@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -11,12 +12,18 @@ namespace megaton {
 // run with --init-model-with-meta-device can draw any range of them later, on the rank
 // that stores it (initial_values). Normal: element i of the full tensor (row-major over
 // Param::full_shape) is std x Philox(seed).normal(stream, i); this rank's slice is that of
-// tp_rank of tp_size along Param::tp_split_dim (swiglu_halves as there). Constant: value.
+// tp_rank of tp_size along Param::tp_split_dim (tp_blocks as there). Constant: value.
+// Uniform: map(low + (high - low) x Philox(seed).uniform(stream, i)), with map one of
+// Identity, Log (log u: Mamba's A_log from A ~ U[1, 16]) or MambaDt (u is log dt: dt =
+// max(exp(u), 1e-4), the value is softplus^-1(dt) = dt + log(-expm1(-dt)); Mamba's dt_bias,
+// megatron/core/ssm/mamba_mixer.py).
 struct ParamInit {
-  enum class Kind { None, Normal, Constant };
+  enum class Kind { None, Normal, Constant, Uniform };
+  enum class Map { Identity, Log, MambaDt };
   Kind kind = Kind::None;
+  Map map = Map::Identity;
   uint64_t seed = 0, stream = 0;
-  float std = 0, value = 0;
+  float std = 0, value = 0, low = 0, high = 0;
   int tp_rank = 0, tp_size = 1;
 };
 
@@ -50,10 +57,12 @@ struct Param {
   // Tensor parallelism (Megatron's tensor_model_parallel / partition_dim): the dimension
   // along which this rank holds a 1/tp (experts: 1/etp) slice of the full tensor, -1 when
   // every rank of the group holds all of it. full_shape is the unsliced shape (the
-  // checkpoint's). swiglu_halves: fc1 of a SwiGLU MLP, [gate; up] stacked along dim 0, where
-  // each rank holds its slice of each half (Megatron's swiglu sharded factory).
+  // checkpoint's). tp_blocks: the full sizes of blocks stacked along dim 0 that are split
+  // over the group one by one, each rank holding its slice of each block, in order
+  // (Megatron's partition_sizes): a SwiGLU fc1's [gate; up] is {F, F} (Megatron's swiglu
+  // sharded factory), a Mamba in_proj's [z; x; B; C; dt] five blocks. Empty: one block.
   int tp_split_dim = -1;
-  bool swiglu_halves = false;
+  std::vector<int64_t> tp_blocks;
   Shape full_shape;
   // Rows (dim 0 of full_shape) are the padded vocabulary: the word embeddings and the
   // output layer. The padding depends on the tensor-parallel size (Megatron's
@@ -84,5 +93,19 @@ struct Param {
   // draw only the pieces this rank stores (model/layers.h initial_values).
   ParamInit init;
 };
+
+// A run of consecutive dim-0 rows that tensor-parallel rank `rank` of `size` holds of a
+// tensor whose rows stack the blocks `blocks` (Param::tp_blocks; empty: one block of
+// `rows`): rows [full_first, full_first + count) of the full tensor are rows
+// [local_first, local_first + count) of the rank's slice.
+struct TpRowRun {
+  int64_t full_first = 0, local_first = 0, count = 0;
+};
+// The runs, one per block in order. InternalError when the blocks do not add up to `rows`
+// or a block does not divide by `size`.
+std::vector<TpRowRun> tp_row_runs(const std::vector<int64_t>& blocks, int64_t rows, int rank,
+                                  int size);
+// {n / 2, n / 2}: a SwiGLU fc1's [gate; up] blocks of n rows in all.
+inline std::vector<int64_t> swiglu_blocks(int64_t n) { return {n / 2, n / 2}; }
 
 }  // namespace megaton

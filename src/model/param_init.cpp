@@ -1,6 +1,8 @@
 // Parameter creation and initial values (model/layers.h): make_param*, their recipes
 // (ParamInit), the values drawn on demand for --init-model-with-meta-device, and the
 // compute weight refreshed from the main param.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -73,15 +75,32 @@ Param make_param(const std::string& name, const Shape& shape, float std, uint64_
   return p;
 }
 
-Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swiglu_halves) {
+std::vector<TpRowRun> tp_row_runs(const std::vector<int64_t>& blocks, int64_t rows, int rank,
+                                  int size) {
+  const std::vector<int64_t> sizes = blocks.empty() ? std::vector<int64_t>{rows} : blocks;
+  std::vector<TpRowRun> out;
+  int64_t full_first = 0, local_first = 0;
+  for (int64_t n : sizes) {
+    MEGATON_CHECK(n >= 0 && n % size == 0, "tp_row_runs: a block of {} rows does not split into {}",
+                  n, size);
+    out.push_back({full_first + int64_t(rank) * (n / size), local_first, n / size});
+    full_first += n;
+    local_first += n / size;
+  }
+  MEGATON_CHECK(full_first == rows, "tp_row_runs: blocks of {} rows in all, the tensor has {}",
+                full_first, rows);
+  return out;
+}
+
+Tensor shard_of(const Tensor& full, int split_dim, int rank, int size,
+                const std::vector<int64_t>& blocks) {
   MEGATON_CHECK(split_dim == 0 || split_dim == 1, "shard_of: split dim {}", split_dim);
-  MEGATON_CHECK(!swiglu_halves || split_dim == 0, "shard_of: SwiGLU halves split along dim 0");
+  MEGATON_CHECK(blocks.empty() || split_dim == 0, "shard_of: blocks split along dim 0");
   const Tensor host = full.device() == Device::CPU ? full : full.to(Device::CPU);
   const int64_t rows = host.dim(0), cols = host.numel() / std::max<int64_t>(rows, 1);
   const int64_t n = split_dim == 0 ? rows : cols;
-  const int64_t parts = swiglu_halves ? 2 * size : size;
-  MEGATON_CHECK(n % parts == 0, "shard_of: dim {} of {} not divisible into {} parts", split_dim,
-                shape_str(host.shape()), parts);
+  MEGATON_CHECK(n % size == 0, "shard_of: dim {} of {} not divisible into {} parts", split_dim,
+                shape_str(host.shape()), size);
   Shape shape = host.shape();
   shape[split_dim] = n / size;
   Tensor out = Tensor::empty(shape, host.dtype());
@@ -89,14 +108,10 @@ Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swig
   const auto* src = static_cast<const char*>(host.raw());
   auto* dst = static_cast<char*>(out.raw());
   if (split_dim == 0) {
-    const int64_t chunk = n / parts;  // rows per copied block
     const int64_t row_bytes = cols * int64_t(elem);
-    int64_t at = 0;
-    for (int64_t half = 0; half < (swiglu_halves ? 2 : 1); ++half) {
-      const int64_t first = half * (n / 2) * (swiglu_halves ? 1 : 0) + rank * chunk;
-      std::memcpy(dst + at, src + first * row_bytes, size_t(chunk * row_bytes));
-      at += chunk * row_bytes;
-    }
+    for (const TpRowRun& run : tp_row_runs(blocks, rows, rank, size))
+      std::memcpy(dst + run.local_first * row_bytes, src + run.full_first * row_bytes,
+                  size_t(run.count * row_bytes));
   } else {
     const int64_t width = cols / size;
     for (int64_t r = 0; r < rows; ++r)
@@ -107,25 +122,73 @@ Tensor shard_of(const Tensor& full, int split_dim, int rank, int size, bool swig
 }
 
 Param make_param_sharded(const std::string& name, const Shape& full_shape, float std, uint64_t seed,
-                         Placement where, int split_dim, int rank, int size, bool swiglu_halves) {
+                         Placement where, int split_dim, int rank, int size,
+                         const std::vector<int64_t>& blocks) {
   if (size == 1) return make_param(name, full_shape, std, seed, where);
   Param p;
   if (where.meta_device) {
     Shape shape = full_shape;
     MEGATON_CHECK(split_dim == 0 || split_dim == 1, "make_param_sharded: split dim {}", split_dim);
-    const int64_t parts = swiglu_halves ? 2 * int64_t(size) : int64_t(size);
-    MEGATON_CHECK(shape[size_t(split_dim)] % parts == 0,
+    MEGATON_CHECK(shape[size_t(split_dim)] % size == 0,
                   "make_param_sharded: dim {} of {} not divisible into {} parts", split_dim,
-                  shape_str(full_shape), parts);
+                  shape_str(full_shape), size);
+    if (split_dim == 0) tp_row_runs(blocks, full_shape[0], rank, size);  // checks the blocks
     shape[size_t(split_dim)] /= size;
     p = place_meta(name, shape, false, where, normal_init(name, std, seed, rank, size));
   } else {
     Param full = make_param(name, full_shape, std, seed, Placement{Device::CPU, DType::F32});
-    p = place(name, shard_of(full.main_param, split_dim, rank, size, swiglu_halves), false, where);
+    p = place(name, shard_of(full.main_param, split_dim, rank, size, blocks), false, where);
     p.init = normal_init(name, std, seed, rank, size);
   }
   p.tp_split_dim = split_dim;
-  p.swiglu_halves = swiglu_halves;
+  p.tp_blocks = blocks;
+  p.full_shape = full_shape;
+  return p;
+}
+
+// Uniform draws mapped as ParamInit::Map says.
+static float uniform_value(const ParamInit& init, const Philox& rng, uint64_t index) {
+  const float u = init.low + (init.high - init.low) * rng.uniform(init.stream, index);
+  switch (init.map) {
+    case ParamInit::Map::Identity:
+      return u;
+    case ParamInit::Map::Log:
+      return std::log(u);
+    case ParamInit::Map::MambaDt: {
+      const double dt = std::max(std::exp(double(u)), 1e-4);
+      return float(dt + std::log(-std::expm1(-dt)));
+    }
+  }
+  return u;
+}
+
+Param make_uniform_param(const std::string& name, const Shape& full_shape, float low, float high,
+                         ParamInit::Map map, bool no_weight_decay, uint64_t seed, Placement where,
+                         int split_dim, int rank, int size, const std::vector<int64_t>& blocks) {
+  ParamInit init;
+  init.kind = ParamInit::Kind::Uniform;
+  init.map = map;
+  init.seed = seed;
+  init.stream = fnv1a(name);
+  init.low = low;
+  init.high = high;
+  init.tp_rank = size > 1 ? rank : 0;
+  init.tp_size = size > 1 ? size : 1;
+  const Philox rng(seed);
+  Tensor full = Tensor::empty(full_shape);
+  for (int64_t i = 0; i < full.numel(); ++i) full.f32()[i] = uniform_value(init, rng, uint64_t(i));
+  if (size <= 1) {
+    if (where.meta_device) return place_meta(name, full_shape, no_weight_decay, where, init);
+    Param p = place(name, full, no_weight_decay, where);
+    p.init = init;
+    return p;
+  }
+  Tensor slice = shard_of(full, split_dim, rank, size, blocks);
+  Param p = where.meta_device ? place_meta(name, slice.shape(), no_weight_decay, where, init)
+                              : place(name, slice, no_weight_decay, where);
+  p.init = init;
+  p.tp_split_dim = split_dim;
+  p.tp_blocks = blocks;
   p.full_shape = full_shape;
   return p;
 }
@@ -156,6 +219,7 @@ Tensor initial_values(const Param& p, int64_t offset, int64_t numel) {
     out.fill(init.value);
     return out;
   }
+  const bool uniform = init.kind == ParamInit::Kind::Uniform;
   // Local element j -> element of the full tensor, as shard_of cuts it.
   const Shape& full = p.full_shape;
   const int64_t full_rows = full.empty() ? 1 : full[0];
@@ -163,24 +227,25 @@ Tensor initial_values(const Param& p, int64_t offset, int64_t numel) {
   for (int64_t d : full) full_numel *= d;
   const int64_t full_cols = full_rows > 0 ? full_numel / full_rows : 0;
   const int dim = init.tp_size > 1 ? p.tp_split_dim : -1;
-  const int64_t local_rows = dim == 0 ? full_rows / init.tp_size : full_rows;
   const int64_t local_cols = dim == 1 ? full_cols / init.tp_size : full_cols;
-  const int64_t half = local_rows / 2;  // rows of each SwiGLU half on this rank
+  // This rank's dim-0 runs (tp_blocks), for a row split.
+  const std::vector<TpRowRun> runs =
+      dim == 0 ? tp_row_runs(p.tp_blocks, full_rows, init.tp_rank, init.tp_size)
+               : std::vector<TpRowRun>{};
   auto full_index = [&](int64_t j) -> int64_t {
     const int64_t r = j / std::max<int64_t>(local_cols, 1),
                   c = j % std::max<int64_t>(local_cols, 1);
     if (dim == 1) return r * full_cols + int64_t(init.tp_rank) * local_cols + c;
     if (dim != 0) return j;
-    if (!p.swiglu_halves) return (int64_t(init.tp_rank) * local_rows + r) * full_cols + c;
-    const int64_t second = r >= half ? 1 : 0;
-    const int64_t row =
-        second * (full_rows / 2) + int64_t(init.tp_rank) * half + (r - second * half);
-    return row * full_cols + c;
+    size_t b = 0;
+    while (b + 1 < runs.size() && r >= runs[b + 1].local_first) ++b;
+    return (runs[b].full_first + r - runs[b].local_first) * full_cols + c;
   };
   const Philox rng(init.seed);
 #pragma omp parallel for schedule(static) if (numel >= 65536)
   for (int64_t k = 0; k < numel; ++k)
-    y[k] = rng.normal(init.stream, uint64_t(full_index(offset + k))) * init.std;
+    y[k] = uniform ? uniform_value(init, rng, uint64_t(full_index(offset + k)))
+                   : rng.normal(init.stream, uint64_t(full_index(offset + k))) * init.std;
   return out;
 }
 

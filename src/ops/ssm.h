@@ -27,9 +27,8 @@ namespace megaton::ops {
 //   y[b, s, c] = act(bias[c] + sum_{k=0}^{K-1} weight[c, k] * x[b, s - (K-1) + k, c])
 // where taps before the document's first row (s - (K-1) + k < s - p) read 0, and act is
 // SiLU (x sigmoid(x)) when silu, else the identity.
-void causal_conv1d_forward(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                           int64_t batch, bool silu, Tensor& y,
-                           const Tensor& position_ids = Tensor());
+void causal_conv1d_forward(const Tensor& x, const Tensor& weight, const Tensor& bias, int64_t batch,
+                           bool silu, Tensor& y, const Tensor& position_ids = Tensor());
 // dy [B*S, C] -> dx [B*S, C] (overwritten); dweight_acc [C, K] and dbias_acc [C] (F32)
 // accumulate the weight and bias gradients.
 void causal_conv1d_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
@@ -68,8 +67,7 @@ struct SsdDims {
 // final_state (optional, F32 [B, nheads, head_dim, N]): h after each sample's last token.
 void ssd_forward(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& B,
                  const Tensor& C, const Tensor& D, const Tensor& dt_bias, const SsdDims& dims,
-                 Tensor& y, const Tensor& position_ids = Tensor(),
-                 Tensor* final_state = nullptr);
+                 Tensor& y, const Tensor& position_ids = Tensor(), Tensor* final_state = nullptr);
 // dy [B*S, nheads * head_dim] -> dx, ddt (the gradient of the raw dt), dB, dC
 // (overwritten, shaped as their inputs); dA_log_acc, dD_acc, ddt_bias_acc [nheads] F32
 // accumulate. Recomputes the forward's chunk states (nothing but the inputs is saved).
@@ -79,12 +77,20 @@ void ssd_backward(const Tensor& dy, const Tensor& x, const Tensor& dt, const Ten
                   Tensor& dA_log_acc, Tensor& dD_acc, Tensor& ddt_bias_acc,
                   const Tensor& position_ids = Tensor());
 // The same forward as the plain recurrence, token by token (the CPU reference the chunked
-// form is tested against; CPU only, F32 or F64 activations).
-void ssd_forward_recurrent(const Tensor& x, const Tensor& dt, const Tensor& A_log,
-                           const Tensor& B, const Tensor& C, const Tensor& D,
-                           const Tensor& dt_bias, const SsdDims& dims, Tensor& y,
-                           const Tensor& position_ids = Tensor(),
+// form is tested against; CPU only, F32 activations, computed in fp64; dims.chunk_size is
+// ignored).
+void ssd_forward_recurrent(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& B,
+                           const Tensor& C, const Tensor& D, const Tensor& dt_bias,
+                           const SsdDims& dims, Tensor& y, const Tensor& position_ids = Tensor(),
                            Tensor* final_state = nullptr);
+// ssd_backward by reverse mode through the recurrence, every state kept (the second CPU
+// reference the chunked backward is tested against; CPU only, F32 activations, computed in
+// fp64; dims.chunk_size is ignored). Arguments and results as ssd_backward's.
+void ssd_backward_recurrent(const Tensor& dy, const Tensor& x, const Tensor& dt,
+                            const Tensor& A_log, const Tensor& B, const Tensor& C, const Tensor& D,
+                            const Tensor& dt_bias, const SsdDims& dims, Tensor& dx, Tensor& ddt,
+                            Tensor& dB, Tensor& dC, Tensor& dA_log_acc, Tensor& dD_acc,
+                            Tensor& ddt_bias_acc, const Tensor& position_ids = Tensor());
 // One new token per sample (generation; dims.seq is ignored): x [B, nheads * head_dim],
 // dt [B, nheads], B, C [B, ngroups * N]; state F32 [B, nheads, head_dim, N] is h_{t-1} on
 // entry and h_t on return; y [B, nheads * head_dim] as the forward's.

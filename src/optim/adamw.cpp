@@ -91,12 +91,17 @@ ops::MomentRoundingKey moment_rounding_key(const Param& p, int tp_rank, int tp_s
   const int64_t rows = p.full_shape[0];
   const int64_t cols = full_numel / std::max<int64_t>(rows, 1);
   if (p.tp_split_dim == 0) {
-    const int64_t parts = p.swiglu_halves ? 2 : 1;
-    const int64_t chunk = rows / (parts * tp_size);  // rows per half on each rank
-    key.base = tp_rank * chunk * cols;
-    if (parts == 2) {
-      key.run = chunk * cols;
-      key.stride = (rows / 2) * cols;
+    // The key maps runs of equal length at a fixed stride: stacked blocks (tp_blocks) of
+    // one size (a SwiGLU fc1's halves). Blocks of different sizes (a Mamba in_proj's) have
+    // no such form: their rounding is keyed by the local offset (not layout-invariant).
+    const std::vector<TpRowRun> runs = tp_row_runs(p.tp_blocks, rows, tp_rank, tp_size);
+    bool uniform = true;
+    for (const TpRowRun& run : runs) uniform = uniform && run.count == runs[0].count;
+    if (!uniform) return key;
+    key.base = runs[0].full_first * cols;
+    if (runs.size() > 1) {
+      key.run = runs[0].count * cols;
+      key.stride = (runs[1].full_first - runs[0].full_first) * cols;
     }
   } else {
     MEGATON_CHECK(p.tp_split_dim == 1, "param '{}': rounding key of a split along dim {}", p.name,

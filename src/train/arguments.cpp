@@ -401,6 +401,9 @@ void check_context_parallel(const TrainArgs& a, const dist::ValidatedLayout& lay
   auto not_yet = [cp](const std::string& what) {
     fail("context-parallel-size {} with {} is not supported yet", cp, what);
   };
+  // Megatron's MambaContextParallel (heads over CP around the scan) is not built.
+  if (m.is_hybrid() && m.hybrid_layer_pattern.find(kHybridMamba) != std::string::npos)
+    not_yet("Mamba layers (hybrid-layer-pattern with M)");
   // Packed documents: the CP attention's document pieces are host decisions per micro-batch,
   // which a captured step cannot follow.
   if ((a.reset_attention_mask || a.reset_position_ids) && a.cuda_graph_impl == "full_iteration")
@@ -472,6 +475,11 @@ dist::ValidatedLayout check_parallel_layout(const TrainArgs& a, int64_t world_si
   r.num_query_groups = m.group_query_attention && m.num_query_groups > 0 ? m.num_query_groups
                                                                          : m.num_attention_heads;
   r.num_experts = m.num_experts;
+  if (m.is_hybrid()) {  // before GPTConfig::finalize: the pattern gives the layers
+    const HybridPattern pattern = parse_hybrid_pattern(m.hybrid_layer_pattern);
+    if (r.num_layers == 0) r.num_layers = int64_t(pattern.layers.size());
+    r.pipeline_segment_layers = pattern.segment_layers;
+  }
   dist::ValidatedLayout layout = dist::validate_layout(r);
   check_context_parallel(a, layout);
   check_megatron_fsdp(a);

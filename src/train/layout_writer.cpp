@@ -31,6 +31,7 @@ dist::ValidatedLayout resolve_target_layout(const GPTConfig& cfg, const TargetLa
   r.num_attention_heads = cfg.num_attention_heads;
   r.num_query_groups = cfg.num_query_groups > 0 ? cfg.num_query_groups : cfg.num_attention_heads;
   r.num_experts = cfg.num_experts;
+  r.pipeline_segment_layers = cfg.hybrid_segment_layers;
   return dist::validate_layout(r);
 }
 
@@ -82,11 +83,12 @@ void write_checkpoint_for_layout(const std::string& save_dir, int64_t iteration,
     expected.insert(s.name);
     if (s.tp_split_dim < 0) continue;
     const int64_t size = s.is_expert ? layout.sizes.etp : layout.sizes.tp;
-    const int64_t parts = (s.swiglu_halves ? 2 : 1) * size;
-    if (s.full_shape[size_t(s.tp_split_dim)] % parts != 0)
+    bool splits = s.full_shape[size_t(s.tp_split_dim)] % size == 0;
+    for (int64_t block : s.tp_blocks) splits = splits && block % size == 0;
+    if (!splits)
       fail("tensor '{}' ({}) does not split into {} {}tensor-parallel slices{}", s.name,
            shape_str(s.full_shape), size, s.is_expert ? "expert-" : "",
-           s.swiglu_halves ? " of each SwiGLU half" : "");
+           s.tp_blocks.empty() ? "" : " of each stacked block");
   }
   for (const std::string& name : tensors.names)
     if (!expected.count(name))

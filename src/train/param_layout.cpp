@@ -13,7 +13,7 @@ Param ParamSpec::as_param() const {
   p.name = name;
   p.full_shape = full_shape;
   p.tp_split_dim = tp_split_dim;
-  p.swiglu_halves = swiglu_halves;
+  p.tp_blocks = tp_blocks;
   p.is_expert = is_expert;
   p.padded_vocab_rows = padded_vocab_rows;
   return p;
@@ -52,7 +52,7 @@ struct Table {
   void mlp(const std::string& prefix, const GPTConfig& c, int64_t ffn, int64_t expert) {
     const int64_t f1 = c.swiglu ? 2 * ffn : ffn;
     ParamSpec& fc1 = add(prefix + ".linear_fc1.weight", {f1, c.hidden_size}, 0);
-    fc1.swiglu_halves = c.swiglu;
+    if (c.swiglu) fc1.tp_blocks = swiglu_blocks(f1);
     fc1.expert = expert;
     fc1.is_expert = expert >= 0;
     ParamSpec& fc2 = add(prefix + ".linear_fc2.weight", {c.hidden_size, ffn}, 1);

@@ -16,7 +16,7 @@ struct ParamSpec {
   std::string name;            // Megatron's name, e.g. "decoder.layers.0.mlp.linear_fc1.weight"
   Shape full_shape;            // the whole tensor (vocabulary rows: cfg.padded_vocab_size)
   int tp_split_dim = -1;       // Param::tp_split_dim: -1 replicated, 0 column / vocab, 1 row
-  bool swiglu_halves = false;  // Param::swiglu_halves
+  std::vector<int64_t> tp_blocks;  // Param::tp_blocks
   bool is_expert = false;      // Param::is_expert: split over etp, held by one ep rank
   bool padded_vocab_rows = false;
   int64_t layer = -1;   // its decoder layer; -1: the embedding, final norm or output layer
@@ -28,7 +28,7 @@ struct ParamSpec {
   // TopKRouter::expert_bias, saved whole).
   bool router_state = false;
 
-  // A Param carrying this metadata (name, full_shape, tp_split_dim, swiglu_halves,
+  // A Param carrying this metadata (name, full_shape, tp_split_dim, tp_blocks,
   // is_expert, padded_vocab_rows; no tensors), for train/sharded_ckpt.h's rules.
   Param as_param() const;
 };

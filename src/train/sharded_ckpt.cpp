@@ -27,19 +27,18 @@ std::vector<Box> slice_boxes(const Param& p, const dist::Group& g) {
   const size_t d = size_t(p.tp_split_dim);
   MEGATON_CHECK(d < full.size(), "param {}: split dim {} of {}", p.name, d,
                 shape_str(p.full_shape));
-  if (!p.swiglu_halves) {
+  if (p.tp_blocks.empty()) {
     Box b = whole;
     b.shape[d] = full[d] / g.size();
     b.offsets[d] = int64_t(g.rank) * b.shape[d];
     return {b};
   }
-  MEGATON_CHECK(d == 0, "param {}: SwiGLU halves split along dim {}", p.name, d);
-  const int64_t half = full[0] / 2, chunk = half / g.size();
+  MEGATON_CHECK(d == 0, "param {}: stacked blocks split along dim {}", p.name, d);
   std::vector<Box> out;
-  for (int64_t h = 0; h < 2; ++h) {
+  for (const TpRowRun& run : tp_row_runs(p.tp_blocks, full[0], g.rank, g.size())) {
     Box b = whole;
-    b.shape[0] = chunk;
-    b.offsets[0] = h * half + int64_t(g.rank) * chunk;
+    b.shape[0] = run.count;
+    b.offsets[0] = run.full_first;
     out.push_back(b);
   }
   return out;

@@ -28,11 +28,10 @@ Tensor unshard(const Tensor& gathered, const Param& p, int size) {
   for (int r = 0; r < size; ++r) {
     const char* slice = src + r * slice_numel * int64_t(elem);
     if (p.tp_split_dim == 0) {
-      const int64_t parts = p.swiglu_halves ? 2 : 1;
-      const int64_t chunk = rows / (parts * size);  // rows per half per rank
-      for (int64_t half = 0; half < parts; ++half)
-        std::memcpy(dst + (half * (rows / parts) + r * chunk) * cols * int64_t(elem),
-                    slice + half * chunk * cols * int64_t(elem), size_t(chunk * cols) * elem);
+      for (const TpRowRun& run : tp_row_runs(p.tp_blocks, rows, r, size))
+        std::memcpy(dst + run.full_first * cols * int64_t(elem),
+                    slice + run.local_first * cols * int64_t(elem),
+                    size_t(run.count * cols) * elem);
     } else {
       const int64_t width = cols / size;
       for (int64_t row = 0; row < rows; ++row)
@@ -101,7 +100,7 @@ dist::NamedTensors assemble_tensor_parallel(const dist::NamedTensors& entries,
 Tensor tensor_parallel_slice(const Tensor& full, const Param& p, const ModelParallel& mp) {
   const dist::Group& g = tensor_parallel_group(p, mp);
   if (p.tp_split_dim < 0 || g.size() <= 1) return full;
-  return shard_of(full, p.tp_split_dim, g.rank, g.size(), p.swiglu_halves);
+  return shard_of(full, p.tp_split_dim, g.rank, g.size(), p.tp_blocks);
 }
 
 Tensor fit_padded_vocab_rows(const Tensor& full, int64_t padded_vocab_size, int64_t vocab_size,

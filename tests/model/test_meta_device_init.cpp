@@ -25,7 +25,10 @@ std::vector<float> range_of(const Tensor& t, int64_t offset, int64_t n) {
 
 struct Split {
   int dim;  // -1: not split
-  bool swiglu;
+  bool blocked;  // stacked blocks of different sizes (Param::tp_blocks)
+  std::vector<int64_t> blocks() const {
+    return blocked ? std::vector<int64_t>{8, 4, 4, 4, 4} : std::vector<int64_t>{};
+  }
 };
 
 TEST(MetaDeviceInit, InitialValuesEqualTheSliceMakeParamDrew) {
@@ -33,15 +36,15 @@ TEST(MetaDeviceInit, InitialValuesEqualTheSliceMakeParamDrew) {
   for (const Split split : {Split{-1, false}, Split{0, false}, Split{1, false}, Split{0, true}})
     for (int size : {1, 2, 4})
       for (int rank = 0; rank < size; ++rank) {
-        SCOPED_TRACE("dim " + std::to_string(split.dim) + (split.swiglu ? " swiglu" : "") +
+        SCOPED_TRACE("dim " + std::to_string(split.dim) + (split.blocked ? " blocks" : "") +
                      " rank " + std::to_string(rank) + " of " + std::to_string(size));
         const int dim = split.dim < 0 ? 0 : split.dim;
         const int tp = split.dim < 0 ? 1 : size;
         const int r = split.dim < 0 ? 0 : rank;
         const Param whole =
-            make_param_sharded("w", full, 0.5f, kSeed, kWhole, dim, r, tp, split.swiglu);
+            make_param_sharded("w", full, 0.5f, kSeed, kWhole, dim, r, tp, split.blocks());
         const Param meta =
-            make_param_sharded("w", full, 0.5f, kSeed, kMeta, dim, r, tp, split.swiglu);
+            make_param_sharded("w", full, 0.5f, kSeed, kMeta, dim, r, tp, split.blocks());
         ASSERT_EQ(meta.weight.shape(), whole.weight.shape());
         EXPECT_TRUE(meta.weight.storage_released());
         EXPECT_TRUE(meta.main_param.same_data(meta.weight));  // fp32: one tensor

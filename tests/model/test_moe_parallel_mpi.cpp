@@ -294,7 +294,7 @@ TEST_P(MoEParallelTest, MatchesOneRank) {
     ASSERT_NE(it, expert_grad_sum.end()) << "not a one-rank parameter";
     Tensor want = p->tp_split_dim < 0 ? it->second
                                       : shard_of(it->second, p->tp_split_dim, grid.etp().rank,
-                                                 grid.etp().size(), p->swiglu_halves);
+                                                 grid.etp().size(), p->tp_blocks);
     ASSERT_EQ(p->main_grad.shape(), want.shape());
     if (ops::sum_of_squares(want) == 0.0) {
       EXPECT_EQ(ops::sum_of_squares(p->main_grad), 0.0);

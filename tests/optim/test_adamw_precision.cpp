@@ -483,7 +483,7 @@ TEST(AdamWPrecision, StochasticRoundingIsLayoutIndependent) {
     SCOPED_TRACE(split.name);
     Param sliced = p;
     sliced.tp_split_dim = split.dim;
-    sliced.swiglu_halves = split.swiglu;
+    if (split.swiglu) sliced.tp_blocks = swiglu_blocks(sliced.full_shape[0]);
     std::vector<std::vector<int64_t>> where;
     std::vector<ops::MomentRoundingKey> keys;
     for (int rank = 0; rank < 2; ++rank) {

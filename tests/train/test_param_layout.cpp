@@ -144,7 +144,7 @@ TEST(ParamLayout, TableMatchesTheModelUnderTensorAndExpertParallelism) {
         EXPECT_FALSE(s.router_state) << p->name;
         if (group > 1) {
           EXPECT_EQ(p->tp_split_dim, s.tp_split_dim) << p->name;
-          EXPECT_EQ(p->swiglu_halves, s.swiglu_halves) << p->name;
+          EXPECT_EQ(p->tp_blocks, s.tp_blocks) << p->name;
         }
         if (s.is_expert) {
           ++experts_here;

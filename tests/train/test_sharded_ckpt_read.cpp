@@ -109,10 +109,19 @@ TEST_F(ShardedSliceRead, SwigluFc1RangesCrossTheGateAndUpBoxes) {
   p.name = "fc1";
   p.full_shape = {12, 5};  // [gate 6; up 6] x 5: TP rank r holds gate rows and up rows
   p.tp_split_dim = 0;
-  p.swiglu_halves = true;
+  p.tp_blocks = swiglu_blocks(12);
   check_every_range(p, 2);
   p.name = "fc1_tp3";
   check_every_range(p, 3);
+}
+
+TEST_F(ShardedSliceRead, MambaInProjRangesCrossBlocksOfDifferentSizes) {
+  Param p;
+  p.name = "in_proj";
+  p.full_shape = {20, 3};  // [z 6; x 6; B 2; C 2; dt 4]: TP rank r holds its rows of each
+  p.tp_split_dim = 0;
+  p.tp_blocks = {6, 6, 2, 2, 4};
+  check_every_range(p, 2);
 }
 
 TEST_F(ShardedSliceRead, ColumnSplitRangesCrossRows) {

@@ -79,7 +79,8 @@ OptionSpec unsupported(std::string name, std::string_view nargs, std::string fea
 
 const std::vector<ArgGroup>& train_arg_groups() {
   static const std::vector<ArgGroup> groups = [] {
-    std::vector<ArgGroup> g = {model_flags(),      moe_flags(),       optimizer_flags(),
+    std::vector<ArgGroup> g = {model_flags(),      hybrid_flags(),    moe_flags(),
+                               optimizer_flags(),
                                data_flags(),       tokenizer_flags(), training_flags(),
                                checkpoint_flags(), parallel_flags(),  precision_flags(),
                                memory_flags(),     logging_flags(),   megatron_only_flags()};

@@ -22,13 +22,14 @@ struct ArgGroup {
   void (*parse)(const ArgReader&, TrainArgs&) = nullptr;
 };
 
-// Every group, in parse order: model, moe, optimizer, data, tokenizer, training,
+// Every group, in parse order: model, hybrid, moe, optimizer, data, tokenizer, training,
 // checkpoint, parallel, precision, memory, logging, then Megatron's groups with no Megaton
 // counterpart (inference, RL, vision, ...: no effect or unsupported only).
 const std::vector<ArgGroup>& train_arg_groups();
 
 // The groups, one function per domain file.
 ArgGroup model_flags();
+ArgGroup hybrid_flags();
 ArgGroup moe_flags();
 ArgGroup optimizer_flags();
 ArgGroup data_flags();

@@ -41,8 +41,11 @@ void parse_model(const ArgReader& r, TrainArgs& a) {
     m.position_embedding_type = PositionEmbedding::LearnedAbsolute;
   else if (pos == "rope")
     m.position_embedding_type = PositionEmbedding::Rope;
+  else if (pos == "none")
+    m.position_embedding_type = PositionEmbedding::None;
   else
-    fail("option 'position-embedding-type' must be learned_absolute or rope (got '{}')", pos);
+    fail("option 'position-embedding-type' must be learned_absolute, rope or none (got '{}')",
+         pos);
   r.get("rotary-base", m.rotary_base);
   // Partial RoPE; GPTConfig::finalize checks it against kv-channels and MLA.
   r.get("rotary-percent", m.rotary_percent);
@@ -75,15 +78,15 @@ void parse_model(const ArgReader& r, TrainArgs& a) {
   r.get("mscale", y.mscale);
   r.get("mscale-all-dim", y.mscale_all_dim);
   // Megatron's deprecated --no-position-embedding: no learned position embedding. A RoPE
-  // model has none anyway; without RoPE, Megatron refuses it as well.
+  // model (or one with none) has none anyway; with learned positions Megatron refuses it.
   if (r.on("no-position-embedding")) {
-    if (m.position_embedding_type != PositionEmbedding::Rope)
+    if (m.position_embedding_type == PositionEmbedding::LearnedAbsolute)
       fail(
-          "no-position-embedding without RoPE is not supported: give position-embedding-type "
-          "rope (Megatron refuses it too)");
+          "no-position-embedding with learned positions is not supported: give "
+          "position-embedding-type rope or none (Megatron refuses it too)");
     a.no_effect.push_back(
-        "--no-position-embedding: a RoPE model has no learned position "
-        "embedding");
+        "--no-position-embedding: a RoPE model or one with position-embedding-type none has "
+        "no learned position embedding");
   }
   r.get("untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights);
   r.get("init-method-std", m.init_method_std);
@@ -126,13 +129,13 @@ ArgGroup model_flags() {
       toggle("qk-layernorm",
              "normalize each query and key head before RoPE (Qwen3's q_norm/k_norm)"),
       toggle("swiglu", "SwiGLU MLP instead of GeLU"),
-      flag("position-embedding-type", "learned_absolute or rope"),
+      flag("position-embedding-type", "learned_absolute, rope or none"),
       toggle("use-rotary-position-embeddings",
              "Megatron's older name of "
              "--position-embedding-type rope"),
       toggle("no-position-embedding",
-             "with RoPE: no effect (there is no learned position "
-             "embedding); refused without RoPE, as in Megatron"),
+             "with RoPE or none: no effect (there is no learned position "
+             "embedding); refused with learned_absolute, as in Megatron"),
       flag("rotary-base", "RoPE base"),
       flag("rotary-percent",
            "partial RoPE: rotate the first int(kv-channels x rotary-percent) channels of each "

@@ -21,7 +21,7 @@ std::vector<OptionSpec> model_megatron_rules() {
       unsupported("mtp-use-repeated-layer", "0", "multi-token prediction with a repeated layer"),
       unsupported("mtp-detach-heads", "0", "multi-token prediction with detached heads"),
       unsupported("mtp-hsm", "0", "multi-token prediction hidden-state mixing"),
-      unsupported("mtp-hybrid-override-pattern", "1", "Mamba hybrid models (issue 23)"),
+      unsupported("mtp-hybrid-override-pattern", "1", "multi-token prediction in hybrid models"),
       no_effect("attention-backend", "1",
                 "attention is always Megaton's own: cuDNN flash attention on the GPU"),
       no_effect("flash-attention-version", "1",
@@ -91,14 +91,7 @@ std::vector<OptionSpec> model_megatron_rules() {
       no_effect("use-te-activation-func", "0",
                 "Transformer Engine fusion switch; Megaton's own kernels are used"),
       unsupported("mrope-section", "+", "multimodal RoPE (mrope)"),
-      unsupported("is-hybrid-model", "0", "Mamba hybrid models (issue 23)"),
-      unsupported("mamba-state-dim", "1", "Mamba hybrid models (issue 23)"),
-      unsupported("mamba-head-dim", "1", "Mamba hybrid models (issue 23)"),
-      unsupported("mamba-num-groups", "1", "Mamba hybrid models (issue 23)"),
-      unsupported("mamba-num-heads", "1", "Mamba hybrid models (issue 23)"),
       unsupported("gdp-num-householder", "1", "Gated DeltaProduct layers"),
-      no_effect("disable-mamba-mem-eff-path", "0",
-                "only tunes Mamba layers, which Megaton does not have (issue 23)"),
       unsupported("gdp-cutedsl-kernel", "0", "Gated DeltaProduct layers"),
       unsupported("gdp-num-chunk-states-to-recompute", "1", "Gated DeltaProduct layers"),
       unsupported("mlp-chunks-for-training", "1", "MLP computed in sequence chunks"),
@@ -161,8 +154,6 @@ std::vector<OptionSpec> model_megatron_rules() {
       unsupported("heterogeneous-layers-config-encoded-json", "1",
                   "heterogeneous layer configurations"),
       unsupported("spec", "*", "custom module specs (Python)"),
-      unsupported("hybrid-layer-pattern", "1", "Mamba hybrid models (issue 23)"),
-      unsupported("hybrid-override-pattern", "1", "Mamba hybrid models (issue 23)"),
   };
 }
 
