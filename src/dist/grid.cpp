@@ -137,7 +137,7 @@ ValidatedLayout validate_layout(const LayoutRequest& r) {
     fail("num-query-groups ({}) is not divisible by tensor-model-parallel-size ({})",
          r.num_query_groups, s.tp);
   const std::vector<int64_t>& segments = r.pipeline_segment_layers;
-  if (segments.size() > 1) {
+  if (segments.size() > 1 && s.pp > 1) {
     if (r.decoder_first_pipeline_num_layers || r.decoder_last_pipeline_num_layers ||
         r.num_layers_per_virtual_pipeline_stage)
       fail(

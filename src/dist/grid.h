@@ -48,8 +48,9 @@ struct LayoutRequest {
   int64_t num_query_groups = 0;  // = num_attention_heads without grouped-query attention
   int64_t num_experts = 0;       // 0: dense model
   // A hybrid pattern's '|' segments (layers of each; GPTConfig::hybrid_segment_layers):
-  // with more than one, segment i is pipeline stage i (Megatron's explicit pipeline
-  // layout). Empty or one: num_layers is split as above.
+  // with more than one and pp > 1, segment i is pipeline stage i (Megatron's explicit
+  // pipeline layout). Empty, one, or pp 1 (the whole model on one stage): num_layers is
+  // split as above.
   std::vector<int64_t> pipeline_segment_layers;
 };
 

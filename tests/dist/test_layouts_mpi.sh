@@ -78,9 +78,13 @@ router_flags() {  # NAME
 # "PACK=1" packs documents (--reset-position-ids --reset-attention-mask): positions restart
 # after each eod and the documents attend within themselves only. "POS=learned_absolute"
 # replaces RoPE by learned absolute position embeddings (16 rows).
+# "HYB=pattern" builds a hybrid model (issue 23) from --hybrid-layer-pattern, with A for
+# '*' and P for '|' (a '*' would glob here): Mamba layers of 8 heads of 8 channels in 2
+# groups of state 8 (TP2: 4 heads and one group per rank), attention without MLP, MLP and
+# MoE layers alone; the layer count is the pattern's.
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
-  EOD=0 PTL=0 MLA=0 MTP=0 PACK=0 POS=rope DENSE=0
+  EOD=0 PTL=0 MLA=0 MTP=0 PACK=0 POS=rope DENSE=0 HYB=""
   local setting
   for setting in $1; do
     case $setting in
@@ -109,6 +113,7 @@ use_variant() {  # "VAR=value ..."
       PACK=*) PACK=${setting#*=} ;;
       POS=*) POS=${setting#*=} ;;
       DENSE=*) DENSE=${setting#*=} ;;
+      HYB=*) HYB=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -120,8 +125,15 @@ run() {  # NAME NP FLAGS...
   local name=$1 np=$2
   shift 2
   mkdir -p "$dir/$name"
-  local model=(--num-layers "$LAYERS" --micro-batch-size "$MBS" --vocab-size "$VOCAB"
+  local model=(--micro-batch-size "$MBS" --vocab-size "$VOCAB"
     --make-vocab-size-divisible-by "$PAD")
+  if [ -n "$HYB" ]; then
+    local pattern=${HYB//A/*}
+    model+=(--hybrid-layer-pattern "${pattern//P/|}" --mamba-head-dim 8 --mamba-num-groups 2
+      --mamba-state-dim 8)
+  else
+    model+=(--num-layers "$LAYERS")
+  fi
   [ "$DENSE" = 1 ] || model+=(--moe-ffn-hidden-size "$MFFN")
   [ "$TIED" = 1 ] || model+=(--untie-embeddings-and-output-weights)
   [ "$QKN" = 0 ] || model+=(--qk-layernorm)
@@ -507,9 +519,25 @@ layouts=(
   "cp2-pp2-mtp-eod|4|--context-parallel-size 2 --pipeline-model-parallel-size 2|MTP=1 EOD=1 VOCAB=7 PAD=4"
   "learned-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
   "learned-pp2-packed|2|--pipeline-model-parallel-size 2|POS=learned_absolute PACK=1 VOCAB=7 PAD=4"
+  # Hybrid models (issue 23): Mamba-2 layers with attention, MLP and MoE layers. TP splits
+  # the Mamba heads and groups (in_proj's z, x, B, C, dt blocks, the conv's x, B, C); SP
+  # gathers the rows before in_proj; PP cuts the pattern evenly or at its '|'; EP and the
+  # distributed optimizer see the E layers and the Mamba parameters as any others.
+  "hyb-tp2-sp|2|--tensor-model-parallel-size 2 --sequence-parallel|HYB=M-MA-ME"
+  "hyb-pp2|2|--pipeline-model-parallel-size 2|HYB=M-MAM-ME"
+  "hyb-pp2-segments|2|--pipeline-model-parallel-size 2|HYB=M-MA-PME"
+  "hyb-ep2|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall|HYB=M-MA-ME"
+  "hyb-dp2-distributed-optimizer|2|--use-distributed-optimizer|HYB=M-MA-ME"
+  "hyb-tp2-sp-ep2-distopt|4|--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 --use-distributed-optimizer|HYB=M-MA-ME"
+  # Packed documents: the scan and the convolution restart at each document.
+  "hyb-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|HYB=M-MA-ME PACK=1 VOCAB=7 PAD=4"
+  "hyb-dp2-recompute-full|2|--use-distributed-optimizer|HYB=M-MA-ME RC=full"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(
+  # A hybrid model's Mamba parameters resharded (in_proj's blocks) on load.
+  "hyb-tp2-sp-to-pp2-dp1|2|--tensor-model-parallel-size 2 --sequence-parallel|2|--pipeline-model-parallel-size 2|HYB=M-MAM-ME"
+  "hyb-one-rank-to-tp2-sp-distopt|1||4|--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer|HYB=M-MA-ME"
   "dp2-distopt-to-one-rank|2|--use-distributed-optimizer|1|"
   "one-rank-to-dp4-distopt|1||4|--use-distributed-optimizer"
   "ep2-etp2-to-one-rank|4|--expert-model-parallel-size 2 --expert-tensor-parallel-size 2|1|"

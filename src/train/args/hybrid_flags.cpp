@@ -21,6 +21,10 @@ void parse_hybrid(const ArgReader& r, TrainArgs& a) {
   if (r.has("hybrid-override-pattern"))
     a.no_effect.push_back(
         "--hybrid-override-pattern: Megatron's deprecated name of --hybrid-layer-pattern");
+  // The pattern gives the layer count (Megatron derives num_layers from it); a different
+  // --num-layers is refused by GPTConfig::finalize. Set here for the later groups' checks.
+  if (!m.hybrid_layer_pattern.empty() && !r.has("num-layers"))
+    m.num_layers = int64_t(parse_hybrid_pattern(m.hybrid_layer_pattern).layers.size());
   if (r.on("is-hybrid-model") && m.hybrid_layer_pattern.empty())
     fail("is-hybrid-model needs hybrid-layer-pattern (the layers' M * + - E symbols)");
   r.get("mamba-state-dim", m.mamba_state_dim);
