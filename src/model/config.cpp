@@ -65,6 +65,9 @@ void GPTConfig::finalize() {
   positive("vocab size (from the tokenizer)", vocab_size);
   positive("make-vocab-size-divisible-by", make_vocab_size_divisible_by);
   if (ffn_hidden_size == 0) ffn_hidden_size = 4 * hidden_size;
+  // Megatron (core_transformer_config_from_args): `assert not args.swiglu` under squared_relu.
+  if (squared_relu && swiglu)
+    fail("squared-relu and swiglu are two MLP activations: give one (Megatron refuses both)");
   if (kv_channels == 0 && multi_latent_attention) {
     kv_channels = v_head_dim;  // unused by MLA, whose head dims are its own fields
   } else if (kv_channels == 0) {

@@ -20,6 +20,11 @@ enum class Normalization { LayerNorm, RMSNorm };
 enum class PositionEmbedding { LearnedAbsolute, Rope, None };
 // --rope-type: how multi-latent attention builds its rotary table (Megatron's rope_type).
 enum class RopeType { Rope, Yarn };
+// The MLP's activation (Megatron's activation_func and gated_linear_unit): GeLU (the
+// default, exact erf form), SwiGLU (--swiglu: silu(gate) * up, fc1 twice as wide) or squared
+// ReLU (--squared-relu: relu(x)^2, not gated; Nemotron-H). One kind for the dense MLP, the
+// MoE experts and the shared expert, as in Megatron.
+enum class MlpActivation { Gelu, Swiglu, SquaredRelu };
 
 // Field names are Megatron's argument names with '-' -> '_'. Defaults are Megatron's
 // unless noted. Sizes are in elements.
@@ -45,6 +50,9 @@ struct GPTConfig {
   // k_layernorm; Qwen3's q_norm / k_norm).
   bool qk_layernorm = false;
   bool swiglu = false;
+  // --squared-relu: relu(x)^2 as the MLP activation instead of GeLU (Megatron's
+  // activations.squared_relu); refused with swiglu (Megatron asserts not both).
+  bool squared_relu = false;
   PositionEmbedding position_embedding_type = PositionEmbedding::LearnedAbsolute;
   float rotary_base = 10000.0f;
   // --rotary-percent (partial RoPE; Megatron's RotaryEmbedding): RoPE rotates the first
@@ -242,5 +250,12 @@ struct GPTConfig {
   // (config_hybrid.cpp; Megatron's arguments.py and MambaMixer.__init__ checks).
   void finalize_hybrid();
 };
+
+// The MLP activation cfg asks for: SwiGLU with swiglu, squared ReLU with squared_relu (never
+// both: finalize() refuses it), GeLU otherwise.
+inline MlpActivation mlp_activation_of(const GPTConfig& cfg) {
+  if (cfg.swiglu) return MlpActivation::Swiglu;
+  return cfg.squared_relu ? MlpActivation::SquaredRelu : MlpActivation::Gelu;
+}
 
 }  // namespace megaton

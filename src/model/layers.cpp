@@ -306,54 +306,87 @@ void Norm::collect_params(std::vector<Param*>& out) {
   if (bias.weight.defined()) out.push_back(&bias);
 }
 
-MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
-         float init_std, float output_std, uint64_t seed, Placement where, const ModelParallel& mp)
-    : linear_fc1(prefix + ".linear_fc1", hidden, swiglu ? 2 * ffn : ffn, bias, init_std, seed,
-                 where, TensorParallelMode::Column, mp,
-                 swiglu ? swiglu_blocks(2 * ffn) : std::vector<int64_t>{}),
+MLP::MLP(const std::string& prefix, int64_t hidden, int64_t ffn, MlpActivation activation,
+         bool bias, float init_std, float output_std, uint64_t seed, Placement where,
+         const ModelParallel& mp)
+    : linear_fc1(
+          prefix + ".linear_fc1", hidden, activation == MlpActivation::Swiglu ? 2 * ffn : ffn, bias,
+          init_std, seed, where, TensorParallelMode::Column, mp,
+          activation == MlpActivation::Swiglu ? swiglu_blocks(2 * ffn) : std::vector<int64_t>{}),
       linear_fc2(prefix + ".linear_fc2", ffn, hidden, bias, output_std, seed, where,
                  TensorParallelMode::Row, mp),
-      swiglu_(swiglu) {}
+      activation_(activation) {}
 
-Tensor mlp_activation(const Tensor& fc1_out, bool swiglu) {
-  const int64_t ffn = swiglu ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
+Tensor mlp_activation(const Tensor& fc1_out, MlpActivation activation) {
+  const bool gated = activation == MlpActivation::Swiglu;
+  const int64_t ffn = gated ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
   Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
-  if (swiglu)
-    ops::swiglu_forward(fc1_out, act);
-  else
-    ops::gelu_forward(fc1_out, act);
+  switch (activation) {
+    case MlpActivation::Swiglu:
+      ops::swiglu_forward(fc1_out, act);
+      break;
+    case MlpActivation::Gelu:
+      ops::gelu_forward(fc1_out, act);
+      break;
+    case MlpActivation::SquaredRelu:
+      ops::squared_relu_forward(fc1_out, act);
+      break;
+  }
   return act;
 }
 
-Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool swiglu,
+Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, MlpActivation activation,
                                Tensor* act) {
   Tensor dfc1 = empty_like(dact, fc1_out.shape());
-  if (swiglu)
-    ops::swiglu_backward(dact, fc1_out, dfc1, act);
-  else
-    ops::gelu_backward(dact, fc1_out, dfc1, act);
+  switch (activation) {
+    case MlpActivation::Swiglu:
+      ops::swiglu_backward(dact, fc1_out, dfc1, act);
+      break;
+    case MlpActivation::Gelu:
+      ops::gelu_backward(dact, fc1_out, dfc1, act);
+      break;
+    case MlpActivation::SquaredRelu:
+      ops::squared_relu_backward(dact, fc1_out, dfc1, act);
+      break;
+  }
   return dfc1;
 }
 
-Tensor mlp_activation_weighted(const Tensor& fc1_out, const Tensor& probs, bool swiglu) {
-  const int64_t ffn = swiglu ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
+Tensor mlp_activation_weighted(const Tensor& fc1_out, const Tensor& probs,
+                               MlpActivation activation) {
+  const bool gated = activation == MlpActivation::Swiglu;
+  const int64_t ffn = gated ? fc1_out.dim(-1) / 2 : fc1_out.dim(-1);
   Tensor act = empty_like(fc1_out, {fc1_out.dim(0), ffn});
-  if (swiglu)
-    ops::weighted_swiglu_forward(fc1_out, probs, act);
-  else
-    ops::weighted_gelu_forward(fc1_out, probs, act);
+  switch (activation) {
+    case MlpActivation::Swiglu:
+      ops::weighted_swiglu_forward(fc1_out, probs, act);
+      break;
+    case MlpActivation::Gelu:
+      ops::weighted_gelu_forward(fc1_out, probs, act);
+      break;
+    case MlpActivation::SquaredRelu:
+      ops::weighted_squared_relu_forward(fc1_out, probs, act);
+      break;
+  }
   return act;
 }
 
 Tensor mlp_activation_weighted_backward(const Tensor& dact, const Tensor& fc1_out,
-                                        const Tensor& probs, bool swiglu, Tensor& dprobs,
-                                        Tensor* act) {
+                                        const Tensor& probs, MlpActivation activation,
+                                        Tensor& dprobs, Tensor* act) {
   Tensor dfc1 = empty_like(dact, fc1_out.shape());
   dprobs = Tensor::empty({fc1_out.dim(0)}, DType::F32, dact.device());
-  if (swiglu)
-    ops::weighted_swiglu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
-  else
-    ops::weighted_gelu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+  switch (activation) {
+    case MlpActivation::Swiglu:
+      ops::weighted_swiglu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+      break;
+    case MlpActivation::Gelu:
+      ops::weighted_gelu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+      break;
+    case MlpActivation::SquaredRelu:
+      ops::weighted_squared_relu_backward(dact, fc1_out, probs, dfc1, dprobs, act);
+      break;
+  }
   return dfc1;
 }
 
@@ -385,7 +418,7 @@ Tensor MLP::forward_fc2() {
   MEGATON_CHECK(between_.fc1_out.defined(), "MLP '{}': forward_fc2 without forward_fc1",
                 linear_fc1.weight.name);
   const Tensor fc1_out = std::exchange(between_.fc1_out, Tensor());
-  return linear_fc2.forward(mlp_activation(fc1_out, swiglu_), /*save_input=*/false);
+  return linear_fc2.forward(mlp_activation(fc1_out, activation_), /*save_input=*/false);
 }
 
 const Tensor& MLP::forward_input(Between& b) const {
@@ -416,10 +449,10 @@ void MLP::backward_fc2(const Tensor& dy, const std::function<Tensor()>& input) {
   Tensor dfc1;  // the activation's backward, inside fc2's backward or after it
   const Tensor dact = linear_fc2.backward(dy, [&](const Tensor& dact) {
     Tensor act = empty_like(dact, dact.shape());
-    dfc1 = mlp_activation_backward(dact, fc1_out, swiglu_, &act);
+    dfc1 = mlp_activation_backward(dact, fc1_out, activation_, &act);
     return act;
   });
-  if (!dfc1.defined()) dfc1 = mlp_activation_backward(dact, fc1_out, swiglu_);  // not asked
+  if (!dfc1.defined()) dfc1 = mlp_activation_backward(dact, fc1_out, activation_);  // not asked
   b.dfc1 = std::move(dfc1);
 }
 
@@ -433,7 +466,7 @@ Tensor MLP::backward_fc1() {
 
 Tensor MLP::forward_inference(const Tensor& x) const {
   const Tensor fc1_out = linear_fc1.forward_inference(x);
-  return linear_fc2.forward_inference(mlp_activation(fc1_out, swiglu_));
+  return linear_fc2.forward_inference(mlp_activation(fc1_out, activation_));
 }
 
 MLP::Activations MLP::take_saved() {

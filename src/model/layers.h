@@ -246,33 +246,36 @@ class Norm {
 };
 
 // The MLP activation of fc1's output, shared by MLP and the MoE experts: SwiGLU on
-// [gate | up] ([T, 2F] -> [T, F]) or GeLU ([T, F] -> [T, F]), in fc1_out's dtype.
-Tensor mlp_activation(const Tensor& fc1_out, bool swiglu);
+// [gate | up] ([T, 2F] -> [T, F]), GeLU or squared ReLU ([T, F] -> [T, F]), in fc1_out's
+// dtype (ops::swiglu_forward, gelu_forward, squared_relu_forward).
+Tensor mlp_activation(const Tensor& fc1_out, MlpActivation activation);
 // Its backward: d fc1_out from dact [T, F]. act (optional, [T, F], allocated by the
 // caller) receives the activation again in the same pass, the bits of mlp_activation:
 // how the MLP and the experts recompute their activation for fc2's weight gradient
 // instead of keeping it.
-Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, bool swiglu,
+Tensor mlp_activation_backward(const Tensor& dact, const Tensor& fc1_out, MlpActivation activation,
                                Tensor* act = nullptr);
 
 // The MoE experts' activation weighted by each row's routing probability (Megatron's
-// weighted_bias_swiglu_impl in TEGroupedMLP): act(fc1_out[r]) * probs[r], probs F32 [R]
-// (0 for a padding row), in fc1_out's dtype (ops::weighted_swiglu_forward).
-Tensor mlp_activation_weighted(const Tensor& fc1_out, const Tensor& probs, bool swiglu);
+// weighted_bias_swiglu_impl / weighted_squared_relu_impl in TEGroupedMLP):
+// act(fc1_out[r]) * probs[r], probs F32 [R] (0 for a padding row), in fc1_out's dtype
+// (ops::weighted_swiglu_forward and its GeLU and squared-ReLU twins).
+Tensor mlp_activation_weighted(const Tensor& fc1_out, const Tensor& probs,
+                               MlpActivation activation);
 // Its backward: d fc1_out from dact [R, F]; writes dprobs [R] F32 (allocated here):
 // dprobs[r] = <dact[r], act(fc1_out[r])>. act (optional, [R, F], allocated by the caller)
 // receives the weighted activation again, the bits of mlp_activation_weighted.
 Tensor mlp_activation_weighted_backward(const Tensor& dact, const Tensor& fc1_out,
-                                        const Tensor& probs, bool swiglu, Tensor& dprobs,
-                                        Tensor* act = nullptr);
+                                        const Tensor& probs, MlpActivation activation,
+                                        Tensor& dprobs, Tensor* act = nullptr);
 
-// Megatron's MLP: linear_fc1 -> SwiGLU or GeLU -> linear_fc2. With SwiGLU, fc1 produces
-// [gate | up] (2 * ffn outputs). fc2 is initialised with output_std (Megatron's
-// scaled_init_method: init_method_std / sqrt(2 * num_layers)).
+// Megatron's MLP: linear_fc1 -> activation (SwiGLU, GeLU or squared ReLU) -> linear_fc2.
+// With SwiGLU, fc1 produces [gate | up] (2 * ffn outputs). fc2 is initialised with
+// output_std (Megatron's scaled_init_method: init_method_std / sqrt(2 * num_layers)).
 class MLP {
  public:
   // fc1 column-parallel, fc2 row-parallel over mp's tensor-parallel group.
-  MLP(const std::string& prefix, int64_t hidden, int64_t ffn, bool swiglu, bool bias,
+  MLP(const std::string& prefix, int64_t hidden, int64_t ffn, MlpActivation activation, bool bias,
       float init_std, float output_std, uint64_t seed, Placement where,
       const ModelParallel& mp = {});
   // What forward keeps for backward (the recompute flags, set by the layer that owns the
@@ -334,7 +337,7 @@ class MLP {
   // The forward's input in backward (b.x, or made by b.input).
   const Tensor& forward_input(Between& b) const;
 
-  bool swiglu_;
+  MlpActivation activation_;
   bool keep_input_ = true, keep_fc1_out_ = true;
   Saved saved_;
   Between between_;

@@ -12,8 +12,9 @@ class DenseMlpBlock final : public MlpBlock {
  public:
   DenseMlpBlock(const std::string& prefix, const GPTConfig& cfg, uint64_t seed,
                 const ModelParallel& mp)
-      : mlp_(prefix, cfg.hidden_size, cfg.ffn_hidden_size, cfg.swiglu, !cfg.disable_bias_linear,
-             cfg.init_method_std, cfg.scaled_init_method_std(), seed, Placement::of(cfg), mp) {}
+      : mlp_(prefix, cfg.hidden_size, cfg.ffn_hidden_size, mlp_activation_of(cfg),
+             !cfg.disable_bias_linear, cfg.init_method_std, cfg.scaled_init_method_std(), seed,
+             Placement::of(cfg), mp) {}
   Tensor forward(const Tensor& x, const ForwardContext&) override { return mlp_.forward(x); }
   Tensor backward(const Tensor& dy, const std::function<Tensor()>& input) override {
     return mlp_.backward(dy, input);

@@ -371,11 +371,12 @@ Tensor MoELayer::experts_phase(const Tensor& like) {
       !s.padded ? dispatcher_->new_exchanged_rows({rows, hidden}, like.dtype(), like.device())
                 : empty_like(like, {rows, hidden});
   // fc2's input, the activation weighted by the rows' probabilities (Megatron's
-  // TEGroupedMLP: weighted_bias_swiglu_impl; the combine then adds the outputs unweighted,
-  // keeping no copy of them), is recomputed in backward: FP8 keeps only its scales.
+  // TEGroupedMLP: weighted_bias_swiglu_impl, weighted_squared_relu_impl; the combine then adds
+  // the outputs unweighted, keeping no copy of them), is recomputed in backward: FP8 keeps only
+  // its scales.
   experts_forward(&Expert::fc2_weight,
-                  mlp_activation_weighted(s.fc1_out, s.expert_probs, cfg_.swiglu), false,
-                  expert_out);
+                  mlp_activation_weighted(s.fc1_out, s.expert_probs, mlp_activation_of(cfg_)),
+                  false, expert_out);
   // Row-parallel fc2: the partial outputs are summed over etp, the bias (weighted by the
   // probabilities, Megatron's _apply_bias) counted once.
   if (mp_.etp_rank() == 0) expert_bias_forward(expert_out, &Expert::fc2_bias, s.expert_probs);
@@ -493,18 +494,19 @@ MoELayer::ExpertsBackward MoELayer::experts_backward_phase(const Tensor& dexpert
       &Expert::fc2_weight, dexpert_out,
       [&] {
         if (!input_after_dgrad)
-          return mlp_activation_weighted(s.fc1_out, s.expert_probs, cfg_.swiglu);
+          return mlp_activation_weighted(s.fc1_out, s.expert_probs, mlp_activation_of(cfg_));
         Tensor act = empty_like(dact, dact.shape());
-        dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs, cfg_.swiglu,
-                                                dexpert_probs, &act);
+        dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs,
+                                                mlp_activation_of(cfg_), dexpert_probs, &act);
         return act;
       },
       dact);
   // activation (unless done above): dfc1 and the probabilities' gradient,
-  // dprobs[r] = <dact[r], act(fc1_out[r])> (Megatron's weighted_swiglu_back).
+  // dprobs[r] = <dact[r], act(fc1_out[r])> (Megatron's weighted_swiglu_back,
+  // weighted_squared_relu_back).
   if (!dfc1.defined())
-    dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs, cfg_.swiglu,
-                                            dexpert_probs);
+    dfc1 = mlp_activation_weighted_backward(dact, s.fc1_out, s.expert_probs,
+                                            mlp_activation_of(cfg_), dexpert_probs);
   // The weighted fc2 bias: dexpert_out is whole on every ETP rank, so each computes the same
   // bias gradient; the probabilities' part <dy[r], b2> is added once, on ETP rank 0 (the
   // rank that added the bias), before the dispatcher sums the partial dprobs over ETP.

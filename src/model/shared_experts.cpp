@@ -11,7 +11,7 @@ namespace megaton {
 
 SharedExpertMLP::SharedExpertMLP(const std::string& prefix, const GPTConfig& cfg, uint64_t seed,
                                  const ModelParallel& mp)
-    : mlp(prefix, cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.swiglu,
+    : mlp(prefix, cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, mlp_activation_of(cfg),
           /*bias=*/false, cfg.init_method_std, cfg.scaled_init_method_std(), seed,
           Placement::of(cfg), mp) {
   if (!cfg.moe_shared_expert_gate) return;

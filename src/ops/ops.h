@@ -162,18 +162,28 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y = 
 void gelu_forward(const Tensor& x, Tensor& y);
 // y (optional, x's shape): also writes gelu_forward's output, as swiglu_backward's y.
 void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y = nullptr);
+// Squared ReLU, y = relu(x)^2 (Megatron's activations.squared_relu, --squared-relu;
+// Nemotron-H's relu2), not gated: x, y one shape. CPU: F32; GPU: F32, BF16 or F16, the
+// math in fp32 with one rounding of y. InternalError on a shape, dtype or device mismatch.
+void squared_relu_forward(const Tensor& x, Tensor& y);
+// dx = dy * 2 relu(x) (Megatron's _squared_relu_back; 0 at x = 0), overwritten; dy, x, dx
+// one shape and dtype. y (optional, x's shape): also writes squared_relu_forward's output,
+// the same bits, as swiglu_backward's y.
+void squared_relu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y = nullptr);
 // Row-weighted activations: the MoE experts' activation with the routing probabilities
 // applied, Megatron's weighted_bias_swiglu_impl / weighted_swiglu (fusions/
 // fused_bias_swiglu.py, used by TEGroupedMLP in transformer/moe/experts.py): fc1's output
 // activated, then row r scaled by weights[r], its routing probability (0 for a padding
-// row), so that the combine adds the experts' outputs unweighted.
+// row), so that the combine adds the experts' outputs unweighted; squared ReLU's is
+// Megatron's weighted_squared_relu (fusions/fused_weighted_squared_relu.py).
 //   forward:  y[r, :] = act(x[r, :]) * weights[r]
 //   backward: dx[r, :] = act'(x[r, :]) (dy[r, :] * weights[r]),
 //             dweights[r] = sum_f dy[r, f] act(x[r, :])[f]
-// act: SwiGLU (x [R, 2F] = [gate | up], y [R, F]) or exact GeLU (x, y [R, F]). x, y, dy, dx
-// one dtype (CPU: F32; GPU: F32, BF16 or F16), weights and dweights F32 [R]; the math is
-// fp32 with one rounding of each output (act * weights is not rounded before the
-// product), dweights summed per row in fp32 (CPU: fp64) in a fixed order and overwritten.
+// act: SwiGLU (x [R, 2F] = [gate | up], y [R, F]), exact GeLU or squared ReLU (x, y
+// [R, F]). x, y, dy, dx one dtype (CPU: F32; GPU: F32, BF16 or F16), weights and dweights
+// F32 [R]; the math is fp32 with one rounding of each output (act * weights is not rounded
+// before the product), dweights summed per row in fp32 (CPU: fp64) in a fixed order and
+// overwritten.
 // backward's y (optional, the forward's shape) receives the forward output again, the same
 // bits: the experts recompute fc2's input this way instead of keeping it.
 // InternalError on a shape, dtype or device mismatch.
@@ -183,6 +193,9 @@ void weighted_swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& w
 void weighted_gelu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
 void weighted_gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
                             Tensor& dx, Tensor& dweights, Tensor* y = nullptr);
+void weighted_squared_relu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
+void weighted_squared_relu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                                    Tensor& dx, Tensor& dweights, Tensor* y = nullptr);
 // Sigmoid row gate (Megatron's SharedExpertMLP with --moe-shared-expert-gate, whose
 // output is MLP(x) * sigmoid(x gate_weight^T)): y[t, :] = x[t, :] * sigmoid(logits[t]).
 // x, y [T, H] one float dtype (fp32 on the CPU); logits fp32 with T elements ([T] or

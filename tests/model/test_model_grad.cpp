@@ -1,14 +1,18 @@
 // Whole-model gradients against central finite differences, for the configurations the
-// Hugging Face golden files do not cover (LayerNorm, learned positions, GeLU, biases,
-// tied embeddings) and for the MoE aux-loss gradient injected into the router.
+// Hugging Face golden files do not cover (LayerNorm, learned positions, GeLU, squared ReLU,
+// biases, tied embeddings) and for the MoE aux-loss gradient injected into the router.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/testing.h"
 #include "model/gpt.h"
+#include "model/layers.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -230,6 +234,30 @@ TEST(ModelGradients, MoEGatedSharedExpert) {
   check_gradients(c);
 }
 
+// --squared-relu (Nemotron-H's relu2 MLPs): relu(x)^2, not gated, in the dense MLP (with
+// nonzero biases, so the kink is not at the bias-free point), the routed experts (the
+// row-weighted activation and the probabilities' gradient through it) and the shared expert.
+TEST(ModelGradients, SquaredReluDenseMoEAndSharedExpert) {
+  GPTConfig c = base_config();
+  c.normalization = Normalization::RMSNorm;
+  c.position_embedding_type = PositionEmbedding::Rope;
+  c.squared_relu = true;
+  c.disable_bias_linear = false;
+  c.num_experts = 4;
+  c.moe_ffn_hidden_size = 10;
+  c.moe_router_topk = 2;
+  c.moe_layer_freq = 2;  // layer 0 MoE, layer 1 dense
+  c.moe_aux_loss_coeff = 0.1f;
+  c.moe_shared_expert_intermediate_size = 6;
+  check_gradients(c, false, [](GPTModel& model) {
+    uint64_t stream = 0;
+    for (Param* p : model.params())
+      if (p->name.find("linear_fc") != std::string::npos &&
+          p->name.find("bias") != std::string::npos)
+        ops::fill_normal(p->weight, 78, stream++);
+  });
+}
+
 // --qk-layernorm (Qwen3's q_norm / k_norm): RMSNorm over each query and key head before
 // RoPE, with GQA and a head dimension other than hidden / heads (query width 24 vs hidden
 // 16) and an MoE layer.
@@ -436,6 +464,36 @@ TEST(ModelConfig, RotaryPercentChangesTheModel) {
   const Tensor full = logits(1.0);
   EXPECT_TRUE(testing::allclose(logits(1.0), full, 0, 0));
   EXPECT_FALSE(testing::allclose(logits(0.5), full, 1e-4, 0));
+}
+
+// The squared-ReLU MLP is linear_fc2(relu(linear_fc1(x))^2), fc1 [ffn, hidden] (not gated).
+TEST(ModelConfig, SquaredReluMlpIsFc2OfReluSquared) {
+  const uint64_t seed = testing::test_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t tokens = 5, hidden = 8, ffn = 12;
+  MLP mlp("mlp", hidden, ffn, MlpActivation::SquaredRelu, /*bias=*/false, 0.5f, 0.5f, seed,
+          Placement{});
+  ASSERT_EQ(mlp.linear_fc1.weight.weight.shape(), (Shape{ffn, hidden}));
+  const Tensor x = testing::randn({tokens, hidden}, seed + 1);
+  Tensor h = Tensor::empty({tokens, ffn}), y_ref = Tensor::empty({tokens, hidden});
+  ops::gemm(x, false, mlp.linear_fc1.weight.weight, true, h);
+  for (int64_t i = 0; i < h.numel(); ++i) h.f32()[i] = std::pow(std::max(h.f32()[i], 0.0f), 2.0f);
+  ops::gemm(h, false, mlp.linear_fc2.weight.weight, true, y_ref);
+  EXPECT_TRUE(testing::allclose(mlp.forward_inference(x), y_ref, 1e-6, 5e-6));
+  // Megatron asserts `not args.swiglu` under --squared-relu: one line naming both flags.
+  GPTConfig both = base_config();
+  both.squared_relu = both.swiglu = true;
+  try {
+    both.finalize();
+    ADD_FAILURE() << "squared_relu with swiglu was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("squared-relu"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("swiglu"), std::string::npos) << e.what();
+  }
+  GPTConfig alone = base_config();
+  alone.squared_relu = true;
+  EXPECT_NO_THROW(alone.finalize());
+  EXPECT_EQ(mlp_activation_of(alone), MlpActivation::SquaredRelu);
 }
 
 TEST(ModelConfig, PadsVocabularyAndRejectsBadShapes) {

@@ -1,7 +1,7 @@
-// CUDA row-weighted MoE expert ops against their CPU twins: weighted SwiGLU / GeLU (the
-// routing probabilities applied after the activation), the probability-weighted bias and
-// moe_permute_rows. Inputs rounded to the run's dtype on both devices; outputs poisoned
-// before each CUDA op runs.
+// CUDA row-weighted MoE expert ops against their CPU twins: weighted SwiGLU / GeLU / squared
+// ReLU (the routing probabilities applied after the activation), the probability-weighted
+// bias and moe_permute_rows. Inputs rounded to the run's dtype on both devices; outputs
+// poisoned before each CUDA op runs.
 #include <gtest/gtest.h>
 
 #ifdef MEGATON_WITH_CUDA
@@ -69,18 +69,34 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return x.nbytes() == y.nbytes() && std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0;
 }
 
-void forward(bool swiglu, const Tensor& x, const Tensor& w, Tensor& y) {
-  if (swiglu)
-    ops::weighted_swiglu_forward(x, w, y);
-  else
-    ops::weighted_gelu_forward(x, w, y);
+enum class Act { Swiglu, Gelu, SquaredRelu };
+
+void forward(Act act, const Tensor& x, const Tensor& w, Tensor& y) {
+  switch (act) {
+    case Act::Swiglu:
+      ops::weighted_swiglu_forward(x, w, y);
+      break;
+    case Act::Gelu:
+      ops::weighted_gelu_forward(x, w, y);
+      break;
+    case Act::SquaredRelu:
+      ops::weighted_squared_relu_forward(x, w, y);
+      break;
+  }
 }
-void backward(bool swiglu, const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dx,
-              Tensor& dw, Tensor* y) {
-  if (swiglu)
-    ops::weighted_swiglu_backward(dy, x, w, dx, dw, y);
-  else
-    ops::weighted_gelu_backward(dy, x, w, dx, dw, y);
+void backward(Act act, const Tensor& dy, const Tensor& x, const Tensor& w, Tensor& dx, Tensor& dw,
+              Tensor* y) {
+  switch (act) {
+    case Act::Swiglu:
+      ops::weighted_swiglu_backward(dy, x, w, dx, dw, y);
+      break;
+    case Act::Gelu:
+      ops::weighted_gelu_backward(dy, x, w, dx, dw, y);
+      break;
+    case Act::SquaredRelu:
+      ops::weighted_squared_relu_backward(dy, x, w, dx, dw, y);
+      break;
+  }
 }
 
 TEST_P(CudaMoeWeightedTest, WeightedActivationsMatchCpu) {
@@ -89,31 +105,33 @@ TEST_P(CudaMoeWeightedTest, WeightedActivationsMatchCpu) {
   SCOPED_TRACE("seed " + std::to_string(seed) + " " + std::string(dtype_name(dtype)));
   // Tiny and odd, training-like (packed), and an odd width (unpacked path).
   for (auto [rows, ffn] : {std::pair<int64_t, int64_t>{7, 33}, {512, 1024}, {300, 1001}}) {
-    for (bool swiglu : {true, false}) {
-      SCOPED_TRACE(std::string(swiglu ? "swiglu " : "gelu ") + std::to_string(rows) + "x" +
-                   std::to_string(ffn));
-      const int64_t in = swiglu ? 2 * ffn : ffn;
+    for (Act act : {Act::Swiglu, Act::Gelu, Act::SquaredRelu}) {
+      SCOPED_TRACE(std::string(act == Act::Swiglu ? "swiglu "
+                               : act == Act::Gelu ? "gelu "
+                                                  : "squared_relu ") +
+                   std::to_string(rows) + "x" + std::to_string(ffn));
+      const int64_t in = act == Act::Swiglu ? 2 * ffn : ffn;
       const Tensor x = rounded(randn({rows, in}, seed, 2.0f), dtype);
       const Tensor dy = rounded(randn({rows, ffn}, seed + 1), dtype);
       Tensor w = randn({rows}, seed + 2);
       w.f32()[0] = 0.0f;  // a padding row
       Tensor y_ref = Tensor::empty({rows, ffn}), dx_ref = Tensor::empty({rows, in});
       Tensor dw_ref = Tensor::empty({rows});
-      forward(swiglu, x, w, y_ref);
-      backward(swiglu, dy, x, w, dx_ref, dw_ref, nullptr);
+      forward(act, x, w, y_ref);
+      backward(act, dy, x, w, dx_ref, dw_ref, nullptr);
 
       const Tensor xg = to_gpu(x.to(dtype)), dyg = to_gpu(dy.to(dtype)), wg = to_gpu(w);
       Tensor yg = poisoned_gpu({rows, ffn}, dtype), dxg = poisoned_gpu({rows, in}, dtype);
       Tensor dwg = poisoned_gpu({rows}, DType::F32);
-      forward(swiglu, xg, wg, yg);
-      backward(swiglu, dyg, xg, wg, dxg, dwg, nullptr);
+      forward(act, xg, wg, yg);
+      backward(act, dyg, xg, wg, dxg, dwg, nullptr);
       expect_close(yg, y_ref, dtype, "y");
       expect_close(dxg, dx_ref, dtype, "dx");
       EXPECT_TRUE(allclose(host_f32(dwg), dw_ref, kSumAtol, kSumRtol)) << "dweights";
       // The backward that also writes the forward output: its bits, the same gradients.
       Tensor y2 = poisoned_gpu({rows, ffn}, dtype), dx2 = poisoned_gpu({rows, in}, dtype);
       Tensor dw2 = poisoned_gpu({rows}, DType::F32);
-      backward(swiglu, dyg, xg, wg, dx2, dw2, &y2);
+      backward(act, dyg, xg, wg, dx2, dw2, &y2);
       EXPECT_TRUE(bitwise_equal(y2, yg)) << "recomputed y differs from the forward's";
       EXPECT_TRUE(bitwise_equal(dx2, dxg));
       EXPECT_TRUE(bitwise_equal(dw2, dwg)) << "dweights not deterministic";

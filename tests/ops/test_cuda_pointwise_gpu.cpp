@@ -357,29 +357,39 @@ TEST(CudaActivation, SwigluForwardBackwardMatchCpu) {
   }
 }
 
-TEST(CudaActivation, GeluForwardBackwardMatchCpu) {
+// The non-gated activations: exact GeLU and squared ReLU (relu(x)^2).
+TEST(CudaActivation, GeluAndSquaredReluForwardBackwardMatchCpu) {
   SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed();
   SEED_TRACE(seed);
-  for (auto [rows, cols] : kShapes) {
-    for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
-      SCOPED_TRACE(shape_trace(rows, cols, dtype));
-      Tensor x = randn_bf16_values({rows, cols}, seed + 1, 2.0f);
-      Tensor dy = randn_bf16_values({rows, cols}, seed + 2);
-      Tensor y_ref = Tensor::empty({rows, cols}), dx_ref = Tensor::empty({rows, cols});
-      ops::gelu_forward(x, y_ref);
-      ops::gelu_backward(dy, x, dx_ref);
+  struct Activation {
+    const char* name;
+    void (*forward)(const Tensor&, Tensor&);
+    void (*backward)(const Tensor&, const Tensor&, Tensor&, Tensor*);
+  };
+  for (const Activation& act :
+       {Activation{"gelu", ops::gelu_forward, ops::gelu_backward},
+        Activation{"squared_relu", ops::squared_relu_forward, ops::squared_relu_backward}}) {
+    for (auto [rows, cols] : kShapes) {
+      for (DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+        SCOPED_TRACE(std::string(act.name) + " " + shape_trace(rows, cols, dtype));
+        Tensor x = randn_bf16_values({rows, cols}, seed + 1, 2.0f);
+        Tensor dy = randn_bf16_values({rows, cols}, seed + 2);
+        Tensor y_ref = Tensor::empty({rows, cols}), dx_ref = Tensor::empty({rows, cols});
+        act.forward(x, y_ref);
+        act.backward(dy, x, dx_ref, nullptr);
 
-      Tensor xg = on_gpu(x, dtype), dyg = on_gpu(dy, dtype);
-      Tensor yg = poisoned_gpu({rows, cols}, dtype), dxg = poisoned_gpu({rows, cols}, dtype);
-      ops::gelu_forward(xg, yg);
-      ops::gelu_backward(dyg, xg, dxg);
-      expect_output_close(yg, y_ref, dtype, "y");
-      expect_output_close(dxg, dx_ref, dtype, "dx");
-      Tensor y2 = poisoned_gpu({rows, cols}, dtype), dx2 = poisoned_gpu({rows, cols}, dtype);
-      ops::gelu_backward(dyg, xg, dx2, &y2);
-      EXPECT_TRUE(bitwise_equal(y2, yg)) << "recomputed y differs from gelu_forward's";
-      EXPECT_TRUE(bitwise_equal(dx2, dxg)) << "dx differs when y is written";
+        Tensor xg = on_gpu(x, dtype), dyg = on_gpu(dy, dtype);
+        Tensor yg = poisoned_gpu({rows, cols}, dtype), dxg = poisoned_gpu({rows, cols}, dtype);
+        act.forward(xg, yg);
+        act.backward(dyg, xg, dxg, nullptr);
+        expect_output_close(yg, y_ref, dtype, "y");
+        expect_output_close(dxg, dx_ref, dtype, "dx");
+        Tensor y2 = poisoned_gpu({rows, cols}, dtype), dx2 = poisoned_gpu({rows, cols}, dtype);
+        act.backward(dyg, xg, dx2, &y2);
+        EXPECT_TRUE(bitwise_equal(y2, yg)) << "recomputed y differs from the forward's";
+        EXPECT_TRUE(bitwise_equal(dx2, dxg)) << "dx differs when y is written";
+      }
     }
   }
 }

@@ -1,5 +1,5 @@
-// SwiGLU and exact (erf) GeLU, plain and row-weighted (MoE experts), and the sigmoid row
-// gate, forward and backward, on the CPU.
+// SwiGLU, exact (erf) GeLU and squared ReLU, plain and row-weighted (MoE experts), and the
+// sigmoid row gate, forward and backward, on the CPU.
 #include <cmath>
 #include <utility>
 
@@ -90,6 +90,24 @@ void gelu_backward(const float* dy, const float* x, float* dx, int64_t n) {
   }
 }
 
+// squared_relu(x) = relu(x)^2 (Megatron's activations.squared_relu).
+inline float squared_relu(float v) {
+  const float r = v > 0.0f ? v : 0.0f;
+  return r * r;
+}
+// d relu(x)^2 / dx = 2 relu(x) (Megatron's _squared_relu_back).
+inline float squared_relu_grad(float v) { return v > 0.0f ? 2.0f * v : 0.0f; }
+
+void squared_relu_forward(const float* x, float* y, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) y[i] = squared_relu(x[i]);
+}
+
+void squared_relu_backward(const float* dy, const float* x, float* dx, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * squared_relu_grad(x[i]);
+}
+
 // The row-weighted activations (ops.h): y = act(x) w_t, dx = act'(x) (dy w_t),
 // dw_t = sum_f dy act(x) (fp64 sum). act(x) is computed as the unweighted forward does.
 void weighted_swiglu_forward(const float* x, const float* w, float* y, int64_t rows,
@@ -144,6 +162,27 @@ void weighted_gelu_backward(const float* dy, const float* x, const float* w, flo
       const float pdf = kInvSqrt2Pi * std::exp(-0.5f * v * v);
       dot += double(dy[i]) * (0.5f * v * (1.0f + std::erf(v * kInvSqrt2)));
       dx[i] = dy[i] * w[t] * (cdf + v * pdf);
+    }
+    dw[t] = float(dot);
+  }
+}
+
+void weighted_squared_relu_forward(const float* x, const float* w, float* y, int64_t rows,
+                                   int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = 0; j < cols; ++j) y[t * cols + j] = squared_relu(x[t * cols + j]) * w[t];
+}
+
+void weighted_squared_relu_backward(const float* dy, const float* x, const float* w, float* dx,
+                                    float* dw, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+  for (int64_t t = 0; t < rows; ++t) {
+    double dot = 0.0;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t i = t * cols + j;
+      dot += double(dy[i]) * squared_relu(x[i]);
+      dx[i] = dy[i] * w[t] * squared_relu_grad(x[i]);
     }
     dw[t] = float(dot);
   }
@@ -238,6 +277,31 @@ void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
   cpu::gelu_backward(dy.f32(), x.f32(), dx.f32(), x.numel());
 }
 
+void squared_relu_forward(const Tensor& x, Tensor& y) {
+  MEGATON_CUDA_DISPATCH(x, cuda::squared_relu_forward(x, y));
+  const char* op = "squared_relu_forward";
+  check_f32(x, op, "x");
+  check_f32(y, op, "y");
+  check_same_shape(y, x, op, "y", "x");
+  cpu::squared_relu_forward(x.f32(), y.f32(), x.numel());
+}
+
+void squared_relu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::squared_relu_backward(dy, x, dx, y));
+  const char* op = "squared_relu_backward";
+  check_f32(dy, op, "dy");
+  check_f32(x, op, "x");
+  check_f32(dx, op, "dx");
+  check_same_shape(dy, x, op, "dy", "x");
+  check_same_shape(dx, x, op, "dx", "x");
+  if (y) {
+    check_f32(*y, op, "y");
+    check_same_shape(*y, x, op, "y", "x");
+    cpu::squared_relu_forward(x.f32(), y->f32(), x.numel());
+  }
+  cpu::squared_relu_backward(dy.f32(), x.f32(), dx.f32(), x.numel());
+}
+
 namespace {
 // weights, dweights: F32 [rows] (any shape of that many elements).
 void check_row_weights(const Tensor& w, int64_t rows, const char* op, const char* name) {
@@ -309,6 +373,40 @@ void weighted_gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& wei
   }
   cpu::weighted_gelu_backward(dy.f32(), x.f32(), weights.f32(), dx.f32(), dweights.f32(), rows,
                               cols);
+}
+
+void weighted_squared_relu_forward(const Tensor& x, const Tensor& weights, Tensor& y) {
+  MEGATON_CUDA_DISPATCH(x, cuda::weighted_squared_relu_forward(x, weights, y));
+  const char* op = "weighted_squared_relu_forward";
+  check_f32(x, op, "x");
+  check_f32(y, op, "y");
+  check_same_shape(y, x, op, "y", "x");
+  MEGATON_CHECK(x.ndim() >= 1, "{}: x must be [R, F]", op);
+  const int64_t cols = x.dim(-1), rows = cols ? x.numel() / cols : 0;
+  check_row_weights(weights, rows, op, "weights");
+  cpu::weighted_squared_relu_forward(x.f32(), weights.f32(), y.f32(), rows, cols);
+}
+
+void weighted_squared_relu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                                    Tensor& dx, Tensor& dweights, Tensor* y) {
+  MEGATON_CUDA_DISPATCH(dy, cuda::weighted_squared_relu_backward(dy, x, weights, dx, dweights, y));
+  const char* op = "weighted_squared_relu_backward";
+  check_f32(dy, op, "dy");
+  check_f32(x, op, "x");
+  check_f32(dx, op, "dx");
+  check_same_shape(dy, x, op, "dy", "x");
+  check_same_shape(dx, x, op, "dx", "x");
+  MEGATON_CHECK(x.ndim() >= 1, "{}: x must be [R, F]", op);
+  const int64_t cols = x.dim(-1), rows = cols ? x.numel() / cols : 0;
+  check_row_weights(weights, rows, op, "weights");
+  check_row_weights(dweights, rows, op, "dweights");
+  if (y) {
+    check_f32(*y, op, "y");
+    check_same_shape(*y, x, op, "y", "x");
+    cpu::weighted_squared_relu_forward(x.f32(), weights.f32(), y->f32(), rows, cols);
+  }
+  cpu::weighted_squared_relu_backward(dy.f32(), x.f32(), weights.f32(), dx.f32(), dweights.f32(),
+                                      rows, cols);
 }
 
 void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y) {

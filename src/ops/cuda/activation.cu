@@ -1,16 +1,20 @@
-// SwiGLU, exact (erf) GeLU and the sigmoid row gate, forward and backward, on the GPU
-// (semantics: ops.h, CPU twin: ops/cpu/activation.cpp). Inputs and outputs share one
+// SwiGLU, exact (erf) GeLU, squared ReLU and the sigmoid row gate, forward and backward, on
+// the GPU (semantics: ops.h, CPU twin: ops/cpu/activation.cpp). Inputs and outputs share one
 // dtype (F32, BF16 or F16); the math is fp32. Grid-stride loops over 16-byte packs when the rows
 // allow it, else over single elements.
 #include <initializer_list>
 #include <utility>
 
+#include "ops/cuda/activation_math.cuh"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/pointwise_util.cuh"
 
 namespace megaton::ops::cuda {
 namespace {
 
+using detail::Activation;
+using detail::activation_grad_of;
+using detail::activation_of;
 using detail::compute_stream;
 using detail::from_float;
 using detail::grid_for;
@@ -22,8 +26,6 @@ using detail::store_pack;
 using detail::to_float;
 
 constexpr int kThreads = 256;
-constexpr float kInvSqrt2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
@@ -95,37 +97,32 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ dy, const T* __rest
   }
 }
 
-// gelu(x) = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)); N divides n.
-template <typename T, int N>
-__global__ void gelu_forward_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t n) {
+// y = act(x), act exact GeLU or squared ReLU (activation_math.cuh); N divides n.
+template <typename T, int N, Activation A>
+__global__ void pointwise_activation_forward_kernel(const T* __restrict__ x, T* __restrict__ y,
+                                                    int64_t n) {
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N; i < n;
        i += int64_t(gridDim.x) * blockDim.x * N) {
     Pack<T, N> xp = load_pack<N>(x + i), yp;
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      float v = to_float(xp.v[k]);
-      yp.v[k] = from_float<T>(0.5f * v * (1.0f + erff(v * kInvSqrt2)));
-    }
+    for (int k = 0; k < N; ++k) yp.v[k] = from_float<T>(activation_of<A>(to_float(xp.v[k])));
     store_pack<N>(y + i, yp);
   }
 }
 
-// gelu'(x) = Phi(x) + x phi(x), phi the standard normal density. y (may be null): the
-// forward output, computed as gelu_forward_kernel does.
-template <typename T, int N>
-__global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                     T* __restrict__ dx, T* __restrict__ y, int64_t n) {
+// dx = dy act'(x). y (may be null): the forward output, computed as the forward kernel does.
+template <typename T, int N, Activation A>
+__global__ void pointwise_activation_backward_kernel(const T* __restrict__ dy,
+                                                     const T* __restrict__ x, T* __restrict__ dx,
+                                                     T* __restrict__ y, int64_t n) {
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * N; i < n;
        i += int64_t(gridDim.x) * blockDim.x * N) {
     Pack<T, N> xp = load_pack<N>(x + i), dyp = load_pack<N>(dy + i), dxp, yp;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      float v = to_float(xp.v[k]);
-      float e = erff(v * kInvSqrt2);
-      float cdf = 0.5f * (1.0f + e);
-      float pdf = kInvSqrt2Pi * expf(-0.5f * v * v);
-      dxp.v[k] = from_float<T>(to_float(dyp.v[k]) * (cdf + v * pdf));
-      yp.v[k] = from_float<T>(0.5f * v * (1.0f + e));
+      const float v = to_float(xp.v[k]);
+      dxp.v[k] = from_float<T>(to_float(dyp.v[k]) * activation_grad_of<A>(v));
+      yp.v[k] = from_float<T>(activation_of<A>(v));
     }
     store_pack<N>(dx + i, dxp);
     if (y != nullptr) store_pack<N>(y + i, yp);
@@ -240,8 +237,10 @@ void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
   });
 }
 
-void gelu_forward(const Tensor& x, Tensor& y) {
-  const char* op = "gelu_forward";
+namespace {
+
+template <Activation A>
+void pointwise_activation_forward(const Tensor& x, Tensor& y, const char* op) {
   detail::check_float(x, op, "x");
   check_pair(y, "y", x, "x", op);
   detail::check_same_shape(y, x, op, "y", "x");
@@ -253,18 +252,19 @@ void gelu_forward(const Tensor& x, Tensor& y) {
     const T* xp = static_cast<const T*>(x.raw());
     T* yp = static_cast<T*>(y.raw());
     if (n % kN == 0 && packs_aligned<T>({xp, yp})) {
-      gelu_forward_kernel<T, kN>
+      pointwise_activation_forward_kernel<T, kN, A>
           <<<grid_for(n / kN, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, n);
     } else {
-      gelu_forward_kernel<T, 1>
+      pointwise_activation_forward_kernel<T, 1, A>
           <<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(xp, yp, n);
     }
     MEGATON_CUDA_CHECK_LAUNCH();
   });
 }
 
-void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
-  const char* op = "gelu_backward";
+template <Activation A>
+void pointwise_activation_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y,
+                                   const char* op) {
   detail::check_float(x, op, "x");
   check_pair(dy, "dy", x, "x", op);
   check_pair(dx, "dx", x, "x", op);
@@ -284,14 +284,32 @@ void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
     T* dxp = static_cast<T*>(dx.raw());
     T* yp = y ? static_cast<T*>(y->raw()) : nullptr;
     if (n % kN == 0 && packs_aligned<T>({dyp, xp, dxp}) && (!yp || packs_aligned<T>({yp}))) {
-      gelu_backward_kernel<T, kN>
+      pointwise_activation_backward_kernel<T, kN, A>
           <<<grid_for(n / kN, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, yp, n);
     } else {
-      gelu_backward_kernel<T, 1>
+      pointwise_activation_backward_kernel<T, 1, A>
           <<<grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(dyp, xp, dxp, yp, n);
     }
     MEGATON_CUDA_CHECK_LAUNCH();
   });
+}
+
+}  // namespace
+
+void gelu_forward(const Tensor& x, Tensor& y) {
+  pointwise_activation_forward<Activation::Gelu>(x, y, "gelu_forward");
+}
+
+void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
+  pointwise_activation_backward<Activation::Gelu>(dy, x, dx, y, "gelu_backward");
+}
+
+void squared_relu_forward(const Tensor& x, Tensor& y) {
+  pointwise_activation_forward<Activation::SquaredRelu>(x, y, "squared_relu_forward");
+}
+
+void squared_relu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y) {
+  pointwise_activation_backward<Activation::SquaredRelu>(dy, x, dx, y, "squared_relu_backward");
 }
 
 // x [T, H] and logits (fp32, T elements). Returns {T, H}.

@@ -69,12 +69,17 @@ void swiglu_forward(const Tensor& x, Tensor& y);
 void swiglu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y);
 void gelu_forward(const Tensor& x, Tensor& y);
 void gelu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y);
+void squared_relu_forward(const Tensor& x, Tensor& y);
+void squared_relu_backward(const Tensor& dy, const Tensor& x, Tensor& dx, Tensor* y);
 void weighted_swiglu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
 void weighted_swiglu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
                               Tensor& dx, Tensor& dweights, Tensor* y);
 void weighted_gelu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
 void weighted_gelu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
                             Tensor& dx, Tensor& dweights, Tensor* y);
+void weighted_squared_relu_forward(const Tensor& x, const Tensor& weights, Tensor& y);
+void weighted_squared_relu_backward(const Tensor& dy, const Tensor& x, const Tensor& weights,
+                                    Tensor& dx, Tensor& dweights, Tensor* y);
 void sigmoid_gate_forward(const Tensor& x, const Tensor& logits, Tensor& y);
 void sigmoid_gate_backward(const Tensor& dy, const Tensor& x, const Tensor& logits, Tensor& dx,
                            Tensor& dlogits);

@@ -30,6 +30,7 @@ void parse_model(const ArgReader& r, TrainArgs& a) {
   r.get("norm-epsilon", m.norm_epsilon);
   r.get("qk-layernorm", m.qk_layernorm);
   r.get("swiglu", m.swiglu);
+  r.get("squared-relu", m.squared_relu);  // GPTConfig::finalize refuses it with swiglu
   std::string pos = "learned_absolute";
   r.get("position-embedding-type", pos);
   if (r.on("use-rotary-position-embeddings")) {  // Megatron's deprecated name
@@ -129,6 +130,7 @@ ArgGroup model_flags() {
       toggle("qk-layernorm",
              "normalize each query and key head before RoPE (Qwen3's q_norm/k_norm)"),
       toggle("swiglu", "SwiGLU MLP instead of GeLU"),
+      toggle("squared-relu", "squared ReLU (relu(x)^2) MLP activation instead of GeLU"),
       flag("position-embedding-type", "learned_absolute, rope or none"),
       toggle("use-rotary-position-embeddings",
              "Megatron's older name of "

@@ -126,7 +126,6 @@ std::vector<OptionSpec> model_megatron_rules() {
       unsupported("rope-scaling-factor", "1", "Llama 3.1 RoPE scaling"),
       unsupported("no-rope-freq", "1", "RoPE skipped on some layers"),
       unsupported("openai-gelu", "0", "tanh-approximated (OpenAI) GeLU"),
-      unsupported("squared-relu", "0", "squared-ReLU activation"),
       unsupported("quick-geglu", "0", "quick GeGLU activation"),
       no_effect("bert-no-binary-head", "0",
                 "only applies to BERT models, which Megaton does not have"),
