@@ -77,12 +77,83 @@ void plan_mla(Planner& in, const std::string& h, const std::string& m) {
   in.copy(m + "linear_kv_up_proj.weight", h + "kv_b_proj.weight");
   in.copy(m + "linear_proj.weight", h + "o_proj.weight");
 }
+// Megatron's grouped linear_qkv from q_proj, k_proj, v_proj: per query group its query
+// heads, its key head, its value head.
+void plan_qkv(Planner& in, const HFLayout& L, const std::string& h, const std::string& m) {
+  MEGATON_CHECK(L.num_query_groups > 0 && L.num_attention_heads % L.num_query_groups == 0,
+                "hf_to_megaton: {} attention heads in {} query groups", L.num_attention_heads,
+                L.num_query_groups);
+  const int64_t groups = L.num_query_groups, qpg = L.num_attention_heads / groups,
+                d = L.kv_channels;
+  const std::vector<std::string> qkv_in = {
+      in.need(h + "q_proj.weight"), in.need(h + "k_proj.weight"), in.need(h + "v_proj.weight")};
+  in.out.push_back({m + "linear_qkv.weight", qkv_in, [qkv_in, groups, qpg, d](const HFGet& get) {
+                      const Tensor q = get(qkv_in[0]), k = get(qkv_in[1]), v = get(qkv_in[2]);
+                      std::vector<Tensor> parts;
+                      for (int64_t g = 0; g < groups; ++g) {
+                        parts.push_back(q.rows(g * qpg * d, qpg * d));
+                        parts.push_back(k.rows(g * d, d));
+                        parts.push_back(v.rows(g * d, d));
+                      }
+                      return stack_rows(parts);
+                    }});
+  in.copy(m + "linear_proj.weight", h + "o_proj.weight");
+}
+
+// NemotronH (NemotronHForCausalLM: "backbone." names; docs/golden.md "nemotron_h_tiny"):
+// every layer is "norm" + "mixer", its kind told by the mixer's tensors. A Mamba-2 mixer
+// maps one to one (in_proj rows [z, x, B, C, dt] and conv1d [x, B, C, 1, K] as Megatron's
+// MambaMixer); attention to linear_qkv / linear_proj; an MLP layer's up_proj / down_proj
+// (no gate: squared ReLU) to linear_fc1 / linear_fc2; an MoE layer's gate (and its
+// e_score_correction_bias), per-expert up/down projections and shared expert likewise.
+void plan_nemotron_h(Planner& in, const HFLayout& L) {
+  in.copy("embedding.word_embeddings.weight", "backbone.embeddings.weight");
+  in.copy("decoder.final_norm.weight", "backbone.norm_f.weight");
+  if (in.has("lm_head.weight")) in.copy("output_layer.weight", "lm_head.weight");
+  for (int64_t i = 0; i < L.num_layers; ++i) {
+    const std::string h = "backbone.layers." + std::to_string(i) + ".";
+    const std::string m = "decoder.layers." + std::to_string(i) + ".";
+    const std::string x = h + "mixer.";
+    if (in.has(x + "in_proj.weight")) {  // M
+      in.copy(m + "norm.weight", h + "norm.weight");
+      for (const char* name : {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log",
+                               "D", "norm.weight", "out_proj.weight"})
+        in.copy(m + "mixer." + name, x + name);
+    } else if (in.has(x + "q_proj.weight")) {  // *
+      in.copy(m + "input_layernorm.weight", h + "norm.weight");
+      plan_qkv(in, L, x, m + "self_attention.");
+    } else if (in.has(x + "gate.weight")) {  // E
+      in.copy(m + "pre_mlp_layernorm.weight", h + "norm.weight");
+      in.copy(m + "mlp.router.weight", x + "gate.weight");
+      if (in.has(x + "gate.e_score_correction_bias"))
+        in.copy(m + "mlp.router.expert_bias", x + "gate.e_score_correction_bias");
+      if (in.has(x + "shared_experts.up_proj.weight")) {
+        in.copy(m + "mlp.shared_experts.linear_fc1.weight", x + "shared_experts.up_proj.weight");
+        in.copy(m + "mlp.shared_experts.linear_fc2.weight", x + "shared_experts.down_proj.weight");
+      }
+      for (int64_t e = 0; e < L.num_experts; ++e) {
+        const std::string dst = m + "mlp.experts.local_experts." + std::to_string(e) + ".";
+        const std::string src = x + "experts." + std::to_string(e) + ".";
+        in.copy(dst + "linear_fc1.weight", src + "up_proj.weight");
+        in.copy(dst + "linear_fc2.weight", src + "down_proj.weight");
+      }
+    } else {  // -
+      in.copy(m + "pre_mlp_layernorm.weight", h + "norm.weight");
+      in.copy(m + "mlp.linear_fc1.weight", x + "up_proj.weight");
+      in.copy(m + "mlp.linear_fc2.weight", x + "down_proj.weight");
+    }
+  }
+}
 }  // namespace
 
 std::vector<HFMappedTensor> hf_mapping(const HFLayout& L, const HFHas& has,
                                        const std::string& prefix) {
   std::vector<HFMappedTensor> out;
   Planner in{has, prefix, out};
+  if (in.has("backbone.embeddings.weight")) {
+    plan_nemotron_h(in, L);
+    return out;
+  }
   in.copy("embedding.word_embeddings.weight", "model.embed_tokens.weight");
   in.copy("decoder.final_layernorm.weight", "model.norm.weight");
   if (in.has("lm_head.weight")) in.copy("output_layer.weight", "lm_head.weight");
@@ -94,27 +165,7 @@ std::vector<HFMappedTensor> hf_mapping(const HFLayout& L, const HFHas& has,
     if (in.has(h + "self_attn.kv_a_proj_with_mqa.weight")) {
       plan_mla(in, h + "self_attn.", m + "self_attention.");
     } else {
-      MEGATON_CHECK(L.num_query_groups > 0 && L.num_attention_heads % L.num_query_groups == 0,
-                    "hf_to_megaton: {} attention heads in {} query groups", L.num_attention_heads,
-                    L.num_query_groups);
-      const int64_t groups = L.num_query_groups, qpg = L.num_attention_heads / groups,
-                    d = L.kv_channels;
-      // Megatron's grouped order: per query group its query heads, key head, value head.
-      const std::vector<std::string> qkv_in = {in.need(h + "self_attn.q_proj.weight"),
-                                               in.need(h + "self_attn.k_proj.weight"),
-                                               in.need(h + "self_attn.v_proj.weight")};
-      out.push_back({m + "self_attention.linear_qkv.weight", qkv_in,
-                     [qkv_in, groups, qpg, d](const HFGet& get) {
-                       const Tensor q = get(qkv_in[0]), k = get(qkv_in[1]), v = get(qkv_in[2]);
-                       std::vector<Tensor> parts;
-                       for (int64_t g = 0; g < groups; ++g) {
-                         parts.push_back(q.rows(g * qpg * d, qpg * d));
-                         parts.push_back(k.rows(g * d, d));
-                         parts.push_back(v.rows(g * d, d));
-                       }
-                       return stack_rows(parts);
-                     }});
-      in.copy(m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight");
+      plan_qkv(in, L, h + "self_attn.", m + "self_attention.");
     }
     // Qwen3's per-head q_norm / k_norm: Megatron's --qk-layernorm.
     if (in.has(h + "self_attn.q_norm.weight")) {

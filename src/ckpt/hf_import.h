@@ -51,6 +51,11 @@ struct HFLayout {
 // experts as Qwen3-MoE's (per-expert or fused), "mlp.shared_experts.{gate,up}_proj" ->
 // "mlp.shared_experts.linear_fc1" as [gate; up], "down_proj" -> "linear_fc2"; its first
 // first_k_dense_replace layers are dense ("mlp.gate_proj").
+// NemotronH (NemotronHForCausalLM, "backbone." names; a hybrid model of Mamba-2, attention,
+// MLP and MoE layers, each "norm" + "mixer"): each layer's kind is read from its tensors
+// and mapped to Megatron's hybrid names (model/mamba_mixer.h; the Mamba tensors one to
+// one, attention as above, up_proj / down_proj to linear_fc1 / linear_fc2, the final norm
+// to "decoder.final_norm").
 // `prefix` is prepended to every HF name looked up (e.g. "grad." to map gradients).
 // `used` (when given) receives the HF names the mapping read, so a caller can tell which
 // tensors of the checkpoint it left out.

@@ -12,7 +12,11 @@ namespace megaton {
 // 2 x seq x heads x kv_channels for causal core attention (QK^T and PV, half the
 // positions), the MLP (x3/2 for SwiGLU) or, for MoE layers, top-k experts' MLPs plus the
 // router; plus the logits 2 x hidden x padded vocab. Backward costs twice the forward,
-// so the total is 3 x forward. Only active (routed) expert parameters count.
+// so the total is 3 x forward. Only active (routed) expert parameters count. A hybrid
+// model counts each layer's parts (model/layer_spec.h): a Mamba-2 mixer as Megatron's
+// mamba_layer_flops, 2 x hidden x (2 d_inner + 2 groups x state + heads) for in_proj +
+// 7 x d_inner x state for the scan + 2 x d_inner x hidden for out_proj; attention or MLP
+// layers alone their one part.
 double num_floating_point_operations(const GPTConfig& cfg, int64_t tokens);
 
 // The log line's "throughput per GPU (TFLOP/s/GPU)": one iteration's model FLOPs (of the

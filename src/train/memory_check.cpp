@@ -125,15 +125,21 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   // A rank whose layers' kinds are unknown here holds at least its count of the lighter kind.
   const bool mixed = moe_layers > 0 && dense_layers > 0;
   const LayerTerms& only = moe_layers > 0 ? moe_layer : dense_layer;
-  const double min_layer_state =
+  double min_layer_state =
       mixed ? std::min(layer_state(dense_layer), layer_state(moe_layer)) : layer_state(only);
-  const double min_layer_params =
-      mixed ? std::min(dense_layer.dense_params + dense_layer.expert_params,
-                       moe_layer.dense_params + moe_layer.expert_params)
-            : only.dense_params + only.expert_params;
-  const double min_layer_activations =
+  double min_layer_params = mixed ? std::min(dense_layer.dense_params + dense_layer.expert_params,
+                                             moe_layer.dense_params + moe_layer.expert_params)
+                                  : only.dense_params + only.expert_params;
+  double min_layer_activations =
       mixed ? std::min(dense_layer.activation_bytes, moe_layer.activation_bytes)
             : only.activation_bytes;
+  // A hybrid model's layers are one part each (a Mamba or attention mixer, an MLP, an MoE
+  // layer), lighter than the attention + MLP layers above: the bound leaves its layers out
+  // (the memory plan, train/memory_plan.h, counts them exactly).
+  const double hybrid_zero = m.is_hybrid() ? 0.0 : 1.0;
+  min_layer_state *= hybrid_zero;
+  min_layer_params *= hybrid_zero;
+  min_layer_activations *= hybrid_zero;
 
   // First stage: word embeddings [V, h] (vocab-parallel), learned position embeddings
   // [max-position-embeddings, h] (replicated). Last stage: the output layer [V, h] when

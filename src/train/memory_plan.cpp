@@ -7,6 +7,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "model/layer_spec.h"
 #include "train/pipeline_schedule.h"
 
 namespace megaton {
@@ -105,6 +106,34 @@ void mla_memory(const Dims& x, const Keeps& k, LayerMemory& out) {
   const double rope = dqkv + x.act(T, n * dq) + x.act(T, n * (double(m.qk_head_dim) + v));
   double b =
       2 * x.act(x.Tl, x.H) + (x.sp ? x.act(T, x.H) : 0) + std::max(attn, rope) + x.act(x.Tl, x.H);
+  if (!k.qkv_input) b += x.act(x.Tl, x.H);
+  out.backward = std::max(out.backward, b);
+}
+
+// A Mamba-2 layer (model/mamba_mixer.cpp MambaMixer::forward and backward) and its norm.
+// Per rank: d = d_inner / tp, conv = d + 2 G N / tp, P = in_proj's width d + conv + heads.
+void mamba_memory(const Dims& x, const Keeps& k, LayerMemory& out) {
+  const GPTConfig& m = x.m;
+  const double T = x.T, heads = double(m.mamba_num_heads) / x.tp,
+               d = double(m.mamba_d_inner()) / x.tp;
+  const double groups = double(m.mamba_num_groups) / x.tp, N = double(m.mamba_state_dim);
+  const double conv = d + 2 * groups * N, P = d + conv + heads;
+  out.input = x.act(x.Tl, x.H);
+  double s = out.input + x.norm_stats(x.Tl);  // norm: x, rstd (mean)
+  if (k.qkv_input) s += x.act(x.Tl, x.H);     // in_proj's input (layernorm recompute: none)
+  s += x.act(T, d) + 2 * x.act(T, conv) + x.act(T, heads);  // z, xBC raw and convolved, dt
+  s += 2 * x.act(T, d) + x.bytes(T * groups, kF32);         // y, out_proj's input, 1/rms
+  out.saved += s;
+  // The scan's chunk states (the CUDA kernels' F32 scratch, remade in backward with their
+  // gradients): [B, chunks, heads, head_dim, N].
+  const double chunks = std::ceil(x.S / double(m.mamba_chunk_size));
+  const double states = x.bytes(x.B * chunks * heads * double(m.mamba_head_dim) * N, kF32);
+  // Backward: dy (gathered under SP), out_proj's dx, the norm's dy and dz, the scan's dx,
+  // dB, dC, ddt, dxBC, the convolution's dxBC, in_proj's dy [T, P] and dx (with the
+  // gathered or remade input); all live until in_proj's backward returns.
+  double b = x.act(x.Tl, x.H) + (x.sp ? x.act(T, x.H) : 0) + 3 * x.act(T, d) +
+             x.act(T, conv + heads) + 2 * x.act(T, conv) + x.act(T, P) + x.act(T, x.H) +
+             (x.sp ? x.act(T, x.H) : 0) + 2 * states;
   if (!k.qkv_input) b += x.act(x.Tl, x.H);
   out.backward = std::max(out.backward, b);
 }
@@ -259,7 +288,21 @@ LayerMemory layer_memory(const Dims& x, int64_t layer, bool training) {
   const Keeps k = keeps_of(m.recompute, training);
   const bool fp8 = m.fp8.enabled && m.fp8.layer_in_fp8(layer, m.num_layers);
   LayerMemory out;
-  attention_memory(x, k, fp8, out);
+  const LayerSpec spec = decoder_layer_spec(m, layer);
+  if (spec.mixer == MixerKind::Mamba) {
+    mamba_memory(x, k, out);
+    return out;  // a hybrid model's Mamba layer has no MLP
+  }
+  if (spec.mixer == MixerKind::None) {  // an MLP / MoE layer alone: its norm keeps x
+    out.input = x.act(x.Tl, x.H);
+    out.saved += out.input + x.norm_stats(x.Tl);
+  } else {
+    attention_memory(x, k, fp8, out);
+    if (spec.mlp == MlpKind::None) {  // attention alone: no pre_mlp_layernorm (h = x + attn)
+      out.saved -= x.act(x.Tl, x.H) + x.norm_stats(x.Tl);
+      return out;
+    }
+  }
   if (m.is_moe_layer(layer)) {
     // The pre_mlp_layernorm output is the MoE layer's kept input (even under layernorm).
     moe_memory(x, k, fp8, training, out);

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "model/layer_spec.h"
 #include "optim/adamw.h"
 #include "train/data_parallel_setup.h"
 #include "train/memory_plan.h"
@@ -45,8 +46,23 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
     add(H * ffn / tp, false, fp8);
     if (with_bias) add(H);
   };
-  norm(H);                         // input_layernorm
-  if (m.multi_latent_attention) {  // model/mla.cpp's collect_params order
+  const LayerSpec spec = decoder_layer_spec(m, layer);
+  if (spec.mixer == MixerKind::Mamba) {  // norm, then MambaMixer::collect_params's order
+    const double d = double(m.mamba_d_inner()), conv = double(m.mamba_conv_dim());
+    const double heads = double(m.mamba_num_heads);
+    norm(H);
+    add(double(m.mamba_in_proj_size()) / tp * H, false, fp8);  // in_proj
+    add(conv / tp * double(m.mamba_conv_kernel));              // conv1d weight, bias
+    add(conv / tp);
+    for (int i = 0; i < 3; ++i) add(heads / tp);  // dt_bias, A_log, D
+    add(d / tp);                                  // norm
+    add(H * d / tp, false, fp8);                  // out_proj
+    return;
+  }
+  if (spec.mixer != MixerKind::None) norm(H);  // input_layernorm
+  if (spec.mixer == MixerKind::None) {
+    // An MLP / MoE layer of a hybrid model: its MLP below.
+  } else if (m.multi_latent_attention) {  // model/mla.cpp's collect_params order
     const double dq = double(m.qk_head_dim + m.qk_pos_emb_head_dim), v = double(m.v_head_dim);
     const double rq = double(m.q_lora_rank), rkv = double(m.kv_lora_rank);
     if (rq == 0) {
@@ -71,6 +87,7 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
       norm(d);
     }
   }
+  if (spec.mlp == MlpKind::None) return;
   norm(H);  // pre_mlp_layernorm
   if (!m.is_moe_layer(layer)) {
     mlp(double(m.ffn_hidden_size), bias);

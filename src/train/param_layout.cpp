@@ -5,6 +5,7 @@
 #include "train/param_layout.h"
 
 #include "core/error.h"
+#include "model/layer_spec.h"
 
 namespace megaton {
 
@@ -90,12 +91,46 @@ void attention(Table& t, const std::string& a, const GPTConfig& c) {
   }
 }
 
+// Megatron's MambaMixer (model/mamba_mixer.h): in_proj's [z, x, B, C, dt] and conv1d's
+// [x, B, C] blocks each split over TP, the per-head vectors and the gated norm split.
+void mamba(Table& t, const std::string& x, const GPTConfig& c) {
+  const int64_t d = c.mamba_d_inner(), gn = c.mamba_num_groups * c.mamba_state_dim,
+                heads = c.mamba_num_heads;
+  t.add(x + "in_proj.weight", {c.mamba_in_proj_size(), c.hidden_size}, 0).tp_blocks = {d, d, gn, gn,
+                                                                                       heads};
+  t.add(x + "conv1d.weight", {c.mamba_conv_dim(), 1, c.mamba_conv_kernel}, 0).tp_blocks = {d, gn,
+                                                                                           gn};
+  t.add(x + "conv1d.bias", {c.mamba_conv_dim()}, 0).tp_blocks = {d, gn, gn};
+  for (const char* name : {"dt_bias", "A_log", "D"}) t.add(x + name, {heads}, 0);
+  t.add(x + "norm.weight", {d}, 0);
+  t.row(x + "out_proj", d, c.hidden_size);
+}
+
+// A dense or MoE MLP under prefix m + "mlp".
+void mlp_block(Table& t, const std::string& m, const GPTConfig& c, int64_t layer) {
+  if (!c.is_moe_layer(layer)) {
+    t.mlp(m + "mlp", c, c.ffn_hidden_size, -1);
+    return;
+  }
+  const int64_t H = c.hidden_size;
+  t.replicated(m + "mlp.router", H, c.num_experts);
+  if (c.moe_router_enable_expert_bias)
+    t.add(m + "mlp.router.expert_bias", {c.num_experts}).router_state = true;
+  if (c.moe_shared_expert_intermediate_size > 0) {
+    t.mlp(m + "mlp.shared_experts", c, c.moe_shared_expert_intermediate_size, -1);
+    if (c.moe_shared_expert_gate) t.add(m + "mlp.shared_experts.gate_weight", {1, H});
+  }
+  const int64_t moe_ffn = c.moe_ffn_hidden_size > 0 ? c.moe_ffn_hidden_size : c.ffn_hidden_size;
+  for (int64_t e = 0; e < c.num_experts; ++e)
+    t.mlp(m + "mlp.experts.local_experts." + std::to_string(e), c, moe_ffn, e);
+}
+
 }  // namespace
 
 std::vector<ParamSpec> model_param_specs(const GPTConfig& c) {
   MEGATON_CHECK(c.padded_vocab_size > 0, "model_param_specs: GPTConfig not finalized");
-  if (c.position_embedding_type != PositionEmbedding::Rope)
-    fail("position-embedding-type learned_absolute is not supported here (RoPE models only)");
+  if (c.position_embedding_type == PositionEmbedding::LearnedAbsolute)
+    fail("position-embedding-type learned_absolute is not supported here (RoPE or none only)");
   if (c.normalization != Normalization::RMSNorm)
     fail("normalization LayerNorm is not supported here (RMSNorm models only)");
   if (!c.disable_bias_linear) fail("linear biases are not supported here (disable-bias-linear)");
@@ -110,27 +145,21 @@ std::vector<ParamSpec> model_param_specs(const GPTConfig& c) {
   for (int64_t i = 0; i < c.num_layers; ++i) {
     t.layer = i;
     const std::string m = "decoder.layers." + std::to_string(i) + ".";
-    t.norm(m + "input_layernorm", H);
-    attention(t, m + "self_attention.", c);
+    const LayerSpec spec = decoder_layer_spec(c, i);
+    if (spec.mixer == MixerKind::Mamba) {
+      t.norm(m + "norm", H);
+      mamba(t, m + "mixer.", c);
+    } else if (spec.mixer != MixerKind::None) {
+      t.norm(m + "input_layernorm", H);
+      attention(t, m + "self_attention.", c);
+    }
+    if (spec.mlp == MlpKind::None) continue;
     t.norm(m + "pre_mlp_layernorm", H);
-    if (!c.is_moe_layer(i)) {
-      t.mlp(m + "mlp", c, c.ffn_hidden_size, -1);
-      continue;
-    }
-    t.replicated(m + "mlp.router", H, c.num_experts);
-    if (c.moe_router_enable_expert_bias)
-      t.add(m + "mlp.router.expert_bias", {c.num_experts}).router_state = true;
-    if (c.moe_shared_expert_intermediate_size > 0) {
-      t.mlp(m + "mlp.shared_experts", c, c.moe_shared_expert_intermediate_size, -1);
-      if (c.moe_shared_expert_gate) t.add(m + "mlp.shared_experts.gate_weight", {1, H});
-    }
-    const int64_t moe_ffn = c.moe_ffn_hidden_size > 0 ? c.moe_ffn_hidden_size : c.ffn_hidden_size;
-    for (int64_t e = 0; e < c.num_experts; ++e)
-      t.mlp(m + "mlp.experts.local_experts." + std::to_string(e), c, moe_ffn, e);
+    mlp_block(t, m, c, i);
   }
   t.layer = -1;
   t.stage = ParamSpec::Stage::Last;
-  t.norm("decoder.final_layernorm", H);
+  t.norm(final_norm_name(c), H);
   if (c.untie_embeddings_and_output_weights)
     t.add("output_layer.weight", {c.padded_vocab_size, H}, 0).padded_vocab_rows = true;
   return out;

@@ -36,10 +36,11 @@ struct ParamSpec {
 // Every checkpoint entry of the model `cfg` describes (finalized: padded_vocab_size set),
 // in the model's order (embedding, layers, final norm, output layer), router expert biases
 // included (router_state) when --moe-router-enable-expert-bias. Covers the models
-// `megaton convert` writes: RoPE, RMSNorm, no linear biases, SwiGLU or not, self attention
-// (with --qk-layernorm) or multi-latent attention, dense and MoE layers (shared experts
-// and their gate included), tied or untied output layer. Throws megaton::Error naming the
-// flag for a model outside that set (learned positions, LayerNorm, biases, MTP).
+// `megaton convert` writes: RoPE or no position embedding, RMSNorm, no linear biases,
+// SwiGLU or not, self attention (with --qk-layernorm) or multi-latent attention, dense and
+// MoE layers (shared experts and their gate included), hybrid models (Mamba-2 layers and
+// layers of a mixer or an MLP alone), tied or untied output layer. Throws megaton::Error
+// naming the flag for a model outside that set (learned positions, LayerNorm, biases, MTP).
 std::vector<ParamSpec> model_param_specs(const GPTConfig& cfg);
 
 }  // namespace megaton

@@ -1,5 +1,5 @@
-// Golden parity: tiny Llama, Mixtral, Qwen3-MoE and DeepSeek-V3 models against Hugging Face
-// transformers (fp32).
+// Golden parity: tiny Llama, Mixtral, Qwen3-MoE, DeepSeek-V3 and NemotronH models against
+// Hugging Face transformers (fp32).
 // tools/make_golden.py (tools/make_deepseek_v3_golden.py for DeepSeek-V3) wrote the weights,
 // inputs, logits, loss and every gradient.
 #include <gtest/gtest.h>
@@ -76,12 +76,46 @@ void set_deepseek_v3(const nlohmann::json& hf, GPTConfig& c) {
   c.moe_aux_loss_coeff = 0.0f;  // HF DeepseekV3ForCausalLM adds no auxiliary loss
 }
 
+// NemotronHConfig -> Megatron's hybrid flags (docs/golden.md "nemotron_h_tiny"): the layer
+// pattern, no position embedding, squared-ReLU MLPs and experts, the Mamba-2 sizes, a
+// sigmoid router with expert bias, scaling and one shared expert.
+void set_nemotron_h(const nlohmann::json& hf, const std::string& pattern, GPTConfig& c) {
+  c.hybrid_layer_pattern = pattern;
+  c.num_layers = 0;  // the pattern's
+  c.norm_epsilon = hf.at("layer_norm_epsilon");
+  // Megatron's gated norm has eps 1e-5 whatever --norm-epsilon; HF uses layer_norm_epsilon.
+  EXPECT_EQ(hf.at("layer_norm_epsilon").get<double>(), 1e-5);
+  c.position_embedding_type = PositionEmbedding::None;
+  EXPECT_EQ(hf.at("mlp_hidden_act"), "relu2");
+  c.swiglu = false;
+  c.squared_relu = true;
+  EXPECT_EQ(hf.at("mamba_hidden_act"), "silu");
+  EXPECT_TRUE(hf.at("use_conv_bias").get<bool>());
+  EXPECT_FALSE(hf.at("use_bias").get<bool>());
+  c.mamba_state_dim = hf.at("ssm_state_size");
+  c.mamba_head_dim = hf.at("mamba_head_dim");
+  c.mamba_num_groups = hf.at("n_groups");
+  c.mamba_num_heads = hf.at("mamba_num_heads");
+  c.mamba_conv_kernel = hf.at("conv_kernel");
+  c.mamba_chunk_size = hf.at("chunk_size");  // 8: the 20 tokens cross chunks
+  c.num_experts = hf.at("n_routed_experts");
+  c.moe_router_topk = hf.at("num_experts_per_tok");
+  c.moe_ffn_hidden_size = hf.at("moe_intermediate_size");
+  c.moe_shared_expert_intermediate_size = hf.at("moe_shared_expert_intermediate_size");
+  c.moe_router_score_function = "sigmoid";
+  c.moe_router_enable_expert_bias = true;
+  EXPECT_EQ(hf.at("n_group"), 1);  // no group-limited routing
+  c.moe_router_topk_scaling_factor = hf.at("routed_scaling_factor");
+  EXPECT_TRUE(hf.at("norm_topk_prob").get<bool>());
+  c.moe_aux_loss_coeff = 0.0f;
+}
+
 Golden load_golden(const std::string& name) {
   Golden g;
   g.file = ckpt::load_safetensors(std::string(MEGATON_SOURCE_DIR) + "/tests/golden/" + name);
   auto hf = nlohmann::json::parse(g.file.metadata.at("config"));
   GPTConfig& c = g.cfg;
-  c.num_layers = hf.at("num_hidden_layers");
+  c.num_layers = hf.value("num_hidden_layers", int64_t(0));
   c.hidden_size = hf.at("hidden_size");
   c.ffn_hidden_size = hf.at("intermediate_size");
   c.num_attention_heads = hf.at("num_attention_heads");
@@ -95,7 +129,7 @@ Golden load_golden(const std::string& name) {
   c.seq_length = g.file.tensors.at("input.tokens").dim(1);
   c.max_position_embeddings = hf.at("max_position_embeddings");
   c.normalization = Normalization::RMSNorm;
-  c.norm_epsilon = hf.at("rms_norm_eps");
+  c.norm_epsilon = hf.value("rms_norm_eps", 1e-6);
   c.swiglu = true;
   c.position_embedding_type = PositionEmbedding::Rope;
   c.rotary_base = 10000.0f;
@@ -120,6 +154,7 @@ Golden load_golden(const std::string& name) {
     EXPECT_TRUE(hf.value("mlp_only_layers", nlohmann::json::array()).empty()) << name;
   }
   if (model_type == "deepseek_v3") set_deepseek_v3(hf, c);
+  if (model_type == "nemotron_h") set_nemotron_h(hf, g.file.metadata.at("hybrid_layer_pattern"), c);
   EXPECT_FALSE(hf.value("attention_bias", false)) << name;
   c.finalize();
   g.layout = {c.num_layers, c.num_attention_heads, c.num_query_groups, c.kv_channels,
@@ -192,6 +227,8 @@ TEST(Golden, Qwen3MoeMatchesHuggingFace) { check_parity("qwen3_moe_tiny.safetens
 // qk head dim, a dense first layer, 16 experts in 4 groups (2 kept, top-4) with sigmoid
 // scores, expert bias and scaling 2.5, one shared expert.
 TEST(Golden, DeepseekV3MatchesHuggingFace) { check_parity("deepseek_v3_tiny.safetensors"); }
+// NemotronH: Mamba-2, attention without RoPE, squared-ReLU MLP, MoE (docs/golden.md).
+TEST(Golden, NemotronHMatchesHuggingFace) { check_parity("nemotron_h_tiny.safetensors"); }
 
 // That model's YaRN numbers (the file's "yarn" metadata, in float64; the generator checked
 // them against transformers': its float32 inverse frequencies to 1e-6, its cos/sin factor and

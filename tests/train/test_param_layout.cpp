@@ -103,6 +103,17 @@ std::vector<Variant> variants() {
   out.push_back({"mla_q_lora", mla, 2, 2});
   mla.q_lora_rank = 0;
   out.push_back({"mla_no_q_lora", mla, 1, 2});
+  // A hybrid model: Mamba layers (in_proj's five blocks, conv1d's three), attention, MLP
+  // and MoE layers alone, no position embedding, decoder.final_norm.
+  GPTConfig hybrid = moe;
+  hybrid.moe_layer_pattern.clear();
+  hybrid.num_layers = 0;
+  hybrid.hybrid_layer_pattern = "M*M-E";
+  hybrid.position_embedding_type = PositionEmbedding::None;
+  hybrid.mamba_head_dim = 8;
+  hybrid.mamba_num_groups = 2;
+  hybrid.mamba_state_dim = 4;
+  out.push_back({"hybrid_ep2", hybrid, 2, 1});
   return out;
 }
 
