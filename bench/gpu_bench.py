@@ -49,6 +49,15 @@ CONFIGS = {  # name: layers, hidden, heads, ffn, experts, topk, expert ffn, seq,
                                      "--moe-shared-expert-intermediate-size", "1024",
                                      "--moe-token-dispatcher-type", "alltoall",
                                      "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"]),
+    # A Nemotron-H-like hybrid (issue 23): 24 layers "M-M-M*" x 4 (12 Mamba-2, 8 MLP, 4
+    # attention: 1 in 6), Mamba 80 heads of 64 in 8 groups of state 128 (d_inner 2 x hidden),
+    # GQA attention (20 heads of 128, 4 KV groups) without position embedding, squared-ReLU
+    # MLPs of 4 x hidden: 1.28 B parameters. Megaton only: the PyTorch reference has no
+    # Mamba-2, and transformers' NemotronH without the mamba_ssm kernels (not installed
+    # there) is no fair baseline. FLOPs: hybrid_flops_per_token.
+    "hybrid-1.3B": dict(layers=24, hidden=2560, heads=20, kv=4, ffn=10240, experts=0, topk=0,
+                        mffn=0, seq=4096, mbs=2, megaton_only=True,
+                        hybrid=dict(pattern="M-M-M*" * 4, head_dim=64, groups=8, state=128)),
 }
 VOCAB = 50304
 
@@ -58,6 +67,8 @@ def vocab(c):
 def flops_per_token(c):
     if c.get("mla"):
         return mla_flops_per_token(c)
+    if c.get("hybrid"):
+        return hybrid_flops_per_token(c)
     h, hd = c["hidden"], c["hidden"] // c["heads"]
     kv = c.get("kv") or c["heads"]
     attn = (c["heads"] + 2 * kv) * hd * h + c["heads"] * hd * h
@@ -84,6 +95,26 @@ def mla_flops_per_token(c):
     n_active = (layers * attn + n_dense * dense + (layers - n_dense) * moe +
                 c.get("mtp", 0) * (2 * h * h + vocab(c) * h) + vocab(c) * h)
     return 6 * n_active + 6 * layers * c["seq"] * n * (dq + m["v"])
+
+def hybrid_flops_per_token(c):
+    """The PaLM convention for a hybrid model: 6 x matmul params of each layer's one part
+    (a Mamba-2 mixer's in_proj [2 d + 2 G N + heads, h] and out_proj [h, d]; attention's
+    QKV and projection; the squared-ReLU MLP's two matrices) and the logits, + 12 x h x s
+    per attention layer for QK^T and PV, + 3 x 7 x d x N per Mamba layer for the scan
+    (Megatron's mamba_layer_flops estimate)."""
+    h, hy = c["hidden"], c["hybrid"]
+    d = 2 * h
+    heads_m = d // hy["head_dim"]
+    hd = h // c["heads"]
+    kv = c.get("kv") or c["heads"]
+    pattern = hy["pattern"]
+    mamba = h * (2 * d + 2 * hy["groups"] * hy["state"] + heads_m) + d * h
+    attn = (c["heads"] + 2 * kv) * hd * h + c["heads"] * hd * h
+    mlp = 2 * h * c["ffn"]
+    n_active = (pattern.count("M") * mamba + pattern.count("*") * attn +
+                pattern.count("-") * mlp + vocab(c) * h)
+    return (6 * n_active + 12 * pattern.count("*") * h * c["seq"] +
+            3 * 7 * pattern.count("M") * d * hy["state"])
 
 def failure_summary(text, lines=4):
     """The lines of a failed run's output that say why: Megaton's error lines ("error:",
@@ -117,6 +148,13 @@ def run_megaton(binary, c, iters, launcher=(), extra=(), world=1, dp=1, micro_ba
     else:
         cmd += ["--ffn-hidden-size", str(c["ffn"])]
     cmd += c.get("extra", [])
+    if c.get("hybrid"):  # Nemotron-H's layers: squared ReLU, no position embedding
+        hy = c["hybrid"]
+        cmd.remove("--swiglu")
+        cmd[cmd.index("--position-embedding-type") + 1] = "none"
+        cmd += ["--squared-relu", "--hybrid-layer-pattern", hy["pattern"],
+                "--mamba-head-dim", str(hy["head_dim"]), "--mamba-num-groups", str(hy["groups"]),
+                "--mamba-state-dim", str(hy["state"])]
     if c.get("kv"):
         cmd += ["--group-query-attention", "--num-query-groups", str(c["kv"])]
     cmd += list(extra)
@@ -199,7 +237,7 @@ def main():
         c = CONFIGS[name]
         f = flops_per_token(c)
         t = (dict(error="not run (--no-torch)") if a.no_torch else
-             dict(error="no PyTorch reference (no MLA there)") if c.get("megaton_only") else
+             dict(error="no PyTorch reference (no MLA / Mamba-2 there)") if c.get("megaton_only") else
              run_torch(a.torch_script, name, c))
         new = [row(name, "PyTorch bf16", t, f)]
         m = {}
