@@ -532,6 +532,8 @@ layouts=(
   # Packed documents: the scan and the convolution restart at each document.
   "hyb-tp2-sp-packed|2|--tensor-model-parallel-size 2 --sequence-parallel|HYB=M-MA-ME PACK=1 VOCAB=7 PAD=4"
   "hyb-dp2-recompute-full|2|--use-distributed-optimizer|HYB=M-MA-ME RC=full"
+  "hyb-pp2-vpp2|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|HYB=M-MAM-ME"
+  "hyb-fsdp-optim-grads-params-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params|HYB=M-MA-ME"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(

@@ -151,6 +151,24 @@ const Case kCases[] = {
     {"MoEAlltoAllDistributedOptimizer",
      true,
      {{"moe-token-dispatcher-type", {"alltoall"}}, {"use-distributed-optimizer", {"true"}}}},
+    // A hybrid model (issue 23): Mamba-2, attention, MLP and MoE layers, one part each;
+    // without MoE layers the peak is a Mamba layer's backward.
+    {"HybridMamba",
+     true,
+     {{"num-layers", {"4"}},
+      {"hybrid-layer-pattern", {"M*-E"}},
+      {"mamba-head-dim", {"32"}},
+      {"mamba-num-groups", {"2"}},
+      {"mamba-state-dim", {"16"}}}},
+    {"HybridMambaLayernormRecompute",
+     true,
+     {{"num-layers", {"4"}},
+      {"hybrid-layer-pattern", {"MM-M"}},
+      {"mamba-head-dim", {"32"}},
+      {"mamba-num-groups", {"2"}},
+      {"mamba-state-dim", {"16"}},
+      {"recompute-granularity", {"selective"}},
+      {"recompute-modules", {"layernorm", "core_attn"}}}},
 };
 
 RawOptions raw_of(const Case& c) {
