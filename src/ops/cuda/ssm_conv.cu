@@ -16,6 +16,7 @@
 //     row-block order into the accumulators (deterministic, no float atomics).
 // Step and final state: one thread per (sample, channel) and per state element.
 #include <algorithm>
+#include <type_traits>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/ssm.h"

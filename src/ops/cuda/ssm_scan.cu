@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 constexpr int kPassingThreads = 256;
-constexpr int kPassingBatch = 8;  // chunks whose loads are issued before their stores
+constexpr int kPassingBatch = 16;  // chunks whose loads are issued before their stores
 
 // Float vector of V lanes (V = 4: float4 loads and stores).
 template <int V>
