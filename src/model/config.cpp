@@ -223,11 +223,20 @@ void GPTConfig::check_fp8_dimensions(int64_t tokens_per_micro_batch, int64_t etp
     check("num-attention-heads x kv-channels" + per_rank, query_projection_size() / tp);
     check("num-query-groups x kv-channels" + per_rank, kv_projection_size() / tp);
   }
+  // A hybrid model's Mamba mixers (MambaMixer asserts in_proj's width for FP8 too):
+  // in_proj's output [z, x, B, C, dt] and out_proj's input d_inner, per rank.
+  if (is_hybrid() && has_hybrid_symbol(kHybridMamba)) {
+    check("in_proj's width 2 x mamba-num-heads x mamba-head-dim + 2 x mamba-num-groups x "
+          "mamba-state-dim + mamba-num-heads" + per_rank,
+          mamba_in_proj_size() / tp);
+    check("mamba-num-heads x mamba-head-dim" + per_rank, mamba_d_inner() / tp);
+  }
   // Dense layers (their fc1 / fc2 run in FP8); counted without a loop over num_layers.
   const bool dense_layers =
-      num_experts == 0 ||
-      (moe_layer_pattern.empty() ? moe_layer_freq > 1
-                                 : std::count(moe_layer_pattern.begin(), moe_layer_pattern.end(), 0) > 0);
+      is_hybrid() ? has_hybrid_symbol(kHybridMlp)
+      : num_experts == 0 ||
+          (moe_layer_pattern.empty() ? moe_layer_freq > 1
+                                     : std::count(moe_layer_pattern.begin(), moe_layer_pattern.end(), 0) > 0);
   if (dense_layers) check("ffn-hidden-size" + per_rank, ffn_hidden_size / tp);
   if (num_experts > 0 && moe_shared_expert_intermediate_size > 0)
     check("moe-shared-expert-intermediate-size" + per_rank, moe_shared_expert_intermediate_size / tp);

@@ -81,10 +81,11 @@ router_flags() {  # NAME
 # "HYB=pattern" builds a hybrid model (issue 23) from --hybrid-layer-pattern, with A for
 # '*' and P for '|' (a '*' would glob here): Mamba layers of 8 heads of 8 channels in 2
 # groups of state 8 (TP2: 4 heads and one group per rank), attention without MLP, MLP and
-# MoE layers alone; the layer count is the pattern's.
+# MoE layers alone; the layer count is the pattern's. "MHD=n" sets the Mamba head dim (FP8
+# rows: 2 gives 32 heads, in_proj 192 wide, 96 per TP2 rank, a multiple of 16).
 use_variant() {  # "VAR=value ..."
   LAYERS=4 TIED=0 ROUTER="" MBS=2 QKN=0 A2A=auto VOCAB=127 PAD=64 FP8="" MFFN=48 RTOL=1e-5 PAO=0 RC="" FP16=0 OFF=0 MG="" ZATOL=0 BS=""
-  EOD=0 PTL=0 MLA=0 MTP=0 PACK=0 POS=rope DENSE=0 HYB=""
+  EOD=0 PTL=0 MLA=0 MTP=0 PACK=0 POS=rope DENSE=0 HYB="" MHD=8
   local setting
   for setting in $1; do
     case $setting in
@@ -114,6 +115,7 @@ use_variant() {  # "VAR=value ..."
       POS=*) POS=${setting#*=} ;;
       DENSE=*) DENSE=${setting#*=} ;;
       HYB=*) HYB=${setting#*=} ;;
+      MHD=*) MHD=${setting#*=} ;;
       *) echo "FAILED: unknown model variant '$setting'"; exit 1 ;;
     esac
   done
@@ -129,7 +131,7 @@ run() {  # NAME NP FLAGS...
     --make-vocab-size-divisible-by "$PAD")
   if [ -n "$HYB" ]; then
     local pattern=${HYB//A/*}
-    model+=(--hybrid-layer-pattern "${pattern//P/|}" --mamba-head-dim 8 --mamba-num-groups 2
+    model+=(--hybrid-layer-pattern "${pattern//P/|}" --mamba-head-dim "$MHD" --mamba-num-groups 2
       --mamba-state-dim 8)
   else
     model+=(--num-layers "$LAYERS")
@@ -534,6 +536,8 @@ layouts=(
   "hyb-dp2-recompute-full|2|--use-distributed-optimizer|HYB=M-MA-ME RC=full"
   "hyb-pp2-vpp2|2|--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2|HYB=M-MAM-ME"
   "hyb-fsdp-optim-grads-params-dp2|2|--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params|HYB=M-MA-ME"
+  # FP8: in_proj's and out_proj's GEMMs too, their TP-split operands' amaxes over TP.
+  "hyb-tp2-sp-fp8-tensorwise|2|--tensor-model-parallel-size 2 --sequence-parallel|HYB=M-MA-ME FP8=tensorwise MHD=2"
 )
 # name | ranks, flags of the first two steps | ranks, flags of the third | model variant
 resumes=(

@@ -109,6 +109,10 @@ TEST_F(HybridCli, BadPatternsAndSizesExitWithStatusTwo) {
                     "not divisible by mamba-head-dim (6)");
   expect_user_error("--hybrid-layer-pattern 'M-' --mamba-head-dim 8 --mamba-num-groups 3",
                     "not divisible by mamba-num-groups (3)");
+  // FP8 GEMMs need in_proj's width a multiple of 16: 2 x 64 + 2 x 8 x 128 + 8 = 2184.
+  expect_user_error("--hybrid-layer-pattern 'M-' --mamba-head-dim 8 --fp8-format hybrid "
+                    "--fp8-recipe tensorwise",
+                    "in_proj's width");
 }
 
 }  // namespace
