@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDENS = ["llama_tiny", "mixtral_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny"]
+GOLDENS = ["llama_tiny", "mixtral_tiny", "qwen3_moe_tiny", "deepseek_v3_tiny", "nemotron_h_tiny"]
 
 
 def read_golden(path):

@@ -46,6 +46,81 @@ std::pair<Tensor, Tensor> split_halves(const Tensor& fc1, const std::string& nam
   return {row_block(fc1, 0, f), row_block(fc1, f, f)};
 }
 
+// linear_qkv (`qkv_name`) [groups x (q_per_group + 2) x d, H] in Megatron's grouped order
+// -> `h` + q_proj / k_proj / v_proj.
+void split_qkv(Source& in, const HFLayout& L, const std::string& qkv_name, const std::string& h,
+               std::map<std::string, Tensor>& out) {
+  MEGATON_CHECK(L.num_query_groups > 0 && L.num_attention_heads % L.num_query_groups == 0 &&
+                    L.kv_channels > 0,
+                "megaton_to_hf: {} attention heads in {} query groups of {} channels",
+                L.num_attention_heads, L.num_query_groups, L.kv_channels);
+  const int64_t qpg = L.num_attention_heads / L.num_query_groups, d = L.kv_channels;
+  const Tensor& qkv = in.take(qkv_name);
+  if (qkv.ndim() != 2 || qkv.dim(0) != L.num_query_groups * (qpg + 2) * d)
+    fail(
+        "Megaton tensor 'model.{}' is {}: expected [{} rows, hidden] ({} query groups of {} "
+        "query heads + key + value, {} channels each)",
+        qkv_name, shape_str(qkv.shape()), L.num_query_groups * (qpg + 2) * d, L.num_query_groups,
+        qpg, d);
+  const int64_t cols = qkv.dim(1);
+  Tensor q = Tensor::empty({L.num_attention_heads * d, cols}, qkv.dtype());
+  Tensor k = Tensor::empty({L.num_query_groups * d, cols}, qkv.dtype());
+  Tensor v = Tensor::empty({L.num_query_groups * d, cols}, qkv.dtype());
+  // Per query group: its query heads, its key head, its value head (Megatron's order).
+  for (int64_t g = 0; g < L.num_query_groups; ++g) {
+    const int64_t at = g * (qpg + 2) * d;
+    q.rows(g * qpg * d, qpg * d).copy_from(qkv.rows(at, qpg * d));
+    k.rows(g * d, d).copy_from(qkv.rows(at + qpg * d, d));
+    v.rows(g * d, d).copy_from(qkv.rows(at + (qpg + 1) * d, d));
+  }
+  out[h + "q_proj.weight"] = q;
+  out[h + "k_proj.weight"] = k;
+  out[h + "v_proj.weight"] = v;
+}
+
+// A Megatron hybrid layer (one norm, one mixer) -> NemotronH's "backbone.layers.<i>." names
+// (the inverse of hf_import.cpp's plan_nemotron_h), its kind told by its tensors.
+void nemotron_h_layer(Source& in, const HFLayout& L, const std::string& m, const std::string& h,
+                      std::map<std::string, Tensor>& out) {
+  auto copy = [&](const std::string& from, const std::string& to) {
+    out[to] = in.take(from).clone();
+  };
+  const std::string x = h + "mixer.";
+  if (in.has(m + "mixer.in_proj.weight")) {  // M
+    copy(m + "norm.weight", h + "norm.weight");
+    for (const char* name : {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log",
+                             "D", "norm.weight", "out_proj.weight"})
+      copy(m + "mixer." + name, x + name);
+    return;
+  }
+  if (in.has(m + "input_layernorm.weight")) {  // *
+    copy(m + "input_layernorm.weight", h + "norm.weight");
+    split_qkv(in, L, m + "self_attention.linear_qkv.weight", x, out);
+    copy(m + "self_attention.linear_proj.weight", x + "o_proj.weight");
+    return;
+  }
+  copy(m + "pre_mlp_layernorm.weight", h + "norm.weight");
+  if (!in.has(m + "mlp.router.weight")) {  // -
+    copy(m + "mlp.linear_fc1.weight", x + "up_proj.weight");
+    copy(m + "mlp.linear_fc2.weight", x + "down_proj.weight");
+    return;
+  }
+  const Tensor& router = in.take(m + "mlp.router.weight");  // E
+  out[x + "gate.weight"] = router.clone();
+  if (in.has(m + "mlp.router.expert_bias"))
+    copy(m + "mlp.router.expert_bias", x + "gate.e_score_correction_bias");
+  if (in.has(m + "mlp.shared_experts.linear_fc1.weight")) {
+    copy(m + "mlp.shared_experts.linear_fc1.weight", x + "shared_experts.up_proj.weight");
+    copy(m + "mlp.shared_experts.linear_fc2.weight", x + "shared_experts.down_proj.weight");
+  }
+  for (int64_t e = 0; e < router.dim(0); ++e) {
+    const std::string src = m + "mlp.experts.local_experts." + std::to_string(e) + ".";
+    const std::string dst = x + "experts." + std::to_string(e) + ".";
+    copy(src + "linear_fc1.weight", dst + "up_proj.weight");
+    copy(src + "linear_fc2.weight", dst + "down_proj.weight");
+  }
+}
+
 }  // namespace
 
 std::map<std::string, Tensor> megaton_to_hf(const std::map<std::string, Tensor>& megaton,
@@ -56,10 +131,19 @@ std::map<std::string, Tensor> megaton_to_hf(const std::map<std::string, Tensor>&
   Source in(megaton);
   std::map<std::string, Tensor> out;
   if (part == kHFWholeModel || part == kHFGlobals) {
-    out["model.embed_tokens.weight"] = in.take("embedding.word_embeddings.weight").clone();
-    out["model.norm.weight"] = in.take("decoder.final_layernorm.weight").clone();
-    if (in.has("output_layer.weight"))
+    // A hybrid model (NemotronH, "backbone." names) has decoder.final_norm.
+    const bool hybrid = in.has("decoder.final_norm.weight");
+    out[hybrid ? "backbone.embeddings.weight" : "model.embed_tokens.weight"] =
+        in.take("embedding.word_embeddings.weight").clone();
+    out[hybrid ? "backbone.norm_f.weight" : "model.norm.weight"] =
+        in.take(hybrid ? "decoder.final_norm.weight" : "decoder.final_layernorm.weight").clone();
+    if (in.has("output_layer.weight")) {
       out["lm_head.weight"] = in.take("output_layer.weight").clone();
+    } else if (hybrid) {
+      // transformers' NemotronHForCausalLM ties nothing (its lm_head would be left random):
+      // a model with tied embeddings writes its output layer, the embedding.
+      out["lm_head.weight"] = out.at("backbone.embeddings.weight").clone();
+    }
   }
   const int64_t first = part >= 0 ? part : 0;
   const int64_t end = part >= 0 ? part + 1 : part == kHFWholeModel ? L.num_layers : 0;
@@ -76,6 +160,13 @@ std::map<std::string, Tensor> megaton_to_hf(const std::map<std::string, Tensor>&
   for (int64_t i = first; i < end; ++i) {
     const std::string h = "model.layers." + std::to_string(i) + ".";
     const std::string m = "decoder.layers." + std::to_string(i) + ".";
+    // A hybrid layer: one norm (a Mamba layer's "norm", or one of the two a transformer
+    // layer has).
+    if (in.has(m + "norm.weight") ||
+        in.has(m + "input_layernorm.weight") != in.has(m + "pre_mlp_layernorm.weight")) {
+      nemotron_h_layer(in, L, m, "backbone.layers." + std::to_string(i) + ".", out);
+      continue;
+    }
     copy(m + "input_layernorm.weight", h + "input_layernorm.weight");
     copy(m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight");
     const std::string a = m + "self_attention.", ha = h + "self_attn.";
@@ -93,33 +184,7 @@ std::map<std::string, Tensor> megaton_to_hf(const std::map<std::string, Tensor>&
       copy(a + "linear_kv_up_proj.weight", ha + "kv_b_proj.weight");
       copy(a + "linear_proj.weight", ha + "o_proj.weight");
     } else {
-      MEGATON_CHECK(L.num_query_groups > 0 && L.num_attention_heads % L.num_query_groups == 0 &&
-                        L.kv_channels > 0,
-                    "megaton_to_hf: {} attention heads in {} query groups of {} channels",
-                    L.num_attention_heads, L.num_query_groups, L.kv_channels);
-      const int64_t qpg = L.num_attention_heads / L.num_query_groups, d = L.kv_channels;
-      const std::string qkv_name = a + "linear_qkv.weight";
-      const Tensor& qkv = in.take(qkv_name);
-      if (qkv.ndim() != 2 || qkv.dim(0) != L.num_query_groups * (qpg + 2) * d)
-        fail(
-            "Megaton tensor 'model.{}' is {}: expected [{} rows, hidden] ({} query groups of {} "
-            "query heads + key + value, {} channels each)",
-            qkv_name, shape_str(qkv.shape()), L.num_query_groups * (qpg + 2) * d,
-            L.num_query_groups, qpg, d);
-      const int64_t cols = qkv.dim(1);
-      Tensor q = Tensor::empty({L.num_attention_heads * d, cols}, qkv.dtype());
-      Tensor k = Tensor::empty({L.num_query_groups * d, cols}, qkv.dtype());
-      Tensor v = Tensor::empty({L.num_query_groups * d, cols}, qkv.dtype());
-      // Per query group: its query heads, its key head, its value head (Megatron's order).
-      for (int64_t g = 0; g < L.num_query_groups; ++g) {
-        const int64_t at = g * (qpg + 2) * d;
-        q.rows(g * qpg * d, qpg * d).copy_from(qkv.rows(at, qpg * d));
-        k.rows(g * d, d).copy_from(qkv.rows(at + qpg * d, d));
-        v.rows(g * d, d).copy_from(qkv.rows(at + (qpg + 1) * d, d));
-      }
-      out[ha + "q_proj.weight"] = q;
-      out[ha + "k_proj.weight"] = k;
-      out[ha + "v_proj.weight"] = v;
+      split_qkv(in, L, a + "linear_qkv.weight", ha, out);
       copy(a + "linear_proj.weight", ha + "o_proj.weight");
       if (in.has(a + "q_layernorm.weight")) {  // Qwen3's per-head q_norm / k_norm
         copy(a + "q_layernorm.weight", ha + "q_norm.weight");

@@ -35,6 +35,18 @@ enum class HFExpertNaming {
 //   MLA's linears and norms           -> DeepSeek-V3's, one to one (hf_import.h's table)
 //   input_layernorm, pre_mlp_layernorm -> input_layernorm, post_attention_layernorm
 //   embedding / final_layernorm / output_layer -> model.embed_tokens / model.norm / lm_head
+// A hybrid model (its final norm "decoder.final_norm"; its layers of one norm each: a Mamba
+// layer's "norm", an attention layer's input_layernorm, an MLP or MoE layer's
+// pre_mlp_layernorm) maps to NemotronH's "backbone." names, the inverse of hf_import.h's:
+//   embedding / final_norm / output_layer -> backbone.embeddings / backbone.norm_f / lm_head
+//                                            (tied embeddings: lm_head a copy of the
+//                                            embedding, as NemotronHForCausalLM ties nothing)
+//   the layer's norm                      -> backbone.layers.<i>.norm
+//   mixer.* (Mamba-2)                     -> mixer.*, one to one
+//   linear_qkv / linear_proj              -> mixer.q_proj, k_proj, v_proj / mixer.o_proj
+//   linear_fc1 / linear_fc2 (not gated)   -> mixer.up_proj / down_proj (also the experts'
+//                                            and the shared expert's)
+//   router.weight / router.expert_bias    -> mixer.gate.weight / e_score_correction_bias
 // Tensors keep their dtype and values (the splits are copies of rows); shapes are as in
 // hf_import.h. A layer is MoE when it holds "mlp.router.weight", MLA when it holds
 // "self_attention.linear_kv_down_proj.weight"; the vocabulary rows are taken as given

@@ -1,5 +1,5 @@
-// Hugging Face Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 checkpoints -> Megaton
-// names.
+// Hugging Face Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 / NemotronH
+// checkpoints -> Megaton names.
 #pragma once
 #include <functional>
 #include <map>

@@ -65,6 +65,14 @@ const std::vector<CheckpointArg>& model_args() {
       {{"moe-router-score-function"}, true},
       {{"moe-router-enable-expert-bias"}, true},
       {{"moe-router-topk-scaling-factor"}, true},
+      // Mamba args.
+      {{"mamba-state-dim"}, true},
+      {{"mamba-head-dim"}, true},
+      {{"mamba-num-groups"}, true},
+      {{"mamba-num-heads"}, true},
+      // Not forced: a run may split the pattern into other pipeline stages ('|'). An older
+      // checkpoint's deprecated name fills in as well.
+      {{"hybrid-layer-pattern", "hybrid-override-pattern"}, false},
       // Megaton: the weights' names and math depend on these as well.
       {{"qk-layernorm"}, true},
       {{"norm-epsilon"}, true},
@@ -95,9 +103,9 @@ const std::vector<CheckpointArg>& model_args() {
 // files and sizes.
 const std::vector<CheckpointArg>& tokenizer_args() {
   static const std::vector<CheckpointArg> args = {
-      {{"tokenizer-type"}, true},          {{"tokenizer-model"}, true},
-      {{"vocab-file"}, true},              {{"merge-file"}, true},
-      {{"vocab-size"}, true},              {{"tokenizer-hf-no-include-special-tokens"}, true},
+      {{"tokenizer-type"}, true}, {{"tokenizer-model"}, true},
+      {{"vocab-file"}, true},     {{"merge-file"}, true},
+      {{"vocab-size"}, true},     {{"tokenizer-hf-no-include-special-tokens"}, true},
   };
   return args;
 }
@@ -184,11 +192,10 @@ CheckpointArgs apply_checkpoint_args(const RawOptions& raw) {
   r.get("ckpt-step", ckpt_step);
   if (ckpt_step < 0) fail("ckpt-step must be >= 0 (got {})", ckpt_step);
   // Megatron: a checkpoint to read the arguments from, or the run's own arguments.
-  const bool found =
-      ckpt_step > 0
-          ? std::filesystem::is_directory(std::filesystem::path(load) /
-                                          ckpt::iteration_dir_name(ckpt_step))
-          : ckpt::tracked_iteration(load) >= 0;
+  const bool found = ckpt_step > 0
+                         ? std::filesystem::is_directory(std::filesystem::path(load) /
+                                                         ckpt::iteration_dir_name(ckpt_step))
+                         : ckpt::tracked_iteration(load) >= 0;
   if (!found) {
     result.messages.push_back(
         "Checkpoint not found to provide arguments, using provided arguments.");

@@ -24,6 +24,8 @@ const char* hf_model_type(HFFamily family) {
       return "qwen3_moe";
     case HFFamily::DeepseekV3:
       return "deepseek_v3";
+    case HFFamily::NemotronH:
+      return "nemotron_h";
   }
   return "?";
 }
@@ -40,6 +42,8 @@ const char* hf_architecture(HFFamily family) {
       return "Qwen3MoeForCausalLM";
     case HFFamily::DeepseekV3:
       return "DeepseekV3ForCausalLM";
+    case HFFamily::NemotronH:
+      return "NemotronHForCausalLM";
   }
   return "?";
 }
@@ -318,6 +322,168 @@ void deepseek_v3_flags(const ConfigReader& r, HFImport& out) {
   out.layout.num_experts = experts;
 }
 
+// NemotronH's layer symbols (Megatron's M * - E): "layers_block_type" (transformers 5, also
+// its attribute name "layer_types"; with the legacy type names remap_legacy_layer_types
+// accepts) or "hybrid_override_pattern" (older configs; transformers reads it only without
+// the list).
+std::string nemotron_h_pattern(const ConfigReader& r) {
+  for (const char* key : {"layers_block_type", "layer_types"}) {
+    if (!r.present(key)) continue;
+    const json& list = r.c[key];
+    if (!list.is_array() || list.empty())
+      fail("{}: '{}' must be a non-empty list of layer types", r.source, key);
+    std::string pattern;
+    for (const json& t : list) {
+      const std::string type = t.is_string() ? t.get<std::string>() : "";
+      if (type == "linear_attention" || type == "mamba")
+        pattern += 'M';
+      else if (type == "full_attention" || type == "attention")
+        pattern += '*';
+      else if (type == "mlp")
+        pattern += '-';
+      else if (type == "moe")
+        pattern += 'E';
+      else
+        fail("{}: '{}' holds {}, not a layer type (linear_attention, full_attention, mlp, moe)",
+             r.source, key, t.dump());
+    }
+    return pattern;
+  }
+  const std::string pattern = r.string("hybrid_override_pattern", "");
+  if (pattern.empty())
+    fail("{}: 'layers_block_type' (or 'hybrid_override_pattern') is missing", r.source);
+  const size_t bad = pattern.find_first_not_of("M*-E");
+  if (bad != std::string::npos)
+    fail("{}: 'hybrid_override_pattern' '{}' holds '{}', not a layer symbol (M * - E)", r.source,
+         pattern, pattern[bad]);
+  return pattern;
+}
+
+// NemotronH (transformers' NemotronHConfig; docs/golden.md "nemotron_h_tiny" has the
+// field-by-field correspondence with Megatron's hybrid model).
+void nemotron_h_flags(const ConfigReader& r, HFImport& out) {
+  RawOptions& f = out.flags;
+  const std::string pattern = nemotron_h_pattern(r);
+  const int64_t layers = int64_t(pattern.size());
+  if (r.present("num_hidden_layers") && r.integer("num_hidden_layers") != layers)
+    out.warnings.push_back(fmt::format(
+        "{}: num_hidden_layers {} is not the {} layers of the layer types: the layer types are "
+        "used (as transformers does)",
+        r.source, r.integer("num_hidden_layers"), layers));
+  const int64_t hidden = r.integer("hidden_size"), heads = r.integer("num_attention_heads");
+  if (heads == 0 || hidden == 0)
+    fail("{}: hidden_size and num_attention_heads must be positive", r.source);
+  // The pattern gives the layer count, as in Megatron (no --num-layers).
+  f["hybrid-layer-pattern"] = {pattern};
+  f["hidden-size"] = {num(hidden)};
+  f["ffn-hidden-size"] = {num(r.integer("intermediate_size"))};
+  f["num-attention-heads"] = {num(heads)};
+  const int64_t max_positions = r.integer("max_position_embeddings");
+  f["max-position-embeddings"] = {num(max_positions)};
+  f["seq-length"] = {num(std::min<int64_t>(max_positions, 4096))};
+  // NemotronH's attention has no positional encoding: the Mamba layers order the tokens.
+  f["position-embedding-type"] = {"none"};
+  f["normalization"] = {"RMSNorm"};
+  const double eps = r.number("layer_norm_epsilon", 1e-5);
+  f["norm-epsilon"] = {num(eps)};
+  if (eps != 1e-5 && pattern.find('M') != std::string::npos)
+    out.warnings.push_back(fmt::format(
+        "{}: layer_norm_epsilon {} is also the Mamba gated norm's epsilon in transformers; "
+        "Megatron's (and Megaton's) gated norm uses 1e-5",
+        r.source, eps));
+  const std::string act = r.string("mlp_hidden_act", "relu2");
+  if (act != "relu2")
+    fail("{}: mlp_hidden_act '{}' is not supported (relu2: Megatron's --squared-relu)", r.source,
+         act);
+  f["squared-relu"] = {"true"};
+  f["disable-bias-linear"] = {"true"};
+  for (const char* key : {"use_bias", "mlp_bias", "attention_bias"})
+    if (r.boolean(key, false))
+      fail("{}: '{}' true is not supported (Megatron's hybrid layers have no linear biases)",
+           r.source, key);
+  f["hidden-dropout"] = {num(r.number("hidden_dropout", 0.0))};
+  f["attention-dropout"] = {num(r.number("attention_dropout", 0.0))};
+  out.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  if (!out.tie_word_embeddings) f["untie-embeddings-and-output-weights"] = {"true"};
+  out.vocab_size = r.integer("vocab_size");
+  if (out.vocab_size == 0) fail("{}: vocab_size must be positive", r.source);
+  out.layout.num_layers = layers;
+  out.layout.num_attention_heads = heads;
+  // Required: without them transformers takes NemotronHConfig's defaults (8 and 128), not
+  // the other families' (num_attention_heads, hidden_size / num_attention_heads).
+  r.integer("num_key_value_heads");
+  r.integer("head_dim");
+  attention_flags(r, out);
+
+  // The Mamba-2 mixer. transformers' __post_init__ also reads the legacy keys mamba_n_groups,
+  // mamba_d_conv and mamba_conv_bias (they win over the current names).
+  const auto key = [&r](const char* legacy, const char* current) {
+    return r.present(legacy) ? legacy : current;
+  };
+  f["mamba-num-heads"] = {num(r.integer("mamba_num_heads"))};
+  f["mamba-head-dim"] = {num(r.integer("mamba_head_dim"))};
+  f["mamba-num-groups"] = {num(r.integer(key("mamba_n_groups", "n_groups")))};
+  f["mamba-state-dim"] = {num(r.integer("ssm_state_size"))};
+  const char* conv_key = key("mamba_d_conv", "conv_kernel");
+  if (const int64_t conv = r.integer(conv_key, 4); conv != 4)
+    fail("{}: '{}' {} is not supported (Megatron's MambaMixer has d_conv 4)", r.source, conv_key,
+         conv);
+  const char* conv_bias_key = key("mamba_conv_bias", "use_conv_bias");
+  if (!r.boolean(conv_bias_key, true))
+    fail("{}: '{}' false is not supported (Megatron's MambaMixer's conv1d has a bias)", r.source,
+         conv_bias_key);
+  if (const std::string m = r.string("mamba_hidden_act", "silu"); m != "silu")
+    fail("{}: mamba_hidden_act '{}' is not supported (Megatron's MambaMixer uses silu)", r.source,
+         m);
+  if (pattern.find('M') != std::string::npos) {
+    const char* dt_key = key("mamba_dt_min", "time_step_min");
+    out.warnings.push_back(fmt::format(
+        "{}: transformers clamps the Mamba dt below at {} {}; Megatron (and Megaton) does not: "
+        "the two differ where a trained dt falls below it",
+        r.source, dt_key, r.number(dt_key, 1e-3)));
+  }
+  if (r.integer("num_nextn_predict_layers", 0) > 0)
+    out.warnings.push_back(
+        fmt::format("{}: the {} multi-token prediction layer(s) (mtp.*) are not converted",
+                    r.source, r.integer("num_nextn_predict_layers")));
+
+  if (pattern.find('E') == std::string::npos) return;  // no MoE layer: the MoE keys are unused
+  if (r.present("moe_latent_size"))
+    fail("{}: 'moe_latent_size' {} is not supported (Megaton's MoE has no latent projection)",
+         r.source, r.c["moe_latent_size"].dump());
+  const int64_t experts = r.present("n_routed_experts") ? r.integer("n_routed_experts")
+                                                        : r.integer("num_local_experts");
+  const int64_t topk = r.integer("num_experts_per_tok");
+  f["num-experts"] = {num(experts)};
+  f["moe-router-topk"] = {num(topk)};
+  f["moe-ffn-hidden-size"] = {num(r.integer("moe_intermediate_size"))};
+  // NemotronHMoE always has one shared expert of this width (n_shared_experts is unused).
+  f["moe-shared-expert-intermediate-size"] = {
+      num(r.integer("moe_shared_expert_intermediate_size"))};
+  // NemotronHTopkRouter: sigmoid scores, e_score_correction_bias added to choose the experts.
+  f["moe-router-score-function"] = {"sigmoid"};
+  f["moe-router-enable-expert-bias"] = {"true"};
+  // Megatron renormalises sigmoid top-k exactly when k > 1; transformers when norm_topk_prob.
+  const bool renormalise = r.boolean("norm_topk_prob", true);
+  if (renormalise != (topk > 1))
+    fail(
+        "{}: norm_topk_prob {} with num_experts_per_tok {} is not supported (Megatron "
+        "renormalises the sigmoid top-k exactly when it is more than 1)",
+        r.source, renormalise, topk);
+  f["moe-router-topk-scaling-factor"] = {num(r.number("routed_scaling_factor", 1.0))};
+  const int64_t groups = r.integer("n_group", 1), group_topk = r.integer("topk_group", 1);
+  if (groups > 1) {
+    f["moe-router-num-groups"] = {num(groups)};
+    f["moe-router-group-topk"] = {num(group_topk)};
+    if (topk != 2 * group_topk)
+      out.warnings.push_back(fmt::format(
+          "{}: transformers scores an expert group by the sum of its best 2 scores, Megatron "
+          "by its best num_experts_per_tok / topk_group ({} / {}): the routing may differ",
+          r.source, topk, group_topk));
+  }
+  out.layout.num_experts = experts;
+}
+
 }  // namespace
 
 HFImport hf_import_config(const nlohmann::json& config, const std::string& source) {
@@ -336,14 +502,22 @@ HFImport hf_import_config(const nlohmann::json& config, const std::string& sourc
     out.family = HFFamily::Qwen3Moe;
   else if (type == "deepseek_v3")
     out.family = HFFamily::DeepseekV3;
+  else if (type == "nemotron_h")
+    out.family = HFFamily::NemotronH;
   else if (type == "qwen2")
     fail(
         "{}: model_type 'qwen2' is not supported: its q/k/v_proj biases need Megatron's "
         "--add-qkv-bias, which Megaton does not have",
         source);
   else
-    fail("{}: model_type '{}' is not supported (llama, qwen3, mixtral, qwen3_moe, deepseek_v3)",
-         source, type);
+    fail(
+        "{}: model_type '{}' is not supported (llama, qwen3, mixtral, qwen3_moe, deepseek_v3, "
+        "nemotron_h)",
+        source, type);
+  if (out.family == HFFamily::NemotronH) {
+    nemotron_h_flags(r, out);
+    return out;
+  }
   // transformers' defaults of rope_theta where a config omits it.
   common_flags(r, out, out.family == HFFamily::Mixtral ? 1e6 : 10000.0);
   if (out.family == HFFamily::DeepseekV3) {

@@ -21,6 +21,7 @@ double shortest(float v) { return std::stod(fmt::format("{}", v)); }
 }
 
 HFFamily family_of(const GPTConfig& c) {
+  if (c.is_hybrid()) return HFFamily::NemotronH;
   if (c.multi_latent_attention) return HFFamily::DeepseekV3;
   if (c.num_experts > 0) return c.qk_layernorm ? HFFamily::Qwen3Moe : HFFamily::Mixtral;
   return c.qk_layernorm ? HFFamily::Qwen3 : HFFamily::Llama;
@@ -48,12 +49,134 @@ void rope_json(json& out, double theta, const json& scaling) {
   out["rope_parameters"] = params;
 }
 
+// NemotronHConfig for a hybrid model (the inverse of hf_config.cpp's nemotron_h_flags;
+// docs/golden.md "nemotron_h_tiny" has the correspondence).
+void nemotron_h_config(const GPTConfig& c, HFExport& out) {
+  const HFFamily family = HFFamily::NemotronH;
+  if (c.position_embedding_type != PositionEmbedding::None)
+    cannot(family, "--position-embedding-type other than none (its attention has no positions)");
+  if (c.normalization != Normalization::RMSNorm)
+    cannot(family, "--normalization LayerNorm (its models use RMSNorm)");
+  if (!c.squared_relu) cannot(family, "an MLP without --squared-relu (its MLPs are relu2)");
+  if (!c.disable_bias_linear) cannot(family, "linear biases (give --disable-bias-linear)");
+  if (c.has_hybrid_symbol(kHybridMla))
+    cannot(family, "+ (multi-latent attention) layers in --hybrid-layer-pattern");
+  if (c.qk_layernorm) cannot(family, "--qk-layernorm (its attention has no q/k norms)");
+  if (c.mamba_conv_kernel != 4)
+    cannot(family, fmt::format("a Mamba convolution of {} taps", c.mamba_conv_kernel));
+  json& j = out.config;
+  json types = json::array();
+  for (const char symbol : c.hybrid_layers)
+    types.push_back(symbol == kHybridMamba       ? "linear_attention"
+                    : symbol == kHybridAttention ? "full_attention"
+                    : symbol == kHybridMoe       ? "moe"
+                                                 : "mlp");
+  j["layers_block_type"] = types;                  // transformers 5
+  j["hybrid_override_pattern"] = c.hybrid_layers;  // older (remote-code) loaders
+  j["num_hidden_layers"] = int64_t(c.hybrid_layers.size());
+  j["head_dim"] = c.kv_channels;
+  j["num_key_value_heads"] = c.num_query_groups;
+  j["layer_norm_epsilon"] = shortest(c.norm_epsilon);
+  j["hidden_dropout"] = shortest(c.hidden_dropout);
+  j["mlp_hidden_act"] = "relu2";
+  j["mlp_bias"] = false;
+  j["use_bias"] = false;
+  j["mamba_num_heads"] = c.mamba_num_heads;
+  j["mamba_head_dim"] = c.mamba_head_dim;
+  j["n_groups"] = c.mamba_num_groups;
+  j["ssm_state_size"] = c.mamba_state_dim;
+  j["conv_kernel"] = c.mamba_conv_kernel;
+  j["use_conv_bias"] = true;
+  j["mamba_hidden_act"] = "silu";
+  j["mamba_proj_bias"] = false;
+  // Unused by transformers' model (d_inner is mamba_num_heads x mamba_head_dim).
+  j["expand"] = c.mamba_d_inner() % c.hidden_size == 0 ? c.mamba_d_inner() / c.hidden_size : 2;
+  // NemotronHConfig's defaults, or the source model's (carried_keys).
+  j["chunk_size"] = c.mamba_chunk_size;
+  j["time_step_min"] = 0.001;
+  j["time_step_max"] = 0.1;
+  j["time_step_floor"] = 1e-4;
+  j["mamba_ssm_cache_dtype"] = "float32";
+  j["use_mamba_kernels"] = true;
+  j["rescale_prenorm_residual"] = true;
+  j["residual_in_fp32"] = false;
+  j["num_logits_to_keep"] = 1;
+  j["num_nextn_predict_layers"] = 0;
+  j["mtp_layers_block_type"] = {"full_attention", "moe"};
+  j["sliding_window"] = nullptr;
+  j["output_router_logits"] = false;
+  out.carried_keys = {"chunk_size",           "time_step_min",
+                      "time_step_max",        "time_step_floor",
+                      "time_step_limit",      "mamba_ssm_cache_dtype",
+                      "use_mamba_kernels",    "rescale_prenorm_residual",
+                      "residual_in_fp32",     "num_logits_to_keep",
+                      "n_shared_experts",     "moe_shared_expert_overlap",
+                      "mtp_layers_block_type"};
+  if (c.has_hybrid_symbol(kHybridMamba)) {
+    out.warnings.push_back(
+        "transformers clamps the Mamba dt below at time_step_min (config.json's); Megaton, as "
+        "Megatron, does not: the two differ where the model's dt falls below it");
+    if (c.norm_epsilon != 1e-5f)
+      out.warnings.push_back(fmt::format(
+          "--norm-epsilon {}: transformers' Mamba gated norm uses it (layer_norm_epsilon), "
+          "Megaton's, as Megatron's, 1e-5",
+          c.norm_epsilon));
+  }
+  if (!c.has_hybrid_symbol(kHybridMoe)) return;
+  if (c.moe_router_score_function != "sigmoid")
+    cannot(family, fmt::format("--moe-router-score-function {} (its router is sigmoid)",
+                               c.moe_router_score_function));
+  if (c.moe_shared_expert_intermediate_size <= 0)
+    cannot(family, "MoE without --moe-shared-expert-intermediate-size (it has a shared expert)");
+  if (c.moe_shared_expert_gate) cannot(family, "--moe-shared-expert-gate");
+  j["n_routed_experts"] = c.num_experts;
+  j["num_experts_per_tok"] = c.moe_router_topk;
+  j["moe_intermediate_size"] =
+      c.moe_ffn_hidden_size > 0 ? c.moe_ffn_hidden_size : c.ffn_hidden_size;
+  j["moe_shared_expert_intermediate_size"] = c.moe_shared_expert_intermediate_size;
+  j["moe_latent_size"] = nullptr;
+  j["n_shared_experts"] = 1;
+  j["moe_shared_expert_overlap"] = true;
+  j["n_group"] = c.moe_router_num_groups > 0 ? c.moe_router_num_groups : 1;
+  j["topk_group"] = c.moe_router_num_groups > 0 ? c.moe_router_group_topk : 1;
+  j["routed_scaling_factor"] =
+      c.moe_router_topk_scaling_factor > 0 ? shortest(c.moe_router_topk_scaling_factor) : 1.0;
+  // Megatron renormalises the sigmoid top-k exactly when k > 1.
+  j["norm_topk_prob"] = c.moe_router_topk > 1;
+  // Its router always adds e_score_correction_bias: zeros without an expert bias.
+  out.zero_expert_bias = !c.moe_router_enable_expert_bias;
+  if (c.moe_router_num_groups > 0 && c.moe_router_topk != 2 * c.moe_router_group_topk)
+    out.warnings.push_back(fmt::format(
+        "transformers scores an expert group by the sum of its best 2 scores, Megatron by "
+        "its best topk / group-topk ({} / {}): the routing may differ",
+        c.moe_router_topk, c.moe_router_group_topk));
+}
+
 }  // namespace
 
 HFExport hf_export_config(const GPTConfig& c, int64_t vocab_size) {
   HFExport out;
   const HFFamily family = family_of(c);
   out.family = family;
+  if (family == HFFamily::NemotronH) {
+    json& j = out.config;
+    j["architectures"] = {hf_architecture(family)};
+    j["model_type"] = hf_model_type(family);
+    j["vocab_size"] = vocab_size;
+    j["hidden_size"] = c.hidden_size;
+    j["intermediate_size"] = c.ffn_hidden_size;
+    j["num_attention_heads"] = c.num_attention_heads;
+    j["max_position_embeddings"] = c.max_position_embeddings;
+    j["tie_word_embeddings"] = !c.untie_embeddings_and_output_weights;
+    j["attention_bias"] = false;
+    j["attention_dropout"] = shortest(c.attention_dropout);
+    j["initializer_range"] = shortest(c.init_method_std);
+    j["use_cache"] = true;
+    out.layout = {c.num_layers, c.num_attention_heads, c.num_query_groups, c.kv_channels,
+                  c.num_experts};
+    nemotron_h_config(c, out);
+    return out;
+  }
   if (c.position_embedding_type != PositionEmbedding::Rope)
     cannot(family, "--position-embedding-type learned_absolute (its models use RoPE)");
   if (c.normalization != Normalization::RMSNorm)
@@ -135,6 +258,8 @@ HFExport hf_export_config(const GPTConfig& c, int64_t vocab_size) {
       j["max_window_layers"] = c.num_layers;
       break;
     }
+    case HFFamily::NemotronH:
+      break;  // nemotron_h_config above
     case HFFamily::DeepseekV3: {
       if (!c.qk_layernorm)
         cannot(family, "multi-latent attention without --qk-layernorm (its q/kv latent norms)");

@@ -43,9 +43,10 @@ struct HFImportOptions {
 // the temporary directory is removed. Throws megaton::Error with one line naming the file,
 // key or tensor for: OUT not empty, a missing or malformed config.json, an unsupported
 // model, no or unreadable safetensors files, a dtype other than BF16/F16/F32, a missing
-// tensor, a tensor the model does not use (other than rotary_emb.inv_freq and DeepSeek-V3's
-// MTP layers), a shape that does not match config.json, a layout the model does not split
-// into.
+// tensor, a tensor the model does not use (other than rotary_emb.inv_freq and the MTP
+// layers of DeepSeek-V3 and NemotronH), a shape that does not match config.json, a layout
+// the model does not split into. config.json may hold Python's Infinity / NaN (read as
+// null).
 void import_hf_checkpoint(const HFImportOptions& options, const ConvertLog& log);
 
 // The options of `megaton convert --load CKPT --to hf OUT`.
@@ -63,9 +64,11 @@ struct HFExportOptions {
 // real vocabulary (metadata "vocab_size"), and the run's tokenizer files when present
 // (tokenizer.json, tokenizer_config.json, special_tokens_map.json; tokenizer.model;
 // vocab.json and merges.txt). Optimizer state is not read. Written under OUT.tmp<PID> and
-// renamed at the end. Throws megaton::Error with one line for OUT not empty, a checkpoint
-// that is missing or has no args, a model Hugging Face's families cannot express (naming
-// the flag), a missing tensor or one without a counterpart.
+// renamed at the end. config.json's fields the model flags do not determine
+// (HFExport::carried_keys) come from the source model's config.json when the checkpoint
+// was converted from one of the same family. Throws megaton::Error with one line for OUT
+// not empty, a checkpoint that is missing or has no args, a model Hugging Face's families
+// cannot express (naming the flag), a missing tensor or one without a counterpart.
 void export_hf_checkpoint(const HFExportOptions& options, const ConvertLog& log);
 
 }  // namespace megaton

@@ -2,6 +2,7 @@
 // -> a Hugging Face model directory.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
@@ -252,6 +253,19 @@ void export_hf_checkpoint(const HFExportOptions& o, const ConvertLog& log) {
       log(fmt::format("warning: eos_token_id not written: {}", e.what()));
     }
   }
+  // The family's fields the model flags do not determine, from the model it came from (a
+  // null, or a list holding one, is Python's Infinity or NaN lost on import: not carried).
+  if (meta.contains("hf_config") && meta["hf_config"].is_object() &&
+      meta["hf_config"].value("model_type", "") == hf_model_type(exp.family))
+    for (const std::string& key : exp.carried_keys) {
+      if (!meta["hf_config"].contains(key)) continue;
+      const nlohmann::json& value = meta["hf_config"][key];
+      const bool lost =
+          value.is_null() ||
+          (value.is_array() && std::any_of(value.begin(), value.end(),
+                                           [](const nlohmann::json& v) { return v.is_null(); }));
+      if (!lost) config[key] = value;
+    }
   const char* dtype_name_hf = o.dtype == DType::BF16 ? "bfloat16" : "float32";
   config["torch_dtype"] = dtype_name_hf;  // transformers 4
   config["dtype"] = dtype_name_hf;        // transformers 5

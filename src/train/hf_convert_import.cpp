@@ -5,9 +5,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <string_view>
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_import.h"
@@ -26,11 +28,43 @@ namespace megaton {
 
 namespace {
 
+// `text` with Python's non-standard JSON numbers (Infinity, -Infinity, NaN, which
+// json.dumps writes by default: NemotronH's "time_step_limit": [0.0, Infinity]) outside
+// strings replaced by null, which nlohmann's strict parser accepts.
+std::string python_json_numbers_as_null(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      out += c;
+      if (c == '\\' && i + 1 < text.size())
+        out += text[++i];
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    bool replaced = false;
+    for (const std::string_view word : {"-Infinity", "Infinity", "NaN"})
+      if (text.compare(i, word.size(), word) == 0) {
+        out += "null";
+        i += word.size() - 1;
+        replaced = true;
+        break;
+      }
+    if (!replaced) out += c;
+  }
+  return out;
+}
+
 nlohmann::json read_json_file(const fs::path& path, const std::string& missing_hint) {
   std::ifstream in(path);
   if (!in) fail("{}: missing{}", path.string(), missing_hint);
+  const std::string text(std::istreambuf_iterator<char>(in), {});
   try {
-    return nlohmann::json::parse(in);
+    return nlohmann::json::parse(python_json_numbers_as_null(text));
   } catch (const nlohmann::json::exception& e) {
     fail("{}: not valid JSON ({})", path.string(), e.what());
   }
@@ -165,7 +199,8 @@ Tensor fit_rows(const Tensor& t, int64_t rows) {
   return out;
 }
 
-// DeepSeek-V3's multi-token prediction layers: model.layers.<n> with n >= num_hidden_layers.
+// DeepSeek-V3's multi-token prediction layers: model.layers.<n> with n >= num_hidden_layers
+// (NemotronH's are "mtp.*").
 bool is_mtp_layer(const std::string& name, int64_t num_layers) {
   const std::string prefix = "model.layers.";
   if (!name.starts_with(prefix)) return false;
@@ -222,7 +257,8 @@ void import_hf_checkpoint(const HFImportOptions& o, const ConvertLog& log) {
     int64_t mtp_tensors = 0;
     for (const auto& [name, tensor] : hf) {
       if (used.count(name) || name.ends_with("rotary_emb.inv_freq")) continue;
-      if (spec.family == HFFamily::DeepseekV3 && is_mtp_layer(name, spec.layout.num_layers)) {
+      if ((spec.family == HFFamily::DeepseekV3 && is_mtp_layer(name, spec.layout.num_layers)) ||
+          (spec.family == HFFamily::NemotronH && name.starts_with("mtp."))) {
         ++mtp_tensors;
         continue;
       }

@@ -2,7 +2,6 @@
 // Megatron's load_args_from_checkpoint rules on hand-written checkpoint metadata, and a
 // resume whose command line lacks the model's shape against an uninterrupted run.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <filesystem>
@@ -79,7 +78,7 @@ TEST_F(CheckpointArgsTest, NotAskedLeavesOptionsAlone) {
 
 TEST_F(CheckpointArgsTest, MegatronRules) {
   write_checkpoint(5, saved_args());
-  RawOptions raw = with_load({{"num-layers", {"8"}},            // given: kept (not forced)
+  RawOptions raw = with_load({{"num-layers", {"8"}},              // given: kept (not forced)
                               {"disable-bias-linear", {"true"}},  // forced: not in the ckpt
                               {"num-query-groups", {"4"}},        // forced: the ckpt's
                               {"lr", {"0.5"}},                    // not a model argument
@@ -104,8 +103,9 @@ TEST_F(CheckpointArgsTest, MegatronRules) {
     return std::find(out.messages.begin(), out.messages.end(), line) != out.messages.end();
   };
   EXPECT_TRUE(said("Setting --hidden-size to 64 from checkpoint"));
-  EXPECT_TRUE(said("Setting --disable-bias-linear to its default: the checkpoint's run did not "
-                   "give it"));
+  EXPECT_TRUE(
+      said("Setting --disable-bias-linear to its default: the checkpoint's run did not "
+           "give it"));
   EXPECT_FALSE(said("Setting --num-layers to 4 from checkpoint"));
 
   raw["use-mp-args-from-checkpoint-args"] = {"true"};
@@ -153,10 +153,14 @@ TEST_F(CheckpointArgsTest, MissingLoadOrArguments) {
   EXPECT_EQ(out.messages,
             V{"Checkpoint provided does not have arguments saved, using provided arguments."});
   // The parsed flags: --ckpt-step and --use-checkpoint-args need --load.
-  const RawOptions base{{"device", {"cpu"}},          {"mock-data", {"true"}},
-                        {"tokenizer-type", {"NullTokenizer"}}, {"vocab-size", {"64"}},
-                        {"num-layers", {"2"}},        {"hidden-size", {"16"}},
-                        {"num-attention-heads", {"2"}}, {"seq-length", {"8"}},
+  const RawOptions base{{"device", {"cpu"}},
+                        {"mock-data", {"true"}},
+                        {"tokenizer-type", {"NullTokenizer"}},
+                        {"vocab-size", {"64"}},
+                        {"num-layers", {"2"}},
+                        {"hidden-size", {"16"}},
+                        {"num-attention-heads", {"2"}},
+                        {"seq-length", {"8"}},
                         {"train-iters", {"1"}}};
   RawOptions step = base;
   step["ckpt-step"] = {"2"};
@@ -169,6 +173,39 @@ TEST_F(CheckpointArgsTest, MissingLoadOrArguments) {
   EXPECT_THROW(parse_train_args(use), Error);
 }
 
+// A hybrid model's checkpoint (Megatron's "Mamba args" and hybrid_layer_pattern): the Mamba
+// sizes forced, the pattern only filled in (a run may re-split it into pipeline stages), an
+// older checkpoint's hybrid-override-pattern as well; the result parses to the saved model.
+TEST_F(CheckpointArgsTest, HybridPatternAndMambaSizes) {
+  write_checkpoint(1, {{"hybrid-layer-pattern", "M*M-"},
+                       {"hidden-size", "32"},
+                       {"num-attention-heads", "4"},
+                       {"mamba-num-heads", "4"},
+                       {"mamba-head-dim", "16"},
+                       {"mamba-num-groups", "2"},
+                       {"mamba-state-dim", "8"},
+                       {"tokenizer-type", "NullTokenizer"},
+                       {"vocab-size", "64"}});
+  const RawOptions run = with_load({{"mamba-state-dim", {"16"}}, {"seq-length", {"8"}}});
+  const CheckpointArgs out = apply_checkpoint_args(run);
+  EXPECT_EQ(value(out.raw, "hybrid-layer-pattern"), V{"M*M-"});
+  EXPECT_EQ(value(out.raw, "mamba-num-heads"), V{"4"});
+  EXPECT_EQ(value(out.raw, "mamba-state-dim"), V{"8"});  // forced
+  const GPTConfig cfg = parse_model_args(out.raw).model;
+  EXPECT_EQ(cfg.num_layers, 4);
+  EXPECT_EQ(cfg.mamba_num_groups, 2);
+
+  RawOptions resplit = run;
+  resplit["hybrid-layer-pattern"] = {"M*|M-"};
+  EXPECT_EQ(value(apply_checkpoint_args(resplit).raw, "hybrid-layer-pattern"), V{"M*|M-"});
+
+  fs::remove_all(dir / "ck");
+  write_checkpoint(1, {{"hybrid-override-pattern", "M-"}, {"num-layers", "2"}});
+  const CheckpointArgs old = apply_checkpoint_args(with_load({}));
+  EXPECT_EQ(value(old.raw, "hybrid-override-pattern"), V{"M-"});
+  EXPECT_EQ(value(old.raw, "hybrid-layer-pattern"), V{"(absent)"});
+}
+
 TEST(CheckpointArgKeys, EveryKeyIsATrainFlag) {
   for (const std::string& key : checkpoint_arg_keys())
     EXPECT_NE(find_option_spec(key), nullptr) << key;
@@ -179,15 +216,24 @@ TEST(CheckpointArgKeys, EveryKeyIsATrainFlag) {
 // an earlier checkpoint than the tracker's.
 TEST_F(CheckpointArgsTest, ResumeWithoutTheModelFlags) {
   const auto tiny = [&](const std::string& name) -> RawOptions {
-    return {{"device", {"cpu"}},          {"mock-data", {"true"}},
-            {"tokenizer-type", {"NullTokenizer"}}, {"vocab-size", {"64"}},
-            {"num-layers", {"2"}},        {"hidden-size", {"16"}},
-            {"num-attention-heads", {"4"}}, {"group-query-attention", {"true"}},
-            {"num-query-groups", {"2"}},  {"swiglu", {"true"}},
-            {"seq-length", {"8"}},        {"micro-batch-size", {"2"}},
-            {"global-batch-size", {"4"}}, {"train-iters", {"4"}},
-            {"lr", {"1e-2"}},             {"eval-iters", {"0"}},
-            {"log-interval", {"1"}},      {"save", {(dir / name).string()}},
+    return {{"device", {"cpu"}},
+            {"mock-data", {"true"}},
+            {"tokenizer-type", {"NullTokenizer"}},
+            {"vocab-size", {"64"}},
+            {"num-layers", {"2"}},
+            {"hidden-size", {"16"}},
+            {"num-attention-heads", {"4"}},
+            {"group-query-attention", {"true"}},
+            {"num-query-groups", {"2"}},
+            {"swiglu", {"true"}},
+            {"seq-length", {"8"}},
+            {"micro-batch-size", {"2"}},
+            {"global-batch-size", {"4"}},
+            {"train-iters", {"4"}},
+            {"lr", {"1e-2"}},
+            {"eval-iters", {"0"}},
+            {"log-interval", {"1"}},
+            {"save", {(dir / name).string()}},
             {"save-interval", {"1"}},
             {"log-metrics-file", {(dir / (name + ".jsonl")).string()}}};
   };
@@ -209,9 +255,9 @@ TEST_F(CheckpointArgsTest, ResumeWithoutTheModelFlags) {
   first["exit-interval"] = {"3"};
   run(first);
   RawOptions resume = tiny("resume");
-  for (const char* key : {"num-layers", "hidden-size", "num-attention-heads",
-                          "group-query-attention", "num-query-groups", "swiglu",
-                          "tokenizer-type", "vocab-size"})
+  for (const char* key :
+       {"num-layers", "hidden-size", "num-attention-heads", "group-query-attention",
+        "num-query-groups", "swiglu", "tokenizer-type", "vocab-size"})
     resume.erase(key);
   resume["tokenizer-type"] = {"GPT2BPETokenizer"};  // replaced by the checkpoint's
   resume["use-checkpoint-args"] = {"true"};

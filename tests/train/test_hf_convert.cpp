@@ -3,7 +3,7 @@
 // checkpoint, under one rank or written for TP2 (x EP2, x PP2) and read under one rank,
 // gives the golden logits through generation's loader and the first training loss of the HF
 // weights through `train --finetune`; a load without --finetune is refused; bad input is
-// one line, exit 2, nothing written.
+// one line, exit 2, nothing written. The goldens include a hybrid Mamba-2 model (NemotronH).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -33,7 +33,8 @@ namespace {
 struct Golden {
   nlohmann::json config;
   std::map<std::string, Tensor> weights;  // HF names, F32
-  Tensor tokens, logits;                  // [2, 16] I32, [2, 16, 96] F32
+  Tensor tokens, logits;                  // [2, S] I32, [2, S, 96] F32 (S: 16, nemotron_h 20)
+  std::string hybrid_layer_pattern;       // the file's metadata (nemotron_h), else empty
 };
 
 Golden read_golden(const std::string& name) {
@@ -41,6 +42,8 @@ Golden read_golden(const std::string& name) {
                                                    "/tests/golden/" + name + ".safetensors");
   Golden g;
   g.config = nlohmann::json::parse(f.metadata.at("config"));
+  if (f.metadata.count("hybrid_layer_pattern"))
+    g.hybrid_layer_pattern = f.metadata.at("hybrid_layer_pattern");
   for (auto& [k, t] : f.tensors) {
     const std::string head = k.substr(0, k.find('.'));
     if (head != "grad" && head != "input" && head != "output") g.weights[k] = t;
@@ -90,7 +93,7 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 }
 
 const std::vector<std::string> kGoldens = {"llama_tiny", "mixtral_tiny", "qwen3_moe_tiny",
-                                           "deepseek_v3_tiny"};
+                                           "deepseek_v3_tiny", "nemotron_h_tiny"};
 
 // A target layout other than one rank: TP2 for all, x EP2 for MoE, x PP2 for dense models.
 TargetLayout sharded_target(const std::string& name) {
@@ -207,8 +210,10 @@ TEST_F(HFConvert, RoundTripGivesEveryTensorBack) {
         ASSERT_TRUE(config.contains(key)) << key;
         EXPECT_EQ(config[key], want) << key;
       }
-      for (const auto& [key, want] : g.config.at("rope_parameters").items())
-        EXPECT_EQ(config.at("rope_parameters").at(key), want) << "rope_parameters." << key;
+      if (g.config.contains("rope_parameters")) {  // NemotronH has no positions
+        for (const auto& [key, want] : g.config.at("rope_parameters").items())
+          EXPECT_EQ(config.at("rope_parameters").at(key), want) << "rope_parameters." << key;
+      }
       EXPECT_EQ(
           config.at("architectures")[0].get<std::string>().find("ForCausalLM") != std::string::npos,
           true);
@@ -232,11 +237,13 @@ TEST_F(HFConvert, ConvertedCheckpointGivesTheGoldenLogits) {
       const GPTConfig& cfg = lm.model->config();
       EXPECT_EQ(cfg.vocab_size, 96);
       EXPECT_EQ(cfg.padded_vocab_size, 128);
-      const Tensor logits = lm.model->logits(g.tokens);  // [32, 128]
-      Tensor real = Tensor::empty({32, 96});
-      for (int64_t r = 0; r < 32; ++r)
+      EXPECT_EQ(cfg.hybrid_layer_pattern, g.hybrid_layer_pattern);
+      const int64_t rows = g.tokens.numel();
+      const Tensor logits = lm.model->logits(g.tokens);  // [rows, 128]
+      Tensor real = Tensor::empty({rows, 96});
+      for (int64_t r = 0; r < rows; ++r)
         std::memcpy(real.f32() + r * 96, logits.f32() + r * 128, 96 * sizeof(float));
-      const double error = testing::rel_error(real, g.logits.view({32, 96}));
+      const double error = testing::rel_error(real, g.logits.view({rows, 96}));
       EXPECT_LE(error, 1e-4);
       std::printf("%s (%s): logits relative error %.2e\n", name.c_str(),
                   sharded ? "TP2 target" : "one rank", error);
@@ -334,6 +341,39 @@ TEST_F(HFConvert, FinetuneLossEqualsTheHuggingFaceWeights) {
       EXPECT_NE(std::string(e.what()).find("--finetune"), std::string::npos) << e.what();
     }
   }
+}
+
+// A NemotronH config.json as Python's json.dumps writes it ("time_step_limit": [0.0,
+// Infinity], not standard JSON) converts; the export does not carry the lost limit
+// (transformers' default is the same) but does carry the source's other fields the model
+// flags do not determine (chunk_size 8, not Megaton's 128).
+TEST_F(HFConvert, NemotronHConfigWithPythonInfinity) {
+  Golden g = read_golden("nemotron_h_tiny");
+  const fs::path hf = dir / "hf";
+  write_hf_dir(g, hf, 1);
+  g.config["time_step_limit"] = "LIMIT";
+  std::string text = g.config.dump(1);
+  text.replace(text.find("\"LIMIT\""), 7, "[0.0, Infinity]");
+  std::ofstream(hf / "config.json", std::ios::trunc) << text;
+  ASSERT_EQ(run("convert --from hf " + hf.string() + " --save " + (dir / "ck").string()), 0)
+      << (stderr_lines.empty() ? "" : stderr_lines[0]);
+  const fs::path out = export_to(dir / "ck", "export", DType::F32);
+  std::ifstream in(out / "config.json");
+  const nlohmann::json config = nlohmann::json::parse(in);
+  EXPECT_FALSE(config.contains("time_step_limit"));
+  EXPECT_EQ(config.at("chunk_size"), 8);
+  EXPECT_EQ(config.at("hybrid_override_pattern"), g.hybrid_layer_pattern);
+  EXPECT_EQ(config.at("num_hidden_layers"), int64_t(g.hybrid_layer_pattern.size()));
+
+  // A NemotronH Megatron's hybrid model cannot express: one line naming the key, exit 2,
+  // nothing written.
+  g.config["conv_kernel"] = 3;
+  std::ofstream(hf / "config.json", std::ios::trunc) << g.config.dump(1);
+  EXPECT_EQ(run("convert --from hf " + hf.string() + " --save " + (dir / "ck3").string()), 2);
+  ASSERT_EQ(stderr_lines.size(), 1u);
+  EXPECT_NE(stderr_lines[0].find("'conv_kernel' 3"), std::string::npos) << stderr_lines[0];
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_FALSE(e.path().filename().string().starts_with("ck3")) << e.path();
 }
 
 // A model directory with a tokenizer Megaton reads (tests/golden/tokenizers/gpt2: 533
