@@ -11,9 +11,12 @@ namespace megaton {
 namespace {
 // Megatron's recompute_modules names with their bits, in RecomputeModule's order.
 constexpr std::pair<const char*, uint32_t> kRecomputeModules[] = {
-    {"core_attn", kRecomputeCoreAttn}, {"moe_act", kRecomputeMoeAct},
-    {"layernorm", kRecomputeLayernorm}, {"mlp", kRecomputeMlp},
-    {"moe", kRecomputeMoe}, {"shared_experts", kRecomputeSharedExperts},
+    {"core_attn", kRecomputeCoreAttn},
+    {"moe_act", kRecomputeMoeAct},
+    {"layernorm", kRecomputeLayernorm},
+    {"mlp", kRecomputeMlp},
+    {"moe", kRecomputeMoe},
+    {"shared_experts", kRecomputeSharedExperts},
     {"mla_up_proj", kRecomputeMlaUpProj},
 };
 }  // namespace
@@ -79,15 +82,16 @@ void GPTConfig::finalize() {
   if (!group_query_attention) num_query_groups = num_attention_heads;
   if (num_query_groups == 0) num_query_groups = num_attention_heads;
   if (num_attention_heads % num_query_groups != 0)
-    fail("num-attention-heads ({}) is not divisible by num-query-groups ({})",
-         num_attention_heads, num_query_groups);
+    fail("num-attention-heads ({}) is not divisible by num-query-groups ({})", num_attention_heads,
+         num_query_groups);
   if (max_position_embeddings == 0) max_position_embeddings = seq_length;
   // The recompute flags are checked by the argument parser; a config built in code gets
   // the checks full granularity needs to be well defined (RecomputeConfig::full_group_start).
   if (recompute.granularity == RecomputeGranularity::Full &&
       (recompute.method == RecomputeMethod::None || recompute.num_layers < 1))
-    fail("recompute-granularity full needs recompute-method uniform or block and "
-         "recompute-num-layers >= 1");
+    fail(
+        "recompute-granularity full needs recompute-method uniform or block and "
+        "recompute-num-layers >= 1");
   if (position_embedding_type == PositionEmbedding::LearnedAbsolute &&
       seq_length > max_position_embeddings)
     fail("seq-length ({}) exceeds max-position-embeddings ({})", seq_length,
@@ -96,8 +100,10 @@ void GPTConfig::finalize() {
   if (!(rotary_percent > 0.0 && rotary_percent <= 1.0))
     fail("rotary-percent must be in (0, 1] (got {})", rotary_percent);
   if (multi_latent_attention && rotary_percent < 1.0)
-    fail("rotary-percent {} with multi-latent-attention is not supported: its RoPE part has "
-         "its own dims (qk-pos-emb-head-dim)", rotary_percent);
+    fail(
+        "rotary-percent {} with multi-latent-attention is not supported: its RoPE part has "
+        "its own dims (qk-pos-emb-head-dim)",
+        rotary_percent);
   if (!multi_latent_attention && position_embedding_type == PositionEmbedding::Rope) {
     if (rotary_percent == 1.0 && kv_channels % 2 != 0)
       fail("kv-channels ({}) must be even for rope", kv_channels);
@@ -105,8 +111,10 @@ void GPTConfig::finalize() {
     // arange(0, R, 2) gives (R + 1) / 2 frequencies and it rotates R + 1 channels).
     const int64_t r = rotary_dim();
     if (rotary_percent < 1.0 && (r <= 0 || r % 2 != 0))
-      fail("rotary-percent {} gives a rotary dim of {} = int(kv-channels {} x rotary-percent): "
-           "it must be even and positive", rotary_percent, r, kv_channels);
+      fail(
+          "rotary-percent {} gives a rotary dim of {} = int(kv-channels {} x rotary-percent): "
+          "it must be even and positive",
+          rotary_percent, r, kv_channels);
   }
   if (hidden_dropout < 0 || hidden_dropout >= 1)
     fail("hidden-dropout must be in [0, 1) (got {})", hidden_dropout);
@@ -139,8 +147,10 @@ void GPTConfig::finalize() {
     for (const auto& t : types)
       if (t != "aux_loss" && t != "seq_aux_loss" && t != "global_aux_loss" && t != "sinkhorn" &&
           t != "none")
-        fail("moe-router-load-balancing-type '{}' must be aux_loss, seq_aux_loss, "
-             "global_aux_loss, sinkhorn or none", t);
+        fail(
+            "moe-router-load-balancing-type '{}' must be aux_loss, seq_aux_loss, "
+            "global_aux_loss, sinkhorn or none",
+            t);
     if (!moe_aux_loss_coeffs.empty() && moe_aux_loss_coeffs.size() != types.size())
       fail("moe-aux-loss-coeff has {} values for {} moe-router-load-balancing-type values",
            moe_aux_loss_coeffs.size(), types.size());
@@ -151,8 +161,9 @@ void GPTConfig::finalize() {
     // Megatron's sinkhorn router has no group limit, scaling factor or expert bias.
     if (sinkhorn && (moe_router_num_groups > 0 || moe_router_topk_scaling_factor != 0.0f ||
                      moe_router_enable_expert_bias))
-      fail("moe-router-load-balancing-type sinkhorn takes no moe-router-num-groups, "
-           "moe-router-topk-scaling-factor or moe-router-enable-expert-bias");
+      fail(
+          "moe-router-load-balancing-type sinkhorn takes no moe-router-num-groups, "
+          "moe-router-topk-scaling-factor or moe-router-enable-expert-bias");
     const std::string& f = moe_router_score_function;
     if (f != "softmax" && f != "sigmoid" && f != "sqrtsoftplus")
       fail("moe-router-score-function must be softmax, sigmoid or sqrtsoftplus (got '{}')", f);
@@ -160,8 +171,9 @@ void GPTConfig::finalize() {
     if (moe_router_topk == 1 && f == "softmax" && !moe_router_pre_softmax && !sinkhorn)
       fail("moe-router-topk 1 with the softmax score function needs moe-router-pre-softmax");
     if (moe_router_enable_expert_bias && f == "softmax")
-      fail("moe-router-enable-expert-bias needs moe-router-score-function sigmoid or "
-           "sqrtsoftplus");
+      fail(
+          "moe-router-enable-expert-bias needs moe-router-score-function sigmoid or "
+          "sqrtsoftplus");
     if (moe_router_num_groups > 0) {
       if (num_experts % moe_router_num_groups != 0)
         fail("num-experts ({}) is not divisible by moe-router-num-groups ({})", num_experts,
@@ -192,7 +204,8 @@ void GPTConfig::finalize() {
       fail("moe-shared-expert-intermediate-size must be >= 0 (got {})",
            moe_shared_expert_intermediate_size);
     if (moe_shared_expert_gate && moe_shared_expert_intermediate_size == 0)
-      fail("moe-shared-expert-gate needs a shared expert (moe-shared-expert-intermediate-size > 0)");
+      fail(
+          "moe-shared-expert-gate needs a shared expert (moe-shared-expert-intermediate-size > 0)");
   }
 }
 
@@ -219,28 +232,34 @@ void GPTConfig::check_fp8_dimensions(int64_t tokens_per_micro_batch, int64_t etp
     check("num-attention-heads x (qk-head-dim + v-head-dim)" + per_rank,
           heads * (qk_head_dim + v_head_dim));
     check("num-attention-heads x v-head-dim" + per_rank, heads * v_head_dim);
-  } else {
+  } else if (!is_hybrid() || has_hybrid_symbol(kHybridAttention)) {
     check("num-attention-heads x kv-channels" + per_rank, query_projection_size() / tp);
     check("num-query-groups x kv-channels" + per_rank, kv_projection_size() / tp);
   }
   // A hybrid model's Mamba mixers (MambaMixer asserts in_proj's width for FP8 too):
   // in_proj's output [z, x, B, C, dt] and out_proj's input d_inner, per rank.
   if (is_hybrid() && has_hybrid_symbol(kHybridMamba)) {
-    check("in_proj's width 2 x mamba-num-heads x mamba-head-dim + 2 x mamba-num-groups x "
-          "mamba-state-dim + mamba-num-heads" + per_rank,
-          mamba_in_proj_size() / tp);
+    check(
+        "in_proj's width 2 x mamba-num-heads x mamba-head-dim + 2 x mamba-num-groups x "
+        "mamba-state-dim + mamba-num-heads" +
+            per_rank,
+        mamba_in_proj_size() / tp);
     check("mamba-num-heads x mamba-head-dim" + per_rank, mamba_d_inner() / tp);
   }
   // Dense layers (their fc1 / fc2 run in FP8); counted without a loop over num_layers.
   const bool dense_layers =
-      is_hybrid() ? has_hybrid_symbol(kHybridMlp)
-      : num_experts == 0 ||
-          (moe_layer_pattern.empty() ? moe_layer_freq > 1
-                                     : std::count(moe_layer_pattern.begin(), moe_layer_pattern.end(), 0) > 0);
+      is_hybrid()
+          ? has_hybrid_symbol(kHybridMlp)
+          : num_experts == 0 ||
+                (moe_layer_pattern.empty()
+                     ? moe_layer_freq > 1
+                     : std::count(moe_layer_pattern.begin(), moe_layer_pattern.end(), 0) > 0);
   if (dense_layers) check("ffn-hidden-size" + per_rank, ffn_hidden_size / tp);
-  if (num_experts > 0 && moe_shared_expert_intermediate_size > 0)
-    check("moe-shared-expert-intermediate-size" + per_rank, moe_shared_expert_intermediate_size / tp);
-  if (num_experts > 0)
+  const bool moe_layers = num_experts > 0 && (!is_hybrid() || has_hybrid_symbol(kHybridMoe));
+  if (moe_layers && moe_shared_expert_intermediate_size > 0)
+    check("moe-shared-expert-intermediate-size" + per_rank,
+          moe_shared_expert_intermediate_size / tp);
+  if (moe_layers)
     check("moe-ffn-hidden-size" +
               (etp > 1 ? fmt::format(" / expert-tensor-parallel-size {}", etp) : std::string()),
           moe_ffn_hidden_size / std::max<int64_t>(etp, 1));

@@ -5,8 +5,9 @@
 // RMSNorm; each with its backward, and the one-token steps of generation.
 //
 // Rows are tokens, b-major: row b * S + s is token s of sample b (the model's [T, ...]
-// activations). Packed documents (--reset-position-ids): `position_ids` (optional, I32
-// [B*S] on the tensors' device) gives each row's position within its document; a row at
+// activations). Packed documents: `position_ids` (optional, I32 [B*S] on the tensors'
+// device) gives each row's position within its document (MambaMixer derives them from
+// --reset-attention-mask's document boundaries, as Megatron resets Mamba at THD ones); a row at
 // position p sees only the p rows before it (the convolution reads no earlier tap, the
 // scan's state restarts at p = 0), as mamba_ssm's seq_idx does. Without it, p = s.
 //

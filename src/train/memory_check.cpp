@@ -180,14 +180,17 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
     avg.vocab_state = (vocab_params + tail_params) * dense_b / pp;
     avg.position_state = position_params * dense_b / pp;
     avg.layer_state =
+        hybrid_zero *
         (dense_layers * layer_state(dense_layer) + moe_layers * layer_state(moe_layer)) / pp;
     avg.state = avg.vocab_state + avg.position_state + avg.layer_state;
-    avg.params = (vocab_params + tail_params + position_params +
-                  dense_layers * (dense_layer.dense_params + dense_layer.expert_params) +
-                  moe_layers * (moe_layer.dense_params + moe_layer.expert_params)) /
-                 pp;
-    avg.activations = (dense_layers * dense_layer.activation_bytes +
-                       moe_layers * moe_layer.activation_bytes + logits_bytes) /
+    avg.params =
+        (vocab_params + tail_params + position_params +
+         hybrid_zero * (dense_layers * (dense_layer.dense_params + dense_layer.expert_params) +
+                        moe_layers * (moe_layer.dense_params + moe_layer.expert_params))) /
+        pp;
+    avg.activations = (hybrid_zero * (dense_layers * dense_layer.activation_bytes +
+                                      moe_layers * moe_layer.activation_bytes) +
+                       logits_bytes) /
                       pp;
     candidates.push_back(avg);
   }

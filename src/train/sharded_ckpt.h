@@ -19,16 +19,17 @@ struct SliceBox {
 };
 
 // The boxes of this rank's tensor-parallel slice of p (Param::tp_split_dim; the group is
-// tp, or etp for experts), in the slice's row-major order: one box, or two for SwiGLU's
-// [gate; up] halves; the whole tensor when p is not split.
+// tp, or etp for experts), in the slice's row-major order: one box, or one per stacked
+// block of Param::tp_blocks (SwiGLU's [gate; up] halves, a Mamba in_proj's [z; x; B; C;
+// dt]); the whole tensor when p is not split.
 std::vector<SliceBox> tensor_parallel_boxes(const Param& p, const ModelParallel& mp);
 
 // The pieces of checkpoint entry `name` that this rank writes, on the host. `data` holds
 // the elements [param_offset, param_offset + data.numel()) of this rank's slice of param
 // p (Param::tp_split_dim; the whole param when it is not split), flattened row-major, in
 // the dtype to store. The global tensor is p's full_shape; the rank's slice is a box of it
-// at tp_rank x (full / tp) along the split dimension (two boxes for SwiGLU's [gate; up]
-// halves, the flat range cut between them). A param replicated over its tensor-parallel
+// at tp_rank x (full / tp) along the split dimension (a box per stacked block of
+// Param::tp_blocks, the flat range cut between them). A param replicated over its tensor-parallel
 // group (tp, or etp for experts) is written by the group's rank 0 only (none elsewhere).
 // p null: one piece, the whole of `data` (an expert bias, FP8 state).
 // InternalError when data does not fit p's slice.

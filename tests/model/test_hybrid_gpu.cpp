@@ -1,8 +1,14 @@
 // A hybrid model (issue 23: Mamba-2, attention, MLP and MoE layers) on the GPU against the
 // CPU model with the same weights: the loss and every parameter's gradient of one training
-// forward and backward (fp32 compute: 1e-4; bf16 compute, weights rounded to bf16 on both
-// sides: 2e-2 relative norm), and generation's prefill and decode steps, which carry the
-// Mamba layers' conv and SSM states on the device (fp32: 1e-4).
+// forward and backward, and generation's prefill and decode steps, which carry the Mamba
+// layers' conv and SSM states on the device (fp32: 1e-4).
+// - fp32 compute (1e-4) without attention layers: the training attention is cuDNN's,
+//   bf16 / fp16 only ("M-M-E").
+// - bf16 compute ("M*M-E"), weights rounded to bf16 on both sides: 2e-2 relative norm per
+//   gradient, but 6e-2 for the per-head A_log, D and dt_bias. Those are sums over every
+//   token and channel with cancelling terms, and the GPU rounds the scan's operands to
+//   bf16 (as mamba_ssm does): measured 3.9e-2 (A_log) and 2.2e-2 (dt_bias) on an H200
+//   for seed 2134, where every matrix gradient was within 2e-2.
 #include <gtest/gtest.h>
 
 #include <span>
@@ -20,9 +26,9 @@ namespace megaton {
 namespace {
 
 // 20 tokens in SSD chunks of 8 (the GPU's own chunk is 64: the two split differently).
-GPTConfig hybrid_config(Device device, bool bf16) {
+GPTConfig hybrid_config(Device device, bool bf16, const char* pattern = "M*M-E") {
   GPTConfig c;
-  c.hybrid_layer_pattern = "M*M-E";
+  c.hybrid_layer_pattern = pattern;
   c.hidden_size = 64;
   c.num_attention_heads = 4;
   c.group_query_attention = true;
@@ -74,8 +80,9 @@ TEST_P(HybridGpuTest, LossAndGradientsMatchCpu) {
   const bool bf16 = GetParam();
   const uint64_t seed = testing::test_seed() + 900;
   SCOPED_TRACE(testing::seed_trace(seed));
-  GPTModel cpu(hybrid_config(Device::CPU, false), seed);
-  GPTModel gpu(hybrid_config(Device::CUDA, bf16), seed);
+  const char* pattern = bf16 ? "M*M-E" : "M-M-E";
+  GPTModel cpu(hybrid_config(Device::CPU, false, pattern), seed);
+  GPTModel gpu(hybrid_config(Device::CUDA, bf16, pattern), seed);
   copy_weights(cpu, gpu, bf16);
   const Tensor tokens = testing::randint({2, 20}, 96, seed + 1);
   const Tensor labels = testing::randint({2, 20}, 96, seed + 2);
@@ -95,7 +102,9 @@ TEST_P(HybridGpuTest, LossAndGradientsMatchCpu) {
     const Param& c = *cpu.params()[i];
     const Tensor g = testing::to_host_f32(gpu.params()[i]->main_grad);
     ASSERT_TRUE(testing::all_finite(g, c.name.c_str()));
-    EXPECT_LE(testing::rel_error(g, c.main_grad), tolerance) << c.name;
+    const bool per_head =
+        c.name.ends_with("A_log") || c.name.ends_with(".D") || c.name.ends_with("dt_bias");
+    EXPECT_LE(testing::rel_error(g, c.main_grad), bf16 && per_head ? 6e-2 : tolerance) << c.name;
   }
 }
 
