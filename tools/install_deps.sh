@@ -12,6 +12,7 @@ packages=(
   libcli11-dev                         # command line
   libfmt-dev                           # formatting
   libgtest-dev libbenchmark-dev        # tests and benchmarks
+  liblapacke-dev                       # Muon's Newton-Schulz tests against an SVD
   libopenmpi-dev openmpi-bin           # MPI: launch (mpirun), CPU collectives, dist tests
   fortunes fortunes-min                # the demo corpus
   python3-matplotlib                   # tools/plot_loss.py: loss-curve PNGs (Agg backend)
