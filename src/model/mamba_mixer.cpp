@@ -35,19 +35,15 @@ Param constant_sharded(const std::string& name, int64_t full, float value, Place
   return p;
 }
 
-// Row t's position within its packed document (I32 [T] on `device`), from the documents'
-// boundaries; undefined when the micro-batch is not packed.
-Tensor document_positions(const ForwardContext& ctx, int64_t rows, Device device) {
+// The micro-batch's rows' positions within their packed documents (made once per
+// micro-batch, train/packed_batch.h), or undefined when it is not packed.
+Tensor document_positions(const ForwardContext& ctx, int64_t rows) {
   const PackedSeqParams* packed = ctx.packed_seq_params.get();
   if (!packed || !packed->reset_attention_mask()) return Tensor();
-  const std::vector<int32_t>& cu = packed->cu_seqlens_host;
-  MEGATON_CHECK(!cu.empty() && cu.back() == rows,
-                "MambaMixer: packed documents cover {} rows, the micro-batch has {}",
-                cu.empty() ? 0 : cu.back(), rows);
-  std::vector<int32_t> pos(static_cast<size_t>(rows));
-  for (size_t n = 0; n + 1 < cu.size(); ++n)
-    for (int32_t t = cu[n]; t < cu[n + 1]; ++t) pos[size_t(t)] = t - cu[n];
-  return Tensor::from_i32({rows}, pos).to(device);
+  MEGATON_CHECK(packed->document_positions.defined() && packed->document_positions.numel() == rows,
+                "MambaMixer: the packed micro-batch has no document positions for its {} rows",
+                rows);
+  return packed->document_positions;
 }
 
 }  // namespace
@@ -111,7 +107,7 @@ Tensor MambaMixer::forward(const Tensor& x, int64_t batch, int64_t seq, const Fo
   s.dt = empty_like(zxbcdt, {T, heads_});
   std::vector<Tensor> parts = {s.z, s.xbc_raw, s.dt};
   ops::split_columns(zxbcdt, parts);
-  s.doc_positions = document_positions(ctx, T, zxbcdt.device());
+  s.doc_positions = document_positions(ctx, T);
   Tensor xbc = empty_like(zxbcdt, {T, conv_dim_});
   ops::causal_conv1d_forward(s.xbc_raw, conv1d_weight.weight.view({conv_dim_, kernel_}),
                              conv1d_bias.weight, batch, true, xbc, s.doc_positions);
@@ -182,20 +178,22 @@ Tensor MambaMixer::forward_inference(const Tensor& x, int64_t first_position, Te
   Tensor xs = empty_like(xbc, {n, d_inner_}), B = empty_like(xbc, {n, groups_ * state_});
   Tensor C = empty_like(xbc, {n, groups_ * state_});
   Tensor y = empty_like(xbc, {n, d_inner_});
+  // The prefix runs the chunked forward and records the states; later tokens step them.
   if (first_position == 0) {
     ops::causal_conv1d_forward(xbc_raw, w, conv1d_bias.weight, 1, true, xbc);
     ops::causal_conv1d_final_state(xbc_raw, 1, conv_state);
-    std::vector<Tensor> xbc_parts = {xs, B, C};
-    ops::split_columns(xbc, xbc_parts);
-    ops::ssd_forward(xs, dt, A_log.weight, B, C, D.weight, dt_bias.weight, dims, y, Tensor(),
-                     &ssm_state);
   } else {
     for (int64_t i = 0; i < n; ++i) {
       Tensor row = xbc.rows(i, 1);
       ops::causal_conv1d_step(xbc_raw.rows(i, 1), w, conv1d_bias.weight, true, conv_state, row);
     }
-    std::vector<Tensor> xbc_parts = {xs, B, C};
-    ops::split_columns(xbc, xbc_parts);
+  }
+  std::vector<Tensor> xbc_parts = {xs, B, C};
+  ops::split_columns(xbc, xbc_parts);
+  if (first_position == 0) {
+    ops::ssd_forward(xs, dt, A_log.weight, B, C, D.weight, dt_bias.weight, dims, y, Tensor(),
+                     &ssm_state);
+  } else {
     for (int64_t i = 0; i < n; ++i) {
       Tensor yi = y.rows(i, 1);
       ops::ssd_step(xs.rows(i, 1), dt.rows(i, 1), A_log.weight, B.rows(i, 1), C.rows(i, 1),

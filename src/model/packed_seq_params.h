@@ -29,6 +29,11 @@ struct PackedSeqParams {
   // row), I32 [T] on the model's device,
   // restarting at 0 after each eod. Undefined: row t's position is s = t % S.
   Tensor position_ids;
+  // With cu_seqlens and document_positions requested (a hybrid model's Mamba layers, whose
+  // convolution and scan restart at each document): each row's position within its
+  // document, I32 [T] on the model's device; position_ids itself when those restart too
+  // (--reset-position-ids: the same values). Undefined otherwise.
+  Tensor document_positions;
   // Context parallelism (--context-parallel-size > 1): the group and comm type the core
   // attention reaches across (model/context_parallel.h); the micro-batch's rows are this
   // rank's two chunks of each sample and position_ids their global positions (Megatron's

@@ -35,7 +35,8 @@ PackedBatch pack_micro_batch(const Tensor& tokens, int32_t eod, bool reset_posit
 std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, int32_t eod,
                                                          bool reset_position_ids,
                                                          bool reset_attention_mask, Device device,
-                                                         Tensor position_ids_buffer) {
+                                                         Tensor position_ids_buffer,
+                                                         bool document_positions) {
   if (!reset_position_ids && !reset_attention_mask) return nullptr;
   const PackedBatch host = pack_micro_batch(tokens, eod, reset_position_ids);
   auto p = std::make_shared<PackedSeqParams>();
@@ -57,6 +58,17 @@ std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, i
       p->position_ids = position_ids_buffer;
     } else {
       p->position_ids = ids.to(device);
+    }
+  }
+  if (reset_attention_mask && document_positions) {
+    if (reset_position_ids) {
+      p->document_positions = p->position_ids;
+    } else {
+      const std::vector<int32_t>& cu = host.cu_seqlens;
+      std::vector<int32_t> pos(static_cast<size_t>(cu.back()));
+      for (size_t n = 0; n + 1 < cu.size(); ++n)
+        for (int32_t t = cu[n]; t < cu[n + 1]; ++t) pos[size_t(t)] = t - cu[n];
+      p->document_positions = Tensor::from_i32({int64_t(pos.size())}, pos).to(device);
     }
   }
   return p;

@@ -31,11 +31,14 @@ PackedBatch pack_micro_batch(const Tensor& tokens, int32_t eod, bool reset_posit
 // reset_attention_mask, position_ids with reset_position_ids, on `device`; null when
 // neither flag is set (the layers then run unpacked). position_ids_buffer (optional, I32
 // [B * S] on `device`): written in place and used as the position ids (a buffer a captured
-// CUDA graph reads). InternalError as pack_micro_batch, or on a buffer of another shape.
+// CUDA graph reads). document_positions: with reset_attention_mask, also each row's
+// position within its document (PackedSeqParams::document_positions; the Mamba layers').
+// InternalError as pack_micro_batch, or on a buffer of another shape.
 std::shared_ptr<const PackedSeqParams> packed_seq_params(const Tensor& tokens, int32_t eod,
                                                          bool reset_position_ids,
                                                          bool reset_attention_mask, Device device,
-                                                         Tensor position_ids_buffer = Tensor());
+                                                         Tensor position_ids_buffer = Tensor(),
+                                                         bool document_positions = false);
 
 // Context parallelism: the PackedSeqParams every micro-batch of micro_batch_size samples of
 // seq_length tokens shares on CP rank cp.group->rank: position_ids (I32 [B * S / cp] on

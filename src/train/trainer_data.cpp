@@ -69,7 +69,8 @@ std::shared_ptr<const PackedSeqParams> Trainer::packing(const Tensor& tokens,
   }
   return packed_seq_params(tokens, tokenizer_->eod(), args_.reset_position_ids,
                            args_.reset_attention_mask, args_.model.device,
-                           std::move(position_ids_buffer));
+                           std::move(position_ids_buffer),
+                           args_.model.is_hybrid() && args_.model.has_hybrid_symbol(kHybridMamba));
 }
 
 std::shared_ptr<const PackedSeqParams> Trainer::packing(const data::SampleSource& source,
