@@ -6,6 +6,7 @@
 
 #include "model/core_attention.h"
 #include "model/main_grad.h"
+#include "ops/muon.h"
 #include "ops/ops.h"
 
 namespace megaton {
@@ -34,6 +35,11 @@ SelfAttention::SelfAttention(const std::string& prefix, const GPTConfig& cfg, in
       cfg_(cfg),
       mp_(mp),
       layer_(layer) {
+  // Muon orthogonalises Q, K and V apart (Megatron's is_qkv / qkv_split_shapes). A rank
+  // holds whole query groups (dist/grid.cpp requires tp | num_query_groups), so its slice
+  // splits as the whole weight does.
+  linear_qkv.weight.qkv_split_rows =
+      ops::qkv_split_shapes(cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels);
   if (cfg.qk_layernorm) {
     // Replicated over TP but each rank normalises its own heads: the gradient is a partial
     // sum over the tensor-parallel group, summed after backward (with or without

@@ -58,6 +58,9 @@ MambaMixer::MambaMixer(const std::string& prefix, const GPTConfig& cfg, int64_t 
                cfg.scaled_init_method_std(), seed, Placement::of(cfg), TensorParallelMode::Row,
                mp) {
   (void)layer;
+  // Megatron's MambaMixer sets use_muon = False on in_proj: its five blocks take the scalar
+  // optimizer (docs/research/muon.md 3.1).
+  in_proj.weight.use_muon = false;
   const int tp = mp.tp_size(), rank = mp.tp_rank();
   const Placement where = Placement::of(cfg);
   heads_ = cfg.mamba_num_heads / tp;

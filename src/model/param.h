@@ -88,6 +88,14 @@ struct Param {
   // weight's GEMMs in FP8 (Fp8LinearGemms).
   bool fp8_param = false;
   Tensor fp8_scales;
+  // Muon (--optimizer muon, optim/muon_optimizer.h) may take this param when it is 2-D
+  // (muon_param). False where Megatron sets `use_muon = False`: a Mamba in_proj, which
+  // then takes the scalar optimizer although it is 2-D (docs/research/muon.md 3.1).
+  bool use_muon = true;
+  // The fused QKV weight's rows per query group of each of Q, K and V
+  // (ops::qkv_split_shapes; Megatron's is_qkv tag): Muon orthogonalises the three apart
+  // unless --muon-no-split-qkv. Empty for every other param.
+  std::vector<int64_t> qkv_split_rows;
   // The recipe of the initial values; under --init-model-with-meta-device `weight` and
   // `main_param` start unallocated (Tensor::unallocated) and the buffers and the optimizer
   // draw only the pieces this rank stores (model/layers.h initial_values).
@@ -105,6 +113,13 @@ struct TpRowRun {
 // or a block does not divide by `size`.
 std::vector<TpRowRun> tp_row_runs(const std::vector<int64_t>& blocks, int64_t rows, int rank,
                                   int size);
+// Whether Muon updates p (Megatron's routing, docs/research/muon.md section 3.1): a 2-D
+// weight (p.weight's local shape) with use_muon, other than the word embeddings and the
+// output layer (padded_vocab_rows). Everything else takes the scalar optimizer.
+inline bool muon_param(const Param& p) {
+  return p.use_muon && p.weight.ndim() == 2 && !p.padded_vocab_rows;
+}
+
 // {n / 2, n / 2}: a SwiGLU fc1's [gate; up] blocks of n rows in all.
 inline std::vector<int64_t> swiglu_blocks(int64_t n) { return {n / 2, n / 2}; }
 

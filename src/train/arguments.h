@@ -9,6 +9,7 @@
 #include "dist/grid.h"
 #include "model/config.h"
 #include "optim/adamw.h"
+#include "optim/optimizer_config.h"
 #include "optim/grad_scaler.h"
 #include "optim/lr_schedule.h"
 #include "train/batch_schedule.h"
@@ -113,6 +114,8 @@ struct TrainArgs {
   LoggingFlags logging;
   GPTConfig model;
   optim::AdamWConfig adam;
+  // --optimizer and the settings of SGD, Lion and Muon (Adam's are `adam`).
+  optim::OptimizerConfig optimizer;
   // The learning-rate and weight-decay schedule, its lengths in samples (from schedule).
   optim::LRScheduleConfig lr;
   ScheduleFlags schedule;
