@@ -46,17 +46,111 @@ ops::MomentRoundingKey rounding_key_of(const Param& p, int64_t offset, const dis
 }
 }  // namespace
 
+DistributedAdamW::Rule DistributedAdamW::rule_of(const OptimizerConfig& optimizer, const Param& p) {
+  switch (optimizer.kind) {
+    case OptimizerKind::Adam:
+      return Rule::Adam;
+    case OptimizerKind::Sgd:
+      return Rule::Sgd;
+    case OptimizerKind::Muon:
+      if (muon_param(p)) return Rule::Muon;
+      return optimizer.muon.scalar_optimizer == OptimizerKind::Lion ? Rule::Lion : Rule::Adam;
+    case OptimizerKind::Lion:  // Megatron's _is_nonlinear_or_embedding goes to Adam
+      return p.weight.ndim() == 2 && !p.padded_vocab_rows ? Rule::Lion : Rule::Adam;
+  }
+  return Rule::Adam;
+}
+
+void DistributedAdamW::make_rules(const std::vector<Param*>& targets,
+                                  const std::vector<const Param*>& models,
+                                  const std::vector<int64_t>& offsets, const AdamWConfig& config) {
+  std::vector<Param*> adam;
+  std::vector<ops::MomentRoundingKey> keys;
+  std::vector<MuonParam> muon;
+  std::vector<RuleParam> elementwise;
+  std::vector<size_t> index(targets.size());  // the target's index in its rule's list
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const Rule rule = rule_of(optimizer_, *models[i]);
+    rule_.push_back(rule);
+    target_model_.push_back(models[i]);
+    if (rule == Rule::Adam) {
+      index[i] = adam.size();
+      adam_target_.push_back(i);
+      adam.push_back(targets[i]);
+      keys.push_back(rounding_key_of(*models[i], offsets[i], grid_));
+    } else if (rule == Rule::Muon) {
+      index[i] = muon.size();
+      muon.push_back({targets[i], models[i]});
+    } else {
+      index[i] = elementwise.size();
+      elementwise.push_back({targets[i], models[i]});
+    }
+  }
+  adam_ = std::make_unique<AdamW>(adam, config, comm_.device());
+  adam_->set_rounding_keys(std::move(keys));
+  if (!muon.empty())
+    muon_ =
+        std::make_unique<Muon>(std::move(muon), optimizer_.muon, config.weight_decay, grid_, comm_);
+  if (!elementwise.empty()) {
+    // SGD's momentum; Lion's betas: --lion-beta1/2 as Muon's scalar optimizer, Adam's betas
+    // for a top-level --optimizer lion (Megatron's _default_adam_based_eopt_config_to_kwargs).
+    const bool sgd = optimizer_.kind == OptimizerKind::Sgd;
+    const bool top_lion = optimizer_.kind == OptimizerKind::Lion;
+    const float beta1 =
+        sgd ? optimizer_.sgd_momentum : (top_lion ? config.adam_beta1 : optimizer_.lion_beta1);
+    const float beta2 = sgd ? 0.0f : (top_lion ? config.adam_beta2 : optimizer_.lion_beta2);
+    elementwise_ =
+        std::make_unique<SgdLion>(sgd ? SgdLion::Kind::Sgd : SgdLion::Kind::Lion,
+                                  std::move(elementwise), beta1, beta2, config.weight_decay);
+  }
+  // Each target's states by suffix, for the checkpoint walks.
+  const auto adam_states = adam_->state_tensors();
+  const auto muon_states =
+      muon_ ? muon_->state_tensors() : std::vector<std::pair<std::string, Tensor*>>{};
+  const auto elementwise_states =
+      elementwise_ ? elementwise_->state_tensors() : std::vector<std::pair<std::string, Tensor*>>{};
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const size_t k = index[i];
+    if (rule_[i] == Rule::Adam)
+      target_states_.push_back({{".exp_avg", adam_states[2 * k].second},
+                                {".exp_avg_sq", adam_states[2 * k + 1].second}});
+    else if (rule_[i] == Rule::Muon)
+      target_states_.push_back({{".momentum_buffer", muon_states[k].second}});
+    else
+      target_states_.push_back({{elementwise_->state_suffix(), elementwise_states[k].second}});
+  }
+}
+
+void DistributedAdamW::set_weight_decay(float weight_decay) {
+  adam_->set_weight_decay(weight_decay);
+  if (muon_) muon_->set_weight_decay(weight_decay);
+  if (elementwise_) elementwise_->set_weight_decay(weight_decay);
+}
+
+Tensor DistributedAdamW::host_control(float lr, float grad_scale) const {
+  Tensor control = Tensor::zeros({ops::kAdamControlSize});
+  control.f32()[ops::kAdamLr] = lr;
+  control.f32()[ops::kAdamGradScale] = grad_scale;
+  return control.to(adam_->device_state().device());
+}
+
 DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
-                                   dist::Comm& comm, AdamWConfig config, bool distributed)
-    : buffers_(std::move(buffers)), grid_(grid), comm_(comm), distributed_(distributed) {
+                                   dist::Comm& comm, AdamWConfig config, bool distributed,
+                                   const OptimizerConfig& optimizer)
+    : buffers_(std::move(buffers)),
+      grid_(grid),
+      comm_(comm),
+      distributed_(distributed),
+      optimizer_(optimizer) {
   std::vector<Param*> targets;
+  std::vector<const Param*> models;
+  std::vector<int64_t> offsets;
   // --main-params-dtype fp16: each param's scale from its whole absmax (tensor-parallel
   // slices included), for every shard or replica alike.
   std::vector<std::vector<float>> f16_scales(buffers_.size());
   for (size_t bi = 0; bi < buffers_.size(); ++bi)
     f16_scales[bi] = initial_f16_main_param_scales(bi, config);
   if (!distributed_) {
-    std::vector<ops::MomentRoundingKey> keys;
     for (size_t bi = 0; bi < buffers_.size(); ++bi)
       for (size_t k = 0; k < buffers_[bi]->params().size(); ++k) {
         Param* p = buffers_[bi]->params()[k];
@@ -70,13 +164,15 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
                                      p->main_param_scale);
         p->main_param = Tensor();
       }
-    for (ParamAndGradBuffer& b : each_buffer())
-      for (Param* p : b.params()) {
+    for (size_t bi = 0; bi < buffers_.size(); ++bi)
+      for (size_t k = 0; k < buffers_[bi]->params().size(); ++k) {
+        Param* p = buffers_[bi]->params()[k];
         targets.push_back(p);
-        keys.push_back(rounding_key_of(*p, 0, grid_));
+        models.push_back(p);
+        offsets.push_back(0);
+        target_slot_.emplace_back(bi, k);
       }
-    adam_ = std::make_unique<AdamW>(targets, config, comm.device());
-    adam_->set_rounding_keys(std::move(keys));
+    make_rules(targets, models, offsets, config);
     plan_moment_absmax();
     return;
   }
@@ -91,9 +187,11 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
     // rounds every weight as the owner of its piece will (ties away from zero, where the
     // model's cast rounded to nearest even), so that all replicas compute alike before the
     // first all-gather.
-    const bool remainders = config.store_param_remainders &&
-                            config.main_params_dtype == DType::F32 &&
-                            b.weight_dtype() == DType::BF16;
+    const bool remainders =
+        config.store_param_remainders && config.main_params_dtype == DType::F32 &&
+        b.weight_dtype() == DType::BF16 &&
+        std::all_of(b.params().begin(), b.params().end(),
+                    [&](const Param* p) { return rule_of(optimizer_, *p) == Rule::Adam; });
     buffer_remainders_.push_back(remainders);
     // (Sharded weights made without values have only the own shard, rounded per piece below.)
     if (remainders && !b.params().front()->weight.storage_released())
@@ -115,7 +213,22 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
       sp.is_expert = p->is_expert;
       sp.weight = b.weight_piece(piece);
       sp.main_grad = b.grad_piece(piece);
-      if (b.fp8()) {
+      if (rule_of(optimizer_, *p) == Rule::Muon) {
+        // Muon orthogonalises whole matrices: its owner's piece is the whole param (the
+        // layer-wise layout), seen in the param's 2-D shape.
+        MEGATON_CHECK(piece.param_offset == 0 && piece.numel == p->weight.numel(),
+                      "Muon param '{}' split over shards ({} of {} elements here): the "
+                      "distributed optimizer needs the layer-wise layout",
+                      p->name, piece.numel, p->weight.numel());
+        sp.weight = sp.weight.view(p->weight.shape());
+        sp.main_grad = sp.main_grad.view(p->weight.shape());
+        if (p->main_param.same_data(p->weight)) {
+          sp.main_param = sp.weight;
+        } else {
+          sp.main_param = Tensor::empty(p->weight.shape(), DType::F32, p->weight.device());
+          sp.main_param.copy_from(main_param_values(*p, 0, piece.numel));
+        }
+      } else if (b.fp8()) {
         // AdamW updates the fp32 piece only; quantize_fp8_weights writes the FP8 bytes.
         sp.main_param = Tensor::empty({piece.numel}, DType::F32, p->weight.device());
         sp.main_param.copy_from(main_param_values(*p, piece.param_offset, piece.numel));
@@ -142,19 +255,22 @@ DistributedAdamW::DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, con
       shard_params_.push_back(std::move(sp));
       shard_pieces_.push_back(piece);
       shard_buffer_.push_back(bi);
+      const std::vector<Param*>& params = b.params();
+      target_slot_.emplace_back(
+          bi, size_t(std::find(params.begin(), params.end(), p) - params.begin()));
     }
   }
   // The full fp32 main params are not needed any more: only this rank's shard is updated.
   for (ParamAndGradBuffer& b : each_buffer())
     for (Param* p : b.params())
       if (!p->main_param.same_data(p->weight)) p->main_param = Tensor();
-  for (Param& sp : shard_params_) targets.push_back(&sp);
-  adam_ = std::make_unique<AdamW>(targets, config, comm.device());
   // A shard's piece is elements [param_offset, param_offset + numel) of its param's slice.
-  std::vector<ops::MomentRoundingKey> keys;
-  for (const BufferPiece& piece : shard_pieces_)
-    keys.push_back(rounding_key_of(*piece.param, piece.param_offset, grid_));
-  adam_->set_rounding_keys(std::move(keys));
+  for (size_t i = 0; i < shard_params_.size(); ++i) {
+    targets.push_back(&shard_params_[i]);
+    models.push_back(shard_pieces_[i].param);
+    offsets.push_back(shard_pieces_[i].param_offset);
+  }
+  make_rules(targets, models, offsets, config);
   plan_moment_absmax();
   plan_fp8_weight_casts();
   quantize_fp8_weights();
@@ -303,6 +419,11 @@ double DistributedAdamW::params_norm() { return norm_over_model(true); }
 
 void DistributedAdamW::step(float lr, float grad_scale) {
   adam_->step(lr, grad_scale * grad_mean_scale());
+  if (muon_ || elementwise_) {
+    const Tensor control = host_control(lr, grad_scale * grad_mean_scale());
+    if (muon_) muon_->step(control);
+    if (elementwise_) elementwise_->step(control);
+  }
   quantize_fp8_weights();
 }
 
@@ -339,6 +460,8 @@ DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(
                           c.adam_beta1, c.adam_beta2, adam_->device_state(), out.control,
                           out.grad_norm);
   adam_->step(out.control);
+  if (muon_) muon_->step(out.control);
+  if (elementwise_) elementwise_->step(out.control);
   out.state = adam_->device_state().clone();
   quantize_fp8_weights();
   return out;
@@ -346,9 +469,9 @@ DistributedAdamW::DeviceStep DistributedAdamW::step_on_device(
 
 std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
   std::vector<std::pair<std::string, Tensor>> model_out, optim_out;
-  auto state = adam_->state_tensors();  // exp_avg, exp_avg_sq of each AdamW param in order
+  const AdamWConfig& c = adam_->config();
   if (!distributed_) {
-    size_t index = 0;  // AdamW param index: the buffers' params in order
+    size_t index = 0;  // target index: the buffers' params in order
     for (size_t bi = 0; bi < buffers_.size(); ++bi) {
       ParamAndGradBuffer& b = *buffers_[bi];
       const bool writer = group_of(b).rank == 0;
@@ -356,9 +479,8 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
         if (writer && !p->shared) {
           // A remainder pair is written as the fp32 main param it stands for.
           model_out.emplace_back("model." + p->name, main_param_value(*p));
-          optim_out.emplace_back("optimizer." + state[2 * index].first, *state[2 * index].second);
-          optim_out.emplace_back("optimizer." + state[2 * index + 1].first,
-                                 *state[2 * index + 1].second);
+          for (const auto& [suffix, t] : target_states_[index])
+            optim_out.emplace_back("optimizer." + p->name + suffix, *t);
         }
         ++index;
       }
@@ -366,15 +488,37 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
       append_main_param_scales(bi, optim_out);
     }
   } else {
-    // Each buffer's full main params and moments: every rank writes its pieces into
-    // zeroed buffers and a sum over the group assembles them (x + 0 = x exactly).
+    // Each buffer's full main params and states: every rank writes its pieces into zeroed
+    // buffers and a sum over the group assembles them (x + 0 = x exactly).
     for (size_t bi = 0; bi < buffers_.size(); ++bi) {
       ParamAndGradBuffer& b = *buffers_[bi];
       const dist::Group& g = group_of(b);
-      // Assembled in fp32 whatever the moments' dtype (bf16, fp16, fp8 -> fp32 -> back is
-      // exact; fp16 and fp8 as stored, every piece of a param having its one scale), then
-      // written in their dtype.
-      std::array<Tensor, 3> full;  // main, exp_avg, exp_avg_sq
+      // The state suffixes of the buffer's rules (the same on every rank of the group: a
+      // param's rule does not depend on the shard), each assembled in fp32 whatever its
+      // dtype (bf16, fp16, fp8 -> fp32 -> back is exact; fp16 and fp8 as stored, every piece
+      // of a param having its one scale), then written in its dtype.
+      std::vector<std::string> suffixes;
+      auto add_suffix = [&](const std::string& suffix) {
+        if (std::find(suffixes.begin(), suffixes.end(), suffix) == suffixes.end())
+          suffixes.push_back(suffix);
+      };
+      for (const Param* p : b.params()) switch (rule_of(optimizer_, *p)) {
+          case Rule::Adam:
+            add_suffix(".exp_avg");
+            add_suffix(".exp_avg_sq");
+            break;
+          case Rule::Muon:
+          case Rule::Sgd:
+            add_suffix(".momentum_buffer");
+            break;
+          case Rule::Lion:
+            add_suffix(".exp_avg");
+            break;
+        }
+      auto column = [&](const std::string& suffix) {
+        return size_t(std::find(suffixes.begin(), suffixes.end(), suffix) - suffixes.begin()) + 1;
+      };
+      std::vector<Tensor> full(suffixes.size() + 1);  // main, then one per suffix
       for (Tensor& t : full) t = Tensor::zeros({b.numel()}, DType::F32, b.device());
       for (size_t i = 0; i < shard_params_.size(); ++i) {
         if (shard_buffer_[i] != bi) continue;
@@ -386,18 +530,21 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
         else if (sp.main_param_f16.defined())
           ops::f16_main_param_dequantize(sp.main_param_f16, sp.main_param_scale, main);
         else
-          main.copy_from(sp.main_param);
-        Tensor m = full[1].rows(piece.buffer_offset, piece.numel);
-        Tensor v = full[2].rows(piece.buffer_offset, piece.numel);
-        cast_into(*state[2 * i].second, m);
-        cast_into(*state[2 * i + 1].second, v);
+          main.copy_from(sp.main_param.view({piece.numel}));
+        for (const auto& [suffix, t] : target_states_[i]) {
+          Tensor into = full[column(suffix)].rows(piece.buffer_offset, piece.numel);
+          cast_into(t->view({piece.numel}), into);
+        }
       }
       for (Tensor& t : full) comm_.all_reduce(t, g);
       if (g.rank != 0) continue;
-      const AdamWConfig& c = adam_->config();
-      // (fp8 on the host: the device cast does not write it.)
-      for (int col = 1; col <= 2; ++col) {
-        const DType d = col == 1 ? c.exp_avg_dtype : c.exp_avg_sq_dtype;
+      // Adam's moments in their dtypes (fp8 on the host: the device cast does not write it).
+      for (size_t col = 1; col < full.size(); ++col) {
+        const bool adam_moment =
+            suffixes[col - 1] == ".exp_avg" || suffixes[col - 1] == ".exp_avg_sq";
+        const DType d = !adam_moment                      ? DType::F32
+                        : suffixes[col - 1] == ".exp_avg" ? c.exp_avg_dtype
+                                                          : c.exp_avg_sq_dtype;
         if (d == DType::F8E4M3) full[col] = full[col].to(Device::CPU);
         if (d != DType::F32) full[col] = full[col].to(d);
       }
@@ -408,8 +555,23 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
           return t.rows(b.offset(k), p->weight.numel()).view(p->weight.shape());
         };
         model_out.emplace_back("model." + p->name, slice(full[0]));
-        optim_out.emplace_back("optimizer." + p->name + ".exp_avg", slice(full[1]));
-        optim_out.emplace_back("optimizer." + p->name + ".exp_avg_sq", slice(full[2]));
+        switch (rule_of(optimizer_, *p)) {
+          case Rule::Adam:
+            optim_out.emplace_back("optimizer." + p->name + ".exp_avg",
+                                   slice(full[column(".exp_avg")]));
+            optim_out.emplace_back("optimizer." + p->name + ".exp_avg_sq",
+                                   slice(full[column(".exp_avg_sq")]));
+            break;
+          case Rule::Muon:
+          case Rule::Sgd:
+            optim_out.emplace_back("optimizer." + p->name + ".momentum_buffer",
+                                   slice(full[column(".momentum_buffer")]));
+            break;
+          case Rule::Lion:
+            optim_out.emplace_back("optimizer." + p->name + ".exp_avg",
+                                   slice(full[column(".exp_avg")]));
+            break;
+        }
       }
     }
   }
@@ -467,7 +629,10 @@ void DistributedAdamW::load_full_state(const std::function<const Tensor*(const s
     }
   }
   if (!distributed_) {
-    if (optimizer_state) load_moments(find, source, ranges);
+    if (optimizer_state) {
+      load_moments(find, source, ranges);
+      load_rule_states(find, source, ranges);
+    }
     return;
   }
   for (size_t i = 0; i < shard_params_.size(); ++i) {
@@ -484,15 +649,53 @@ void DistributedAdamW::load_full_state(const std::function<const Tensor*(const s
       ops::split_param_remainders(piece_main, sp.weight, sp.main_param_remainder);
     } else if (sp.main_param_f16.defined()) {
       Tensor piece_main = slice(get("model." + p->name, p->weight.shape())).to(sp.weight.device());
-      ops::f16_main_param_quantize(piece_main,
-                                   f16_scales[shard_buffer_[i]][adam_param_slot_[i].second],
+      ops::f16_main_param_quantize(piece_main, f16_scales[shard_buffer_[i]][target_slot_[i].second],
                                    sp.main_param_f16, sp.main_param_scale);
     } else if (sp.main_param.raw() != sp.weight.raw() || buffers_[shard_buffer_[i]]->fp8()) {
-      sp.main_param.copy_from(slice(get("model." + p->name, p->weight.shape())));
+      sp.main_param.view({piece.numel})
+          .copy_from(slice(get("model." + p->name, p->weight.shape())));
     }
   }
-  if (optimizer_state) load_moments(find, source, ranges);
+  if (optimizer_state) {
+    load_moments(find, source, ranges);
+    load_rule_states(find, source, ranges);
+  }
   quantize_fp8_weights();
+}
+
+void DistributedAdamW::load_rule_states(
+    const std::function<const Tensor*(const std::string&)>& find, const std::string& source,
+    const RangeReads& ranges) {
+  const bool by_range = distributed_ && ranges.dtype_of && ranges.read_range;
+  for (size_t i = 0; i < rule_.size(); ++i) {
+    if (rule_[i] == Rule::Adam) continue;  // load_moments
+    const Param* p = target_model_[i];
+    int64_t offset = 0, numel = p->weight.numel();
+    if (distributed_) {
+      offset = shard_pieces_[i].param_offset;
+      numel = shard_pieces_[i].numel;
+    }
+    for (const auto& [suffix, state] : target_states_[i]) {
+      const std::string name = "optimizer." + p->name + suffix;
+      Tensor piece;
+      if (by_range) {
+        const std::optional<DType> d = ranges.dtype_of(name);
+        if (!d) fail("checkpoint '{}' has no tensor '{}'", source, name);
+        if (*d != DType::F32)
+          fail("checkpoint '{}': tensor '{}' is {}, the optimizer expects F32", source, name,
+               dtype_name(*d));
+        piece = ranges.read_range(name, offset, numel);
+      } else {
+        const Tensor* t = find(name);
+        if (!t) fail("checkpoint '{}' has no tensor '{}'", source, name);
+        if (t->shape() != p->weight.shape() || t->dtype() != DType::F32)
+          fail("checkpoint '{}': tensor '{}' is {} {}, the optimizer expects F32 {}", source, name,
+               dtype_name(t->dtype()), shape_str(t->shape()), shape_str(p->weight.shape()));
+        piece = t->view({t->numel()}).rows(offset, numel);
+      }
+      state->view({numel}).copy_from(piece);
+    }
+  }
 }
 
 }  // namespace megaton::optim

@@ -16,6 +16,9 @@
 #include "dist/grid.h"
 #include "model/param_buffer.h"
 #include "optim/adamw.h"
+#include "optim/muon_optimizer.h"
+#include "optim/optimizer_config.h"
+#include "optim/sgd_lion_optimizer.h"
 
 namespace megaton::optim {
 
@@ -32,8 +35,26 @@ class DistributedAdamW {
   // With config.store_param_remainders, a BF16 weight buffer's main params are kept as
   // remainders (Param::main_param_remainder: the model's params when replicated, the shard
   // params when distributed), the weights rounded to match (ops/param_remainder.h).
+  //
+  // optimizer: the update rule of each param (--optimizer; rule_of): AdamW (config), Muon
+  // (optimizer.muon, optim/muon_optimizer.h), SGD or Lion (optim/sgd_lion_optimizer.h), all
+  // under this class's one gradient norm, clipping, skip and checkpoint walk. Muon updates
+  // whole matrices: with `distributed` each Muon param must lie whole in one shard (the
+  // layer-wise layout of ParamAndGradBuffer, Megatron's layer-wise distributed optimizer),
+  // and its owner updates it (InternalError otherwise). Main params kept as remainders only
+  // in buffers whose params all take AdamW.
   DistributedAdamW(std::vector<ParamAndGradBuffer*> buffers, const dist::Grid& grid,
-                   dist::Comm& comm, AdamWConfig config, bool distributed);
+                   dist::Comm& comm, AdamWConfig config, bool distributed,
+                   const OptimizerConfig& optimizer = {});
+
+  // The update rule of a param (Megatron's routing, docs/research/muon.md 3.1):
+  //   adam: Adam; sgd: SGD;
+  //   muon: Muon where muon_param(p), else --muon-scalar-optimizer (Adam or Lion);
+  //   lion: Lion for the 2-D params other than the embeddings and output layer, else Adam.
+  enum class Rule { Adam, Muon, Sgd, Lion };
+  static Rule rule_of(const OptimizerConfig& optimizer, const Param& p);
+  // Muon's Newton-Schulz FLOPs per step on this rank (0 without Muon).
+  double muon_ns_flops() const { return muon_ ? muon_->ns_flops() : 0.0; }
 
   // L2 norm of the reduced gradients over the whole model, each distinct element counted
   // once: a replicated gradient only on data-parallel rank 0 of its group (replicated
@@ -101,8 +122,8 @@ class DistributedAdamW {
 
   int64_t step_count() const { return adam_->step_count(); }
   void set_step_count(int64_t count) { adam_->set_step_count(count); }
-  // AdamW::set_weight_decay.
-  void set_weight_decay(float weight_decay) { adam_->set_weight_decay(weight_decay); }
+  // The weight decay of every rule (AdamW::set_weight_decay).
+  void set_weight_decay(float weight_decay);
 
   // Full fp32 tensors (not sharded over data-parallel ranks) for a checkpoint:
   // "model.<name>" (main params; those kept as remainders joined back into fp32, so a
@@ -231,6 +252,29 @@ class DistributedAdamW {
   void load_moments(const std::function<const Tensor*(const std::string&)>& find,
                     const std::string& source, const RangeReads& ranges);
   std::unique_ptr<AdamW> adam_;
+  // The rules beside AdamW (null when no param takes them), and per target (a buffer param
+  // when replicated, a shard param when distributed): its rule, its buffer and index among
+  // that buffer's params; adam_target_[j]: the target of AdamW param j.
+  OptimizerConfig optimizer_;
+  std::unique_ptr<Muon> muon_;
+  std::unique_ptr<SgdLion> elementwise_;
+  std::vector<Rule> rule_;
+  std::vector<std::pair<size_t, size_t>> target_slot_;
+  std::vector<size_t> adam_target_;
+  std::vector<const Param*> target_model_;  // the model param of target i
+  // Each target's optimizer state other than its main param: (suffix, tensor), e.g.
+  // (".exp_avg", m), (".momentum_buffer", m); the tensors live in the rules.
+  std::vector<std::vector<std::pair<std::string, Tensor*>>> target_states_;
+  // Builds the rules from the targets (params of the buffers, or shard params) and their
+  // model params; sets rule_, adam_target_ and adam_.
+  // offsets[i]: where target i starts in its model param's (TP slice's) elements.
+  void make_rules(const std::vector<Param*>& targets, const std::vector<const Param*>& models,
+                  const std::vector<int64_t>& offsets, const AdamWConfig& config);
+  // load_full_state's states of the non-AdamW targets (F32, by the target's piece).
+  void load_rule_states(const std::function<const Tensor*(const std::string&)>& find,
+                        const std::string& source, const RangeReads& ranges);
+  // The host path's control (step(lr, grad_scale)) for the rules beside AdamW.
+  Tensor host_control(float lr, float grad_scale) const;
 };
 
 }  // namespace megaton::optim

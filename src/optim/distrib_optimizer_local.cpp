@@ -8,18 +8,16 @@ namespace megaton::optim {
 
 std::vector<DistributedAdamW::LocalStateEntry> DistributedAdamW::local_state() {
   std::vector<LocalStateEntry> model_out, optim_out;
-  auto state = adam_->state_tensors();  // exp_avg, exp_avg_sq of each AdamW param in order
   auto flat = [](const Tensor& t) { return t.view({t.numel()}); };
   if (!distributed_) {
-    size_t index = 0;  // AdamW param index: the buffers' params in order
+    size_t index = 0;  // target index: the buffers' params in order
     for (ParamAndGradBuffer* b : buffers_) {
       const bool writer = group_of(*b).rank == 0;
       for (Param* p : b->params()) {
         if (writer && !p->shared) {
           model_out.push_back({"model." + p->name, p, flat(main_param_value(*p)), 0});
-          for (size_t moment = 0; moment < 2; ++moment)
-            optim_out.push_back({"optimizer." + state[2 * index + moment].first, p,
-                                 flat(*state[2 * index + moment].second), 0});
+          for (const auto& [suffix, t] : target_states_[index])
+            optim_out.push_back({"optimizer." + p->name + suffix, p, flat(*t), 0});
         }
         ++index;
       }
@@ -41,10 +39,8 @@ std::vector<DistributedAdamW::LocalStateEntry> DistributedAdamW::local_state() {
         main = flat(sp.main_param);
       }
       model_out.push_back({"model." + p->name, p, main, piece.param_offset});
-      optim_out.push_back(
-          {"optimizer." + p->name + ".exp_avg", p, flat(*state[2 * i].second), piece.param_offset});
-      optim_out.push_back({"optimizer." + p->name + ".exp_avg_sq", p,
-                           flat(*state[2 * i + 1].second), piece.param_offset});
+      for (const auto& [suffix, t] : target_states_[i])
+        optim_out.push_back({"optimizer." + p->name + suffix, p, flat(*t), piece.param_offset});
     }
   }
   // The per-parameter scales, once (rank 0 of each group; a max over it when distributed).

@@ -21,19 +21,7 @@ const dist::Group& DistributedAdamW::tp_group_of(const ParamAndGradBuffer& b) co
 
 void DistributedAdamW::plan_moment_absmax() {
   adam_param_slot_.clear();
-  if (!distributed_) {
-    for (size_t bi = 0; bi < buffers_.size(); ++bi)
-      for (size_t k = 0; k < buffers_[bi]->params().size(); ++k)
-        adam_param_slot_.emplace_back(bi, k);
-  } else {
-    for (size_t j = 0; j < shard_pieces_.size(); ++j) {
-      const std::vector<Param*>& params = buffers_[shard_buffer_[j]]->params();
-      const auto at = std::find(params.begin(), params.end(), shard_pieces_[j].param);
-      MEGATON_CHECK(at != params.end(), "shard piece of '{}' outside its buffer",
-                    shard_pieces_[j].param->name);
-      adam_param_slot_.emplace_back(shard_buffer_[j], size_t(at - params.begin()));
-    }
-  }
+  for (size_t target : adam_target_) adam_param_slot_.push_back(target_slot_[target]);
   if (!adam_->scaled_states()) return;
   AdamW::MomentAbsmaxSlots slots;
   // Columns: exp_avg, exp_avg_sq, the fp16 main param (AdamW::MomentAbsmaxSlots).
@@ -149,7 +137,7 @@ std::vector<float> DistributedAdamW::loaded_f16_main_param_scales(
   } else {
     for (size_t j = 0; j < shard_params_.size(); ++j)
       if (shard_buffer_[j] == bi && shard_params_[j].main_param_f16.defined())
-        f16[adam_param_slot_[j].second] = 1;
+        f16[target_slot_[j].second] = 1;
     Tensor flags = Tensor::zeros({std::max<int64_t>(int64_t(n), 1)});
     for (size_t k = 0; k < n; ++k) flags.f32()[k] = f16[k];
     if (group_of(b).size() > 1) {
@@ -262,6 +250,10 @@ void DistributedAdamW::load_moments(const std::function<const Tensor*(const std:
   for (size_t bi = 0; bi < buffers_.size(); ++bi) {
     for (const Param* p : buffers_[bi]->params()) {
       std::array<Stored, 2> entry;
+      if (rule_of(optimizer_, *p) != Rule::Adam) {  // another rule's state: load_rule_states
+        stored[bi].push_back(entry);
+        continue;
+      }
       for (int col = 0; col < 2; ++col) {
         const std::string name = "optimizer." + p->name + suffix[col];
         // By range, the reader checks the shape on each read.
@@ -334,8 +326,8 @@ void DistributedAdamW::load_moments(const std::function<const Tensor*(const std:
     const auto [bi, k] = adam_param_slot_[j];
     int64_t offset = 0, numel = buffers_[bi]->params()[k]->weight.numel();
     if (distributed_) {
-      offset = shard_pieces_[j].param_offset;
-      numel = shard_pieces_[j].numel;
+      offset = shard_pieces_[adam_target_[j]].param_offset;
+      numel = shard_pieces_[adam_target_[j]].numel;
     }
     float scales[2] = {1.0f, 1.0f};
     for (int col = 0; col < 2; ++col) {

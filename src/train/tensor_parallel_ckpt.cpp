@@ -51,7 +51,8 @@ const Param* param_of_entry(const std::string& entry,
     name = entry.substr(6);
   } else if (entry.starts_with("optimizer.")) {
     name = entry.substr(10);
-    for (const char* suffix : {".exp_avg_sq", ".exp_avg"})
+    // Adam's moments, Lion's exp_avg, Muon's and SGD's momentum_buffer.
+    for (const char* suffix : {".exp_avg_sq", ".exp_avg", ".momentum_buffer"})
       if (name.ends_with(suffix)) {
         name.resize(name.size() - std::strlen(suffix));
         break;
