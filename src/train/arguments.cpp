@@ -300,6 +300,43 @@ void finish_schedule(const ArgReader& r, TrainArgs& a) {
         a.cuda_graph_impl);
 }
 
+// The optimizer against the precision, sharding and FP8 flags (Megatron's validate_args,
+// OptimizerConfig.__post_init__ and _get_megatron_emerging_optimizer; docs/research/muon.md
+// sections 1.3 and 6). FSDP2, several optimizer instances and
+// --overlap-param-gather-with-optimizer-step are refused for every optimizer already.
+void finish_optimizer(TrainArgs& a) {
+  const optim::OptimizerKind kind = a.optimizer.kind;
+  const char* name = optim::optimizer_kind_name(kind);
+  const bool muon = kind == optim::OptimizerKind::Muon;
+  if (a.model.fp16 && (muon || kind == optim::OptimizerKind::Lion))
+    fail(
+        "fp16 with optimizer {} is not supported (Megatron: emerging optimizer with fp16 is not "
+        "supported); use --bf16",
+        name);
+  // --optimizer-cpu-offload needs the precision-aware optimizer (memory_flags.cpp), so
+  // this refuses it too.
+  if (a.adam.use_precision_aware_optimizer && kind != optim::OptimizerKind::Adam)
+    fail(
+        "use-precision-aware-optimizer{} needs optimizer adam (got {}), as Megatron's "
+        "OptimizerConfig asserts",
+        a.adam.optimizer_cpu_offload ? " (and with it optimizer-cpu-offload)" : "", name);
+  if (a.parallel.use_megatron_fsdp && (muon || kind == optim::OptimizerKind::Lion))
+    fail(
+        "use-megatron-fsdp with optimizer {} is not supported (Megatron-FSDP takes adam or "
+        "sgd)",
+        name);
+  if (muon && a.model.fp8.param_gather)
+    fail(
+        "fp8-param-gather with optimizer muon is not supported in Megaton yet (the FP8 "
+        "weight buffers are cast from the flat main-param shards; Muon's matrices have no such "
+        "cast yet)");
+  // Lion's and SGD's steps keep whole fp32 main params: no bf16 remainders (Megatron has
+  // them only in Transformer Engine's FusedAdam). Under Muon the Adam params keep theirs.
+  if (kind == optim::OptimizerKind::Sgd || kind == optim::OptimizerKind::Lion ||
+      (muon && a.optimizer.muon.scalar_optimizer == optim::OptimizerKind::Lion))
+    a.adam.store_param_remainders = false;
+}
+
 // The rules that span groups, after every group has read its flags.
 void finish_args(const ArgReader& r, TrainArgs& a) {
   // Megatron's arguments.py: the FP8 weights are all-gathered by the distributed optimizer.
@@ -307,6 +344,7 @@ void finish_args(const ArgReader& r, TrainArgs& a) {
     fail(
         "fp8-param-gather needs use-distributed-optimizer (the FP8 weights are what its "
         "all-gather moves)");
+  finish_optimizer(a);
   if (a.device.empty()) a.device = cuda_available() ? "cuda" : "cpu";
   if (a.device == "cuda") {
     if (!cuda_available())

@@ -11,6 +11,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/sharded.h"
 #include "core/copy_stream.h"
+#include "core/printable.h"
 #include "dist/gather.h"
 #include "model/tensor_parallel.h"
 #include "ops/ops.h"
@@ -55,6 +56,27 @@ Tensor string_tensor(const std::string& s) {
   return Tensor::from_i32({int64_t(chars.size())}, chars);
 }
 
+// Refuses optimizer state saved by another optimizer: `meta`'s "optimizer" (absent before
+// the field existed: adam) and, for muon, "muon_scalar_optimizer" (absent: adam).
+void check_checkpoint_optimizer(const nlohmann::json& meta, const optim::OptimizerConfig& run,
+                                const std::string& path) {
+  const auto field = [&](const char* key) {
+    return meta.contains(key) && meta[key].is_string() ? meta[key].get<std::string>()
+                                                       : std::string("adam");
+  };
+  std::string saved = field("optimizer"), wanted = optim::optimizer_kind_name(run.kind);
+  if (saved == wanted && run.kind == optim::OptimizerKind::Muon) {
+    saved += " with muon-scalar-optimizer " + field("muon_scalar_optimizer");
+    wanted += std::string(" with muon-scalar-optimizer ") +
+              optim::optimizer_kind_name(run.muon.scalar_optimizer);
+  }
+  if (saved != wanted)
+    fail(
+        "checkpoint '{}' holds the optimizer state of optimizer {}, this run uses optimizer {}: "
+        "load its weights with --no-load-optim or --finetune",
+        path, printable(saved), wanted);
+}
+
 std::string tensor_string(const Tensor& t) {
   const Tensor host = t.to(Device::CPU);
   std::string out(size_t(host.numel()), '\0');
@@ -74,6 +96,11 @@ std::string Trainer::checkpoint_metadata(int64_t iteration) const {
   meta["skipped_iterations"] = skipped_iterations_;
   meta["nan_iterations"] = nan_iterations_;
   meta["scheduler_samples"] = scheduler_samples_;
+  // Whose state the optimizer entries are (Megatron's names); a load refuses another's.
+  meta["optimizer"] = optim::optimizer_kind_name(args_.optimizer.kind);
+  if (args_.optimizer.kind == optim::OptimizerKind::Muon)
+    meta["muon_scalar_optimizer"] =
+        optim::optimizer_kind_name(args_.optimizer.muon.scalar_optimizer);
   if (scaler_->dynamic()) {  // Megatron's DynamicGradScaler.state_dict
     const optim::GradScaler::State st = scaler_->state();
     meta["grad_scaler"] = {{"scale", st.scale},
@@ -348,6 +375,7 @@ void Trainer::load() {
         "checkpoint '{}' holds no optimizer state (weights only, e.g. from megaton convert): "
         "load it with --finetune (weights, iteration 0) or --no-load-optim",
         ck.path);
+  if (optimizer_state) check_checkpoint_optimizer(meta, args_.optimizer, ck.path);
   const std::map<std::string, const Param*> by_name = params_by_name();
   const ModelParallel& mp = chunks_[0]->model_parallel();
   // An entry whole, as stored (scales, expert biases, FP8 state), or null when absent.

@@ -351,6 +351,45 @@ TEST_F(CliErrors, NonFiniteFloatFlags) {
   }
 }
 
+// --optimizer and the Muon, SGD and Lion flags (issue 24): bad names and values, and the
+// optimizer refused beside --fp16, the precision-aware optimizer (and so CPU offload),
+// Megatron-FSDP and FP8 param gather; one line and exit 2 each (what the flags set:
+// test_optimizer_args).
+TEST_F(CliErrors, OptimizerFlags) {
+  const std::string run = kMock + " --train-iters 1 ";
+  const std::pair<std::string, std::string> cases[] = {
+      {"--optimizer adamw",
+       "option 'optimizer' must be one of adam, sgd, muon, lion, dist_muon (got 'adamw')"},
+      {"--optimizer soap", "--optimizer soap is not supported in Megaton"},
+      {"--optimizer adaptive_muon", "--optimizer adaptive_muon is not supported in Megaton"},
+      {"--optimizer muon --muon-num-ns-steps 0", "option 'muon-num-ns-steps' must be >= 1 (got 0)"},
+      {"--optimizer muon --muon-coefficient-type cubic5",
+       "--muon-coefficient-type cubic5 needs Emerging-Optimizers >= 0.4.0"},
+      {"--optimizer muon --muon-scale-mode rms", "--muon-scale-mode 'rms' is not one of"},
+      {"--optimizer muon --muon-tp-mode sharded", "option 'muon-tp-mode' must be one of"},
+      {"--optimizer muon --muon-fp32-matmul-prec highest",
+       "option 'muon-fp32-matmul-prec' must be one of low, medium, high"},
+      {"--optimizer muon --muon-scalar-optimizer sgd",
+       "option 'muon-scalar-optimizer' must be one of adam, lion (got 'sgd')"},
+      {"--optimizer muon --muon-momentum 1", "option 'muon-momentum' must be in [0, 1)"},
+      {"--optimizer muon --muon-use-syrk", "--muon-use-syrk is not supported in Megaton"},
+      {"--optimizer muon --fp16", "fp16 with optimizer muon is not supported"},
+      {"--optimizer lion --fp16", "fp16 with optimizer lion is not supported"},
+      {"--optimizer sgd --use-precision-aware-optimizer",
+       "use-precision-aware-optimizer needs optimizer adam (got sgd)"},
+      {"--optimizer muon --use-precision-aware-optimizer --optimizer-cpu-offload",
+       "use-precision-aware-optimizer (and with it optimizer-cpu-offload) needs optimizer adam"},
+      {"--optimizer lion --use-megatron-fsdp",
+       "use-megatron-fsdp with optimizer lion is not supported"},
+      {"--optimizer dist_muon --fp8-format hybrid --fp8-param-gather",
+       "fp8-param-gather with optimizer muon is not supported in Megaton yet"},
+  };
+  for (const auto& [flags, message] : cases) {
+    SCOPED_TRACE(flags);
+    expect_user_error(run + flags, message);
+  }
+}
+
 // A run with offloading trains (the flag reaches the model; the CPU backend copies into
 // host buffers of its own).
 TEST_F(CliErrors, CpuOffloadingTrains) {

@@ -1,7 +1,9 @@
-// Optimizer flags: AdamW, the learning-rate schedule, gradient clipping, the non-finite
-// check, and the precision-aware optimizer's dtypes (Megatron's "learning rate and weight
-// decay", "regularization" and optimizer flags).
+// Optimizer flags: --optimizer (AdamW, SGD, Muon, Lion) and the settings of each, the
+// learning-rate schedule, gradient clipping, the non-finite check, and the precision-aware
+// optimizer's dtypes (Megatron's "learning rate and weight decay", "regularization" and
+// optimizer flags).
 #include "core/error.h"
+#include "core/printable.h"
 #include "train/args/flag_table.h"
 
 namespace megaton {
@@ -27,10 +29,99 @@ void parse_precision_aware_args(const ArgReader& r, optim::AdamWConfig& c) {
   optim::check_precision_aware_config(c);
 }
 
+// The Muon flags (Megatron's _add_regularization_args; docs/research/muon.md section 1.2), read
+// whatever the optimizer so that their values are checked.
+void parse_muon_args(const ArgReader& r, optim::MuonConfig& m) {
+  r.get("muon-momentum", m.momentum);
+  check_fraction("muon-momentum", m.momentum);
+  r.get("muon-nesterov", m.nesterov);
+  if (r.on("muon-no-split-qkv")) m.split_qkv = false;
+  // printable(): an accepted name is printable already; a refused one is quoted safely.
+  if (r.has("muon-coefficient-type"))
+    m.coefficients = ops::parse_ns_coefficients(printable(r.one("muon-coefficient-type")));
+  int64_t steps = m.num_ns_steps;
+  r.get("muon-num-ns-steps", steps);
+  check_at_least("muon-num-ns-steps", double(steps), 1);  // TensorParallelMuon raises below 1
+  m.num_ns_steps = int(steps);
+  if (r.has("muon-scale-mode"))
+    m.scale_mode = ops::parse_muon_scale_mode(printable(r.one("muon-scale-mode")));
+  r.get("muon-extra-scale-factor", m.extra_scale_factor);
+  // Megatron takes any float; a negative factor would ascend the loss, zero freeze the matrices.
+  check_positive("muon-extra-scale-factor", m.extra_scale_factor);
+  if (r.has("muon-tp-mode")) m.tp_mode = optim::parse_muon_tp_mode(r.one("muon-tp-mode"));
+  if (r.has("muon-fp32-matmul-prec"))
+    m.matmul_precision = optim::parse_muon_matmul_precision(r.one("muon-fp32-matmul-prec"));
+  if (r.has("muon-scalar-optimizer")) {
+    const std::string& name = r.one("muon-scalar-optimizer");
+    if (name != "adam" && name != "lion")
+      fail("option 'muon-scalar-optimizer' must be one of adam, lion (got '{}')", printable(name));
+    m.scalar_optimizer = optim::parse_optimizer_kind(name);
+  }
+}
+
+// --optimizer and the settings of the rules other than Adam's (Megatron's
+// _add_training_args, _add_regularization_args and validate_args). A rule's flags given
+// without that rule change nothing: listed in a.no_effect.
+void parse_optimizer_kind_args(const ArgReader& r, TrainArgs& a) {
+  optim::OptimizerConfig& c = a.optimizer;
+  std::string name = "adam";
+  r.get("optimizer", name);
+  if (name == "dist_muon") {
+    // Megatron's deprecated spelling of muon with the (layer-wise) distributed optimizer. The
+    // parallel group parses later and writes use_distributed_optimizer only when the flag is
+    // given, so its overlap-param-gather check sees it on, as Megatron's does for dist_muon.
+    if (r.has("use-distributed-optimizer") && !r.on("use-distributed-optimizer"))
+      fail(
+          "optimizer dist_muon is muon with use-distributed-optimizer, which is given as "
+          "false");
+    c.kind = optim::OptimizerKind::Muon;
+    a.parallel.use_distributed_optimizer = true;
+    a.warnings.push_back(
+        "--optimizer dist_muon is deprecated: use --optimizer muon --use-distributed-optimizer");
+  } else {
+    c.kind = optim::parse_optimizer_kind(name);
+  }
+  parse_muon_args(r, c.muon);
+  r.get("sgd-momentum", c.sgd_momentum);
+  check_fraction("sgd-momentum", c.sgd_momentum);
+  r.get("lion-beta1", c.lion_beta1);
+  r.get("lion-beta2", c.lion_beta2);
+  check_fraction("lion-beta1", c.lion_beta1);
+  check_fraction("lion-beta2", c.lion_beta2);
+
+  const bool muon = c.kind == optim::OptimizerKind::Muon;
+  const bool scalar_lion = muon && c.muon.scalar_optimizer == optim::OptimizerKind::Lion;
+  for (const char* key :
+       {"muon-momentum", "muon-scale-mode", "muon-fp32-matmul-prec", "muon-coefficient-type",
+        "muon-num-ns-steps", "muon-tp-mode", "muon-extra-scale-factor", "muon-scalar-optimizer"})
+    if (r.has(key) && !muon)
+      a.no_effect.push_back(std::string("--") + key + ": only tunes --optimizer muon");
+  for (const char* key : {"muon-nesterov", "muon-no-split-qkv"})
+    if (r.on(key) && !muon)
+      a.no_effect.push_back(std::string("--") + key + ": only tunes --optimizer muon");
+  if (r.has("sgd-momentum") && c.kind != optim::OptimizerKind::Sgd)
+    a.no_effect.push_back("--sgd-momentum: only tunes --optimizer sgd");
+  // Megatron's top-level Lion takes the Adam betas (_default_adam_based_eopt_config_to_kwargs);
+  // --lion-beta1/2 reach only the Lion of --muon-scalar-optimizer lion.
+  for (const char* key : {"lion-beta1", "lion-beta2"})
+    if (r.has(key) && !scalar_lion)
+      a.no_effect.push_back(
+          std::string("--") + key +
+          (c.kind == optim::OptimizerKind::Lion
+               ? ": --optimizer lion takes --adam-beta1 and --adam-beta2 (as Megatron); this "
+                 "tunes --muon-scalar-optimizer lion"
+               : ": only tunes --optimizer muon --muon-scalar-optimizer lion"));
+  // No parameter is left to Adam under SGD, or under Muon with the Lion scalar optimizer.
+  if (c.kind == optim::OptimizerKind::Sgd || scalar_lion)
+    for (const char* key : {"adam-beta1", "adam-beta2", "adam-eps"})
+      if (r.has(key))
+        a.no_effect.push_back(
+            std::string("--") + key + ": no parameter is trained with Adam " +
+            (scalar_lion ? "(--muon-scalar-optimizer lion)" : "(--optimizer sgd)"));
+}
+
 void parse_optimizer(const ArgReader& r, TrainArgs& a) {
-  std::string optimizer = "adam";
-  r.get("optimizer", optimizer);
-  if (optimizer != "adam") fail("option 'optimizer' must be adam (got '{}')", optimizer);
+  parse_optimizer_kind_args(r, a);
   r.get("lr", a.lr.lr);
   r.get("min-lr", a.lr.min_lr);
   std::string style = "linear";
@@ -108,7 +199,10 @@ std::vector<OptionSpec> optimizer_megatron_rules();
 ArgGroup optimizer_flags() {
   ArgGroup g{"optimizer", "optimizer and learning-rate schedule", {}, parse_optimizer};
   g.flags = {
-      flag("optimizer", "adam (AdamW)"),
+      flag("optimizer",
+           "adam (AdamW, the default), sgd (momentum SGD), muon (Muon on the 2-D weights, the "
+           "scalar optimizer on the rest), lion (Lion on the 2-D weights, Adam on the rest), "
+           "or dist_muon (deprecated: muon with --use-distributed-optimizer)"),
       flag("lr", "peak learning rate"),
       flag("min-lr", "minimum learning rate"),
       flag("lr-decay-style", "constant, linear, cosine, inverse-square-root or WSD"),
@@ -158,6 +252,32 @@ ArgGroup optimizer_flags() {
                  "and rank (the default)")),
       toggle("no-check-for-nan-in-loss-and-grad",
              "skip iterations whose gradient norm is NaN or inf instead of stopping"),
+      flag("sgd-momentum", "SGD's momentum (default 0.9; torch SGD: no dampening, no Nesterov)"),
+      flag("muon-momentum", "Muon's momentum (an EMA of the gradients; default 0.9)"),
+      toggle("muon-nesterov", "Nesterov momentum in Muon (off by default)"),
+      toggle("muon-no-split-qkv",
+             "orthogonalise the fused QKV weight whole, not its query, key and value pieces "
+             "apart"),
+      flag("muon-scale-mode",
+           "the factor of Muon's update: spectral (sqrt(max(rows, cols)), the default), "
+           "unit_rms_norm (sqrt(rows / cols)) or shape_scaling (sqrt(max(1, rows / cols)))"),
+      flag("muon-fp32-matmul-prec",
+           "Newton-Schulz's GEMMs on the GPU: medium (bf16, the default), high (TF32) or low "
+           "(fp32)"),
+      flag("muon-coefficient-type",
+           "Newton-Schulz coefficients: quintic (default), simple, polar_express, cans, aol "
+           "or deepseekv4"),
+      flag("muon-num-ns-steps", "Newton-Schulz steps (default 5, at least 1)"),
+      flag("muon-tp-mode",
+           "Newton-Schulz under tensor parallelism: duplicated (each rank the whole matrix, "
+           "the default), blockwise (each slice apart) or distributed (the Gram matrix summed "
+           "over the group)"),
+      flag("muon-extra-scale-factor", "a further factor of Muon's update (default 1)"),
+      flag("muon-scalar-optimizer",
+           "the optimizer of the parameters Muon does not take (the 1-D ones, the embeddings, "
+           "the output layer, Mamba's in_proj): adam (default) or lion"),
+      flag("lion-beta1", "Lion's beta1 under --muon-scalar-optimizer lion (default 0.95)"),
+      flag("lion-beta2", "Lion's beta2 under --muon-scalar-optimizer lion (default 0.98)"),
   };
   for (OptionSpec& s : optimizer_megatron_rules()) g.flags.push_back(std::move(s));
   return g;

@@ -11,21 +11,9 @@ std::vector<OptionSpec> optimizer_megatron_rules() {
       unsupported("qk-clip-alpha", "1", "QK-clip of the query and key weights"),
       unsupported("qk-clip-threshold", "1", "QK-clip of the query and key weights"),
       unsupported("apply-wd-to-qk-layernorm", "0", "weight decay on the QK layernorm weights"),
-      unsupported("sgd-momentum", "1", "SGD (issue 24)"),
-      unsupported("muon-momentum", "1", "Muon (issue 24)"),
-      no_effect("muon-no-split-qkv", "0",
-                "only tunes Muon, which Megaton does not have (issue 24)"),
-      unsupported("muon-nesterov", "0", "Muon (issue 24)"),
-      unsupported("muon-scale-mode", "1", "Muon (issue 24)"),
-      unsupported("muon-fp32-matmul-prec", "1", "Muon (issue 24)"),
-      unsupported("muon-coefficient-type", "1", "Muon (issue 24)"),
-      unsupported("muon-num-ns-steps", "1", "Muon (issue 24)"),
-      unsupported("muon-tp-mode", "1", "Muon (issue 24)"),
-      unsupported("muon-use-syrk", "0", "Muon (issue 24)"),
-      unsupported("muon-extra-scale-factor", "1", "Muon (issue 24)"),
-      unsupported("muon-scalar-optimizer", "1", "Muon (issue 24)"),
-      unsupported("lion-beta1", "1", "Lion (issue 24)"),
-      unsupported("lion-beta2", "1", "Lion (issue 24)"),
+      unsupported("muon-use-syrk", "0",
+                  "Muon's SYRK Newton-Schulz kernels (Megatron raises on it too with the "
+                  "Emerging-Optimizers 0.3.0 it pins: it needs 0.4.0)"),
       unsupported("no-weight-decay-cond-type", "1", "weight decay on the QK layernorm weights"),
       unsupported("dump-param-to-param-group-map", "1", "parameter-group map files"),
       no_effect("override-opt_param-scheduler", "0",
@@ -44,8 +32,7 @@ std::vector<OptionSpec> optimizer_megatron_rules() {
                   "a separate learning rate for the embedding and output layer"),
       unsupported("freeze-all-layers", "0", "frozen layers"),
       no_effect("no-use-layer-wise-param-layout", "0",
-                "only tunes the layer-wise distributed optimizer, which Megaton does not have "
-                "(issue 24)"),
+                "Megaton has only the layout path (the layer-wise parameter layout)"),
   };
 }
 
