@@ -197,7 +197,8 @@ Trainer::Trainer(TrainArgs args, RawOptions raw) : args_(std::move(args)), raw_(
   ddp_->set_units(units);
   moe_ = std::make_unique<MoEStepBookkeeping>(chunk_pointers(), args_.model, *grid_, *comm_);
   optimizer_ = std::make_unique<optim::DistributedAdamW>(std::move(buffers), *grid_, *comm_,
-                                                         args_.adam, distributed);
+                                                         args_.adam, distributed,
+                                                         args_.optimizer);
   ddp_->release_all_weights();  // FSDP's sharded weights: each rank keeps its shard
   // Megatron's get_megatron_optimizer: a static --loss-scale in fp16 and bf16 runs, dynamic
   // scaling in fp16 runs without it, no scaler in fp32 runs.
