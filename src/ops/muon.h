@@ -1,14 +1,21 @@
 // Muon's math as ops: the Newton-Schulz orthogonalisation and its coefficient sets, the
-// update's scale factor, the momentum EMA and the QKV split of an update, as Megatron-LM's
-// TensorParallelMuon computes them through NVIDIA Emerging-Optimizers v0.3.0 ("EO", the
-// version Megatron pins). docs/research/muon.md sections 2.2-2.6 and 3.3 give the sources.
+// update's scale factor, the momentum EMA, the step's tail (muon_apply) and the QKV split
+// of an update, as Megatron-LM's TensorParallelMuon computes them through NVIDIA
+// Emerging-Optimizers v0.3.0 ("EO", the version Megatron pins). docs/research/muon.md
+// sections 2.2-2.6 and 3.3 give the sources.
 //
-// The doors (ops/cpu/muon.cpp) check their arguments (megaton::InternalError: a wrong
-// shape or dtype is a bug in the caller) and run the CUDA implementation (ops/cuda/muon.h)
-// for GPU tensors or the CPU reference. Name parsing fails with megaton::Error naming the
-// flag: a bad name is the user's mistake.
+// The doors (ops/cpu/muon.cpp, ops/cpu/muon_update.cpp) check their arguments
+// (megaton::InternalError: a wrong shape or dtype is a bug in the caller) and run the CUDA
+// implementation (ops/cuda/muon.h) for GPU tensors or the CPU reference. Name parsing fails
+// with megaton::Error naming the flag: a bad name is the user's mistake.
+//
+// The ops taking `control` read the step's scalars from adamw_step_control's tensor (ops.h:
+// F32 [kAdamControlSize] on the tensors' device; control[kAdamLr], control[kAdamGradScale],
+// control[kAdamSkip]), so that a step's clipping and its skip on a non-finite gradient norm
+// never leave the device (and a captured CUDA graph takes each step's values).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -119,6 +126,40 @@ NsCoefficientSet ns_step_coefficients(NsCoefficients set, int step);
 void newton_schulz(const Tensor& g, Tensor& out, NsCoefficients coefficients, int steps,
                    float eps = 1e-7f);
 
+// Options of newton_schulz beyond EO's defaults (NsOptions{} gives the overload above).
+struct NsOptions {
+  // GPU F32 input only: the GEMMs run cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32 (TF32 inputs,
+  // fp32 accumulation): Megatron's --muon-fp32-matmul-prec high, torch's "high" float32
+  // matmul precision. No effect on BF16 input or on the CPU (fp64 there).
+  bool tf32 = false;
+  // Which matrix the iteration runs on: -1 automatic (g^T when rows > cols, EO's
+  // `transpose=None`), 0 never (g), 1 always (g^T, whatever the shape). Every choice gives
+  // the same result in exact arithmetic (each step is X p(X^T X) = p(X X^T) X, so
+  // NS(g^T)^T = NS(g)); the automatic one keeps the Gram matrix, and the cost, the smaller.
+  // EO's tensor-parallel "distributed" mode passes 1 for a weight split by
+  // rows (partition_dim 0) and 0 for one split by columns (muon_utils.py newton_schulz_tp).
+  int transpose = -1;
+  // Tensor-parallel "distributed" mode (EO's newton_schulz with a tp_group): each rank holds
+  // a column block of the iterated X [k, n_local] (the rows of g when transposed); the
+  // Frobenius norm and the Gram matrix X X^T are sums over the ranks, and the rest of a step
+  // (X' = a X + B X) is local. When set, it is called
+  //   (1) once, with the F32 [batch] tensor of the matrices' sums of squares, before the
+  //       norm max(sqrt(sum), eps) is taken (EO's distributed_normalize_p2);
+  //   (2) every step, with the Gram batch [batch, k, k] in the iteration's dtype (k = the
+  //       iterated matrix's rows, after any transpose),
+  // each on g's device, and must replace the tensor's contents by their sum over the group
+  // (an all-reduce; it may also assign a new tensor of the same shape, dtype and device).
+  // On the CPU the fp64 values are handed over rounded to F32 and widened back. With one
+  // rank and an identity callback the result equals the plain op's up to that rounding.
+  // InternalError when the callback leaves a tensor of another shape, dtype or device.
+  std::function<void(Tensor&)> all_reduce;
+};
+// newton_schulz with options: as above, with the transpose chosen by options.transpose,
+// TF32 GEMMs when options.tf32 (GPU F32) and the distributed mode when options.all_reduce
+// is set. InternalError also for transpose outside {-1, 0, 1}.
+void newton_schulz(const Tensor& g, Tensor& out, NsCoefficients coefficients, int steps,
+                   const NsOptions& options, float eps = 1e-7f);
+
 // ---- The update's scale factor (--muon-scale-mode) ----
 
 // EO's `get_muon_scale_factor(size_out, size_in, mode)` (orthogonalized_optimizers/muon.py):
@@ -153,6 +194,59 @@ double muon_scale_factor(int64_t rows, int64_t cols, MuonScaleMode mode);
 // momentum sharing memory with grad or update.
 void muon_momentum_update(Tensor& momentum, const Tensor& grad, float beta, bool nesterov,
                           Tensor& update);
+
+// The momentum as above with the step's scalars on the device: grad is read as
+// g = grad * control[kAdamGradScale] (one fp32 multiply, then the EMA of the overload
+// above: fp64 on the CPU, fp32 on the GPU). With control[kAdamSkip] != 0 momentum is left as
+// it is and update is filled with zeros (whose orthogonalisation is zero, and muon_apply
+// writes nothing on such a step). With a scale of 1, an F32 grad and an F32 update the
+// results are bitwise those of the overload above on the same device.
+//   momentum: F32, updated in place.
+//   grad:     F32 or BF16 (a BF16 main grad, widened exactly).
+//   update:   F32 or BF16 (e.g. a slot of the BF16 Newton-Schulz batch), overwritten; BF16
+//             rounded to nearest even from the fp32 value. It may be grad itself (same
+//             memory and dtype), never momentum.
+//   All with one numel (shapes may differ: grad may be a flat piece of the grad buffer,
+//   update 2-d), contiguous, on control's device.
+//   control:  F32 [kAdamControlSize] (ops.h, adamw_step_control).
+// InternalError on a dtype, numel or device mismatch, beta outside [0, 1], momentum sharing
+// memory with grad or update, or update sharing grad's memory with another dtype.
+void muon_momentum_update(Tensor& momentum, const Tensor& grad, float beta, bool nesterov,
+                          Tensor& update, const Tensor& control);
+
+// ---- The step's tail: weight decay and the update (EO OrthogonalizedOptimizer.step) ----
+
+// For each i, with lr = control[kAdamLr] (docs/research/muon.md 2.2, steps 1 and 5: EO
+// applies the decoupled weight decay p *= 1 - lr wd first, then p -= lr O; the scale
+// factor and --muon-extra-scale-factor, which EO folds into O, come here as scales[i]):
+//   decay = float(1 - lr * weight_decays[i]),  step = float(lr * scales[i])   (fp64)
+//   mains[i] = fma(-step, updates[i], mains[i] * decay)                       (fp32)
+// then copies[i] = mains[i] rounded to nearest even where copies[i] is defined. The same
+// bits on the CPU and the GPU. Nothing at all is written when control[kAdamSkip] != 0.
+//   mains:         F32 main params (whole matrices), updated in place.
+//   updates:       F32 or BF16, the orthogonalised updates, numel of mains[i] (any shape).
+//   copies:        per entry undefined or a BF16, F16 or F32 tensor with mains[i]'s numel
+//                  (the compute weight).
+//   weight_decays, scales: per entry.
+//   control:       F32 [kAdamControlSize] on the mains' device.
+// All lists of one length, every tensor on one device. Everything is checked before
+// anything is written: InternalError on a length, dtype, numel or device mismatch.
+void muon_apply(std::vector<Tensor>& mains, const std::vector<Tensor>& updates,
+                std::vector<Tensor>& copies, const std::vector<float>& weight_decays,
+                const std::vector<float>& scales, const Tensor& control);
+
+// ---- Column blocks (tensor-parallel gathers of column-split matrices) ----
+
+// dst[:, dst_col0 : dst_col0 + cols] = src[:, src_col0 : src_col0 + cols]. A row-parallel
+// weight's slices gathered over TP arrive as [tp, rows, cols / tp], which is no permutation
+// of [rows, cols]: this places each slice's columns (GPU: one cudaMemcpy2DAsync on the
+// compute stream; CPU: a row loop).
+//   src [rows, src_cols], dst [rows, dst_cols]: 2-d, one dtype (any) and device, equal rows.
+// cols == 0 (or rows == 0) copies nothing. InternalError when a range falls outside its
+// tensor (negative start or count, start + cols past the columns), on a shape, dtype or
+// device mismatch, or when src and dst overlap in memory other than as disjoint column
+// ranges of one tensor.
+void copy_columns(const Tensor& src, int64_t src_col0, Tensor& dst, int64_t dst_col0, int64_t cols);
 
 // ---- QKV split (--muon-no-split-qkv turns it off) ----
 

@@ -1,7 +1,7 @@
 // Muon's math (ops/muon.h): the name tables, the doors, which check the arguments and then
 // run the CUDA implementation (ops/cuda/muon.h) for device tensors, and the CPU reference:
-// Newton-Schulz in fp64 through OpenBLAS's dgemm, the momentum EMA in fp64, the QKV split as
-// row copies.
+// Newton-Schulz in fp64 through OpenBLAS's dgemm, the QKV split as row copies. The
+// elementwise ops (momentum, muon_apply, copy_columns) are in muon_update.cpp.
 #include "ops/muon.h"
 
 #include <cblas.h>
@@ -10,6 +10,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "core/error.h"
@@ -35,33 +36,71 @@ void dgemm(const double* a, bool trans_a, const double* b, bool trans_b, double*
               int(trans_a ? m : k), b, int(trans_b ? k : n), beta, c, int(n));
 }
 
-// One matrix g [rows, cols] -> out (may be g). The iteration runs on X [m, n] with m <= n:
-// g itself, or g^T when rows > cols (EO's `transpose = x.size(-2) > x.size(-1)`), so that
-// the Gram matrix X X^T is min(rows, cols) square.
-void newton_schulz_matrix(const float* g, float* out, int64_t rows, int64_t cols,
-                          const std::vector<NsCoefficientSet>& per_step, double eps) {
-  const bool transpose = rows > cols;
-  const int64_t m = transpose ? cols : rows, n = transpose ? rows : cols;
-  double sum_sq = 0;
-  for (int64_t i = 0; i < rows * cols; ++i) sum_sq += double(g[i]) * double(g[i]);
-  const double norm = std::max(std::sqrt(sum_sq), eps);  // torch's normalize: x / max(|x|, eps)
-  std::vector<double> x(size_t(m * n)), next(size_t(m * n)), gram(size_t(m * m)),
-      poly(size_t(m * m));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      x[size_t(transpose ? c * n + r : r * n + c)] = double(g[r * cols + c]) / norm;
+// Which matrix the iteration runs on (NsOptions::transpose): g^T when asked to, or
+// automatically when rows > cols (EO's `transpose = x.size(-2) > x.size(-1)`), so that the
+// Gram matrix X X^T is min(rows, cols) square.
+bool iterate_on_transpose(int transpose, int64_t rows, int64_t cols) {
+  return transpose == 1 || (transpose == -1 && rows > cols);
+}
+
+// Hands `values` (fp64) to the distributed mode's all-reduce as an F32 tensor of `shape`
+// and widens the sums back into them.
+void all_reduce_f64(const std::function<void(Tensor&)>& all_reduce, std::vector<double>& values,
+                    const Shape& shape, const char* what) {
+  Tensor t = Tensor::empty(shape);
+  for (size_t i = 0; i < values.size(); ++i) t.f32()[i] = float(values[i]);
+  all_reduce(t);
+  MEGATON_CHECK(
+      t.defined() && t.shape() == shape && t.dtype() == DType::F32 && t.device() == Device::CPU,
+      "newton_schulz: the all-reduce of the {} left {} {}, expected F32 {} on the CPU", what,
+      t.defined() ? shape_str(t.shape()) : "undefined", dtype_name(t.dtype()), shape_str(shape));
+  for (size_t i = 0; i < values.size(); ++i) values[i] = double(t.f32()[i]);
+}
+
+// The batch g [batch, rows, cols] -> out (may be g). Each matrix iterates on X [m, n]:
+// g itself, or g^T when `transpose`. The steps run outermost so that the distributed
+// mode's all-reduce sees every matrix's Gram matrix of a step at once; each matrix's
+// operations are those of the matrix alone.
+void newton_schulz_cpu(const float* g, float* out, int64_t batch, int64_t rows, int64_t cols,
+                       const std::vector<NsCoefficientSet>& per_step, double eps, bool transpose,
+                       const std::function<void(Tensor&)>& all_reduce) {
+  const int64_t m = transpose ? cols : rows, n = transpose ? rows : cols, per = rows * cols;
+  std::vector<double> sum_sq(size_t(batch), 0.0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < per; ++i)
+      sum_sq[size_t(b)] += double(g[b * per + i]) * double(g[b * per + i]);
+  if (all_reduce) all_reduce_f64(all_reduce, sum_sq, {batch}, "sums of squares");
+  std::vector<std::vector<double>> x(size_t(batch), std::vector<double>(size_t(m * n)));
+  for (int64_t b = 0; b < batch; ++b) {
+    // torch's normalize: x / max(|x|, eps)
+    const double norm = std::max(std::sqrt(sum_sq[size_t(b)]), eps);
+    std::vector<double>& xb = x[size_t(b)];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        xb[size_t(transpose ? c * n + r : r * n + c)] = double(g[b * per + r * cols + c]) / norm;
+  }
+  std::vector<double> gram(size_t(batch * m * m)), poly(size_t(m * m)), next(size_t(m * n));
   for (const NsCoefficientSet& s : per_step) {
     const double a = s.a, b = s.b, c = s.c;
-    dgemm(x.data(), false, x.data(), true, gram.data(), m, m, n, 1.0, 0.0);  // A = X X^T
-    for (size_t i = 0; i < poly.size(); ++i) poly[i] = b * gram[i];
-    dgemm(gram.data(), false, gram.data(), false, poly.data(), m, m, m, c, 1.0);  // B = bA + cA^2
-    for (size_t i = 0; i < next.size(); ++i) next[i] = a * x[i];
-    dgemm(poly.data(), false, x.data(), false, next.data(), m, n, m, 1.0, 1.0);  // aX + B X
-    std::swap(x, next);
+    for (int64_t k = 0; k < batch; ++k)  // A = X X^T
+      dgemm(x[size_t(k)].data(), false, x[size_t(k)].data(), true, gram.data() + k * m * m, m, m, n,
+            1.0, 0.0);
+    if (all_reduce) all_reduce_f64(all_reduce, gram, {batch, m, m}, "Gram matrices");
+    for (int64_t k = 0; k < batch; ++k) {
+      const double* a_k = gram.data() + k * m * m;
+      std::vector<double>& xk = x[size_t(k)];
+      for (int64_t i = 0; i < m * m; ++i) poly[size_t(i)] = b * a_k[i];
+      dgemm(a_k, false, a_k, false, poly.data(), m, m, m, c, 1.0);  // B = bA + cA^2
+      for (size_t i = 0; i < next.size(); ++i) next[i] = a * xk[i];
+      dgemm(poly.data(), false, xk.data(), false, next.data(), m, n, m, 1.0, 1.0);  // aX + B X
+      std::swap(xk, next);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      out[r * cols + c] = float(x[size_t(transpose ? c * n + r : r * n + c)]);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        out[b * per + r * cols + c] =
+            float(x[size_t(b)][size_t(transpose ? c * n + r : r * n + c)]);
 }
 
 // ---- QKV split ----
@@ -224,6 +263,11 @@ const char* muon_scale_mode_name(MuonScaleMode mode) {
 
 void newton_schulz(const Tensor& g, Tensor& out, NsCoefficients coefficients, int steps,
                    float eps) {
+  newton_schulz(g, out, coefficients, steps, NsOptions{}, eps);
+}
+
+void newton_schulz(const Tensor& g, Tensor& out, NsCoefficients coefficients, int steps,
+                   const NsOptions& options, float eps) {
   MEGATON_CHECK(g.defined() && (g.ndim() == 2 || g.ndim() == 3),
                 "newton_schulz: g must be an allocated [rows, cols] or [batch, rows, cols], got {}",
                 g.defined() ? shape_str(g.shape()) : "undefined");
@@ -239,17 +283,20 @@ void newton_schulz(const Tensor& g, Tensor& out, NsCoefficients coefficients, in
                 device_name(g.device()));
   MEGATON_CHECK(steps >= 1, "newton_schulz: steps {} must be >= 1", steps);
   MEGATON_CHECK(eps > 0 && std::isfinite(eps), "newton_schulz: eps {} must be positive", eps);
+  MEGATON_CHECK(options.transpose >= -1 && options.transpose <= 1,
+                "newton_schulz: transpose {} must be -1 (automatic), 0 or 1", options.transpose);
   const int64_t batch = g.ndim() == 3 ? g.dim(0) : 1, rows = g.dim(-2), cols = g.dim(-1);
   if (batch == 0 || rows == 0 || cols == 0) return;
   MEGATON_CHECK(rows <= INT_MAX && cols <= INT_MAX,
                 "newton_schulz: [{}, {}] exceeds the 32-bit BLAS sizes", rows, cols);
   std::vector<NsCoefficientSet> per_step;
   for (int k = 0; k < steps; ++k) per_step.push_back(ns_step_coefficients(coefficients, k));
-  MEGATON_CUDA_DISPATCH(g, cuda::newton_schulz(g, out, batch, rows, cols, per_step, eps));
+  const bool transpose = iterate_on_transpose(options.transpose, rows, cols);
+  MEGATON_CUDA_DISPATCH(g, cuda::newton_schulz(g, out, batch, rows, cols, per_step, eps, transpose,
+                                               options.tf32, options.all_reduce));
   MEGATON_CHECK(g.device() == Device::CPU, "newton_schulz: no CUDA backend in this build");
-  for (int64_t b = 0; b < batch; ++b)
-    newton_schulz_matrix(g.f32() + b * rows * cols, out.f32() + b * rows * cols, rows, cols,
-                         per_step, double(eps));
+  newton_schulz_cpu(g.f32(), out.f32(), batch, rows, cols, per_step, double(eps), transpose,
+                    options.all_reduce);
 }
 
 double muon_scale_factor(int64_t rows, int64_t cols, MuonScaleMode mode) {
@@ -265,34 +312,6 @@ double muon_scale_factor(int64_t rows, int64_t cols, MuonScaleMode mode) {
       return std::sqrt(std::max(1.0, ratio));
   }
   MEGATON_CHECK(false, "unknown MuonScaleMode {}", int(mode));
-}
-
-void muon_momentum_update(Tensor& momentum, const Tensor& grad, float beta, bool nesterov,
-                          Tensor& update) {
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&momentum, "momentum"},
-                         {&grad, "grad"},
-                         {&update, "update"}}) {
-    MEGATON_CHECK(t->defined() && t->dtype() == DType::F32 && t->shape() == grad.shape() &&
-                      t->device() == grad.device(),
-                  "muon_momentum_update: {} ({} {} on {}) must be F32 of grad's shape {} on {}",
-                  name, t->defined() ? shape_str(t->shape()) : "undefined", dtype_name(t->dtype()),
-                  device_name(t->device()), shape_str(grad.shape()), device_name(grad.device()));
-  }
-  MEGATON_CHECK(beta >= 0.0f && beta <= 1.0f, "muon_momentum_update: beta {} is not in [0, 1]",
-                beta);
-  MEGATON_CHECK(momentum.numel() == 0 || (!update.same_data(momentum) && !momentum.same_data(grad)),
-                "muon_momentum_update: momentum must not share memory with grad or update");
-  MEGATON_CUDA_DISPATCH(grad, cuda::muon_momentum_update(momentum, grad, beta, nesterov, update));
-  MEGATON_CHECK(grad.device() == Device::CPU, "muon_momentum_update: no CUDA backend here");
-  const double mu = beta, w = 1.0 - mu;
-  float* m = momentum.f32();
-  float* u = update.f32();
-  const float* g = grad.f32();
-  for (int64_t i = 0; i < grad.numel(); ++i) {
-    const double gi = g[i];  // read before update[i] (which may be grad[i]) is written
-    m[i] = float(mu * double(m[i]) + w * gi);
-    u[i] = nesterov ? float(w * gi + mu * double(m[i])) : m[i];
-  }
 }
 
 std::vector<int64_t> qkv_split_shapes(int64_t num_attention_heads, int64_t num_query_groups,
