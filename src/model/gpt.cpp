@@ -56,9 +56,8 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
                                                cfg.init_method_std, seed, Placement::of(cfg), 0,
                                                mp.tp_rank(), mp.tp_size())
                           : Param()),
-      final_layernorm(final_norm_name(cfg), cfg.hidden_size, cfg.normalization,
-                      cfg.norm_epsilon, Placement::of(cfg),
-                      mp.sequence_parallel && mp.tp_size() > 1) {
+      final_layernorm(final_norm_name(cfg), cfg.hidden_size, cfg.normalization, cfg.norm_epsilon,
+                      Placement::of(cfg), mp.sequence_parallel && mp.tp_size() > 1) {
   MEGATON_CHECK(cfg.padded_vocab_size > 0, "GPTConfig not finalized");
   MEGATON_CHECK(
       cfg.padded_vocab_size % mp_.tp_size() == 0 && cfg.tensor_model_parallel_size == mp_.tp_size(),
@@ -116,11 +115,17 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
       (!cfg.untie_embeddings_and_output_weights || cfg.mtp_num_layers > 0))
     tail_forward_.push_back(&word_embeddings);
   // Dense and expert params in two buffers: they are reduced over different groups; the
-  // FP8 weights of --fp8-param-gather in two more (their weight buffers are FP8).
-  std::vector<Param*> dense, expert, dense_fp8, expert_fp8;
+  // FP8 weights of --fp8-param-gather in two more (their weight buffers are FP8). The layer-
+  // wise distributed optimizer's Muon params in two more, laid out whole (Megatron keys its
+  // buffers by is_managed_by_layer_wise_optimizer too).
+  const bool layer_wise = sharding.layer_wise && (dense_shards > 1 || expert_shards > 1);
+  std::vector<Param*> dense, expert, dense_fp8, expert_fp8, dense_muon, expert_muon;
   for (Param* p : params_)
-    (p->is_expert ? (p->fp8_param ? expert_fp8 : expert) : (p->fp8_param ? dense_fp8 : dense))
-        .push_back(p);
+    if (layer_wise && muon_param(*p))
+      (p->is_expert ? expert_muon : dense_muon).push_back(p);
+    else
+      (p->is_expert ? (p->fp8_param ? expert_fp8 : expert) : (p->fp8_param ? dense_fp8 : dense))
+          .push_back(p);
   // Embeddings tied across pipeline stages: sharded alike on both stages, so their
   // gradients can be summed over the stages after the data-parallel reduce-scatter
   // (Megatron's _does_param_require_new_bucket).
@@ -128,10 +133,12 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   if (word_embeddings.weight.defined() && chunk_.pre_process != chunk_.post_process &&
       dense_shards > 1)
     own_bucket.push_back(&word_embeddings);
-  buffers_.reserve(4);
+  buffers_.reserve(6);
   // FSDP: a bucket per unit (the hooks' units: 0 the embedding, 1 + i layer i, then the tail),
   // each buffer storing its shards as the strategy says.
   const bool fsdp = sharding.use_megatron_fsdp;
+  MEGATON_CHECK(!layer_wise || !fsdp,
+                "the layer-wise distributed optimizer (Muon) under Megatron-FSDP");
   std::unordered_map<const Param*, int> unit_of;
   if (fsdp) {
     for (const Param* p : head_params_) unit_of[p] = 0;
@@ -166,6 +173,12 @@ GPTModel::GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp,
   if (!expert_fp8.empty())
     buffers_.emplace_back(expert_fp8, expert_shards, true, bucket, no_own_bucket(), expert_grads,
                           units_of(expert_fp8), buffer_sharding(true));
+  if (!dense_muon.empty())
+    buffers_.emplace_back(dense_muon, dense_shards, false, bucket, no_own_bucket(), dense_grads,
+                          std::vector<int>(), buffer_sharding(false), BufferLayout::WholeParams);
+  if (!expert_muon.empty())
+    buffers_.emplace_back(expert_muon, expert_shards, true, bucket, no_own_bucket(), expert_grads,
+                          std::vector<int>(), buffer_sharding(true), BufferLayout::WholeParams);
   if (cfg_.cpu_offloading.enabled && cfg_.cpu_offloading.num_layers > 0) {
     std::vector<TransformerLayer*> layers;
     for (auto& layer : layers_) layers.push_back(layer.get());

@@ -176,6 +176,11 @@ struct ChunkSharding {
   DType main_grad_dtype = DType::F32;  // own gradient shards (--megatron-fsdp-main-grads-dtype)
   DType grad_comm_dtype = DType::F32;  // bucket gradients (--megatron-fsdp-grad-comm-dtype)
   bool double_buffer = false;          // --fsdp-double-buffer (BufferSharding::double_buffer)
+  // Muon under --use-distributed-optimizer (Megatron's layer-wise distributed optimizer):
+  // when the buffers are sharded, the params Muon takes (muon_param) go to buffers of their
+  // own laid out whole (BufferLayout::WholeParams), so each data-parallel rank owns whole
+  // matrices.
+  bool layer_wise = false;
 };
 
 class ChunkActivations;
@@ -203,6 +208,12 @@ class GPTModel {
   // InternalError when the layer range is outside [0, num_layers).
   // sharding (FSDP): how the buffers store their shards, and one bucket per unit (then
   // bucket_size is not used).
+  // buffers(): the dense buffer, then (when they have params) the dense FP8, expert and
+  // expert FP8 ones; with sharding.layer_wise and dense_shards or expert_shards above 1, the
+  // muon_param params are in none of those but in a dense Muon buffer (dense_shards shards,
+  // over dp_cp) and an expert one (expert_shards, over edp), WholeParams, after the others
+  // (each only when it has params). No param is in two buffers. InternalError when a Muon
+  // param is an FP8 weight or FSDP is on (WholeParams refuses both).
   GPTModel(const GPTConfig& cfg, uint64_t seed, const ModelParallel& mp = {},
            int64_t dense_shards = 1, int64_t expert_shards = 1, const PipelineChunk& chunk = {},
            int64_t bucket_size = 0, const ChunkSharding& sharding = {});

@@ -19,10 +19,11 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
                                        bool is_expert, int64_t bucket_size,
                                        const std::vector<const Param*>& own_bucket,
                                        DType grad_dtype, const std::vector<int>& param_units,
-                                       const BufferSharding& sharding)
+                                       const BufferSharding& sharding, BufferLayout layout)
     : params_(std::move(params)),
       num_shards_(num_shards),
       is_expert_(is_expert),
+      layout_(layout),
       sharding_(sharding) {
   MEGATON_CHECK(num_shards >= 1, "ParamAndGradBuffer: {} shards", num_shards);
   // One shard is the whole buffer: nothing to release (FSDP at size 1 costs nothing more).
@@ -46,23 +47,19 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   MEGATON_CHECK(sharding.main_grad_dtype == DType::F32 || sharding.main_grad_dtype == DType::BF16,
                 "ParamAndGradBuffer: main grads must be F32 or BF16, got {}",
                 dtype_name(sharding.main_grad_dtype));
+  // The whole-parameter layout cuts its buckets by size and cost alone.
+  MEGATON_CHECK(layout != BufferLayout::WholeParams || (param_units.empty() && own_bucket.empty() &&
+                                                        !fp8 && !sharding_.sharded_grads()),
+                "ParamAndGradBuffer: whole-parameter layout with {}",
+                !param_units.empty()  ? "a bucket per unit"
+                : !own_bucket.empty() ? "a param in a bucket of its own"
+                : fp8                 ? "FP8 weights"
+                                      : "sharded storage");
   weight_dtype_ = dtype;
   grad_dtype_ = grad_dtype;
   device_ = device;
-  offsets_.assign(params_.size(), 0);
-  int64_t total = 0;
-  BufferBucket current;
-  auto close_bucket = [&] {
-    if (current.params.empty()) return;
-    current.begin = buckets_.empty() ? 0 : buckets_.back().end;
-    current.end = round_up(std::max(total, current.begin + 1), kAlign * num_shards);
-    total = current.end;
-    buckets_.push_back(std::move(current));
-    current = BufferBucket();
-  };
-  // Reverse order: Megatron's _ParamAndGradBuffer iterates params[::-1].
-  for (size_t k = params_.size(); k-- > 0;) {
-    Param* p = params_[k];
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param* p = params_[i];
     MEGATON_CHECK(p->fp8_param == fp8,
                   "ParamAndGradBuffer: param '{}' is {}an FP8 weight, "
                   "the first is {}",
@@ -74,19 +71,14 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
     MEGATON_CHECK(p->weight.storage_released() == meta,
                   "ParamAndGradBuffer: param '{}' is {}made without values, the first is {}",
                   p->name, meta ? "not " : "", meta ? "" : "not");
-    const bool alone = std::find(own_bucket.begin(), own_bucket.end(), p) != own_bucket.end();
-    if (alone) close_bucket();
-    // A new unit starts a new bucket (its neighbour in buffer order is params_[k + 1]).
-    if (!param_units.empty() && k + 1 < params_.size() && param_units[k] != param_units[k + 1])
-      close_bucket();
-    offsets_[k] = total;
-    total += round_up(p->weight.numel(), kAlign);
-    current.params.push_back(p);
-    const int64_t bucket_begin = buckets_.empty() ? 0 : buckets_.back().end;
-    if (alone || (bucket_size > 0 && total - bucket_begin >= bucket_size)) close_bucket();
+    MEGATON_CHECK(param_index_.emplace(p, i).second, "ParamAndGradBuffer: param '{}' given twice",
+                  p->name);
   }
-  close_bucket();
-  numel_ = total;
+  if (layout == BufferLayout::WholeParams)
+    lay_out_whole_params(bucket_size);
+  else
+    lay_out_flat(bucket_size, own_bucket, param_units);
+  const int64_t total = numel_;
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (const Param* p : buckets_[b].params) bucket_index_[p] = int(b);
   // Whole buffers, or (sharded) one allocation per bucket so that each can be released.
@@ -160,6 +152,131 @@ ParamAndGradBuffer::ParamAndGradBuffer(std::vector<Param*> params, int64_t num_s
   if (sharding_.sharded_grads())
     for (size_t b = 0; b < buckets_.size(); ++b)
       grad_shards_.push_back(Tensor::zeros({shard_numel(b)}, sharding_.main_grad_dtype, device));
+}
+
+void ParamAndGradBuffer::lay_out_flat(int64_t bucket_size,
+                                      const std::vector<const Param*>& own_bucket,
+                                      const std::vector<int>& param_units) {
+  offsets_.assign(params_.size(), 0);
+  int64_t total = 0;
+  BufferBucket current;
+  auto close_bucket = [&] {
+    if (current.params.empty()) return;
+    current.begin = buckets_.empty() ? 0 : buckets_.back().end;
+    current.end = round_up(std::max(total, current.begin + 1), kAlign * num_shards_);
+    total = current.end;
+    buckets_.push_back(std::move(current));
+    current = BufferBucket();
+  };
+  // Reverse order: Megatron's _ParamAndGradBuffer iterates params[::-1].
+  for (size_t k = params_.size(); k-- > 0;) {
+    Param* p = params_[k];
+    const bool alone = std::find(own_bucket.begin(), own_bucket.end(), p) != own_bucket.end();
+    if (alone) close_bucket();
+    // A new unit starts a new bucket (its neighbour in buffer order is params_[k + 1]).
+    if (!param_units.empty() && k + 1 < params_.size() && param_units[k] != param_units[k + 1])
+      close_bucket();
+    offsets_[k] = total;
+    total += round_up(p->weight.numel(), kAlign);
+    current.params.push_back(p);
+    const int64_t bucket_begin = buckets_.empty() ? 0 : buckets_.back().end;
+    if (alone || (bucket_size > 0 && total - bucket_begin >= bucket_size)) close_bucket();
+  }
+  close_bucket();
+  numel_ = total;
+}
+
+namespace {
+// Megatron's _ns_compute_cost: the leading term of Newton-Schulz on a [m, n] matrix.
+int64_t newton_schulz_cost(const Param& p) {
+  if (p.weight.ndim() != 2) return p.weight.numel();
+  const int64_t big = std::max(p.weight.dim(0), p.weight.dim(1));
+  const int64_t small = std::min(p.weight.dim(0), p.weight.dim(1));
+  return big * small * small;
+}
+
+// The first index of the least value among those `eligible` admits (all: none excluded),
+// or -1 when it admits none.
+template <class Eligible>
+int64_t least(const std::vector<int64_t>& values, Eligible eligible) {
+  int64_t best = -1;
+  for (size_t s = 0; s < values.size(); ++s)
+    if (eligible(s) && (best < 0 || values[s] < values[size_t(best)])) best = int64_t(s);
+  return best;
+}
+}  // namespace
+
+void ParamAndGradBuffer::lay_out_whole_params(int64_t bucket_size) {
+  // Megatron's LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, with
+  // Megaton's 64-element shard alignment (the constructor's comment says it exactly).
+  constexpr double kPaddingFloor = 0.9, kNumelEpsilon = 0.3;
+  const size_t shards = size_t(num_shards_);
+  offsets_.assign(params_.size(), 0);
+  std::vector<int64_t> cost_loads(shards, 0);  // accumulated over every bucket
+  auto emit = [&](const std::vector<size_t>& chunk) {
+    if (chunk.empty()) return;
+    int64_t chunk_numel = 0;
+    for (size_t i : chunk) chunk_numel += params_[i]->weight.numel();
+    const double cap = double(chunk_numel) / double(num_shards_) * (1 + kNumelEpsilon);
+    std::vector<size_t> by_cost = chunk;
+    std::stable_sort(by_cost.begin(), by_cost.end(), [&](size_t a, size_t b) {
+      return newton_schulz_cost(*params_[a]) > newton_schulz_cost(*params_[b]);
+    });
+    std::vector<int64_t> cursors(shards, 0), shard_of(params_.size(), 0);
+    for (size_t i : by_cost) {
+      const int64_t numel = params_[i]->weight.numel();
+      int64_t s = least(cost_loads, [&](size_t t) {
+        return double(round_up(cursors[t], kAlign) + numel) <= cap;
+      });
+      if (s < 0) s = least(cursors, [](size_t) { return true; });
+      offsets_[i] = round_up(cursors[size_t(s)], kAlign);
+      cursors[size_t(s)] = offsets_[i] + numel;
+      cost_loads[size_t(s)] += newton_schulz_cost(*params_[i]);
+      shard_of[i] = s;
+    }
+    const int64_t shard_numel =
+        std::max(round_up(*std::max_element(cursors.begin(), cursors.end()), kAlign), kAlign);
+    BufferBucket bucket;
+    bucket.begin = buckets_.empty() ? 0 : buckets_.back().end;
+    bucket.end = bucket.begin + num_shards_ * shard_numel;
+    for (size_t i : chunk) {
+      offsets_[i] += bucket.begin + shard_of[i] * shard_numel;
+      bucket.params.push_back(params_[i]);
+    }
+    std::sort(bucket.params.begin(), bucket.params.end(), [&](const Param* a, const Param* b) {
+      return offsets_[param_index_.at(a)] < offsets_[param_index_.at(b)];
+    });
+    buckets_.push_back(std::move(bucket));
+  };
+  // The bucket being collected, and Megatron's estimate of its shard loads (elements, the
+  // params in walk order each on the least-loaded shard) that decides whether the next
+  // param fits into its padding.
+  std::vector<size_t> chunk;
+  int64_t chunk_numel = 0, chunk_largest = 0;
+  std::vector<int64_t> estimate(shards, 0);
+  auto absorbs = [&](int64_t numel) {
+    const auto [lo, hi] = std::minmax_element(estimate.begin(), estimate.end());
+    return round_up(*lo, kAlign) + numel <= round_up(*hi, kAlign);
+  };
+  for (size_t k = params_.size(); k-- > 0;) {
+    const int64_t numel = params_[k]->weight.numel();
+    if (bucket_size > 0 && !chunk.empty()) {
+      const int64_t floor = int64_t(double(num_shards_) * double(chunk_largest) * kPaddingFloor);
+      if (chunk_numel >= std::max(bucket_size, floor) && !absorbs(numel)) {
+        emit(chunk);
+        chunk.clear();
+        chunk_numel = chunk_largest = 0;
+        std::fill(estimate.begin(), estimate.end(), 0);
+      }
+    }
+    const size_t s = size_t(least(estimate, [](size_t) { return true; }));
+    estimate[s] = round_up(estimate[s], kAlign) + numel;
+    chunk.push_back(k);
+    chunk_numel += numel;
+    chunk_largest = std::max(chunk_largest, numel);
+  }
+  emit(chunk);
+  numel_ = buckets_.back().end;
 }
 
 ShardingStrategy parse_sharding_strategy(const std::string& name) {
@@ -277,6 +394,17 @@ void ParamAndGradBuffer::store_own_weight_shard(size_t b) {
 int ParamAndGradBuffer::bucket_of(const Param* p) const {
   auto it = bucket_index_.find(p);
   return it == bucket_index_.end() ? -1 : it->second;
+}
+
+int64_t ParamAndGradBuffer::owner_shard(const Param* p) const {
+  auto it = param_index_.find(p);
+  MEGATON_CHECK(it != param_index_.end(), "ParamAndGradBuffer: param '{}' is not in this buffer",
+                p ? p->name : std::string("(null)"));
+  const BufferBucket& bucket = buckets_[size_t(bucket_index_.at(p))];
+  const int64_t shard = bucket.numel() / num_shards_;
+  const int64_t first = offsets_[it->second] - bucket.begin;
+  const int64_t last = first + std::max<int64_t>(p->weight.numel(), 1) - 1;
+  return first / shard == last / shard ? first / shard : -1;
 }
 
 std::vector<BufferPiece> ParamAndGradBuffer::shard_pieces(int64_t index) const {

@@ -58,6 +58,15 @@ struct BufferSharding {
   bool sharded_params() const { return strategy == ShardingStrategy::OptimGradsParams; }
 };
 
+// Where a buffer places its params in each bucket (ParamAndGradBuffer). Flat: one after
+// another in reverse order, the shards cut wherever they fall (a param may straddle two:
+// the distributed optimizer's elementwise Adam does not mind). WholeParams: every param
+// wholly inside one shard, the shards balanced by Newton-Schulz cost (Megatron's
+// LayerWiseDistributedOptimizer._compute_per_buffer_param_layout), so that the reduce-
+// scatter brings each data-parallel rank whole gradients of the matrices it owns and the
+// all-gather everyone their updated weights (Muon under --use-distributed-optimizer).
+enum class BufferLayout { Flat, WholeParams };
+
 class ParamAndGradBuffer {
  public:
   // Moves the params' compute weights into one buffer of their dtype and gives each a
@@ -87,14 +96,39 @@ class ParamAndGradBuffer {
   // weights (released by release_weights once the optimizer has read them; the own shard
   // in own_weight_shard). FP8 buffers are not sharded so (InternalError). With one shard
   // the strategy is at most Optim (the whole buffer is the shard: nothing is released).
+  //
+  // layout WholeParams (Megatron's LayerWiseDistributedOptimizer layout; Flat is all the
+  // above) cuts buckets and places params in them as follows, so that every param lies
+  // wholly inside one shard, starting at a multiple of 64 elements:
+  // - Buckets: the params are walked in reverse, as for Flat. With n the elements of the
+  //   params collected so far (unpadded) and L the largest of them, the bucket is closed
+  //   before the next param q when n >= max(bucket_size, floor(0.9 x num_shards x L))
+  //   (Megatron's PADDING_FLOOR: a bucket is at least num_shards x L long anyway) and q
+  //   cannot be absorbed into the bucket's padding: placing the collected params in walk
+  //   order, each at round_up(load, 64) of the least-loaded shard (loads in elements),
+  //   q is absorbed when round_up(min load, 64) + numel(q) <= round_up(max load, 64).
+  //   bucket_size <= 0: one bucket.
+  // - Placement in a bucket: by Newton-Schulz cost, max(m, n) x min(m, n)^2 for a weight of
+  //   local (tensor-parallel) shape [m, n], numel for any other shape; costliest first (ties
+  //   in walk order). A param goes to the shard of least accumulated cost among those where
+  //   it fits, round_up(cursor, 64) + numel <= 1.3 x (the bucket's param elements) /
+  //   num_shards; when it fits nowhere, to the shard of the lowest cursor. Ties go to the
+  //   lowest shard index. It lies at round_up(cursor, 64) of that shard, and the cursor moves
+  //   past it. The costs accumulate over the whole buffer (balance over all its buckets);
+  //   the cursors restart at each bucket.
+  // - Every shard of a bucket then has round_up(max cursor, 64) elements (so shard_numel
+  //   stays bucket numel / num_shards); bucket b's params are listed in buffer order.
+  // WholeParams with param_units, own_bucket, FP8 weights or sharded storage
+  // (sharding.sharded_grads()): InternalError.
   ParamAndGradBuffer(std::vector<Param*> params, int64_t num_shards, bool is_expert,
                      int64_t bucket_size = 0, const std::vector<const Param*>& own_bucket = {},
                      DType grad_dtype = DType::F32, const std::vector<int>& param_units = {},
-                     const BufferSharding& sharding = {});
+                     const BufferSharding& sharding = {}, BufferLayout layout = BufferLayout::Flat);
 
   // The params in the order given to the constructor.
   const std::vector<Param*>& params() const { return params_; }
   bool is_expert() const { return is_expert_; }
+  BufferLayout layout() const { return layout_; }
   // The weights are FP8 (--fp8-param-gather, Param::fp8_param).
   bool fp8() const { return weights_.dtype() == DType::F8E4M3; }
   int64_t numel() const { return numel_; }
@@ -114,6 +148,12 @@ class ParamAndGradBuffer {
   const std::vector<BufferBucket>& buckets() const { return buckets_; }
   // The bucket holding p, or -1 when p is not in this buffer.
   int bucket_of(const Param* p) const;
+  // The shard (0 .. num_shards - 1) of p's bucket that holds all of p: in a WholeParams
+  // buffer always (the data-parallel rank that owns p: its reduce-scatter gets p's whole
+  // gradient, its all-gather sends p's weights), in a Flat one when p happens not to
+  // straddle a shard boundary (always with one shard); -1 when it does. InternalError when
+  // p is not in this buffer.
+  int64_t owner_shard(const Param* p) const;
   // Bucket b's weights and gradients [bucket numel] (in their own storage when sharded).
   Tensor bucket_weights(size_t b) const;
   Tensor bucket_grads(size_t b) const;
@@ -169,8 +209,10 @@ class ParamAndGradBuffer {
   std::vector<int64_t> offsets_;
   std::vector<BufferBucket> buckets_;
   std::unordered_map<const Param*, int> bucket_index_;
+  std::unordered_map<const Param*, size_t> param_index_;  // constructor order
   int64_t num_shards_;
   bool is_expert_;
+  BufferLayout layout_;
   BufferSharding sharding_;
   int64_t numel_ = 0;  // elements of the whole buffer (every bucket, padding included)
   DType weight_dtype_, grad_dtype_;
@@ -185,6 +227,10 @@ class ParamAndGradBuffer {
   };
   Slots weight_slots_, grad_slots_;
   int64_t slot_numel_ = 0;
+  // Set offsets_, buckets_ and numel_ (the constructor's two layouts).
+  void lay_out_flat(int64_t bucket_size, const std::vector<const Param*>& own_bucket,
+                    const std::vector<int>& param_units);
+  void lay_out_whole_params(int64_t bucket_size);
   void restore(std::vector<Tensor>& buckets, Slots& slots, size_t b);
   void release(std::vector<Tensor>& buckets, Slots& slots, size_t b);
 };

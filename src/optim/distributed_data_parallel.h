@@ -66,8 +66,10 @@ class DistributedDataParallel {
   void finish_grad_sync();
 
   // After the optimizer updated this rank's shards (distributed optimizer; otherwise
-  // nothing): all-gathers every bucket's weights, first-used buckets first. With
-  // overlap_param_gather they are left running; wait_param_sync waits for them.
+  // nothing): all-gathers every bucket's weights, first-used buckets first (after
+  // set_units: in the order the units first read them, over all buffers; before: buffer by
+  // buffer, each in reverse bucket order). With overlap_param_gather they are left running;
+  // wait_param_sync waits for them.
   void start_param_sync();
   // Before a forward reads the weights of `params`: waits for their buckets' all-gathers.
   void wait_param_sync(std::span<Param* const> params);
@@ -76,7 +78,10 @@ class DistributedDataParallel {
 
   // ---- The model's hooks (model/gpt.h ParamHooks) --------------------------------------
   // The units of each model chunk, in forward order (GPTModel::param_units): FSDP prefetches
-  // the next unit's weights in a forward, the previous one's in a backward.
+  // the next unit's weights in a forward, the previous one's in a backward; start_param_sync
+  // starts the buckets' all-gathers in the order these units first read them (chunk by
+  // chunk), the buckets of no unit last. Every rank of a data-parallel group must pass the
+  // same units (alike models).
   void set_units(const std::vector<std::vector<std::span<Param* const>>>& chunks);
   // Before a forward reads `params`: wait_param_sync; with sharded weights, their buckets
   // gathered (waiting for a prefetch), then the next unit's all-gather started.
@@ -142,7 +147,7 @@ class DistributedDataParallel {
   dist::Comm& comm_;
   DataParallelConfig config_;
   std::vector<BucketState> states_;       // every buffer's buckets, buffer by buffer
-  std::vector<size_t> param_sync_order_;  // states_ in the order the forward reads them
+  std::vector<size_t> param_sync_order_;  // states_ in the order the forward first reads them
   std::unordered_map<const Param*, size_t> state_index_;
   std::unordered_map<const Param*, int64_t> reports_;  // per param, this step
 };

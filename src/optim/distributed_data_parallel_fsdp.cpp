@@ -17,6 +17,22 @@ void DistributedDataParallel::set_units(
   for (size_t c = 0; c < units_.size(); ++c)
     for (size_t u = 0; u < units_[c].size(); ++u)
       if (!units_[c][u].empty()) unit_index_[units_[c][u][0]] = {c, u};
+  // The all-gathers start in the order the forward first reads the buckets: chunk by chunk,
+  // unit by unit, so that a layer's bucket of one buffer (the layer-wise optimizer's Muon
+  // buffer) does not queue behind every bucket of another. Buckets no unit reads keep their
+  // place after those. Every rank of a group has the same units, hence the same order.
+  std::vector<size_t> order;
+  std::vector<bool> placed(states_.size(), false);
+  auto place = [&](size_t i) {
+    if (!placed[i]) order.push_back(i);
+    placed[i] = true;
+  };
+  for (const auto& chunk : units_)
+    for (std::span<Param* const> unit : chunk)
+      for (const Param* p : unit)
+        if (auto it = state_index_.find(p); it != state_index_.end()) place(it->second);
+  for (size_t i : param_sync_order_) place(i);
+  param_sync_order_ = std::move(order);
 }
 
 std::span<Param* const> DistributedDataParallel::neighbour_unit(std::span<Param* const> params,

@@ -17,6 +17,8 @@ DType fsdp_dtype(const std::string& name, DType automatic) {
 ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid* grid) {
   ChunkSharding s;
   const ParallelArgs& p = args.parallel;
+  // Megatron's layer-wise distributed optimizer: Muon with --use-distributed-optimizer.
+  s.layer_wise = args.optimizer.kind == optim::OptimizerKind::Muon && p.use_distributed_optimizer;
   if (!p.use_megatron_fsdp) return s;
   s.use_megatron_fsdp = true;
   s.strategy = parse_sharding_strategy(p.data_parallel_sharding_strategy);

@@ -15,7 +15,8 @@ namespace megaton {
 // The buffers' storage for this rank (model/gpt.h ChunkSharding): NoShard without
 // --use-megatron-fsdp, else the strategy, this rank's shard in dp_cp (dense) and edp
 // (experts), and the gradient dtypes ("auto": the run's main grads dtype). grid null: shard
-// indices 0 (the memory plan).
+// indices 0 (the memory plan). layer_wise under --optimizer muon with
+// --use-distributed-optimizer (the Muon params in whole-parameter buffers).
 ChunkSharding chunk_sharding(const TrainArgs& args, const dist::Grid* grid);
 
 // DistributedDataParallel's configuration: the distributed optimizer and the overlap

@@ -36,8 +36,14 @@ class RecordingComm final : public dist::Comm {
     std::string name_;
     bool waited_ = false;
   };
-  // The element offset of t in `base`, or (FSDP's per-bucket storage) "n=<numel>".
+  // "<name>:<element offset>" of t in one of `buffers`, else its element offset in `base`,
+  // or (FSDP's per-bucket storage) "n=<numel>".
   std::string where(const Tensor& t) const {
+    for (const auto& [name, whole] : buffers) {
+      const int64_t at = static_cast<const char*>(t.raw()) - static_cast<const char*>(whole.raw());
+      const int64_t size = dtype_size(whole.dtype());
+      if (at >= 0 && at < whole.numel() * size) return name + ":" + std::to_string(at / size);
+    }
     const int64_t bytes = static_cast<const char*>(t.raw()) - base;
     if (!base || bytes < 0 || bytes >= base_bytes) return "n=" + std::to_string(t.numel());
     return std::to_string(bytes / int64_t(dtype_size(t.dtype())));
@@ -46,6 +52,7 @@ class RecordingComm final : public dist::Comm {
  public:
   const char* base = nullptr;  // the buffer the offsets in the log are counted from
   int64_t base_bytes = INT64_MAX;
+  std::vector<std::pair<std::string, Tensor>> buffers;  // named buffers, tried first
 
  protected:
   void prepare_group(const dist::Group&) override {}
@@ -182,6 +189,63 @@ TEST(DistributedDataParallel, ParamGatherRunsInForwardOrderAndIsWaitedPerBucket)
   EXPECT_EQ(f.comm.log.size(), 4u);
   ddp.finish_param_sync();
   EXPECT_EQ(f.comm.log.size(), 6u);
+}
+
+// The layer-wise distributed optimizer: a flat buffer (embedding e, norms n1 and n2 of
+// layers 1 and 2, tail t) and a WholeParams one (two matrices per layer). The all-gathers
+// start in the order the forward first reads the buckets, not buffer after buffer, and each
+// is waited for at the before_forward of the first unit that reads it, not earlier.
+TEST(DistributedDataParallel, LayerWiseBucketsAreWaitedForAtFirstUse) {
+  Param e = make("e", 100, 1), n1 = make("n1", 100, 2), n2 = make("n2", 100, 3),
+        t = make("t", 100, 4);
+  auto matrix = [](const std::string& name, float value) {
+    Param p;
+    p.name = name;
+    p.weight = Tensor::empty({16, 16});
+    p.weight.fill(value);
+    p.main_param = p.weight;
+    return p;
+  };
+  Param m1a = matrix("m1a", 5), m1b = matrix("m1b", 6), m2a = matrix("m2a", 7),
+        m2b = matrix("m2b", 8);
+  // Flat: a bucket each, in reverse: t [0, 128), n2 [128, 256), n1 [256, 384), e [384, 512).
+  ParamAndGradBuffer flat({&e, &n1, &n2, &t}, 2, false, 100);
+  // Whole params: a bucket per layer (two matrices fill two shards), layer 2's first.
+  ParamAndGradBuffer muon({&m1a, &m1b, &m2a, &m2b}, 2, false, 512, {}, DType::F32, {}, {},
+                          BufferLayout::WholeParams);
+  ASSERT_EQ(muon.buckets().size(), 2u);
+  ASSERT_EQ(muon.bucket_of(&m2a), 0);
+  ASSERT_EQ(muon.buckets()[1].begin, 512);
+  dist::Grid grid{dist::ParallelSizes{}, 2, 0};
+  RecordingComm comm;
+  comm.buffers = {{"flat", flat.weights()}, {"muon", muon.weights()}};
+  DataParallelConfig config;
+  config.use_distributed_optimizer = config.overlap_grad_reduce = true;
+  config.overlap_param_gather = true;
+  DistributedDataParallel ddp({&flat, &muon}, grid, comm, config);
+  Param* u0[] = {&e};
+  Param* u1[] = {&n1, &m1a, &m1b};
+  Param* u2[] = {&m2a, &n2, &m2b};
+  Param* u3[] = {&t};
+  ddp.set_units({{u0, u1, u2, u3}});
+  ddp.start_param_sync();
+  std::vector<std::string> want = {"all_gather flat:384", "all_gather flat:256",
+                                   "all_gather muon:512", "all_gather muon:0",
+                                   "all_gather flat:128", "all_gather flat:0"};
+  EXPECT_EQ(comm.log, want);
+  const std::vector<std::vector<std::string>> waits = {
+      {"wait all_gather flat:384"},
+      {"wait all_gather flat:256", "wait all_gather muon:512"},
+      {"wait all_gather muon:0", "wait all_gather flat:128"},
+      {"wait all_gather flat:0"}};
+  const std::span<Param* const> units[] = {u0, u1, u2, u3};
+  for (size_t u = 0; u < 4; ++u) {
+    ddp.before_forward(units[u]);
+    want.insert(want.end(), waits[u].begin(), waits[u].end());
+    EXPECT_EQ(comm.log, want) << "after unit " << u;
+  }
+  ddp.finish_param_sync();  // nothing left
+  EXPECT_EQ(comm.log, want);
 }
 
 // FSDP (optim_grads_params): per-bucket storage, released between uses.
