@@ -1,9 +1,12 @@
 // Newton-Schulz on the GPU (ops/muon.h) as three cuBLASLt GEMMs per step in the input's
-// dtype with fp32 accumulation, EO's newton_schulz_step (muon_utils.py, v0.3.0):
+// dtype with fp32 accumulation (or TF32 inputs: muon_gemm.cpp), EO's newton_schulz_step
+// (muon_utils.py, v0.3.0):
 //   A = X X^T;  B = b A + c A A  (torch.addmm(A, A, A, beta=b, alpha=c));
 //   X' = a X + B X               (torch.addmm(X, B, X, beta=a, alpha=1)),
 // each GEMM's epilogue adding the scaled input and rounding once into the output
-// (cuBLASLt's out-of-place D). Also the QKV split as strided copies.
+// (cuBLASLt's out-of-place D); in the distributed mode the Gram batch is all-reduced
+// between the first GEMM and the others. Also the QKV split and copy_columns as strided
+// copies.
 #include "ops/cuda/muon.h"
 
 #include <cuda_runtime.h>
@@ -16,26 +19,66 @@
 namespace megaton::ops::cuda {
 namespace {
 
-// One step on one matrix, x -> next (distinct buffers), gram and poly [k, k] scratch.
-// Wide (rows <= cols): X = x [k = rows, n = cols] as stored. Tall: x [n = rows, k = cols] is
-// X^T, and the same step reads A = x^T x, x' = a x + x B^T = (a X + B X)^T: the transpose
-// EO takes explicitly lives in the GEMMs' operand flags, and nothing is copied.
-void ns_step(void* x, void* next, void* gram, void* poly, int64_t rows, int64_t cols, DType dtype,
-             const NsCoefficientSet& s) {
-  const bool tall = rows > cols;
-  const int64_t k = tall ? cols : rows, n = tall ? rows : cols;
-  if (tall)  // A = x^T x
-    blas::matmul(x, true, k, x, false, k, gram, k, k, k, n, dtype, dtype, 1.0f, 0.0f);
-  else  // A = x x^T
-    blas::matmul(x, false, n, x, true, n, gram, k, k, k, n, dtype, dtype, 1.0f, 0.0f);
-  // B = c A A + b A
-  blas::matmul(gram, false, k, gram, false, k, gram, k, k, k, k, dtype, dtype, s.c, s.b, nullptr,
-               poly);
-  if (tall)  // x' = x B^T + a x
-    blas::matmul(x, false, k, poly, true, k, x, k, n, k, k, dtype, dtype, 1.0f, s.a, nullptr, next);
-  else  // x' = B x + a x
-    blas::matmul(poly, false, k, x, false, n, x, n, k, n, k, dtype, dtype, 1.0f, s.a, nullptr,
-                 next);
+// One GEMM of the iteration, d = alpha op(a) op(b) + beta c (blas::matmul's arguments),
+// through cuBLASLt in the iteration's dtype, or with TF32 inputs.
+struct NsGemm {
+  DType dtype;
+  bool tf32;
+  void operator()(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b,
+                  int64_t ldb, const void* c, int64_t ldc, void* d, int64_t m, int64_t n, int64_t k,
+                  float alpha, float beta) const {
+    if (tf32) {
+      tf32_matmul(static_cast<const float*>(a), trans_a, lda, static_cast<const float*>(b), trans_b,
+                  ldb, static_cast<const float*>(c), ldc, static_cast<float*>(d), m, n, k, alpha,
+                  beta);
+      return;
+    }
+    blas::matmul(a, trans_a, lda, b, trans_b, ldb, const_cast<void*>(c), ldc, m, n, k, dtype, dtype,
+                 alpha, beta, nullptr, d == c ? nullptr : d);
+  }
+};
+
+// The iterated matrix X [k, n] of one stored matrix x [rows, cols]: x itself, or, when
+// `transpose`, x^T (k = cols, n = rows), read through the GEMMs' operand flags: the
+// transpose EO takes explicitly lives there, and nothing is copied.
+struct Iterated {
+  bool transpose;
+  int64_t k, n;
+  Iterated(bool t, int64_t rows, int64_t cols)
+      : transpose(t), k(t ? cols : rows), n(t ? rows : cols) {}
+};
+
+// A = X X^T: x^T x when transposed (x stored [n, k]), x x^T otherwise.
+void gram_step(const NsGemm& gemm, const Iterated& it, const void* x, void* gram) {
+  if (it.transpose)
+    gemm(x, true, it.k, x, false, it.k, gram, it.k, gram, it.k, it.k, it.n, 1.0f, 0.0f);
+  else
+    gemm(x, false, it.n, x, true, it.n, gram, it.k, gram, it.k, it.k, it.n, 1.0f, 0.0f);
+}
+
+// B = c A A + b A into poly, then x' = a X + B X into next (distinct from x): stored
+// transposed, x' = x B^T + a x = (a X + B X)^T.
+void update_step(const NsGemm& gemm, const Iterated& it, const void* x, const void* gram,
+                 void* poly, void* next, const NsCoefficientSet& s) {
+  const int64_t k = it.k, n = it.n;
+  gemm(gram, false, k, gram, false, k, gram, k, poly, k, k, k, s.c, s.b);
+  if (it.transpose)
+    gemm(x, false, k, poly, true, k, x, k, next, n, k, k, 1.0f, s.a);
+  else
+    gemm(poly, false, k, x, false, n, x, n, next, k, n, k, 1.0f, s.a);
+}
+
+// The distributed mode's callback on `t`, which must stay of its shape, dtype and device.
+void all_reduce_checked(const std::function<void(Tensor&)>& all_reduce, Tensor& t,
+                        const char* what) {
+  const Shape shape = t.shape();
+  const DType dtype = t.dtype();
+  all_reduce(t);
+  MEGATON_CHECK(
+      t.defined() && t.shape() == shape && t.dtype() == dtype && t.device() == Device::CUDA,
+      "newton_schulz: the all-reduce of the {} left {} {}, expected {} {} on the GPU", what,
+      t.defined() ? shape_str(t.shape()) : "undefined", dtype_name(t.dtype()), dtype_name(dtype),
+      shape_str(shape));
 }
 
 // The pieces' strided copies: piece i's rows of group grp are rows
@@ -68,26 +111,52 @@ void copy_qkv(const Tensor& u, const std::vector<Tensor>& pieces,
 }  // namespace
 
 void newton_schulz(const Tensor& g, Tensor& out, int64_t batch, int64_t rows, int64_t cols,
-                   const std::vector<NsCoefficientSet>& per_step, float eps) {
+                   const std::vector<NsCoefficientSet>& per_step, float eps, bool transpose,
+                   bool tf32, const std::function<void(Tensor&)>& all_reduce) {
   MEGATON_CHECK(!per_step.empty(), "newton_schulz: no steps");
   const DType dtype = g.dtype();
-  const int64_t per_matrix = rows * cols, k = std::min(rows, cols);
+  const NsGemm gemm{dtype, tf32 && dtype == DType::F32};
+  const Iterated it(transpose, rows, cols);
+  const int64_t per_matrix = rows * cols;
   // Ping-pong between out and one scratch copy, X_0 placed so that the last step lands in
-  // out: X_k lives in buffers[k % 2], buffers[0] = scratch when the step count is odd.
+  // out: X_k lives in `first` for even k, in `second` for odd k; first = scratch when the
+  // step count is odd.
   Tensor scratch = Tensor::empty(g.shape(), dtype, Device::CUDA);
-  Tensor gram = Tensor::empty({k, k}, dtype, Device::CUDA);
-  Tensor poly = Tensor::empty({k, k}, dtype, Device::CUDA);
+  // Distributed: every matrix's Gram matrix of a step at once, for the all-reduce.
+  Tensor grams = Tensor::empty({all_reduce ? batch : 1, it.k, it.k}, dtype, Device::CUDA);
+  Tensor poly = Tensor::empty({it.k, it.k}, dtype, Device::CUDA);
   const bool odd = per_step.size() % 2 == 1;
   Tensor& first = odd ? scratch : out;
   Tensor& second = odd ? out : scratch;
-  frobenius_normalize(g, first, batch, per_matrix, eps);
-  const size_t matrix_bytes = size_t(per_matrix) * dtype_size(dtype);
-  for (int64_t b = 0; b < batch; ++b) {
-    char* buffers[2] = {static_cast<char*>(first.raw()) + size_t(b) * matrix_bytes,
-                        static_cast<char*>(second.raw()) + size_t(b) * matrix_bytes};
-    for (size_t step = 0; step < per_step.size(); ++step)
-      ns_step(buffers[step % 2], buffers[(step + 1) % 2], gram.raw(), poly.raw(), rows, cols, dtype,
-              per_step[step]);
+  if (all_reduce) {
+    Tensor sums = Tensor::empty({batch}, DType::F32, Device::CUDA);
+    matrix_sums_of_squares(g, batch, per_matrix, sums);
+    all_reduce_checked(all_reduce, sums, "sums of squares");
+    divide_by_root_of_sums(g, first, batch, per_matrix, sums, eps);
+  } else {
+    frobenius_normalize(g, first, batch, per_matrix, eps);
+  }
+  const size_t elem = dtype_size(dtype), matrix_bytes = size_t(per_matrix) * elem,
+               gram_bytes = size_t(it.k * it.k) * elem;
+  auto matrix = [&](const Tensor& t, int64_t b) {
+    return static_cast<char*>(t.raw()) + size_t(b) * matrix_bytes;
+  };
+  auto gram = [&](int64_t b) {  // read after the all-reduce, which may replace grams
+    return static_cast<char*>(grams.raw()) + (all_reduce ? size_t(b) * gram_bytes : 0);
+  };
+  // Steps outermost, so that the all-reduce sees a step's whole Gram batch; each matrix
+  // gets the GEMMs it would alone.
+  for (size_t step = 0; step < per_step.size(); ++step) {
+    const Tensor& x = step % 2 == 0 ? first : second;
+    const Tensor& next = step % 2 == 0 ? second : first;
+    if (all_reduce) {
+      for (int64_t b = 0; b < batch; ++b) gram_step(gemm, it, matrix(x, b), gram(b));
+      all_reduce_checked(all_reduce, grams, "Gram matrices");
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+      if (!all_reduce) gram_step(gemm, it, matrix(x, b), gram(b));
+      update_step(gemm, it, matrix(x, b), gram(b), poly.raw(), matrix(next, b), per_step[step]);
+    }
   }
 }
 
@@ -99,6 +168,16 @@ void split_qkv_update(const Tensor& u, const std::vector<int64_t>& split_shapes,
 void join_qkv_update(const std::vector<Tensor>& pieces, const std::vector<int64_t>& split_shapes,
                      Tensor& u) {
   copy_qkv(u, pieces, split_shapes, false);
+}
+
+void copy_columns(const Tensor& src, int64_t src_col0, Tensor& dst, int64_t dst_col0,
+                  int64_t cols) {
+  const size_t elem = dtype_size(src.dtype());
+  const auto* from = static_cast<const char*>(src.raw()) + size_t(src_col0) * elem;
+  auto* to = static_cast<char*>(dst.raw()) + size_t(dst_col0) * elem;
+  MEGATON_CUDA_CHECK(cudaMemcpy2DAsync(
+      to, size_t(dst.dim(1)) * elem, from, size_t(src.dim(1)) * elem, size_t(cols) * elem,
+      size_t(src.dim(0)), cudaMemcpyDeviceToDevice, ::megaton::cuda::stream()));
 }
 
 }  // namespace megaton::ops::cuda

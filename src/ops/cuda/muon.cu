@@ -1,9 +1,12 @@
 // Muon's elementwise kernels (ops/cuda/muon.h): the per-matrix Frobenius normalisation
-// before Newton-Schulz, and the momentum EMA. The GEMMs of the iteration are in muon.cpp.
+// before Newton-Schulz (whole, or in two halves around the distributed mode's all-reduce),
+// and the momentum EMA. The GEMMs of the iteration are in muon.cpp.
 #include <algorithm>
+#include <type_traits>
 
 #include "ops/cuda/muon.h"
 #include "ops/cuda/pointwise_util.cuh"
+#include "ops/ops.h"
 
 namespace megaton::ops::cuda {
 namespace {
@@ -52,11 +55,22 @@ __global__ void finish_norms(const double* partials, int64_t chunks, float eps, 
   if (threadIdx.x == 0) denom[blockIdx.x] = fmaxf(float(sqrt(total)), eps);
 }
 
-// Pass 3, grid (blocks, batch): out = g / denom[b], in fp32, rounded to T.
-template <typename T>
-__global__ void divide_by_norm(const T* g, T* out, int64_t per_matrix, const float* denom) {
+// Pass 2 of the distributed mode, one block per matrix: sums[b] = fp32(sum of its partials).
+__global__ void finish_sums(const double* partials, int64_t chunks, float* sums) {
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < chunks; i += kThreads) acc += partials[blockIdx.x * chunks + i];
+  const double total = block_sum(acc);
+  if (threadIdx.x == 0) sums[blockIdx.x] = float(total);
+}
+
+// Pass 3, grid (blocks, batch): out = g / d in fp32, rounded to T, with d = denom[b]
+// (FromSums false) or max(sqrt(denom[b]), eps) in fp32 (FromSums: EO's
+// distributed_normalize_p2 on the all-reduced sums of squares).
+template <typename T, bool FromSums>
+__global__ void divide_by_norm(const T* g, T* out, int64_t per_matrix, const float* denom,
+                               float eps) {
   const int64_t base = int64_t(blockIdx.y) * per_matrix;
-  const float d = denom[blockIdx.y];
+  const float d = FromSums ? fmaxf(__fsqrt_rn(denom[blockIdx.y]), eps) : denom[blockIdx.y];
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < per_matrix; i += stride)
     out[base + i] = from_float<T>(to_float(g[base + i]) / d);
@@ -69,14 +83,24 @@ __device__ __forceinline__ float torch_lerp(float a, float b, float w) {
   return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
 
-__global__ void momentum_kernel(float* momentum, const float* grad, float beta,
-                                float one_minus_beta, bool nesterov, float* update, int64_t n) {
+// G, U: float or __nv_bfloat16 (the grad and the update). control: null (grad scale 1, no
+// skip) or the step's control tensor. The plain op and a unit control run the same
+// instantiation, and g * 1 is exact, so they give the same bits.
+template <typename G, typename U>
+__global__ void momentum_kernel(float* momentum, const G* grad, float beta, float one_minus_beta,
+                                bool nesterov, U* update, int64_t n, const float* control) {
+  const bool skip = control != nullptr && control[kAdamSkip] != 0.0f;
+  const float scale = control != nullptr ? control[kAdamGradScale] : 1.0f;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float g = grad[i];
+    if (skip) {
+      update[i] = from_float<U>(0.0f);
+      continue;
+    }
+    const float g = __fmul_rn(to_float(grad[i]), scale);  // read before update[i] (grad's)
     const float m = torch_lerp(momentum[i], g, one_minus_beta);
     momentum[i] = m;
-    update[i] = nesterov ? torch_lerp(g, m, beta) : m;
+    update[i] = from_float<U>(nesterov ? torch_lerp(g, m, beta) : m);
   }
 }
 
@@ -102,21 +126,65 @@ void frobenius_normalize(const Tensor& g, Tensor& out, int64_t batch, int64_t pe
     finish_norms<<<unsigned(batch), kThreads, 0, stream>>>(partial_sums, chunks, eps, denom.f32());
     MEGATON_CUDA_CHECK_LAUNCH();
     const int64_t blocks = std::min<int64_t>((per_matrix + kThreads - 1) / kThreads, 4096);
-    divide_by_norm<T><<<dim3(unsigned(blocks), unsigned(batch)), kThreads, 0, stream>>>(
-        static_cast<const T*>(g.raw()), static_cast<T*>(out.raw()), per_matrix, denom.f32());
+    divide_by_norm<T, false><<<dim3(unsigned(blocks), unsigned(batch)), kThreads, 0, stream>>>(
+        static_cast<const T*>(g.raw()), static_cast<T*>(out.raw()), per_matrix, denom.f32(), eps);
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void matrix_sums_of_squares(const Tensor& g, int64_t batch, int64_t per_matrix, Tensor& sums) {
+  MEGATON_CHECK(batch >= 1 && batch <= 65535 && per_matrix >= 1,
+                "matrix_sums_of_squares: {} matrices of {} elements (at most 65535 matrices)",
+                batch, per_matrix);
+  const int64_t chunks = std::min<int64_t>((per_matrix + kThreads - 1) / kThreads, kMaxChunks);
+  Tensor partials = Tensor::empty({batch * chunks}, DType::I64, Device::CUDA);  // fp64 bits
+  auto* partial_sums = static_cast<double*>(partials.raw());
+  cudaStream_t stream = compute_stream();
+  detail::dispatch_float(g.dtype(), [&](auto t) {
+    using T = decltype(t);
+    sum_squares_partials<T><<<dim3{unsigned(chunks), unsigned(batch)}, kThreads, 0, stream>>>(
+        static_cast<const T*>(g.raw()), per_matrix, partial_sums);
+    MEGATON_CUDA_CHECK_LAUNCH();
+  });
+  finish_sums<<<unsigned(batch), kThreads, 0, stream>>>(partial_sums, chunks, sums.f32());
+  MEGATON_CUDA_CHECK_LAUNCH();
+}
+
+void divide_by_root_of_sums(const Tensor& g, Tensor& out, int64_t batch, int64_t per_matrix,
+                            const Tensor& sums, float eps) {
+  const int64_t blocks = std::min<int64_t>((per_matrix + kThreads - 1) / kThreads, 4096);
+  detail::dispatch_float(g.dtype(), [&](auto t) {
+    using T = decltype(t);
+    divide_by_norm<T, true>
+        <<<dim3(unsigned(blocks), unsigned(batch)), kThreads, 0, compute_stream()>>>(
+            static_cast<const T*>(g.raw()), static_cast<T*>(out.raw()), per_matrix, sums.f32(),
+            eps);
     MEGATON_CUDA_CHECK_LAUNCH();
   });
 }
 
 void muon_momentum_update(Tensor& momentum, const Tensor& grad, float beta, bool nesterov,
-                          Tensor& update) {
+                          Tensor& update, const float* control) {
   const int64_t n = grad.numel();
   if (n == 0) return;
   // EO's weight 1 - beta (a Python double) rounded to fp32, as torch passes it to the kernel.
   const float one_minus_beta = float(1.0 - double(beta));
-  momentum_kernel<<<detail::grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(
-      momentum.f32(), grad.f32(), beta, one_minus_beta, nesterov, update.f32(), n);
-  MEGATON_CUDA_CHECK_LAUNCH();
+  auto launch = [&](auto* grad_ptr, auto* update_ptr) {
+    using G = std::remove_const_t<std::remove_pointer_t<decltype(grad_ptr)>>;
+    using U = std::remove_pointer_t<decltype(update_ptr)>;
+    momentum_kernel<G, U><<<detail::grid_for(n, kThreads), kThreads, 0, compute_stream()>>>(
+        momentum.f32(), grad_ptr, beta, one_minus_beta, nesterov, update_ptr, n, control);
+    MEGATON_CUDA_CHECK_LAUNCH();
+  };
+  const bool grad_bf16 = grad.dtype() == DType::BF16, update_bf16 = update.dtype() == DType::BF16;
+  const auto* grad_f32 = static_cast<const float*>(grad.raw());
+  const auto* grad_b16 = static_cast<const __nv_bfloat16*>(grad.raw());
+  auto* update_f32 = static_cast<float*>(update.raw());
+  auto* update_b16 = static_cast<__nv_bfloat16*>(update.raw());
+  if (!grad_bf16 && !update_bf16) launch(grad_f32, update_f32);
+  if (!grad_bf16 && update_bf16) launch(grad_f32, update_b16);
+  if (grad_bf16 && !update_bf16) launch(grad_b16, update_f32);
+  if (grad_bf16 && update_bf16) launch(grad_b16, update_b16);
 }
 
 }  // namespace megaton::ops::cuda
