@@ -3,7 +3,8 @@
 // tensors of the run without CUDA graphs, bit for bit (both under --deterministic-mode,
 // so that the two runs can be compared bitwise at all); dense, MoE (with the expert bias),
 // dense FP8, dense with --eod-mask-loss (the loss masks staged like the tokens) and dense
-// with --reset-position-ids (the position ids likewise). The replayed steps make no host
+// with --reset-position-ids (the position ids likewise), and MoE with --optimizer muon. The
+// replayed steps make no host
 // synchronization. Needs data/ from
 // tools/prepare_fortunes.sh, run from the repository root.
 #include <gtest/gtest.h>
@@ -80,6 +81,9 @@ TEST(TrainCudaGraph, FullIterationEqualsTheGraphFreeRun) {
       {"eod-mask-loss", "configs/demo-dense.yaml", {{"eod-mask-loss", {"true"}}}},
       // Packed documents' RoPE positions, staged per micro-batch in fixed buffers.
       {"reset-position-ids", "configs/demo-dense.yaml", {{"reset-position-ids", {"true"}}}},
+      // Muon's step (momentum, bf16 Newton-Schulz, its scratch allocated in the captured
+      // step) and the MoE experts orthogonalised one by one.
+      {"muon-moe", "configs/demo-moe.yaml", {{"optimizer", {"muon"}}}},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);
