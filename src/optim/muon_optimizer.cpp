@@ -50,6 +50,36 @@ Muon::Muon(std::vector<MuonParam> params, MuonConfig config, float weight_decay,
                   m.tp_split_dim);
     tp_group_.push_back(split ? &g : nullptr);
   }
+  // Batches by local shape, in order of first appearance (std::map would order by shape).
+  std::vector<std::pair<Shape, std::vector<size_t>>> by_shape;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const bool qkv = config_.split_qkv && !params_[i].model->qkv_split_rows.empty();
+    if (tp_group_[i] || qkv) {
+      singles_.push_back(i);
+      continue;
+    }
+    const Shape shape = momentum_[i].shape();
+    auto it = std::find_if(by_shape.begin(), by_shape.end(),
+                           [&](const auto& entry) { return entry.first == shape; });
+    if (it == by_shape.end()) {
+      by_shape.emplace_back(shape, std::vector<size_t>{});
+      it = by_shape.end() - 1;
+    }
+    it->second.push_back(i);
+  }
+  for (auto& [shape, members] : by_shape) {
+    const int64_t per_batch = std::max<int64_t>(1, kBatchBytes / (4 * shape[0] * shape[1]));
+    for (size_t at = 0; at < members.size(); at += size_t(per_batch))
+      batches_.emplace_back(
+          members.begin() + int64_t(at),
+          members.begin() + int64_t(std::min(members.size(), at + size_t(per_batch))));
+  }
+}
+
+DType Muon::ns_dtype(Device device) const {
+  return device != Device::CPU && config_.matmul_precision == MuonMatmulPrecision::Medium
+             ? DType::BF16
+             : DType::F32;
 }
 
 std::vector<std::pair<std::string, Tensor*>> Muon::state_tensors() {
@@ -85,8 +115,7 @@ Tensor Muon::orthogonalised(size_t i, const Tensor& update, double& scale) const
   const int64_t r = update.dim(0), c = update.dim(1);
   const bool gpu = update.device() != Device::CPU;
   // --muon-fp32-matmul-prec: medium iterates in bf16 on the GPU, high in TF32.
-  const DType ns_dtype =
-      gpu && config_.matmul_precision == MuonMatmulPrecision::Medium ? DType::BF16 : DType::F32;
+  const DType iteration_dtype = ns_dtype(update.device());
   ops::NsOptions options;
   options.tf32 = gpu && config_.matmul_precision == MuonMatmulPrecision::High;
   const int dim = m.tp_split_dim;
@@ -118,7 +147,7 @@ Tensor Muon::orthogonalised(size_t i, const Tensor& update, double& scale) const
   int64_t global_rows = r, global_cols = c;
   if (group) (dim == 0 ? global_rows : global_cols) *= tp;
   auto ns = [&](const Tensor& x) {
-    Tensor work = x.dtype() == ns_dtype ? x : x.to(ns_dtype);
+    Tensor work = x.dtype() == iteration_dtype ? x : x.to(iteration_dtype);
     ops::newton_schulz(work, work, config_.coefficients, config_.num_ns_steps, options);
     return work;
   };
@@ -157,21 +186,53 @@ Tensor Muon::orthogonalised(size_t i, const Tensor& update, double& scale) const
 }
 
 void Muon::step(const Tensor& control) {
+  for (const std::vector<size_t>& batch : batches_) step_batch(batch, control);
   // One param at a time: the scratch of one matrix (its gathered update and NS work) at most.
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i : singles_) step_single(i, control);
+}
+
+void Muon::step_batch(const std::vector<size_t>& batch, const Tensor& control) {
+  const Tensor& first = momentum_[batch.front()];
+  const int64_t n = int64_t(batch.size()), rows = first.dim(0), cols = first.dim(1);
+  // The momenta write their updates straight into the batch, in the iteration's dtype.
+  Tensor updates = Tensor::empty({n, rows, cols}, ns_dtype(first.device()), first.device());
+  std::vector<Tensor> mains, slots, copies;
+  std::vector<float> wds, scales;
+  const float scale = float(ops::muon_scale_factor(rows, cols, config_.scale_mode) *
+                            double(config_.extra_scale_factor));
+  for (int64_t k = 0; k < n; ++k) {
+    const size_t i = batch[size_t(k)];
     Param& t = *params_[i].target;
-    Tensor& main = main_of(t);
-    Tensor update = Tensor::empty(main.shape(), DType::F32, main.device());
-    ops::muon_momentum_update(momentum_[i], t.main_grad, config_.momentum, config_.nesterov, update,
+    Tensor slot = updates.rows(k, 1).view({rows, cols});
+    ops::muon_momentum_update(momentum_[i], t.main_grad, config_.momentum, config_.nesterov, slot,
                               control);
-    double scale = 1.0;
-    Tensor o = orthogonalised(i, update, scale);
-    std::vector<Tensor> mains{main}, updates{o}, copies(1);
-    if (t.main_param.defined() && !t.main_param.same_data(t.weight)) copies[0] = t.weight;
-    const std::vector<float> wd{params_[i].model->no_weight_decay ? 0.0f : weight_decay_};
-    const std::vector<float> scales{float(scale)};
-    ops::muon_apply(mains, updates, copies, wd, scales, control);
+    mains.push_back(main_of(t));
+    slots.push_back(slot);
+    copies.push_back(t.main_param.defined() && !t.main_param.same_data(t.weight) ? t.weight
+                                                                                 : Tensor());
+    wds.push_back(params_[i].model->no_weight_decay ? 0.0f : weight_decay_);
+    scales.push_back(scale);
   }
+  ops::NsOptions options;
+  options.tf32 =
+      first.device() != Device::CPU && config_.matmul_precision == MuonMatmulPrecision::High;
+  ops::newton_schulz(updates, updates, config_.coefficients, config_.num_ns_steps, options);
+  ops::muon_apply(mains, slots, copies, wds, scales, control);
+}
+
+void Muon::step_single(size_t i, const Tensor& control) {
+  Param& t = *params_[i].target;
+  Tensor& main = main_of(t);
+  Tensor update = Tensor::empty(main.shape(), DType::F32, main.device());
+  ops::muon_momentum_update(momentum_[i], t.main_grad, config_.momentum, config_.nesterov, update,
+                            control);
+  double scale = 1.0;
+  Tensor o = orthogonalised(i, update, scale);
+  std::vector<Tensor> mains{main}, updates{o}, copies(1);
+  if (t.main_param.defined() && !t.main_param.same_data(t.weight)) copies[0] = t.weight;
+  const std::vector<float> wd{params_[i].model->no_weight_decay ? 0.0f : weight_decay_};
+  const std::vector<float> scales{float(scale)};
+  ops::muon_apply(mains, updates, copies, wd, scales, control);
 }
 
 }  // namespace megaton::optim

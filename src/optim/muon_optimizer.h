@@ -75,6 +75,18 @@ class Muon {
   std::vector<const dist::Group*> tp_group_;
   // The update for params_[i]: orthogonalised, in the local shape, with its scale.
   Tensor orthogonalised(size_t i, const Tensor& update, double& scale) const;
+  // The step's order: batches of params of one local shape whose update needs neither a
+  // tensor-parallel collective nor the QKV split, each orthogonalised by one batched
+  // Newton-Schulz call ([n, rows, cols], at most kBatchBytes of fp32 per batch); then each
+  // other param alone (orthogonalised()), in params_ order. Fixed at construction, so TP
+  // peers (same params) issue their collectives in one order.
+  static constexpr int64_t kBatchBytes = int64_t(256) << 20;
+  std::vector<std::vector<size_t>> batches_;
+  std::vector<size_t> singles_;
+  void step_batch(const std::vector<size_t>& batch, const Tensor& control);
+  void step_single(size_t i, const Tensor& control);
+  // --muon-fp32-matmul-prec's iteration dtype on `device` (the CPU's reference takes F32).
+  DType ns_dtype(Device device) const;
 };
 
 }  // namespace megaton::optim

@@ -134,6 +134,38 @@ TEST(MuonOptimizer, ControlSkipsAndScales) {
   EXPECT_GT(rel(a->weight, w), 1e-4);  // it did move
 }
 
+// Matrices of one shape go through one batched Newton-Schulz call: the same bits as each
+// param's own optimizer (the CPU iterates each matrix in fp64 either way).
+TEST(MuonOptimizer, BatchedEqualsOneByOne) {
+  std::vector<std::unique_ptr<Param>> together, alone;
+  const Shape shapes[] = {{24, 40}, {24, 40}, {40, 24}, {24, 40}};
+  for (size_t k = 0; k < std::size(shapes); ++k) {
+    together.push_back(matrix("m" + std::to_string(k), randn(shapes[k], 20 + k)));
+    alone.push_back(matrix("m" + std::to_string(k), randn(shapes[k], 20 + k)));
+  }
+  std::vector<MuonParam> all;
+  for (auto& p : together) all.push_back({p.get(), p.get()});
+  Muon batched(all, MuonConfig{}, 0.1f, one_rank_grid(), cpu_comm());
+  std::vector<std::unique_ptr<Muon>> singles;
+  for (auto& p : alone)
+    singles.push_back(std::make_unique<Muon>(std::vector<MuonParam>{{p.get(), p.get()}},
+                                             MuonConfig{}, 0.1f, one_rank_grid(), cpu_comm()));
+  for (int step = 0; step < 2; ++step) {
+    for (size_t k = 0; k < together.size(); ++k) {
+      const Tensor g = randn(shapes[k], 100 * step + k);
+      together[k]->main_grad.copy_from(g);
+      alone[k]->main_grad.copy_from(g);
+      singles[k]->step(control(0.02f));
+    }
+    batched.step(control(0.02f));
+  }
+  for (size_t k = 0; k < together.size(); ++k)
+    EXPECT_EQ(std::memcmp(together[k]->weight.raw(), alone[k]->weight.raw(),
+                          together[k]->weight.nbytes()),
+              0)
+        << k;
+}
+
 // The QKV split of TensorParallelMuon (golden "qkv" cases): with momentum 0 the update is
 // the gradient, and lr 1 with no weight decay leaves -O in a zero param.
 TEST(MuonOptimizer, QkvSplitThroughMuon) {
