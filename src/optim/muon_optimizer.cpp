@@ -15,6 +15,14 @@ namespace {
 // The fp32 tensor a step updates: the main param, or an fp32 weight that is its own.
 Tensor& main_of(Param& p) { return p.main_param.defined() ? p.main_param : p.weight; }
 
+// x in dtype d: x itself, or a cast on x's device (Tensor::to(DType) goes through the host).
+Tensor cast_to(const Tensor& x, DType d) {
+  if (x.dtype() == d) return x;
+  Tensor y = Tensor::empty(x.shape(), d, x.device());
+  ops::cast(x, y);
+  return y;
+}
+
 // Newton-Schulz FLOPs on an [m, n] matrix (the iteration on the min side): per step
 // A = X X^T (2 m^2 n), B = A A (2 m^3), X' = B X (2 m^2 n).
 double ns_matrix_flops(int64_t rows, int64_t cols, int steps) {
@@ -147,7 +155,7 @@ Tensor Muon::orthogonalised(size_t i, const Tensor& update, double& scale) const
   int64_t global_rows = r, global_cols = c;
   if (group) (dim == 0 ? global_rows : global_cols) *= tp;
   auto ns = [&](const Tensor& x) {
-    Tensor work = x.dtype() == iteration_dtype ? x : x.to(iteration_dtype);
+    Tensor work = cast_to(x, iteration_dtype);
     ops::newton_schulz(work, work, config_.coefficients, config_.num_ns_steps, options);
     return work;
   };
@@ -162,8 +170,7 @@ Tensor Muon::orthogonalised(size_t i, const Tensor& update, double& scale) const
                   per_group);
     std::vector<Tensor> pieces = ops::split_qkv_update(whole, split);
     for (size_t k = 0; k < pieces.size(); ++k) {
-      Tensor o = ns(pieces[k]);
-      if (o.dtype() != DType::F32) o = o.to(DType::F32);
+      Tensor o = cast_to(ns(pieces[k]), DType::F32);
       ops::scale_(o, float(ops::muon_scale_factor(global_rows / per_group * split[k], global_cols,
                                                   config_.scale_mode)) *
                          config_.extra_scale_factor);
