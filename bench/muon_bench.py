@@ -42,12 +42,13 @@ def optimizer_ms(profile):
     return out
 
 
-def single(binary, iters, lines):
+def single(binary, iters, lines, optimizers=tuple(OPTIMIZERS)):
     lines += ["| config | optimizer | step ms | tokens/s | peak GiB | Adam update ms | Muon update ms |",
               "|---|---|---|---|---|---|---|"]
     for name in ["llama-1.3B", "moe-8x-top2"]:
         c = CONFIGS[name]
-        for opt, flags in OPTIMIZERS.items():
+        for opt in optimizers:
+            flags = OPTIMIZERS[opt]
             r = run_megaton(binary, c, iters, extra=flags)
             os.environ["MEGATON_OP_PROFILE"] = "1"
             p = run_megaton(binary, c, 12, extra=flags)
@@ -128,6 +129,7 @@ def main():
     p.add_argument("--megaton", required=True)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--single", action="store_true")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="--single's rows")
     p.add_argument("--dp2", action="store_true")
     p.add_argument("--curves", action="store_true")
     p.add_argument("--curves-dir", default=".")
@@ -137,7 +139,7 @@ def main():
     a = p.parse_args()
     lines = []
     if a.single:
-        single(a.megaton, a.iters, lines)
+        single(a.megaton, a.iters, lines, a.optimizers.split(","))
     if a.dp2:
         dp2(a.megaton, a.iters, lines)
     if a.curves:
