@@ -186,15 +186,17 @@ void ParamAndGradBuffer::lay_out_flat(int64_t bucket_size,
   numel_ = total;
 }
 
-namespace {
-// Megatron's _ns_compute_cost: the leading term of Newton-Schulz on a [m, n] matrix.
-int64_t newton_schulz_cost(const Param& p) {
-  if (p.weight.ndim() != 2) return p.weight.numel();
-  const int64_t big = std::max(p.weight.dim(0), p.weight.dim(1));
-  const int64_t small = std::min(p.weight.dim(0), p.weight.dim(1));
+int64_t newton_schulz_cost(const Shape& shape) {
+  if (shape.size() != 2) {
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    return numel;
+  }
+  const int64_t big = std::max(shape[0], shape[1]), small = std::min(shape[0], shape[1]);
   return big * small * small;
 }
 
+namespace {
 // The first index of the least value among those `eligible` admits (all: none excluded),
 // or -1 when it admits none.
 template <class Eligible>
@@ -206,47 +208,50 @@ int64_t least(const std::vector<int64_t>& values, Eligible eligible) {
 }
 }  // namespace
 
-void ParamAndGradBuffer::lay_out_whole_params(int64_t bucket_size) {
+WholeParamsLayout whole_params_layout(const std::vector<int64_t>& numels,
+                                      const std::vector<int64_t>& costs, int64_t num_shards,
+                                      int64_t bucket_size) {
+  MEGATON_CHECK(!numels.empty() && costs.size() == numels.size() && num_shards >= 1,
+                "whole_params_layout: {} numels, {} costs, {} shards", numels.size(), costs.size(),
+                num_shards);
   // Megatron's LayerWiseDistributedOptimizer._compute_per_buffer_param_layout, with
-  // Megaton's 64-element shard alignment (the constructor's comment says it exactly).
+  // Megaton's 64-element shard alignment (ParamAndGradBuffer's comment says it exactly).
   constexpr double kPaddingFloor = 0.9, kNumelEpsilon = 0.3;
-  const size_t shards = size_t(num_shards_);
-  offsets_.assign(params_.size(), 0);
+  const size_t shards = size_t(num_shards), count = numels.size();
+  WholeParamsLayout out;
+  out.offsets.assign(count, 0);
+  out.shards.assign(count, 0);
   std::vector<int64_t> cost_loads(shards, 0);  // accumulated over every bucket
   auto emit = [&](const std::vector<size_t>& chunk) {
     if (chunk.empty()) return;
     int64_t chunk_numel = 0;
-    for (size_t i : chunk) chunk_numel += params_[i]->weight.numel();
-    const double cap = double(chunk_numel) / double(num_shards_) * (1 + kNumelEpsilon);
+    for (size_t i : chunk) chunk_numel += numels[i];
+    const double cap = double(chunk_numel) / double(num_shards) * (1 + kNumelEpsilon);
     std::vector<size_t> by_cost = chunk;
-    std::stable_sort(by_cost.begin(), by_cost.end(), [&](size_t a, size_t b) {
-      return newton_schulz_cost(*params_[a]) > newton_schulz_cost(*params_[b]);
-    });
-    std::vector<int64_t> cursors(shards, 0), shard_of(params_.size(), 0);
+    std::stable_sort(by_cost.begin(), by_cost.end(),
+                     [&](size_t a, size_t b) { return costs[a] > costs[b]; });
+    std::vector<int64_t> cursors(shards, 0);
     for (size_t i : by_cost) {
-      const int64_t numel = params_[i]->weight.numel();
+      const int64_t numel = numels[i];
       int64_t s = least(cost_loads, [&](size_t t) {
         return double(round_up(cursors[t], kAlign) + numel) <= cap;
       });
       if (s < 0) s = least(cursors, [](size_t) { return true; });
-      offsets_[i] = round_up(cursors[size_t(s)], kAlign);
-      cursors[size_t(s)] = offsets_[i] + numel;
-      cost_loads[size_t(s)] += newton_schulz_cost(*params_[i]);
-      shard_of[i] = s;
+      out.offsets[i] = round_up(cursors[size_t(s)], kAlign);
+      cursors[size_t(s)] = out.offsets[i] + numel;
+      cost_loads[size_t(s)] += costs[i];
+      out.shards[i] = s;
     }
-    const int64_t shard_numel =
+    WholeParamsLayout::Bucket bucket;
+    bucket.shard_numel =
         std::max(round_up(*std::max_element(cursors.begin(), cursors.end()), kAlign), kAlign);
-    BufferBucket bucket;
-    bucket.begin = buckets_.empty() ? 0 : buckets_.back().end;
-    bucket.end = bucket.begin + num_shards_ * shard_numel;
-    for (size_t i : chunk) {
-      offsets_[i] += bucket.begin + shard_of[i] * shard_numel;
-      bucket.params.push_back(params_[i]);
-    }
-    std::sort(bucket.params.begin(), bucket.params.end(), [&](const Param* a, const Param* b) {
-      return offsets_[param_index_.at(a)] < offsets_[param_index_.at(b)];
-    });
-    buckets_.push_back(std::move(bucket));
+    bucket.begin = out.buckets.empty() ? 0 : out.buckets.back().end;
+    bucket.end = bucket.begin + num_shards * bucket.shard_numel;
+    for (size_t i : chunk) out.offsets[i] += bucket.begin + out.shards[i] * bucket.shard_numel;
+    bucket.params = chunk;
+    std::sort(bucket.params.begin(), bucket.params.end(),
+              [&](size_t a, size_t b) { return out.offsets[a] < out.offsets[b]; });
+    out.buckets.push_back(std::move(bucket));
   };
   // The bucket being collected, and Megatron's estimate of its shard loads (elements, the
   // params in walk order each on the least-loaded shard) that decides whether the next
@@ -258,10 +263,10 @@ void ParamAndGradBuffer::lay_out_whole_params(int64_t bucket_size) {
     const auto [lo, hi] = std::minmax_element(estimate.begin(), estimate.end());
     return round_up(*lo, kAlign) + numel <= round_up(*hi, kAlign);
   };
-  for (size_t k = params_.size(); k-- > 0;) {
-    const int64_t numel = params_[k]->weight.numel();
+  for (size_t k = count; k-- > 0;) {
+    const int64_t numel = numels[k];
     if (bucket_size > 0 && !chunk.empty()) {
-      const int64_t floor = int64_t(double(num_shards_) * double(chunk_largest) * kPaddingFloor);
+      const int64_t floor = int64_t(double(num_shards) * double(chunk_largest) * kPaddingFloor);
       if (chunk_numel >= std::max(bucket_size, floor) && !absorbs(numel)) {
         emit(chunk);
         chunk.clear();
@@ -276,7 +281,26 @@ void ParamAndGradBuffer::lay_out_whole_params(int64_t bucket_size) {
     chunk_largest = std::max(chunk_largest, numel);
   }
   emit(chunk);
-  numel_ = buckets_.back().end;
+  out.numel = out.buckets.back().end;
+  return out;
+}
+
+void ParamAndGradBuffer::lay_out_whole_params(int64_t bucket_size) {
+  std::vector<int64_t> numels, costs;
+  for (const Param* p : params_) {
+    numels.push_back(p->weight.numel());
+    costs.push_back(newton_schulz_cost(p->weight.shape()));
+  }
+  const WholeParamsLayout layout = whole_params_layout(numels, costs, num_shards_, bucket_size);
+  offsets_ = layout.offsets;
+  for (const WholeParamsLayout::Bucket& b : layout.buckets) {
+    BufferBucket bucket;
+    bucket.begin = b.begin;
+    bucket.end = b.end;
+    for (size_t i : b.params) bucket.params.push_back(params_[i]);
+    buckets_.push_back(std::move(bucket));
+  }
+  numel_ = layout.numel;
 }
 
 ShardingStrategy parse_sharding_strategy(const std::string& name) {

@@ -67,6 +67,32 @@ struct BufferSharding {
 // all-gather everyone their updated weights (Muon under --use-distributed-optimizer).
 enum class BufferLayout { Flat, WholeParams };
 
+// Megatron's _ns_compute_cost: the leading term of Newton-Schulz on a weight of local
+// (tensor-parallel) shape [m, n], max(m, n) x min(m, n)^2; numel for any other shape. The
+// cost the WholeParams layout balances.
+int64_t newton_schulz_cost(const Shape& shape);
+
+// Where BufferLayout::WholeParams puts each param (ParamAndGradBuffer's constructor says
+// how), computed from the params' sizes alone, so that the memory plan
+// (train/memory_plan_state.cpp) lays out the Muon buffers as the model does.
+struct WholeParamsLayout {
+  struct Bucket {
+    int64_t begin = 0, end = 0;  // buffer elements; num_shards x shard_numel
+    int64_t shard_numel = 0;     // a multiple of 64, at least 64
+    std::vector<size_t> params;  // indices into the input, in buffer order
+  };
+  std::vector<int64_t> offsets;  // per param (input order): its first buffer element
+  std::vector<int64_t> shards;   // per param: the shard of its bucket that holds it whole
+  std::vector<Bucket> buckets;
+  int64_t numel = 0;  // the whole buffer (buckets.back().end)
+};
+// numels[i], costs[i]: param i's elements and newton_schulz_cost, in constructor (forward)
+// order, at least one param; num_shards >= 1; bucket_size <= 0: one bucket. Pure: the
+// same inputs give the same layout. InternalError on empty or mismatched inputs.
+WholeParamsLayout whole_params_layout(const std::vector<int64_t>& numels,
+                                      const std::vector<int64_t>& costs, int64_t num_shards,
+                                      int64_t bucket_size);
+
 class ParamAndGradBuffer {
  public:
   // Moves the params' compute weights into one buffer of their dtype and gives each a

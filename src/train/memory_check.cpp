@@ -64,12 +64,27 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   const bool fsdp_grads = args.parallel.use_megatron_fsdp &&
                           parse_sharding_strategy(args.parallel.data_parallel_sharding_strategy) >=
                               ShardingStrategy::OptimGrads;
-  auto bytes_per_element = [&](double shards) {
-    return cb + (fsdp_grads ? grad_b / shards : grad_b) +
-           on_device * (moments_b / shards + (cb < 4 ? main_b / shards : 0.0));
+  // The optimizer state of an element by its param's rule (DistributedAdamW::rule_of): Adam
+  // the two moments and the main param above; Muon, SGD and Lion one fp32 state (momentum
+  // buffer, Lion's exp_avg) and an fp32 main param (never remainders). The layers' matrices
+  // and the learned position embeddings take Muon, SGD or Lion under those optimizers; the
+  // word embeddings and output layer Adam (SGD under sgd, Lion under muon with
+  // --muon-scalar-optimizer lion).
+  const double adam_state = moments_b + (cb < 4 ? main_b : 0.0);
+  const double rule_state = 4.0 + (cb < 4 ? 4.0 : 0.0);
+  const optim::OptimizerKind kind = args.optimizer.kind;
+  const double matrix_state = kind == optim::OptimizerKind::Adam ? adam_state : rule_state;
+  const bool vocab_adam = kind == optim::OptimizerKind::Adam ||
+                          kind == optim::OptimizerKind::Lion ||
+                          (kind == optim::OptimizerKind::Muon &&
+                           args.optimizer.muon.scalar_optimizer == optim::OptimizerKind::Adam);
+  const double vocab_state = vocab_adam ? adam_state : rule_state;
+  auto bytes_per_element = [&](double shards, double state) {
+    return cb + (fsdp_grads ? grad_b / shards : grad_b) + on_device * state / shards;
   };
-  const double dense_b = bytes_per_element(dense_shards);
-  const double expert_b = bytes_per_element(expert_shards);
+  const double dense_b = bytes_per_element(dense_shards, matrix_state);
+  const double expert_b = bytes_per_element(expert_shards, matrix_state);
+  const double vocab_b = bytes_per_element(dense_shards, vocab_state);
 
   const double h = double(m.hidden_size), V = double(m.padded_vocab_size);
   const double heads = double(m.num_attention_heads), groups = double(m.num_query_groups);
@@ -168,7 +183,7 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
     const double vocab = (first ? vocab_params : 0.0) + (last ? tail_params : 0.0);
     const double position = first ? position_params : 0.0;
     c.params = vocab + position + n * min_layer_params;
-    c.vocab_state = vocab * dense_b;
+    c.vocab_state = vocab * vocab_b;
     c.position_state = position * dense_b;
     c.layer_state = n * min_layer_state;
     c.state = c.vocab_state + c.position_state + c.layer_state;
@@ -177,7 +192,7 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
   }
   {
     Candidate avg{-1, 0, 0, 0, 0, 0, 0};
-    avg.vocab_state = (vocab_params + tail_params) * dense_b / pp;
+    avg.vocab_state = (vocab_params + tail_params) * vocab_b / pp;
     avg.position_state = position_params * dense_b / pp;
     avg.layer_state =
         hybrid_zero *

@@ -20,7 +20,10 @@ namespace megaton {
 //   per parameter element: cb (weight) + 4 (fp32 main grad) + (e1 + e2) / s (Adam's two
 //     moments, e = 4 bytes for fp32, 2 for --exp-avg-dtype / --exp-avg-sq-dtype bf16) +
 //     [cb == 2] 4 / s (fp32 main param), with s = dp (dense) or edp (experts) under
-//     --use-distributed-optimizer, else 1
+//     --use-distributed-optimizer, else 1; for the elements of a param that takes Muon,
+//     SGD or Lion (--optimizer; the layers' matrices and the learned position embeddings,
+//     and under SGD or Muon's scalar Lion the word embeddings and output layer too) 4 / s (one fp32
+//     state) + [cb == 2] 4 / s (fp32 main param) instead of the moments and main param
 //   parameters of a rank: its layers' matrices (attention QKV and projection, dense MLP
 //     fc1/fc2 or MoE router + its ep share of the experts split over etp + shared
 //     expert), split over tp; the word embeddings (padded vocabulary / tp) and learned
@@ -60,7 +63,7 @@ MemoryLowerBound memory_lower_bound(const TrainArgs& args, const dist::ParallelS
 
 // Memory the run can have, in bytes; +infinity where unknown or unlimited.
 struct MemoryAvailable {
-  double host_physical = 0;       // min(MemAvailable, cgroup) + SwapFree
+  double host_physical = 0;  // min(MemAvailable, cgroup) + SwapFree
   std::string host_physical_source;
   double host_address_space = 0;  // RLIMIT_AS - VmSize (ulimit -v)
   double device_free = 0;         // cudaMemGetInfo (CUDA runs)

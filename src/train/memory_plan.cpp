@@ -135,8 +135,10 @@ ChunkMemory chunk_memory(const Dims& x, const ChunkLayers& layers, bool pre, boo
 }  // namespace
 
 // Parameters and the persistent state are in memory_plan_state.cpp.
+// activation_peak: the stage's highest activation bytes, to weigh each data-parallel shard's
+// optimizer state against its Muon step scratch when choosing the busiest.
 void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout, int64_t stage,
-                          MemoryPlan& plan);
+                          double activation_peak, MemoryPlan& plan);
 void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan);
 
 MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layout) {
@@ -192,7 +194,6 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
   double best_total = -1;
   for (int64_t s = 0; s < pp; ++s) {
     MemoryPlan sp = plan;  // this stage's candidate
-    plan_parameter_state(args, layout, s, sp);
     std::vector<ChunkMemory> chunks;
     double per_micro_batch = 0;
     sp.stage_layers = sp.stage_moe_layers = 0;
@@ -273,6 +274,23 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
                           : "an evaluation forward's largest layer";
       }
     }
+    plan_parameter_state(args, layout, s, best, sp);
+    // After the backward every activation is gone: the CPU's gradient reduce-scatter holds
+    // its copies of the buckets, then Muon's step its scratch for one batch or matrix.
+    if (sp.grad_sync_scratch > best) {
+      best = sp.grad_sync_scratch;
+      sp.activations = sp.in_flight_activations = sp.logits_and_loss = 0;
+      sp.working_set = sp.grad_sync_scratch;
+      sp.in_flight = 0;
+      sp.peak_at = "the gradients' reduce-scatter (the CPU's copies of the buckets)";
+    }
+    if (sp.muon_step_scratch > best) {
+      best = sp.muon_step_scratch;
+      sp.activations = sp.in_flight_activations = sp.logits_and_loss = 0;
+      sp.working_set = sp.muon_step_scratch;
+      sp.in_flight = 0;
+      sp.peak_at = "the optimizer step (Muon's scratch: " + sp.muon_step_what + ")";
+    }
     if (m.device == Device::CUDA) {
       // cuBLASLt's workspace (ops/cuda/gemm.cpp lt_context, 32 MiB) and the cuDNN SDPA
       // workspace, grown to the largest need (ops/cuda/attention.cpp): estimated as the
@@ -315,6 +333,21 @@ MemoryPlan plan_memory(const TrainArgs& args, const dist::ValidatedLayout& layou
         "to one param more or less)",
         100 * args.adam.optimizer_offload_fraction,
         plan.offloaded_optimizer_bytes / double(1 << 30)));
+  if (!plan.muon_layout.empty())
+    notes.push_back(
+        "layer-wise distributed optimizer (Muon's matrices whole in their shards): " +
+        plan.muon_layout +
+        (plan.muon_bounded
+             ? "; a Muon buffer bounded (sizes past 64-bit integers or over 65536 shards)"
+             : ""));
+  if (plan.muon_step_scratch > 0)
+    notes.push_back(fmt::format("Muon step: {:.3f} MiB of scratch at most ({}){}{}",
+                                plan.muon_step_scratch / double(1 << 20), plan.muon_step_what,
+                                plan.peak_at.starts_with("the optimizer step") ? " (the peak)" : "",
+                                m.device == Device::CPU
+                                    ? "; the CPU's fp64 Newton-Schulz vectors (outside the tensor "
+                                      "allocator) not counted"
+                                    : ""));
   if (m.fp8.enabled)
     notes.push_back(
         "FP8: saved inputs as FP8 x^T, each expert padded to the FP8 multiple on "

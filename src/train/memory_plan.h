@@ -52,8 +52,30 @@ struct MemoryPlan {
   // --use-distributed-optimizer) and the Adam moments in their dtypes (same tensors as the main
   // params); other_state: router statistics, the optimizer's step state, FP8 scales, the trainer's
   // batch buffers.
+  // Under --optimizer muon, sgd or lion (optim/distrib_optimizer.h rule_of) Adam's params keep
+  // the terms above; the others have an fp32 main param (beside weights that are not fp32)
+  // and one fp32 state in `momentum` (Muon's and SGD's momentum_buffer, Lion's exp_avg). With
+  // the distributed optimizer Muon's params lie whole in their own buffers
+  // (BufferLayout::WholeParams): the weights and main grads terms count those buffers, and
+  // main_params and momentum the state of the shard that holds the most.
   double weights = 0, main_params = 0, main_grads = 0, exp_avg = 0, exp_avg_sq = 0;
+  double momentum = 0;
   double other_state = 0;
+  std::string optimizer = "adam";  // --optimizer
+  // The layer-wise distributed optimizer (Muon's matrices whole in their own buffers): the
+  // busiest shard of the dense and expert groups and their state (one line, "" without);
+  // bounded: a Muon buffer laid out by the bound (sizes past 64-bit integers, or more than
+  // 65536 shards).
+  std::string muon_layout;
+  bool muon_bounded = false;
+  // Candidate peaks after the backward, when the activations are gone (train/memory_plan.cpp):
+  // the most bytes Muon's step holds beside the persistent state, for a batch of matrices of
+  // one shape or one matrix alone (optim/muon_optimizer.cpp), and which ("batch of 2
+  // [1024, 256]"); on the CPU under the distributed optimizer, the copies of the gradient
+  // buckets its MPI reduce-scatter reads (dist/comm_mpi.cpp; NCCL reduces in place).
+  double muon_step_scratch = 0;
+  std::string muon_step_what;
+  double grad_sync_scratch = 0;
   // --optimizer-cpu-offload: the main params and moments held in pinned host memory
   // instead (left out of the terms above).
   double offloaded_optimizer_bytes = 0;
@@ -71,9 +93,9 @@ struct MemoryPlan {
   // What the plan assumes (one line each), printed under the table.
   std::vector<std::string> assumptions;
 
-  double optimizer_state() const { return main_params + exp_avg + exp_avg_sq; }
+  double optimizer_state() const { return main_params + exp_avg + exp_avg_sq + momentum; }
   double persistent() const {
-    return weights + main_params + main_grads + exp_avg + exp_avg_sq + other_state;
+    return weights + main_params + main_grads + exp_avg + exp_avg_sq + momentum + other_state;
   }
   double peak_activations() const {
     return activations + in_flight_activations + logits_and_loss + working_set;

@@ -37,8 +37,9 @@ std::string format_memory_plan(const MemoryPlan& p) {
   std::string out;
   out += fmt::format(
       "memory plan (megaton train --dry-run): the busiest rank is on pipeline stage {} of {}; "
-      "device {}, compute {}\n",
-      p.stage, z.pp, p.device == Device::CUDA ? "cuda" : "cpu", dtype_flag(p.compute_dtype));
+      "device {}, compute {}, optimizer {}\n",
+      p.stage, z.pp, p.device == Device::CUDA ? "cuda" : "cpu", dtype_flag(p.compute_dtype),
+      p.optimizer);
   out += fmt::format(
       " layout: world {} = tp {} x cp {} x pp {} x dp {}; experts: ep {} x etp {} x edp {}{}{}\n",
       z.world, z.tp, z.cp, z.pp, z.dp, z.ep, z.etp, z.edp,
@@ -74,6 +75,8 @@ std::string format_memory_plan(const MemoryPlan& p) {
        p.main_params);
   line("Adam exp_avg", p.exp_avg);
   line("Adam exp_avg_sq", p.exp_avg_sq);
+  if (p.momentum > 0 || p.optimizer != "adam")
+    line("Muon / SGD momentum_buffer, Lion exp_avg (fp32)", p.momentum);
   line("other state (router statistics, step state, batch buffers)", p.other_state);
   line("= persistent", p.persistent());
   line("activations of the peak's micro-batch (its chunk)", p.activations);
@@ -81,7 +84,11 @@ std::string format_memory_plan(const MemoryPlan& p) {
                    std::max<int64_t>(p.in_flight - 1, 0)),
        p.in_flight_activations);
   line("logits [T, V/tp] and loss vectors at the peak", p.logits_and_loss);
-  line("working set of the peak's step", p.working_set);
+  line(p.peak_at.starts_with("the optimizer step") ? "working set: Muon's step scratch"
+       : p.peak_at.starts_with("the gradients' reduce-scatter")
+           ? "working set: the CPU's copies of the gradient buckets"
+           : "working set of the peak's step",
+       p.working_set);
   line(p.device == Device::CUDA ? "workspaces (cuBLASLt 32 MiB, cuDNN attention estimate)"
                                 : "workspaces (none on the CPU)",
        p.workspaces);

@@ -3,28 +3,26 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "core/error.h"
 #include "model/layer_spec.h"
 #include "optim/adamw.h"
+#include "optim/distrib_optimizer.h"
 #include "train/data_parallel_setup.h"
 #include "train/memory_plan.h"
+#include "train/memory_plan_params.h"
 #include "train/pipeline_schedule.h"
 
 namespace megaton {
 
+namespace memory_plan_detail {
+
 namespace {
 
-// One parameter tensor of a rank: its elements, kind and dtype of its weight.
-struct ParamShape {
-  double numel = 0;
-  bool expert = false;  // in the expert buffer (reduced over edp)
-  bool fp8 = false;     // an FP8 weight (--fp8-param-gather)
-  int unit = 0;         // GPTModel::param_units: 0 the embedding, 1 + i layer i, then the tail
-};
-
 // The parameters of one layer on one rank, in the order TransformerLayer::collect_params
-// gives them (model/gpt.cpp, attention.cpp, layers.cpp, moe.cpp, shared_experts.cpp).
+// gives them (model/gpt.cpp, attention.cpp, layers.cpp, moe.cpp, shared_experts.cpp), each
+// weight with its local shape and tensor-parallel split (Linear's Column: dim 0, Row: 1).
 // full: the unsharded tensors (tp = etp = ep = 1) for the model's counts.
 void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, double ep,
                   std::vector<ParamShape>& out) {
@@ -32,8 +30,24 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
   const double np = double(m.num_attention_heads), ng = double(m.num_query_groups);
   const bool bias = !m.disable_bias_linear, ln = m.normalization == Normalization::LayerNorm;
   const bool fp8 = m.fp8.enabled && m.fp8.param_gather && m.fp8.layer_in_fp8(layer, m.num_layers);
-  auto add = [&](double n, bool expert = false, bool fp8_weight = false) {
-    out.push_back({n, expert, fp8_weight});
+  auto add = [&](double n, bool expert = false) {  // a vector (norm, bias)
+    ParamShape p;
+    p.numel = n;
+    p.expert = expert;
+    out.push_back(p);
+  };
+  // A 2-D weight [rows, cols] (local), split along `split` (-1: replicated).
+  auto matrix = [&](double rows, double cols, int split, bool expert = false,
+                    bool fp8_weight = false) -> ParamShape& {
+    ParamShape p;
+    p.numel = rows * cols;
+    p.expert = expert;
+    p.fp8 = fp8_weight;
+    p.rows = rows;
+    p.cols = cols;
+    p.tp_split_dim = split;
+    out.push_back(p);
+    return out.back();
   };
   auto norm = [&](double width) {
     add(width);
@@ -41,22 +55,23 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
   };
   auto mlp = [&](double ffn, bool with_bias) {
     const double f1 = (m.swiglu ? 2 : 1) * ffn;
-    add(f1 / tp * H, false, fp8);
+    matrix(f1 / tp, H, tp > 1 ? 0 : -1, false, fp8);
     if (with_bias) add(f1 / tp);
-    add(H * ffn / tp, false, fp8);
+    matrix(H, ffn / tp, tp > 1 ? 1 : -1, false, fp8);
     if (with_bias) add(H);
   };
+  const int column = tp > 1 ? 0 : -1, row = tp > 1 ? 1 : -1;
   const LayerSpec spec = decoder_layer_spec(m, layer);
   if (spec.mixer == MixerKind::Mamba) {  // norm, then MambaMixer::collect_params's order
     const double d = double(m.mamba_d_inner()), conv = double(m.mamba_conv_dim());
     const double heads = double(m.mamba_num_heads);
     norm(H);
-    add(double(m.mamba_in_proj_size()) / tp * H, false, fp8);  // in_proj
-    add(conv / tp * double(m.mamba_conv_kernel));              // conv1d weight, bias
+    matrix(double(m.mamba_in_proj_size()) / tp, H, column, false, fp8).use_muon = false;
+    add(conv / tp * double(m.mamba_conv_kernel));  // conv1d weight [conv, 1, K], bias
     add(conv / tp);
     for (int i = 0; i < 3; ++i) add(heads / tp);  // dt_bias, A_log, D
     add(d / tp);                                  // norm
-    add(H * d / tp, false, fp8);                  // out_proj
+    matrix(H, d / tp, row, false, fp8);           // out_proj
     return;
   }
   if (spec.mixer != MixerKind::None) norm(H);  // input_layernorm
@@ -66,21 +81,21 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
     const double dq = double(m.qk_head_dim + m.qk_pos_emb_head_dim), v = double(m.v_head_dim);
     const double rq = double(m.q_lora_rank), rkv = double(m.kv_lora_rank);
     if (rq == 0) {
-      add(np * dq / tp * H, false, fp8);  // linear_q_proj
+      matrix(np * dq / tp, H, column, false, fp8);  // linear_q_proj
     } else {
-      add(rq * H, false, fp8);  // linear_q_down_proj (replicated)
+      matrix(rq, H, -1, false, fp8);  // linear_q_down_proj (replicated)
       if (m.qk_layernorm) norm(rq);
-      add(np * dq / tp * rq, false, fp8);
+      matrix(np * dq / tp, rq, column, false, fp8);
     }
-    add((rkv + double(m.qk_pos_emb_head_dim)) * H, false, fp8);
+    matrix(rkv + double(m.qk_pos_emb_head_dim), H, -1, false, fp8);
     if (m.qk_layernorm) norm(rkv);
-    add(np * (double(m.qk_head_dim) + v) / tp * rkv, false, fp8);
-    add(H * np * v / tp, false, fp8);  // linear_proj
+    matrix(np * (double(m.qk_head_dim) + v) / tp, rkv, column, false, fp8);
+    matrix(H, np * v / tp, row, false, fp8);  // linear_proj
     if (bias) add(H);
   } else {
-    add((np + 2 * ng) * d / tp * H, false, fp8);
+    matrix((np + 2 * ng) * d / tp, H, column, false, fp8).qkv = true;
     if (bias) add((np + 2 * ng) * d / tp);
-    add(H * np * d / tp, false, fp8);
+    matrix(H, np * d / tp, row, false, fp8);
     if (bias) add(H);
     if (m.qk_layernorm) {
       norm(d);
@@ -93,32 +108,47 @@ void layer_params(const GPTConfig& m, int64_t layer, double tp, double etp, doub
     mlp(double(m.ffn_hidden_size), bias);
     return;
   }
-  add(double(m.num_experts) * H);  // router
+  matrix(double(m.num_experts), H, -1);  // router
   if (m.moe_shared_expert_intermediate_size > 0) {
     mlp(double(m.moe_shared_expert_intermediate_size), false);
-    if (m.moe_shared_expert_gate) add(H);
+    if (m.moe_shared_expert_gate) matrix(1, H, -1);
   }
   const double f = double(m.moe_ffn_hidden_size), f1 = (m.swiglu ? 2 : 1) * f;
   const bool fp8_experts =
       m.fp8.enabled && m.fp8.param_gather && m.fp8.layer_in_fp8(layer, m.num_layers);
   for (int64_t e = 0; e < int64_t(double(m.num_experts) / ep); ++e) {
-    add(f1 / etp * H, true, fp8_experts);
+    matrix(f1 / etp, H, etp > 1 ? 0 : -1, true, fp8_experts);
     if (bias) add(f1 / etp, true);
-    add(H * f / etp, true, fp8_experts);
+    matrix(H, f / etp, etp > 1 ? 1 : -1, true, fp8_experts);
     if (bias) add(H, true);
   }
 }
 
-// The parameters of model chunk `layers` (GPTModel's constructor order: embedding, layers,
-// final norm, the tied embeddings' copy, the output layer).
+}  // namespace
+
 std::vector<ParamShape> chunk_params(const GPTConfig& m, const ChunkLayers& layers, bool pre,
                                      bool post, double tp, double etp, double ep) {
   std::vector<ParamShape> out;
   const double H = double(m.hidden_size), V = double(m.padded_vocab_size);
+  auto vector = [&](double n) {
+    ParamShape p;
+    p.numel = n;
+    out.push_back(p);
+  };
+  auto matrix = [&](double rows, double cols, bool vocab, bool word_embeddings = false) {
+    ParamShape p;
+    p.numel = rows * cols;
+    p.rows = rows;
+    p.cols = cols;
+    p.vocab = vocab;
+    p.word_embeddings = word_embeddings;
+    p.tp_split_dim = vocab && tp > 1 ? 0 : -1;
+    out.push_back(p);
+  };
   if (pre) {
-    out.push_back({V / tp * H});
+    matrix(V / tp, H, true, true);
     if (m.position_embedding_type == PositionEmbedding::LearnedAbsolute)
-      out.push_back({double(m.max_position_embeddings) * H});
+      matrix(double(m.max_position_embeddings), H, false);
   }
   for (int64_t l = layers.first_layer; l < layers.first_layer + layers.num_layers; ++l) {
     const size_t first = out.size();
@@ -128,32 +158,79 @@ std::vector<ParamShape> chunk_params(const GPTConfig& m, const ChunkLayers& laye
   const size_t tail = out.size();
   if (post) {
     const bool ln = m.normalization == Normalization::LayerNorm;
-    out.push_back({H});
-    if (ln) out.push_back({H});
-    // MTP depths (model/mtp.h): enorm, hnorm, eh_proj [H, 2H], a layer of the last decoder
-    // layer's kind, final_layernorm.
+    vector(H);
+    if (ln) vector(H);
+    // MTP depths (model/mtp.h): enorm, hnorm, eh_proj [H, 2H] (replicated), a layer of the
+    // last decoder layer's kind, final_layernorm.
     for (int64_t k = 0; k < m.mtp_num_layers; ++k) {
       for (int i = 0; i < 2; ++i) {
-        out.push_back({H});
-        if (ln) out.push_back({H});
+        vector(H);
+        if (ln) vector(H);
       }
-      out.push_back({2 * H * H});
+      matrix(H, 2 * H, false);
       std::vector<ParamShape> layer;
       layer_params(m, m.num_layers - 1, tp, etp, ep, layer);
       out.insert(out.end(), layer.begin(), layer.end());
-      out.push_back({H});
-      if (ln) out.push_back({H});
+      vector(H);
+      if (ln) vector(H);
     }
     // The word embeddings' copy: tied output layer, or the MTP depths' lookups.
     if (!pre && (!m.untie_embeddings_and_output_weights || m.mtp_num_layers > 0))
-      out.push_back({V / tp * H});
-    if (m.untie_embeddings_and_output_weights) out.push_back({V / tp * H});
+      matrix(V / tp, H, true, true);
+    if (m.untie_embeddings_and_output_weights) matrix(V / tp, H, true);
   }
   for (size_t i = tail; i < out.size(); ++i) out[i].unit = int(layers.num_layers) + 1;
   return out;
 }
 
+ParamRule rule_of(const optim::OptimizerConfig& optimizer, const ParamShape& p) {
+  // Only the dimension count, use_muon and padded_vocab_rows are read: an unallocated
+  // [1, 1] or [1] weight stands in.
+  Param stand_in;
+  stand_in.weight =
+      Tensor::unallocated(p.matrix() ? Shape{1, 1} : Shape{1}, DType::F32, Device::CPU);
+  stand_in.use_muon = p.use_muon;
+  stand_in.padded_vocab_rows = p.vocab;
+  switch (optim::DistributedAdamW::rule_of(optimizer, stand_in)) {
+    case optim::DistributedAdamW::Rule::Adam:
+      return ParamRule::Adam;
+    case optim::DistributedAdamW::Rule::Muon:
+      return ParamRule::Muon;
+    case optim::DistributedAdamW::Rule::Sgd:
+      return ParamRule::Sgd;
+    case optim::DistributedAdamW::Rule::Lion:
+      return ParamRule::Lion;
+  }
+  return ParamRule::Adam;
+}
+
+}  // namespace memory_plan_detail
+
+namespace {
+
+using namespace memory_plan_detail;
+
 double round_up(double n, double multiple) { return std::ceil(n / multiple) * multiple; }
+
+constexpr int64_t kTrackedShards = 4096;
+
+// The optimizer state of each shard index of a data-parallel group's buffers (dense: dp_cp,
+// experts: edp), each tensor in its block, and the layer-wise Muon matrices it updates.
+struct GroupState {
+  std::vector<double> main, exp_avg, exp_avg_sq, momentum, adam_params;
+  std::vector<std::vector<ParamShape>> muon;
+  void resize(int64_t shards) {
+    for (std::vector<double>* v : {&main, &exp_avg, &exp_avg_sq, &momentum, &adam_params})
+      v->assign(size_t(shards), 0);
+    muon.assign(size_t(shards), {});
+  }
+  double total(size_t s) const { return main[s] + exp_avg[s] + exp_avg_sq[s] + momentum[s]; }
+  double least() const {
+    double out = total(0);
+    for (size_t s = 1; s < main.size(); ++s) out = std::min(out, total(s));
+    return out;
+  }
+};
 
 // Elements of model/main_grad.h's fp32 scratch with BF16 main grads: the largest set of
 // gradients one accumulation into them goes through it for (the pool grows to it and is
@@ -202,7 +279,7 @@ void plan_parameter_counts(const GPTConfig& m, MemoryPlan& plan) {
 }
 
 void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& layout, int64_t stage,
-                          MemoryPlan& plan) {
+                          double activation_peak, MemoryPlan& plan) {
   const GPTConfig& m = args.model;
   const dist::ParallelSizes& z = layout.sizes;
   const Device dev = m.device;
@@ -213,7 +290,10 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   const double main_b = double(dtype_size(args.adam.main_params_dtype));
   // Beside BF16 weights the main param is its 16-bit remainder (store_param_remainders,
   // DistributedAdamW); beside FP8 and fp16 weights it stays fp32. --main-params-dtype fp16:
-  // 2 bytes beside BF16 and F16 weights (no remainders), FP8 weights keep fp32.
+  // 2 bytes beside BF16 and F16 weights (no remainders), FP8 weights keep fp32. Only Adam's
+  // params: Muon, SGD and Lion keep fp32 main params (finish_args turns remainders off for
+  // SGD and Lion; the distributed optimizer keeps them only in buffers all of whose params
+  // take Adam).
   const bool f16_main = args.adam.main_params_dtype == DType::F16 && cb != 4;
   const bool remainders =
       args.adam.store_param_remainders && !f16_main && m.compute_dtype() == DType::BF16;
@@ -225,17 +305,37 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
   const ShardingStrategy fsdp = fsdp_sharding.strategy;
   const double fsdp_grad_b = double(dtype_size(fsdp_sharding.main_grad_dtype));
   const double fsdp_comm_b = double(dtype_size(fsdp_sharding.grad_comm_dtype));
+  // Muon under the distributed optimizer: its params in WholeParams buffers (model/gpt.cpp)
+  // when the buffers are sharded, with the trainer's bucket size (train/trainer.cpp).
+  const int64_t dense_shards = std::max<int64_t>(z.dp * z.cp, 1);
+  const int64_t expert_shards = std::max<int64_t>(z.edp, 1);
+  const bool layer_wise =
+      fsdp_sharding.layer_wise && distributed && (dense_shards > 1 || expert_shards > 1);
+  const int64_t bucket_size = !args.parallel.overlap_grad_reduce ? 0
+                              : args.parallel.ddp_bucket_size > 0
+                                  ? args.parallel.ddp_bucket_size
+                                  : std::max<int64_t>(40000000, 1000000 * dense_shards);
   double scratch = 0;  // main_grad_scratch_numel over the chunks (BF16 main grads)
-  // AdamW's params (pieces under the distributed optimizer) and whether its moments are
-  // scaled (optim::scaled_moment_dtype).
-  double adam_params = 0;
   const bool scaled_moments = optim::scaled_moment_dtype(args.adam.exp_avg_dtype) ||
                               optim::scaled_moment_dtype(args.adam.exp_avg_sq_dtype);
   const bool scaled_states = scaled_moments || f16_main;
   auto block = [&](double bytes) { return memory_plan_block_bytes(bytes, dev); };
   plan.weights = plan.main_grads = plan.main_params = plan.exp_avg = plan.exp_avg_sq = 0;
-  plan.other_state = 0;
+  plan.momentum = plan.other_state = 0;
   plan.rank_parameters = plan.rank_expert_parameters = 0;
+  plan.optimizer = optim::optimizer_kind_name(args.optimizer.kind);
+  plan.muon_step_scratch = plan.grad_sync_scratch = 0;
+  plan.muon_step_what.clear();
+  plan.muon_layout.clear();
+  // The optimizer state a rank keeps by its shard index in the dense buffers' group (dp_cp)
+  // and the expert buffers' (edp) under the distributed optimizer (one index without), and
+  // the Muon matrices the layer-wise optimizer has it update.
+  GroupState groups[2];
+  // (Past kTrackedShards data-parallel ranks only the first so many shard indices are
+  // weighed: each then holds a sliver of the state, and the dry run stays small and quick.)
+  groups[0].resize(std::min(distributed ? dense_shards : 1, kTrackedShards));
+  groups[1].resize(std::min(distributed ? expert_shards : 1, kTrackedShards));
+  std::vector<ParamShape> muon_matrices;  // the rank's Muon params (not layer-wise)
   for (int64_t c = 0; c < vpp; ++c) {
     const ChunkLayers cl = chunk_layers(layout.layers_per_stage, vpp, stage, c);
     const std::vector<ParamShape> params =
@@ -243,21 +343,57 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
     if (m.main_grads_dtype == DType::BF16)
       scratch = std::max(scratch,
                          main_grad_scratch_numel(m, cl, params, stage == 0 && c == 0, tp, etp, ep));
+    std::vector<ParamRule> rules;
+    for (const ParamShape& p : params) {
+      rules.push_back(rule_of(args.optimizer, p));
+      if (rules.back() == ParamRule::Muon && !layer_wise) muon_matrices.push_back(p);
+    }
+    // The layer-wise Muon buffers, dense then expert: whole params, the owner's state; the
+    // CPU's reduce-scatter of each bucket reads a copy of it (dist/comm_mpi.cpp).
+    for (int kind = 0; layer_wise && kind < 2; ++kind) {
+      const bool expert = kind == 1;
+      std::vector<ParamShape> muon;
+      for (size_t k = 0; k < params.size(); ++k)
+        if (rules[k] == ParamRule::Muon && params[k].expert == expert) muon.push_back(params[k]);
+      if (muon.empty()) continue;
+      for (const ParamShape& p : muon) {
+        plan.rank_parameters += p.numel;
+        if (expert) plan.rank_expert_parameters += p.numel;
+      }
+      const int64_t shards = expert ? expert_shards : dense_shards;
+      const MuonBufferPlan b = plan_muon_buffer(muon, shards, bucket_size, cb != 4, dev);
+      plan.muon_bounded = plan.muon_bounded || b.bounded;
+      plan.weights += block(b.numel * cb);
+      plan.main_grads += block(b.numel * grad_b);
+      if (shards > 1)
+        for (double bucket : b.bucket_numels)
+          plan.grad_sync_scratch += grad_sync_copy(bucket, double(shards), grad_b, dev);
+      GroupState& g = groups[kind];
+      for (size_t s = 0; s < g.main.size(); ++s) {
+        g.momentum[s] += b.momentum[s];
+        g.main[s] += b.main_params[s];
+      }
+      for (size_t i = 0; i < muon.size(); ++i)
+        if (size_t(b.owner[i]) < g.main.size()) g.muon[size_t(b.owner[i])].push_back(muon[i]);
+    }
     // GPTModel's buffers: dense, dense FP8, expert, expert FP8 (ParamAndGradBuffer), each
-    // laid out in reverse order, every param at a multiple of 64 elements, padded to
-    // 64 x shards (one bucket: --overlap-grad-reduce cuts more, each padded alike).
+    // laid out in reverse order (flat_layout; Megatron-FSDP: a bucket per unit).
     for (int kind = 0; kind < 4; ++kind) {
       const bool expert = kind >= 2, fp8 = kind % 2 == 1;
-      const double shards =
-          distributed ? double(std::max<int64_t>(expert ? z.edp : z.dp * z.cp, 1)) : 1;
-      std::vector<double> offsets, sizes;
-      double total = 0;
+      const double shards = distributed ? double(expert ? expert_shards : dense_shards) : 1;
+      const bool pre = stage == 0 && c == 0, post = stage == z.pp - 1 && c == vpp - 1;
+      std::vector<double> sizes;
+      std::vector<bool> alone;
+      std::vector<ParamRule> buffer_rules;
       for (size_t k = params.size(); k-- > 0;) {
         const ParamShape& p = params[k];
         if (p.expert != expert || p.fp8 != fp8) continue;
-        offsets.push_back(total);
+        if (layer_wise && rules[k] == ParamRule::Muon) continue;  // in a Muon buffer
         sizes.push_back(p.numel);
-        total += round_up(p.numel, 64);
+        // The word embeddings tied across pipeline stages: a bucket of their own, so that
+        // both stages shard them alike (model/gpt.cpp own_bucket).
+        alone.push_back(p.word_embeddings && pre != post && shards > 1);
+        buffer_rules.push_back(rules[k]);
         plan.rank_parameters += p.numel;
         if (expert) plan.rank_expert_parameters += p.numel;
         if (fp8) plan.other_state += block(2 * 4);  // Param::fp8_scales
@@ -266,13 +402,14 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
       // fp16 / fp8 moments, fp16 main params: DistributedAdamW's absmax of each buffer
       // param (F32 [params, 3]).
       if (scaled_states) plan.other_state += block(double(sizes.size()) * 12);
+      const FlatLayout flat = flat_layout(
+          sizes, alone, fsdp_sharding.use_megatron_fsdp ? 0 : double(bucket_size), shards);
       if (fsdp_sharding.use_megatron_fsdp) {
         // Megatron-FSDP: a bucket per unit, each padded to 64 x shards.
         std::map<int, double> units;
         for (const ParamShape& p : params)
           if (p.expert == expert && p.fp8 == fp8) units[p.unit] += round_up(p.numel, 64);
-        double largest = 0;
-        total = 0;
+        double largest = 0, total = 0;
         for (auto& [unit, n] : units) {
           n = round_up(n, 64 * shards);
           total += n;
@@ -291,26 +428,107 @@ void plan_parameter_state(const TrainArgs& args, const dist::ValidatedLayout& la
             grads_sharded ? block(total / shards * fsdp_grad_b) + 4 * block(largest * fsdp_comm_b)
                           : block(total * grad_b);
       } else {
-        total = round_up(total, 64 * shards);
-        plan.weights += block(total * (fp8 ? 1 : cb));
-        plan.main_grads += block(total * grad_b);
+        plan.weights += block(flat.numel * (fp8 ? 1 : cb));
+        plan.main_grads += block(flat.numel * grad_b);
+        // The CPU's gradient sync: the distributed optimizer's reduce-scatter reads a copy
+        // of each bucket; the replicated all-reduce of BF16 gradients sums an F32 copy.
+        const int64_t group = expert ? expert_shards : dense_shards;
+        for (const auto& [begin, end] : flat.buckets)
+          if (shards > 1)
+            plan.grad_sync_scratch += grad_sync_copy(end - begin, shards, grad_b, dev);
+          else if (group > 1 && grad_b == 2 && dev != Device::CUDA)
+            plan.grad_sync_scratch += block((end - begin) * 4);
       }
-      // Main params and moments: per param, or per piece of shard 0 under the distributed
-      // optimizer (DistributedAdamW: every rank's shard has the same length).
-      const double shard = total / shards;
+      // Remainders: per Adam param when replicated; distributed, in a buffer whose params
+      // all take Adam (DistributedAdamW's buffer_remainders_).
+      const bool all_adam = std::all_of(buffer_rules.begin(), buffer_rules.end(),
+                                        [](ParamRule r) { return r == ParamRule::Adam; });
+      const bool buffer_remainders = remainders && (!distributed || all_adam);
+      // Main params and states: per param, or per piece of each shard of its bucket under
+      // the distributed optimizer (DistributedAdamW's shard params).
+      GroupState& g = groups[expert ? 1 : 0];
       for (size_t i = 0; i < sizes.size(); ++i) {
-        const double n = distributed
-                             ? std::max(0.0, std::min(offsets[i] + sizes[i], shard) - offsets[i])
-                             : sizes[i];
-        if (n <= 0) continue;
-        ++adam_params;
-        if (cb != 4 || fp8) plan.main_params += block(n * (fp8 ? 4 : remainders ? 2 : main_b));
-        // Param::main_param_scale, F32 [1] each.
-        if (f16_main && !fp8) plan.main_params += block(4);
-        plan.exp_avg += block(n * avg_b);
-        plan.exp_avg_sq += block(n * sq_b);
+        if (sizes[i] <= 0) continue;
+        const auto [begin, end] = flat.buckets[flat.bucket[i]];
+        const double shard = (end - begin) / shards, at = flat.offsets[i] - begin;
+        const double first = distributed ? std::floor(at / shard) : 0;
+        const double last = distributed ? std::floor((at + sizes[i] - 1) / shard) : 0;
+        for (double sh = first; sh <= last; ++sh) {
+          const double n =
+              distributed ? std::min(at + sizes[i], (sh + 1) * shard) - std::max(at, sh * shard)
+                          : sizes[i];
+          const size_t s = size_t(sh);
+          if (s >= g.main.size()) break;
+          const bool adam = buffer_rules[i] == ParamRule::Adam;
+          // Muon, SGD and Lion: an fp32 main param (beside any weight not fp32) and one
+          // fp32 state (Muon's and SGD's momentum_buffer, Lion's exp_avg).
+          const double main_bytes = fp8 || !adam ? 4 : buffer_remainders ? 2 : main_b;
+          if (cb != 4 || fp8) g.main[s] += block(n * main_bytes);
+          if (!adam) {
+            g.momentum[s] += block(n * 4);
+            continue;
+          }
+          g.adam_params[s] += 1;
+          // Param::main_param_scale, F32 [1] each.
+          if (f16_main && !fp8) g.main[s] += block(4);
+          g.exp_avg[s] += block(n * avg_b);
+          g.exp_avg_sq[s] += block(n * sq_b);
+        }
       }
     }
+  }
+  // The busiest rank of the stage: its dense shard index is its dp_cp rank (tp fastest, then
+  // cp, then dp: dist/grid.cpp), its expert one its edp rank (etp, then ep, then edp); its
+  // load the state of both and the largest of the activations' peak, the CPU's gradient
+  // copies (the same on every rank) and the step scratch of the Muon matrices it updates
+  // (layer-wise; otherwise the rank's all).
+  const int64_t stage_ranks = z.tp * std::max<int64_t>(z.cp, 1) * std::max<int64_t>(z.dp, 1);
+  const int64_t expert_mp =
+      std::max<int64_t>(z.etp > 0 ? z.etp : z.tp, 1) * std::max<int64_t>(z.ep, 1);
+  const int64_t dense_group = distributed ? dense_shards : 1;
+  const int64_t expert_group = distributed ? expert_shards : 1;
+  std::set<std::pair<size_t, size_t>> pairs;  // (dense, expert) shard indices of the ranks
+  for (int64_t r = 0; r < std::min<int64_t>(stage_ranks, int64_t(1) << 22); ++r) {
+    const size_t d = size_t((r / z.tp) % dense_group), e = size_t((r / expert_mp) % expert_group);
+    if (d < groups[0].main.size() && e < groups[1].main.size()) pairs.insert({d, e});
+  }
+  std::pair<size_t, size_t> busiest{0, 0};
+  double most = -1;
+  for (const auto& [d, e] : pairs) {
+    double step = 0;
+    if (layer_wise) {
+      std::vector<ParamShape> owned = groups[0].muon[d];
+      owned.insert(owned.end(), groups[1].muon[e].begin(), groups[1].muon[e].end());
+      step = muon_step_scratch(args, owned, tp, etp).bytes;
+    }
+    const double load = groups[0].total(d) + groups[1].total(e) +
+                        std::max({activation_peak, plan.grad_sync_scratch, step});
+    if (load > most) {
+      most = load;
+      busiest = {d, e};
+    }
+  }
+  double adam_params = 0;
+  for (int kind = 0; kind < 2; ++kind) {
+    const GroupState& g = groups[kind];
+    const size_t s = kind == 0 ? busiest.first : busiest.second;
+    plan.main_params += g.main[s];
+    plan.exp_avg += g.exp_avg[s];
+    plan.exp_avg_sq += g.exp_avg_sq[s];
+    plan.momentum += g.momentum[s];
+    adam_params += g.adam_params[s];
+    muon_matrices.insert(muon_matrices.end(), g.muon[s].begin(), g.muon[s].end());
+    if (layer_wise && g.main.size() > 1 && g.total(s) > 0)
+      plan.muon_layout += fmt::format(
+          "{}{} shard {} of {}: {:.3f} MiB of optimizer state (the "
+          "least {:.3f})",
+          plan.muon_layout.empty() ? "" : "; ", kind == 0 ? "dense" : "expert", s, g.main.size(),
+          g.total(s) / double(1 << 20), g.least() / double(1 << 20));
+  }
+  if (!muon_matrices.empty()) {
+    const MuonStepScratch step = muon_step_scratch(args, muon_matrices, tp, etp);
+    plan.muon_step_scratch = step.bytes;
+    plan.muon_step_what = step.what;
   }
   if (scratch > 0) plan.main_grads += block(scratch * 4);
   // fp16 / fp8 moments: AdamW's scales, F32 [params, 2]; with fp16 main params too, its

@@ -214,6 +214,52 @@ TEST(LayerWiseBuffer, RandomShapesKeepEveryParamWholeAndTheLayoutIsDeterministic
   }
 }
 
+// whole_params_layout, the function of sizes alone that the memory plan calls
+// (train/memory_plan_optimizer.cpp), is the buffer's layout: the same offsets, owners and
+// buckets for random shapes; newton_schulz_cost is max(m, n) min(m, n)^2, numel otherwise.
+TEST(LayerWiseBuffer, TheLayoutOfSizesAloneIsTheBuffers) {
+  EXPECT_EQ(newton_schulz_cost({768, 256}), 768 * 256 * 256);
+  EXPECT_EQ(newton_schulz_cost({256, 1024}), 1024 * 256 * 256);
+  EXPECT_EQ(newton_schulz_cost({300}), 300);
+  const uint64_t seed = test_seed();
+  SCOPED_TRACE(seed);
+  std::mt19937_64 gen(seed + 1);
+  auto uniform = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(gen);
+  };
+  for (int trial = 0; trial < 20; ++trial) {
+    SCOPED_TRACE(trial);
+    Params ps;
+    std::vector<int64_t> numels, costs;
+    const int64_t n = uniform(1, 24);
+    for (int64_t i = 0; i < n; ++i) {
+      const Shape shape =
+          uniform(0, 3) == 0 ? Shape{uniform(1, 300)} : Shape{uniform(1, 96), uniform(1, 96)};
+      ps.add(numbered("p", i), shape);
+      numels.push_back(ps.owned.back()->weight.numel());
+      costs.push_back(newton_schulz_cost(shape));
+    }
+    const int64_t shards = uniform(1, 4);
+    const int64_t bucket_size = uniform(0, 2) == 0 ? 0 : uniform(1, 20000);
+    const ParamAndGradBuffer b = whole_params(ps.list(), shards, bucket_size);
+    const WholeParamsLayout layout = whole_params_layout(numels, costs, shards, bucket_size);
+    ASSERT_EQ(layout.numel, b.numel());
+    ASSERT_EQ(layout.buckets.size(), b.buckets().size());
+    for (size_t i = 0; i < size_t(n); ++i) {
+      EXPECT_EQ(layout.offsets[i], b.offset(i));
+      EXPECT_EQ(layout.shards[i], b.owner_shard(b.params()[i]));
+    }
+    for (size_t k = 0; k < layout.buckets.size(); ++k) {
+      EXPECT_EQ(layout.buckets[k].begin, b.buckets()[k].begin);
+      EXPECT_EQ(layout.buckets[k].end, b.buckets()[k].end);
+      EXPECT_EQ(layout.buckets[k].shard_numel, b.shard_numel(k));
+      ASSERT_EQ(layout.buckets[k].params.size(), b.buckets()[k].params.size());
+      for (size_t j = 0; j < layout.buckets[k].params.size(); ++j)
+        EXPECT_EQ(b.params()[layout.buckets[k].params[j]], b.buckets()[k].params[j]);
+    }
+  }
+}
+
 TEST(LayerWiseBuffer, RefusesWhatItCannotLayOut) {
   Params ps;
   Param* m = ps.add("m", {64, 64});

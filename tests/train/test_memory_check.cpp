@@ -150,6 +150,59 @@ TEST(MemoryBound, Bf16MainParamsAreTwoByteRemainders) {
   EXPECT_NEAR(without.parameter_state_bytes, 18 * with.parameters, 1e-9 * with.parameters);
 }
 
+// --optimizer muon, sgd and lion: their params keep one fp32 state and an fp32 main param
+// (never remainders) in place of Adam's two moments and main param. A bf16 GPU run, bytes
+// per element (weight 2, main grad 4, then the optimizer's): SGD 2 + 4 + 4 + 4 = 14
+// everywhere; Muon 14 on the layers' matrices and the learned position embeddings, 16 on the
+// word embeddings (Adam, with remainders); Lion 14 on those, 18 on the word embeddings
+// (Adam, remainders off for Lion: 2 + 4 + 8 + 4); Muon with the scalar Lion 14 everywhere.
+// The word embeddings here: the padded vocabulary 1024 x hidden 64 = 65536 elements.
+TEST(MemoryBound, MuonSgdLionKeepOneFp32StatePerElement) {
+  auto gpu_bound = [](RawOptions raw) {
+    TrainArgs args = parse_train_args(raw);  // parsed for the CPU: this machine has no GPU
+    args.model.device = Device::CUDA;
+    args.model.bf16 = true;
+    args.model.vocab_size = 1001;
+    args.model.tensor_model_parallel_size = args.parallel.tensor_model_parallel_size;
+    args.model.finalize();
+    return memory_lower_bound(args, check_parallel_layout(args, 1).sizes);
+  };
+  const double vocab = 1024 * 64;
+  struct Case {
+    std::vector<std::pair<std::string, std::string>> flags;
+    double vocab_bytes, other_bytes;
+  };
+  const Case cases[] = {{{{"optimizer", "sgd"}}, 14, 14},
+                        {{{"optimizer", "muon"}}, 16, 14},
+                        {{{"optimizer", "lion"}}, 18, 14},
+                        {{{"optimizer", "muon"}, {"muon-scalar-optimizer", "lion"}}, 14, 14}};
+  for (const Case& c : cases) {
+    RawOptions raw = tiny(false);
+    for (const auto& [k, v] : c.flags) raw[k] = {v};
+    SCOPED_TRACE(raw["optimizer"][0]);
+    const MemoryLowerBound b = gpu_bound(raw);
+    ASSERT_GT(b.parameters, vocab);
+    EXPECT_NEAR(b.parameter_state_bytes,
+                c.vocab_bytes * vocab + c.other_bytes * (b.parameters - vocab),
+                1e-9 * b.parameter_state_bytes);
+  }
+  // On the CPU (fp32 weights, no main params) the bound stays below what a run holds (Adam's
+  // 16 bytes per element counted for SGD's 12 would not).
+  for (const char* optimizer : {"sgd", "muon", "lion"}) {
+    SCOPED_TRACE(optimizer);
+    RawOptions raw = tiny(true);
+    raw["optimizer"] = {optimizer};
+    const int64_t held_before = host_allocator_stats().allocated_bytes;
+    Trainer trainer(parse_train_args(raw), raw);
+    trainer.train();
+    const double held = double(host_allocator_stats().allocated_bytes - held_before);
+    const TrainArgs args = finished_args(raw, trainer.model().config().vocab_size);
+    const MemoryLowerBound bound = memory_lower_bound(args, check_parallel_layout(args, 1).sizes);
+    EXPECT_LE(bound.parameter_state_bytes, held);
+    EXPECT_GT(bound.parameter_state_bytes, 0.8 * held);
+  }
+}
+
 // Absurd flags give huge finite bounds, not wrapped integers.
 TEST(MemoryBound, AbsurdSizesDoNotWrap) {
   RawOptions raw = tiny(false);
