@@ -15,7 +15,7 @@ Usage (from the repository root, binaries from tools/gpu_bundle.sh, data/ prepar
     layer-wise distributed optimizer, and the latter with --overlap-grad-reduce
     --overlap-param-gather.
 --curves: the demo config (configs/demo-moe.yaml, the fortunes corpus, 500 iterations)
-    with Adam and with Muon (--muon-extra-scale-factor 0.2, Moonlight's match to Adam's
+    in bf16 on the GPU with Adam and with Muon (--muon-extra-scale-factor 0.2, Moonlight's match to Adam's
     update RMS) over a learning-rate sweep: the validation loss every 100 iterations and the
     training loss every 10.
 """
@@ -103,7 +103,7 @@ def curves(binary, out_dir, lines, iters=500, device="cuda"):
                "--train-iters", str(iters), "--eval-interval", str(max(iters // 5, 1)),
                "--lr-warmup-iters", str(max(iters // 10, 1)),
                "--lr", lr, "--min-lr", str(float(lr) / 10), "--save-interval", "0",
-               "--log-metrics-file", metrics] + flags
+               "--log-metrics-file", metrics] + (["--bf16"] if device == "cuda" else []) + flags
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             results[name] = dict(error=out.stderr[-500:])
