@@ -178,6 +178,40 @@ TEST(MuonOpsGpu, NewtonSchulzForcedTransposeMatchesTheCpu) {
       }
 }
 
+// Each step's GEMMs run as one strided-batched call over the batch (muon_batched_gemm.cpp)
+// with one matrix's algorithm: a batch of 5 gives each matrix the bits it gets alone. The
+// matrices' sizes (and the Gram matrices') are multiples of 256 bytes, so that every
+// matrix of the batch has a lone matrix's alignment, and the plans differ by the batch
+// only. Wide ([32, 48]: iterated as stored) and tall ([96, 64]: on g^T, transposed flags).
+TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatricesBitwise) {
+  MEGATON_SKIP_WITHOUT_GPU();
+  const uint64_t seed = testing::test_seed() + 9;
+  SCOPED_TRACE(testing::seed_trace(seed));
+  constexpr int64_t kBatch = 5;
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{32, 48}, {96, 64}})
+    for (const char* mode : {"F32", "BF16", "TF32"}) {
+      SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + mode);
+      const DType dtype = std::string(mode) == "BF16" ? DType::BF16 : DType::F32;
+      ops::NsOptions options;
+      options.tf32 = std::string(mode) == "TF32";
+      const Tensor g = randn({kBatch, rows, cols}, seed + uint64_t(rows));
+      Tensor batched = testing::poisoned_device({kBatch, rows, cols}, dtype);
+      ops::newton_schulz(testing::to_device(g, dtype), batched, NsCoefficients::Quintic, 5,
+                         options);
+      const Tensor got = to_host_f32(batched);
+      ASSERT_TRUE(testing::all_finite(got, "batched"));
+      for (int64_t b = 0; b < kBatch; ++b) {
+        Tensor single = testing::poisoned_device({rows, cols}, dtype);
+        ops::newton_schulz(testing::to_device(g.rows(b, 1).view({rows, cols}).clone(), dtype),
+                           single, NsCoefficients::Quintic, 5, options);
+        const Tensor want = to_host_f32(single);
+        ASSERT_TRUE(testing::all_finite(want, "single"));
+        EXPECT_TRUE(testing::bitwise_equal(got.rows(b, 1).view({rows, cols}).clone(), want))
+            << "matrix " << b;
+      }
+    }
+}
+
 // The distributed mode's all-reduce over "ranks" that are the batch's matrices: each
 // matrix's slot of the tensor gets the sum over the batch (fp32 on the host, rounded to the
 // tensor's dtype), as an all-reduce over two ranks holding one matrix each would give.

@@ -1,6 +1,6 @@
-// Newton-Schulz on the GPU (ops/muon.h) as three cuBLASLt GEMMs per step in the input's
-// dtype with fp32 accumulation (or TF32 inputs: muon_gemm.cpp), EO's newton_schulz_step
-// (muon_utils.py, v0.3.0):
+// Newton-Schulz on the GPU (ops/muon.h) as three cuBLASLt GEMMs per step, each one
+// strided-batched call over all the matrices (muon_batched_gemm.cpp), in the input's dtype
+// with fp32 accumulation (or TF32 inputs), EO's newton_schulz_step (muon_utils.py, v0.3.0):
 //   A = X X^T;  B = b A + c A A  (torch.addmm(A, A, A, beta=b, alpha=c));
 //   X' = a X + B X               (torch.addmm(X, B, X, beta=a, alpha=1)),
 // each GEMM's epilogue adding the scaled input and rounding once into the output
@@ -14,29 +14,9 @@
 #include <algorithm>
 
 #include "core/cuda/cuda_check.h"
-#include "ops/cuda/cublas_gemm.h"
 
 namespace megaton::ops::cuda {
 namespace {
-
-// One GEMM of the iteration, d = alpha op(a) op(b) + beta c (blas::matmul's arguments),
-// through cuBLASLt in the iteration's dtype, or with TF32 inputs.
-struct NsGemm {
-  DType dtype;
-  bool tf32;
-  void operator()(const void* a, bool trans_a, int64_t lda, const void* b, bool trans_b,
-                  int64_t ldb, const void* c, int64_t ldc, void* d, int64_t m, int64_t n, int64_t k,
-                  float alpha, float beta) const {
-    if (tf32) {
-      tf32_matmul(static_cast<const float*>(a), trans_a, lda, static_cast<const float*>(b), trans_b,
-                  ldb, static_cast<const float*>(c), ldc, static_cast<float*>(d), m, n, k, alpha,
-                  beta);
-      return;
-    }
-    blas::matmul(a, trans_a, lda, b, trans_b, ldb, const_cast<void*>(c), ldc, m, n, k, dtype, dtype,
-                 alpha, beta, nullptr, d == c ? nullptr : d);
-  }
-};
 
 // The iterated matrix X [k, n] of one stored matrix x [rows, cols]: x itself, or, when
 // `transpose`, x^T (k = cols, n = rows), read through the GEMMs' operand flags: the
@@ -48,25 +28,44 @@ struct Iterated {
       : transpose(t), k(t ? cols : rows), n(t ? rows : cols) {}
 };
 
-// A = X X^T: x^T x when transposed (x stored [n, k]), x x^T otherwise.
-void gram_step(const NsGemm& gemm, const Iterated& it, const void* x, void* gram) {
-  if (it.transpose)
-    gemm(x, true, it.k, x, false, it.k, gram, it.k, gram, it.k, it.k, it.n, 1.0f, 0.0f);
-  else
-    gemm(x, false, it.n, x, true, it.n, gram, it.k, gram, it.k, it.k, it.n, 1.0f, 0.0f);
-}
+// A step's GEMMs over the whole batch: the iterates x, next [batch, rows, cols] (stride
+// rows * cols), the Gram and polynomial matrices [batch, k, k] (stride k * k); each GEMM
+// is one ns_batched_matmul call, d = alpha op(a) op(b) + beta c as blas::matmul.
+struct NsGemms {
+  DType dtype;
+  bool tf32;
+  int64_t batch;
+  Iterated it;
+  int64_t matrix_stride() const { return it.k * it.n; }
+  int64_t gram_stride() const { return it.k * it.k; }
+  void gemm(const void* a, bool trans_a, int64_t lda, int64_t stride_a, const void* b, bool trans_b,
+            int64_t ldb, int64_t stride_b, const void* c, int64_t ldc, int64_t stride_c, void* d,
+            int64_t m, int64_t n, int64_t k, float alpha, float beta) const {
+    ns_batched_matmul(a, trans_a, lda, stride_a, b, trans_b, ldb, stride_b, c, ldc, stride_c, d, m,
+                      n, k, batch, dtype, tf32, alpha, beta);
+  }
 
-// B = c A A + b A into poly, then x' = a X + B X into next (distinct from x): stored
-// transposed, x' = x B^T + a x = (a X + B X)^T.
-void update_step(const NsGemm& gemm, const Iterated& it, const void* x, const void* gram,
-                 void* poly, void* next, const NsCoefficientSet& s) {
-  const int64_t k = it.k, n = it.n;
-  gemm(gram, false, k, gram, false, k, gram, k, poly, k, k, k, s.c, s.b);
-  if (it.transpose)
-    gemm(x, false, k, poly, true, k, x, k, next, n, k, k, 1.0f, s.a);
-  else
-    gemm(poly, false, k, x, false, n, x, n, next, k, n, k, 1.0f, s.a);
-}
+  // A = X X^T: x^T x when transposed (x stored [n, k]), x x^T otherwise.
+  void gram_step(const void* x, void* gram) const {
+    const int64_t k = it.k, n = it.n, xs = matrix_stride(), gs = gram_stride();
+    if (it.transpose)
+      gemm(x, true, k, xs, x, false, k, xs, gram, k, gs, gram, k, k, n, 1.0f, 0.0f);
+    else
+      gemm(x, false, n, xs, x, true, n, xs, gram, k, gs, gram, k, k, n, 1.0f, 0.0f);
+  }
+
+  // B = c A A + b A into poly, then x' = a X + B X into next (distinct from x): stored
+  // transposed, x' = x B^T + a x = (a X + B X)^T.
+  void update_step(const void* x, const void* gram, void* poly, void* next,
+                   const NsCoefficientSet& s) const {
+    const int64_t k = it.k, n = it.n, xs = matrix_stride(), gs = gram_stride();
+    gemm(gram, false, k, gs, gram, false, k, gs, gram, k, gs, poly, k, k, k, s.c, s.b);
+    if (it.transpose)
+      gemm(x, false, k, xs, poly, true, k, gs, x, k, xs, next, n, k, k, 1.0f, s.a);
+    else
+      gemm(poly, false, k, gs, x, false, n, xs, x, n, xs, next, k, n, k, 1.0f, s.a);
+  }
+};
 
 // The distributed mode's callback on `t`, which must stay of its shape, dtype and device.
 void all_reduce_checked(const std::function<void(Tensor&)>& all_reduce, Tensor& t,
@@ -115,16 +114,17 @@ void newton_schulz(const Tensor& g, Tensor& out, int64_t batch, int64_t rows, in
                    bool tf32, const std::function<void(Tensor&)>& all_reduce) {
   MEGATON_CHECK(!per_step.empty(), "newton_schulz: no steps");
   const DType dtype = g.dtype();
-  const NsGemm gemm{dtype, tf32 && dtype == DType::F32};
-  const Iterated it(transpose, rows, cols);
+  const NsGemms gemms{dtype, tf32 && dtype == DType::F32, batch, Iterated(transpose, rows, cols)};
+  const Iterated& it = gemms.it;
   const int64_t per_matrix = rows * cols;
   // Ping-pong between out and one scratch copy, X_0 placed so that the last step lands in
   // out: X_k lives in `first` for even k, in `second` for odd k; first = scratch when the
   // step count is odd.
   Tensor scratch = Tensor::empty(g.shape(), dtype, Device::CUDA);
-  // Distributed: every matrix's Gram matrix of a step at once, for the all-reduce.
-  Tensor grams = Tensor::empty({all_reduce ? batch : 1, it.k, it.k}, dtype, Device::CUDA);
-  Tensor poly = Tensor::empty({it.k, it.k}, dtype, Device::CUDA);
+  // Every matrix's Gram and polynomial matrices of a step, for the batched GEMMs (and the
+  // distributed mode's all-reduce of the Gram batch).
+  Tensor grams = Tensor::empty({batch, it.k, it.k}, dtype, Device::CUDA);
+  Tensor poly = Tensor::empty({batch, it.k, it.k}, dtype, Device::CUDA);
   const bool odd = per_step.size() % 2 == 1;
   Tensor& first = odd ? scratch : out;
   Tensor& second = odd ? out : scratch;
@@ -136,27 +136,15 @@ void newton_schulz(const Tensor& g, Tensor& out, int64_t batch, int64_t rows, in
   } else {
     frobenius_normalize(g, first, batch, per_matrix, eps);
   }
-  const size_t elem = dtype_size(dtype), matrix_bytes = size_t(per_matrix) * elem,
-               gram_bytes = size_t(it.k * it.k) * elem;
-  auto matrix = [&](const Tensor& t, int64_t b) {
-    return static_cast<char*>(t.raw()) + size_t(b) * matrix_bytes;
-  };
-  auto gram = [&](int64_t b) {  // read after the all-reduce, which may replace grams
-    return static_cast<char*>(grams.raw()) + (all_reduce ? size_t(b) * gram_bytes : 0);
-  };
-  // Steps outermost, so that the all-reduce sees a step's whole Gram batch; each matrix
-  // gets the GEMMs it would alone.
+  // Each GEMM runs over the whole batch; the all-reduce sees a step's whole Gram batch
+  // between the first GEMM and the others.
   for (size_t step = 0; step < per_step.size(); ++step) {
     const Tensor& x = step % 2 == 0 ? first : second;
     const Tensor& next = step % 2 == 0 ? second : first;
-    if (all_reduce) {
-      for (int64_t b = 0; b < batch; ++b) gram_step(gemm, it, matrix(x, b), gram(b));
-      all_reduce_checked(all_reduce, grams, "Gram matrices");
-    }
-    for (int64_t b = 0; b < batch; ++b) {
-      if (!all_reduce) gram_step(gemm, it, matrix(x, b), gram(b));
-      update_step(gemm, it, matrix(x, b), gram(b), poly.raw(), matrix(next, b), per_step[step]);
-    }
+    gemms.gram_step(x.raw(), grams.raw());
+    if (all_reduce) all_reduce_checked(all_reduce, grams, "Gram matrices");
+    // grams.raw() read after the all-reduce, which may replace the tensor.
+    gemms.update_step(x.raw(), grams.raw(), poly.raw(), next.raw(), per_step[step]);
   }
 }
 

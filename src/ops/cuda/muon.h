@@ -1,6 +1,6 @@
-// The CUDA side of ops/muon.h: the Newton-Schulz iteration (muon.cpp, cuBLASLt GEMMs; TF32
-// ones in muon_gemm.cpp) and its kernels (muon.cu), the momentum update, muon_apply
-// (muon_apply.cu), the QKV split and copy_columns; reached through the doors in
+// The CUDA side of ops/muon.h: the Newton-Schulz iteration (muon.cpp; its strided-batched
+// cuBLASLt GEMMs in muon_batched_gemm.cpp) and its kernels (muon.cu), the momentum update,
+// muon_apply (muon_apply.cu), the QKV split and copy_columns; reached through the doors in
 // ops/cpu/muon.cpp and ops/cpu/muon_update.cpp, which check the arguments first.
 #pragma once
 #include <cstdint>
@@ -21,14 +21,31 @@ void newton_schulz(const Tensor& g, Tensor& out, int64_t batch, int64_t rows, in
                    const std::vector<NsCoefficientSet>& per_step, float eps, bool transpose,
                    bool tf32, const std::function<void(Tensor&)>& all_reduce);
 
-// muon_gemm.cpp: the row-major F32 GEMM d = alpha op(a) op(b) + beta c of blas::matmul
-// (ops/cuda/cublas_gemm.h: shapes, leading dimensions, c not read when beta == 0) with
-// cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32 (inputs rounded to TF32, fp32 accumulation). d may
-// be c. Plans cached per shape and alignment; where cuBLASLt has no algorithm,
-// cublasGemmEx with the same compute type.
-void tf32_matmul(const float* a, bool trans_a, int64_t lda, const float* b, bool trans_b,
-                 int64_t ldb, const float* c, int64_t ldc, float* d, int64_t m, int64_t n,
-                 int64_t k, float alpha, float beta);
+// muon_batched_gemm.cpp: batch row-major GEMMs at once, on the compute stream:
+//   d[i] = alpha op(a[i]) op(b[i]) + beta c[i],   i = 0 .. batch-1,
+// matrix i of an operand starting stride_* elements after matrix i-1 (a + i stride_a, ...).
+// Per matrix as blas::matmul (ops/cuda/cublas_gemm.h): op(a[i]) [m, k] (a[i] stored [k, m]
+// when trans_a), op(b[i]) [k, n], c[i] and d[i] [m, n]; lda, ldb, ldc are row strides in
+// elements as stored, and d has c's layout (ldc, stride_c). One strided-batched
+// cublasLtMatmul over the batch, with D out of place (alpha acc + beta c rounded once into
+// d; d may be c, then in place: with beta != 0 and BF16 that rounds twice, see gemm.cpp).
+// c is not read when beta == 0. The matrices of d must not overlap a, b or each other.
+//   dtype: F32 or BF16, for a, b, c and d alike; fp32 accumulation and scalars
+//       (CUBLAS_COMPUTE_32F), or with tf32 (F32 only; ignored for BF16) TF32 inputs
+//       (CUBLAS_COMPUTE_32F_FAST_TF32, torch's "high" float32 matmul precision).
+//   batch 1 is one matrix through the per-matrix path (blas::matmul, or one TF32 cuBLASLt
+//       GEMM: cublasGemmEx with TF32 where cuBLASLt has no algorithm); strides unused.
+// Batched, each matrix gets one matrix's algorithm where cuBLASLt runs it over the batch
+// (the same bits as batch separate calls with the batch's alignment), else the batched
+// problem's own; where cuBLASLt has none for the batched layouts, the matrices go one by
+// one through the batch-1 path. Plans cached per (shape, leading dimensions, strides,
+// transposes, dtype, compute type, batch, alignments, beta == 0). InternalError unless
+// m, n, k > 0 and 1 <= batch <= INT32_MAX, or for another dtype; cuBLAS failures name the
+// call.
+void ns_batched_matmul(const void* a, bool trans_a, int64_t lda, int64_t stride_a, const void* b,
+                       bool trans_b, int64_t ldb, int64_t stride_b, const void* c, int64_t ldc,
+                       int64_t stride_c, void* d, int64_t m, int64_t n, int64_t k, int64_t batch,
+                       DType dtype, bool tf32, float alpha, float beta);
 
 // muon.cu: out[b] = g[b] / max(||g[b]||_F, eps) for each of the batch matrices of
 // per_matrix elements, the squares summed in fp64 in a fixed order, the norm rounded to
