@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 #include "core/cuda/cuda_check.h"
 #include "ops/cuda/cublas_gemm.h"
