@@ -9,6 +9,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "ops/adam_precision_math.h"
+#include "ops/cpu/optimizer_elementwise.h"
 #include "ops/dispatch.h"
 #include "ops/muon.h"
 #include "ops/ops.h"
@@ -19,25 +20,11 @@
 namespace megaton::ops {
 namespace {
 
-const char* device_name(Device d) { return d == Device::CUDA ? "CUDA" : "CPU"; }
-
-std::string describe(const Tensor& t) {
-  if (!t.defined()) return "undefined";
-  return fmt::format("{} {} on {}", dtype_name(t.dtype()), shape_str(t.shape()),
-                     device_name(t.device()));
-}
-
-// a * b rounded to fp32 on its own: GCC contracts a product feeding a sum into an FMA
-// (-ffp-contract=fast, x86-64-v3 has FMA), which the GPU kernels, written with __fmul_rn,
-// do not.
-float product(float a, float b) {
-  const volatile float p = a * b;
-  return p;
-}
-
-float load(const Tensor& t, int64_t i) {
-  return t.dtype() == DType::BF16 ? bf16_to_float(t.data<uint16_t>()[i]) : t.f32()[i];
-}
+using cpu_optimizer::check_control;
+using cpu_optimizer::describe;
+using cpu_optimizer::device_name;
+using cpu_optimizer::load;
+using cpu_optimizer::product;
 
 void store(Tensor& t, int64_t i, float v) {
   if (t.dtype() == DType::BF16)
@@ -52,13 +39,6 @@ bool overlaps(const Tensor& x, const Tensor& y) {
   auto* x0 = static_cast<const char*>(x.raw());
   auto* y0 = static_cast<const char*>(y.raw());
   return x0 < y0 + y.nbytes() && y0 < x0 + x.nbytes();
-}
-
-void check_control(const Tensor& control, Device device, const char* op) {
-  MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
-                    control.numel() == kAdamControlSize && control.device() == device,
-                "{}: control is {}, expected F32 [{}] on {}", op, describe(control),
-                kAdamControlSize, device_name(device));
 }
 
 // The checks both momentum overloads share; `any_dtype`: grad and update may be BF16.

@@ -9,6 +9,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "ops/adam_precision_math.h"
+#include "ops/cpu/optimizer_elementwise.h"
 #include "ops/dispatch.h"
 #include "ops/ops.h"
 #ifdef MEGATON_WITH_CUDA
@@ -18,24 +19,10 @@
 namespace megaton::ops {
 namespace {
 
-const char* device_name(Device d) { return d == Device::CUDA ? "CUDA" : "CPU"; }
-
-std::string describe(const Tensor& t) {
-  if (!t.defined()) return "undefined";
-  return fmt::format("{} {} on {}", dtype_name(t.dtype()), shape_str(t.shape()),
-                     device_name(t.device()));
-}
-
-// a * b rounded to fp32 on its own (GCC would contract a product feeding a sum into an FMA;
-// the kernels use __fmul_rn).
-float product(float a, float b) {
-  const volatile float p = a * b;
-  return p;
-}
-
-float load_grad(const Tensor& grad, int64_t i) {
-  return grad.dtype() == DType::BF16 ? bf16_to_float(grad.data<uint16_t>()[i]) : grad.f32()[i];
-}
+using cpu_optimizer::describe;
+using cpu_optimizer::device_name;
+using cpu_optimizer::load;
+using cpu_optimizer::product;
 
 // torch's lerp (at::lerp), each branch one fma: a + w (b - a), or b - (b - a)(1 - w).
 float torch_lerp(float a, float b, float w) {
@@ -55,10 +42,7 @@ void check_lists(const std::vector<Tensor>& mains, const std::vector<Tensor>& gr
       "weight_decays {}",
       op, n, grads.size(), state_name, state.size(), copies.size(), weight_decays.size());
   const Device device = n > 0 && mains[0].defined() ? mains[0].device() : control.device();
-  MEGATON_CHECK(control.defined() && control.dtype() == DType::F32 &&
-                    control.numel() == kAdamControlSize && control.device() == device,
-                "{}: control is {}, expected F32 [{}] on {}", op, describe(control),
-                kAdamControlSize, device_name(device));
+  cpu_optimizer::check_control(control, device, op);
   for (size_t i = 0; i < n; ++i) {
     const Tensor& main = mains[i];
     MEGATON_CHECK(main.defined() && main.dtype() == DType::F32 && main.device() == device,
@@ -106,7 +90,7 @@ void multi_tensor_sgd(std::vector<Tensor>& mains, const std::vector<Tensor>& gra
     float* buf = momentum_bufs[i].f32();
     const float wd = weight_decays[i];
     for (int64_t j = 0; j < mains[i].numel(); ++j) {
-      float g = product(load_grad(grads[i], j), scale);
+      float g = product(load(grads[i], j), scale);
       if (wd != 0.0f) g = std::fma(wd, p[j], g);  // torch adds nothing when wd == 0
       buf[j] = std::fma(momentum, buf[j], g);
       p[j] = std::fma(-lr, buf[j], p[j]);
@@ -137,7 +121,7 @@ void multi_tensor_lion(std::vector<Tensor>& mains, const std::vector<Tensor>& gr
     float* m = exp_avgs[i].f32();
     const float decay = adam_precision_decay(lr, weight_decays[i]);
     for (int64_t j = 0; j < mains[i].numel(); ++j) {
-      const float g = product(load_grad(grads[i], j), scale);
+      const float g = product(load(grads[i], j), scale);
       const float interpolated = torch_lerp(m[j], g, w1);
       // sign, with sign(0) = 0 (and NaN kept, as torch.sign)
       const float sign = interpolated > 0.0f ? 1.0f : interpolated < 0.0f ? -1.0f : interpolated;
