@@ -110,8 +110,9 @@ MuonStepScratch muon_step_scratch(const TrainArgs& args, const std::vector<Param
     return memory_plan_block_bytes(numel * element, dev);
   };
   // newton_schulz's own tensors on `batch` [R, C] matrices (besides them): on the GPU a
-  // scratch copy for the ping-pong, the Gram matrix and the polynomial [k, k] in the
-  // iteration's dtype (+ the sums of squares, F32 [1], distributed); on the CPU the fp64
+  // scratch copy for the ping-pong, the Gram matrices and the polynomials [batch, k, k] in
+  // the iteration's dtype (one strided-batched GEMM per step and product; + the sums of
+  // squares, F32 [batch], distributed); on the CPU the fp64
   // iteration lives in std::vectors outside the tensor allocator, and only the distributed
   // mode's all-reduce takes a tensor, the Gram batch F32 [1, k, k]. k: the side the
   // iteration takes (the smaller, or the one the distributed mode forces).
@@ -119,7 +120,8 @@ MuonStepScratch muon_step_scratch(const TrainArgs& args, const std::vector<Param
     const bool t = transpose == 1 || (transpose == -1 && R > C);
     const double k = t ? C : R;
     if (gpu)
-      return bytes(batch * R * C, ns_b) + 2 * bytes(k * k, ns_b) + (distributed ? bytes(1, 4) : 0);
+      return bytes(batch * R * C, ns_b) + 2 * bytes(batch * k * k, ns_b) +
+             (distributed ? bytes(batch, 4) : 0);
     return distributed ? bytes(k * k, 4) : 0.0;
   };
   // Q, K and V rows per query group (ops::qkv_split_shapes).
