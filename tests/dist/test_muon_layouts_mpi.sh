@@ -33,7 +33,14 @@ layouts=(
   "muon-pp2-dp2-layerwise-tied|4|--pipeline-model-parallel-size 2 --use-distributed-optimizer|OPT=muon TIED=1"
   "muon-hyb-dp2-layerwise|2|--use-distributed-optimizer|OPT=muon HYB=M-MA-ME"
   "muon-scalar-lion-dp2-layerwise|2|--use-distributed-optimizer|OPT=muon SCALAR=lion"
+  # Multi-latent attention's projections (the down projections replicated over TP), MTP's
+  # eh_proj on the last stage, context parallelism's dp_cp group of the layer-wise buffers.
+  "muon-mla-tp2-sp|2|--tensor-model-parallel-size 2 --sequence-parallel|OPT=muon MLA=1"
+  "muon-mtp-pp2|2|--pipeline-model-parallel-size 2|OPT=muon MTP=1"
+  "muon-cp2-dp2-layerwise|4|--context-parallel-size 2 --use-distributed-optimizer|OPT=muon"
   "lion-dp2-distopt|2|--use-distributed-optimizer|OPT=lion"
+  # SGD under Megatron-FSDP (Megatron allows SGD and Adam there): flat shards, elementwise.
+  "sgd-fsdp-dp2|2|--use-megatron-fsdp|OPT=sgd"
   "sgd-dp2-distopt|2|--use-distributed-optimizer|OPT=sgd"
   # Blockwise orthogonalises each TP slice: its numbers depend on the TP size, so DP2 x TP2
   # with the layer-wise optimizer is compared with TP2 alone (the fifth field).
