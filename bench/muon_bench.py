@@ -2,7 +2,7 @@
 
 Usage (from the repository root, binaries from tools/gpu_bundle.sh, data/ prepared for
 --curves):
-    python3 bench/muon_bench.py --megaton BIN [--single] [--dp2] [--curves] [--out FILE]
+    python3 bench/muon_bench.py --megaton BIN [--single] [--dp N] [--curves] [--out FILE]
 
 --single: llama-1.3B and moe-8x-top2 (bench/gpu_bench.py's configs) on one GPU with Adam,
     Muon (bf16 Newton-Schulz, Megatron's default --muon-fp32-matmul-prec medium) and Muon
@@ -10,7 +10,7 @@ Usage (from the repository root, binaries from tools/gpu_bundle.sh, data/ prepar
     the optimizer step's GPU time per rule from a run under MEGATON_OP_PROFILE=1
     (DistributedAdamW's optimizer_adam / optimizer_muon rows: each rule's update with its
     ops and collectives, per iteration).
---dp2: llama-1.3B on two GPUs, each with its own micro-batch: Adam with the distributed
+--dp N: llama-1.3B on N GPUs, each with its own micro-batch: Adam with the distributed
     optimizer, Muon replicated (every rank orthogonalises every matrix), Muon with the
     layer-wise distributed optimizer, and the latter with --overlap-grad-reduce
     --overlap-param-gather.
@@ -65,7 +65,7 @@ def single(binary, iters, lines, optimizers=tuple(OPTIMIZERS)):
                 print(p.get("op_profile", "")[:3000], flush=True)
 
 
-def dp2(binary, iters, lines):
+def data_parallel(binary, iters, lines, n):
     c = CONFIGS["llama-1.3B"]
     overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
     runs = {
@@ -75,12 +75,12 @@ def dp2(binary, iters, lines):
         "muon, layer-wise": ["--optimizer", "muon", "--use-distributed-optimizer"],
         "muon, layer-wise + overlap": ["--optimizer", "muon", "--use-distributed-optimizer"] + overlap,
     }
-    lines += ["", "| llama-1.3B, DP2 (2 x H200) | step ms | tokens/s per GPU | peak GiB | Muon update ms (rank 0) |",
+    lines += ["", f"| llama-1.3B, DP{n} ({n} x H200) | step ms | tokens/s per GPU | peak GiB | Muon update ms (rank 0) |",
               "|---|---|---|---|---|"]
     for label, flags in runs.items():
-        r = run_megaton(binary, c, iters, launcher=mpirun(2), extra=flags, world=2, dp=2)
+        r = run_megaton(binary, c, iters, launcher=mpirun(n), extra=flags, world=n, dp=n)
         os.environ["MEGATON_OP_PROFILE"] = "1"
-        p = run_megaton(binary, c, 12, launcher=mpirun(2), extra=flags, world=2, dp=2)
+        p = run_megaton(binary, c, 12, launcher=mpirun(n), extra=flags, world=n, dp=n)
         del os.environ["MEGATON_OP_PROFILE"]
         if "error" in r:
             lines.append(f"| {label} | error: {r['error']} |")
@@ -130,7 +130,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--single", action="store_true")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="--single's rows")
-    p.add_argument("--dp2", action="store_true")
+    p.add_argument("--dp", type=int, default=0, help="the data-parallel runs on this many GPUs")
     p.add_argument("--curves", action="store_true")
     p.add_argument("--curves-dir", default=".")
     p.add_argument("--curve-iters", type=int, default=500)
@@ -140,8 +140,8 @@ def main():
     lines = []
     if a.single:
         single(a.megaton, a.iters, lines, a.optimizers.split(","))
-    if a.dp2:
-        dp2(a.megaton, a.iters, lines)
+    if a.dp:
+        data_parallel(a.megaton, a.iters, lines, a.dp)
     if a.curves:
         curves(a.megaton, a.curves_dir, lines, a.curve_iters, a.device)
     text = "\n".join(lines)
