@@ -527,6 +527,12 @@ std::vector<std::pair<std::string, Tensor>> DistributedAdamW::full_state() {
             add_suffix(".exp_avg");
             break;
         }
+      // Adam's and Lion's ".exp_avg" share a column, converted below to Adam's dtype: only
+      // fp32 when Lion is there (the precision-aware optimizer is Adam's alone).
+      MEGATON_CHECK(optimizer_.kind == OptimizerKind::Adam ||
+                        (c.exp_avg_dtype == DType::F32 && c.exp_avg_sq_dtype == DType::F32),
+                    "{} moments beside {}'s states", dtype_name(c.exp_avg_dtype),
+                    optimizer_kind_name(optimizer_.kind));
       auto column = [&](const std::string& suffix) {
         return size_t(std::find(suffixes.begin(), suffixes.end(), suffix) - suffixes.begin()) + 1;
       };
@@ -679,6 +685,17 @@ void DistributedAdamW::load_rule_states(
     const std::function<const Tensor*(const std::string&)>& find, const std::string& source,
     const RangeReads& ranges) {
   const bool by_range = distributed_ && ranges.dtype_of && ranges.read_range;
+  // Every rank checks every state, not only its own pieces': a missing one then fails on all
+  // ranks alike instead of on its owner while the others go on into collectives.
+  for (ParamAndGradBuffer& b : each_buffer())
+    for (const Param* p : b.params()) {
+      const Rule rule = rule_of(optimizer_, *p);
+      if (rule == Rule::Adam) continue;
+      const std::string name =
+          "optimizer." + p->name + (rule == Rule::Lion ? ".exp_avg" : ".momentum_buffer");
+      if (by_range ? !ranges.dtype_of(name) : find(name) == nullptr)
+        fail("checkpoint '{}' has no tensor '{}'", source, name);
+    }
   for (size_t i = 0; i < rule_.size(); ++i) {
     if (rule_[i] == Rule::Adam) continue;  // load_moments
     const Param* p = target_model_[i];

@@ -61,6 +61,7 @@ Muon::Muon(std::vector<MuonParam> params, MuonConfig config, float weight_decay,
   // Batches by local shape, in order of first appearance (std::map would order by shape).
   std::vector<std::pair<Shape, std::vector<size_t>>> by_shape;
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (momentum_[i].numel() == 0) continue;  // nothing to orthogonalise or update
     const bool qkv = config_.split_qkv && !params_[i].model->qkv_split_rows.empty();
     if (tp_group_[i] || qkv) {
       singles_.push_back(i);
@@ -76,7 +77,9 @@ Muon::Muon(std::vector<MuonParam> params, MuonConfig config, float weight_decay,
     it->second.push_back(i);
   }
   for (auto& [shape, members] : by_shape) {
-    const int64_t per_batch = std::max<int64_t>(1, kBatchBytes / (4 * shape[0] * shape[1]));
+    // (At most 65535 matrices: the normalisation kernels' grid.y.)
+    const int64_t per_batch =
+        std::clamp<int64_t>(kBatchBytes / (4 * shape[0] * shape[1]), 1, 65535);
     for (size_t at = 0; at < members.size(); at += size_t(per_batch))
       batches_.emplace_back(
           members.begin() + int64_t(at),

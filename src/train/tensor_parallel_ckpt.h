@@ -14,8 +14,9 @@ namespace megaton {
 // The group that splits param p (Param::tp_split_dim): etp for experts, else tp.
 const dist::Group& tensor_parallel_group(const Param& p, const ModelParallel& mp);
 
-// The param a checkpoint entry belongs to: "model.<name>", "optimizer.<name>.exp_avg" or
-// "optimizer.<name>.exp_avg_sq"; null when `params` has no such name, and for the scales of
+// The param a checkpoint entry belongs to: "model.<name>", "optimizer.<name>.exp_avg",
+// "optimizer.<name>.exp_avg_sq" (Adam; Lion's exp_avg) or "optimizer.<name>.momentum_buffer"
+// (Muon, SGD); null when `params` has no such name, and for the scales of
 // fp16 and fp8 moments ("optimizer.<name>.exp_avg.scale", F32 [1]: not shaped like the
 // param, never sliced) and of fp16 main params ("optimizer.<name>.main_param.scale").
 const Param* param_of_entry(const std::string& entry,

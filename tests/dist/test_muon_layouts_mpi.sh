@@ -29,6 +29,10 @@ layouts=(
   "muon-tp2-sp-distributed|2|--tensor-model-parallel-size 2 --sequence-parallel|OPT=muon TPMODE=distributed"
   "muon-ep2-layerwise|2|--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --use-distributed-optimizer|OPT=muon"
   "muon-ep2-etp2|4|--expert-model-parallel-size 2 --expert-tensor-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel|OPT=muon"
+  # The layer-wise buffers sharded over DP (dense) and expert DP while their matrices need
+  # TP (dense) and expert-TP collectives: owners of one matrix pair up over TP.
+  "muon-tp2-etp2-dp2-layerwise|4|--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 --sequence-parallel --use-distributed-optimizer|OPT=muon"
+  "muon-tp2-etp2-dp2-layerwise-distributed|4|--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 --sequence-parallel --use-distributed-optimizer|OPT=muon TPMODE=distributed"
   "muon-pp2|2|--pipeline-model-parallel-size 2|OPT=muon"
   "muon-pp2-dp2-layerwise-tied|4|--pipeline-model-parallel-size 2 --use-distributed-optimizer|OPT=muon TIED=1"
   "muon-hyb-dp2-layerwise|2|--use-distributed-optimizer|OPT=muon HYB=M-MA-ME"

@@ -179,11 +179,15 @@ TEST(MuonOpsGpu, NewtonSchulzForcedTransposeMatchesTheCpu) {
 }
 
 // Each step's GEMMs run as one strided-batched call over the batch (muon_batched_gemm.cpp)
-// with one matrix's algorithm: a batch of 5 gives each matrix the bits it gets alone. The
-// matrices' sizes (and the Gram matrices') are multiples of 256 bytes, so that every
-// matrix of the batch has a lone matrix's alignment, and the plans differ by the batch
-// only. Wide ([32, 48]: iterated as stored) and tall ([96, 64]: on g^T, transposed flags).
-TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatricesBitwise) {
+// with one matrix's algorithm where it takes the batched layouts: a batch of 5 gives each
+// matrix the bits it gets alone in BF16 and TF32. In F32 cuBLASLt's lone-matrix algorithm
+// did not take the batch on an H200 (2026-11-28), so the batched heuristic's algorithm runs:
+// the same GEMMs summed in another order, within 1e-5 of the lone matrices (norm-wise;
+// elements of the small singular directions differ by up to 3e-4 relative after NS's
+// amplification). The matrices' sizes (and the Gram matrices') are multiples of 256 bytes,
+// so that every matrix of the batch has a lone matrix's alignment, and the plans differ by
+// the batch only. Wide ([32, 48]: iterated as stored) and tall ([96, 64]: on g^T).
+TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatrices) {
   MEGATON_SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed() + 9;
   SCOPED_TRACE(testing::seed_trace(seed));
@@ -206,8 +210,11 @@ TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatricesBitwise) {
                            single, NsCoefficients::Quintic, 5, options);
         const Tensor want = to_host_f32(single);
         ASSERT_TRUE(testing::all_finite(want, "single"));
-        EXPECT_TRUE(testing::bitwise_equal(got.rows(b, 1).view({rows, cols}).clone(), want))
-            << "matrix " << b;
+        const Tensor mine = got.rows(b, 1).view({rows, cols}).clone();
+        if (std::string(mode) == "F32")
+          EXPECT_LE(testing::rel_error(mine, want), 1e-5) << "matrix " << b;
+        else
+          EXPECT_TRUE(testing::bitwise_equal(mine, want)) << "matrix " << b;
       }
     }
 }

@@ -202,7 +202,7 @@ struct RoutedRun {
   std::vector<Param*> params;
   std::unique_ptr<ParamAndGradBuffer> buffer;
   std::unique_ptr<DistributedAdamW> opt;
-  explicit RoutedRun(OptimizerConfig optimizer) {
+  explicit RoutedRun(OptimizerConfig optimizer, AdamWConfig adam = {}) {
     owned.push_back(matrix("embedding.word_embeddings.weight", randn({32, 16}, 1)));
     owned.back()->padded_vocab_rows = true;
     owned.push_back(matrix("decoder.layers.0.mlp.linear_fc1.weight", randn({48, 16}, 2)));
@@ -212,8 +212,7 @@ struct RoutedRun {
     for (auto& p : owned) params.push_back(p.get());
     buffer = std::make_unique<ParamAndGradBuffer>(params, 1, false);
     opt = std::make_unique<DistributedAdamW>(std::vector<ParamAndGradBuffer*>{buffer.get()},
-                                             one_rank_grid(), cpu_comm(), AdamWConfig{}, false,
-                                             optimizer);
+                                             one_rank_grid(), cpu_comm(), adam, false, optimizer);
   }
   void step(uint64_t seed) {
     for (size_t i = 0; i < params.size(); ++i)
@@ -310,6 +309,67 @@ TEST(MuonOptimizer, SgdAndLionRules) {
                                : w * (1 - lr * d) - lr * (g > 0 ? 1.0f : (g < 0 ? -1.0f : 0.0f));
         ASSERT_NEAR(p.weight.f32()[e], want, 1e-6f * (1 + std::fabs(want)))
             << optimizer_kind_name(kind) << " " << p.name << " " << e;
+      }
+    }
+  }
+}
+
+// Three steps against the closed forms with every beta set apart, so that a swapped or
+// wrong beta shows: SGD's --sgd-momentum, a top-level Lion's Adam betas (Megatron's
+// _default_adam_based_eopt_config_to_kwargs), Muon's scalar Lion's --lion-beta1/2.
+TEST(MuonOptimizer, SgdAndLionBetasOverSteps) {
+  struct Case {
+    const char* name;
+    OptimizerKind kind;
+    bool scalar_lion;
+  };
+  for (const Case& c :
+       {Case{"sgd", OptimizerKind::Sgd, false}, Case{"lion", OptimizerKind::Lion, false},
+        Case{"muon scalar lion", OptimizerKind::Muon, true}}) {
+    SCOPED_TRACE(c.name);
+    OptimizerConfig config;
+    config.kind = c.kind;
+    config.sgd_momentum = 0.7f;
+    config.lion_beta1 = 0.6f;
+    config.lion_beta2 = 0.8f;
+    if (c.scalar_lion) config.muon.scalar_optimizer = OptimizerKind::Lion;
+    AdamWConfig adam;
+    adam.adam_beta1 = 0.3f;
+    adam.adam_beta2 = 0.5f;
+    adam.weight_decay = 0.05f;
+    RoutedRun run(config, adam);
+    // The closed forms in fp64, param by param, for the params of the rule under test.
+    const float lr = 1e-2f;
+    const double b1 = c.kind == OptimizerKind::Sgd ? 0.7 : c.scalar_lion ? 0.6 : 0.3;
+    const double b2 = c.scalar_lion ? 0.8 : 0.5;
+    std::vector<std::vector<double>> w(run.params.size()), m(run.params.size());
+    for (size_t i = 0; i < run.params.size(); ++i) {
+      const Tensor& t = run.params[i]->weight;
+      w[i].assign(t.f32(), t.f32() + t.numel());
+      m[i].assign(size_t(t.numel()), 0.0);
+    }
+    for (uint64_t step = 1; step <= 3; ++step) {
+      run.step(step);
+      for (size_t i = 0; i < run.params.size(); ++i) {
+        const Param& p = *run.params[i];
+        const DistributedAdamW::Rule rule = DistributedAdamW::rule_of(config, p);
+        if (rule != DistributedAdamW::Rule::Sgd && rule != DistributedAdamW::Rule::Lion) continue;
+        const double wd = p.no_weight_decay ? 0.0 : 0.05;
+        for (int64_t e = 0; e < p.weight.numel(); ++e) {
+          const double g = p.main_grad.f32()[e];
+          double& x = w[i][size_t(e)];
+          double& mom = m[i][size_t(e)];
+          if (rule == DistributedAdamW::Rule::Sgd) {
+            mom = b1 * mom + (g + wd * x);
+            x -= lr * mom;
+          } else {
+            const double u = b1 * mom + (1 - b1) * g;
+            x = x * (1 - lr * wd) - lr * (u > 0 ? 1.0 : u < 0 ? -1.0 : 0.0);
+            mom = b2 * mom + (1 - b2) * g;
+          }
+          ASSERT_NEAR(p.weight.f32()[e], x, 1e-5 * (1 + std::fabs(x)))
+              << p.name << " element " << e << " step " << step;
+        }
       }
     }
   }
