@@ -179,14 +179,13 @@ TEST(MuonOpsGpu, NewtonSchulzForcedTransposeMatchesTheCpu) {
 }
 
 // Each step's GEMMs run as one strided-batched call over the batch (muon_batched_gemm.cpp)
-// with one matrix's algorithm where it takes the batched layouts: a batch of 5 gives each
-// matrix the bits it gets alone in BF16 and TF32. In F32 cuBLASLt's lone-matrix algorithm
-// did not take the batch on an H200 (2026-11-28), so the batched heuristic's algorithm runs:
-// the same GEMMs summed in another order, within 1e-5 of the lone matrices (norm-wise;
-// elements of the small singular directions differ by up to 3e-4 relative after NS's
-// amplification). The matrices' sizes (and the Gram matrices') are multiples of 256 bytes,
-// so that every matrix of the batch has a lone matrix's alignment, and the plans differ by
-// the batch only. Wide ([32, 48]: iterated as stored) and tall ([96, 64]: on g^T).
+// with one matrix's algorithm where it takes the batched layouts, else the batched
+// heuristic's. On H200s (2026-11-28) BF16 gave each matrix the bits it gets alone; F32 (one
+// machine) and TF32 (another) did not: the same GEMMs summed in another order, compared
+// norm-wise (F32 1e-5; TF32 2e-2, its rounding grown by the iteration as in
+// NewtonSchulzTf32IsWithinItsBound). The matrices' sizes (and the Gram matrices') are multiples of
+// 256 bytes, so that every matrix of the batch has a lone matrix's alignment, and the plans differ
+// by the batch only. Wide ([32, 48]: iterated as stored) and tall ([96, 64]: on g^T).
 TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatrices) {
   MEGATON_SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed() + 9;
@@ -211,10 +210,13 @@ TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatrices) {
         const Tensor want = to_host_f32(single);
         ASSERT_TRUE(testing::all_finite(want, "single"));
         const Tensor mine = got.rows(b, 1).view({rows, cols}).clone();
-        if (std::string(mode) == "F32")
-          EXPECT_LE(testing::rel_error(mine, want), 1e-5) << "matrix " << b;
-        else
+        const double rel = testing::rel_error(mine, want);
+        std::printf("  %lldx%lld %-4s matrix %lld: batched vs alone %.2e\n", (long long)rows,
+                    (long long)cols, mode, (long long)b, rel);
+        if (std::string(mode) == "BF16")
           EXPECT_TRUE(testing::bitwise_equal(mine, want)) << "matrix " << b;
+        else
+          EXPECT_LE(rel, std::string(mode) == "F32" ? 1e-5 : 2e-2) << "matrix " << b;
       }
     }
 }
