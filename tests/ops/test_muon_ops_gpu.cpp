@@ -180,10 +180,10 @@ TEST(MuonOpsGpu, NewtonSchulzForcedTransposeMatchesTheCpu) {
 
 // Each step's GEMMs run as one strided-batched call over the batch (muon_batched_gemm.cpp)
 // with one matrix's algorithm where it takes the batched layouts, else the batched
-// heuristic's. On H200s (2026-11-28) BF16 gave each matrix the bits it gets alone; F32 (one
-// machine) and TF32 (another) did not: the same GEMMs summed in another order, compared
-// norm-wise (F32 1e-5; TF32 2e-2, its rounding grown by the iteration as in
-// NewtonSchulzTf32IsWithinItsBound). The matrices' sizes (and the Gram matrices') are multiples of
+// heuristic's. On H200s (2026-11-28) BF16 gave each matrix the bits it gets alone; F32 and
+// TF32 did not (which one kept the lone algorithm differed between two machines): the same
+// GEMMs summed in another order, compared norm-wise. Measured, two runs alike: F32 at most
+// 8.3e-7, TF32 1.45e-3 (its rounding grown by the iteration), hence 1e-5 and 1e-2. The matrices' sizes (and the Gram matrices') are multiples of
 // 256 bytes, so that every matrix of the batch has a lone matrix's alignment, and the plans differ
 // by the batch only. Wide ([32, 48]: iterated as stored) and tall ([96, 64]: on g^T).
 TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatrices) {
@@ -216,7 +216,7 @@ TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatrices) {
         if (std::string(mode) == "BF16")
           EXPECT_TRUE(testing::bitwise_equal(mine, want)) << "matrix " << b;
         else
-          EXPECT_LE(rel, std::string(mode) == "F32" ? 1e-5 : 2e-2) << "matrix " << b;
+          EXPECT_LE(rel, std::string(mode) == "F32" ? 1e-5 : 1e-2) << "matrix " << b;
       }
     }
 }
