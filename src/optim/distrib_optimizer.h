@@ -53,6 +53,10 @@ class DistributedAdamW {
   //   lion: Lion for the 2-D params other than the embeddings and output layer, else Adam.
   enum class Rule { Adam, Muon, Sgd, Lion };
   static Rule rule_of(const OptimizerConfig& optimizer, const Param& p);
+  // The checkpoint suffixes of a rule's states, in the order of its state tensors
+  // ("optimizer.<name><suffix>"): Adam ".exp_avg", ".exp_avg_sq"; Muon and SGD
+  // ".momentum_buffer" (torch's name); Lion ".exp_avg" (Emerging-Optimizers').
+  static std::vector<const char*> state_suffixes(Rule rule);
   // Muon's Newton-Schulz FLOPs per step on this rank (0 without Muon).
   double muon_ns_flops() const { return muon_ ? muon_->ns_flops() : 0.0; }
 
