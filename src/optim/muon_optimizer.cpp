@@ -12,8 +12,6 @@
 namespace megaton::optim {
 
 namespace {
-// The fp32 tensor a step updates: the main param, or an fp32 weight that is its own.
-Tensor& main_of(Param& p) { return p.main_param.defined() ? p.main_param : p.weight; }
 
 // x in dtype d: x itself, or a cast on x's device (Tensor::to(DType) goes through the host).
 Tensor cast_to(const Tensor& x, DType d) {
@@ -31,7 +29,7 @@ double ns_matrix_flops(int64_t rows, int64_t cols, int steps) {
 }
 }  // namespace
 
-Muon::Muon(std::vector<MuonParam> params, MuonConfig config, float weight_decay,
+Muon::Muon(std::vector<RuleParam> params, MuonConfig config, float weight_decay,
            const dist::Grid& grid, dist::Comm& comm)
     : params_(std::move(params)),
       config_(config),
@@ -39,7 +37,7 @@ Muon::Muon(std::vector<MuonParam> params, MuonConfig config, float weight_decay,
       grid_(grid),
       comm_(comm) {
   MEGATON_CHECK(config_.num_ns_steps >= 1, "Muon: {} Newton-Schulz steps", config_.num_ns_steps);
-  for (const MuonParam& mp : params_) {
+  for (const RuleParam& mp : params_) {
     MEGATON_CHECK(mp.target && mp.model, "Muon: a param without its target or model");
     Param& t = *mp.target;
     const Tensor& main = main_of(t);
@@ -218,8 +216,7 @@ void Muon::step_batch(const std::vector<size_t>& batch, const Tensor& control) {
                               control);
     mains.push_back(main_of(t));
     slots.push_back(slot);
-    copies.push_back(t.main_param.defined() && !t.main_param.same_data(t.weight) ? t.weight
-                                                                                 : Tensor());
+    copies.push_back(compute_copy_of(t));
     wds.push_back(params_[i].model->no_weight_decay ? 0.0f : weight_decay_);
     scales.push_back(scale);
   }
@@ -238,8 +235,7 @@ void Muon::step_single(size_t i, const Tensor& control) {
                             control);
   double scale = 1.0;
   Tensor o = orthogonalised(i, update, scale);
-  std::vector<Tensor> mains{main}, updates{o}, copies(1);
-  if (t.main_param.defined() && !t.main_param.same_data(t.weight)) copies[0] = t.weight;
+  std::vector<Tensor> mains{main}, updates{o}, copies{compute_copy_of(t)};
   const std::vector<float> wd{params_[i].model->no_weight_decay ? 0.0f : weight_decay_};
   const std::vector<float> scales{float(scale)};
   ops::muon_apply(mains, updates, copies, wd, scales, control);

@@ -10,23 +10,13 @@
 
 #include "dist/comm.h"
 #include "dist/grid.h"
-#include "model/param.h"
 #include "optim/optimizer_config.h"
+#include "optim/rule_param.h"
 
 namespace megaton::optim {
 
-// One matrix Muon updates. `target` holds what the step writes: a 2-D fp32 main_param (or
-// an fp32 weight that is its own main param) shaped like the model's local weight, its
-// main_grad (F32 or BF16, the same numel) and, when main_param is separate, the compute
-// weight rewritten from it. `model` is the model's param (the same object when the update
-// is replicated; the owner's whole piece of it under the layer-wise distributed
-// optimizer): its name, tensor-parallel split (tp_split_dim, full_shape, is_expert's etp
-// group) and qkv_split_rows.
-struct MuonParam {
-  Param* target = nullptr;
-  const Param* model = nullptr;
-};
-
+// Muon's params (optim/rule_param.h) are 2-D matrices: the target's main param has the
+// model's local weight shape.
 class Muon {
  public:
   // The params are not owned and must outlive the optimizer. Tensor-parallel collectives
@@ -37,7 +27,7 @@ class Muon {
   // p *= 1 - lr * wd before the update (EO's weight_decay_method "decoupled"), 0 for
   // Param::no_weight_decay. InternalError (a bug in the caller) on a param that is not 2-D,
   // without an fp32 main param or with a main grad of another numel.
-  Muon(std::vector<MuonParam> params, MuonConfig config, float weight_decay, const dist::Grid& grid,
+  Muon(std::vector<RuleParam> params, MuonConfig config, float weight_decay, const dist::Grid& grid,
        dist::Comm& comm);
 
   // One step, decided on the device by ops::adamw_step_control's control (F32
@@ -55,7 +45,7 @@ class Muon {
   // The pointers stay valid for the optimizer's life; a checkpoint load copies into them.
   std::vector<std::pair<std::string, Tensor*>> state_tensors();
   void set_weight_decay(float weight_decay) { weight_decay_ = weight_decay; }
-  const std::vector<MuonParam>& params() const { return params_; }
+  const std::vector<RuleParam>& params() const { return params_; }
   const MuonConfig& config() const { return config_; }
 
   // Newton-Schulz FLOPs of one step on this rank (4 m^2 n + 2 m^3 per iteration on an
@@ -64,7 +54,7 @@ class Muon {
   double ns_flops() const;
 
  private:
-  std::vector<MuonParam> params_;
+  std::vector<RuleParam> params_;
   MuonConfig config_;
   float weight_decay_;
   const dist::Grid& grid_;

@@ -6,10 +6,6 @@
 
 namespace megaton::optim {
 
-namespace {
-Tensor& main_of(Param& p) { return p.main_param.defined() ? p.main_param : p.weight; }
-}  // namespace
-
 SgdLion::SgdLion(Kind kind, std::vector<RuleParam> params, float beta1, float beta2,
                  float weight_decay)
     : kind_(kind),
@@ -49,8 +45,7 @@ void SgdLion::step(const Tensor& control) {
     Param& t = *rp.target;
     mains.push_back(main_of(t));
     grads.push_back(t.main_grad);
-    copies.push_back(t.main_param.defined() && !t.main_param.same_data(t.weight) ? t.weight
-                                                                                 : Tensor());
+    copies.push_back(compute_copy_of(t));
     wds.push_back(rp.model->no_weight_decay ? 0.0f : weight_decay_);
   }
   if (kind_ == Kind::Sgd)

@@ -7,18 +7,9 @@
 #include <utility>
 #include <vector>
 
-#include "model/param.h"
+#include "optim/rule_param.h"
 
 namespace megaton::optim {
-
-// One param (or one piece of it) an elementwise rule updates: `target` holds an fp32
-// main_param (or an fp32 weight that is its own), its main_grad (F32 or BF16, the same
-// numel) and, when main_param is separate, the compute weight rewritten from it; `model`
-// is the model's param, whose name keys the state and whose no_weight_decay holds.
-struct RuleParam {
-  Param* target = nullptr;
-  const Param* model = nullptr;
-};
 
 class SgdLion {
  public:

@@ -143,12 +143,12 @@ TEST(MuonOptimizer, BatchedEqualsOneByOne) {
     together.push_back(matrix("m" + std::to_string(k), randn(shapes[k], 20 + k)));
     alone.push_back(matrix("m" + std::to_string(k), randn(shapes[k], 20 + k)));
   }
-  std::vector<MuonParam> all;
+  std::vector<RuleParam> all;
   for (auto& p : together) all.push_back({p.get(), p.get()});
   Muon batched(all, MuonConfig{}, 0.1f, one_rank_grid(), cpu_comm());
   std::vector<std::unique_ptr<Muon>> singles;
   for (auto& p : alone)
-    singles.push_back(std::make_unique<Muon>(std::vector<MuonParam>{{p.get(), p.get()}},
+    singles.push_back(std::make_unique<Muon>(std::vector<RuleParam>{{p.get(), p.get()}},
                                              MuonConfig{}, 0.1f, one_rank_grid(), cpu_comm()));
   for (int step = 0; step < 2; ++step) {
     for (size_t k = 0; k < together.size(); ++k) {
