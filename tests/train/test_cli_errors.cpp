@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "ckpt/checkpoint.h"
+#include "common/cli_testing.h"
 #include "data/preprocess.h"
 
 namespace fs = std::filesystem;
@@ -18,64 +19,7 @@ namespace fs = std::filesystem;
 namespace megaton {
 namespace {
 
-class CliErrors : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir = fs::temp_directory_path() / ("megaton_cli_" + std::to_string(::getpid()));
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-    std::ofstream(dir / "corpus.jsonl") << "{\"text\": \"hello world, hello megaton\"}\n"
-                                        << "{\"text\": \"another small document here\"}\n";
-    data::PreprocessOptions opt;
-    opt.inputs = {(dir / "corpus.jsonl").string()};
-    opt.output_prefix = (dir / "corpus").string();
-    opt.tokenizer_type = "ByteTokenizer";
-    data::preprocess(opt);
-    prefix = (dir / "corpus_text_document").string();
-  }
-  void TearDown() override { fs::remove_all(dir); }
-
-  // Writes a config (a valid tiny model plus `extra` lines, which override by coming
-  // last... YAML forbids duplicate keys, so callers pass only new keys) and runs train.
-  std::string config(const std::string& model_lines) {
-    fs::path p = dir / "config.yaml";
-    std::ofstream(p) << model_lines << "seq-length: 8\nmicro-batch-size: 1\ntrain-iters: 2\n"
-                     << "tokenizer-type: ByteTokenizer\nsplit: 1,0,0\ndata-path: " << prefix
-                     << "\n";
-    return p.string();
-  }
-
-  // Runs the binary; returns the exit status and fills stderr_lines.
-  // env: "NAME=value ..." set for the binary only.
-  // shell: commands run before the binary in the same shell ("ulimit -v 4194304;").
-  int run(const std::string& args, const std::string& env = "", const std::string& shell = "") {
-    fs::path err = dir / "stderr.txt";
-    std::string cmd = (env.empty() ? "" : "env " + env + " ") + std::string(MEGATON_BINARY) + " " +
-                      args + " > /dev/null 2> " + err.string();
-    if (!shell.empty()) cmd = "bash -c '" + shell + " exec " + cmd + "'";
-    int status = std::system(cmd.c_str());
-    std::ifstream in(err);
-    stderr_lines.clear();
-    for (std::string line; std::getline(in, line);) stderr_lines.push_back(line);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
-
-  void expect_user_error(const std::string& args, const std::string& needle,
-                         const std::string& env = "") {
-    int rc = run(args + " --save " + (dir / "save").string(), env);
-    EXPECT_EQ(rc, 2) << args;
-    ASSERT_EQ(stderr_lines.size(), 1u) << args;
-    EXPECT_NE(stderr_lines[0].find(needle), std::string::npos)
-        << "'" << stderr_lines[0] << "' does not mention '" << needle << "'";
-    EXPECT_FALSE(fs::exists(dir / "save")) << "a failed run wrote its save directory";
-  }
-
-  fs::path dir;
-  std::string prefix;
-  std::vector<std::string> stderr_lines;
-};
-
-const char* kModel = "num-layers: 1\nhidden-size: 16\nnum-attention-heads: 2\n";
+// CliErrors, kModel, kMock: common/cli_testing.h.
 
 TEST_F(CliErrors, UnknownConfigKey) {
   expect_user_error("train --config " + config(std::string(kModel) + "hiden-size: 3\n"),
@@ -89,9 +33,9 @@ TEST_F(CliErrors, HiddenNotDivisibleByHeads) {
 }
 
 TEST_F(CliErrors, TopKAboveExperts) {
-  expect_user_error("train --config " +
-                        config(std::string(kModel) + "num-experts: 2\nmoe-router-topk: 3\n"),
-                    "moe-router-topk (3) must be between 1 and num-experts (2)");
+  expect_user_error(
+      "train --config " + config(std::string(kModel) + "num-experts: 2\nmoe-router-topk: 3\n"),
+      "moe-router-topk (3) must be between 1 and num-experts (2)");
 }
 
 // Megatron's router configuration checks, one line each.
@@ -131,9 +75,9 @@ TEST_F(CliErrors, RouterOptionsThatClash) {
 // --exit-on-missing-checkpoint it is an error naming the directory.
 TEST_F(CliErrors, MissingCheckpoint) {
   const std::string nope = (dir / "nope").string();
-  expect_user_error("train --config " + config(kModel) + " --load " + nope +
-                        " --exit-on-missing-checkpoint",
-                    nope);
+  expect_user_error(
+      "train --config " + config(kModel) + " --load " + nope + " --exit-on-missing-checkpoint",
+      nope);
   EXPECT_EQ(run("train --config " + config(kModel) + " --load " + nope), 0);
 }
 
@@ -157,48 +101,6 @@ TEST_F(CliErrors, TruncatedIndex) {
 
 TEST_F(CliErrors, BadFlagValue) {
   expect_user_error("train --config " + config(kModel) + " --lr fast", "'lr'");
-}
-
-// The precision-aware optimizer's dtype flags: Megatron's choices and its rule that a
-// dtype other than fp32 needs the switch; what Megaton does not have yet is named.
-TEST_F(CliErrors, PrecisionAwareOptimizerFlags) {
-  const std::pair<const char*, const char*> cases[] = {
-      {"--exp-avg-dtype bf16", "option 'exp-avg-dtype' bf16 needs --use-precision-aware-optimizer"},
-      {"--main-params-dtype fp16",
-       "option 'main-params-dtype' fp16 needs --use-precision-aware-optimizer"},
-      {"--use-precision-aware-optimizer --exp-avg-sq-dtype int8",
-       "option 'exp-avg-sq-dtype' must be one of fp32, fp16, bf16, fp8 (got 'int8')"},
-      {"--use-precision-aware-optimizer --main-grads-dtype fp16",
-       "option 'main-grads-dtype' must be one of fp32, bf16 (got 'fp16')"},
-      // fp16 main params need bf16/fp16 weights apart from them: the CPU computes fp32.
-      {"--use-precision-aware-optimizer --main-params-dtype fp16",
-       "option 'main-params-dtype' fp16 needs bf16 or fp16 weights"},
-      {"--bf16 --use-precision-aware-optimizer --main-params-dtype fp16",
-       "option 'main-params-dtype' fp16 needs bf16 or fp16 weights"},
-      {"--use-precision-aware-optimizer --main-params-dtype fp16 --optimizer-cpu-offload",
-       "option 'main-params-dtype' fp16 with --optimizer-cpu-offload is not supported"},
-      {"--exp-avg-dtype fp8", "option 'exp-avg-dtype' fp8 needs --use-precision-aware-optimizer"},
-  };
-  for (const auto& [flags, needle] : cases)
-    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
-}
-
-// BF16 main gradients: the precision-aware switch for --main-grads-dtype bf16
-// (OptimizerConfig), and Megatron's refusal of it beside
-// --accumulate-allreduce-grads-in-fp32 under --bf16 (arguments.py, its message).
-TEST_F(CliErrors, MainGradsDtypeFlags) {
-  const std::pair<const char*, const char*> cases[] = {
-      {"--bf16 --main-grads-dtype bf16",
-       "option 'main-grads-dtype' bf16 needs --use-precision-aware-optimizer"},
-      {"--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16 "
-       "--accumulate-allreduce-grads-in-fp32",
-       "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set"},
-      {"--bf16 --use-precision-aware-optimizer --main-grads-dtype bf16 --grad-reduce-in-bf16 "
-       "--accumulate-allreduce-grads-in-fp32",
-       "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set"},
-  };
-  for (const auto& [flags, needle] : cases)
-    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
 // DeepSeek-V3 layers (issue 20): inconsistent MLA dims, YaRN without a factor, MTP limits
@@ -235,7 +137,8 @@ TEST_F(CliErrors, DeepSeekV3Flags) {
 // Megatron's recompute checks (TransformerConfig.__post_init__), one line and exit 2 each.
 TEST_F(CliErrors, RecomputeFlags) {
   const std::pair<const char*, const char*> cases[] = {
-      {"--recompute-granularity partial", "recompute-granularity must be full or selective (got 'partial')"},
+      {"--recompute-granularity partial",
+       "recompute-granularity must be full or selective (got 'partial')"},
       {"--recompute-granularity full --recompute-num-layers 1",
        "recompute-granularity full needs recompute-method uniform or block"},
       {"--recompute-granularity full --recompute-method uniform",
@@ -283,46 +186,10 @@ TEST_F(CliErrors, CpuOffloadingFlags) {
        "CPU offloading does not work when activation recomputation is enabled"},
       {"--cpu-offloading-num-layers 1 --cuda-graph-impl full_iteration",
        "cpu-offloading with cuda-graph-impl full_iteration is not supported in Megaton yet"},
-      {"--cpu-offloading-num-layers 1 --cpu-offloading-weights",
-       "--cpu-offloading-weights"},
+      {"--cpu-offloading-num-layers 1 --cpu-offloading-weights", "--cpu-offloading-weights"},
   };
   for (const auto& [flags, needle] : cases)
     expect_user_error("train --config " + config(two_layers) + " " + flags, needle);
-}
-
-// --fp16 and the loss scaler's flags: Megatron's exclusions and DynamicGradScaler's
-// assertions, one line and exit 2 each.
-TEST_F(CliErrors, LossScalingFlags) {
-  const std::pair<const char*, const char*> cases[] = {
-      {"--fp16 --bf16", "fp16 and bf16 exclude each other: give one"},
-      {"--fp16 --hysteresis 0", "hysteresis must be at least 1 (got 0)"},
-      {"--fp16 --loss-scale-window 0", "loss-scale-window must be at least 1 (got 0)"},
-      {"--fp16 --initial-loss-scale 4 --min-loss-scale 8",
-       "min-loss-scale (8) must not exceed initial-loss-scale (4)"},
-      {"--fp16 --initial-loss-scale 0", "initial-loss-scale must be a positive fp32 number"},
-      {"--fp16 --loss-scale -2", "loss-scale must be positive (got -2)"},
-      {"--fp16 --fp8-format hybrid", "fp16 with fp8-format is not supported in Megaton yet"},
-      {"--fp16 --cuda-graph-impl full_iteration",
-       "cuda-graph-impl full_iteration with --fp16 dynamic loss scaling is not supported"},
-  };
-  for (const auto& [flags, needle] : cases)
-    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
-}
-
-// --optimizer-cpu-offload: Megatron's requirement of the precision-aware optimizer, the
-// fraction's range, and what Megaton does not offload yet; one line and exit 2 each.
-TEST_F(CliErrors, OptimizerOffloadFlags) {
-  const std::pair<const char*, const char*> cases[] = {
-      {"--optimizer-cpu-offload",
-       "The optimizer cpu offload must be used in conjunction with "
-       "`--use-precision-aware-optimizer`"},
-      {"--use-precision-aware-optimizer --optimizer-cpu-offload --optimizer-offload-fraction 1.5",
-       "optimizer-offload-fraction must be in [0, 1] (got 1.5)"},
-      {"--use-precision-aware-optimizer --optimizer-cpu-offload --cuda-graph-impl full_iteration",
-       "optimizer-cpu-offload with cuda-graph-impl full_iteration is not supported in Megaton yet"},
-  };
-  for (const auto& [flags, needle] : cases)
-    expect_user_error("train --config " + config(kModel) + " " + flags, needle);
 }
 
 TEST_F(CliErrors, BadAlltoAllExchangeSetting) {
@@ -336,12 +203,6 @@ TEST_F(CliErrors, MissingConfigFile) {
                     (dir / "absent.yaml").string());
 }
 
-// A tiny model on random tokens (no data files): the flags of the runs below.
-const std::string kMock =
-    "train --device cpu --mock-data --tokenizer-type NullTokenizer --vocab-size 100 "
-    "--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
-    "--micro-batch-size 2 --eval-iters 0 --log-interval 1";
-
 // Class 3 of the reliability issue: non-finite hyperparameters are refused at parse time.
 TEST_F(CliErrors, NonFiniteFloatFlags) {
   for (const char* flag : {"--weight-decay nan", "--lr inf", "--adam-eps -inf", "--clip-grad nan",
@@ -351,73 +212,11 @@ TEST_F(CliErrors, NonFiniteFloatFlags) {
   }
 }
 
-// --optimizer and the Muon, SGD and Lion flags (issue 24): bad names and values, and the
-// optimizer refused beside --fp16, the precision-aware optimizer (and so CPU offload),
-// Megatron-FSDP and FP8 param gather; one line and exit 2 each (what the flags set:
-// test_optimizer_args).
-TEST_F(CliErrors, OptimizerFlags) {
-  const std::string run = kMock + " --train-iters 1 ";
-  const std::pair<std::string, std::string> cases[] = {
-      {"--optimizer adamw",
-       "option 'optimizer' must be one of adam, sgd, muon, lion, dist_muon (got 'adamw')"},
-      {"--optimizer soap", "--optimizer soap is not supported in Megaton"},
-      {"--optimizer adaptive_muon", "--optimizer adaptive_muon is not supported in Megaton"},
-      {"--optimizer muon --muon-num-ns-steps 0", "option 'muon-num-ns-steps' must be >= 1 (got 0)"},
-      {"--optimizer muon --muon-coefficient-type cubic5",
-       "--muon-coefficient-type cubic5 needs Emerging-Optimizers >= 0.4.0"},
-      {"--optimizer muon --muon-scale-mode rms", "--muon-scale-mode 'rms' is not one of"},
-      {"--optimizer muon --muon-tp-mode sharded", "option 'muon-tp-mode' must be one of"},
-      {"--optimizer muon --muon-fp32-matmul-prec highest",
-       "option 'muon-fp32-matmul-prec' must be one of low, medium, high"},
-      {"--optimizer muon --muon-scalar-optimizer sgd",
-       "option 'muon-scalar-optimizer' must be one of adam, lion (got 'sgd')"},
-      {"--optimizer muon --muon-momentum 1", "option 'muon-momentum' must be in [0, 1)"},
-      {"--optimizer muon --muon-use-syrk", "--muon-use-syrk is not supported in Megaton"},
-      {"--optimizer muon --fp16", "fp16 with optimizer muon is not supported"},
-      {"--optimizer lion --fp16", "fp16 with optimizer lion is not supported"},
-      {"--optimizer sgd --use-precision-aware-optimizer",
-       "use-precision-aware-optimizer needs optimizer adam (got sgd)"},
-      {"--optimizer muon --use-precision-aware-optimizer --optimizer-cpu-offload",
-       "use-precision-aware-optimizer (and with it optimizer-cpu-offload) needs optimizer adam"},
-      {"--optimizer lion --use-megatron-fsdp",
-       "use-megatron-fsdp with optimizer lion is not supported"},
-      {"--optimizer dist_muon --fp8-format hybrid --fp8-param-gather",
-       "fp8-param-gather with optimizer muon is not supported in Megaton yet"},
-  };
-  for (const auto& [flags, message] : cases) {
-    SCOPED_TRACE(flags);
-    expect_user_error(run + flags, message);
-  }
-}
-
 // A run with offloading trains (the flag reaches the model; the CPU backend copies into
 // host buffers of its own).
 TEST_F(CliErrors, CpuOffloadingTrains) {
   EXPECT_EQ(run(kMock + " --train-iters 2 --cpu-offloading-num-layers 1"), 0)
       << (stderr_lines.empty() ? "" : stderr_lines.back());
-}
-
-// Offloading all of the optimizer's elements trains (the host update on the CPU backend is
-// the same update: tests/optim/test_optimizer_offload.cpp).
-TEST_F(CliErrors, OptimizerOffloadTrains) {
-  EXPECT_EQ(run(kMock + " --train-iters 2 --lr 1e-3 --use-precision-aware-optimizer "
-                        "--optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d"),
-            0)
-      << (stderr_lines.empty() ? "" : stderr_lines.back());
-}
-
-// fp16 and fp8 Adam moments (scaled states) train; beside --optimizer-cpu-offload (whose
-// host update has no absmax reduction) they are refused with one line naming both flags.
-TEST_F(CliErrors, ScaledMomentFlags) {
-  const std::string pao = kMock + " --train-iters 2 --lr 1e-3 --use-precision-aware-optimizer";
-  EXPECT_EQ(run(pao + " --exp-avg-dtype fp16 --exp-avg-sq-dtype fp8"), 0)
-      << (stderr_lines.empty() ? "" : stderr_lines.back());
-  expect_user_error(pao + " --exp-avg-dtype fp16 --optimizer-cpu-offload",
-                    "option 'optimizer-cpu-offload' with --exp-avg-dtype fp16 --exp-avg-sq-dtype "
-                    "fp32 is not supported in Megaton yet");
-  expect_user_error(pao + " --exp-avg-sq-dtype fp8 --optimizer-cpu-offload",
-                    "option 'optimizer-cpu-offload' with --exp-avg-dtype fp32 --exp-avg-sq-dtype "
-                    "fp8 is not supported in Megaton yet");
 }
 
 // Class 4: values that used to reach internal checks ("internal error", exit 1).
@@ -490,7 +289,8 @@ TEST_F(CliErrors, UnwritableSaveFailsAtStartup) {
   int64_t latest = -1;
   tracker >> latest;
   if (latest != iteration)
-    return ::testing::AssertionFailure() << "tracker names " << latest << ", expected " << iteration;
+    return ::testing::AssertionFailure()
+           << "tracker names " << latest << ", expected " << iteration;
   ckpt::LoadedCheckpoint ck = ckpt::load_checkpoint(save.string());
   for (const auto& [name, t] : ck.tensors) {
     if (t.dtype() != DType::F32) continue;
@@ -518,7 +318,8 @@ TEST_F(CliErrors, DivergingRunStopsAndItsLastCheckpointIsFinite) {
 // Without the check, a non-finite step is skipped and counted, and the run ends normally.
 TEST_F(CliErrors, NoCheckForNanSkipsTheStep) {
   const fs::path save = dir / "save";
-  int rc = run(kMock + " --train-iters 3 --lr 1e30 --no-check-for-nan-in-loss-and-grad --save " + save.string());
+  int rc = run(kMock + " --train-iters 3 --lr 1e30 --no-check-for-nan-in-loss-and-grad --save " +
+               save.string());
   EXPECT_EQ(rc, 0);
   EXPECT_TRUE(checkpoint_is_finite(save, 3));
 }
@@ -528,7 +329,8 @@ TEST_F(CliErrors, NoCheckForNanSkipsTheStep) {
 // every weight infinite after the first update while its loss was still finite.
 TEST_F(CliErrors, SaveRefusesNonFiniteParameters) {
   const fs::path save = dir / "save";
-  int rc = run(kMock + " --train-iters 3 --lr 3e38 --weight-decay 10 --save-interval 1 --save " + save.string());
+  int rc = run(kMock + " --train-iters 3 --lr 3e38 --weight-decay 10 --save-interval 1 --save " +
+               save.string());
   EXPECT_EQ(rc, 2);
   ASSERT_EQ(stderr_lines.size(), 1u);
   EXPECT_NE(stderr_lines[0].find("not saving iteration 1"), std::string::npos) << stderr_lines[0];
@@ -548,7 +350,8 @@ TEST_F(CliErrors, CheckpointIterationDisagreesWithDirectory) {
   ASSERT_NE(at, std::string::npos) << text.substr(0, 200);
   text.replace(at, 14, "\"iteration\": 7");
   std::ofstream(meta) << text;
-  expect_user_error(kMock + " --train-iters 3 --load " + save.string(), "says iteration 7, but its directory");
+  expect_user_error(kMock + " --train-iters 3 --load " + save.string(),
+                    "says iteration 7, but its directory");
 }
 
 // Class 6: the partial saves of killed processes are removed by the next save; those of a
@@ -574,11 +377,13 @@ TEST_F(CliErrors, MemoryBoundRunFailsInSecondsUnderUlimit) {
   const auto start = std::chrono::steady_clock::now();
   // 4 GiB of address space: room for the program and its libraries, not for 256 x 4096
   // tokens of activations (about 7 GB).
-  const int rc = run("train --device cpu --mock-data --tokenizer-type NullTokenizer "
-                     "--vocab-size 100 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
-                     "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 256 "
-                     "--train-iters 1 --eval-iters 0 --save " + (dir / "save").string(),
-                     "", "ulimit -v 4194304;");
+  const int rc =
+      run("train --device cpu --mock-data --tokenizer-type NullTokenizer "
+          "--vocab-size 100 --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+          "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 256 "
+          "--train-iters 1 --eval-iters 0 --save " +
+              (dir / "save").string(),
+          "", "ulimit -v 4194304;");
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(rc, 2);
@@ -593,10 +398,11 @@ TEST_F(CliErrors, MemoryBoundRunFailsInSecondsUnderUlimit) {
 
 // Without a ulimit: a model of petabytes is refused against the host's memory.
 TEST_F(CliErrors, ModelLargerThanTheHostIsRefusedBeforeAllocating) {
-  expect_user_error("train --device cpu --mock-data --tokenizer-type NullTokenizer "
-                    "--vocab-size 100 --num-layers 64 --hidden-size 1000000 "
-                    "--num-attention-heads 2 --seq-length 8 --train-iters 1 --eval-iters 0",
-                    "num-layers 64 x hidden-size 1000000 (ffn-hidden-size 4000000): the parameters");
+  expect_user_error(
+      "train --device cpu --mock-data --tokenizer-type NullTokenizer "
+      "--vocab-size 100 --num-layers 64 --hidden-size 1000000 "
+      "--num-attention-heads 2 --seq-length 8 --train-iters 1 --eval-iters 0",
+      "num-layers 64 x hidden-size 1000000 (ffn-hidden-size 4000000): the parameters");
   EXPECT_NE(stderr_lines[0].find("of host memory is available"), std::string::npos)
       << stderr_lines[0];
 }
@@ -655,13 +461,17 @@ TEST_F(CliErrors, Fp8BadRecipesAndDimensions) {
       {fp8 + " --fp8-recipe mxfp8", "mxfp8 needs Blackwell's block-scaled tensor cores"},
       {fp8 + " --fp8-recipe nvfp4", "nvfp4 needs Blackwell's block-scaled tensor cores"},
       {kMock + " --train-iters 1 --fp8-format e5m2", "option 'fp8-format' must be e4m3 or hybrid"},
-      {kMock + " --train-iters 1 --fp8-recipe tensorwise", "option 'fp8-recipe' needs --fp8-format"},
+      {kMock + " --train-iters 1 --fp8-recipe tensorwise",
+       "option 'fp8-recipe' needs --fp8-format"},
       // kMock: hidden 16, micro-batch 2 x seq 8 = 16 tokens; heads 2 x 8 = 16.
-      {fp8 + " --fp8-recipe blockwise", "micro-batch-size x seq-length (16) must be divisible by 128"},
+      {fp8 + " --fp8-recipe blockwise",
+       "micro-batch-size x seq-length (16) must be divisible by 128"},
       {fp8 + " --ffn-hidden-size 40", "ffn-hidden-size (40) must be divisible by 16 for FP8 GEMMs"},
-      {fp8 + " --fp8-amax-compute-algo mean", "option 'fp8-amax-compute-algo' must be max or most_recent"},
+      {fp8 + " --fp8-amax-compute-algo mean",
+       "option 'fp8-amax-compute-algo' must be max or most_recent"},
       {fp8 + " --fp8-margin -1", "option 'fp8-margin' must be >= 0"},
-      {fp8 + " --first-last-layers-bf16", "first-last-layers-bf16 needs --fp8-recipe tensorwise or blockwise"},
+      {fp8 + " --first-last-layers-bf16",
+       "first-last-layers-bf16 needs --fp8-recipe tensorwise or blockwise"},
       {fp8 + " --fp8-recipe tensorwise --first-last-layers-bf16 --num-layers-at-start-in-bf16 2",
        "num-layers-at-start-in-bf16 (2) + num-layers-at-end-in-bf16 (1) exceed num-layers (2)"},
       {fp8 + " --fp8-param-gather", "fp8-param-gather needs use-distributed-optimizer"},
@@ -669,7 +479,8 @@ TEST_F(CliErrors, Fp8BadRecipesAndDimensions) {
        "fp8-param-gather is not available with --fp8-recipe blockwise"},
       {kMock + " --train-iters 1 --moe-router-padding-for-fp8",
        "option 'moe-router-padding-for-fp8' needs --fp8-format"},
-      {kMock + " --train-iters 1 --fp8-param-gather", "option 'fp8-param-gather' needs --fp8-format"},
+      {kMock + " --train-iters 1 --fp8-param-gather",
+       "option 'fp8-param-gather' needs --fp8-format"},
   };
   for (const auto& [flags, message] : cases) {
     SCOPED_TRACE(flags);
@@ -689,8 +500,9 @@ TEST_F(CliErrors, DeterministicModeRefusesAnOtherNcclAlgorithm) {
 // expert's rows to the FP8 multiple, so the run trains and says once that the flag changes
 // nothing.
 TEST_F(CliErrors, RouterPaddingForFp8IsAcceptedWithANotice) {
-  const std::string moe = kMock + " --train-iters 1 --num-experts 2 --moe-router-topk 2 "
-                                  "--fp8-format hybrid --fp8-recipe tensorwise";
+  const std::string moe = kMock +
+                          " --train-iters 1 --num-experts 2 --moe-router-topk 2 "
+                          "--fp8-format hybrid --fp8-recipe tensorwise";
   EXPECT_EQ(run(moe + " --moe-router-padding-for-fp8"), 0);
   int notices = 0;
   for (const std::string& line : stderr_lines)
