@@ -14,8 +14,6 @@
 
 namespace megaton::testing {
 
-inline std::string seed_trace(uint64_t seed) { return "seed " + std::to_string(seed); }
-
 // The same values, rounded to bf16 and held in fp32: the CPU reference then sees exactly
 // the inputs the GPU sees.
 inline Tensor round_to_bf16(const Tensor& x) { return x.to(DType::BF16).to(DType::F32); }

@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
+#include <string>
 
 #include "core/tensor.h"
+#include "ops/ops.h"
 
 namespace megaton::testing {
 
@@ -14,6 +17,33 @@ namespace megaton::testing {
 inline uint64_t test_seed() {
   const char* s = std::getenv("MEGATON_TEST_SEED");
   return s ? std::strtoull(s, nullptr, 10) : 1234;
+}
+
+inline std::string seed_trace(uint64_t seed) { return "seed " + std::to_string(seed); }
+
+// An optimizer step's control tensor (ops::adamw_step_control's layout) with the learning
+// rate, gradient scale and skip the rule ops read; the other entries hold NaN, so an op that
+// reads one shows it. On `device`.
+inline Tensor step_control(float lr, float grad_scale, bool skip, Device device = Device::CPU) {
+  Tensor c = Tensor::empty({ops::kAdamControlSize});
+  c.fill(NAN);
+  c.f32()[ops::kAdamLr] = lr;
+  c.f32()[ops::kAdamGradScale] = grad_scale;
+  c.f32()[ops::kAdamSkip] = skip ? 1.0f : 0.0f;
+  return c.to(device);
+}
+
+// Byte equality of two host tensors of one dtype and numel, naming the first difference.
+inline ::testing::AssertionResult bytes_equal(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.numel() != b.numel())
+    return ::testing::AssertionFailure() << "dtype or numel differ";
+  const size_t elem = dtype_size(a.dtype());
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (std::memcmp(static_cast<const char*>(a.raw()) + i * elem,
+                    static_cast<const char*>(b.raw()) + i * elem, elem) != 0)
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << a.item(i) << " vs " << b.item(i);
+  return ::testing::AssertionSuccess();
 }
 
 // fp32 tensor with N(0, std) entries from std::mt19937_64(seed).
@@ -46,9 +76,8 @@ inline ::testing::AssertionResult allclose(const Tensor& a, const Tensor& b, dou
   for (int64_t i = 0; i < a.numel(); ++i) {
     double x = a.item(i), y = b.item(i);
     if (!(std::fabs(x - y) <= atol + rtol * std::fabs(y)))
-      return ::testing::AssertionFailure()
-             << "element " << i << ": " << x << " vs reference " << y << " (atol " << atol
-             << ", rtol " << rtol << ")";
+      return ::testing::AssertionFailure() << "element " << i << ": " << x << " vs reference " << y
+                                           << " (atol " << atol << ", rtol " << rtol << ")";
   }
   return ::testing::AssertionSuccess();
 }
@@ -67,8 +96,7 @@ inline double rel_error(const Tensor& a, const Tensor& b) {
 // Central finite differences of the scalar loss() with respect to every element of x
 // (x is perturbed in place and restored). Returns d loss / d x, same shape as x.
 // loss() is evaluated in fp32 ops but summed in fp64 by the caller.
-inline Tensor finite_difference(Tensor& x, const std::function<double()>& loss,
-                                float eps = 1e-2f) {
+inline Tensor finite_difference(Tensor& x, const std::function<double()>& loss, float eps = 1e-2f) {
   Tensor grad = Tensor::empty(x.shape());
   for (int64_t i = 0; i < x.numel(); ++i) {
     float orig = x.f32()[i];

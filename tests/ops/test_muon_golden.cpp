@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/safetensors.h"
+#include "common/muon_golden.h"
 #include "common/testing.h"
 #include "ops/muon.h"
 #include "ops/ops.h"
@@ -36,20 +36,8 @@ using nlohmann::json;
 constexpr double kRelTol = 1e-5, kNsRelTol = 2e-5, kNsIllConditionedRelTol = 5e-5;
 constexpr double kElementAtol = 1e-4;
 
-const ckpt::SafetensorsFile& golden() {
-  static const ckpt::SafetensorsFile f = ckpt::load_safetensors(
-      std::string(MEGATON_SOURCE_DIR) + "/tests/golden/muon_golden.safetensors");
-  return f;
-}
-const json& cases(const std::string& group) {
-  static const json j = json::parse(golden().metadata.at("cases"));
-  return j.at(group);
-}
-const Tensor& tensor(const std::string& name) {
-  auto it = golden().tensors.find(name);
-  if (it == golden().tensors.end()) throw std::runtime_error("golden tensor missing: " + name);
-  return it->second;
-}
+using testing::muon_golden::cases;
+using testing::muon_golden::tensor;
 
 // ||got - want|| / ||want|| within kRelTol and every element within kElementAtol; prints both.
 void expect_near(const Tensor& got, const Tensor& want, const std::string& what,

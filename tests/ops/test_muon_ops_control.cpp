@@ -27,31 +27,6 @@ using testing::randn;
 
 constexpr double kAtol = 1e-6, kRtol = 5e-6;
 
-std::string seed_trace(uint64_t seed) { return "seed " + std::to_string(seed); }
-
-// The step's control tensor (ops.h): the entries these ops must not read hold NaN.
-Tensor make_control(float lr, float grad_scale, bool skip) {
-  Tensor c = Tensor::empty({ops::kAdamControlSize});
-  poison(c);
-  c.f32()[ops::kAdamLr] = lr;
-  c.f32()[ops::kAdamGradScale] = grad_scale;
-  c.f32()[ops::kAdamSkip] = skip ? 1.0f : 0.0f;
-  return c;
-}
-
-// Byte equality of two tensors of one dtype and numel.
-::testing::AssertionResult same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.numel() != b.numel())
-    return ::testing::AssertionFailure() << "dtype or numel differ";
-  const size_t elem = dtype_size(a.dtype());
-  for (int64_t i = 0; i < a.numel(); ++i)
-    if (std::memcmp(static_cast<const char*>(a.raw()) + i * elem,
-                    static_cast<const char*>(b.raw()) + i * elem, elem) != 0)
-      return ::testing::AssertionFailure()
-             << "element " << i << ": " << a.item(i) << " vs " << b.item(i);
-  return ::testing::AssertionSuccess();
-}
-
 Tensor transposed(const Tensor& t) {
   const int64_t r = t.dim(0), c = t.dim(1);
   Tensor out = Tensor::empty({c, r});
@@ -71,24 +46,24 @@ Tensor run_ns(const Tensor& g, NsCoefficients set, int steps, const NsOptions& o
 
 TEST(MuonOpsControl, MomentumWithUnitControlIsThePlainOp) {
   const uint64_t seed = testing::test_seed() + 10;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   for (bool nesterov : {false, true}) {
     const Tensor m0 = randn({6, 11}, seed), g = randn({6, 11}, seed + 1);
     Tensor m_plain = m0.clone(), u_plain = Tensor::empty({6, 11});
     ops::muon_momentum_update(m_plain, g, 0.9f, nesterov, u_plain);
     Tensor m = m0.clone(), u = Tensor::empty({6, 11});
     poison(u);
-    ops::muon_momentum_update(m, g, 0.9f, nesterov, u, make_control(0.1f, 1.0f, false));
-    EXPECT_TRUE(same_bits(m, m_plain));
-    EXPECT_TRUE(same_bits(u, u_plain));
+    ops::muon_momentum_update(m, g, 0.9f, nesterov, u, testing::step_control(0.1f, 1.0f, false));
+    EXPECT_TRUE(testing::bytes_equal(m, m_plain));
+    EXPECT_TRUE(testing::bytes_equal(u, u_plain));
     // The momentum moved: the comparison above is not between two untouched tensors.
-    EXPECT_FALSE(same_bits(m, m0));
+    EXPECT_FALSE(testing::bytes_equal(m, m0));
   }
 }
 
 TEST(MuonOpsControl, MomentumScalesTheGradAndTakesBf16) {
   const uint64_t seed = testing::test_seed() + 11;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   const float scale = 0.37f, beta = 0.95f;
   for (bool nesterov : {false, true})
     for (DType grad_dtype : {DType::F32, DType::BF16})
@@ -101,7 +76,8 @@ TEST(MuonOpsControl, MomentumScalesTheGradAndTakesBf16) {
         const Tensor g = randn({40}, seed + 1).to(grad_dtype);
         Tensor m = m0.clone(), u = Tensor::empty({5, 8}, update_dtype);
         poison(u);
-        ops::muon_momentum_update(m, g, beta, nesterov, u, make_control(0.1f, scale, false));
+        ops::muon_momentum_update(m, g, beta, nesterov, u,
+                                  testing::step_control(0.1f, scale, false));
         // Closed form (docs/research/muon.md 2.2) in fp64 on the fp32 product grad * scale.
         Tensor want_m = Tensor::empty({5, 8}), want_u = Tensor::empty({5, 8});
         for (int64_t i = 0; i < 40; ++i) {
@@ -118,36 +94,36 @@ TEST(MuonOpsControl, MomentumScalesTheGradAndTakesBf16) {
           // The BF16 update is the F32 one rounded to nearest even.
           Tensor m_f32 = m0.clone(), u_f32 = Tensor::empty({5, 8});
           ops::muon_momentum_update(m_f32, g, beta, nesterov, u_f32,
-                                    make_control(0.1f, scale, false));
-          EXPECT_TRUE(same_bits(u, u_f32.to(DType::BF16)));
+                                    testing::step_control(0.1f, scale, false));
+          EXPECT_TRUE(testing::bytes_equal(u, u_f32.to(DType::BF16)));
         }
       }
 }
 
 TEST(MuonOpsControl, MomentumSkipKeepsTheMomentumAndZerosTheUpdate) {
   const uint64_t seed = testing::test_seed() + 12;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   for (DType update_dtype : {DType::F32, DType::BF16}) {
     const Tensor m0 = randn({4, 9}, seed), g = randn({4, 9}, seed + 1);
     Tensor m = m0.clone(), u = Tensor::empty({4, 9}, update_dtype);
     poison(u);
-    ops::muon_momentum_update(m, g, 0.9f, true, u, make_control(0.1f, 0.5f, true));
-    EXPECT_TRUE(same_bits(m, m0));
-    EXPECT_TRUE(same_bits(u, Tensor::zeros({4, 9}, update_dtype)));
+    ops::muon_momentum_update(m, g, 0.9f, true, u, testing::step_control(0.1f, 0.5f, true));
+    EXPECT_TRUE(testing::bytes_equal(m, m0));
+    EXPECT_TRUE(testing::bytes_equal(u, Tensor::zeros({4, 9}, update_dtype)));
   }
 }
 
 TEST(MuonOpsControl, MomentumInPlaceAndErrors) {
   const uint64_t seed = testing::test_seed() + 13;
   const Tensor m0 = randn({3, 7}, seed), g0 = randn({3, 7}, seed + 1).to(DType::BF16);
-  const Tensor control = make_control(0.1f, 0.25f, false);
+  const Tensor control = testing::step_control(0.1f, 0.25f, false);
   Tensor m = m0.clone(), u = Tensor::empty({3, 7}, DType::BF16);
   ops::muon_momentum_update(m, g0, 0.9f, true, u, control);
   // The update written over the BF16 grad itself.
   Tensor m2 = m0.clone(), g2 = g0.clone();
   ops::muon_momentum_update(m2, g2, 0.9f, true, g2, control);
-  EXPECT_TRUE(same_bits(m2, m));
-  EXPECT_TRUE(same_bits(g2, u));
+  EXPECT_TRUE(testing::bytes_equal(m2, m));
+  EXPECT_TRUE(testing::bytes_equal(g2, u));
   using ops::muon_momentum_update;
   Tensor short_u = Tensor::empty({20});
   EXPECT_THROW(muon_momentum_update(m, g0, 0.9f, false, short_u, control), InternalError);
@@ -167,7 +143,7 @@ TEST(MuonOpsControl, MomentumInPlaceAndErrors) {
 
 TEST(MuonOpsControl, ApplyIsDecayThenTheScaledUpdate) {
   const uint64_t seed = testing::test_seed() + 14;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   const float lr = 0.02f;
   const std::vector<Shape> shapes = {{6, 10}, {12, 5}, {7, 7}, {3, 4}};
   const std::vector<float> wds = {0.1f, 0.0f, 0.05f, 0.1f}, scales = {3.1f, 0.2f, 1.0f, 2.5f};
@@ -187,15 +163,15 @@ TEST(MuonOpsControl, ApplyIsDecayThenTheScaledUpdate) {
     }
   }
   // A skipped step writes nothing.
-  ops::muon_apply(mains, updates, copies, wds, scales, make_control(lr, 1.0f, true));
+  ops::muon_apply(mains, updates, copies, wds, scales, testing::step_control(lr, 1.0f, true));
   for (size_t i = 0; i < shapes.size(); ++i) {
-    EXPECT_TRUE(same_bits(mains[i], mains0[i]));
+    EXPECT_TRUE(testing::bytes_equal(mains[i], mains0[i]));
     if (copies[i].defined()) {
       for (int64_t j = 0; j < copies[i].numel(); ++j) ASSERT_TRUE(std::isnan(copies[i].item(j)));
     }
   }
   // grad_scale is not the update's: 7 there changes nothing.
-  ops::muon_apply(mains, updates, copies, wds, scales, make_control(lr, 7.0f, false));
+  ops::muon_apply(mains, updates, copies, wds, scales, testing::step_control(lr, 7.0f, false));
   for (size_t i = 0; i < shapes.size(); ++i) {
     SCOPED_TRACE("entry " + std::to_string(i));
     Tensor want = Tensor::empty(shapes[i]);
@@ -204,7 +180,7 @@ TEST(MuonOpsControl, ApplyIsDecayThenTheScaledUpdate) {
                             double(lr) * scales[i] * double(updates[i].item(j)));
     EXPECT_TRUE(allclose(mains[i], want, kAtol, kRtol));
     if (copies[i].defined()) {
-      EXPECT_TRUE(same_bits(copies[i], mains[i].to(copy_dtypes[i])));
+      EXPECT_TRUE(testing::bytes_equal(copies[i], mains[i].to(copy_dtypes[i])));
     }
   }
 }
@@ -215,7 +191,7 @@ TEST(MuonOpsControl, ApplyChecksEverythingFirst) {
   const std::vector<Tensor> before{mains[0].clone(), mains[1].clone()};
   std::vector<Tensor> updates{randn({4, 4}, seed + 2), randn({2, 3}, seed + 3)};
   std::vector<Tensor> copies(2);
-  const Tensor control = make_control(0.1f, 1.0f, false);
+  const Tensor control = testing::step_control(0.1f, 1.0f, false);
   using ops::muon_apply;
   EXPECT_THROW(muon_apply(mains, updates, copies, {0.1f}, {1.0f, 1.0f}, control), InternalError);
   std::vector<Tensor> bad_updates{updates[0], randn({7}, 1)};  // the second entry is wrong
@@ -227,7 +203,7 @@ TEST(MuonOpsControl, ApplyChecksEverythingFirst) {
   const Tensor bad_control = Tensor::zeros({ops::kAdamControlSize}, DType::BF16);
   EXPECT_THROW(muon_apply(mains, updates, copies, {0.1f, 0.1f}, {1.0f, 1.0f}, bad_control),
                InternalError);
-  for (size_t i = 0; i < 2; ++i) EXPECT_TRUE(same_bits(mains[i], before[i]));
+  for (size_t i = 0; i < 2; ++i) EXPECT_TRUE(testing::bytes_equal(mains[i], before[i]));
 }
 
 // ---- Newton-Schulz options ----
@@ -237,7 +213,7 @@ TEST(MuonOpsControl, ApplyChecksEverythingFirst) {
 // likewise.
 TEST(MuonOpsControl, ForcedTransposeIsTheIterationOnTheTranspose) {
   const uint64_t seed = testing::test_seed() + 16;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{20, 36}, {36, 20}})
     for (int transpose : {0, 1}) {
       SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " transpose " +
@@ -249,7 +225,7 @@ TEST(MuonOpsControl, ForcedTransposeIsTheIterationOnTheTranspose) {
       NsOptions other;
       other.transpose = 1 - transpose;
       const Tensor via_t = transposed(run_ns(transposed(g), NsCoefficients::Quintic, 5, other));
-      EXPECT_TRUE(same_bits(out, via_t));
+      EXPECT_TRUE(testing::bytes_equal(out, via_t));
       const Tensor plain = run_ns(g, NsCoefficients::Quintic, 5, NsOptions{});
       EXPECT_LE(testing::rel_error(out, plain), 1e-5);
     }
@@ -320,7 +296,7 @@ Tensor block(const Tensor& g, int64_t start, int64_t count, bool by_rows) {
 // rows (X = g^T); two matrices per rank check the per-matrix sums.
 TEST(MuonOpsControl, DistributedNewtonSchulzOverTwoRanksIsTheWholeNs) {
   const uint64_t seed = testing::test_seed() + 17;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   const int steps = 5;
   for (auto [rows, cols] : {std::pair<int64_t, int64_t>{18, 40}, {40, 18}})
     for (int transpose : {0, 1}) {
@@ -383,7 +359,7 @@ TEST(MuonOpsControl, DistributedNewtonSchulzOneRankAndErrors) {
 
 TEST(MuonOpsControl, CopyColumnsGathersColumnSlices) {
   const uint64_t seed = testing::test_seed() + 19;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   // A row-parallel weight [5, 12] in three slices [5, 4], gathered as [3, 5, 4].
   const Tensor whole = randn({5, 12}, seed);
   for (DType dtype : {DType::F32, DType::BF16}) {
@@ -396,7 +372,7 @@ TEST(MuonOpsControl, CopyColumnsGathersColumnSlices) {
     Tensor back = Tensor::empty({5, 12}, dtype);
     poison(back);
     for (int64_t s = 0; s < 3; ++s) ops::copy_columns(slices[size_t(s)], 0, back, 4 * s, 4);
-    EXPECT_TRUE(same_bits(back, src));
+    EXPECT_TRUE(testing::bytes_equal(back, src));
     // A block in the middle leaves the rest as it was.
     Tensor partial = Tensor::empty({5, 7}, dtype);
     poison(partial);

@@ -183,9 +183,10 @@ TEST(MuonOpsGpu, NewtonSchulzForcedTransposeMatchesTheCpu) {
 // heuristic's. On H200s (2026-11-28) BF16 gave each matrix the bits it gets alone; F32 and
 // TF32 did not (which one kept the lone algorithm differed between two machines): the same
 // GEMMs summed in another order, compared norm-wise. Measured, two runs alike: F32 at most
-// 8.3e-7, TF32 1.45e-3 (its rounding grown by the iteration), hence 1e-5 and 1e-2. The matrices' sizes (and the Gram matrices') are multiples of
-// 256 bytes, so that every matrix of the batch has a lone matrix's alignment, and the plans differ
-// by the batch only. Wide ([32, 48]: iterated as stored) and tall ([96, 64]: on g^T).
+// 8.3e-7, TF32 1.45e-3 (its rounding grown by the iteration), hence 1e-5 and 1e-2. The matrices'
+// sizes (and the Gram matrices') are multiples of 256 bytes, so that every matrix of the batch has
+// a lone matrix's alignment, and the plans differ by the batch only. Wide ([32, 48]: iterated as
+// stored) and tall ([96, 64]: on g^T).
 TEST(MuonOpsGpu, NewtonSchulzBatchEqualsSingleMatrices) {
   MEGATON_SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed() + 9;
@@ -288,15 +289,6 @@ TEST(MuonOpsGpu, DistributedNewtonSchulzOverTheBatchIsTheWholeNs) {
 
 // ---- the optimizer step's elementwise ops ----
 
-Tensor make_control(float lr, float grad_scale, bool skip, Device device) {
-  Tensor c = Tensor::empty({ops::kAdamControlSize});
-  testing::poison(c);  // the entries these ops must not read
-  c.f32()[ops::kAdamLr] = lr;
-  c.f32()[ops::kAdamGradScale] = grad_scale;
-  c.f32()[ops::kAdamSkip] = skip ? 1.0f : 0.0f;
-  return c.to(device);
-}
-
 TEST(MuonOpsGpu, MomentumWithControlMatchesTheCpu) {
   MEGATON_SKIP_WITHOUT_GPU();
   const uint64_t seed = testing::test_seed() + 6;
@@ -315,9 +307,9 @@ TEST(MuonOpsGpu, MomentumWithControlMatchesTheCpu) {
         for (int step = 0; step < 3; ++step) {
           const bool skip = step == 1;
           ops::muon_momentum_update(m, g, 0.9f, nesterov, u,
-                                    make_control(0.1f, 0.3f, skip, Device::CPU));
+                                    testing::step_control(0.1f, 0.3f, skip, Device::CPU));
           ops::muon_momentum_update(m_dev, g_dev, 0.9f, nesterov, u_dev,
-                                    make_control(0.1f, 0.3f, skip, Device::CUDA));
+                                    testing::step_control(0.1f, 0.3f, skip, Device::CUDA));
           if (skip) {
             EXPECT_TRUE(testing::bitwise_equal(to_host_f32(u_dev), Tensor::zeros({33, 65})));
           }
@@ -336,7 +328,7 @@ TEST(MuonOpsGpu, MomentumWithControlMatchesTheCpu) {
   const Tensor g_dev = g.to(Device::CUDA);
   ops::muon_momentum_update(m_plain, g_dev, 0.95f, true, u_plain);
   ops::muon_momentum_update(m_control, g_dev, 0.95f, true, u_control,
-                            make_control(0.1f, 1.0f, false, Device::CUDA));
+                            testing::step_control(0.1f, 1.0f, false, Device::CUDA));
   EXPECT_TRUE(testing::bitwise_equal(to_host_f32(m_control), to_host_f32(m_plain)));
   EXPECT_TRUE(testing::bitwise_equal(to_host_f32(u_control), to_host_f32(u_plain)));
 }
@@ -393,7 +385,8 @@ TEST(MuonOpsGpu, ApplySgdAndLionMatchTheCpuBitwise) {
       const bool skip = step == 1;
       for (bool on_gpu : {false, true}) {
         GpuLists& l = on_gpu ? dev : host;
-        const Tensor c = make_control(lrs[step], 0.7f, skip, on_gpu ? Device::CUDA : Device::CPU);
+        const Tensor c =
+            testing::step_control(lrs[step], 0.7f, skip, on_gpu ? Device::CUDA : Device::CPU);
         if (std::string(op) == "muon_apply")
           ops::muon_apply(l.mains, l.inputs, l.copies, l.weight_decays, l.scales, c);
         else if (std::string(op) == "sgd")

@@ -23,29 +23,6 @@ using testing::randn;
 // CPU fp32 against fp64 references over three steps.
 constexpr double kAtol = 1e-6, kRtol = 5e-6;
 
-std::string seed_trace(uint64_t seed) { return "seed " + std::to_string(seed); }
-
-Tensor make_control(float lr, float grad_scale, bool skip) {
-  Tensor c = Tensor::empty({ops::kAdamControlSize});
-  poison(c);  // the entries these ops must not read
-  c.f32()[ops::kAdamLr] = lr;
-  c.f32()[ops::kAdamGradScale] = grad_scale;
-  c.f32()[ops::kAdamSkip] = skip ? 1.0f : 0.0f;
-  return c;
-}
-
-::testing::AssertionResult same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.numel() != b.numel())
-    return ::testing::AssertionFailure() << "dtype or numel differ";
-  const size_t elem = dtype_size(a.dtype());
-  for (int64_t i = 0; i < a.numel(); ++i)
-    if (std::memcmp(static_cast<const char*>(a.raw()) + i * elem,
-                    static_cast<const char*>(b.raw()) + i * elem, elem) != 0)
-      return ::testing::AssertionFailure()
-             << "element " << i << ": " << a.item(i) << " vs " << b.item(i);
-  return ::testing::AssertionSuccess();
-}
-
 // Three entries: an F32 grad with weight decay, a BF16 grad without, a 2-d main with a
 // flat F32 grad and weight decay. Copies: BF16, none, F16.
 struct Lists {
@@ -81,7 +58,7 @@ struct Lists {
 
 TEST(SgdLionOps, SgdIsTorchSgdWithMomentumAndWeightDecay) {
   const uint64_t seed = testing::test_seed() + 30;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   const float momentum = 0.9f;
   const float lrs[] = {0.1f, 0.05f, 0.02f}, scales[] = {1.0f, 0.5f, 0.25f};
   Lists l(seed, false);
@@ -102,7 +79,7 @@ TEST(SgdLionOps, SgdIsTorchSgdWithMomentumAndWeightDecay) {
         p[i][j] -= double(lrs[step]) * buf[i][j];
       }
     ops::multi_tensor_sgd(l.mains, l.grads, l.state, l.copies, l.weight_decays, momentum,
-                          make_control(lrs[step], scales[step], false));
+                          testing::step_control(lrs[step], scales[step], false));
     for (size_t i = 0; i < p.size(); ++i) {
       SCOPED_TRACE("entry " + std::to_string(i));
       Tensor want = Tensor::empty({int64_t(p[i].size())}), want_buf = want.clone();
@@ -113,7 +90,7 @@ TEST(SgdLionOps, SgdIsTorchSgdWithMomentumAndWeightDecay) {
       EXPECT_TRUE(allclose(l.mains[i], want, kAtol, kRtol));
       EXPECT_TRUE(allclose(l.state[i], want_buf, kAtol, kRtol));
       if (l.copies[i].defined()) {
-        EXPECT_TRUE(same_bits(l.copies[i], l.mains[i].to(l.copy_dtypes[i])));
+        EXPECT_TRUE(testing::bytes_equal(l.copies[i], l.mains[i].to(l.copy_dtypes[i])));
       }
     }
   }
@@ -124,10 +101,10 @@ TEST(SgdLionOps, SgdSkipWritesNothing) {
   Lists l(seed, true);
   const std::vector<Tensor> mains = l.clone(l.mains), state = l.clone(l.state);
   ops::multi_tensor_sgd(l.mains, l.grads, l.state, l.copies, l.weight_decays, 0.9f,
-                        make_control(0.1f, 1.0f, true));
+                        testing::step_control(0.1f, 1.0f, true));
   for (size_t i = 0; i < mains.size(); ++i) {
-    EXPECT_TRUE(same_bits(l.mains[i], mains[i]));
-    EXPECT_TRUE(same_bits(l.state[i], state[i]));
+    EXPECT_TRUE(testing::bytes_equal(l.mains[i], mains[i]));
+    EXPECT_TRUE(testing::bytes_equal(l.state[i], state[i]));
     if (l.copies[i].defined()) {
       for (int64_t j = 0; j < l.copies[i].numel(); ++j)
         ASSERT_TRUE(std::isnan(l.copies[i].item(j)));
@@ -139,7 +116,7 @@ TEST(SgdLionOps, SgdSkipWritesNothing) {
 
 TEST(SgdLionOps, LionIsSignOfTheInterpolationWithDecoupledWeightDecay) {
   const uint64_t seed = testing::test_seed() + 32;
-  SCOPED_TRACE(seed_trace(seed));
+  SCOPED_TRACE(testing::seed_trace(seed));
   const float beta1 = 0.95f, beta2 = 0.98f;
   const float lrs[] = {1e-3f, 5e-4f, 2e-3f}, scales[] = {1.0f, 0.3f, 2.0f};
   Lists l(seed, true);
@@ -172,7 +149,7 @@ TEST(SgdLionOps, LionIsSignOfTheInterpolationWithDecoupledWeightDecay) {
         m[i][j] = double(beta2) * m[i][j] + (1.0 - double(beta2)) * g;
       }
     ops::multi_tensor_lion(l.mains, l.grads, l.state, l.copies, l.weight_decays, beta1, beta2,
-                           make_control(lrs[step], scales[step], false));
+                           testing::step_control(lrs[step], scales[step], false));
     for (size_t i = 0; i < p.size(); ++i) {
       SCOPED_TRACE("entry " + std::to_string(i));
       Tensor want = Tensor::empty({int64_t(p[i].size())}), want_m = want.clone();
@@ -190,7 +167,7 @@ TEST(SgdLionOps, LionIsSignOfTheInterpolationWithDecoupledWeightDecay) {
       EXPECT_TRUE(allclose(l.mains[i], want, kAtol, kRtol));
       EXPECT_TRUE(allclose(l.state[i], want_m, kAtol, kRtol));
       if (l.copies[i].defined()) {
-        EXPECT_TRUE(same_bits(l.copies[i], l.mains[i].to(l.copy_dtypes[i])));
+        EXPECT_TRUE(testing::bytes_equal(l.copies[i], l.mains[i].to(l.copy_dtypes[i])));
       }
     }
     if (step == 0) {  // g = m = 0 at element 3: sign(0) = 0, the decay alone
@@ -206,10 +183,10 @@ TEST(SgdLionOps, LionSkipWritesNothing) {
   Lists l(seed, true);
   const std::vector<Tensor> mains = l.clone(l.mains), state = l.clone(l.state);
   ops::multi_tensor_lion(l.mains, l.grads, l.state, l.copies, l.weight_decays, 0.9f, 0.99f,
-                         make_control(0.1f, 1.0f, true));
+                         testing::step_control(0.1f, 1.0f, true));
   for (size_t i = 0; i < mains.size(); ++i) {
-    EXPECT_TRUE(same_bits(l.mains[i], mains[i]));
-    EXPECT_TRUE(same_bits(l.state[i], state[i]));
+    EXPECT_TRUE(testing::bytes_equal(l.mains[i], mains[i]));
+    EXPECT_TRUE(testing::bytes_equal(l.state[i], state[i]));
     if (l.copies[i].defined()) {
       for (int64_t j = 0; j < l.copies[i].numel(); ++j)
         ASSERT_TRUE(std::isnan(l.copies[i].item(j)));
@@ -221,9 +198,10 @@ TEST(SgdLionOps, LionSkipWritesNothing) {
 
 TEST(SgdLionOps, ListsAreCheckedFirst) {
   const uint64_t seed = testing::test_seed() + 34;
-  const Tensor control = make_control(0.1f, 1.0f, false);
+  const Tensor control = testing::step_control(0.1f, 1.0f, false);
   auto expect_unchanged = [](const Lists& l, const std::vector<Tensor>& mains) {
-    for (size_t i = 0; i < mains.size(); ++i) EXPECT_TRUE(same_bits(l.mains[i], mains[i]));
+    for (size_t i = 0; i < mains.size(); ++i)
+      EXPECT_TRUE(testing::bytes_equal(l.mains[i], mains[i]));
   };
   for (bool lion : {false, true}) {
     SCOPED_TRACE(lion ? "lion" : "sgd");

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "ckpt/safetensors.h"
+#include "common/muon_golden.h"
 #include "common/testing.h"
 #include "dist/comm.h"
 #include "dist/grid.h"
@@ -29,20 +29,8 @@ namespace {
 using megaton::testing::randn;
 using nlohmann::json;
 
-const ckpt::SafetensorsFile& golden() {
-  static const ckpt::SafetensorsFile f = ckpt::load_safetensors(
-      std::string(MEGATON_SOURCE_DIR) + "/tests/golden/muon_golden.safetensors");
-  return f;
-}
-const json& cases(const std::string& group) {
-  static const json j = json::parse(golden().metadata.at("cases"));
-  return j.at(group);
-}
-const Tensor& tensor(const std::string& name) {
-  auto it = golden().tensors.find(name);
-  if (it == golden().tensors.end()) throw std::runtime_error("golden tensor missing: " + name);
-  return it->second;
-}
+using testing::muon_golden::cases;
+using testing::muon_golden::tensor;
 
 dist::Comm& cpu_comm() {
   static std::unique_ptr<dist::Comm> comm = dist::make_comm(Device::CPU);
@@ -51,15 +39,6 @@ dist::Comm& cpu_comm() {
 const dist::Grid& one_rank_grid() {
   static const dist::Grid grid(dist::ParallelSizes{}, 1, 0);
   return grid;
-}
-
-// ops::adamw_step_control's control as the host path makes it.
-Tensor control(float lr, float grad_scale = 1.0f, bool skip = false) {
-  Tensor c = Tensor::zeros({ops::kAdamControlSize});
-  c.f32()[ops::kAdamLr] = lr;
-  c.f32()[ops::kAdamGradScale] = grad_scale;
-  c.f32()[ops::kAdamSkip] = skip ? 1.0f : 0.0f;
-  return c;
 }
 
 // An fp32 param (its weight is its main param) with a main grad.
@@ -102,7 +81,7 @@ TEST(MuonOptimizer, GoldenStepsThroughMuon) {
     EXPECT_EQ(opt.state_tensors()[0].first, p->name + ".momentum_buffer");
     for (int k = 1; k <= muon.at("steps").get<int>(); ++k) {
       p->main_grad.copy_from(tensor(name + ".grad." + std::to_string(k)));
-      opt.step(control(lr));
+      opt.step(testing::step_control(lr, 1.0f, false));
       const double dm =
           rel(*opt.state_tensors()[0].second, tensor(name + ".momentum." + std::to_string(k)));
       const double dp = rel(p->weight, tensor(name + ".param." + std::to_string(k)));
@@ -121,15 +100,15 @@ TEST(MuonOptimizer, ControlSkipsAndScales) {
   Muon ma({{a.get(), a.get()}}, MuonConfig{}, 0.1f, one_rank_grid(), cpu_comm());
   Muon mb({{b.get(), b.get()}}, MuonConfig{}, 0.1f, one_rank_grid(), cpu_comm());
   a->main_grad.copy_from(g);
-  ma.step(control(0.02f, 1.0f, /*skip=*/true));
+  ma.step(testing::step_control(0.02f, 1.0f, /*skip=*/true));
   EXPECT_EQ(std::memcmp(a->weight.raw(), w.raw(), w.nbytes()), 0);
   EXPECT_EQ(rel(*ma.state_tensors()[0].second, Tensor::zeros(w.shape())), 0.0);
   Tensor g2 = g.clone();
   ops::scale_(g2, 4.0f);
   a->main_grad.copy_from(g2);
   b->main_grad.copy_from(g);
-  ma.step(control(0.02f, 0.25f));
-  mb.step(control(0.02f, 1.0f));
+  ma.step(testing::step_control(0.02f, 0.25f, false));
+  mb.step(testing::step_control(0.02f, 1.0f, false));
   EXPECT_EQ(std::memcmp(a->weight.raw(), b->weight.raw(), w.nbytes()), 0);
   EXPECT_GT(rel(a->weight, w), 1e-4);  // it did move
 }
@@ -155,9 +134,9 @@ TEST(MuonOptimizer, BatchedEqualsOneByOne) {
       const Tensor g = randn(shapes[k], 100 * step + k);
       together[k]->main_grad.copy_from(g);
       alone[k]->main_grad.copy_from(g);
-      singles[k]->step(control(0.02f));
+      singles[k]->step(testing::step_control(0.02f, 1.0f, false));
     }
-    batched.step(control(0.02f));
+    batched.step(testing::step_control(0.02f, 1.0f, false));
   }
   for (size_t k = 0; k < together.size(); ++k)
     EXPECT_EQ(std::memcmp(together[k]->weight.raw(), alone[k]->weight.raw(),
@@ -185,7 +164,7 @@ TEST(MuonOptimizer, QkvSplitThroughMuon) {
     p->qkv_split_rows = ops::qkv_split_shapes(groups * heads_per_group, groups, qkv.at("head_dim"));
     Muon opt({{p.get(), p.get()}}, config, 0.0f, one_rank_grid(), cpu_comm());
     p->main_grad.copy_from(u);
-    opt.step(control(1.0f));
+    opt.step(testing::step_control(1.0f, 1.0f, false));
     Tensor minus = p->weight.clone();
     ops::scale_(minus, -1.0f);
     const double d = rel(minus, tensor(name));
